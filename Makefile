@@ -1,0 +1,29 @@
+# Two entry points that work on a fresh machine with only Python 3.11+:
+#   make demo   — set up .venv, then run the main job on the embedded demo data
+#   make test   — set up .venv, then run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch/torchvision: this pair installs from the local wheel mirror; ranges in pyproject stay open.
+TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
+DEMO_OUT ?= demo-out
+
+.PHONY: venv demo test clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PAIR)
+	$(PY) -m pip install -q -e '.[test,plot]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m dlstore.demo_job --out $(DEMO_OUT)
+
+test: venv
+	$(PY) -m pytest -q -m "not slow and not gpu" tests
+
+clean:
+	rm -rf $(VENV) $(DEMO_OUT) build *.egg-info

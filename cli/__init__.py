@@ -1,0 +1,36 @@
+"""The ``dlstore`` command line. Each command validates options, calls one library function and
+renders its result; library errors become click errors in one place (``DlstoreGroup.invoke``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from dlstore.errors import DlstoreError
+
+
+class DlstoreGroup(click.Group):
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DlstoreError as e:
+            raise click.ClickException(str(e)) from e
+
+
+@click.group(cls=DlstoreGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dlstore")
+def main() -> None:
+    """Find and remove the input bottleneck of PyTorch image training."""
+
+
+def _register() -> None:
+    from dlstore.cli.convert_cmd import convert_cmd
+    from dlstore.cli.info_cmd import info_cmd, verify_cmd
+
+    main.add_command(convert_cmd)
+    main.add_command(info_cmd)
+    main.add_command(verify_cmd)
+
+
+_register()

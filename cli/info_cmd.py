@@ -1,0 +1,51 @@
+"""``dlstore info`` and ``dlstore verify``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from dlstore.cli.render import emit_json, human_bytes
+
+
+@click.command("info")
+@click.argument("dest", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the spec as one JSON document.")
+def info_cmd(dest: Path, as_json: bool) -> None:
+    """Show what the cache at DEST holds."""
+    from dlstore.convert import dir_bytes
+    from dlstore.spec import read_spec
+
+    spec = read_spec(dest)
+    if as_json:
+        doc = asdict(spec)
+        doc["checksums"] = len(spec.checksums)
+        doc["bytes_on_disk"] = dir_bytes(dest)
+        emit_json(doc)
+        return
+    h, w, c = spec.shape
+    click.echo(f"{dest}: dlstore {spec.format} cache (spec v{spec.spec_version}, dlstore {spec.dlstore_version})")
+    click.echo(f"  images    {spec.n:,} of {h}x{w}x{c} uint8"
+               + (f" ({spec.n_stored - spec.n} skipped at conversion)" if spec.n_stored != spec.n else ""))
+    click.echo(f"  classes   {len(spec.classes)}: {', '.join(spec.classes[:10])}{' ...' if len(spec.classes) > 10 else ''}")
+    click.echo(f"  resize    {spec.image.resize} to {spec.image.size}, exif_transpose={spec.image.exif_transpose}, "
+               f"alpha on {spec.image.background}")
+    click.echo(f"  options   {json.dumps(spec.format_options)}")
+    click.echo(f"  source    {spec.source.get('description')} ({spec.source.get('count')} samples)")
+    click.echo(f"  on disk   {human_bytes(dir_bytes(dest))} in {len(spec.checksums)} files")
+
+
+@click.command("verify")
+@click.argument("dest", type=click.Path(path_type=Path, exists=True, file_okay=False))
+def verify_cmd(dest: Path) -> None:
+    """Recompute checksums of the cache at DEST; exit 1 naming the first bad file."""
+    from dlstore.verify import verify
+
+    result = verify(dest)
+    if not result.ok:
+        raise click.ClickException(f"{result.first_problem} ({len(result.problems)} problem(s)); "
+                                   "rebuild with `dlstore convert ... --overwrite`")
+    click.echo(f"{dest}: ok, {result.checked} files match their checksums")

@@ -1,0 +1,24 @@
+"""Shared rendering helpers: stdout carries results (one JSON document with --json), stderr the rest."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+
+def emit_json(doc: Any) -> None:
+    click.echo(json.dumps(doc, indent=1, default=str))
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def stderr() -> Any:
+    return click.get_text_stream("stderr")

@@ -1,0 +1,29 @@
+"""dlstore: find and remove the input bottleneck of PyTorch image training.
+
+``from dlstore import CachedDataset, convert, open_cache``. Names load lazily so that importing
+dlstore (and ``dlstore --help``) does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dlstore._version import __version__
+from dlstore.errors import DlstoreError
+
+__all__ = ["CachedDataset", "convert", "open_cache", "verify", "DlstoreError", "__version__"]
+
+_LAZY = {
+    "CachedDataset": "dlstore.dataset",
+    "convert": "dlstore.convert",
+    "open_cache": "dlstore.cache",
+    "verify": "dlstore.verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dlstore' has no attribute {name!r}")

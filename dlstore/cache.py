@@ -1,0 +1,82 @@
+"""Open a finished cache: manifest first, then labels, then the format's reader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from dlstore.errors import CacheCorruptError, DlstoreError, SampleReadError
+from dlstore.formats import get_format
+from dlstore.spec import LABELS_FILE, CacheSpec, read_spec
+
+
+class Cache:
+    """A complete cache: ``spec``, ``labels`` (one per usable sample) and batched ``read``.
+
+    >>> cache = open_cache("cache/")            # doctest: +SKIP
+    >>> images = cache.read([5, 1, 9])          # (3, H, W, C) uint8, in the order asked
+    """
+
+    def __init__(self, root: Path, in_memory: bool = False) -> None:
+        self.root = Path(root)
+        self.spec: CacheSpec = read_spec(self.root)
+        stored = load_labels(self.root, self.spec)
+        usable = stored >= 0
+        # Skipped (undecodable) images keep their slot in storage; a map hides them from users.
+        self.positions: np.ndarray | None = None if usable.all() else np.flatnonzero(usable)
+        self.labels: np.ndarray = stored[usable]
+        self.reader = get_format(self.spec.format).reader(self.root, self.spec, in_memory=in_memory)
+
+    def __len__(self) -> int:
+        return self.spec.n
+
+    def storage_positions(self, indices: np.ndarray) -> np.ndarray:
+        if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
+            raise IndexError(f"index out of range for a cache of {len(self)} images: {indices}")
+        indices = indices % max(1, len(self))
+        return indices if self.positions is None else self.positions[indices]
+
+    def read(self, indices: np.ndarray | list[int]) -> np.ndarray:
+        """(B,H,W,C) uint8 images in the order of ``indices``; storage is visited in ascending order."""
+        pos = self.storage_positions(np.asarray(indices, dtype=np.int64).reshape(-1))
+        if pos.size < 2 or bool(np.all(pos[1:] >= pos[:-1])):
+            return self._read_sorted(pos, indices)
+        order = np.argsort(pos, kind="stable")
+        batch = self._read_sorted(pos[order], indices)
+        out = np.empty_like(batch)
+        out[order] = batch
+        return out
+
+    def _read_sorted(self, pos: np.ndarray, indices: object) -> np.ndarray:
+        try:
+            return self.reader.read_sorted(pos)
+        except DlstoreError as e:
+            raise SampleReadError(f"reading dataset indices {_short(indices)} from {self.root}: {e}") from e
+
+    def close(self) -> None:
+        self.reader.close()
+
+
+def load_labels(root: Path, spec: CacheSpec) -> np.ndarray:
+    path = root / LABELS_FILE
+    try:
+        labels = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise CacheCorruptError(f"{path}: missing; rebuild the cache") from None
+    except ValueError as e:
+        raise CacheCorruptError(f"{path}: unreadable ({e}); rebuild the cache") from None
+    if labels.shape != (spec.n_stored,) or labels.dtype.kind != "i" or int((labels >= 0).sum()) != spec.n:
+        raise CacheCorruptError(f"{path}: {labels.dtype}{labels.shape} does not match the manifest "
+                                f"({spec.n} usable of {spec.n_stored}); rebuild the cache")
+    return labels.astype(np.int64, copy=False)
+
+
+def open_cache(path: str | Path, in_memory: bool = False) -> Cache:
+    """Open a complete cache for batched reads; raises CacheNotFoundError if it is not complete."""
+    return Cache(Path(path), in_memory=in_memory)
+
+
+def _short(indices: object) -> str:
+    seq = list(np.asarray(indices).reshape(-1)[:8])
+    return f"{seq}{'...' if np.asarray(indices).size > 8 else ''}"

@@ -1,0 +1,102 @@
+"""``CachedDataset``: the torch Dataset over a dlstore cache."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlstore.cache import Cache
+from dlstore.spec import CacheSpec, read_spec
+
+
+class CachedDataset(torch.utils.data.Dataset):
+    """Images of a dlstore cache as uint8 CHW tensors with int labels.
+
+    Cheap to pickle (a path, never pixels) and opened lazily in each process, so it works with
+    DataLoader workers under fork, spawn and forkserver. ``__getitems__`` reads a whole batch in one
+    storage pass. Keep float conversion, normalisation and augmentation on the GPU::
+
+        from torch.utils.data import DataLoader
+        from dlstore import CachedDataset
+        from dlstore.gpu import GpuAugment
+
+        ds = CachedDataset("cache/")                    # or in_memory=True for a ram cache
+        loader = DataLoader(ds, batch_size=256, shuffle=True, num_workers=2,
+                            pin_memory=True, drop_last=True, persistent_workers=True)
+        augment = GpuAugment(224, degrees=15, mean=(0.485, 0.456, 0.406),
+                             std=(0.229, 0.224, 0.225)).cuda()
+        for images, labels in loader:
+            x = augment(images.cuda(non_blocking=True))
+            loss = loss_fn(model(x), labels.cuda(non_blocking=True))
+            ...
+
+    ``in_memory=True`` (ram format) loads the images once into one contiguous array in this process;
+    forked workers share it copy-on-write, spawned workers load their own copy.
+    """
+
+    def __init__(self, path: str | Path, transform: Callable[[torch.Tensor], Any] | None = None,
+                 in_memory: bool = False) -> None:
+        self.path = Path(path)
+        self.transform = transform
+        self.in_memory = in_memory
+        self.spec: CacheSpec = read_spec(self.path)
+        self._cache: Cache | None = None
+        self._pid = -1
+        if in_memory:
+            self.cache  # load now, before DataLoader forks, so workers share one copy
+
+    @property
+    def classes(self) -> list[str]:
+        return list(self.spec.classes)
+
+    @property
+    def cache(self) -> Cache:
+        if self._cache is None or (self._pid != os.getpid() and not self._cache.reader.fork_safe):
+            self._cache = Cache(self.path, in_memory=self.in_memory)
+            self._pid = os.getpid()
+        return self._cache
+
+    @property
+    def targets(self) -> list[int]:
+        return self.cache.labels.tolist()
+
+    def __len__(self) -> int:
+        return self.spec.n
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        image, label = self._batch([index])
+        return self._sample(image[0], int(label[0]))
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, int]]:
+        """One storage pass for the batch; returns samples as DataLoader's default collate expects."""
+        images, labels = self._batch(indices)
+        return [self._sample(img, int(lab)) for img, lab in zip(images, labels.tolist())]
+
+    def read_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,C,H,W) uint8 and (B,) int64 tensors without per-sample work (no transform)."""
+        images, labels = self._batch(indices)
+        return images, torch.from_numpy(labels)
+
+    def _batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+        cache = self.cache
+        idx = np.asarray(indices, dtype=np.int64)
+        images = torch.from_numpy(cache.read(idx)).permute(0, 3, 1, 2)
+        return images, cache.labels[idx]
+
+    def _sample(self, image: torch.Tensor, label: int) -> tuple[Any, int]:
+        image = image.contiguous()
+        return (self.transform(image) if self.transform else image), label
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cache"], state["_pid"] = None, -1  # never pickle pixels or handles
+        return state
+
+    def __repr__(self) -> str:
+        return (f"CachedDataset({str(self.path)!r}, format={self.spec.format}, n={len(self)}, "
+                f"shape={self.spec.shape}, classes={len(self.spec.classes)})")

@@ -1,0 +1,39 @@
+"""Errors raised by dlstore. Each subclasses the built-in a caller would catch anyway."""
+
+from __future__ import annotations
+
+
+class DlstoreError(Exception):
+    """Base of every error dlstore raises on purpose; the CLI turns these into exit code 1."""
+
+
+class CacheNotFoundError(DlstoreError, FileNotFoundError):
+    """The path holds no complete dlstore cache."""
+
+
+class CacheExistsError(DlstoreError, FileExistsError):
+    """The destination exists and overwriting was not asked for."""
+
+
+class CacheCorruptError(DlstoreError, OSError):
+    """A cache file is missing, truncated or does not match its checksum or the manifest."""
+
+
+class SpecError(DlstoreError, ValueError):
+    """A manifest is malformed, of an unknown version, or disagrees with the data."""
+
+
+class SourceError(DlstoreError, ValueError):
+    """The source dataset cannot be used (missing, empty, unreadable)."""
+
+
+class ImageDecodeError(DlstoreError, ValueError):
+    """One image could not be decoded; names the file."""
+
+
+class ConvertError(DlstoreError, RuntimeError):
+    """A conversion failed as a whole (too many bad files, interrupted, disk full)."""
+
+
+class SampleReadError(DlstoreError, RuntimeError):
+    """Reading one sample failed; names the cache file and the dataset index."""

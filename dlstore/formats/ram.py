@@ -1,0 +1,75 @@
+"""``ram``: every image in one raw ``images.npy`` (N,H,W,C) uint8, memory-mapped or loaded whole."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+
+from dlstore.errors import CacheCorruptError
+from dlstore.formats.base import CacheReader, CacheWriter, clamp_units
+
+IMAGES_FILE = "images.npy"
+
+
+class RamWriter(CacheWriter):
+    """Pre-sizes the .npy once; workers ``pwrite`` their slab at its byte offset (no IPC of pixels)."""
+
+    name = "ram"
+
+    @staticmethod
+    def choose_unit_size(image_bytes: int) -> int:
+        return clamp_units(8 << 20, image_bytes, 16, 4096)
+
+    @property
+    def path(self) -> Path:
+        return self.root / IMAGES_FILE
+
+    def create(self) -> None:
+        mm = np.lib.format.open_memmap(self.path, mode="w+", dtype=np.uint8, shape=(self.n, *self.shape))
+        self.options["header_bytes"] = int(mm.offset)
+        del mm
+
+    def write_unit(self, k: int, images: np.ndarray) -> None:
+        offset = self.options["header_bytes"] + k * self.unit_size * self.image_bytes
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            data = memoryview(np.ascontiguousarray(images, dtype=np.uint8)).cast("B")
+            while data:
+                written = os.pwrite(fd, data, offset)
+                data, offset = data[written:], offset + written
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+    def recorded_options(self) -> dict[str, object]:
+        return {"unit_size": self.unit_size}
+
+
+class RamReader(CacheReader):
+    """Memory-maps ``images.npy`` (pages shared by every process), or with ``in_memory`` loads it into
+    one contiguous array, which forked DataLoader workers share copy-on-write."""
+
+    fork_safe: ClassVar[bool] = True
+
+    def __init__(self, root: Path, spec, in_memory: bool = False) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(root, spec, in_memory)
+        path = self.root / IMAGES_FILE
+        expected = (spec.n_stored, *spec.shape)
+        try:
+            arr = np.load(path, mmap_mode=None if in_memory else "r", allow_pickle=False)
+        except FileNotFoundError:
+            raise CacheCorruptError(f"{path}: missing; run `dlstore verify {root}` and rebuild") from None
+        except ValueError as e:
+            raise CacheCorruptError(f"{path}: unreadable or truncated ({e}); rebuild the cache") from None
+        if arr.shape != expected or arr.dtype != np.uint8:
+            raise CacheCorruptError(f"{path}: holds {arr.dtype}{arr.shape}, manifest says uint8{expected}; rebuild")
+        self.array = arr
+
+    def read_sorted(self, positions: np.ndarray) -> np.ndarray:
+        return np.take(self.array, positions, axis=0)
+
+    def close(self) -> None:
+        self.array = None  # type: ignore[assignment]

@@ -1,0 +1,144 @@
+"""``zarr``: the cache root is a zarr v3 group with ``images`` (N,H,W,C) uint8 and ``labels``.
+
+Writing goes through zarr. Reading decodes chunk files directly with the codec zarr wrote
+(numcodecs' zstd/blosc), after validating the array metadata against an allowlist: zarr's own
+per-call machinery costs milliseconds per chunk, which dominates small random reads.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+from dlstore.errors import CacheCorruptError, SpecError
+from dlstore.formats.base import CacheReader, CacheWriter, UnitCache, group_runs
+
+CODECS = ("zstd", "lz4", "none")
+_ALLOWED_COMPRESSORS = {"zstd", "blosc"}
+
+
+def _compressors(codec: str) -> list[Any]:
+    from zarr.codecs import BloscCodec, ZstdCodec
+
+    if codec == "zstd":
+        return [ZstdCodec(level=3)]
+    if codec == "lz4":
+        return [BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle")]
+    return []
+
+
+class ZarrWriter(CacheWriter):
+    """One unit = one chunk of ≥ 1 MB; chunks are whole, so parallel writers never share one."""
+
+    name = "zarr"
+
+    @staticmethod
+    def choose_unit_size(image_bytes: int) -> int:
+        return int(min(4096, max(1, math.ceil((1 << 20) / max(1, image_bytes)))))
+
+    def create(self) -> None:
+        import zarr
+
+        codec = self.options.setdefault("codec", "zstd")
+        group = zarr.open_group(self.root, mode="a", zarr_format=3)
+        group.create_array("images", shape=(self.n, *self.shape), chunks=(self.unit_size, *self.shape),
+                           dtype="uint8", compressors=_compressors(codec), fill_value=0, overwrite=True)
+        group.create_array("labels", shape=(self.n,), chunks=(max(1, self.n),), dtype="int64",
+                           fill_value=-1, overwrite=True)
+
+    def write_unit(self, k: int, images: np.ndarray) -> None:
+        import zarr
+
+        arr = zarr.open_array(self.root / "images", mode="r+", zarr_format=3)
+        r = self.unit_range(k)
+        arr[r.start:r.stop] = images
+
+    def finish(self, labels: np.ndarray) -> None:
+        import zarr
+
+        zarr.open_array(self.root / "labels", mode="r+", zarr_format=3)[:] = labels
+
+
+def parse_array_meta(path: Path, n: int, shape: tuple[int, int, int]) -> tuple[int, Callable[[bytes], Any]]:
+    """Validate ``images/zarr.json`` before any chunk is decoded; return (chunk length, decoder)."""
+    try:
+        meta = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CacheCorruptError(f"{path}: missing zarr array metadata; rebuild the cache") from None
+    except (OSError, ValueError) as e:
+        raise CacheCorruptError(f"{path}: unreadable zarr metadata ({e}); rebuild the cache") from None
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise SpecError(f"{path}: not zarr v3 array metadata")
+    if meta.get("shape") != [n, *shape] or meta.get("data_type") != "uint8":
+        raise SpecError(f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, manifest says uint8{[n, *shape]}")
+    grid = meta.get("chunk_grid", {})
+    chunk = grid.get("configuration", {}).get("chunk_shape") if grid.get("name") == "regular" else None
+    if not (isinstance(chunk, list) and len(chunk) == 4 and chunk[1:] == list(shape)
+            and isinstance(chunk[0], int) and 1 <= chunk[0] <= 1 << 16):
+        raise SpecError(f"{path}: chunk shape {chunk} not (k, {', '.join(map(str, shape))}) with 1 ≤ k ≤ 65536")
+    keys = meta.get("chunk_key_encoding", {})
+    if keys.get("name") != "default" or keys.get("configuration", {}).get("separator", "/") != "/":
+        raise SpecError(f"{path}: unsupported chunk key encoding {keys}")
+    if meta.get("storage_transformers"):
+        raise SpecError(f"{path}: storage transformers are not supported")
+    return chunk[0], _decoder(path, meta.get("codecs"))
+
+
+def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any]:
+    """Only ``bytes`` then at most one of zstd/blosc; anything else (pickle, object codecs) is refused."""
+    if not isinstance(codecs, list) or not codecs or not isinstance(codecs[0], dict) or codecs[0].get("name") != "bytes":
+        raise SpecError(f"{path}: codec chain {codecs} must start with 'bytes'")
+    rest = codecs[1:]
+    if len(rest) > 1 or any(not isinstance(c, dict) or c.get("name") not in _ALLOWED_COMPRESSORS for c in rest):
+        names = [c.get("name") if isinstance(c, dict) else c for c in rest]
+        raise SpecError(f"{path}: codec(s) {names} not allowed; only one of {sorted(_ALLOWED_COMPRESSORS)}")
+    if not rest:
+        return lambda b: b
+    if rest[0]["name"] == "zstd":
+        from numcodecs.zstd import Zstd
+
+        return Zstd().decode
+    from numcodecs.blosc import Blosc
+
+    return Blosc().decode
+
+
+class ZarrReader(CacheReader):
+    """Groups a batch by chunk, decodes each chunk once, keeps recent chunks decoded."""
+
+    fork_safe: ClassVar[bool] = True  # no open handles: every chunk read opens and closes its file
+
+    def __init__(self, root: Path, spec: Any, in_memory: bool = False, cache_bytes: int = 256 << 20) -> None:
+        super().__init__(root, spec, in_memory)
+        self.chunk, self.decode = parse_array_meta(self.root / "images" / "zarr.json", spec.n_stored, spec.shape)
+        self._chunks = UnitCache(max(2, cache_bytes // (self.chunk * spec.image_bytes)))
+
+    def read_sorted(self, positions: np.ndarray) -> np.ndarray:
+        out = np.empty((len(positions), *self.spec.shape), np.uint8)
+        for k, a, b in group_runs(positions // self.chunk):
+            out[a:b] = self._chunks.get(k, self._load)[positions[a:b] - k * self.chunk]
+        return out
+
+    def chunk_path(self, k: int) -> Path:
+        return self.root / "images" / "c" / str(k) / "0" / "0" / "0"
+
+    def _load(self, k: int) -> np.ndarray:
+        path = self.chunk_path(k)
+        try:
+            raw = self.decode(path.read_bytes())
+        except FileNotFoundError:
+            raise CacheCorruptError(f"{path}: chunk {k} missing (zarr would read it as zeros); rebuild") from None
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CacheCorruptError(f"{path}: chunk {k} does not decode ({e}); rebuild the cache") from None
+        flat = np.frombuffer(raw, np.uint8)
+        if flat.size != self.chunk * self.spec.image_bytes:
+            raise CacheCorruptError(f"{path}: chunk {k} decodes to {flat.size} bytes, "
+                                    f"expected {self.chunk * self.spec.image_bytes}; rebuild")
+        return flat.reshape(self.chunk, *self.spec.shape)
+
+    def close(self) -> None:
+        self._chunks.clear()

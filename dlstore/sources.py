@@ -1,0 +1,183 @@
+"""Where images come from: an ImageFolder-style tree, a torchvision dataset on local disk, or the demo.
+
+A Source lists its samples up front (name, label, size, mtime) and decodes sample ``i`` on demand,
+so a conversion can be split across processes by index.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dlstore.errors import SourceError
+from dlstore.imageops import array_to_image, decode_file, prepare
+from dlstore.spec import ImagePolicy
+
+# torchvision's IMG_EXTENSIONS plus GIF, which Pillow reads (first frame).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+TORCHVISION_SETS = ("MNIST", "FashionMNIST", "CIFAR10", "CIFAR100")
+
+
+@dataclass
+class Source:
+    """Base: ``names[i]``, ``labels[i]``, ``classes``; subclasses implement ``decode``."""
+
+    description: str
+    classes: tuple[str, ...]
+    names: list[str]
+    labels: np.ndarray
+    stats: list[tuple[int, int]] = field(default_factory=list)  # (size, mtime_ns) per sample, when files
+    kind: str = ""
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
+        raise NotImplementedError
+
+    def entries(self) -> list[list[Any]]:
+        """(relative name, size, mtime_ns, label) rows: what staleness checks compare."""
+        stats = self.stats or [(0, 0)] * len(self.names)
+        return [[n, s, m, int(lab)] for n, (s, m), lab in zip(self.names, stats, self.labels)]
+
+    def fingerprint(self) -> str:
+        # Relative names only, so a moved dataset root keeps its fingerprint.
+        h = hashlib.sha256(json.dumps(self.classes).encode())
+        h.update(json.dumps(self.entries()).encode("utf-8", "surrogateescape"))
+        return h.hexdigest()
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": self.kind, "description": self.description, "count": len(self),
+                "fingerprint": self.fingerprint()}
+
+
+@dataclass
+class FolderSource(Source):
+    """A folder of class subfolders, scanned exactly like ``torchvision.datasets.ImageFolder``.
+
+    Differences, on purpose: hidden folders and files (``.name``) are skipped, symlinked folders are
+    followed once (a loop ends the descent), GIFs are accepted.
+    """
+
+    root: Path = Path(".")
+    scan_errors: list[tuple[str, str]] = field(default_factory=list)
+
+    def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
+        return decode_file(self.root / self.names[i], policy)
+
+
+@dataclass
+class ArraySource(Source):
+    """Samples already in memory as uint8 arrays (torchvision MNIST/CIFAR files)."""
+
+    data: np.ndarray = field(default_factory=lambda: np.zeros((0, 1, 1), np.uint8))
+
+    def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
+        return prepare(array_to_image(self.data[i]), policy)
+
+
+def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
+    root = Path(root)
+    if not root.is_dir():
+        raise SourceError(f"{root}: not a directory; give a folder of class subfolders, "
+                          f"'torchvision:NAME --root DIR' or 'demo'")
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise SourceError(f"{root}: no class subfolders found; expected ROOT/<class>/<image> like ImageFolder")
+    names: list[str] = []
+    labels: list[int] = []
+    stats: list[tuple[int, int]] = []
+    errors: list[tuple[str, str]] = []
+    for idx, cls in enumerate(classes):
+        for path in _walk_images(root / cls, errors):
+            try:
+                st = path.stat()
+            except OSError as e:
+                errors.append((str(path.relative_to(root)), f"cannot stat: {e.strerror}"))
+                continue
+            names.append(path.relative_to(root).as_posix())
+            labels.append(idx)
+            stats.append((st.st_size, st.st_mtime_ns))
+    present = set(labels)
+    empty = [c for i, c in enumerate(classes) if i not in present]
+    if empty:
+        raise SourceError(f"{root}: class folder(s) without any image file: {', '.join(empty)}; "
+                          f"add images or remove the folder (extensions read: {' '.join(IMAGE_EXTENSIONS)})")
+    return FolderSource(description=str(root), classes=tuple(classes), names=names,
+                        labels=np.asarray(labels, np.int64), stats=stats, kind=kind, root=root, scan_errors=errors)
+
+
+def _walk_images(top: Path, errors: list[tuple[str, str]]) -> list[Path]:
+    """ImageFolder's order (sorted os.walk, sorted names) with loop-safe link following."""
+    seen: set[tuple[int, int]] = set()
+    walked: list[tuple[str, list[str]]] = []
+
+    def onerror(e: OSError) -> None:
+        errors.append((str(e.filename), f"cannot list folder: {e.strerror}"))
+
+    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=onerror):
+        st = os.stat(dirpath)
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+        walked.append((dirpath, filenames))
+    out = []
+    for dirpath, filenames in sorted(walked):
+        for name in sorted(filenames):
+            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
+                out.append(Path(dirpath) / name)
+    return out
+
+
+def load_torchvision(name: str, root: Path | None, train: bool = True) -> ArraySource:
+    """MNIST/FashionMNIST/CIFAR10/CIFAR100 read by torchvision from local files; never downloads."""
+    if name not in TORCHVISION_SETS:
+        raise SourceError(f"torchvision:{name}: unsupported; choose one of {', '.join(TORCHVISION_SETS)}")
+    if root is None:
+        raise SourceError(f"torchvision:{name} needs --root DIR, the folder torchvision would download into")
+    _check_torchvision_files(name, Path(root), train)
+    import torchvision.datasets as tvd
+
+    ds = getattr(tvd, name)(str(root), train=train, download=False)
+    data = ds.data.numpy() if hasattr(ds.data, "numpy") else np.asarray(ds.data)
+    targets = np.asarray(ds.targets, dtype=np.int64)
+    split = "train" if train else "test"
+    names = [f"{name}/{split}/{i}" for i in range(len(data))]
+    return ArraySource(description=f"torchvision:{name} ({split}) from {root}", classes=tuple(ds.classes),
+                       names=names, labels=targets, kind=f"torchvision:{name}", data=data)
+
+
+def _check_torchvision_files(name: str, root: Path, train: bool) -> None:
+    if name in ("MNIST", "FashionMNIST"):
+        prefix = "train" if train else "t10k"
+        needed = [root / name / "raw" / f"{prefix}-{k}-ubyte" for k in ("images-idx3", "labels-idx1")]
+    elif name == "CIFAR10":
+        needed = [root / "cifar-10-batches-py" / (f"data_batch_{i}" if train else "test_batch")
+                  for i in (range(1, 6) if train else [0])]
+    else:
+        needed = [root / "cifar-100-python" / ("train" if train else "test"), root / "cifar-100-python" / "meta"]
+    for path in needed:
+        if not path.is_file():
+            raise SourceError(f"torchvision:{name}: missing {path}; put the extracted dataset files there "
+                              "(dlstore never downloads)")
+
+
+def open_source(source: str | Path, root: Path | None = None, train: bool = True,
+                demo_images: int = 512) -> Source:
+    """Resolve a SOURCE argument: a folder path, ``torchvision:NAME`` or ``demo``."""
+    text = str(source)
+    if text == "demo":
+        from dlstore.demo import ensure_demo
+
+        return scan_folder(ensure_demo(n_images=demo_images), kind="demo")
+    if text.startswith("torchvision:"):
+        return load_torchvision(text.split(":", 1)[1], root, train)
+    return scan_folder(Path(text))

@@ -1,0 +1,164 @@
+"""The staging directory and journal that make a conversion atomic, resumable and exclusive.
+
+Next to DEST live, only while a conversion is unfinished:
+  ``.NAME.dlstore-staging/``  the cache being built (becomes DEST by one rename)
+  ``.NAME.dlstore-journal/``  ``plan.json`` (what is being built), ``writer.json``, ``done.jsonl``
+  ``.NAME.dlstore-lock``      an flock held by the running converter, with its pid
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+from dlstore.errors import ConvertError
+from dlstore.spec import fsync_dir, write_json_durably
+
+_RENAME_EXCHANGE = 2
+
+
+class Staging:
+    """Context manager: lock, then resume or start the staging area; ``commit`` publishes it."""
+
+    def __init__(self, dest: Path, plan: dict[str, Any], discard_mismatch: bool = False) -> None:
+        self.dest, self.plan, self.discard_mismatch = Path(dest), plan, discard_mismatch
+        parent, name = self.dest.parent, self.dest.name
+        self.path = parent / f".{name}.dlstore-staging"
+        self.journal = parent / f".{name}.dlstore-journal"
+        self.lock_path = parent / f".{name}.dlstore-lock"
+        self.done: dict[int, list[dict[str, Any]]] = {}
+        self.fresh = True
+        self._lock_fd: int | None = None
+
+    def __enter__(self) -> Staging:
+        if not self.dest.parent.is_dir():
+            raise ConvertError(f"{self.dest.parent}: parent folder of DEST does not exist; create it first")
+        self._lock()
+        try:
+            self._open()
+        except BaseException:
+            self._unlock()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._unlock()
+
+    # -- lock ---------------------------------------------------------------------------------------
+    def _lock(self) -> None:
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConvertError(f"{self.dest}: another dlstore convert (pid {holder}) is writing this destination; "
+                               f"wait for it to finish (lock {self.lock_path})") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._lock_fd = fd  # a dead holder's flock vanishes with it, so a stale lock never blocks
+
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    # -- resume -------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        old_plan = self._read_json(self.journal / "plan.json")
+        if old_plan is not None and self.path.is_dir():
+            changed = [k for k in self.plan if old_plan.get(k) != self.plan[k]]
+            if not changed:
+                self.fresh = False
+                self.done = self._read_done()
+                return
+            if not self.discard_mismatch:
+                raise ConvertError(
+                    f"{self.dest}: an unfinished conversion is staged at {self.path} but with different "
+                    f"{', '.join(changed)} (was {', '.join(repr(old_plan.get(k)) for k in changed)}); "
+                    "re-run with the original options to resume, or pass --overwrite to discard it")
+        shutil.rmtree(self.path, ignore_errors=True)
+        shutil.rmtree(self.journal, ignore_errors=True)
+        self.path.mkdir()
+        self.journal.mkdir()
+        write_json_durably(self.journal / "plan.json", json.dumps(self.plan, sort_keys=True))
+
+    @staticmethod
+    def _read_json(path: Path) -> Any:
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def _read_done(self) -> dict[int, list[dict[str, Any]]]:
+        done: dict[int, list[dict[str, Any]]] = {}
+        try:
+            lines = (self.journal / "done.jsonl").read_text().splitlines()
+        except FileNotFoundError:
+            return done
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue  # the last line of a killed run may be partial; its unit is redone
+            done[int(rec["unit"])] = rec["bad"]
+        return done
+
+    def save_writer_options(self, options: dict[str, Any]) -> None:
+        write_json_durably(self.journal / "writer.json", json.dumps(options))
+
+    def writer_options(self) -> dict[str, Any]:
+        opts = self._read_json(self.journal / "writer.json")
+        if opts is None:
+            raise ConvertError(f"{self.journal}: journal incomplete; pass --overwrite to start over")
+        return dict(opts)
+
+    def record(self, unit: int, bad: list[dict[str, Any]]) -> None:
+        """Journal a unit as done, after its data is durable (the writer fsyncs)."""
+        with open(self.journal / "done.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({"unit": unit, "bad": bad}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self.done[unit] = bad
+
+    def bad(self) -> list[dict[str, Any]]:
+        return sorted((b for bad in self.done.values() for b in bad), key=lambda b: b["index"])
+
+    # -- publish ------------------------------------------------------------------------------------
+    def commit(self, overwrite: bool) -> None:
+        """Publish staging as DEST: an atomic swap when DEST exists (old cache readable until then)."""
+        if self.dest.exists():
+            if not overwrite:
+                raise ConvertError(f"{self.dest}: appeared during the conversion; pass --overwrite to replace it")
+            if _exchange(self.path, self.dest):
+                fsync_dir(self.dest.parent)
+                shutil.rmtree(self.path, ignore_errors=True)  # now holds the previous cache
+            else:
+                old = self.dest.parent / f".{self.dest.name}.dlstore-old"
+                shutil.rmtree(old, ignore_errors=True)
+                os.rename(self.dest, old)
+                os.rename(self.path, self.dest)
+                fsync_dir(self.dest.parent)
+                shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(self.path, self.dest)
+            fsync_dir(self.dest.parent)
+        shutil.rmtree(self.journal, ignore_errors=True)
+        self.lock_path.unlink(missing_ok=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Linux renameat2(RENAME_EXCHANGE): swap two paths atomically. False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd = -100
+    rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return rc == 0
