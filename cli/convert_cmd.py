@@ -44,7 +44,7 @@ def convert_cmd(source: str, dest: Path, fmt: str, size: int, resize: str, chann
     SOURCE is a folder of class subfolders (ImageFolder layout), torchvision:NAME
     (MNIST, FashionMNIST, CIFAR10, CIFAR100; files under --root) or demo.
     """
-    from dlstore.convert import convert
+    from dlstore.conversion import convert
 
     with click.progressbar(length=1, label="converting", file=stderr()) as bar:
         def progress(n: int) -> None:

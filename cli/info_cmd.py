@@ -16,7 +16,7 @@ from dlstore.cli.render import emit_json, human_bytes
 @click.option("--json", "as_json", is_flag=True, help="Print the spec as one JSON document.")
 def info_cmd(dest: Path, as_json: bool) -> None:
     """Show what the cache at DEST holds."""
-    from dlstore.convert import dir_bytes
+    from dlstore.conversion import dir_bytes
     from dlstore.spec import read_spec
 
     spec = read_spec(dest)
@@ -42,7 +42,7 @@ def info_cmd(dest: Path, as_json: bool) -> None:
 @click.argument("dest", type=click.Path(path_type=Path, exists=True, file_okay=False))
 def verify_cmd(dest: Path) -> None:
     """Recompute checksums of the cache at DEST; exit 1 naming the first bad file."""
-    from dlstore.verify import verify
+    from dlstore.verification import verify
 
     result = verify(dest)
     if not result.ok:

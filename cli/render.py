@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import click
@@ -21,4 +22,4 @@ def human_bytes(n: float) -> str:
 
 
 def stderr() -> Any:
-    return click.get_text_stream("stderr")
+    return sys.stderr

@@ -15,9 +15,9 @@ __all__ = ["CachedDataset", "convert", "open_cache", "verify", "DlstoreError", "
 
 _LAZY = {
     "CachedDataset": "dlstore.dataset",
-    "convert": "dlstore.convert",
+    "convert": "dlstore.conversion",
     "open_cache": "dlstore.cache",
-    "verify": "dlstore.verify",
+    "verify": "dlstore.verification",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dlstore.convert import file_sha256
+from dlstore.conversion import file_sha256
 from dlstore.spec import MANIFEST, parse_relpath, read_spec
 
 

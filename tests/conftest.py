@@ -1,0 +1,32 @@
+"""Fixtures: small synthetic image trees made per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from imagegen import KINDS, ORIENT_TAG, make_image, save, smooth_rgb
+
+
+@pytest.fixture(scope="session")
+def image_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """3 classes, every kind of image at least once, nested subfolder, one EXIF-rotated JPEG."""
+    root = tmp_path_factory.mktemp("tree")
+    rng = np.random.default_rng(7)
+    classes = ("cat", "dog", "zebra")
+    for ci, cls in enumerate(classes):
+        (root / cls / "nested").mkdir(parents=True)
+        for j, kind in enumerate(KINDS):
+            if (j + ci) % 2 and kind not in ("rgba_png", "i16_png", "cmyk_jpg", "big_jpg"):
+                continue
+            img, suffix = make_image(kind, rng)
+            sub = root / cls / ("nested" if j % 4 == 0 else "")
+            save(img, sub / f"{kind}_{j:02d}{suffix}")
+        img = Image.fromarray(smooth_rgb(rng, 50, 70))
+        exif = Image.Exif()
+        exif[ORIENT_TAG] = 6
+        img.save(root / cls / "rotated.jpg", exif=exif, quality=92)
+    return root

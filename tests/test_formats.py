@@ -1,0 +1,93 @@
+"""Every registered format: same pixels as the reference decode, same labels as ImageFolder."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torchvision.datasets import ImageFolder
+
+from dlstore import convert, open_cache
+from dlstore.formats import FORMATS
+from dlstore.imageops import decode_file
+from dlstore.sources import ArraySource
+from dlstore.spec import ImagePolicy
+
+FORMAT_CASES = [("ram", {}), ("npz", {}), ("npz", {"compress": True}), ("zarr", {}), ("zarr", {"codec": "lz4"}),
+                ("zarr", {"codec": "none"})]
+
+
+@pytest.fixture(scope="module")
+def caches(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    out = {}
+    base = tmp_path_factory.mktemp("caches")
+    for i, (fmt, opts) in enumerate(FORMAT_CASES):
+        dest = base / f"{fmt}{i}"
+        convert(image_tree, dest, format=fmt, size=24, workers=2, **opts)
+        out[f"{fmt}{i}"] = dest
+    return out
+
+
+def test_every_registered_format_is_covered() -> None:
+    from dlstore.cli.convert_cmd import FORMAT_NAMES
+
+    assert set(FORMATS) == {f for f, _ in FORMAT_CASES} == set(FORMAT_NAMES)
+
+
+def test_pixels_and_labels_match_references(image_tree: Path, caches: dict[str, Path]) -> None:
+    folder = ImageFolder(str(image_tree))
+    expected = np.stack([decode_file(p, ImagePolicy(size=24)) for p, _ in folder.samples])
+    for name, dest in caches.items():
+        cache = open_cache(dest)
+        assert list(cache.spec.classes) == folder.classes, name
+        assert cache.labels.tolist() == folder.targets, name
+        np.testing.assert_array_equal(cache.read(np.arange(len(cache))), expected, err_msg=name)
+
+
+def test_random_order_reads_match_sequential(caches: dict[str, Path]) -> None:
+    rng = np.random.default_rng(0)
+    for name, dest in caches.items():
+        cache = open_cache(dest)
+        full = cache.read(np.arange(len(cache)))
+        idx = rng.integers(0, len(cache), 40)  # unsorted, with duplicates
+        np.testing.assert_array_equal(cache.read(idx), full[idx], err_msg=name)
+        np.testing.assert_array_equal(cache.read([-1]), full[-1:], err_msg=name)
+        with pytest.raises(IndexError):
+            cache.read([len(cache)])
+
+
+def test_manifest_records_the_policy_and_fingerprint(image_tree: Path, caches: dict[str, Path]) -> None:
+    for dest in caches.values():
+        spec = open_cache(dest).spec
+        assert spec.image.resize == "crop" and spec.image.size == 24 and spec.image.exif_transpose
+        assert spec.source["count"] == spec.n and len(spec.source["fingerprint"]) == 64
+        assert spec.checksums and all(len(v) == 64 for v in spec.checksums.values())
+
+
+def test_no_staging_left_behind(caches: dict[str, Path]) -> None:
+    parent = next(iter(caches.values())).parent
+    assert sorted(p.name for p in parent.iterdir()) == sorted(p.name for p in caches.values())
+
+
+@pytest.mark.parametrize("fmt,opts", FORMAT_CASES)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_roundtrip_property(tmp_path: Path, fmt: str, opts: dict, data: st.DataObject) -> None:
+    n = data.draw(st.integers(1, 40), label="n")
+    side = data.draw(st.integers(1, 9), label="side")
+    channels = data.draw(st.sampled_from([1, 3]), label="channels")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    rng = np.random.default_rng(seed)
+    arrays = rng.integers(0, 256, (n, side, side, channels), dtype=np.uint8)
+    labels = rng.integers(0, 3, n)
+    src = ArraySource(description="arrays", classes=("a", "b", "c"), names=[str(i) for i in range(n)],
+                      labels=labels, kind="test", data=arrays)
+    dest = Path(tempfile.mkdtemp(dir=tmp_path)) / "cache"
+    convert(src, dest, format=fmt, size=side, resize="stretch", channels=channels, workers=1, **opts)
+    cache = open_cache(dest)
+    np.testing.assert_array_equal(cache.read(np.arange(n)), arrays)
+    np.testing.assert_array_equal(cache.labels, labels)
