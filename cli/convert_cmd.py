@@ -34,11 +34,13 @@ FORMAT_NAMES = ("ram", "npz", "zarr")  # mirrors dlstore.formats.FORMATS; a test
 @click.option("--strict", is_flag=True, help="Stop at the first undecodable image instead of skipping it.")
 @click.option("--max-bad", type=click.FloatRange(0, 1), default=0.5, show_default=True,
               help="Abort when more than this fraction of images is undecodable.")
+@click.option("--storage-order", type=click.Choice(["shuffled", "source"]), default="shuffled", show_default=True,
+              help="shuffled: chunks hold a seeded random mix (fast random-order reads with the chunk sampler).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing cache at DEST (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def convert_cmd(source: str, dest: Path, fmt: str, size: int, resize: str, channels: str, codec: str,
                 compress: bool, workers: int | None, root: Path | None, split: str, demo_images: int,
-                strict: bool, max_bad: float, overwrite: bool, as_json: bool) -> None:
+                strict: bool, max_bad: float, storage_order: str, overwrite: bool, as_json: bool) -> None:
     """Convert SOURCE into a pre-resized cache at DEST.
 
     SOURCE is a folder of class subfolders (ImageFolder layout), torchvision:NAME
@@ -54,7 +56,7 @@ def convert_cmd(source: str, dest: Path, fmt: str, size: int, resize: str, chann
         result = convert(source, dest, format=fmt, size=size, resize=resize, channels=int(channels), codec=codec,
                          compress=compress, workers=workers, overwrite=overwrite, root=root,
                          train=split == "train", demo_images=demo_images, strict=strict, max_bad=max_bad,
-                         progress=progress)
+                         storage_order=storage_order,                         progress=progress)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
     if as_json:

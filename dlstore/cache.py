@@ -8,7 +8,7 @@ import numpy as np
 
 from dlstore.errors import CacheCorruptError, DlstoreError, SampleReadError
 from dlstore.formats import get_format
-from dlstore.spec import LABELS_FILE, CacheSpec, read_spec
+from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
 
 
 class Cache:
@@ -22,10 +22,9 @@ class Cache:
         self.root = Path(root)
         self.spec: CacheSpec = read_spec(self.root)
         stored = load_labels(self.root, self.spec)
-        usable = stored >= 0
-        # Skipped (undecodable) images keep their slot in storage; a map hides them from users.
-        self.positions: np.ndarray | None = None if usable.all() else np.flatnonzero(usable)
-        self.labels: np.ndarray = stored[usable]
+        # Dataset index → storage position: storage may be shuffled, and skipped images keep a slot.
+        self.positions: np.ndarray = load_positions(self.root, self.spec, stored)
+        self.labels: np.ndarray = stored[self.positions]
         self.reader = get_format(self.spec.format).reader(self.root, self.spec, in_memory=in_memory)
 
     def __len__(self) -> int:
@@ -34,8 +33,7 @@ class Cache:
     def storage_positions(self, indices: np.ndarray) -> np.ndarray:
         if indices.size and (indices.min() < -len(self) or indices.max() >= len(self)):
             raise IndexError(f"index out of range for a cache of {len(self)} images: {indices}")
-        indices = indices % max(1, len(self))
-        return indices if self.positions is None else self.positions[indices]
+        return self.positions[indices]
 
     def read(self, indices: np.ndarray | list[int]) -> np.ndarray:
         """(B,H,W,C) uint8 images in the order of ``indices``; storage is visited in ascending order."""
@@ -70,6 +68,21 @@ def load_labels(root: Path, spec: CacheSpec) -> np.ndarray:
         raise CacheCorruptError(f"{path}: {labels.dtype}{labels.shape} does not match the manifest "
                                 f"({spec.n} usable of {spec.n_stored}); rebuild the cache")
     return labels.astype(np.int64, copy=False)
+
+
+def load_positions(root: Path, spec: CacheSpec, stored_labels: np.ndarray) -> np.ndarray:
+    path = root / POSITIONS_FILE
+    try:
+        pos = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise CacheCorruptError(f"{path}: missing; rebuild the cache") from None
+    except ValueError as e:
+        raise CacheCorruptError(f"{path}: unreadable ({e}); rebuild the cache") from None
+    if (pos.shape != (spec.n,) or pos.dtype.kind != "i" or (pos.size and (pos.min() < 0 or pos.max() >= spec.n_stored))
+            or (stored_labels[pos] < 0).any()):
+        raise CacheCorruptError(f"{path}: {pos.dtype}{pos.shape} does not map {spec.n} samples into "
+                                f"{spec.n_stored} stored images; rebuild the cache")
+    return pos.astype(np.int64, copy=False)
 
 
 def open_cache(path: str | Path, in_memory: bool = False) -> Cache:

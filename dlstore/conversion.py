@@ -30,7 +30,7 @@ from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError
 from dlstore.formats import get_format
 from dlstore.formats.base import CacheWriter
 from dlstore.sources import Source, open_source
-from dlstore.spec import (LABELS_FILE, MANIFEST, SKIPPED_FILE, SOURCES_FILE, CacheSpec, ImagePolicy, fsync_dir,
+from dlstore.spec import (LABELS_FILE, MANIFEST, POSITIONS_FILE, SKIPPED_FILE, SOURCES_FILE, CacheSpec, ImagePolicy, fsync_dir,
                           write_json_durably)
 from dlstore.staging import Staging
 
@@ -62,9 +62,13 @@ class ConvertResult:
 def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram", size: int,
             resize: str = "crop", channels: int = 3, codec: str = "zstd", compress: bool = False,
             workers: int | None = None, overwrite: bool = False, root: Path | None = None, train: bool = True,
-            demo_images: int = 512, strict: bool = False, max_bad: float = 0.5,
-            progress: Progress | None = None) -> ConvertResult:
+            demo_images: int = 512, strict: bool = False, max_bad: float = 0.5, storage_order: str = "shuffled",
+            seed: int = 0, progress: Progress | None = None) -> ConvertResult:
     """Convert SOURCE (folder, ``torchvision:NAME``, ``demo`` or a Source) into a cache at DEST.
+
+    ``storage_order="shuffled"`` (default) stores images in a seeded random order, so every chunk
+    or shard holds a mix of classes and a chunk-aware sampler stays close to a full shuffle; dataset
+    index ``i`` is still source sample ``i`` (``positions.npy`` maps it to storage).
 
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
@@ -77,7 +81,8 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
                                                                 demo_images=demo_images)
     options = {"codec": codec} if fmt.name == "zarr" else {"compress": bool(compress)} if fmt.name == "npz" else {}
     writer = fmt.writer(Path(), len(src), policy.shape, options)
-    plan = {"format": fmt.name, "policy": asdict(policy), "options": options, "n": len(src),
+    order = storage_permutation(len(src), storage_order, seed)
+    plan = {"storage_order": storage_order, "seed": seed, "format": fmt.name, "policy": asdict(policy), "options": options, "n": len(src),
             "unit_size": writer.unit_size, "fingerprint": src.fingerprint(), "dlstore": __version__.split(".")[0]}
     with Staging(dest, plan, discard_mismatch=overwrite) as staging:
         writer.root = staging.path
@@ -91,10 +96,10 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
         if progress:
             progress(sum(len(writer.unit_range(k)) for k in staging.done))
         n_workers = resolve_workers(workers, len(todo))
-        run_units(src, policy, writer, todo, n_workers, strict, staging, progress)
+        run_units((src, policy, writer, strict, order), todo, n_workers, staging, progress)
         bad = staging.bad()
         check_bad_fraction(bad, len(src), max_bad, staging)
-        spec = finalize(src, policy, writer, fmt.name, staging, bad)
+        spec = finalize(src, policy, writer, fmt.name, staging, bad, order)
         staging.commit(overwrite)
     seconds = time.perf_counter() - t0
     converted = sum(len(writer.unit_range(k)) for k in todo)
@@ -134,10 +139,20 @@ def preflight(writer: CacheWriter, staging: Staging, fmt: str, compressed: bool)
 
 # --- the parallel part ------------------------------------------------------------------------------
 
-_STATE: tuple[Source, ImagePolicy, CacheWriter, bool] | None = None
+WorkerState = tuple[Source, ImagePolicy, CacheWriter, bool, np.ndarray]
+_STATE: WorkerState | None = None
 
 
-def _init_worker(state: tuple[Source, ImagePolicy, CacheWriter, bool]) -> None:
+def storage_permutation(n: int, storage_order: str, seed: int) -> np.ndarray:
+    """Storage position s holds source sample order[s]."""
+    if storage_order == "source":
+        return np.arange(n, dtype=np.int64)
+    if storage_order != "shuffled":
+        raise ValueError(f"storage_order must be 'shuffled' or 'source', got {storage_order!r}")
+    return np.random.default_rng(seed).permutation(n).astype(np.int64)
+
+
+def _init_worker(state: WorkerState) -> None:
     global _STATE
     _STATE = state
 
@@ -145,11 +160,12 @@ def _init_worker(state: tuple[Source, ImagePolicy, CacheWriter, bool]) -> None:
 def convert_unit(k: int) -> tuple[int, list[dict[str, Any]]]:
     """Decode and store unit k (in a worker process); return the images that could not be decoded."""
     assert _STATE is not None
-    src, policy, writer, strict = _STATE
+    src, policy, writer, strict, order = _STATE
     r = writer.unit_range(k)
     out = np.zeros((len(r), *policy.shape), np.uint8)
     bad: list[dict[str, Any]] = []
-    for j, i in enumerate(r):
+    for j, s in enumerate(r):
+        i = int(order[s])
         try:
             out[j] = src.decode(i, policy)
         except ImageDecodeError as e:
@@ -167,9 +183,9 @@ def convert_unit(k: int) -> tuple[int, list[dict[str, Any]]]:
     return k, bad
 
 
-def run_units(src: Source, policy: ImagePolicy, writer: CacheWriter, todo: list[int], n_workers: int,
-              strict: bool, staging: Staging, progress: Progress | None) -> None:
-    state = (src, policy, writer, strict)
+def run_units(state: WorkerState, todo: list[int], n_workers: int, staging: Staging,
+              progress: Progress | None) -> None:
+    writer = state[2]
     if n_workers <= 1:
         _init_worker(state)
         for k in todo:
@@ -207,15 +223,17 @@ def check_bad_fraction(bad: list[dict[str, Any]], n: int, max_bad: float, stagin
 # --- commit -----------------------------------------------------------------------------------------
 
 def finalize(src: Source, policy: ImagePolicy, writer: CacheWriter, fmt: str, staging: Staging,
-             bad: list[dict[str, Any]]) -> CacheSpec:
+             bad: list[dict[str, Any]], order: np.ndarray) -> CacheSpec:
     root = staging.path
-    labels = src.labels.astype(np.int64).copy()
-    labels[[b["index"] for b in bad]] = -1
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    bad_sources = np.asarray([b["index"] for b in bad], dtype=np.int64)
+    labels = src.labels.astype(np.int64)[order]  # in storage order; -1 marks a skipped image
+    labels[inverse[bad_sources]] = -1
+    positions = inverse[np.setdiff1d(np.arange(len(order)), bad_sources)]  # dataset index → storage
     writer.finish(labels)
-    with open(root / LABELS_FILE, "wb") as f:
-        np.save(f, labels, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
+    save_npy_durably(root / LABELS_FILE, labels)
+    save_npy_durably(root / POSITIONS_FILE, positions)
     write_json_durably(root / SOURCES_FILE, json.dumps({"root": getattr(src, "root", None) and str(src.root),
                                                         "entries": src.entries()}))
     write_json_durably(root / SKIPPED_FILE, json.dumps(bad, indent=1))
@@ -226,6 +244,13 @@ def finalize(src: Source, policy: ImagePolicy, writer: CacheWriter, fmt: str, st
     fsync_dir(root)
     write_json_durably(root / MANIFEST, spec.to_json())
     return spec
+
+
+def save_npy_durably(path: Path, array: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def checksum_tree(root: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:

@@ -12,6 +12,7 @@ from dlstore.errors import CacheNotFoundError, SpecError
 
 MANIFEST = "dlstore.json"
 LABELS_FILE = "labels.npy"
+POSITIONS_FILE = "positions.npy"
 SOURCES_FILE = "sources.json"
 SKIPPED_FILE = "skipped.json"
 SPEC_VERSION = 1

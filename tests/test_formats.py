@@ -91,3 +91,18 @@ def test_roundtrip_property(tmp_path: Path, fmt: str, opts: dict, data: st.DataO
     cache = open_cache(dest)
     np.testing.assert_array_equal(cache.read(np.arange(n)), arrays)
     np.testing.assert_array_equal(cache.labels, labels)
+
+
+def test_storage_order_is_shuffled_but_indices_follow_the_source(image_tree: Path, tmp_path: Path) -> None:
+    shuffled = open_cache(next(iter(caches_for_order(image_tree, tmp_path, "shuffled"))))
+    source = open_cache(next(iter(caches_for_order(image_tree, tmp_path, "source"))))
+    assert not np.array_equal(shuffled.positions, np.arange(len(shuffled)))
+    np.testing.assert_array_equal(source.positions, np.arange(len(source)))
+    np.testing.assert_array_equal(shuffled.labels, source.labels)
+    np.testing.assert_array_equal(shuffled.read(np.arange(len(shuffled))), source.read(np.arange(len(source))))
+
+
+def caches_for_order(image_tree: Path, tmp_path: Path, order: str) -> list[Path]:
+    dest = tmp_path / order
+    convert(image_tree, dest, format="zarr", size=8, workers=1, storage_order=order)
+    return [dest]
