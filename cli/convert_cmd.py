@@ -56,7 +56,7 @@ def convert_cmd(source: str, dest: Path, fmt: str, size: int, resize: str, chann
         result = convert(source, dest, format=fmt, size=size, resize=resize, channels=int(channels), codec=codec,
                          compress=compress, workers=workers, overwrite=overwrite, root=root,
                          train=split == "train", demo_images=demo_images, strict=strict, max_bad=max_bad,
-                         storage_order=storage_order,                         progress=progress)
+                         storage_order=storage_order, progress=progress)
     for w in result.warnings:
         click.echo(f"warning: {w}", err=True)
     if as_json:
