@@ -35,22 +35,19 @@ class Cache:
             raise IndexError(f"index out of range for a cache of {len(self)} images: {indices}")
         return self.positions[indices]
 
-    def read(self, indices: np.ndarray | list[int]) -> np.ndarray:
-        """(B,H,W,C) uint8 images in the order of ``indices``; storage is visited in ascending order."""
+    def read(self, indices: np.ndarray | list[int], out: np.ndarray | None = None) -> np.ndarray:
+        """(B,H,W,C) uint8 images in the order of ``indices``, into ``out`` when given (e.g. a pinned
+        buffer's numpy view); chunked formats visit each chunk once per call."""
         pos = self.storage_positions(np.asarray(indices, dtype=np.int64).reshape(-1))
-        if pos.size < 2 or bool(np.all(pos[1:] >= pos[:-1])):
-            return self._read_sorted(pos, indices)
-        order = np.argsort(pos, kind="stable")
-        batch = self._read_sorted(pos[order], indices)
-        out = np.empty_like(batch)
-        out[order] = batch
-        return out
-
-    def _read_sorted(self, pos: np.ndarray, indices: object) -> np.ndarray:
+        if out is None:
+            out = np.empty((len(pos), *self.spec.shape), np.uint8)
+        elif out.shape != (len(pos), *self.spec.shape) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be C-contiguous uint8{(len(pos), *self.spec.shape)}, got {out.dtype}{out.shape}")
         try:
-            return self.reader.read_sorted(pos)
+            self.reader.read_into(pos, out)
         except DlstoreError as e:
             raise SampleReadError(f"reading dataset indices {_short(indices)} from {self.root}: {e}") from e
+        return out
 
     def close(self) -> None:
         self.reader.close()

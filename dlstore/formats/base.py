@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -58,8 +59,8 @@ class CacheWriter(ABC):
 
 
 class CacheReader(ABC):
-    """Reads images by sorted storage positions. ``fork_safe`` readers may be used by a forked child
-    as they are; others are re-opened per process by the dataset."""
+    """Reads images by storage position. ``fork_safe`` readers may be used by a forked child as they
+    are; others are re-opened per process by the dataset."""
 
     fork_safe: ClassVar[bool] = False
 
@@ -67,11 +68,71 @@ class CacheReader(ABC):
         self.root, self.spec, self.in_memory = Path(root), spec, in_memory
 
     @abstractmethod
+    def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
+        """Fill ``out`` (B,H,W,C) uint8 with the images at ``positions`` (any order, duplicates allowed)."""
+
     def read_sorted(self, positions: np.ndarray) -> np.ndarray:
-        """(B,H,W,C) uint8 for ascending storage positions (duplicates allowed)."""
+        out = np.empty((len(positions), *self.spec.shape), np.uint8)
+        self.read_into(positions, out)
+        return out
 
     def close(self) -> None:
         """Release handles; the reader may not be used afterwards."""
+
+
+class ChunkedReader(CacheReader):
+    """Formats stored in units of many images (npz shards, zarr chunks).
+
+    A batch is grouped by unit so each unit is decoded once; units missing from a bounded per-process
+    cache are decoded in threads (zstd and zlib release the GIL), so one process can use several cores.
+    """
+
+    fork_safe: ClassVar[bool] = True  # no handle outlives a read; the thread pool is re-made per pid
+
+    def __init__(self, root: Path, spec: CacheSpec, in_memory: bool = False, unit: int = 1,
+                 cache_bytes: int = 512 << 20, threads: int | None = None) -> None:
+        super().__init__(root, spec, in_memory)
+        self.unit = unit
+        self._units = UnitCache(max(2, cache_bytes // max(1, unit * spec.image_bytes)))
+        self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = -1
+
+    @abstractmethod
+    def load_unit(self, k: int) -> np.ndarray:
+        """Decode unit k into (unit_len, H, W, C) uint8."""
+
+    def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
+        order = np.argsort(positions, kind="stable")
+        sorted_pos = positions[order]
+        runs = group_runs(sorted_pos // self.unit)
+        units = self.units([k for k, _, _ in runs])
+        for k, a, b in runs:
+            out[order[a:b]] = units[k][sorted_pos[a:b] - k * self.unit]
+
+    def units(self, keys: list[int]) -> dict[int, np.ndarray]:
+        found = {k: a for k in keys if (a := self._units.lookup(k)) is not None}
+        missing = [k for k in keys if k not in found]
+        if len(missing) > 1 and self.threads > 1:
+            decoded = list(self._thread_pool().map(self.load_unit, missing))
+        else:
+            decoded = [self.load_unit(k) for k in missing]
+        for k, arr in zip(missing, decoded):
+            self._units.put(k, arr)
+            found[k] = arr
+        return found
+
+    def _thread_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_pid != os.getpid():  # threads do not survive a fork
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-decode")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+    def close(self) -> None:
+        self._units.clear()
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.shutdown(wait=False)
+        self._pool = None
 
 
 class UnitCache:
@@ -80,19 +141,24 @@ class UnitCache:
     def __init__(self, max_units: int) -> None:
         self.max_units = max(1, max_units)
         self._units: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._lock = threading.Lock()
 
-    def get(self, k: int, load: Callable[[int], np.ndarray]) -> np.ndarray:
-        if k in self._units:
-            self._units.move_to_end(k)
-            return self._units[k]
-        arr = load(k)
-        self._units[k] = arr
-        while len(self._units) > self.max_units:
-            self._units.popitem(last=False)
-        return arr
+    def lookup(self, k: int) -> np.ndarray | None:
+        with self._lock:
+            arr = self._units.get(k)
+            if arr is not None:
+                self._units.move_to_end(k)
+            return arr
+
+    def put(self, k: int, arr: np.ndarray) -> None:
+        with self._lock:
+            self._units[k] = arr
+            while len(self._units) > self.max_units:
+                self._units.popitem(last=False)
 
     def clear(self) -> None:
-        self._units.clear()
+        with self._lock:
+            self._units.clear()
 
 
 def clamp_units(target_bytes: int, image_bytes: int, lo: int, hi: int) -> int:

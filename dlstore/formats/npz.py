@@ -5,12 +5,12 @@ from __future__ import annotations
 import io
 import zipfile
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from dlstore.errors import CacheCorruptError
-from dlstore.formats.base import CacheReader, CacheWriter, UnitCache, clamp_units, group_runs, write_file_durably
+from dlstore.formats.base import CacheWriter, ChunkedReader, clamp_units, write_file_durably
 
 SHARD_DIR = "shards"
 
@@ -38,24 +38,14 @@ class NpzWriter(CacheWriter):
         write_file_durably(self.root / shard_name(k), buf.getbuffer())
 
 
-class NpzReader(CacheReader):
+class NpzReader(ChunkedReader):
     """Decodes a shard once and keeps the most recent ones (bounded bytes), so a batch that hits a
     shard costs one ``np.load`` however many of its images it takes."""
 
-    fork_safe: ClassVar[bool] = True  # no handle outlives a read; each process fills its own cache
-
     def __init__(self, root: Path, spec: Any, in_memory: bool = False, cache_bytes: int = 512 << 20) -> None:
-        super().__init__(root, spec, in_memory)
-        self.unit = int(spec.format_options["unit_size"])
-        self._shards = UnitCache(max(2, cache_bytes // max(1, self.unit * spec.image_bytes)))
+        super().__init__(root, spec, in_memory, unit=int(spec.format_options["unit_size"]), cache_bytes=cache_bytes)
 
-    def read_sorted(self, positions: np.ndarray) -> np.ndarray:
-        out = np.empty((len(positions), *self.spec.shape), np.uint8)
-        for k, a, b in group_runs(positions // self.unit):
-            out[a:b] = self._shards.get(k, self._load)[positions[a:b] - k * self.unit]
-        return out
-
-    def _load(self, k: int) -> np.ndarray:
+    def load_unit(self, k: int) -> np.ndarray:
         path = self.root / shard_name(k)
         count = min(self.unit, self.spec.n_stored - k * self.unit)
         expected = (count, *self.spec.shape)
@@ -69,6 +59,3 @@ class NpzReader(CacheReader):
         if arr.shape != expected or arr.dtype != np.uint8:
             raise CacheCorruptError(f"{path}: holds {arr.dtype}{arr.shape}, expected uint8{expected}; rebuild")
         return arr
-
-    def close(self) -> None:
-        self._shards.clear()

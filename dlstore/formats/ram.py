@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -67,9 +68,17 @@ class RamReader(CacheReader):
         if arr.shape != expected or arr.dtype != np.uint8:
             raise CacheCorruptError(f"{path}: holds {arr.dtype}{arr.shape}, manifest says uint8{expected}; rebuild")
         self.array = arr
+        self._tensor: Any = None
 
-    def read_sorted(self, positions: np.ndarray) -> np.ndarray:
-        return np.take(self.array, positions, axis=0)
+    def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
+        # torch's index_select copies rows with all intra-op threads; np.take uses one.
+        import torch
+
+        if self._tensor is None:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # read-only memmap: we never write through it
+                self._tensor = torch.from_numpy(self.array)
+        torch.index_select(self._tensor, 0, torch.from_numpy(positions), out=torch.from_numpy(out))
 
     def close(self) -> None:
-        self.array = None  # type: ignore[assignment]
+        self.array = self._tensor = None  # type: ignore[assignment]

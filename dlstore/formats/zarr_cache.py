@@ -10,12 +10,12 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable
 
 import numpy as np
 
 from dlstore.errors import CacheCorruptError, SpecError
-from dlstore.formats.base import CacheReader, CacheWriter, UnitCache, group_runs
+from dlstore.formats.base import CacheWriter, ChunkedReader
 
 CODECS = ("zstd", "lz4", "none")
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
@@ -107,26 +107,17 @@ def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any]:
     return Blosc().decode
 
 
-class ZarrReader(CacheReader):
-    """Groups a batch by chunk, decodes each chunk once, keeps recent chunks decoded."""
-
-    fork_safe: ClassVar[bool] = True  # no open handles: every chunk read opens and closes its file
+class ZarrReader(ChunkedReader):
+    """Groups a batch by chunk, decodes each chunk once (in threads), keeps recent chunks decoded."""
 
     def __init__(self, root: Path, spec: Any, in_memory: bool = False, cache_bytes: int = 256 << 20) -> None:
-        super().__init__(root, spec, in_memory)
-        self.chunk, self.decode = parse_array_meta(self.root / "images" / "zarr.json", spec.n_stored, spec.shape)
-        self._chunks = UnitCache(max(2, cache_bytes // (self.chunk * spec.image_bytes)))
-
-    def read_sorted(self, positions: np.ndarray) -> np.ndarray:
-        out = np.empty((len(positions), *self.spec.shape), np.uint8)
-        for k, a, b in group_runs(positions // self.chunk):
-            out[a:b] = self._chunks.get(k, self._load)[positions[a:b] - k * self.chunk]
-        return out
+        chunk, self.decode = parse_array_meta(Path(root) / "images" / "zarr.json", spec.n_stored, spec.shape)
+        super().__init__(root, spec, in_memory, unit=chunk, cache_bytes=cache_bytes)
 
     def chunk_path(self, k: int) -> Path:
         return self.root / "images" / "c" / str(k) / "0" / "0" / "0"
 
-    def _load(self, k: int) -> np.ndarray:
+    def load_unit(self, k: int) -> np.ndarray:
         path = self.chunk_path(k)
         try:
             raw = self.decode(path.read_bytes())
@@ -135,10 +126,7 @@ class ZarrReader(CacheReader):
         except (OSError, RuntimeError, ValueError) as e:
             raise CacheCorruptError(f"{path}: chunk {k} does not decode ({e}); rebuild the cache") from None
         flat = np.frombuffer(raw, np.uint8)
-        if flat.size != self.chunk * self.spec.image_bytes:
+        if flat.size != self.unit * self.spec.image_bytes:
             raise CacheCorruptError(f"{path}: chunk {k} decodes to {flat.size} bytes, "
-                                    f"expected {self.chunk * self.spec.image_bytes}; rebuild")
-        return flat.reshape(self.chunk, *self.spec.shape)
-
-    def close(self) -> None:
-        self._chunks.clear()
+                                    f"expected {self.unit * self.spec.image_bytes}; rebuild")
+        return flat.reshape(self.unit, *self.spec.shape)

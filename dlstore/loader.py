@@ -1,0 +1,285 @@
+"""Fast ways to get batches of a dlstore cache onto the device.
+
+- ``PinnedLoader``: no worker processes. A background thread gathers each batch straight into one of
+  a ring of pinned host buffers (``torch.index_select(..., out=)`` for a ram cache; chunk-grouped,
+  thread-decoded reads for npz/zarr); the batch is copied to the GPU on a side stream, and a buffer
+  is refilled only after the copy that read it has finished.
+- ``ResidentLoader``: the whole uint8 cache lives in device memory; batches are an ``index_select``
+  there, with no host work per batch.
+- ``batch_dataloader``: torch's DataLoader with worker processes, each producing a whole batch
+  (one storage pass, written straight into shared memory) and passed through without a collate copy.
+
+All three yield ``(images, labels)``: images uint8 (B, C, H, W) (channels-last strides, as stored),
+labels int64 (B,). Convert, normalise and augment on the GPU (``dlstore.gpu.GpuAugment``).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlstore.cache import Cache, open_cache
+from dlstore.errors import DlstoreError
+from dlstore.sampler import ChunkSampler
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def make_sampler(cache: Cache, order: str, seed: int = 0, window: int = 16) -> torch.utils.data.Sampler[int]:
+    """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``."""
+    if order == "auto":
+        order = "chunk" if hasattr(cache.reader, "unit") else "random"
+    if order == "chunk":
+        return ChunkSampler(cache.positions, getattr(cache.reader, "unit", 1), window=window, seed=seed)
+    if order == "random":
+        return torch.utils.data.RandomSampler(range(len(cache)), generator=torch.Generator().manual_seed(seed))
+    if order == "sequential":
+        return torch.utils.data.SequentialSampler(range(len(cache)))
+    raise ValueError(f"order must be auto, chunk, random or sequential, got {order!r}")
+
+
+class PinnedLoader:
+    """Main-process loader: background gather into pinned buffers, side-stream copy to the device.
+
+    >>> loader = PinnedLoader("cache/", batch_size=256, device="cuda")    # doctest: +SKIP
+    >>> for epoch in range(10):
+    ...     for images, labels in loader:                                  # uint8 on the GPU
+    ...         step(augment(images), labels)
+    """
+
+    def __init__(self, path: str | Path | Cache, batch_size: int, device: str | torch.device = "cuda",
+                 order: str = "auto", drop_last: bool = True, seed: int = 0, num_buffers: int = 4,
+                 in_memory: bool = False, window: int = 16) -> None:
+        self.cache = path if isinstance(path, Cache) else open_cache(path, in_memory=in_memory)
+        self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
+        self.device = torch.device(device)
+        self.sampler = make_sampler(self.cache, order, seed, window)
+        self.num_buffers = max(2, num_buffers)
+        self.epoch = 0
+        self._ring: BufferRing | None = None
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        if self._ring is None:  # buffers are kept across epochs: pinning is slow
+            self._ring = BufferRing(self.num_buffers, (self.batch_size, *self.cache.spec.shape),
+                                    pin=self.device.type == "cuda")
+        batches = torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
+        return _PinnedIter(self.cache, self._ring, batches, self.device)
+
+
+class BufferRing:
+    """Host buffers handed out in turn; one comes back to the producer only with the event of the
+    device copy that reads it, and the producer waits on that event before overwriting it."""
+
+    def __init__(self, k: int, shape: tuple[int, ...], pin: bool) -> None:
+        self.images = [torch.empty(shape, dtype=torch.uint8, pin_memory=pin) for _ in range(k)]
+        self.labels = [torch.empty(shape[0], dtype=torch.int64, pin_memory=pin) for _ in range(k)]
+        self.free: queue.Queue[tuple[int, Any]] = queue.Queue()
+        for i in range(k):
+            self.free.put((i, None))
+
+    def acquire(self) -> int:
+        slot, event = self.free.get()
+        if event is not None:
+            event.synchronize()  # the copy that reads this buffer is done
+        return slot
+
+    def release(self, slot: int, event: Any) -> None:
+        self.free.put((slot, event))
+
+
+class _PinnedIter:
+    _DONE = object()
+
+    def __init__(self, cache: Cache, ring: BufferRing, batches: Any, device: torch.device) -> None:
+        self.cache, self.ring, self.device = cache, ring, device
+        self.ready: queue.Queue[Any] = queue.Queue()
+        self.stop = threading.Event()
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.thread = threading.Thread(target=self._produce, args=(list(batches),), daemon=True,
+                                       name="dlstore-gather")
+        self.thread.start()
+
+    def _produce(self, batches: list[list[int]]) -> None:
+        try:
+            for idx in batches:
+                slot = self.ring.acquire()
+                if self.stop.is_set():
+                    self.ring.release(slot, None)
+                    break
+                n = len(idx)
+                index = np.asarray(idx, dtype=np.int64)
+                self.cache.read(index, out=self.ring.images[slot][:n].numpy())
+                self.ring.labels[slot][:n] = torch.from_numpy(self.cache.labels[index])
+                self.ready.put((slot, n))
+        except BaseException as e:  # surfaced in the consumer's thread
+            self.ready.put(e)
+        self.ready.put(self._DONE)
+
+    def __iter__(self) -> _PinnedIter:
+        return self
+
+    def __next__(self) -> Batch:
+        item = self.ready.get()
+        if item is self._DONE:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        slot, n = item
+        host_x, host_y = self.ring.images[slot][:n], self.ring.labels[slot][:n]
+        if not self.cuda:
+            x, y = host_x.clone(), host_y.clone()
+            self.ring.release(slot, None)
+        else:
+            x, y = self._copy(host_x, host_y, slot)
+        return x.permute(0, 3, 1, 2), y
+
+    def _copy(self, host_x: torch.Tensor, host_y: torch.Tensor, slot: int) -> Batch:
+        assert self.stream is not None
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.stream):
+            x = host_x.to(self.device, non_blocking=True)
+            y = host_y.to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        main.wait_stream(self.stream)
+        x.record_stream(main)  # the allocator must not reuse x's memory before main is done with it
+        y.record_stream(main)
+        self.ring.release(slot, done)
+        return x, y
+
+    def __del__(self) -> None:
+        self.stop.set()
+        # Drain so a producer blocked on a full pipeline can see the stop flag.
+        while self.thread.is_alive():
+            try:
+                item = self.ready.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(item, tuple):
+                self.ring.release(item[0], None)
+
+
+class ResidentLoader:
+    """The whole cache as one uint8 tensor on the device; batches are gathered there.
+
+    Refuses (naming both numbers) when the cache would leave less than ``headroom`` of the device's
+    free memory. ``device="cpu"`` keeps it in host RAM, the same way.
+
+    >>> loader = ResidentLoader("cache/", batch_size=256)                  # doctest: +SKIP
+    """
+
+    def __init__(self, path: str | Path | Cache, batch_size: int, device: str | torch.device = "cuda",
+                 shuffle: bool = True, drop_last: bool = True, seed: int = 0, headroom: float = 0.2,
+                 block_bytes: int = 256 << 20) -> None:
+        cache = path if isinstance(path, Cache) else open_cache(path)
+        self.device = torch.device(device)
+        self.batch_size, self.shuffle, self.drop_last, self.seed = batch_size, shuffle, drop_last, seed
+        self.n = len(cache)
+        check_fits(cache, self.device, headroom)
+        self.images = upload(cache, self.device, block_bytes)
+        self.labels = torch.from_numpy(cache.labels.copy()).to(self.device)
+        self.epoch = 0
+
+    def __len__(self) -> int:
+        return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
+
+    def __iter__(self) -> Iterator[Batch]:
+        g = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + self.epoch)
+        self.epoch += 1
+        order = (torch.randperm(self.n, device=self.device, generator=g) if self.shuffle
+                 else torch.arange(self.n, device=self.device))
+        for i in range(len(self)):
+            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+            yield self.images.index_select(0, idx).permute(0, 3, 1, 2), self.labels.index_select(0, idx)
+
+
+def check_fits(cache: Cache, device: torch.device, headroom: float) -> None:
+    need = len(cache) * cache.spec.image_bytes
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_host_memory()
+    if need > free * (1 - headroom):
+        raise DlstoreError(f"{cache.root}: {need / 1e9:.2f} GB of images do not fit in {device} with "
+                           f"{headroom:.0%} headroom ({free / 1e9:.2f} GB free); use PinnedLoader instead")
+
+
+def available_host_memory() -> int:
+    """MemAvailable, capped by the cgroup (container) limit when one is set."""
+    avail = 1 << 62
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            limit = Path(limit_file).read_text().strip()
+            usage = int(Path(usage_file).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit():
+            avail = min(avail, int(limit) - usage)
+    return avail
+
+
+def upload(cache: Cache, device: torch.device, block_bytes: int) -> torch.Tensor:
+    """Read the cache in dataset order, block by block through one pinned buffer."""
+    n, shape = len(cache), cache.spec.shape
+    out = torch.empty((n, *shape), dtype=torch.uint8, device=device)
+    block = max(1, block_bytes // cache.spec.image_bytes)
+    staging = torch.empty((min(block, max(n, 1)), *shape), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    for start in range(0, n, block):
+        stop = min(n, start + block)
+        host = staging[: stop - start]
+        cache.read(np.arange(start, stop), out=host.numpy())
+        out[start:stop].copy_(host, non_blocking=False)
+    return out
+
+
+class BatchDataset(torch.utils.data.Dataset):
+    """A cache indexed by *lists* of indices: one storage pass per batch, written into shared memory
+    in DataLoader workers so handing the batch to the main process copies nothing."""
+
+    def __init__(self, path: str | Path, in_memory: bool = False) -> None:
+        from dlstore.dataset import CachedDataset
+
+        self.dataset = CachedDataset(path, in_memory=in_memory)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: list[int]) -> Batch:
+        cache = self.dataset.cache
+        idx = np.asarray(indices, dtype=np.int64)
+        x = torch.empty((len(idx), *cache.spec.shape), dtype=torch.uint8)
+        if torch.utils.data.get_worker_info() is not None:
+            x.share_memory_()
+        cache.read(idx, out=x.numpy())
+        return x.permute(0, 3, 1, 2), torch.from_numpy(cache.labels[idx])
+
+
+def batch_dataloader(path: str | Path, batch_size: int, num_workers: int = 2, order: str = "auto",
+                     drop_last: bool = True, seed: int = 0, pin_memory: bool = True, in_memory: bool = False,
+                     **kw: Any) -> torch.utils.data.DataLoader:
+    """A DataLoader whose workers each build whole batches (see BatchDataset)."""
+    ds = BatchDataset(path, in_memory=in_memory)
+    sampler = make_sampler(ds.dataset.cache, order, seed)
+    batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
+    return torch.utils.data.DataLoader(ds, sampler=batches, batch_size=None, num_workers=num_workers,
+                                       pin_memory=pin_memory and torch.cuda.is_available(),
+                                       persistent_workers=num_workers > 0, **kw)

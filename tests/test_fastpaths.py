@@ -1,0 +1,139 @@
+"""Fast paths return exactly the plain path's pixels and labels; the sampler's contract; buffers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dlstore import convert, open_cache
+from dlstore.formats import FORMATS
+from dlstore.loader import BufferRing, PinnedLoader, ResidentLoader, batch_dataloader
+from dlstore.sampler import ChunkSampler
+from dlstore.sources import ArraySource
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """97 distinct 6x6 images (first pixel encodes the index) in every format, small units."""
+    rng = np.random.default_rng(1)
+    n = 97
+    data = rng.integers(0, 256, (n, 6, 6, 3), dtype=np.uint8)
+    data[:, 0, 0, 0], data[:, 0, 0, 1] = np.arange(n) % 256, np.arange(n) // 256
+    src = ArraySource(description="t", classes=("a", "b", "c"), names=[str(i) for i in range(n)],
+                      labels=rng.integers(0, 3, n), kind="test", data=data)
+    base = tmp_path_factory.mktemp("fast")
+    for fmt in FORMATS:
+        convert(src, base / fmt, format=fmt, size=6, resize="stretch", workers=1)
+    return {fmt: base / fmt for fmt in FORMATS}
+
+
+def index_of(images: torch.Tensor) -> list[int]:
+    return (images[:, 0, 0, 0].long() + 256 * images[:, 1, 0, 0].long()).tolist()
+
+
+def check_epoch(batches: list[tuple[torch.Tensor, torch.Tensor]], path: Path, expect_all: bool) -> None:
+    cache = open_cache(path)
+    reference = torch.from_numpy(cache.read(np.arange(len(cache)))).permute(0, 3, 1, 2)
+    seen = []
+    for x, y in batches:
+        assert x.dtype == torch.uint8 and x.shape[1:] == (3, 6, 6)
+        idx = index_of(x)
+        assert torch.equal(x, reference[idx]) and y.tolist() == cache.labels[idx].tolist()
+        seen += idx
+    assert len(seen) == len(set(seen))
+    if expect_all:
+        assert sorted(seen) == list(range(len(cache)))
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("order", ["auto", "random", "sequential"])
+def test_pinned_loader_matches_plain_reads(caches: dict[str, Path], fmt: str, order: str) -> None:
+    loader = PinnedLoader(caches[fmt], batch_size=10, device="cpu", order=order, drop_last=False, num_buffers=2)
+    for _ in range(2):
+        check_epoch(list(loader), caches[fmt], expect_all=True)
+
+
+def test_pinned_loader_with_slow_consumer(caches: dict[str, Path]) -> None:
+    loader = PinnedLoader(caches["zarr"], batch_size=8, device="cpu", num_buffers=2)
+    batches = []
+    for x, y in loader:
+        time.sleep(0.01)  # the producer runs ahead and must wait for a free buffer
+        batches.append((x, y))
+    check_epoch(batches, caches["zarr"], expect_all=False)
+    assert len(batches) == 97 // 8
+
+
+def test_buffer_is_not_refilled_before_its_copy_finished() -> None:
+    ring = BufferRing(1, (2, 1), pin=False)
+
+    class SlowCopy:
+        done = threading.Event()
+
+        def synchronize(self) -> None:
+            self.done.wait(5)
+
+    slot = ring.acquire()
+    copy = SlowCopy()
+    ring.release(slot, copy)
+    got: list[float] = []
+    t = threading.Thread(target=lambda: got.append(ring.acquire()))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and not got  # still waiting on the copy
+    copy.done.set()
+    t.join(5)
+    assert got == [slot]
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_resident_loader(caches: dict[str, Path], fmt: str) -> None:
+    loader = ResidentLoader(caches[fmt], batch_size=16, device="cpu", drop_last=False)
+    check_epoch(list(loader), caches[fmt], expect_all=True)
+    assert len(list(loader)) == len(loader) == 7
+
+
+@pytest.mark.parametrize("workers,ctx", [(0, None), (2, "fork"), (2, "spawn")])
+def test_batch_dataloader(caches: dict[str, Path], workers: int, ctx: str | None) -> None:
+    loader = batch_dataloader(caches["npz"], batch_size=9, num_workers=workers, drop_last=False,
+                              multiprocessing_context=ctx)
+    check_epoch(list(loader), caches["npz"], expect_all=True)
+
+
+def test_chunk_sampler_decodes_each_unit_once(caches: dict[str, Path]) -> None:
+    cache = open_cache(caches["zarr"])
+    reader = cache.reader
+    loads: list[int] = []
+    original = reader.load_unit
+    reader.load_unit = lambda k: loads.append(k) or original(k)  # type: ignore[method-assign]
+    sampler = ChunkSampler(cache.positions, reader.unit, window=2, seed=3)
+    order = list(sampler)
+    for i in range(0, len(order), 8):
+        cache.read(order[i:i + 8])
+    assert sorted(loads) == sorted(set(loads))  # no unit decoded twice in an epoch
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_chunk_sampler_epoch_contract(replicas: int) -> None:
+    positions = np.random.default_rng(0).permutation(100)
+    per_rank = [list(ChunkSampler(positions, 7, window=3, seed=5, num_replicas=replicas, rank=r))
+                for r in range(replicas)]
+    assert len({len(p) for p in per_rank}) == 1
+    union = sum(per_rank, [])
+    assert set(union) == set(range(100)) and len(union) - 100 < replicas  # only DistributedSampler padding
+    if replicas == 1:
+        assert sorted(union) == list(range(100))
+    again = list(ChunkSampler(positions, 7, window=3, seed=5, num_replicas=replicas, rank=0))
+    assert again == per_rank[0]
+    s = ChunkSampler(positions, 7, window=3, seed=5)
+    s.set_epoch(1)
+    assert list(s) != per_rank[0] or replicas > 1
+
+
+def test_chunk_sampler_drop_last() -> None:
+    s = [list(ChunkSampler(np.arange(10), 3, num_replicas=3, rank=r, drop_last=True)) for r in range(3)]
+    assert [len(x) for x in s] == [3, 3, 3] and len(set(sum(s, []))) == 9
