@@ -344,6 +344,7 @@ class GpuAugment(torch.nn.Module):
         b, c, h, w = batch_uint8.shape
         _check_channels(self._mul, c)
         dev = batch_uint8.device
+        explicit = params is not None
         if params is None:
             params = self.sample_params(b, h, w, dev)
         out_h, out_w = self.size
@@ -359,8 +360,9 @@ class GpuAugment(torch.nn.Module):
         )
         # Black outside the image (rotation fill); 'border' only serves the
         # half-pixel fringe inside it. All ones when nothing is rotated.
-        inside = (grid.abs() <= 1.0).all(dim=-1).unsqueeze(1)
-        out = out * inside
+        if self.degrees > 0 or explicit:  # unrotated crops sample only inside the image
+            inside = (grid.abs() <= 1.0).all(dim=-1).unsqueeze(1)
+            out = out * inside
         mul = self._mul.float().view(1, -1, 1, 1)
         add = self._add.float().view(1, -1, 1, 1)
         out = torch.addcmul(add, out, mul)
