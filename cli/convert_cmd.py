@@ -34,13 +34,16 @@ FORMAT_NAMES = ("ram", "npz", "zarr")  # mirrors dlstore.formats.FORMATS; a test
 @click.option("--strict", is_flag=True, help="Stop at the first undecodable image instead of skipping it.")
 @click.option("--max-bad", type=click.FloatRange(0, 1), default=0.5, show_default=True,
               help="Abort when more than this fraction of images is undecodable.")
+@click.option("--decode-timeout", type=click.FloatRange(0, None), default=60.0, show_default=True,
+              help="Seconds one image may take to decode before it is skipped as bad (0 = no limit).")
 @click.option("--storage-order", type=click.Choice(["shuffled", "source"]), default="shuffled", show_default=True,
               help="shuffled: chunks hold a seeded random mix (fast random-order reads with the chunk sampler).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing cache at DEST (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def convert_cmd(source: str, dest: Path, fmt: str, size: int, resize: str, channels: str, codec: str,
                 compress: bool, workers: int | None, root: Path | None, split: str, demo_images: int,
-                strict: bool, max_bad: float, storage_order: str, overwrite: bool, as_json: bool) -> None:
+                strict: bool, max_bad: float, decode_timeout: float, storage_order: str, overwrite: bool,
+                as_json: bool) -> None:
     """Convert SOURCE into a pre-resized cache at DEST.
 
     SOURCE is a folder of class subfolders (ImageFolder layout), torchvision:NAME
@@ -56,9 +59,8 @@ def convert_cmd(source: str, dest: Path, fmt: str, size: int, resize: str, chann
         result = convert(source, dest, format=fmt, size=size, resize=resize, channels=int(channels), codec=codec,
                          compress=compress, workers=workers, overwrite=overwrite, root=root,
                          train=split == "train", demo_images=demo_images, strict=strict, max_bad=max_bad,
-                         storage_order=storage_order, progress=progress)
-    for w in result.warnings:
-        click.echo(f"warning: {w}", err=True)
+                         storage_order=storage_order, decode_timeout=decode_timeout, progress=progress,
+                         log=lambda message: click.echo(f"\nwarning: {message}", err=True))
     if as_json:
         emit_json(result.to_dict())
         return

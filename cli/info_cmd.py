@@ -40,12 +40,18 @@ def info_cmd(dest: Path, as_json: bool) -> None:
 
 @click.command("verify")
 @click.argument("dest", type=click.Path(path_type=Path, exists=True, file_okay=False))
-def verify_cmd(dest: Path) -> None:
-    """Recompute checksums of the cache at DEST; exit 1 naming the first bad file."""
+@click.option("--deep", is_flag=True, help="Also re-hash every source file (catches edits that kept size and mtime).")
+@click.option("--source", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
+              help="Where the source folder is now, if it moved since conversion.")
+def verify_cmd(dest: Path, deep: bool, source: Path | None) -> None:
+    """Recompute checksums of the cache at DEST and check its source; exit 1 naming the first problem."""
     from dlstore.verification import verify
 
-    result = verify(dest)
+    result = verify(dest, deep=deep, source=source)
+    for note in result.notes:
+        click.echo(f"note: {note}", err=True)
     if not result.ok:
         raise click.ClickException(f"{result.first_problem} ({len(result.problems)} problem(s)); "
                                    "rebuild with `dlstore convert ... --overwrite`")
-    click.echo(f"{dest}: ok, {result.checked} files match their checksums")
+    click.echo(f"{dest}: ok, {result.checked} files match their checksums"
+               + (f", {result.sources_hashed} source files match by content" if deep else ""))

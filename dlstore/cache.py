@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dlstore.errors import CacheCorruptError, DlstoreError, SampleReadError
+from dlstore.errors import CacheCorruptError, CacheTooLargeError, DlstoreError, SampleReadError
 from dlstore.formats import get_format
 from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
 
@@ -25,6 +25,8 @@ class Cache:
         # Dataset index → storage position: storage may be shuffled, and skipped images keep a slot.
         self.positions: np.ndarray = load_positions(self.root, self.spec, stored)
         self.labels: np.ndarray = stored[self.positions]
+        if in_memory and self.spec.format == "ram":
+            check_fits_in_memory(self.spec.n_stored * self.spec.image_bytes, self.root)
         self.reader = get_format(self.spec.format).reader(self.root, self.spec, in_memory=in_memory)
 
     def __len__(self) -> int:
@@ -46,8 +48,18 @@ class Cache:
         try:
             self.reader.read_into(pos, out)
         except DlstoreError as e:
-            raise SampleReadError(f"reading dataset indices {_short(indices)} from {self.root}: {e}") from e
+            where = self._first_failing(np.asarray(indices, dtype=np.int64).reshape(-1), pos)
+            raise SampleReadError(f"reading dataset {where} from {self.root}: {e}") from e
         return out
+
+    def _first_failing(self, indices: np.ndarray, pos: np.ndarray) -> str:
+        """On the error path only: re-read one by one to name the dataset index that fails."""
+        for i, p in zip(indices.tolist(), pos.tolist()):
+            try:
+                self.reader.read_into(np.asarray([p]), np.empty((1, *self.spec.shape), np.uint8))
+            except DlstoreError:
+                return f"index {i} (storage position {p}; batch {_short(indices)})"
+        return f"indices {_short(indices)}"
 
     def close(self) -> None:
         self.reader.close()
@@ -82,9 +94,30 @@ def load_positions(root: Path, spec: CacheSpec, stored_labels: np.ndarray) -> np
     return pos.astype(np.int64, copy=False)
 
 
-def open_cache(path: str | Path, in_memory: bool = False) -> Cache:
-    """Open a complete cache for batched reads; raises CacheNotFoundError if it is not complete."""
-    return Cache(Path(path), in_memory=in_memory)
+def open_cache(path: str | Path, in_memory: bool = False, strict: bool = False, check_source: bool = True) -> Cache:
+    """Open a complete cache for batched reads; raises CacheNotFoundError if it is not complete.
+
+    With ``check_source`` the source folder is re-scanned (sizes, mtimes): a changed source warns
+    (StaleCacheWarning), or with ``strict`` raises StaleCacheError, naming the first changed path.
+    ``in_memory`` (ram format) is refused up front when the images exceed the available memory.
+    """
+    cache = Cache(Path(path), in_memory=in_memory)
+    if check_source:
+        from dlstore.staleness import check_source as check
+
+        check(cache.root, strict=strict)
+    return cache
+
+
+def check_fits_in_memory(need: int, root: Path) -> None:
+    from dlstore.resources import available_memory
+
+    avail, where = available_memory()
+    if avail is not None and need > avail:
+        raise CacheTooLargeError(
+            f"{root}: loading the ram cache into memory needs {need / 1e9:.2f} GB but only {avail / 1e9:.2f} GB "
+            f"is available ({where}); open it without in_memory=True (memory-mapped, the default, pages "
+            "it in on demand) or raise the memory limit")
 
 
 def _short(indices: object) -> str:

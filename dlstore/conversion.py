@@ -14,10 +14,15 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from contextlib import contextmanager
 from concurrent.futures.thread import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -35,6 +40,8 @@ from dlstore.spec import (LABELS_FILE, MANIFEST, POSITIONS_FILE, SKIPPED_FILE, S
 from dlstore.staging import Staging
 
 Progress = Callable[[int], None]
+Log = Callable[[str], None]
+DECODE_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -63,12 +70,18 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
             resize: str = "crop", channels: int = 3, codec: str = "zstd", compress: bool = False,
             workers: int | None = None, overwrite: bool = False, root: Path | None = None, train: bool = True,
             demo_images: int = 512, strict: bool = False, max_bad: float = 0.5, storage_order: str = "shuffled",
-            seed: int = 0, progress: Progress | None = None) -> ConvertResult:
+            seed: int = 0, decode_timeout: float = DECODE_TIMEOUT_S, progress: Progress | None = None,
+            log: Log | None = None) -> ConvertResult:
     """Convert SOURCE (folder, ``torchvision:NAME``, ``demo`` or a Source) into a cache at DEST.
 
     ``storage_order="shuffled"`` (default) stores images in a seeded random order, so every chunk
     or shard holds a mix of classes and a chunk-aware sampler stays close to a full shuffle; dataset
     index ``i`` is still source sample ``i`` (``positions.npy`` maps it to storage).
+
+    Undecodable images are skipped and reported (``skipped.json``); ``strict`` stops at the first one
+    instead, and more than ``max_bad`` (a fraction of all images) aborts. A file whose decoding takes
+    longer than ``decode_timeout`` seconds counts as undecodable. ``log`` receives warnings as they
+    arise (before the work starts, for the disk-space estimate).
 
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
@@ -76,7 +89,8 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
     dest = Path(dest)
     fmt = get_format(format)
     policy = ImagePolicy(size=size, resize=resize, channels=channels)
-    check_destination(dest, overwrite)
+    if not Staging.pending(dest):
+        check_destination(dest, overwrite)
     src = source if isinstance(source, Source) else open_source(source, root=root, train=train,
                                                                 demo_images=demo_images)
     options = {"codec": codec} if fmt.name == "zarr" else {"compress": bool(compress)} if fmt.name == "npz" else {}
@@ -84,23 +98,32 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
     order = storage_permutation(len(src), storage_order, seed)
     plan = {"storage_order": storage_order, "seed": seed, "format": fmt.name, "policy": asdict(policy), "options": options, "n": len(src),
             "unit_size": writer.unit_size, "fingerprint": src.fingerprint(), "dlstore": __version__.split(".")[0]}
-    with Staging(dest, plan, discard_mismatch=overwrite) as staging:
+    warnings = [scan_warning(src)] if scan_errors(src) else []
+    with Staging(dest, plan, discard_mismatch=overwrite, entries=src.entries()) as staging:
+        if staging.already_published:
+            return published_result(dest, fmt.name, src, t0, writer.n_units, warnings)
+        check_destination(dest, overwrite)
         writer.root = staging.path
         if staging.fresh:
             writer.create()
             staging.save_writer_options(writer.options)
         else:
             writer.options = staging.writer_options()
-        warnings = preflight(writer, staging, fmt.name, compress or fmt.name == "zarr")
+        warnings += preflight(writer, staging, compress or fmt.name == "zarr")
+        for w in warnings:
+            if log:
+                log(w)
         todo = [k for k in range(writer.n_units) if k not in staging.done]
         if progress:
             progress(sum(len(writer.unit_range(k)) for k in staging.done))
         n_workers = resolve_workers(workers, len(todo))
-        run_units((src, policy, writer, strict, order), todo, n_workers, staging, progress)
+        job = Job(src, policy, writer, strict, decode_timeout, order)
+        run_units(job, todo, n_workers, staging, BadBudget(len(src), max_bad, staging), progress)
         bad = staging.bad()
-        check_bad_fraction(bad, len(src), max_bad, staging)
-        spec = finalize(src, policy, writer, fmt.name, staging, bad, order)
-        staging.commit(overwrite)
+        check_bad_fraction(bad, len(src), max_bad)
+        with disk_full_as_error(writer, "finishing the cache (labels, checksums, manifest)"):
+            spec = finalize(src, policy, writer, fmt.name, staging, bad, order)
+            staging.commit(overwrite)
     seconds = time.perf_counter() - t0
     converted = sum(len(writer.unit_range(k)) for k in todo)
     return ConvertResult(dest=str(dest), format=fmt.name, n=spec.n, n_skipped=len(bad),
@@ -108,6 +131,28 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
                          bytes_on_disk=dir_bytes(dest), seconds=seconds,
                          images_per_s=converted / max(seconds, 1e-9),
                          workers=n_workers, resumed_units=writer.n_units - len(todo), skipped=bad, warnings=warnings)
+
+
+def published_result(dest: Path, fmt: str, src: Source, t0: float, n_units: int,
+                     warnings: list[str]) -> ConvertResult:
+    """The result for a re-run whose previous attempt was killed after DEST was already published."""
+    spec = read_spec(dest)
+    skipped = json.loads((dest / SKIPPED_FILE).read_text())
+    return ConvertResult(dest=str(dest), format=fmt, n=spec.n, n_skipped=spec.n_stored - spec.n,
+                         classes=list(spec.classes), shape=list(spec.shape), bytes_on_disk=dir_bytes(dest),
+                         seconds=time.perf_counter() - t0, images_per_s=0.0, workers=0, resumed_units=n_units,
+                         skipped=skipped, warnings=warnings)
+
+
+def scan_errors(src: Source) -> list[tuple[str, str]]:
+    return list(getattr(src, "scan_errors", []))
+
+
+def scan_warning(src: Source) -> str:
+    errs = scan_errors(src)
+    path, reason = errs[0]
+    return (f"{len(errs)} file(s) or folder(s) in the source could not be listed and are not in the cache "
+            f"(listed in skipped.json); first: {path}: {reason}")
 
 
 def check_destination(dest: Path, overwrite: bool) -> None:
@@ -128,19 +173,57 @@ def resolve_workers(workers: int | None, n_units: int) -> int:
     return max(1, min(workers, n_units))
 
 
-def preflight(writer: CacheWriter, staging: Staging, fmt: str, compressed: bool) -> list[str]:
-    need = writer.n * writer.image_bytes * (0.8 if compressed else 1.0)
+def estimate_bytes(writer: CacheWriter, compressed: bool) -> int:
+    return int(writer.n * writer.image_bytes * (0.8 if compressed else 1.0))
+
+
+def preflight(writer: CacheWriter, staging: Staging, compressed: bool) -> list[str]:
+    """Warn before any work when the cache will likely not fit on the destination's disk."""
+    left = sum(len(writer.unit_range(k)) for k in range(writer.n_units) if k not in staging.done)
+    need = left * writer.image_bytes * (0.8 if compressed else 1.0)
     free = shutil.disk_usage(staging.path).free
     if need > free:
-        return [f"{staging.path.parent}: the cache may need about {need / 1e9:.2f} GB but only "
-                f"{free / 1e9:.2f} GB is free; the conversion will stop if the disk fills"]
+        return [f"{staging.path.parent}: the cache needs about {need / 1e9:.2f} GB more but only "
+                f"{free / 1e9:.2f} GB is free; the conversion will stop when the disk fills "
+                "(free space, then re-run the same command to resume)"]
     return []
+
+
+@contextmanager
+def disk_full_as_error(writer: CacheWriter, what: str) -> Iterator[None]:
+    """Turn ENOSPC into a message with space needed vs free; everything journaled stays resumable."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise ConvertError(disk_full_message(writer, what)) from None
+
+
+def disk_full_message(writer: CacheWriter, what: str) -> str:
+    free = shutil.disk_usage(writer.root).free if writer.root.exists() else 0
+    need = writer.n * writer.image_bytes
+    return (f"disk full while {what} under {writer.root}: the cache needs up to {need / 1e6:,.0f} MB "
+            f"(uncompressed) and {free / 1e6:,.0f} MB is free; free space and re-run the same command "
+            "to resume (finished parts are kept)")
 
 
 # --- the parallel part ------------------------------------------------------------------------------
 
-WorkerState = tuple[Source, ImagePolicy, CacheWriter, bool, np.ndarray]
-_STATE: WorkerState | None = None
+@dataclass
+class Job:
+    """What every worker needs; inherited by fork (or pickled once per worker under spawn)."""
+
+    src: Source
+    policy: ImagePolicy
+    writer: CacheWriter
+    strict: bool
+    decode_timeout: float
+    order: np.ndarray  # storage position s holds source sample order[s]
+    hard_limit: bool = False  # in pool workers: a CPU-time backstop for decoders stuck inside C code
+
+
+_JOB: Job | None = None
 
 
 def storage_permutation(n: int, storage_order: str, seed: int) -> np.ndarray:
@@ -152,72 +235,176 @@ def storage_permutation(n: int, storage_order: str, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).permutation(n).astype(np.int64)
 
 
-def _init_worker(state: WorkerState) -> None:
-    global _STATE
-    _STATE = state
+class DecodeTimeout(TimeoutError):
+    """One file took longer than the per-file limit (raised from SIGALRM inside the decoder)."""
 
 
-def convert_unit(k: int) -> tuple[int, list[dict[str, Any]]]:
-    """Decode and store unit k (in a worker process); return the images that could not be decoded."""
-    assert _STATE is not None
-    src, policy, writer, strict, order = _STATE
-    r = writer.unit_range(k)
-    out = np.zeros((len(r), *policy.shape), np.uint8)
-    bad: list[dict[str, Any]] = []
-    for j, s in enumerate(r):
-        i = int(order[s])
-        try:
-            out[j] = src.decode(i, policy)
-        except ImageDecodeError as e:
-            if strict:
-                raise
-            bad.append({"index": i, "path": src.names[i], "reason": str(e)})
-    try:
-        writer.write_unit(k, out)
-    except OSError as e:
-        if e.errno == errno.ENOSPC:
-            raise ConvertError(f"disk full while writing unit {k} under {writer.root}: "
-                               f"{shutil.disk_usage(writer.root).free / 1e6:.0f} MB free; free space and "
-                               "re-run the same command to resume") from None
-        raise
-    return k, bad
+def _init_worker(job: Job) -> None:
+    global _JOB
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    _JOB = Job(**{**job.__dict__, "hard_limit": True})
 
 
-def run_units(state: WorkerState, todo: list[int], n_workers: int, staging: Staging,
-              progress: Progress | None) -> None:
-    writer = state[2]
-    if n_workers <= 1:
-        _init_worker(state)
-        for k in todo:
-            staging.record(*convert_unit(k))
-            if progress:
-                progress(len(writer.unit_range(k)))
+def _on_alarm(signum: int, frame: object) -> None:
+    raise DecodeTimeout("decoding took longer than the per-file limit")
+
+
+@contextmanager
+def time_limit(seconds: float, hard: bool) -> Iterator[None]:
+    """SIGALRM after ``seconds`` raises inside Python code (Pillow decodes in Python-driven slices);
+    with ``hard`` a CPU-time limit of 3x that ends a worker stuck inside one C call (SIGPROF)."""
+    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
+        yield
         return
-    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    pool = ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker, initargs=(state,))
+    old = signal.signal(signal.SIGALRM, _on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    if hard:
+        signal.setitimer(signal.ITIMER_PROF, 3 * seconds + 1)
     try:
-        pending: set[Future[tuple[int, list[dict[str, Any]]]]] = {pool.submit(convert_unit, k) for k in todo}
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        if hard:
+            signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def decode_one(job: Job, i: int) -> tuple[np.ndarray, str]:
+    """Image i and the sha256 of its file, or ImageDecodeError naming the file."""
+    path = job.src.names[i]
+    try:
+        with time_limit(job.decode_timeout, job.hard_limit):
+            return job.src.decode(i, job.policy), job.src.digest(i)
+    except DecodeTimeout:
+        raise ImageDecodeError(f"{path}: decoding took longer than {job.decode_timeout:g} s; skipped "
+                               "(raise --decode-timeout if the file is legitimately huge)") from None
+
+
+UnitResult = tuple[int, list[dict[str, Any]], list[str]]
+
+
+def convert_unit(k: int) -> UnitResult:
+    """Decode and store unit k (in a worker process); return the undecodable images and file digests."""
+    job = _JOB
+    assert job is not None
+    r = job.writer.unit_range(k)
+    out = np.zeros((len(r), *job.policy.shape), np.uint8)
+    bad: list[dict[str, Any]] = []
+    digests: list[str] = []
+    for j, s in enumerate(r):
+        i = int(job.order[s])
+        try:
+            out[j], digest = decode_one(job, i)
+        except ImageDecodeError as e:
+            if job.strict:
+                raise
+            bad.append({"index": i, "path": job.src.names[i], "reason": str(e)})
+            digest = job.src.digest(i, missing_ok=True)
+        digests.append(digest)
+    with disk_full_as_error(job.writer, f"writing unit {k}"):
+        job.writer.write_unit(k, out)
+        sync_unit(job.writer, k)
+    return k, bad, digests
+
+
+def sync_unit(writer: CacheWriter, k: int) -> None:
+    """zarr writes chunk files without fsync; the journal may only record durable units."""
+    if writer.name == "zarr":
+        chunk = writer.root / "images" / "c" / str(k) / "0" / "0" / "0"
+        fd = os.open(chunk, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class BadBudget:
+    """Journals finished units and aborts as soon as the undecodable images exceed ``max_bad``."""
+
+    def __init__(self, n: int, max_bad: float, staging: Staging) -> None:
+        self.n, self.max_bad, self.staging = n, max_bad, staging
+
+    def record(self, result: UnitResult) -> None:
+        k, bad, digests = result
+        self.staging.record(k, bad, digests)
+        if bad:
+            check_bad_fraction(self.staging.bad(), self.n, self.max_bad, final=False)
+
+
+def run_units(job: Job, todo: list[int], n_workers: int, staging: Staging, budget: BadBudget,
+              progress: Progress | None) -> None:
+    try:
+        if n_workers <= 1:
+            run_in_process(job, todo, budget, progress)
+        else:
+            run_in_pool(job, todo, n_workers, budget, progress)
+    except KeyboardInterrupt:
+        raise ConvertError(f"interrupted: {done_images(job.writer, staging)} of {job.writer.n} done; "
+                           "re-run the same command to resume") from None
+    except BrokenProcessPool:
+        raise ConvertError(
+            f"a conversion worker died (killed, out of memory, or a decoder crashed or spun for more than "
+            f"{3 * job.decode_timeout + 1:g} s of CPU); {done_images(job.writer, staging)} of {job.writer.n} "
+            "done; re-run the same command to resume") from None
+    except ImageDecodeError as e:
+        raise ConvertError(f"--strict: stopped at the first undecodable image: {e}; "
+                           f"{done_images(job.writer, staging)} of {job.writer.n} done; fix or remove the "
+                           "file and re-run with --overwrite (or drop --strict to skip and report it)") from None
+
+
+def done_images(writer: CacheWriter, staging: Staging) -> int:
+    return sum(len(writer.unit_range(k)) for k in staging.done)
+
+
+def run_in_process(job: Job, todo: list[int], budget: BadBudget, progress: Progress | None) -> None:
+    global _JOB
+    _JOB = job
+    for k in todo:
+        budget.record(convert_unit(k))
+        if progress:
+            progress(len(job.writer.unit_range(k)))
+
+
+def run_in_pool(job: Job, todo: list[int], n_workers: int, budget: BadBudget, progress: Progress | None) -> None:
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    pool = ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker, initargs=(job,))
+    try:
+        pending: set[Future[UnitResult]] = {pool.submit(convert_unit, k) for k in todo}
         while pending:
             finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
             for fut in finished:
-                k, bad = fut.result()  # re-raises a worker's error here
-                staging.record(k, bad)
+                budget.record(fut.result())  # re-raises a worker's error here
                 if progress:
-                    progress(len(writer.unit_range(k)))
-    except BaseException as e:
-        pool.shutdown(wait=True, cancel_futures=True)
-        if isinstance(e, KeyboardInterrupt):
-            raise ConvertError(f"interrupted: {len(staging.done)} of {writer.n_units} units done; "
-                               "re-run the same command to resume") from None
+                    progress(len(job.writer.unit_range(fut.result()[0])))
+    except BaseException:
+        stop_pool(pool)
         raise
     pool.shutdown(wait=True)
 
 
-def check_bad_fraction(bad: list[dict[str, Any]], n: int, max_bad: float, staging: Staging) -> None:
-    if n and (len(bad) == n or len(bad) / n > max_bad):
-        first = "; ".join(f"{b['path']}: {b['reason']}" for b in bad[:3])
-        raise ConvertError(f"{len(bad)} of {n} images could not be decoded (more than --max-bad {max_bad:g}); "
-                           f"nothing was marked complete; first: {first}")
+def stop_pool(pool: ProcessPoolExecutor) -> None:
+    """End the workers now (not after their current unit): Ctrl-C must return within seconds.
+    An unfinished unit is not journaled, so it is simply redone on resume."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        p.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def check_bad_fraction(bad: list[dict[str, Any]], n: int, max_bad: float, final: bool = True) -> None:
+    """More than ``max_bad`` of all n images undecodable (or all of them) aborts the conversion."""
+    if not n or not bad or (len(bad) < n and len(bad) / n <= max_bad):
+        return
+    first = "; ".join(f"{b['path']}: {b['reason']}" for b in bad[:3])
+    when = "" if final else " (stopped early)"
+    raise ConvertError(f"{len(bad)} of {n} images could not be decoded{when}, more than --max-bad {max_bad:g} "
+                       f"of them; nothing was marked complete. First: {first}. Fix or remove the files and "
+                       "re-run with --overwrite, or raise --max-bad")
 
 
 # --- commit -----------------------------------------------------------------------------------------
@@ -234,9 +421,10 @@ def finalize(src: Source, policy: ImagePolicy, writer: CacheWriter, fmt: str, st
     writer.finish(labels)
     save_npy_durably(root / LABELS_FILE, labels)
     save_npy_durably(root / POSITIONS_FILE, positions)
-    write_json_durably(root / SOURCES_FILE, json.dumps({"root": getattr(src, "root", None) and str(src.root),
-                                                        "entries": src.entries()}))
-    write_json_durably(root / SKIPPED_FILE, json.dumps(bad, indent=1))
+    write_json_durably(root / SOURCES_FILE, json.dumps(sources_doc(src, staging, writer, order)))
+    write_json_durably(root / SKIPPED_FILE, json.dumps(bad + unlisted(src), indent=1))
+    remove_temp_files(root)
+    sync_tree(root)  # every data file durable before the manifest that declares the cache complete
     spec = CacheSpec(format=fmt, n=len(src) - len(bad), n_stored=len(src), shape=policy.shape,
                      classes=tuple(src.classes), image=policy, format_options=writer.recorded_options(),
                      source=src.info(), checksums=checksum_tree(root), dlstore_version=__version__,
@@ -244,6 +432,42 @@ def finalize(src: Source, policy: ImagePolicy, writer: CacheWriter, fmt: str, st
     fsync_dir(root)
     write_json_durably(root / MANIFEST, spec.to_json())
     return spec
+
+
+def sources_doc(src: Source, staging: Staging, writer: CacheWriter, order: np.ndarray) -> dict[str, Any]:
+    """What stale checks and ``verify --deep`` compare: the source root, (name, size, mtime_ns, label)
+    per sample and the sha256 of each file as it was decoded ("" where unknown), in source order."""
+    sha = [""] * len(src)
+    for k, digests in staging.digests.items():
+        for s, d in zip(writer.unit_range(k), digests):
+            sha[int(order[s])] = d
+    root = getattr(src, "root", None)
+    return {"root": str(Path(root).resolve()) if root is not None else None, "classes": list(src.classes),
+            "entries": src.entries(), "sha256": sha}
+
+
+def unlisted(src: Source) -> list[dict[str, Any]]:
+    return [{"index": None, "path": p, "reason": r} for p, r in scan_errors(src)]
+
+
+_TEMP_NAME = re.compile(r"^\.|\.tmp\d+$|\.partial$")
+
+
+def remove_temp_files(root: Path) -> None:
+    """Temp files of writers killed mid-write (ours: hidden or ``.tmpPID``; zarr's ``.partial``)."""
+    for p in list(root.rglob("*")):
+        if p.is_file() and _TEMP_NAME.search(p.name):
+            p.unlink()
+
+
+def sync_tree(root: Path) -> None:
+    for p in sorted(root.rglob("*"), key=lambda q: -len(q.parts)):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(root)
 
 
 def save_npy_durably(path: Path, array: np.ndarray) -> None:

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 
 from dlstore.cache import Cache
+from dlstore.errors import CacheReplacedError
+from dlstore.resources import check_loader_shared_memory
 from dlstore.spec import CacheSpec, read_spec
 
 
@@ -40,11 +42,15 @@ class CachedDataset(torch.utils.data.Dataset):
     """
 
     def __init__(self, path: str | Path, transform: Callable[[torch.Tensor], Any] | None = None,
-                 in_memory: bool = False) -> None:
+                 in_memory: bool = False, strict: bool = False, check_source: bool = True) -> None:
         self.path = Path(path)
         self.transform = transform
         self.in_memory = in_memory
         self.spec: CacheSpec = read_spec(self.path)
+        if check_source:  # warns (strict: raises) naming the first source file changed since conversion
+            from dlstore.staleness import check_source as check
+
+            check(self.path, strict=strict)
         self._cache: Cache | None = None
         self._pid = -1
         if in_memory:
@@ -59,6 +65,9 @@ class CachedDataset(torch.utils.data.Dataset):
         if self._cache is None or (self._pid != os.getpid() and not self._cache.reader.fork_safe):
             self._cache = Cache(self.path, in_memory=self.in_memory)
             self._pid = os.getpid()
+            if self._cache.spec != self.spec:  # e.g. a spawned worker opening a cache rebuilt since
+                raise CacheReplacedError(f"{self.path}: the cache was rebuilt after this dataset was created "
+                                         "(its manifest changed); create the dataset again to read the new one")
         return self._cache
 
     @property
@@ -74,6 +83,7 @@ class CachedDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, int]]:
         """One storage pass for the batch; returns samples as DataLoader's default collate expects."""
+        check_loader_shared_memory(len(indices) * self.spec.image_bytes)
         images, labels = self._batch(indices)
         return [self._sample(img, int(lab)) for img, lab in zip(images, labels.tolist())]
 

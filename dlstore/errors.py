@@ -37,3 +37,23 @@ class ConvertError(DlstoreError, RuntimeError):
 
 class SampleReadError(DlstoreError, RuntimeError):
     """Reading one sample failed; names the cache file and the dataset index."""
+
+
+class StaleCacheError(DlstoreError, RuntimeError):
+    """The source files changed since the cache was built (raised instead of a warning with ``strict``)."""
+
+
+class StaleCacheWarning(UserWarning):
+    """The source files changed since the cache was built; names the first changed path."""
+
+
+class CacheTooLargeError(DlstoreError, MemoryError):
+    """Loading the cache into memory would exceed the memory available to this process (cgroup included)."""
+
+
+class SharedMemoryError(DlstoreError, RuntimeError):
+    """/dev/shm is too small for the batches DataLoader workers hand to the main process."""
+
+
+class CacheReplacedError(DlstoreError, RuntimeError):
+    """The cache was rebuilt or removed while it was open; reopen it to read the new generation."""

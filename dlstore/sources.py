@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,10 @@ class Source:
     def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
         raise NotImplementedError
 
+    def digest(self, i: int, missing_ok: bool = False) -> str:
+        """sha256 of sample i's file, for ``verify --deep``; "" for in-memory samples."""
+        return ""
+
     def entries(self) -> list[list[Any]]:
         """(relative name, size, mtime_ns, label) rows: what staleness checks compare."""
         stats = self.stats or [(0, 0)] * len(self.names)
@@ -61,8 +66,10 @@ class Source:
 class FolderSource(Source):
     """A folder of class subfolders, scanned exactly like ``torchvision.datasets.ImageFolder``.
 
-    Differences, on purpose: hidden folders and files (``.name``) are skipped, symlinked folders are
-    followed once (a loop ends the descent), GIFs are accepted.
+    Differences, on purpose: hidden folders and files (``.name``, so ``.DS_Store``) are skipped,
+    symlinked folders and files are followed, also when they point outside the root (a link loop, or a
+    folder reached twice, ends that descent), non-regular files (FIFOs, devices) and entries that
+    cannot be listed or stat'ed are reported in ``scan_errors`` rather than read, GIFs are accepted.
     """
 
     root: Path = Path(".")
@@ -70,6 +77,14 @@ class FolderSource(Source):
 
     def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
         return decode_file(self.root / self.names[i], policy)
+
+    def digest(self, i: int, missing_ok: bool = False) -> str:
+        try:
+            return file_sha256(self.root / self.names[i])
+        except OSError:
+            if missing_ok:
+                return ""
+            raise
 
 
 @dataclass
@@ -99,7 +114,10 @@ def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
             try:
                 st = path.stat()
             except OSError as e:
-                errors.append((str(path.relative_to(root)), f"cannot stat: {e.strerror}"))
+                errors.append((path.relative_to(root).as_posix(), f"cannot stat: {e.strerror}"))
+                continue
+            if not stat.S_ISREG(st.st_mode):  # a FIFO or device named .jpg would block or never end
+                errors.append((path.relative_to(root).as_posix(), "not a regular file (FIFO, device or socket)"))
                 continue
             names.append(path.relative_to(root).as_posix())
             labels.append(idx)
@@ -181,3 +199,8 @@ def open_source(source: str | Path, root: Path | None = None, train: bool = True
     if text.startswith("torchvision:"):
         return load_torchvision(text.split(":", 1)[1], root, train)
     return scan_folder(Path(text))
+
+
+def file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -2,14 +2,20 @@
 
 Next to DEST live, only while a conversion is unfinished:
   ``.NAME.dlstore-staging/``  the cache being built (becomes DEST by one rename)
-  ``.NAME.dlstore-journal/``  ``plan.json`` (what is being built), ``writer.json``, ``done.jsonl``
+  ``.NAME.dlstore-journal/``  ``plan.json`` (what is being built), ``entries.json`` (the source files
+                              it was planned from), ``writer.json``, ``done.jsonl``, ``commit.json``
   ``.NAME.dlstore-lock``      an flock held by the running converter, with its pid
+
+Publishing: ``commit.json`` records the sha256 of the new manifest before the swap, so a run killed
+between the swap and the clean-up can tell on resume whether DEST already holds the new cache
+(then it only cleans up) or the staging directory still does (then it swaps again).
 """
 
 from __future__ import annotations
 
 import ctypes
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -17,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dlstore.errors import ConvertError
-from dlstore.spec import fsync_dir, write_json_durably
+from dlstore.spec import MANIFEST, fsync_dir, write_json_durably
 
 _RENAME_EXCHANGE = 2
 
@@ -25,15 +31,24 @@ _RENAME_EXCHANGE = 2
 class Staging:
     """Context manager: lock, then resume or start the staging area; ``commit`` publishes it."""
 
-    def __init__(self, dest: Path, plan: dict[str, Any], discard_mismatch: bool = False) -> None:
+    def __init__(self, dest: Path, plan: dict[str, Any], discard_mismatch: bool = False,
+                 entries: list[list[Any]] | None = None) -> None:
         self.dest, self.plan, self.discard_mismatch = Path(dest), plan, discard_mismatch
+        self.entries = entries
         parent, name = self.dest.parent, self.dest.name
         self.path = parent / f".{name}.dlstore-staging"
         self.journal = parent / f".{name}.dlstore-journal"
         self.lock_path = parent / f".{name}.dlstore-lock"
         self.done: dict[int, list[dict[str, Any]]] = {}
+        self.digests: dict[int, list[str]] = {}  # sha256 of each source file, per unit, storage order
         self.fresh = True
+        self.already_published = False  # a previous run of this plan was killed after publishing DEST
         self._lock_fd: int | None = None
+
+    @staticmethod
+    def pending(dest: Path) -> bool:
+        """An unfinished (or unpublished) conversion to DEST left its journal."""
+        return (Path(dest).parent / f".{Path(dest).name}.dlstore-journal" / "plan.json").is_file()
 
     def __enter__(self) -> Staging:
         if not self.dest.parent.is_dir():
@@ -71,22 +86,46 @@ class Staging:
     # -- resume -------------------------------------------------------------------------------------
     def _open(self) -> None:
         old_plan = self._read_json(self.journal / "plan.json")
+        if old_plan is not None and self._finish_interrupted_commit(old_plan):
+            return
         if old_plan is not None and self.path.is_dir():
-            changed = [k for k in self.plan if old_plan.get(k) != self.plan[k]]
+            changed = plan_changes(old_plan, self.plan)
             if not changed:
                 self.fresh = False
                 self.done = self._read_done()
                 return
             if not self.discard_mismatch:
                 raise ConvertError(
-                    f"{self.dest}: an unfinished conversion is staged at {self.path} but with different "
-                    f"{', '.join(changed)} (was {', '.join(repr(old_plan.get(k)) for k in changed)}); "
-                    "re-run with the original options to resume, or pass --overwrite to discard it")
+                    f"{self.dest}: an unfinished conversion is staged at {self.path} but {'; '.join(changed)}"
+                    f"{self._first_changed_source(old_plan)}; re-run with the original sources and options "
+                    "to resume, or pass --overwrite to discard it and start over")
         shutil.rmtree(self.path, ignore_errors=True)
         shutil.rmtree(self.journal, ignore_errors=True)
         self.path.mkdir()
         self.journal.mkdir()
+        if self.entries is not None:
+            write_json_durably(self.journal / "entries.json", json.dumps(self.entries))
         write_json_durably(self.journal / "plan.json", json.dumps(self.plan, sort_keys=True))
+
+    def _first_changed_source(self, old_plan: dict[str, Any]) -> str:
+        if old_plan.get("fingerprint") == self.plan.get("fingerprint") or self.entries is None:
+            return ""
+        from dlstore.staleness import first_difference
+
+        old = self._read_json(self.journal / "entries.json")
+        diff = first_difference(old, self.entries) if isinstance(old, list) else None
+        return f" (first changed source file: {diff})" if diff else ""
+
+    def _finish_interrupted_commit(self, old_plan: dict[str, Any]) -> bool:
+        """A run of this same plan was killed while publishing: complete it instead of redoing it."""
+        marker = self._read_json(self.journal / "commit.json")
+        if marker is None or plan_changes(old_plan, self.plan):
+            return False
+        if manifest_digest(self.dest) == marker.get("manifest_sha256"):
+            self._clean_up()  # the swap happened; staging holds the previous cache, if anything
+            self.already_published = True
+            return True
+        return False  # not swapped yet: staging holds the new cache and resumes (all units done)
 
     @staticmethod
     def _read_json(path: Path) -> Any:
@@ -107,6 +146,7 @@ class Staging:
             except ValueError:
                 continue  # the last line of a killed run may be partial; its unit is redone
             done[int(rec["unit"])] = rec["bad"]
+            self.digests[int(rec["unit"])] = list(rec.get("sha256", []))
         return done
 
     def save_writer_options(self, options: dict[str, Any]) -> None:
@@ -118,13 +158,14 @@ class Staging:
             raise ConvertError(f"{self.journal}: journal incomplete; pass --overwrite to start over")
         return dict(opts)
 
-    def record(self, unit: int, bad: list[dict[str, Any]]) -> None:
+    def record(self, unit: int, bad: list[dict[str, Any]], digests: list[str] | None = None) -> None:
         """Journal a unit as done, after its data is durable (the writer fsyncs)."""
         with open(self.journal / "done.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"unit": unit, "bad": bad}) + "\n")
+            f.write(json.dumps({"unit": unit, "bad": bad, "sha256": digests or []}) + "\n")
             f.flush()
             os.fsync(f.fileno())
         self.done[unit] = bad
+        self.digests[unit] = digests or []
 
     def bad(self) -> list[dict[str, Any]]:
         return sorted((b for bad in self.done.values() for b in bad), key=lambda b: b["index"])
@@ -132,6 +173,8 @@ class Staging:
     # -- publish ------------------------------------------------------------------------------------
     def commit(self, overwrite: bool) -> None:
         """Publish staging as DEST: an atomic swap when DEST exists (old cache readable until then)."""
+        write_json_durably(self.journal / "commit.json",
+                           json.dumps({"manifest_sha256": manifest_digest(self.path)}))
         if self.dest.exists():
             if not overwrite:
                 raise ConvertError(f"{self.dest}: appeared during the conversion; pass --overwrite to replace it")
@@ -148,8 +191,32 @@ class Staging:
         else:
             os.rename(self.path, self.dest)
             fsync_dir(self.dest.parent)
+        self._clean_up()
+
+    def _clean_up(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
         shutil.rmtree(self.journal, ignore_errors=True)
         self.lock_path.unlink(missing_ok=True)
+
+
+def manifest_digest(root: Path) -> str | None:
+    try:
+        return hashlib.sha256((root / MANIFEST).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def plan_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Human-readable differences between two plans: ``policy.size was 32, now 64``."""
+    out: list[str] = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += plan_changes(a, b, f"{prefix}{key}.")
+        elif a != b:
+            what = "the source files changed" if key == "fingerprint" else f"{prefix}{key} was {a!r}, now {b!r}"
+            out.append(what)
+    return out
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -1,12 +1,20 @@
-"""``verify``: recompute every checksum in the manifest; name the first file that differs."""
+"""``verify``: recompute every checksum in the manifest; name the first file that differs.
+
+Also checks ``skipped.json`` against the labels and the source folder against ``sources.json``
+(sizes and mtimes; with ``deep`` the sha256 of every source file, which also catches an edit that
+kept the size and had its mtime restored).
+"""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dlstore.conversion import file_sha256
-from dlstore.spec import MANIFEST, parse_relpath, read_spec
+from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
+from dlstore.staleness import read_sources, source_status
 
 
 @dataclass
@@ -15,16 +23,38 @@ class VerifyResult:
     ok: bool
     checked: int
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    sources_hashed: int = 0
 
     @property
     def first_problem(self) -> str:
         return self.problems[0] if self.problems else ""
 
 
-def verify(path: str | Path) -> VerifyResult:
-    """Check every data file against the manifest's sha256, and that no data file is unlisted."""
+def verify(path: str | Path, deep: bool = False, source: str | Path | None = None) -> VerifyResult:
+    """Check every data file against the manifest's sha256, that no data file is unlisted, that
+    ``skipped.json`` agrees with the manifest, and that the source is unchanged (``deep``: by content).
+    ``source`` overrides the recorded source root (a dataset that moved)."""
     root = Path(path)
     spec = read_spec(root)
+    problems = checksum_problems(root, spec)
+    if not problems:
+        problems += skipped_problems(root, spec)
+    notes: list[str] = []
+    status = source_status(root, source)
+    if status.stale:
+        problems.append(f"stale: {status.message}")
+    elif not status.checked:
+        notes.append(status.message)
+    hashed = 0
+    if deep:
+        deep_problems, hashed = source_content_problems(root, source)
+        problems += deep_problems
+    return VerifyResult(root=str(root), ok=not problems, checked=len(spec.checksums), problems=problems,
+                        notes=notes, sources_hashed=hashed)
+
+
+def checksum_problems(root: Path, spec: CacheSpec) -> list[str]:
     problems: list[str] = []
     for name, digest in sorted(spec.checksums.items()):
         file = root / parse_relpath(name, root / MANIFEST)
@@ -34,5 +64,56 @@ def verify(path: str | Path) -> VerifyResult:
             problems.append(f"{file}: checksum mismatch (modified or truncated)")
     listed = set(spec.checksums) | {MANIFEST}
     extra = [p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in listed]
-    problems += [f"{p}: not part of this cache (unexpected file)" for p in sorted(extra)]
-    return VerifyResult(root=str(root), ok=not problems, checked=len(spec.checksums), problems=problems)
+    return problems + [f"{p}: not part of this cache (unexpected file)" for p in sorted(extra)]
+
+
+def skipped_problems(root: Path, spec: CacheSpec) -> list[str]:
+    """Every image missing from the cache is listed once in skipped.json with its path and reason."""
+    path = root / SKIPPED_FILE
+    try:
+        skipped = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return [f"{path}: unreadable ({e})"]
+    if not isinstance(skipped, list) or not all(_is_skip_entry(s) for s in skipped):
+        return [f"{path}: expected a list of {{index, path, reason}} objects"]
+    indexed = [s["index"] for s in skipped if s["index"] is not None]
+    expected = spec.n_stored - spec.n
+    if len(indexed) != expected or len(set(indexed)) != len(indexed):
+        return [f"{path}: lists {len(indexed)} skipped images, the manifest says {expected}"]
+    entries = (read_sources(root) or {}).get("entries")
+    for s in skipped:
+        if s["index"] is not None and entries and (s["index"] >= len(entries) or entries[s["index"]][0] != s["path"]):
+            return [f"{path}: entry {s['index']} names {s['path']!r}, which is not source sample {s['index']}"]
+    return []
+
+
+def _is_skip_entry(s: Any) -> bool:
+    return (isinstance(s, dict) and isinstance(s.get("path"), str) and isinstance(s.get("reason"), str)
+            and (s.get("index") is None or isinstance(s.get("index"), int)))
+
+
+def source_content_problems(root: Path, source: str | Path | None) -> tuple[list[str], int]:
+    """Re-hash every source file recorded with a sha256; name those whose content changed."""
+    doc = read_sources(root)
+    if doc is None:
+        return [f"{root}: no sources.json; cannot check the source by content"], 0
+    src_root = Path(source) if source is not None else Path(doc.get("root") or "")
+    if not doc.get("root") and source is None:
+        return [], 0  # not a folder source (torchvision arrays, ...): nothing on disk to hash
+    if not src_root.is_dir():
+        return [f"source root {src_root} not found; pass the dataset's new location with --source DIR"], 0
+    problems: list[str] = []
+    hashed = 0
+    for entry, digest in zip(doc["entries"], doc.get("sha256", [])):
+        if not digest:
+            continue
+        file = src_root / entry[0]
+        try:
+            now = file_sha256(file)
+        except OSError as e:
+            problems.append(f"{file}: cannot read source file ({e.strerror})")
+            continue
+        hashed += 1
+        if now != digest:
+            problems.append(f"{file}: source content changed since conversion (sha256 differs)")
+    return problems, hashed
