@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 
-from dlstore.errors import CacheCorruptError, CacheTooLargeError, DlstoreError, SampleReadError
+from dlstore.errors import CacheCorruptError, CacheReplacedError, CacheTooLargeError, DlstoreError, SampleReadError
 from dlstore.formats import get_format
 from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
 
@@ -20,6 +21,7 @@ class Cache:
 
     def __init__(self, root: Path, in_memory: bool = False) -> None:
         self.root = Path(root)
+        self._root_inode = os.stat(self.root).st_ino if self.root.is_dir() else -1
         self.spec: CacheSpec = read_spec(self.root)
         stored = load_labels(self.root, self.spec)
         # Dataset index → storage position: storage may be shuffled, and skipped images keep a slot.
@@ -50,7 +52,21 @@ class Cache:
         except DlstoreError as e:
             where = self._first_failing(np.asarray(indices, dtype=np.int64).reshape(-1), pos)
             raise SampleReadError(f"reading dataset {where} from {self.root}: {e}") from e
+        if self.spec.format != "ram":
+            self.check_generation()
         return out
+
+    def check_generation(self) -> None:
+        """Chunked formats open files as they go: if DEST was rebuilt (swapped) while open, refuse
+        rather than mix generations. Checked after a read, so a read that passed got the old files.
+        (A ram cache keeps reading its old generation: the memory map outlives the swap.)"""
+        try:
+            inode = os.stat(self.root).st_ino
+        except OSError:
+            inode = -2
+        if inode != self._root_inode:
+            raise CacheReplacedError(f"{self.root}: the cache was rebuilt or removed while open; open it "
+                                     "again (a new CachedDataset / open_cache) to read the new generation")
 
     def _first_failing(self, indices: np.ndarray, pos: np.ndarray) -> str:
         """On the error path only: re-read one by one to name the dataset index that fails."""

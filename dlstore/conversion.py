@@ -36,7 +36,7 @@ from dlstore.formats import get_format
 from dlstore.formats.base import CacheWriter
 from dlstore.sources import Source, open_source
 from dlstore.spec import (LABELS_FILE, MANIFEST, POSITIONS_FILE, SKIPPED_FILE, SOURCES_FILE, CacheSpec, ImagePolicy, fsync_dir,
-                          write_json_durably)
+                          read_spec, write_json_durably)
 from dlstore.staging import Staging
 
 Progress = Callable[[int], None]
@@ -104,11 +104,12 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
             return published_result(dest, fmt.name, src, t0, writer.n_units, warnings)
         check_destination(dest, overwrite)
         writer.root = staging.path
-        if staging.fresh:
+        saved = None if staging.fresh else staging.writer_options()
+        if saved is None:  # fresh, or killed before the layout was recorded (then no unit was written)
             writer.create()
             staging.save_writer_options(writer.options)
         else:
-            writer.options = staging.writer_options()
+            writer.options = saved
         warnings += preflight(writer, staging, compress or fmt.name == "zarr")
         for w in warnings:
             if log:

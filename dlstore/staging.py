@@ -33,7 +33,8 @@ class Staging:
 
     def __init__(self, dest: Path, plan: dict[str, Any], discard_mismatch: bool = False,
                  entries: list[list[Any]] | None = None) -> None:
-        self.dest, self.plan, self.discard_mismatch = Path(dest), plan, discard_mismatch
+        # Compared with the plan read back from JSON, so normalise it the same way (tuples → lists).
+        self.dest, self.plan, self.discard_mismatch = Path(dest), json.loads(json.dumps(plan)), discard_mismatch
         self.entries = entries
         parent, name = self.dest.parent, self.dest.name
         self.path = parent / f".{name}.dlstore-staging"
@@ -152,11 +153,10 @@ class Staging:
     def save_writer_options(self, options: dict[str, Any]) -> None:
         write_json_durably(self.journal / "writer.json", json.dumps(options))
 
-    def writer_options(self) -> dict[str, Any]:
+    def writer_options(self) -> dict[str, Any] | None:
+        """The layout options recorded after ``create``; None if a run died before recording them."""
         opts = self._read_json(self.journal / "writer.json")
-        if opts is None:
-            raise ConvertError(f"{self.journal}: journal incomplete; pass --overwrite to start over")
-        return dict(opts)
+        return dict(opts) if isinstance(opts, dict) else None
 
     def record(self, unit: int, bad: list[dict[str, Any]], digests: list[str] | None = None) -> None:
         """Journal a unit as done, after its data is durable (the writer fsyncs)."""

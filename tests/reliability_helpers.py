@@ -1,0 +1,54 @@
+"""Helpers for the reliability tests: small trees, small units, cache comparison."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from dlstore.cache import open_cache
+from dlstore.formats import FORMATS
+
+FORMAT_NAMES = list(FORMATS)
+
+
+def make_tree(root: Path, per_class: int = 12, classes: tuple[str, ...] = ("a", "b"), seed: int = 0,
+              side: int = 24) -> Path:
+    """A small ImageFolder tree of PNG and JPEG files with distinct random content."""
+    rng = np.random.default_rng(seed)
+    for cls in classes:
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        for j in range(per_class):
+            arr = rng.integers(0, 256, (side, side + j % 5, 3), dtype=np.uint8)
+            suffix = ".png" if j % 2 else ".jpg"
+            Image.fromarray(arr).save(root / cls / f"img{j:03d}{suffix}")
+    return root
+
+
+def image_bytes(arr: np.ndarray, fmt: str, **kw: object) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format=fmt, **kw)
+    return buf.getvalue()
+
+
+def small_units(monkeypatch: pytest.MonkeyPatch, unit: int = 5) -> None:
+    """Every format writes units of ``unit`` images, so a tiny tree still has many units."""
+    for fmt in FORMATS.values():
+        monkeypatch.setattr(fmt.writer, "choose_unit_size", staticmethod(lambda image_bytes: unit))
+
+
+def read_all(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    cache = open_cache(path, check_source=False)
+    try:
+        return cache.read(np.arange(len(cache))), cache.labels.copy()
+    finally:
+        cache.close()
+
+
+def assert_same_cache(a: Path, b: Path) -> None:
+    ia, la = read_all(a)
+    ib, lb = read_all(b)
+    assert np.array_equal(la, lb) and np.array_equal(ia, ib)
