@@ -15,6 +15,7 @@ labels int64 (B,). Convert, normalise and augment on the GPU (``dlstore.gpu.GpuA
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 from collections.abc import Iterator
@@ -26,22 +27,32 @@ import torch
 
 from dlstore.cache import Cache, open_cache
 from dlstore.errors import DlstoreError
+from dlstore.formats.base import ChunkedReader
 from dlstore.sampler import ChunkSampler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def make_sampler(cache: Cache, order: str, seed: int = 0, window: int = 16) -> torch.utils.data.Sampler[int]:
+def make_sampler(cache: Cache, order: str, seed: int = 0, window: int | None = None) -> torch.utils.data.Sampler[int]:
     """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``."""
     if order == "auto":
-        order = "chunk" if hasattr(cache.reader, "unit") else "random"
+        order = "chunk" if isinstance(cache.reader, ChunkedReader) else "random"
     if order == "chunk":
-        return ChunkSampler(cache.positions, getattr(cache.reader, "unit", 1), window=window, seed=seed)
+        unit = getattr(cache.reader, "unit", 1)
+        return ChunkSampler(cache.positions, unit, window=window or default_window(cache), seed=seed)
     if order == "random":
         return torch.utils.data.RandomSampler(range(len(cache)), generator=torch.Generator().manual_seed(seed))
     if order == "sequential":
         return torch.utils.data.SequentialSampler(range(len(cache)))
     raise ValueError(f"order must be auto, chunk, random or sequential, got {order!r}")
+
+
+def default_window(cache: Cache, images: int = 4096) -> int:
+    """Mix about `images` images at a time, but never more units than half the reader keeps decoded."""
+    reader = cache.reader
+    if not isinstance(reader, ChunkedReader):
+        return 1
+    return max(1, min(reader.max_units // 2, -(-images // reader.unit)))
 
 
 class PinnedLoader:
@@ -55,11 +66,13 @@ class PinnedLoader:
 
     def __init__(self, path: str | Path | Cache, batch_size: int, device: str | torch.device = "cuda",
                  order: str = "auto", drop_last: bool = True, seed: int = 0, num_buffers: int = 4,
-                 in_memory: bool = False, window: int = 16) -> None:
+                 in_memory: bool = False, window: int | None = None) -> None:
         self.cache = path if isinstance(path, Cache) else open_cache(path, in_memory=in_memory)
         self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
         self.device = torch.device(device)
         self.sampler = make_sampler(self.cache, order, seed, window)
+        if isinstance(self.cache.reader, ChunkedReader):  # the only process decoding: use every core
+            self.cache.reader.threads = max(self.cache.reader.threads, len(os.sched_getaffinity(0)))
         self.num_buffers = max(2, num_buffers)
         self.epoch = 0
         self._ring: BufferRing | None = None
@@ -209,32 +222,17 @@ class ResidentLoader:
 
 def check_fits(cache: Cache, device: torch.device, headroom: float) -> None:
     need = len(cache) * cache.spec.image_bytes
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_host_memory()
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        from dlstore.resources import available_memory
+
+        free = available_memory()[0]
+        if free is None:
+            return
     if need > free * (1 - headroom):
         raise DlstoreError(f"{cache.root}: {need / 1e9:.2f} GB of images do not fit in {device} with "
                            f"{headroom:.0%} headroom ({free / 1e9:.2f} GB free); use PinnedLoader instead")
-
-
-def available_host_memory() -> int:
-    """MemAvailable, capped by the cgroup (container) limit when one is set."""
-    avail = 1 << 62
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            limit = Path(limit_file).read_text().strip()
-            usage = int(Path(usage_file).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit():
-            avail = min(avail, int(limit) - usage)
-    return avail
 
 
 def upload(cache: Cache, device: torch.device, block_bytes: int) -> torch.Tensor:

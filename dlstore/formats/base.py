@@ -98,6 +98,10 @@ class ChunkedReader(CacheReader):
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
 
+    @property
+    def max_units(self) -> int:
+        return self._units.max_units
+
     @abstractmethod
     def load_unit(self, k: int) -> np.ndarray:
         """Decode unit k into (unit_len, H, W, C) uint8."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -39,8 +40,8 @@ class NpzWriter(CacheWriter):
 
 
 class NpzReader(ChunkedReader):
-    """Decodes a shard once and keeps the most recent ones (bounded bytes), so a batch that hits a
-    shard costs one ``np.load`` however many of its images it takes."""
+    """A stored (uncompressed) shard is memory-mapped in place inside its zip, so reading it costs no
+    decode at all; a deflated shard is decoded once (in a thread) and the most recent ones are kept."""
 
     def __init__(self, root: Path, spec: Any, in_memory: bool = False, cache_bytes: int = 512 << 20) -> None:
         super().__init__(root, spec, in_memory, unit=int(spec.format_options["unit_size"]), cache_bytes=cache_bytes)
@@ -50,12 +51,38 @@ class NpzReader(ChunkedReader):
         count = min(self.unit, self.spec.n_stored - k * self.unit)
         expected = (count, *self.spec.shape)
         try:
-            with np.load(path, allow_pickle=False) as z:
-                arr = z["images"]
+            arr = map_stored_member(path, "images.npy")
+            if arr is None:
+                with np.load(path, allow_pickle=False) as z:
+                    arr = z["images"]
         except FileNotFoundError:
             raise CacheCorruptError(f"{path}: shard missing; run `dlstore verify {self.root}` and rebuild") from None
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as e:
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, struct.error) as e:
             raise CacheCorruptError(f"{path}: shard unreadable ({type(e).__name__}: {e}); rebuild the cache") from None
         if arr.shape != expected or arr.dtype != np.uint8:
             raise CacheCorruptError(f"{path}: holds {arr.dtype}{arr.shape}, expected uint8{expected}; rebuild")
         return arr
+
+
+def map_stored_member(path: Path, member: str) -> np.ndarray | None:
+    """Memory-map a .npy stored uncompressed inside a zip; None if it is compressed."""
+    with zipfile.ZipFile(path) as zf:
+        info = zf.getinfo(member)
+    if info.compress_type != zipfile.ZIP_STORED:
+        return None
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        local = f.read(30)
+        if local[:4] != b"PK\x03\x04":
+            raise zipfile.BadZipFile(f"no local header for {member}")
+        name_len, extra_len = struct.unpack("<HH", local[26:30])
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        version = np.lib.format.read_magic(f)
+        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        shape, fortran, dtype = read_header(f)
+        offset = f.tell()
+    if fortran or dtype != np.uint8 or offset - info.header_offset > info.file_size + 30 + name_len + extra_len:
+        raise ValueError(f"{member} is not a C-ordered uint8 array")
+    if info.file_size != offset - (info.header_offset + 30 + name_len + extra_len) + int(np.prod(shape)):
+        raise ValueError(f"{member}: zip entry size {info.file_size} does not match the array {shape}")
+    return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=shape)

@@ -63,7 +63,7 @@ class ZarrWriter(CacheWriter):
         zarr.open_array(self.root / "labels", mode="r+", zarr_format=3)[:] = labels
 
 
-def parse_array_meta(path: Path, n: int, shape: tuple[int, int, int]) -> tuple[int, Callable[[bytes], Any]]:
+def parse_array_meta(path: Path, n: int, shape: tuple[int, int, int]) -> tuple[int, Callable[[bytes], Any] | None]:
     """Validate ``images/zarr.json`` before any chunk is decoded; return (chunk length, decoder)."""
     try:
         meta = json.loads(path.read_text())
@@ -88,7 +88,7 @@ def parse_array_meta(path: Path, n: int, shape: tuple[int, int, int]) -> tuple[i
     return chunk[0], _decoder(path, meta.get("codecs"))
 
 
-def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any]:
+def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any] | None:
     """Only ``bytes`` then at most one of zstd/blosc; anything else (pickle, object codecs) is refused."""
     if not isinstance(codecs, list) or not codecs or not isinstance(codecs[0], dict) or codecs[0].get("name") != "bytes":
         raise SpecError(f"{path}: codec chain {codecs} must start with 'bytes'")
@@ -97,7 +97,7 @@ def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any]:
         names = [c.get("name") if isinstance(c, dict) else c for c in rest]
         raise SpecError(f"{path}: codec(s) {names} not allowed; only one of {sorted(_ALLOWED_COMPRESSORS)}")
     if not rest:
-        return lambda b: b
+        return None  # raw chunks: memory-mapped instead of decoded (see ZarrReader.load_unit)
     if rest[0]["name"] == "zstd":
         from numcodecs.zstd import Zstd
 
@@ -120,6 +120,8 @@ class ZarrReader(ChunkedReader):
     def load_unit(self, k: int) -> np.ndarray:
         path = self.chunk_path(k)
         try:
+            if self.decode is None:
+                return np.memmap(path, np.uint8, "r", shape=(self.unit, *self.spec.shape))
             raw = self.decode(path.read_bytes())
         except FileNotFoundError:
             raise CacheCorruptError(f"{path}: chunk {k} missing (zarr would read it as zeros); rebuild") from None

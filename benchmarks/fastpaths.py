@@ -1,0 +1,469 @@
+"""Issue 5 targets, measured side by side in one run on one machine (meant for the lent H200).
+
+    python benchmarks/fastpaths.py --out OUTDIR [--images 8192] [--sections all]
+
+Writes OUTDIR/fastpaths.json (every number, the environment, the protocol) and OUTDIR/targets.json
+({name, measured, ceiling_or_baseline, ratio, goal, met}), then prints a table. Each section is
+independent and recorded as it finishes, so a failure or time-out loses only that section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dlstore.cache import open_cache  # noqa: E402
+from dlstore.conversion import convert  # noqa: E402
+from dlstore.demo import ensure_demo  # noqa: E402
+from dlstore.gpu import GpuAugment  # noqa: E402
+from dlstore.idx import write_fashion_mnist_like  # noqa: E402
+from dlstore.loader import PinnedLoader, ResidentLoader, batch_dataloader, make_sampler  # noqa: E402
+from dlstore.sources import open_source, scan_folder  # noqa: E402
+from dlstore.spec import ImagePolicy  # noqa: E402
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+RESULTS: dict[str, Any] = {}
+TARGETS: list[dict[str, Any]] = []
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def target(name: str, measured: float, base: float, goal: float, note: str = "") -> None:
+    ratio = measured / base if base else float("nan")
+    met = ratio >= goal if goal < 5 else measured >= goal
+    TARGETS.append({"name": name, "measured": round(measured, 1), "ceiling_or_baseline": round(base, 1),
+                    "ratio": round(ratio, 3), "goal": goal, "met": bool(met), "note": note})
+
+
+# --- training loops --------------------------------------------------------------------------------
+
+def timed_steps(batches: Callable[[], Any], step: Callable[[torch.Tensor, torch.Tensor], None],
+                warmup: int, steps: int, batch: int) -> float:
+    """images/s over `steps` steps after `warmup`, CUDA-synchronised; batches() gives a fresh iterator."""
+    it = batches()
+
+    def nxt() -> tuple[torch.Tensor, torch.Tensor]:
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:
+            it = batches()
+            return next(it)
+
+    for _ in range(warmup):
+        step(*nxt())
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(*nxt())
+    sync()
+    return steps * batch / (time.perf_counter() - t0)
+
+
+def resnet_step(name: str, classes: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    import torchvision
+
+    model = getattr(torchvision.models, name)(num_classes=classes).cuda().to(memory_format=torch.channels_last)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def smallcnn_step() -> Callable[[torch.Tensor, torch.Tensor], None]:
+    from dlstore.bench.models import SmallCNN
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    model = SmallCNN(1, 28, 10).cuda()
+    assert sum(p.numel() for p in model.parameters()) == 105_866
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    return step
+
+
+def synthetic(shape: tuple[int, ...], classes: int, dtype: torch.dtype, channels_last: bool) -> Callable[[], Any]:
+    x = torch.randn(shape, device="cuda").to(dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, classes, (shape[0],), device="cuda")
+
+    def gen() -> Any:
+        while True:
+            yield x, y
+    return gen
+
+
+def augmented(loader: Any, aug: GpuAugment) -> Callable[[], Any]:
+    def gen() -> Any:
+        for x, y in loader:
+            yield aug(x), y
+    return gen
+
+
+def interleave(configs: dict[str, Callable[[], float]], repeats: int) -> dict[str, dict[str, Any]]:
+    """Run each configuration `repeats` times in rotated order; median and min-max per configuration."""
+    runs: dict[str, list[float]] = {k: [] for k in configs}
+    names = list(configs)
+    for r in range(repeats):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            runs[name].append(configs[name]())
+            log(f"  {name}: {runs[name][-1]:,.0f} img/s")
+    return {k: {"median": float(np.median(v)), "min": min(v), "max": max(v), "runs": v} for k, v in runs.items()}
+
+
+# --- sections ----------------------------------------------------------------------------------------
+
+def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    demo = ensure_demo(work / "demo", n_images=args.images)
+    gen_s = time.perf_counter() - t0
+    src = scan_folder(demo)
+    policy = ImagePolicy(size=256)
+    n1 = min(400, len(src))
+    t0 = time.perf_counter()
+    for i in range(n1):
+        src.decode(i, policy)
+    one_core = n1 / (time.perf_counter() - t0)
+    cores = len(os.sched_getaffinity(0))
+    out: dict[str, Any] = {"demo_images": len(src), "demo_generate_s": gen_s, "one_core_decode_resize_img_s": one_core,
+                           "cores": cores, "convert": {}}
+    for fmt, size in (("ram", 256), ("npz", 256), ("zarr", 256), ("ram", 128)):
+        res = convert(src, work / f"{fmt}{size}", format=fmt, size=size, workers=cores, overwrite=True)
+        out["convert"][f"{fmt}{size}"] = {"seconds": res.seconds, "img_s": res.images_per_s,
+                                          "bytes": res.bytes_on_disk}
+        log(f"convert {fmt}{size}: {res.images_per_s:,.0f} img/s")
+    rate = out["convert"]["ram256"]["img_s"]
+    target("convert (ram, 256px, all cores) vs cores x one-core decode+resize", rate, cores * one_core, 0.85)
+    return out
+
+
+def section_loader_alone(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    b = 256
+    out: dict[str, Any] = {}
+    cache = open_cache(work / "ram256", in_memory=True)
+    n = len(cache)
+    pinned = torch.empty((b, 256, 256, 3), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    rng = np.random.default_rng(0)
+
+    def host_gather(threads: int) -> float:
+        torch.set_num_threads(threads)
+        idx = [rng.integers(0, n, b) for _ in range(200)]
+        for i in idx[:10]:
+            cache.read(i, out=pinned.numpy())
+        t0 = time.perf_counter()
+        for i in idx:
+            cache.read(i, out=pinned.numpy())
+        return len(idx) * b / (time.perf_counter() - t0)
+
+    cores = len(os.sched_getaffinity(0))
+    out["gather_1_thread"] = host_gather(1)
+    out[f"gather_{cores}_threads"] = host_gather(cores)
+    torch.set_num_threads(cores)
+
+    def pinned_loader() -> float:
+        loader = PinnedLoader(cache, batch_size=b, device="cuda", order="random")
+        return timed_steps(lambda: iter(loader), lambda x, y: None, 10, 150, b)
+
+    def workers(k: int, to_gpu: bool) -> Callable[[], float]:
+        def run() -> float:
+            loader = batch_dataloader(work / "ram256", batch_size=b, num_workers=k, order="random",
+                                      pin_memory=to_gpu, prefetch_factor=4)
+            it = _Reiter(loader) if to_gpu else (lambda: iter(loader))
+            return timed_steps(lambda: iter(it) if to_gpu else it(), lambda x, y: None, 20, 300, b)
+        return run
+
+    out["pinned_loader_to_gpu"] = interleave({"pinned": pinned_loader}, 2)["pinned"]
+    out[f"dataloader_{cores}_workers_host"] = interleave({"w": workers(cores, False)}, 2)["w"]
+    out[f"dataloader_{cores}_workers_to_gpu"] = interleave({"w": workers(cores, True)}, 1)["w"]
+    resident = ResidentLoader(cache, batch_size=b, device="cuda")
+    out["gpu_resident"] = timed_steps(lambda: iter(resident), lambda x, y: None, 10, 2000, b)
+    one = max(out["gather_1_thread"], 0)
+    best_one_process = max(out[f"gather_{cores}_threads"], out["pinned_loader_to_gpu"]["median"])
+    target("loader alone, 256px RAM cache, one process (to pinned/GPU)", best_one_process, 50_000, 50_000,
+           f"one thread: {one:,.0f} img/s")
+    target(f"loader alone, 256px RAM cache, {cores} DataLoader workers (host)",
+           out[f"dataloader_{cores}_workers_host"]["median"], 150_000, 150_000,
+           f"to GPU with pin_memory: {out[f'dataloader_{cores}_workers_to_gpu']['median']:,.0f} img/s")
+    target("loader alone, GPU-resident", out["gpu_resident"], 1_000_000, 1_000_000)
+    return out
+
+
+def section_random_reads(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    b = 256
+    out: dict[str, Any] = {}
+    memmap = open_cache(work / "ram256")
+    buf = np.empty((b, 256, 256, 3), np.uint8)
+
+    def rate(cache: Any, order: list[int], batches: int = 60) -> float:
+        t0 = time.perf_counter()
+        count = 0
+        for i in range(0, min(len(order), batches * b) - b + 1, b):
+            cache.read(order[i:i + b], out=buf)
+            count += b
+        return count / (time.perf_counter() - t0)
+
+    for fmt in ("ram", "npz", "zarr"):  # warm page cache: this section compares decoding, not the disk
+        for f in (work / f"{fmt}256").rglob("*"):
+            if f.is_file():
+                f.read_bytes()
+    full = np.random.default_rng(1).permutation(len(memmap)).tolist()
+    rate(memmap, full, batches=5)
+    out["memmap_random"] = rate(memmap, full)
+    for fmt in ("npz", "zarr"):
+        cache = open_cache(work / f"{fmt}256")
+        order = list(make_sampler(cache, "chunk", seed=0))
+        out[f"{fmt}_chunk_sampler"] = rate(cache, order)
+        fresh = open_cache(work / f"{fmt}256")
+        out[f"{fmt}_full_shuffle"] = rate(fresh, full, batches=10)
+        target(f"{fmt} via ChunkSampler vs memmap, random order", out[f"{fmt}_chunk_sampler"], out["memmap_random"], 0.5)
+    return out
+
+
+def section_resnet(args: argparse.Namespace, work: Path, name: str, res: int, batch: int, cache_dir: str,
+                   goal: float) -> dict[str, Any]:
+    torch.backends.cudnn.benchmark = True
+    step = resnet_step(name, 5)
+    aug = GpuAugment(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).cuda()
+    cache = open_cache(work / cache_dir, in_memory=True)
+    pinned = PinnedLoader(cache, batch_size=batch, device="cuda", order="random")
+    resident = ResidentLoader(cache, batch_size=batch, device="cuda")
+    dl2 = batch_dataloader(work / cache_dir, batch_size=batch, num_workers=2, order="random", prefetch_factor=4)
+    cfgs = {
+        "synthetic": lambda: timed_steps(synthetic((batch, 3, res, res), 5, torch.bfloat16, True), step,
+                                         args.warmup, args.steps, batch),
+        "pinned_0_workers": lambda: timed_steps(augmented(pinned, aug), step, args.warmup, args.steps, batch),
+        "dataloader_2_workers": lambda: timed_steps(augmented(_Reiter(dl2), aug), step, args.warmup, args.steps, batch),
+        "gpu_resident": lambda: timed_steps(augmented(resident, aug), step, args.warmup, args.steps, batch),
+    }
+    out = interleave(cfgs, args.repeats)
+    ceiling = out["synthetic"]["median"]
+    best = max(("pinned_0_workers", "dataloader_2_workers"), key=lambda k: out[k]["median"])
+    target(f"{name} bf16 @{res} bs{batch} from cache (<=2 workers: {best}) vs synthetic", out[best]["median"],
+           ceiling, goal)
+    target(f"{name} bf16 @{res} GPU-resident vs synthetic", out["gpu_resident"]["median"], ceiling, goal)
+    return out
+
+
+class _Reiter:
+    """A DataLoader as a fresh iterator each epoch, moving batches to the GPU."""
+
+    def __init__(self, dl: Any) -> None:
+        self.dl = dl
+
+    def __iter__(self) -> Any:
+        return ((x.cuda(non_blocking=True), y.cuda(non_blocking=True)) for x, y in self.dl)
+
+
+def section_fashion(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    root = work / "fmnist"
+    write_fashion_mnist_like(root, 60_000, 10_000)
+    src = open_source("torchvision:FashionMNIST", root=root)
+    convert(src, work / "fm28", format="ram", size=28, resize="stretch", channels=1, overwrite=True)
+    step = smallcnn_step()
+    cache = open_cache(work / "fm28", in_memory=True)
+    resident = ResidentLoader(cache, batch_size=256, device="cuda")
+    aug = GpuAugment(28, scale=(0.75, 1.0), ratio=(1.0, 1.0), hflip_p=0.0, degrees=15, mean=(0.2860,),
+                     std=(0.3530,)).cuda()
+    plain = GpuAugment(28, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip_p=0.0).cuda()  # ToTensor-equivalent
+    pinned = PinnedLoader(cache, batch_size=256, device="cuda", order="random")
+    steps = args.steps * 3
+    cfgs = {
+        "synthetic": lambda: timed_steps(synthetic((256, 1, 28, 28), 10, torch.float32, False), step, 40, steps, 256),
+        "resident_gpu_augment": lambda: timed_steps(augmented(resident, aug), step, 40, steps, 256),
+        "resident_light": lambda: timed_steps(lambda: ((x.float() / 255, y) for x, y in resident), step, 40, steps, 256),
+        "pinned_gpu_augment": lambda: timed_steps(augmented(pinned, aug), step, 40, steps, 256),
+    }
+    del plain
+    out = interleave(cfgs, args.repeats)
+    target("FashionMNIST SmallCNN + GPU augment, 0 workers (resident)", out["resident_gpu_augment"]["median"],
+           out["synthetic"]["median"], 120_000, "goal is absolute img/s; baseline is the synthetic ceiling")
+    return out
+
+
+def _peer_arrays(work: Path) -> tuple[np.ndarray, np.ndarray]:
+    cache = open_cache(work / "ram256", in_memory=True)
+    return cache.read(np.arange(len(cache))), cache.labels
+
+
+def _litdata_item(args: tuple[str, int]) -> dict[str, Any]:
+    path, i = args
+    arr = np.load(path, mmap_mode="r")
+    return {"image": np.ascontiguousarray(arr[i]), "label": int(i)}
+
+
+def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """LitData and WebDataset on the same 256px arrays, loader alone (host side), same worker counts."""
+    import litdata
+    import webdataset as wds
+
+    images, labels = _peer_arrays(work)
+    n, b = len(images), 256
+    np.save(work / "peer_images.npy", images)
+    cores = len(os.sched_getaffinity(0))
+    out: dict[str, Any] = {"settings": {
+        "litdata": "optimize(chunk_bytes='64MB', num_workers=cores); StreamingDataset(shuffle=True); "
+                   "StreamingDataLoader(batch_size=256, num_workers=k)",
+        "webdataset": "ShardWriter(maxcount=1024) of .npy+.cls; WebDataset(shardshuffle=True, "
+                      "nodesplitter=split_by_node).shuffle(2000).decode().to_tuple('npy','cls').batched(256); "
+                      "WebLoader(batch_size=None, num_workers=k)",
+        "dlstore": "batch_dataloader(ram cache, order=random, num_workers=k, pin_memory=False); "
+                   "k=0: PinnedLoader to host"}}
+    t0 = time.perf_counter()
+    litdata.optimize(fn=_litdata_item, inputs=[(str(work / "peer_images.npy"), i) for i in range(n)],
+                     output_dir=str(work / "litdata"), chunk_bytes="64MB", num_workers=min(cores, 16))
+    out["litdata_optimize_s"] = time.perf_counter() - t0
+    (work / "wds").mkdir(exist_ok=True)
+    t0 = time.perf_counter()
+    with wds.ShardWriter(str(work / "wds" / "shard-%05d.tar"), maxcount=1024, verbose=0) as sink:
+        for i in range(n):
+            sink.write({"__key__": f"{i:08d}", "npy": images[i], "cls": int(labels[i])})
+    out["webdataset_write_s"] = time.perf_counter() - t0
+    urls = sorted(str(p) for p in (work / "wds").glob("*.tar"))
+
+    def drain(make: Callable[[], Any], batches: int) -> float:
+        it = iter(make())
+
+        def nxt() -> Any:
+            nonlocal it
+            try:
+                return next(it)
+            except StopIteration:
+                it = iter(make())
+                return next(it)
+
+        for _ in range(3):
+            nxt()
+        t0 = time.perf_counter()
+        count = 0
+        for _ in range(batches):
+            x = nxt()
+            count += len(x[0]) if isinstance(x, (list, tuple)) else len(x["image"])
+        return count / (time.perf_counter() - t0)
+
+    def lit(k: int) -> Callable[[], float]:
+        ds = litdata.StreamingDataset(str(work / "litdata"), shuffle=True)
+        dl = litdata.StreamingDataLoader(ds, batch_size=b, num_workers=k)
+        return lambda: drain(lambda: dl, 40)
+
+    def web(k: int) -> Callable[[], float]:
+        ds = (wds.WebDataset(urls, shardshuffle=True, nodesplitter=wds.split_by_node, empty_check=False)
+              .shuffle(2000).decode().to_tuple("npy", "cls").batched(b))
+        dl = wds.WebLoader(ds, batch_size=None, num_workers=k)
+        return lambda: drain(lambda: dl, 40)
+
+    def ours(k: int) -> Callable[[], float]:
+        if k == 0:
+            loader = PinnedLoader(work / "ram256", batch_size=b, device="cpu", order="random")
+            return lambda: drain(lambda: loader, 200)
+        dl = batch_dataloader(work / "ram256", batch_size=b, num_workers=k, order="random", pin_memory=False)
+        return lambda: drain(lambda: dl, 200)
+
+    for k in (0, 4, min(16, cores)):
+        cfgs = {f"litdata_w{k}": lit(k), f"webdataset_w{k}": web(k), f"dlstore_w{k}": ours(k)}
+        out.update(interleave(cfgs, 2))
+        best_peer = max(out[f"litdata_w{k}"]["median"], out[f"webdataset_w{k}"]["median"])
+        target(f"dlstore vs best of LitData/WebDataset, {k} workers (loader alone)",
+               out[f"dlstore_w{k}"]["median"], best_peer, 1.0)
+    return out
+
+
+SECTIONS: dict[str, Callable[..., dict[str, Any]]] = {
+    "data": section_data,
+    "loader": section_loader_alone,
+    "random_reads": section_random_reads,
+    "resnet50": lambda a, w: section_resnet(a, w, "resnet50", 224, 256, "ram256", 0.97),
+    "resnet18": lambda a, w: section_resnet(a, w, "resnet18", 112, 512, "ram128", 0.90),
+    "fashion": section_fashion,
+    "peers": section_peers,
+}
+
+
+def environment() -> dict[str, Any]:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
+           "cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
+           "argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    try:
+        import torchvision
+        import zarr
+
+        env.update(torchvision=torchvision.__version__, zarr=zarr.__version__)
+    except ImportError as e:
+        env["import_error"] = str(e)
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    try:
+        env["cpu_model"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                                if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return env
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--images", type=int, default=8192)
+    ap.add_argument("--sections", default="all")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-fast-"))
+    RESULTS["environment"] = environment()
+    RESULTS["protocol"] = {"warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
+                           "images": args.images, "order": "configurations rotated per repeat; median, min-max"}
+    names = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
+    for name in names:
+        log(f"section {name}")
+        t0 = time.perf_counter()
+        try:
+            RESULTS[name] = SECTIONS[name](args, work)
+        except Exception as e:  # record and go on: other sections still count
+            RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            log(traceback.format_exc())
+        RESULTS.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
+        (args.out / "fastpaths.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+        (args.out / "targets.json").write_text(json.dumps({"environment": RESULTS["environment"],
+                                                           "targets": TARGETS}, indent=1))
+    print(f"{'target':78} {'measured':>12} {'base':>12} {'ratio':>7} {'goal':>9} met")
+    for t in TARGETS:
+        print(f"{t['name'][:78]:78} {t['measured']:>12,.0f} {t['ceiling_or_baseline']:>12,.0f} {t['ratio']:>7.3f} "
+              f"{t['goal']:>9g} {'yes' if t['met'] else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""CUDA paths (run on a GPU machine: ``pytest -m gpu``); skipped without CUDA."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dlstore import convert, open_cache
+from dlstore.gpu import GpuAugment
+from dlstore.loader import PinnedLoader, ResidentLoader
+from dlstore.sources import ArraySource
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    rng = np.random.default_rng(0)
+    n = 300
+    data = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
+    data[:, 0, 0, 0], data[:, 0, 0, 1] = np.arange(n) % 256, np.arange(n) // 256
+    src = ArraySource(description="t", classes=("a", "b"), names=[str(i) for i in range(n)],
+                      labels=rng.integers(0, 2, n), kind="test", data=data)
+    dest = tmp_path_factory.mktemp("gpu") / "zarr"
+    convert(src, dest, format="zarr", size=32, resize="stretch", workers=1)
+    return dest
+
+
+def ids(x: torch.Tensor) -> list[int]:
+    return (x[:, 0, 0, 0].long() + 256 * x[:, 1, 0, 0].long()).tolist()
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_pinned_loader_on_cuda_matches_plain_reads(cache_dir: Path, slow: bool) -> None:
+    cache = open_cache(cache_dir)
+    ref = torch.from_numpy(cache.read(np.arange(len(cache)))).permute(0, 3, 1, 2)
+    loader = PinnedLoader(cache_dir, batch_size=16, device="cuda", num_buffers=2, drop_last=False)
+    seen = []
+    for x, y in loader:
+        assert x.is_cuda and y.is_cuda
+        if slow:  # keep the GPU busy so copies and refills would collide if the ring were wrong
+            a = torch.randn(2048, 2048, device="cuda")
+            for _ in range(20):
+                a = a @ a / 2048
+            time.sleep(0.005)
+        idx = ids(x.cpu())
+        assert torch.equal(x.cpu(), ref[idx]) and y.cpu().tolist() == cache.labels[idx].tolist()
+        seen += idx
+    assert sorted(seen) == list(range(len(cache)))
+
+
+def test_resident_loader_on_cuda(cache_dir: Path) -> None:
+    cache = open_cache(cache_dir)
+    ref = torch.from_numpy(cache.read(np.arange(len(cache)))).permute(0, 3, 1, 2)
+    seen = []
+    for x, _ in ResidentLoader(cache_dir, batch_size=32, device="cuda", drop_last=False):
+        idx = ids(x.cpu())
+        assert torch.equal(x.cpu(), ref[idx])
+        seen += idx
+    assert sorted(seen) == list(range(len(cache)))
+
+
+def test_gpu_augment_matches_cpu(cache_dir: Path) -> None:
+    x = torch.from_numpy(open_cache(cache_dir).read(np.arange(64))).permute(0, 3, 1, 2)
+    aug = GpuAugment(24, degrees=15, mean=(0.5, 0.5, 0.5), std=(0.2, 0.2, 0.2))
+    params = aug.sample_params(64, 32, 32, "cpu")
+    cpu = aug(x, params)
+    cuda_params = type(params)(**{k: getattr(params, k).cuda() for k in params.__dataclass_fields__})
+    gpu = aug.cuda()(x.cuda(), cuda_params).cpu()
+    assert torch.allclose(cpu, gpu, atol=1e-3)
