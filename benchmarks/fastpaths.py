@@ -224,6 +224,7 @@ def section_random_reads(args: argparse.Namespace, work: Path) -> dict[str, Any]
     b = 256
     out: dict[str, Any] = {}
     memmap = open_cache(work / "ram256")
+    cores = len(os.sched_getaffinity(0))
     buf = np.empty((b, 256, 256, 3), np.uint8)
 
     def rate(cache: Any, order: list[int], batches: int = 60) -> float:
@@ -243,6 +244,7 @@ def section_random_reads(args: argparse.Namespace, work: Path) -> dict[str, Any]
     out["memmap_random"] = rate(memmap, full)
     for fmt in ("npz", "zarr"):
         cache = open_cache(work / f"{fmt}256")
+        cache.reader.threads = cores  # as PinnedLoader sets it: the one process decoding
         order = list(make_sampler(cache, "chunk", seed=0))
         out[f"{fmt}_chunk_sampler"] = rate(cache, order)
         fresh = open_cache(work / f"{fmt}256")
@@ -334,10 +336,10 @@ def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0))
     out: dict[str, Any] = {"settings": {
         "litdata": "optimize(chunk_bytes='64MB', num_workers=cores); StreamingDataset(shuffle=True); "
-                   "StreamingDataLoader(batch_size=256, num_workers=k)",
+                   "StreamingDataLoader(batch_size=256, num_workers=k, persistent_workers=k>0)",
         "webdataset": "ShardWriter(maxcount=1024) of .npy+.cls; WebDataset(shardshuffle=True, "
                       "nodesplitter=split_by_node).shuffle(2000).decode().to_tuple('npy','cls').batched(256); "
-                      "WebLoader(batch_size=None, num_workers=k)",
+                      "WebLoader(batch_size=None, num_workers=k, persistent_workers=k>0)",
         "dlstore": "batch_dataloader(ram cache, order=random, num_workers=k, pin_memory=False); "
                    "k=0: PinnedLoader to host"}}
     t0 = time.perf_counter()
@@ -374,14 +376,14 @@ def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     def lit(k: int) -> Callable[[], float]:
         ds = litdata.StreamingDataset(str(work / "litdata"), shuffle=True)
-        dl = litdata.StreamingDataLoader(ds, batch_size=b, num_workers=k)
-        return lambda: drain(lambda: dl, 40)
+        dl = litdata.StreamingDataLoader(ds, batch_size=b, num_workers=k, persistent_workers=k > 0)
+        return lambda: drain(lambda: dl, 30)
 
     def web(k: int) -> Callable[[], float]:
         ds = (wds.WebDataset(urls, shardshuffle=True, nodesplitter=wds.split_by_node, empty_check=False)
               .shuffle(2000).decode().to_tuple("npy", "cls").batched(b))
-        dl = wds.WebLoader(ds, batch_size=None, num_workers=k)
-        return lambda: drain(lambda: dl, 40)
+        dl = wds.WebLoader(ds, batch_size=None, num_workers=k, persistent_workers=k > 0)
+        return lambda: drain(lambda: dl, 30)
 
     def ours(k: int) -> Callable[[], float]:
         if k == 0:
