@@ -137,5 +137,5 @@ def check_fits_in_memory(need: int, root: Path) -> None:
 
 
 def _short(indices: object) -> str:
-    seq = list(np.asarray(indices).reshape(-1)[:8])
+    seq = np.asarray(indices).reshape(-1)[:8].tolist()
     return f"{seq}{'...' if np.asarray(indices).size > 8 else ''}"

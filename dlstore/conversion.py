@@ -156,6 +156,10 @@ def scan_warning(src: Source) -> str:
             f"(listed in skipped.json); first: {path}: {reason}")
 
 
+def plan_digest(plan: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()
+
+
 def check_destination(dest: Path, overwrite: bool) -> None:
     if not dest.exists():
         return
@@ -428,7 +432,7 @@ def finalize(src: Source, policy: ImagePolicy, writer: CacheWriter, fmt: str, st
     sync_tree(root)  # every data file durable before the manifest that declares the cache complete
     spec = CacheSpec(format=fmt, n=len(src) - len(bad), n_stored=len(src), shape=policy.shape,
                      classes=tuple(src.classes), image=policy, format_options=writer.recorded_options(),
-                     source=src.info(), checksums=checksum_tree(root), dlstore_version=__version__,
+                     source={**src.info(), "plan_sha256": plan_digest(staging.plan)}, checksums=checksum_tree(root), dlstore_version=__version__,
                      created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     fsync_dir(root)
     write_json_durably(root / MANIFEST, spec.to_json())

@@ -36,12 +36,42 @@ def decode_file(path: Path | str, policy: ImagePolicy) -> np.ndarray:
             # Pillow only warns between 1x and 2x its pixel limit; a cache build treats both as bombs.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             with Image.open(path, formats=ALLOWED_FORMATS) as img:
+                if img.format == "PNG":
+                    check_png_chunks(path)
                 if policy.draft and img.format == "JPEG":
                     _draft(img, policy)
                 img.load()
                 return prepare(img, policy)
     except DECODE_ERRORS as e:
         raise ImageDecodeError(f"{path}: cannot decode image ({type(e).__name__}: {e})") from e
+
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def check_png_chunks(path: Path | str) -> None:
+    """Pillow skips the CRC of IDAT chunks and does not need IEND, so a corrupted or cut-off PNG can
+    decode to damaged pixels silently; walk the chunks (streamed, bounded memory) and refuse it."""
+    with open(path, "rb") as f:
+        if f.read(8) != _PNG_SIGNATURE:
+            raise SyntaxError("not a PNG signature")
+        while True:
+            head = f.read(8)
+            if len(head) < 8:
+                raise EOFError("PNG ends without an IEND chunk (truncated)")
+            length, kind = struct.unpack(">I4s", head)
+            crc = zlib.crc32(kind)
+            left = length
+            while left:
+                block = f.read(min(left, 1 << 20))
+                if not block:
+                    raise EOFError(f"PNG chunk {kind!r} is cut off (truncated)")
+                crc, left = zlib.crc32(block, crc), left - len(block)
+            stored = f.read(4)
+            if len(stored) < 4 or struct.unpack(">I", stored)[0] != crc:
+                raise SyntaxError(f"PNG chunk {kind!r} fails its CRC check (corrupted)")
+            if kind == b"IEND":
+                return
 
 
 def prepare(img: Image.Image, policy: ImagePolicy) -> np.ndarray:

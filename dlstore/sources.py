@@ -109,8 +109,10 @@ def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
     labels: list[int] = []
     stats: list[tuple[int, int]] = []
     errors: list[tuple[str, str]] = []
+    # A link back to the root or to a class folder would copy images into another class: never follow.
+    blocked = {_inode(root)} | {_inode(root / c) for c in classes}
     for idx, cls in enumerate(classes):
-        for path in _walk_images(root / cls, errors):
+        for path in _walk_images(root / cls, errors, blocked):
             try:
                 st = path.stat()
             except OSError as e:
@@ -131,7 +133,12 @@ def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
                         labels=np.asarray(labels, np.int64), stats=stats, kind=kind, root=root, scan_errors=errors)
 
 
-def _walk_images(top: Path, errors: list[tuple[str, str]]) -> list[Path]:
+def _inode(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _walk_images(top: Path, errors: list[tuple[str, str]], blocked: set[tuple[int, int]]) -> list[Path]:
     """ImageFolder's order (sorted os.walk, sorted names) with loop-safe link following."""
     seen: set[tuple[int, int]] = set()
     walked: list[tuple[str, list[str]]] = []
@@ -140,11 +147,11 @@ def _walk_images(top: Path, errors: list[tuple[str, str]]) -> list[Path]:
         errors.append((str(e.filename), f"cannot list folder: {e.strerror}"))
 
     for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=onerror):
-        st = os.stat(dirpath)
-        if (st.st_dev, st.st_ino) in seen:
+        key = _inode(Path(dirpath))
+        if key in seen or (key in blocked and dirpath != str(top)):
             dirnames[:] = []
             continue
-        seen.add((st.st_dev, st.st_ino))
+        seen.add(key)
         dirnames[:] = [d for d in dirnames if not d.startswith(".")]
         walked.append((dirpath, filenames))
     out = []
