@@ -25,12 +25,14 @@ def main() -> None:
 
 
 def _register() -> None:
+    from dlstore.cli.bench_cmd import bench_cmd
     from dlstore.cli.convert_cmd import convert_cmd
     from dlstore.cli.info_cmd import info_cmd, verify_cmd
 
     main.add_command(convert_cmd)
     main.add_command(info_cmd)
     main.add_command(verify_cmd)
+    main.add_command(bench_cmd)
 
 
 _register()

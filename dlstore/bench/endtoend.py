@@ -1,0 +1,169 @@
+"""The real loop: loader → copy → training step, timed per step, in repeats with rotated order.
+
+Per step: the wait in ``next()`` and the step after it (copy + train; on CUDA also the device time from
+events, read once at the end so the loop never synchronises mid-run). The first ``warmup`` steps include
+worker start-up and are reported apart; throughput is the ``steps`` timed batches after them. A cold run
+evicts the loader's files, starts a fresh loader and times only the warm-up steps, to compare with the
+warm runs' same phase (fetch stall).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from dlstore.bench.loaders import PreparedLoader
+from dlstore.bench.protocol import MIN_TIMED_STEPS, BenchConfig, RunResult, StepRecord, summarize_waits
+from dlstore.bench.resources import ResourceMonitor
+from dlstore.bench.stages import BatchStream, batch_images, evict_files
+
+Step = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    loader: str
+    workers: int
+    pin_memory: bool
+    cold: bool = False
+
+    @property
+    def key(self) -> tuple[str, int, bool, bool]:
+        return (self.loader, self.workers, self.pin_memory, self.cold)
+
+
+def plan_runs(loaders: Sequence[str], workers: Sequence[int], cuda: bool, pin_mode: str,
+              cold: bool) -> list[RunSpec]:
+    """Every (loader, workers) with pin_memory as the device wants; on CUDA with pin 'auto', one pin-off
+    run per loader at the largest worker count; with ``cold``, one cold run per loader there."""
+    pin_default = cuda if pin_mode == "auto" else pin_mode == "on"
+    specs = [RunSpec(name, w, pin_default) for name in loaders for w in workers]
+    top = max(workers)
+    if cuda and pin_mode in ("auto", "both"):
+        specs += [RunSpec(name, top, not pin_default) for name in loaders]
+    if cold:
+        specs += [RunSpec(name, top, pin_default, cold=True) for name in loaders]
+    return specs
+
+
+def rotated(specs: Sequence[RunSpec], repeat: int, repeats: int) -> list[RunSpec]:
+    """Repeat r starts r/R of the way through the list, so each configuration moves position."""
+    if not specs:
+        return []
+    shift = (repeat * len(specs)) // max(1, repeats)
+    return list(specs[shift:]) + list(specs[:shift])
+
+
+def move_batch(batch: Any, device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = batch[0], batch[1]
+    with record_function("h2d_transfer"):
+        return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+
+
+def run_once(prepared: PreparedLoader, spec: RunSpec, config: BenchConfig, device: torch.device, step: Step,
+             repeat: int = 0, position: int = 0) -> RunResult:
+    """One repeat of one configuration; returns every step's timings."""
+    result = RunResult(prepared.name, spec.workers, spec.pin_memory, repeat, position, cold=spec.cold)
+    if spec.cold:
+        result.eviction = evict_files(prepared.files)
+    cuda = device.type == "cuda"
+    n_steps = config.warmup + (0 if spec.cold else config.steps)
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    monitor = ResourceMonitor(gpu=cuda)
+    t0 = time.perf_counter()
+    fresh = spec.cold and prepared.fresh_for_cold
+    stream = BatchStream(prepared.loader(spec.workers, spec.pin_memory, config, fresh=fresh))
+    first_epoch_end: float | None = None
+    first_epoch_images = 0
+    t_timed = t0
+    try:
+        for i in range(n_steps):
+            if i == config.warmup and not spec.cold:
+                _sync(device)
+                t_timed = time.perf_counter()
+                result.warmup_s = t_timed - t0
+                monitor.start(stream.worker_pids())
+            ta = time.perf_counter()
+            if (config.max_run_s is not None and i >= config.warmup + MIN_TIMED_STEPS and not spec.cold
+                    and ta - t_timed > config.max_run_s):
+                result.truncated = True
+                break
+            with record_function("batch_wait"):
+                batch = stream.next()
+            tb = time.perf_counter()
+            if i == 0:
+                result.startup_s = tb - t0
+            if stream.epoch == 1 and first_epoch_end is None:
+                first_epoch_end = ta
+            n = batch_images(batch)
+            if stream.epoch == 0:
+                first_epoch_images += n
+            x, y = (batch[0], batch[1]) if prepared.on_device else move_batch(batch, device, spec.pin_memory)
+            if cuda:
+                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                ev[0].record()
+            step(x, y)
+            if cuda:
+                ev[1].record()
+                events.append(ev)
+            tc = time.perf_counter()
+            phase = "cold" if spec.cold else ("warmup" if i < config.warmup else "timed")
+            result.steps.append(StepRecord(phase, stream.epoch, i, n, tb - ta, tc - tb))
+        _sync(device)
+        t_end = time.perf_counter()
+        if spec.cold:
+            result.warmup_s = t_end - t0
+            result.timed_s = t_end - t0
+            result.img_per_s = sum(s.images for s in result.steps) / result.timed_s
+        else:
+            result.resources = monitor.stop()
+            result.timed_s = t_end - t_timed
+            result.img_per_s = sum(s.images for s in result.timed()) / result.timed_s
+        end = first_epoch_end if first_epoch_end is not None else t_end
+        result.first_epoch_partial = first_epoch_end is None
+        result.first_epoch_img_per_s = first_epoch_images / (end - t0) if end > t0 else None
+    finally:
+        stream.close()
+    for rec, ev in zip(result.steps, events):
+        rec.device_step_s = ev[0].elapsed_time(ev[1]) / 1e3
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def aggregate(results: Sequence[RunResult]) -> dict[str, Any]:
+    """Repeats of one warm configuration → median and min–max, wait statistics, resources."""
+    rates = [r.img_per_s for r in results]
+    first = [r.first_epoch_img_per_s for r in results if r.first_epoch_img_per_s is not None]
+    waits = [summarize_waits([s.wait_s for s in r.timed()], r.timed_s) for r in results]
+    r0 = results[0]
+    return {
+        "loader": r0.loader, "workers": r0.workers, "pin_memory": r0.pin_memory, "repeats": len(results),
+        "img_per_s": statistics.median(rates), "img_per_s_min": min(rates), "img_per_s_max": max(rates),
+        "first_epoch_img_per_s": statistics.median(first) if first else None,
+        "first_epoch_partial": any(r.first_epoch_partial for r in results),
+        "startup_s": statistics.median(r.startup_s for r in results),
+        "warmup_s": statistics.median(r.warmup_s for r in results),
+        "wait": {k: statistics.median(w[k] for w in waits) for k in waits[0]},
+        "resources": results[-1].resources,
+        "raw": [r.to_dict() for r in results],
+    }
+
+
+def aggregate_cold(results: Sequence[RunResult]) -> dict[str, Any]:
+    worked = [r.eviction.get("worked") for r in results if r.eviction]
+    return {"workers": results[0].workers, "repeats": len(results),
+            "warmup_s": statistics.median(r.warmup_s for r in results),
+            "img_per_s": statistics.median(r.img_per_s for r in results),
+            "startup_s": statistics.median(r.startup_s for r in results),
+            "eviction_worked": all(w is True for w in worked) if worked and None not in worked else None,
+            "eviction": results[-1].eviction, "raw": [r.to_dict() for r in results]}

@@ -1,0 +1,178 @@
+"""What a bench run is asked to do (``BenchConfig``) and what it returns (``StageResult``, ``StepRecord``,
+``RunResult``). Plain dataclasses, no torch: the CLI, the report and the tests share them."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA_VERSION = 1
+STAGES = ("read", "transform", "h2d", "compute")
+TRANSFORMS = ("light", "augment", "gpu-augment")
+DEVICES = ("auto", "cuda", "cpu")
+DEFAULT_FORMATS = ("raw", "ram", "npz", "zarr")
+MIN_TIMED_STEPS = 4
+# Augmentation of the two seed experiments; RandomResizedCrop's scale there was (0.75, 1).
+AUGMENT_SCALE = (0.75, 1.0)
+AUGMENT_DEGREES = 15.0
+
+
+def usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def default_worker_counts(cores: int | None = None) -> tuple[int, ...]:
+    """0 plus the three largest powers of two that fit the cores: 2 → 0,1,2; 16 → 0,4,8,16."""
+    cores = cores or usable_cores()
+    powers = [p for p in (1, 2, 4, 8, 16, 32, 64, 128) if p <= cores]
+    return (0, *powers[-3:])
+
+
+@dataclass
+class BenchConfig:
+    """Everything that decides what is measured. ``None`` fields are resolved by ``run_bench``.
+
+    >>> cfg = BenchConfig(source="demo", formats=("raw", "ram"), workers=(0, 2), steps=8)
+    """
+
+    source: str = "demo"
+    root: Path | None = None
+    formats: tuple[str, ...] = DEFAULT_FORMATS
+    workers: tuple[int, ...] | None = None
+    size: int | None = None
+    batch_size: int = 32
+    model: str = "smallcnn"
+    transform: str = "light"
+    device: str = "auto"
+    repeats: int = 2
+    steps: int = 16
+    warmup: int = 4
+    profile: bool = False
+    out: Path | None = None
+    cache: Path | None = None
+    demo_images: int = 256
+    prefetch_factor: int = 2
+    pin_memory: str = "auto"  # auto: on for CUDA, plus a pin-off run at the largest worker count
+    max_run_s: float | None = None  # cap on a run's timed phase (at least MIN_TIMED_STEPS steps)
+    cold: bool = True  # a cold-cache run per loader kind at the largest worker count
+    stage_steps: int = 10  # timed batches for the transform / h2d / compute stages
+    read_max_bytes: int = 256 << 20
+    convert_workers: int | None = None
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("root", "out", "cache"):
+            d[k] = None if d[k] is None else str(d[k])
+        d["formats"], d["workers"] = list(self.formats), None if self.workers is None else list(self.workers)
+        return d
+
+
+@dataclass
+class StageResult:
+    """One stage measured alone for one loader kind. ``img_per_s`` is None when the stage does not apply
+    (no device copy on a CPU run, no per-epoch read for an in-memory dataset)."""
+
+    stage: str
+    loader: str
+    img_per_s: float | None
+    seconds: float = 0.0
+    images: int = 0
+    label: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class StepRecord:
+    """One step of the real loop: the wait in ``next()`` and the step (copy + train) after it."""
+
+    phase: str  # warmup | timed | cold
+    epoch: int
+    index: int
+    images: int
+    wait_s: float
+    step_s: float
+    device_step_s: float | None = None
+
+
+@dataclass
+class RunResult:
+    """One repeat of one configuration of the real loop."""
+
+    loader: str
+    workers: int
+    pin_memory: bool
+    repeat: int
+    position: int  # order within the repeat, after rotation
+    cold: bool = False
+    startup_s: float = 0.0  # loader creation → first batch (worker start-up included)
+    warmup_s: float = 0.0  # loader creation → end of the warm-up steps
+    timed_s: float = 0.0
+    img_per_s: float = 0.0  # timed steps only
+    first_epoch_img_per_s: float | None = None
+    first_epoch_partial: bool = False
+    truncated: bool = False  # stopped early by max_run_s
+    eviction: dict[str, Any] | None = None
+    resources: dict[str, Any] = field(default_factory=dict)
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def timed(self) -> list[StepRecord]:
+        return [s for s in self.steps if s.phase in ("timed", "cold")]
+
+    def wait_summary(self) -> dict[str, float]:
+        return summarize_waits([s.wait_s for s in self.timed()], self.timed_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["steps"] = {k: [getattr(s, k) for s in self.steps] for k in StepRecord.__dataclass_fields__}
+        d["wait"] = self.wait_summary()
+        return d
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def summarize_waits(waits: list[float], wall_s: float) -> dict[str, float]:
+    if not waits:
+        return {"mean_ms": math.nan, "median_ms": math.nan, "p95_ms": math.nan, "max_ms": math.nan,
+                "sum_over_wall": math.nan}
+    return {"mean_ms": 1e3 * statistics.fmean(waits), "median_ms": 1e3 * statistics.median(waits),
+            "p95_ms": 1e3 * percentile(waits, 95), "max_ms": 1e3 * max(waits),
+            "sum_over_wall": sum(waits) / wall_s if wall_s > 0 else math.nan}
+
+
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """'0,1,2,4' → (0, 1, 2, 4), sorted and unique; raises ValueError naming the bad item."""
+    out = set()
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        value = int(item)
+        if value < 0:
+            raise ValueError(f"worker counts must be >= 0, got {value}")
+        out.add(value)
+    if not out:
+        raise ValueError("give at least one worker count, e.g. 0,2,4")
+    return tuple(sorted(out))
+
+
+def parse_formats(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ValueError(f"unknown loader kind(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(known)}")
+    return names

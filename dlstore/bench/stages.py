@@ -1,0 +1,302 @@
+"""Each stage measured alone: storage read (cold and warm), Dataset + transform across worker counts,
+host→device copy (pinned vs pageable), and the training step on synthetic on-device batches."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dlstore.bench.protocol import StageResult
+from dlstore.errors import DlstoreError
+
+EVICTED_MAX_RESIDENT = 0.05  # at most 5% of the pages still cached counts as evicted
+COLD_WARM_RATIO = 0.67  # without mincore: cold must be this much slower than warm to count as evicted
+READ_CHUNK = 1 << 20
+
+
+# --- page-cache residency and eviction ------------------------------------------------------------------
+
+def _libc() -> Any | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+def resident_pages(path: Path) -> tuple[int, int] | None:
+    """(resident, total) pages of a file in the page cache, via mmap + mincore; None if unavailable.
+
+    Mapping without touching faults nothing in, so asking does not change the answer."""
+    if _LIBC is None or not hasattr(mmap, "PROT_READ"):
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 0, 0
+        addr = _LIBC.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            return None
+        try:
+            pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * pages)()
+            if _LIBC.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                return None
+            return sum(v & 1 for v in bytes(vec)), pages
+        finally:
+            _LIBC.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+
+
+def resident_fraction(paths: Sequence[Path]) -> float | None:
+    resident = total = 0
+    for p in paths:
+        r = resident_pages(p)
+        if r is None:
+            return None
+        resident, total = resident + r[0], total + r[1]
+    return resident / total if total else 0.0
+
+
+def evict_files(paths: Sequence[Path]) -> dict[str, Any]:
+    """Drop each file from the page cache (fsync first: dirty pages are not dropped) and check it took.
+
+    ``worked`` is True/False from mincore, None when residency cannot be read (judge by timing then).
+    Pages mapped by a live process (memmaps, zarr handles, tmpfs files) stay: that shows as False."""
+    before = resident_fraction(paths)
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass  # read-only file systems: nothing dirty to flush anyway
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    after = resident_fraction(paths)
+    return {"files": len(paths), "resident_before": before, "resident_after": after,
+            "worked": None if after is None else after <= EVICTED_MAX_RESIDENT, "method": "posix_fadvise+mincore"}
+
+
+def eviction_worked(resident_after: float | None, cold_s: float, warm_s: float) -> bool:
+    """mincore's answer when there is one, else: the cold pass must be clearly slower than the warm one."""
+    if resident_after is not None:
+        return resident_after <= EVICTED_MAX_RESIDENT
+    return warm_s < COLD_WARM_RATIO * cold_s
+
+
+def read_files(paths: Sequence[Path]) -> int:
+    buf = bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    total = 0
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while n := f.readinto(view):
+                total += n
+    return total
+
+
+def pick_files(paths: Sequence[Path], max_bytes: int) -> list[Path]:
+    """An evenly spread subset of at most ``max_bytes`` (all files when they fit)."""
+    sizes = [p.stat().st_size for p in paths]
+    total = sum(sizes)
+    if total <= max_bytes or not paths:
+        return list(paths)
+    keep = max(1, int(len(paths) * max_bytes / total))
+    step = len(paths) / keep
+    return [paths[int(i * step)] for i in range(keep)]
+
+
+def measure_read(loader: str, files: Sequence[Path], n_images: int, max_bytes: int = 256 << 20,
+                 evict: Callable[[Sequence[Path]], dict[str, Any]] = evict_files,
+                 reader: Callable[[Sequence[Path]], int] = read_files) -> StageResult:
+    """Read the loader's files cold (after eviction) then warm; rates in MB/s and images/s."""
+    if not files:
+        return StageResult("read", loader, None, label="no files")
+    picked = pick_files(files, max_bytes)
+    total_bytes = sum(p.stat().st_size for p in files)
+    bytes_per_image = total_bytes / max(1, n_images)
+    eviction = evict(picked)
+    t0 = time.perf_counter()
+    nbytes = reader(picked)
+    cold_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    reader(picked)
+    warm_s = time.perf_counter() - t0
+    worked = eviction_worked(eviction.get("resident_after"), cold_s, warm_s)
+    eviction = {**eviction, "worked": worked, "judged_by": "mincore" if eviction.get("resident_after") is not None
+                else "timing", "cold_s": cold_s, "warm_s": warm_s}
+    images = nbytes / bytes_per_image if bytes_per_image else 0
+    detail = {"bytes": nbytes, "files": len(picked), "files_total": len(files), "bytes_total": total_bytes,
+              "bytes_per_image": bytes_per_image,
+              "cold_mb_per_s": nbytes / cold_s / 1e6 if cold_s > 0 else None,
+              "warm_mb_per_s": nbytes / warm_s / 1e6 if warm_s > 0 else None,
+              "cold_img_per_s": images / cold_s if cold_s > 0 else None,
+              "warm_img_per_s": images / warm_s if warm_s > 0 else None, "eviction": eviction}
+    return StageResult("read", loader, detail["warm_img_per_s"], warm_s, int(images), label="warm", detail=detail)
+
+
+# --- iterating a loader -------------------------------------------------------------------------------
+
+class BatchStream:
+    """``next()`` over epochs of a re-iterable loader (a new epoch starts where the last one ended)."""
+
+    def __init__(self, loader: Iterable) -> None:
+        if hasattr(loader, "__len__") and len(loader) == 0:  # type: ignore[arg-type]
+            raise DlstoreError("the loader yields no batch: the dataset is smaller than --batch-size "
+                               "(batches drop the last partial one); lower --batch-size")
+        self.loader = loader
+        self.epoch = 0
+        self.it = iter(loader)
+
+    def next(self) -> Any:
+        try:
+            return next(self.it)
+        except StopIteration:
+            self.epoch += 1
+            self.it = iter(self.loader)
+            return next(self.it)
+
+    def worker_pids(self) -> list[int]:
+        workers = getattr(self.it, "_workers", None) or []
+        return [w.pid for w in workers if getattr(w, "pid", None)]
+
+    def close(self) -> None:
+        shutdown = getattr(self.it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self.it = iter(())
+
+
+def batch_images(batch: Any) -> int:
+    x = batch[0] if isinstance(batch, (list, tuple)) else batch
+    return int(x.shape[0]) if hasattr(x, "shape") else len(x)
+
+
+def time_loader(loader: Iterable, warmup: int, steps: int) -> dict[str, float]:
+    """Start-up, then ``warmup`` untimed batches, then ``steps`` timed batches of the loader alone."""
+    t0 = time.perf_counter()
+    stream = BatchStream(loader)
+    try:
+        stream.next()
+        startup = time.perf_counter() - t0
+        for _ in range(max(0, warmup - 1)):
+            stream.next()
+        t1 = time.perf_counter()
+        images = sum(batch_images(stream.next()) for _ in range(steps))
+        seconds = time.perf_counter() - t1
+    finally:
+        stream.close()
+    return {"img_per_s": images / seconds if seconds > 0 else float("inf"), "seconds": seconds,
+            "images": images, "startup_s": startup}
+
+
+def measure_transform(loader: str, make_loader: Callable[[int], Iterable], workers: Sequence[int],
+                      warmup: int, steps: int) -> StageResult:
+    """The Dataset + transform through the loader alone (no device copy), per worker count."""
+    by_workers: dict[str, dict[str, float]] = {}
+    for w in workers:
+        by_workers[str(w)] = time_loader(make_loader(w), warmup, steps)
+    best_w = max(by_workers, key=lambda k: by_workers[k]["img_per_s"])
+    best = by_workers[best_w]
+    return StageResult("transform", loader, best["img_per_s"], best["seconds"], int(best["images"]),
+                       label=f"best at {best_w} workers",
+                       detail={"by_workers": {k: v["img_per_s"] for k, v in by_workers.items()},
+                               "startup_s": {k: v["startup_s"] for k, v in by_workers.items()},
+                               "best_workers": int(best_w)})
+
+
+# --- host → device ------------------------------------------------------------------------------------
+
+def measure_h2d(loader: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                steps: int) -> StageResult:
+    """Copy one batch of the loader's shape and dtype, pinned and pageable; images/s for each."""
+    if device.type == "cpu":
+        return StageResult("h2d", loader, None, label="no device copy: the step runs on the CPU")
+    batch = int(shape[0])
+    pageable = torch.randint(0, 255, tuple(shape), dtype=torch.uint8).to(dtype)
+    pinned = pageable.pin_memory()
+    rates = {}
+    for name, src in (("pinned", pinned), ("pageable", pageable)):
+        for _ in range(2):
+            src.to(device, non_blocking=True)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            src.to(device, non_blocking=True)
+        torch.cuda.synchronize(device)
+        rates[name] = batch * steps / (time.perf_counter() - t0)
+    nbytes = pageable.numel() * pageable.element_size()
+    detail = {"pinned_img_per_s": rates["pinned"], "pageable_img_per_s": rates["pageable"],
+              "pinned_gb_per_s": rates["pinned"] * nbytes / batch / 1e9,
+              "pageable_gb_per_s": rates["pageable"] * nbytes / batch / 1e9,
+              "batch_bytes": nbytes, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+    return StageResult("h2d", loader, rates["pinned"], label="pinned", images=batch * steps, detail=detail)
+
+
+# --- compute ------------------------------------------------------------------------------------------
+
+def synthetic_batch(shape: Sequence[int], dtype: torch.dtype, num_classes: int,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    if dtype == torch.uint8:
+        x = torch.randint(0, 256, tuple(shape), dtype=torch.uint8, device=device)
+    else:
+        x = torch.rand(tuple(shape), dtype=dtype, device=device)
+    return x, torch.randint(0, num_classes, (int(shape[0]),), device=device)
+
+
+def device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(device)})"
+    return "cpu (no GPU used: the training step runs on the CPU)"
+
+
+def measure_compute(loader: str, step: Callable[[torch.Tensor, torch.Tensor], None], shape: Sequence[int],
+                    dtype: torch.dtype, num_classes: int, device: torch.device, warmup: int,
+                    steps: int) -> StageResult:
+    """The training step alone on a batch already on the device; warm-up first (cudnn tunes per shape)."""
+    x, y = synthetic_batch(shape, dtype, num_classes, device)
+    for _ in range(max(1, warmup)):
+        step(x, y)
+    _sync(device)
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    for _ in range(steps):
+        step(x, y)
+    if device.type == "cuda":
+        end.record()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    detail: dict[str, Any] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
+                              "host_s": seconds, "threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        detail["cuda_event_s"] = start.elapsed_time(end) / 1e3
+    images = int(shape[0]) * steps
+    return StageResult("compute", loader, images / seconds, seconds, images, label=device_label(device),
+                       detail=detail)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
