@@ -427,3 +427,18 @@ def test_chunked_reader_never_mixes_generations(tree: Path, tmp_path: Path, fmt:
         reader.read(np.arange(len(reader)))
     assert first.shape == (1, 8, 8, 3)
 
+
+
+# --- A1 for real: SIGKILL at random moments (small version of benchmarks/kill_resume.py) -------------
+
+@pytest.mark.slow
+def test_kill_resume_stress_small() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kill_resume", REPO / "benchmarks" / "kill_resume.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    doc = module.main(["--kills", "4", "--images", "120", "--seed", "3"])
+    assert doc["total_failures"] == 0, json.dumps(doc, indent=1)
+    assert all(f["resumed_ok"] == 4 for f in doc["formats"])
