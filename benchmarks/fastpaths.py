@@ -377,13 +377,13 @@ def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     def lit(k: int) -> Callable[[], float]:
         ds = litdata.StreamingDataset(str(work / "litdata"), shuffle=True)
         dl = litdata.StreamingDataLoader(ds, batch_size=b, num_workers=k, persistent_workers=k > 0)
-        return lambda: drain(lambda: dl, 30)
+        return lambda: drain(lambda: dl, 20)
 
     def web(k: int) -> Callable[[], float]:
         ds = (wds.WebDataset(urls, shardshuffle=True, nodesplitter=wds.split_by_node, empty_check=False)
               .shuffle(2000).decode().to_tuple("npy", "cls").batched(b))
         dl = wds.WebLoader(ds, batch_size=None, num_workers=k, persistent_workers=k > 0)
-        return lambda: drain(lambda: dl, 30)
+        return lambda: drain(lambda: dl, 20)
 
     def ours(k: int) -> Callable[[], float]:
         if k == 0:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,7 @@ class PinnedLoader:
         self.num_buffers = max(2, num_buffers)
         self.epoch = 0
         self._ring: BufferRing | None = None
+        self._last: weakref.ref[_PinnedIter] | None = None
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -88,8 +90,12 @@ class PinnedLoader:
         if self._ring is None:  # buffers are kept across epochs: pinning is slow
             self._ring = BufferRing(self.num_buffers, (self.batch_size, *self.cache.spec.shape),
                                     pin=self.device.type == "cuda")
+        if self._last is not None and (last := self._last()) is not None:
+            last.close()  # an epoch abandoned mid-way must give its buffers back first
         batches = torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
-        return _PinnedIter(self.cache, self._ring, batches, self.device)
+        it = _PinnedIter(self.cache, self._ring, batches, self.device)
+        self._last = weakref.ref(it)
+        return it
 
 
 class BufferRing:
@@ -113,41 +119,73 @@ class BufferRing:
         self.free.put((slot, event))
 
 
-class _PinnedIter:
-    _DONE = object()
+def storage_sorted(cache: Cache, indices: list[int]) -> np.ndarray:
+    """A batch's indices in storage order: chunked readers then copy each unit's rows in one slice.
+    The order of samples inside a batch does not matter to training; the labels follow the images."""
+    index = np.asarray(indices, dtype=np.int64)
+    return index[np.argsort(cache.positions[index], kind="stable")]
 
-    def __init__(self, cache: Cache, ring: BufferRing, batches: Any, device: torch.device) -> None:
-        self.cache, self.ring, self.device = cache, ring, device
+
+class _Producer:
+    """The gather thread's state, kept apart from the iterator so an abandoned iterator can be
+    collected (and close the producer) while the thread is still running."""
+
+    DONE = object()
+
+    def __init__(self, cache: Cache, ring: BufferRing, batches: list[list[int]]) -> None:
+        self.cache, self.ring, self.batches = cache, ring, batches
         self.ready: queue.Queue[Any] = queue.Queue()
         self.stop = threading.Event()
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.thread = threading.Thread(target=self._produce, args=(list(batches),), daemon=True,
-                                       name="dlstore-gather")
+        self.threads = torch.get_num_threads()  # thread-local in OpenMP: hand it to the gather thread
+        self.thread = threading.Thread(target=self.run, daemon=True, name="dlstore-gather")
         self.thread.start()
 
-    def _produce(self, batches: list[list[int]]) -> None:
+    def run(self) -> None:
+        torch.set_num_threads(self.threads)
         try:
-            for idx in batches:
+            for idx in self.batches:
                 slot = self.ring.acquire()
                 if self.stop.is_set():
                     self.ring.release(slot, None)
                     break
-                n = len(idx)
-                index = np.asarray(idx, dtype=np.int64)
+                index = storage_sorted(self.cache, idx)
+                n = len(index)
                 self.cache.read(index, out=self.ring.images[slot][:n].numpy())
                 self.ring.labels[slot][:n] = torch.from_numpy(self.cache.labels[index])
                 self.ready.put((slot, n))
         except BaseException as e:  # surfaced in the consumer's thread
             self.ready.put(e)
-        self.ready.put(self._DONE)
+        self.ready.put(self.DONE)
+
+    def close(self) -> None:
+        """Stop and join: hand back every buffer the thread filled so it is never left waiting."""
+        self.stop.set()
+        while self.thread.is_alive():
+            try:
+                item = self.ready.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if isinstance(item, tuple):
+                self.ring.release(item[0], None)
+        while not self.ready.empty():
+            item = self.ready.get_nowait()
+            if isinstance(item, tuple):
+                self.ring.release(item[0], None)
+
+
+class _PinnedIter:
+    def __init__(self, cache: Cache, ring: BufferRing, batches: Any, device: torch.device) -> None:
+        self.ring, self.device = ring, device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.producer = _Producer(cache, ring, list(batches))
 
     def __iter__(self) -> _PinnedIter:
         return self
 
     def __next__(self) -> Batch:
-        item = self.ready.get()
-        if item is self._DONE:
+        item = self.producer.ready.get()
+        if item is _Producer.DONE:
             raise StopIteration
         if isinstance(item, BaseException):
             raise item
@@ -174,16 +212,11 @@ class _PinnedIter:
         self.ring.release(slot, done)
         return x, y
 
+    def close(self) -> None:
+        self.producer.close()
+
     def __del__(self) -> None:
-        self.stop.set()
-        # Drain so a producer blocked on a full pipeline can see the stop flag.
-        while self.thread.is_alive():
-            try:
-                item = self.ready.get(timeout=0.1)
-            except queue.Empty:
-                continue
-            if isinstance(item, tuple):
-                self.ring.release(item[0], None)
+        self.close()
 
 
 class ResidentLoader:
@@ -263,7 +296,7 @@ class BatchDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, indices: list[int]) -> Batch:
         cache = self.dataset.cache
-        idx = np.asarray(indices, dtype=np.int64)
+        idx = storage_sorted(cache, indices)
         x = torch.empty((len(idx), *cache.spec.shape), dtype=torch.uint8)
         if torch.utils.data.get_worker_info() is not None:
             x.share_memory_()

@@ -137,3 +137,10 @@ def test_chunk_sampler_epoch_contract(replicas: int) -> None:
 def test_chunk_sampler_drop_last() -> None:
     s = [list(ChunkSampler(np.arange(10), 3, num_replicas=3, rank=r, drop_last=True)) for r in range(3)]
     assert [len(x) for x in s] == [3, 3, 3] and len(set(sum(s, []))) == 9
+
+
+def test_abandoned_epoch_does_not_block_the_next(caches: dict[str, Path]) -> None:
+    loader = PinnedLoader(caches["ram"], batch_size=4, device="cpu", num_buffers=2, drop_last=False)
+    for _ in range(3):
+        next(iter(loader))  # start an epoch and walk away, buffers still filled
+    check_epoch(list(loader), caches["ram"], expect_all=True)

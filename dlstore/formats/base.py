@@ -107,24 +107,37 @@ class ChunkedReader(CacheReader):
         """Decode unit k into (unit_len, H, W, C) uint8."""
 
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
-        order = np.argsort(positions, kind="stable")
-        sorted_pos = positions[order]
-        runs = group_runs(sorted_pos // self.unit)
-        units = self.units([k for k, _, _ in runs])
-        for k, a, b in runs:
-            out[order[a:b]] = units[k][sorted_pos[a:b] - k * self.unit]
+        """Per unit: decode (if not cached) and copy its images out, units in parallel threads.
 
-    def units(self, keys: list[int]) -> dict[int, np.ndarray]:
-        found = {k: a for k in keys if (a := self._units.lookup(k)) is not None}
-        missing = [k for k in keys if k not in found]
-        if len(missing) > 1 and self.threads > 1:
-            decoded = list(self._thread_pool().map(self.load_unit, missing))
+        Ascending positions (what the dlstore loaders pass) copy each unit's rows into one contiguous
+        slice of ``out``; any other order is sorted first and scattered back.
+        """
+        ascending = positions.size < 2 or bool(np.all(positions[1:] >= positions[:-1]))
+        order = None if ascending else np.argsort(positions, kind="stable")
+        sorted_pos = positions if order is None else positions[order]
+        runs = group_runs(sorted_pos // self.unit)
+
+        def copy(run: tuple[int, int, int]) -> None:
+            k, a, b = run
+            unit = self.unit_array(k)
+            local = sorted_pos[a:b] - k * self.unit
+            if order is None:
+                np.take(unit, local, axis=0, out=out[a:b])
+            else:
+                out[order[a:b]] = unit[local]
+
+        if len(runs) > 1 and self.threads > 1 and out.nbytes >= (4 << 20):
+            list(self._thread_pool().map(copy, runs))
         else:
-            decoded = [self.load_unit(k) for k in missing]
-        for k, arr in zip(missing, decoded):
+            for run in runs:
+                copy(run)
+
+    def unit_array(self, k: int) -> np.ndarray:
+        arr = self._units.lookup(k)
+        if arr is None:
+            arr = self.load_unit(k)
             self._units.put(k, arr)
-            found[k] = arr
-        return found
+        return arr
 
     def _thread_pool(self) -> ThreadPoolExecutor:
         if self._pool is None or self._pool_pid != os.getpid():  # threads do not survive a fork
