@@ -122,9 +122,13 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
         run_units(job, todo, n_workers, staging, BadBudget(len(src), max_bad, staging), progress)
         bad = staging.bad()
         check_bad_fraction(bad, len(src), max_bad)
-        with disk_full_as_error(writer, "finishing the cache (labels, checksums, manifest)"):
-            spec = finalize(src, policy, writer, fmt.name, staging, bad, order)
-            staging.commit(overwrite)
+        try:
+            with disk_full_as_error(writer, "finishing the cache (labels, checksums, manifest)"):
+                spec = finalize(src, policy, writer, fmt.name, staging, bad, order)
+                staging.commit(overwrite)
+        except KeyboardInterrupt:
+            raise ConvertError(f"interrupted: {done_images(writer, staging)} of {writer.n} done (while finishing); "
+                               "re-run the same command to resume") from None
     seconds = time.perf_counter() - t0
     converted = sum(len(writer.unit_range(k)) for k in todo)
     return ConvertResult(dest=str(dest), format=fmt.name, n=spec.n, n_skipped=len(bad),
