@@ -99,6 +99,18 @@ class PreparedLoader:
         dataset = self.new_dataset() if fresh else self.dataset
         return self.make_loader(dataset, workers, pin_memory, config)
 
+    def release(self) -> None:
+        """Close the shared dataset's storage handles (memmaps hold pages against eviction); the next use
+        re-creates it."""
+        ds, self._dataset = self._dataset, None
+        cache = getattr(ds, "_cache", None)
+        if cache is not None and hasattr(cache, "close"):
+            cache.close()
+        del ds, cache
+        import gc
+
+        gc.collect()
+
     def bytes_on_disk(self) -> int:
         return sum(p.stat().st_size for p in self.files)
 
@@ -135,7 +147,7 @@ class ToFloat(torch.nn.Module):
     """uint8 → float32 in [0, 1], the ToTensor scaling, done on the device after the copy."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.float().div_(255.0)
+        return x.to(torch.float32) / 255.0  # never in place: a float input may be a reused batch
 
 
 def raw_transform(kind: str, size: int, native: int | None) -> Any:

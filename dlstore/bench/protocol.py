@@ -64,6 +64,10 @@ class BenchConfig:
     stage_steps: int = 10  # timed batches for the transform / h2d / compute stages
     read_max_bytes: int = 256 << 20
     convert_workers: int | None = None
+    # Intra-op threads of the training step when the device is the CPU. One, because DataLoader workers share
+    # the same cores and a multi-threaded OpenMP step spin-waits whenever one of its threads is preempted
+    # (measured here: 30× slower steps on 2 busy cores). Irrelevant on CUDA.
+    cpu_threads: int = 1
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:

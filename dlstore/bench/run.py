@@ -61,10 +61,19 @@ def check_config(config: BenchConfig) -> None:
 
 def run_bench(config: BenchConfig, log: Log | None = None) -> dict[str, Any]:
     """Measure, predict, advise; write result.json, steps.csv and plots under ``config.out`` when set."""
-    log = log or (lambda msg: None)
-    t_start = time.perf_counter()
     check_config(config)
     device = resolve_device(config.device)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(config.cpu_threads)
+    try:
+        return _run_bench(config, device, log or (lambda msg: None))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str, Any]:
+    t_start = time.perf_counter()
     configure_numerics(device)
     torch.manual_seed(config.seed)
     source = open_source(config.source, root=config.root, demo_images=config.demo_images)
@@ -240,7 +249,12 @@ def run_rounds(prepared: dict[str, PreparedLoader], steps: dict[str, TrainStep],
         for pos, spec in enumerate(order):
             log(f"round {r + 1}/{config.repeats} [{pos + 1}/{len(order)}]: {spec.loader}, {spec.workers} workers, "
                 f"pin_memory={'on' if spec.pin_memory else 'off'}{', cold' if spec.cold else ''}")
-            res = run_once(prepared[spec.loader], spec, config, device, steps[spec.loader], r, pos)
+            p = prepared[spec.loader]
+            if spec.cold:
+                p.release()  # no open memmap may pin the pages the cold run needs evicted
+            res = run_once(p, spec, config, device, steps[spec.loader], r, pos)
+            if spec.cold:
+                _ = p.dataset  # re-open outside any timed phase
             results[spec.key].append(res)
     return results
 
@@ -296,6 +310,7 @@ def protocol_of(config: BenchConfig, size: int, channels: int, workers: tuple[in
                     "hflip_p": 0.5},
         "workers": list(workers), "repeats": config.repeats, "steps": config.steps, "warmup": config.warmup,
         "stage_steps": config.stage_steps, "prefetch_factor": config.prefetch_factor,
+        "step_threads": torch.get_num_threads(),
         "persistent_workers": True, "shuffle": True, "drop_last": True, "pin_memory_default": pin_default,
         "pin_memory_mode": config.pin_memory, "device": str(device), "order": "rotated by repeat × runs / repeats",
         "cold_runs": config.cold,

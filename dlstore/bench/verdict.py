@@ -128,6 +128,10 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
+def _workers(n: int) -> str:
+    return f"{n} worker" if n == 1 else f"{n} workers"
+
+
 def _fmt(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:,.0f}"
 
@@ -165,10 +169,10 @@ def analyse(stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dic
     if raw:
         raw_run = next(r for r in sweeps["raw"] if r["workers"] == raw["best_workers"])
         text.append(f"raw (per-file decode, as torchvision users have it) peaks at {_fmt(raw['best_img_per_s'])} "
-                    f"img/s with {raw['best_workers']} workers, limited by "
+                    f"img/s with {_workers(raw['best_workers'])}, limited by "
                     f"{STAGE_WORDS.get(raw_run['bottleneck'], '?')}.")
     speedup = f", {best['img_per_s'] / raw['best_img_per_s']:.1f}× raw" if raw and best["loader"] != "raw" else ""
-    text.append(f"Fastest measured: {best['loader']} with {best['workers']} workers at {_fmt(best['img_per_s'])} img/s "
+    text.append(f"Fastest measured: {best['loader']} with {_workers(best['workers'])} at {_fmt(best['img_per_s'])} img/s "
                 f"(range {_fmt(best['img_per_s_min'])}–{_fmt(best['img_per_s_max'])}{speedup}); bottleneck: "
                 f"{best['bottleneck']} ({STAGE_WORDS.get(best['bottleneck'], '?')}); predicted "
                 f"{_fmt(best['predicted_img_per_s'])} img/s{_err(best)}.")
@@ -189,7 +193,8 @@ def analyse(stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dic
     recs += _stall_advice(stall)
     if best["prediction_error"] is not None and abs(best["prediction_error"]) > PREDICTION_TOLERANCE:
         why = (f"on a CPU-only run the workers and the training step share {facts.cores} cores"
-               if cpu_only else "the stages interfere when run together")
+               if cpu_only and best["workers"] > 0 else
+               "the stages interfere when run together, or the machine's load changed between measurements")
         recs.append(f"The prediction for the fastest configuration missed by {100 * best['prediction_error']:+.0f}%: "
                     f"{why}; trust the measured rate.")
     return {"verdict": " ".join(text), "recommendations": recs, "stalls": stall, "knees": knees,
@@ -205,7 +210,7 @@ def _err(run: dict[str, Any]) -> str:
 def _worker_advice(knees: dict[str, dict[str, Any]]) -> list[str]:
     out = []
     for name, k in knees.items():
-        out.append(f"{name}: {k['knee_workers']} workers reach {_fmt(k['knee_img_per_s'])} img/s, within 5% of its "
+        out.append(f"{name}: {_workers(k['knee_workers'])} reach {_fmt(k['knee_img_per_s'])} img/s, within 5% of its "
                    f"best ({_fmt(k['best_img_per_s'])} at {k['best_workers']}); use num_workers={k['knee_workers']}.")
         for h in k["hurts"]:
             out.append(f"{name}: more workers hurt: {h['workers']} give {_fmt(h['img_per_s'])} img/s vs "
@@ -232,7 +237,7 @@ def _cache_advice(knees: dict[str, dict[str, Any]], sweeps: dict[str, list[dict[
         mem += f" of {facts.mem_available / 1e6:,.0f} MB available)" if facts.mem_available else ")"
     disk = f", {size / 1e6:,.1f} MB on disk" if size is not None else ""
     return [f"Convert once: `dlstore convert {facts.source} DEST --format {fmt} --size {facts.size}`{disk}{mem}. "
-            f"Measured here {_fmt(k['knee_img_per_s'])} img/s with {k['knee_workers']} workers "
+            f"Measured here {_fmt(k['knee_img_per_s'])} img/s with {_workers(k['knee_workers'])} "
             f"({k['best_img_per_s'] / raw:.1f}× raw's best); expect about {_fmt(run['predicted_img_per_s'])} img/s, "
             f"bounded then by {run['bottleneck']}."]
 
@@ -244,7 +249,7 @@ def _bound_advice(best: dict[str, Any], stages: dict[str, KindStages], compute_b
             return ["No GPU here: the CPU training step is the limit. On a GPU the step is far faster and the input "
                     "pipeline decides the rate; run `dlstore bench` on the training machine."]
         return [f"The GPU is the limit at {_fmt(best['img_per_s'])} img/s: nothing in the input pipeline needs to "
-                f"change ({best['loader']} with {best['workers']} workers is enough). To go faster, speed up the "
+                f"change ({best['loader']} with {_workers(best['workers'])} is enough). To go faster, speed up the "
                 "step (bf16 autocast, channels_last, a larger batch)."]
     ks = stages.get(best["loader"], KindStages())
     if b == "h2d":
@@ -266,7 +271,7 @@ def _pin_advice(runs: Sequence[dict[str, Any]], facts: Facts) -> list[str]:
     for (name, w, pin), r in by.items():
         other = by.get((name, w, not pin))
         if pin and other:
-            out.append(f"{name} at {w} workers: pin_memory on {_fmt(r['img_per_s'])} vs off "
+            out.append(f"{name} at {_workers(w)}: pin_memory on {_fmt(r['img_per_s'])} vs off "
                        f"{_fmt(other['img_per_s'])} img/s.")
     return out
 
@@ -276,7 +281,7 @@ def _stall_advice(stall: dict[str, dict[str, Any]]) -> list[str]:
     for name, s in stall.items():
         if s["prep_stall_ms"] is None:
             continue
-        line = (f"{name} at {s['workers']} workers: {s['cached_ms']:.1f} ms per batch vs {s['synthetic_ms']:.1f} ms "
+        line = (f"{name} at {_workers(s['workers'])}: {s['cached_ms']:.1f} ms per batch vs {s['synthetic_ms']:.1f} ms "
                 f"on synthetic data: prep stall {s['prep_stall_ms']:.1f} ms")
         if s["fetch_stall_ms"] is not None:
             line += f", fetch stall {s['fetch_stall_ms']:.1f} ms ({s['fetch_note']})"
