@@ -130,6 +130,8 @@ def run_once(prepared: PreparedLoader, spec: RunSpec, config: BenchConfig, devic
         result.first_epoch_img_per_s = first_epoch_images / (end - t0) if end > t0 else None
     finally:
         stream.close()
+        if not spec.cold and not result.resources:
+            monitor.abandon()  # an error mid-run: stop the nvidia-smi sampler too
     for rec, ev in zip(result.steps, events):
         rec.device_step_s = ev[0].elapsed_time(ev[1]) / 1e3
     return result

@@ -135,6 +135,11 @@ class ResourceMonitor:
         if self.gpu:
             self.gpu.start()
 
+    def abandon(self) -> None:
+        if self.gpu is not None and self.gpu.proc is not None:
+            self.gpu.stop()
+            self.gpu.proc = None
+
     def stop(self) -> dict[str, Any]:
         wall = time.perf_counter() - self.t0
         sys1 = system_cpu()

@@ -181,7 +181,7 @@ def measure_stages(prepared: dict[str, PreparedLoader], steps: dict[str, TrainSt
         ckey = (shape, p.batch_dtype, type(p.device_transform).__name__)
         if ckey not in compute_done:
             compute_done[ckey] = measure_compute(name, steps[name], shape, p.batch_dtype, num_classes, device,
-                                                 warmup=3, steps=config.stage_steps)
+                                                 warmup=3, steps=max(config.stage_steps, config.steps))
         out[name] = {"read": read, "transform": transform, "h2d": h2d, "compute": compute_done[ckey]}
     return out
 
@@ -225,7 +225,7 @@ def compute_probe(stage_results: dict[str, dict[str, StageResult]], steps: dict[
         for name, stage in distinct.values():
             d = stage.detail
             again = measure_compute(name, steps[name], d["shape"], getattr(torch, d["dtype"]), num_classes, device,
-                                    warmup=1, steps=config.stage_steps)
+                                    warmup=2, steps=max(config.stage_steps, config.steps))
             d.setdefault("samples_img_per_s", [stage.img_per_s]).append(again.img_per_s)
     return probe
 
