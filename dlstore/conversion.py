@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from dlstore._version import __version__
+from dlstore.checksums import checksum_tree
 from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError
 from dlstore.formats import get_format
 from dlstore.formats.base import CacheWriter
@@ -436,7 +437,8 @@ def finalize(src: Source, policy: ImagePolicy, writer: CacheWriter, fmt: str, st
     sync_tree(root)  # every data file durable before the manifest that declares the cache complete
     spec = CacheSpec(format=fmt, n=len(src) - len(bad), n_stored=len(src), shape=policy.shape,
                      classes=tuple(src.classes), image=policy, format_options=writer.recorded_options(),
-                     source={**src.info(), "plan_sha256": plan_digest(staging.plan)}, checksums=checksum_tree(root), dlstore_version=__version__,
+                     source={**src.info(), "plan_sha256": plan_digest(staging.plan)},
+                     checksums=checksum_tree(root, exclude=(MANIFEST,)), dlstore_version=__version__,
                      created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     fsync_dir(root)
     write_json_durably(root / MANIFEST, spec.to_json())
@@ -484,18 +486,6 @@ def save_npy_durably(path: Path, array: np.ndarray) -> None:
         np.save(f, array, allow_pickle=False)
         f.flush()
         os.fsync(f.fileno())
-
-
-def checksum_tree(root: Path, exclude: tuple[str, ...] = (MANIFEST,)) -> dict[str, str]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in exclude)
-    with ThreadPoolExecutor(max(1, min(8, os.cpu_count() or 1))) as ex:
-        digests = list(ex.map(file_sha256, files))
-    return {p.relative_to(root).as_posix(): d for p, d in zip(files, digests)}
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def dir_bytes(root: Path) -> int:

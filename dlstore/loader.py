@@ -19,7 +19,7 @@ import os
 import queue
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +72,8 @@ class PinnedLoader:
         self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
         self.device = torch.device(device)
         self.sampler = make_sampler(self.cache, order, seed, window)
-        if isinstance(self.cache.reader, ChunkedReader):  # the only process decoding: use every core
-            self.cache.reader.threads = max(self.cache.reader.threads, len(os.sched_getaffinity(0)))
+        # The only process reading: let the reader's (blocking, not spinning) threads use every core.
+        self.cache.reader.threads = max(self.cache.reader.threads, len(os.sched_getaffinity(0)))
         self.num_buffers = max(2, num_buffers)
         self.epoch = 0
         self._ring: BufferRing | None = None
@@ -136,12 +136,10 @@ class _Producer:
         self.cache, self.ring, self.batches = cache, ring, batches
         self.ready: queue.Queue[Any] = queue.Queue()
         self.stop = threading.Event()
-        self.threads = torch.get_num_threads()  # thread-local in OpenMP: hand it to the gather thread
         self.thread = threading.Thread(target=self.run, daemon=True, name="dlstore-gather")
         self.thread.start()
 
     def run(self) -> None:
-        torch.set_num_threads(self.threads)
         try:
             for idx in self.batches:
                 slot = self.ring.acquire()
@@ -223,22 +221,33 @@ class ResidentLoader:
     """The whole cache as one uint8 tensor on the device; batches are gathered there.
 
     Refuses (naming both numbers) when the cache would leave less than ``headroom`` of the device's
-    free memory. ``device="cpu"`` keeps it in host RAM, the same way.
+    free memory. ``device="cpu"`` keeps it in host RAM, the same way. ``transform`` (e.g. a
+    ``GpuAugment``) is applied to each batch on the device; with ``cuda_graph=True`` the gather and
+    the transform of a full batch are captured once and replayed, which removes their per-kernel
+    launch cost (it matters for small images and small models). The tensors it then yields are
+    overwritten by the next batch: use them within the step, ``.clone()`` what you keep.
 
-    >>> loader = ResidentLoader("cache/", batch_size=256)                  # doctest: +SKIP
+    >>> loader = ResidentLoader("cache/", batch_size=256, transform=GpuAugment(28, degrees=15),
+    ...                         cuda_graph=True)                          # doctest: +SKIP
     """
 
     def __init__(self, path: str | Path | Cache, batch_size: int, device: str | torch.device = "cuda",
                  shuffle: bool = True, drop_last: bool = True, seed: int = 0, headroom: float = 0.2,
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None, cuda_graph: bool = False,
                  block_bytes: int = 256 << 20) -> None:
         cache = path if isinstance(path, Cache) else open_cache(path)
         self.device = torch.device(device)
         self.batch_size, self.shuffle, self.drop_last, self.seed = batch_size, shuffle, drop_last, seed
+        self.transform = transform
+        if cuda_graph and (self.device.type != "cuda" or getattr(transform, "generator", None) is not None):
+            raise ValueError("cuda_graph needs a CUDA device and a transform on the default generator")
+        self.cuda_graph = cuda_graph
         self.n = len(cache)
         check_fits(cache, self.device, headroom)
         self.images = upload(cache, self.device, block_bytes)
         self.labels = torch.from_numpy(cache.labels.copy()).to(self.device)
         self.epoch = 0
+        self._graph: Any = None
 
     def __len__(self) -> int:
         return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
@@ -250,7 +259,35 @@ class ResidentLoader:
                  else torch.arange(self.n, device=self.device))
         for i in range(len(self)):
             idx = order[i * self.batch_size:(i + 1) * self.batch_size]
-            yield self.images.index_select(0, idx).permute(0, 3, 1, 2), self.labels.index_select(0, idx)
+            if self.cuda_graph and len(idx) == self.batch_size:
+                yield self._replay(idx)
+            else:
+                yield self.batch(idx)
+
+    def batch(self, idx: torch.Tensor) -> Batch:
+        x = self.images.index_select(0, idx).permute(0, 3, 1, 2)
+        return (self.transform(x) if self.transform else x), self.labels.index_select(0, idx)
+
+    def _replay(self, idx: torch.Tensor) -> Batch:
+        if self._graph is None:
+            self._capture()
+        static_idx, graph, out = self._graph
+        static_idx.copy_(idx)
+        graph.replay()
+        return out
+
+    def _capture(self) -> None:
+        static_idx = torch.zeros(self.batch_size, dtype=torch.int64, device=self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up outside the graph (cudnn/allocator first-use work)
+            for _ in range(3):
+                self.batch(static_idx)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = self.batch(static_idx)
+        self._graph = (static_idx, graph, out)
 
 
 def check_fits(cache: Cache, device: torch.device, headroom: float) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from dlstore.checksums import file_sha256
 from dlstore.errors import SourceError
 from dlstore.imageops import array_to_image, decode_file, prepare
 from dlstore.spec import ImagePolicy
@@ -207,7 +208,3 @@ def open_source(source: str | Path, root: Path | None = None, train: bool = True
         return load_torchvision(text.split(":", 1)[1], root, train)
     return scan_folder(Path(text))
 
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlstore.conversion import file_sha256
+from dlstore.checksums import file_sha256, listed_files, mismatches
 from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
 from dlstore.staleness import read_sources, source_status
 
@@ -55,14 +55,10 @@ def verify(path: str | Path, deep: bool = False, source: str | Path | None = Non
 
 
 def checksum_problems(root: Path, spec: CacheSpec) -> list[str]:
-    problems: list[str] = []
-    for name, digest in sorted(spec.checksums.items()):
-        file = root / parse_relpath(name, root / MANIFEST)
-        if not file.is_file():
-            problems.append(f"{file}: missing")
-        elif file_sha256(file) != digest:
-            problems.append(f"{file}: checksum mismatch (modified or truncated)")
-    listed = set(spec.checksums) | {MANIFEST}
+    for name in spec.checksums:
+        parse_relpath(name, root / MANIFEST)
+    problems = mismatches(root, spec.checksums)
+    listed = listed_files(spec.checksums) | {MANIFEST}
     extra = [p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in listed]
     return problems + [f"{p}: not part of this cache (unexpected file)" for p in sorted(extra)]
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -64,12 +65,35 @@ class CacheReader(ABC):
 
     fork_safe: ClassVar[bool] = False
 
-    def __init__(self, root: Path, spec: CacheSpec, in_memory: bool = False) -> None:
+    def __init__(self, root: Path, spec: CacheSpec, in_memory: bool = False, threads: int | None = None) -> None:
         self.root, self.spec, self.in_memory = Path(root), spec, in_memory
+        # Plain threads, not OpenMP: idle OpenMP teams spin-wait and starve the training thread.
+        self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = -1
 
     @abstractmethod
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
         """Fill ``out`` (B,H,W,C) uint8 with the images at ``positions`` (any order, duplicates allowed)."""
+
+    def parallel(self, fn: Callable[[Any], None], items: list[Any], nbytes: int) -> None:
+        """Run fn over items in this reader's threads when there is enough to copy to be worth it."""
+        if len(items) > 1 and self.threads > 1 and nbytes >= (4 << 20):
+            list(self._thread_pool().map(fn, items))
+        else:
+            for item in items:
+                fn(item)
+
+    def _thread_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pool_pid != os.getpid():  # threads do not survive a fork
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-read")
+            self._pool_pid = os.getpid()
+        return self._pool
+
+    def shutdown_threads(self) -> None:
+        if self._pool is not None and self._pool_pid == os.getpid():
+            self._pool.shutdown(wait=False)
+        self._pool = None
 
     def read_sorted(self, positions: np.ndarray) -> np.ndarray:
         out = np.empty((len(positions), *self.spec.shape), np.uint8)
@@ -91,12 +115,9 @@ class ChunkedReader(CacheReader):
 
     def __init__(self, root: Path, spec: CacheSpec, in_memory: bool = False, unit: int = 1,
                  cache_bytes: int = 512 << 20, threads: int | None = None) -> None:
-        super().__init__(root, spec, in_memory)
+        super().__init__(root, spec, in_memory, threads)
         self.unit = unit
         self._units = UnitCache(max(2, cache_bytes // max(1, unit * spec.image_bytes)))
-        self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
-        self._pool: ThreadPoolExecutor | None = None
-        self._pool_pid = -1
 
     @property
     def max_units(self) -> int:
@@ -126,11 +147,7 @@ class ChunkedReader(CacheReader):
             else:
                 out[order[a:b]] = unit[local]
 
-        if len(runs) > 1 and self.threads > 1 and out.nbytes >= (4 << 20):
-            list(self._thread_pool().map(copy, runs))
-        else:
-            for run in runs:
-                copy(run)
+        self.parallel(copy, runs, out.nbytes)
 
     def unit_array(self, k: int) -> np.ndarray:
         arr = self._units.lookup(k)
@@ -139,17 +156,9 @@ class ChunkedReader(CacheReader):
             self._units.put(k, arr)
         return arr
 
-    def _thread_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_pid != os.getpid():  # threads do not survive a fork
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-decode")
-            self._pool_pid = os.getpid()
-        return self._pool
-
     def close(self) -> None:
         self._units.clear()
-        if self._pool is not None and self._pool_pid == os.getpid():
-            self._pool.shutdown(wait=False)
-        self._pool = None
+        self.shutdown_threads()
 
 
 class UnitCache:
