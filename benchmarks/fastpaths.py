@@ -136,11 +136,21 @@ def interleave(configs: dict[str, Callable[[], float]], repeats: int) -> dict[st
     """Run each configuration `repeats` times in rotated order; median and min-max per configuration."""
     runs: dict[str, list[float]] = {k: [] for k in configs}
     names = list(configs)
+    errors: dict[str, str] = {}
     for r in range(repeats):
         for name in names[r % len(names):] + names[: r % len(names)]:
-            runs[name].append(configs[name]())
+            if name in errors:
+                continue
+            try:
+                runs[name].append(configs[name]())
+            except Exception as e:  # one broken configuration must not lose the others
+                errors[name] = f"{type(e).__name__}: {e}"
+                log(traceback.format_exc())
+                continue
             log(f"  {name}: {runs[name][-1]:,.0f} img/s")
-    return {k: {"median": float(np.median(v)), "min": min(v), "max": max(v), "runs": v} for k, v in runs.items()}
+    out = {k: {"median": float(np.median(v)), "min": min(v), "max": max(v), "runs": v} for k, v in runs.items() if v}
+    out.update({k: {"median": 0.0, "error": e} for k, e in errors.items()})
+    return out
 
 
 # --- sections ----------------------------------------------------------------------------------------
