@@ -152,7 +152,7 @@ def render(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
         pred = "-" if r["predicted"] is None else f"{r['predicted']:,.0f}"
         lines.append(f"{r['loader']:<6} {r['transform']:<11} {r['workers']:>3} {r['img_per_s']:>9,.0f} "
                      f"{r['min']:>9,.0f}–{r['max']:<9,.0f} {pred:>9} {str(r['bottleneck']):<10} "
-                     f"{100 * r['wait_over_wall']:>9.0f}%")
+                     f"{'-' if r['wait_over_wall'] is None else format(100 * r['wait_over_wall'], '.0f') + '%':>10}")
     if summary["skipped"]:
         lines.append(f"skipped (time budget): {', '.join(summary['skipped'])}")
     return "\n".join(lines)

@@ -88,6 +88,17 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
     return doc["outputs"]
 
 
+def finite(obj: Any) -> Any:
+    """NaN and infinities → None, recursively: result.json stays strict JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj
+
+
 def _json_default(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
@@ -194,6 +205,10 @@ def _n(x: float | None, fmt: str = ",.0f") -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
 def render_text(doc: dict[str, Any]) -> str:
     """The table of runs, the stage table, the verdict and the recommendations."""
     lines = [f"dlstore bench: {doc['source']['description']} ({doc['source']['n_images']} images, "
@@ -210,7 +225,7 @@ def render_text(doc: dict[str, Any]) -> str:
         lines.append(f"{r['loader']:<7} {r['workers']:>3} {pin:>3} {_n(r['img_per_s']):>9} "
                      f"{_n(r['img_per_s_min']) + '–' + _n(r['img_per_s_max']):>17} "
                      f"{_n(r['predicted_img_per_s']):>9} "
-                     f"{err:>5} {str(r['bottleneck']):<10} {_n(100 * r['wait']['sum_over_wall'], '.0f') + '%':>10} "
+                     f"{err:>5} {str(r['bottleneck']):<10} {_pct(r['wait']['sum_over_wall']):>10} "
                      f"{_n(r['wait']['p95_ms'], '.1f'):>7} {_n(r['first_epoch_img_per_s']):>9}")
     lines += ["", f"{'stage rates (img/s)':<20} {'read warm':>10} {'read cold':>10} {'transform':>16} {'h2d':>10} "
               f"{'compute':>10}  eviction"]

@@ -24,7 +24,7 @@ from dlstore.bench.loaders import (LoaderContext, PreparedLoader, default_size, 
 from dlstore.bench.models import TrainStep, build_model, configure_numerics, count_parameters
 from dlstore.bench.protocol import (AUGMENT_DEGREES, AUGMENT_SCALE, DEVICES, SCHEMA_VERSION, TRANSFORMS, BenchConfig,
                                     StageResult, default_worker_counts, usable_cores)
-from dlstore.bench.report import environment, profile_configuration, write_outputs
+from dlstore.bench.report import environment, finite, profile_configuration, write_outputs
 from dlstore.bench.resources import mem_available_bytes
 from dlstore.bench.stages import (BatchStream, device_label, measure_compute, measure_h2d, measure_read,
                                   measure_transform)
@@ -116,6 +116,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         "verdict": analysis["verdict"], "recommendations": analysis["recommendations"],
         "notes": notes, "profile": profiles, "phases": phases, "elapsed_s": time.perf_counter() - t_start,
     }
+    doc = finite(doc)
     if config.out is not None:
         write_outputs(doc, Path(config.out))
     return doc
