@@ -124,7 +124,8 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
 
 def contention_notes(runs: list[dict[str, Any]]) -> list[str]:
     """Other processes busy on this machine during the timed steps make every number noisy: say so."""
-    other = sorted(r["resources"].get("other_cpu_cores") or 0.0 for r in runs if r.get("resources"))
+    other = sorted(r["resources"].get("other_cpu_cores") or 0.0 for r in runs
+                   if (r.get("resources") or {}).get("wall_s", 0.0) >= 0.5)  # /proc ticks are 10 ms
     if other and other[len(other) // 2] > 0.5:
         return [f"other processes kept about {other[len(other) // 2]:.1f} of {os.cpu_count()} cores busy during the "
                 "timed steps: the numbers are noisy; compare ratios within this run, or re-run on a quiet machine"]
