@@ -144,3 +144,15 @@ def test_abandoned_epoch_does_not_block_the_next(caches: dict[str, Path]) -> Non
     for _ in range(3):
         next(iter(loader))  # start an epoch and walk away, buffers still filled
     check_epoch(list(loader), caches["ram"], expect_all=True)
+
+
+def test_zarr_buffer_reuse_under_eviction(caches: dict[str, Path]) -> None:
+    from dlstore.formats.base import UnitCache
+
+    reference = open_cache(caches["zarr"]).read(np.arange(97))
+    cache = open_cache(caches["zarr"])
+    cache.reader._units = UnitCache(2)  # evict constantly so decode buffers are recycled
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        idx = rng.integers(0, 97, 12)
+        np.testing.assert_array_equal(cache.read(idx), reference[idx])

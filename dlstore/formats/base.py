@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from abc import ABC, abstractmethod
 import threading
 from collections import OrderedDict
@@ -153,8 +154,11 @@ class ChunkedReader(CacheReader):
         arr = self._units.lookup(k)
         if arr is None:
             arr = self.load_unit(k)
-            self._units.put(k, arr)
+            self.recycle(self._units.put(k, arr))
         return arr
+
+    def recycle(self, evicted: list[np.ndarray]) -> None:
+        """Hook for readers that reuse the buffers of evicted units."""
 
     def close(self) -> None:
         self._units.clear()
@@ -176,15 +180,42 @@ class UnitCache:
                 self._units.move_to_end(k)
             return arr
 
-    def put(self, k: int, arr: np.ndarray) -> None:
+    def put(self, k: int, arr: np.ndarray) -> list[np.ndarray]:
+        """Store unit k; return what was evicted (its buffer may be reused, see BufferPool)."""
+        evicted = []
         with self._lock:
             self._units[k] = arr
             while len(self._units) > self.max_units:
-                self._units.popitem(last=False)
+                evicted.append(self._units.popitem(last=False)[1])
+        return evicted
 
     def clear(self) -> None:
         with self._lock:
             self._units.clear()
+
+
+class BufferPool:
+    """Decode buffers of evicted units, reused instead of freshly allocated: a fresh multi-MB buffer
+    per chunk means an mmap/munmap per chunk, and munmap's TLB shootdowns serialise decoding threads."""
+
+    def __init__(self, shape: tuple[int, ...], keep: int = 32) -> None:
+        self.shape, self.keep = shape, keep
+        self._free: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> np.ndarray:
+        with self._lock:
+            while self._free:
+                buf = self._free.pop()
+                if sys.getrefcount(buf) <= 2:  # nobody (no copy in flight) still holds it
+                    return buf
+        return np.empty(self.shape, np.uint8)
+
+    def give(self, bufs: list[np.ndarray]) -> None:
+        with self._lock:
+            for buf in bufs:
+                if buf.shape == self.shape and buf.base is None and len(self._free) < self.keep:
+                    self._free.append(buf)
 
 
 def clamp_units(target_bytes: int, image_bytes: int, lo: int, hi: int) -> int:

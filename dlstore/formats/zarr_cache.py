@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
 from dlstore.errors import CacheCorruptError, SpecError
-from dlstore.formats.base import CacheWriter, ChunkedReader
+from dlstore.formats.base import BufferPool, CacheWriter, ChunkedReader
 
 CODECS = ("zstd", "lz4", "none")
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
@@ -113,6 +115,11 @@ class ZarrReader(ChunkedReader):
     def __init__(self, root: Path, spec: Any, in_memory: bool = False, cache_bytes: int = 256 << 20) -> None:
         chunk, self.decode = parse_array_meta(Path(root) / "images" / "zarr.json", spec.n_stored, spec.shape)
         super().__init__(root, spec, in_memory, unit=chunk, cache_bytes=cache_bytes)
+        self._buffers = BufferPool((chunk, *spec.shape))
+        self._scratch = threading.local()  # per-thread buffer for the compressed bytes
+
+    def recycle(self, evicted: list[np.ndarray]) -> None:
+        self._buffers.give(evicted)
 
     def chunk_path(self, k: int) -> Path:
         return self.root / "images" / "c" / str(k) / "0" / "0" / "0"
@@ -122,13 +129,41 @@ class ZarrReader(ChunkedReader):
         try:
             if self.decode is None:
                 return np.memmap(path, np.uint8, "r", shape=(self.unit, *self.spec.shape))
-            raw = self.decode(path.read_bytes())
+            raw = self._read_compressed(path)
+            out = self._buffers.take()
+            if declared_size(raw) != out.nbytes:  # decoding into a reused buffer must fill all of it
+                raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
+            self.decode(raw, out=out)  # type: ignore[call-arg]
         except FileNotFoundError:
             raise CacheCorruptError(f"{path}: chunk {k} missing (zarr would read it as zeros); rebuild") from None
         except (OSError, RuntimeError, ValueError) as e:
             raise CacheCorruptError(f"{path}: chunk {k} does not decode ({e}); rebuild the cache") from None
-        flat = np.frombuffer(raw, np.uint8)
-        if flat.size != self.unit * self.spec.image_bytes:
-            raise CacheCorruptError(f"{path}: chunk {k} decodes to {flat.size} bytes, "
-                                    f"expected {self.unit * self.spec.image_bytes}; rebuild")
-        return flat.reshape(self.unit, *self.spec.shape)
+        return out
+
+    def _read_compressed(self, path: Path) -> memoryview:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            buf = getattr(self._scratch, "buf", None)
+            if buf is None or len(buf) < size:
+                buf = self._scratch.buf = bytearray(max(size, 1 << 20))
+            view = memoryview(buf)[:size]
+            if f.readinto(view) != size:
+                raise CacheCorruptError(f"{path}: chunk file shorter than its size; rebuild the cache")
+        return view
+
+
+def declared_size(raw: memoryview) -> int:
+    """Decompressed size a zstd frame or blosc chunk declares in its header; -1 if it does not."""
+    head = bytes(raw[:18])
+    if head[:4] == b"\x28\xb5\x2f\xfd" and len(head) >= 6:  # zstd frame
+        desc = head[4]
+        fcs_flag, single = desc >> 6, (desc >> 5) & 1
+        pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[desc & 3]
+        width = (1 if single else 0, 2, 4, 8)[fcs_flag]
+        if width == 0:
+            return -1
+        value = int.from_bytes(head[pos:pos + width], "little")
+        return value + 256 if width == 2 else value
+    if len(head) >= 16:  # blosc: version, versionlz, flags, typesize, then nbytes (uint32 LE)
+        return int.from_bytes(head[4:8], "little")
+    return -1
