@@ -118,3 +118,13 @@ def test_a_registered_kind_is_measured_and_a_missing_package_skips(env: Path,
                                 steps=2, warmup=1, repeats=1, stage_steps=2))
     assert [r["loader"] for r in doc["runs"]] == ["tensors"]
     assert any("zarr: skipped" in n for n in doc["notes"])
+
+
+def test_fast_path_kinds_are_measured(env: Path) -> None:
+    from dlstore.bench.protocol import BenchConfig
+    from dlstore.bench.run import run_bench
+
+    doc = run_bench(BenchConfig(formats=("pinned", "resident"), workers=(0,), demo_images=40, size=16,
+                                batch_size=8, steps=2, warmup=1, repeats=1, stage_steps=2, transform="gpu-augment"))
+    assert sorted(r["loader"] for r in doc["runs"] if r["workers"] == 0) == ["pinned", "resident"]
+    assert all(r["img_per_s"] > 0 for r in doc["runs"])

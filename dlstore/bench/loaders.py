@@ -303,3 +303,5 @@ def _register_cached_kinds() -> None:
 
 
 _register_cached_kinds()
+
+from dlstore.bench import fastkinds  # noqa: E402,F401  (registers the pinned and resident kinds)
