@@ -20,7 +20,10 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m dlstore.demo_job --out $(DEMO_OUT)
+	$(VENV)/bin/dlstore convert demo $(DEMO_OUT)/cache-zarr --format zarr --size 64 --overwrite
+	$(VENV)/bin/dlstore info $(DEMO_OUT)/cache-zarr
+	$(VENV)/bin/dlstore verify $(DEMO_OUT)/cache-zarr
+	$(VENV)/bin/dlstore bench demo --out $(DEMO_OUT)/bench
 
 test: venv
 	$(PY) -m pytest -q -m "not slow and not gpu" tests

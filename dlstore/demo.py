@@ -302,11 +302,10 @@ def demo_jpeg_bytes(index: int, label: int, seed: int = 0) -> bytes:
 
 
 def default_demo_dir(n_images: int = 512, seed: int = 0) -> Path:
-    """``$DLSTORE_DEMO_DIR`` if set, else a versioned per-(n, seed) cache dir."""
-    env = os.environ.get("DLSTORE_DEMO_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "dlstore" / f"demo-v{_DEMO_VERSION}-n{n_images}-s{seed}"
+    """A versioned per-(n, seed) folder under ``$DLSTORE_DEMO_DIR`` if set, else under ~/.cache/dlstore,
+    so demos of different sizes never collide."""
+    base = Path(os.environ.get("DLSTORE_DEMO_DIR") or Path.home() / ".cache" / "dlstore").expanduser()
+    return base / f"demo-v{_DEMO_VERSION}-n{n_images}-s{seed}"
 
 
 def demo_relpath(index: int) -> str:

@@ -52,8 +52,11 @@ class Staging:
         return (Path(dest).parent / f".{Path(dest).name}.dlstore-journal" / "plan.json").is_file()
 
     def __enter__(self) -> Staging:
-        if not self.dest.parent.is_dir():
-            raise ConvertError(f"{self.dest.parent}: parent folder of DEST does not exist; create it first")
+        try:
+            self.dest.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConvertError(f"{self.dest.parent}: cannot create the folder for DEST ({e.strerror}); "
+                               "choose a DEST in a writable folder") from None
         self._lock()
         try:
             self._open()

@@ -171,7 +171,7 @@ def test_concurrent_ensure_demo(tmp_path: Path) -> None:
 
 def test_default_demo_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DLSTORE_DEMO_DIR", str(tmp_path / "from-env"))
-    assert demo.default_demo_dir(512, 0) == tmp_path / "from-env"
+    assert demo.default_demo_dir(512, 0) == tmp_path / "from-env" / "demo-v1-n512-s0"
     monkeypatch.delenv("DLSTORE_DEMO_DIR")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert demo.default_demo_dir(64, 2) == tmp_path / ".cache" / "dlstore" / "demo-v1-n64-s2"
