@@ -81,14 +81,19 @@ class Cache:
         self.reader.close()
 
 
-def load_labels(root: Path, spec: CacheSpec) -> np.ndarray:
-    path = root / LABELS_FILE
+def load_npy(path: Path) -> np.ndarray:
+    """A small index array of the cache (never a pickle)."""
     try:
-        labels = np.load(path, allow_pickle=False)
+        return np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise CacheCorruptError(f"{path}: missing; rebuild the cache") from None
     except ValueError as e:
         raise CacheCorruptError(f"{path}: unreadable ({e}); rebuild the cache") from None
+
+
+def load_labels(root: Path, spec: CacheSpec) -> np.ndarray:
+    path = root / LABELS_FILE
+    labels = load_npy(path)
     if labels.shape != (spec.n_stored,) or labels.dtype.kind != "i" or int((labels >= 0).sum()) != spec.n:
         raise CacheCorruptError(f"{path}: {labels.dtype}{labels.shape} does not match the manifest "
                                 f"({spec.n} usable of {spec.n_stored}); rebuild the cache")
@@ -97,12 +102,7 @@ def load_labels(root: Path, spec: CacheSpec) -> np.ndarray:
 
 def load_positions(root: Path, spec: CacheSpec, stored_labels: np.ndarray) -> np.ndarray:
     path = root / POSITIONS_FILE
-    try:
-        pos = np.load(path, allow_pickle=False)
-    except FileNotFoundError:
-        raise CacheCorruptError(f"{path}: missing; rebuild the cache") from None
-    except ValueError as e:
-        raise CacheCorruptError(f"{path}: unreadable ({e}); rebuild the cache") from None
+    pos = load_npy(path)
     if (pos.shape != (spec.n,) or pos.dtype.kind != "i" or (pos.size and (pos.min() < 0 or pos.max() >= spec.n_stored))
             or (stored_labels[pos] < 0).any()):
         raise CacheCorruptError(f"{path}: {pos.dtype}{pos.shape} does not map {spec.n} samples into "
