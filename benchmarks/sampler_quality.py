@@ -28,7 +28,6 @@ import platform
 import sys
 import threading
 import time
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import dlstore  # noqa: E402
+from dlstore.bench.report import _version, cpu_model  # noqa: E402
 from dlstore.demo import ensure_demo  # noqa: E402
 from dlstore.formats.base import UnitCache  # noqa: E402
 from dlstore.loader import default_window, make_sampler, storage_sorted  # noqa: E402
@@ -66,24 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # --- environment --------------------------------------------------------------------------------------
-
-def _version(dist: str) -> str | None:
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return None
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
 
 def environment() -> dict[str, Any]:
     return {"python": sys.version.split()[0], "platform": platform.platform(), "cpu_model": cpu_model(),
