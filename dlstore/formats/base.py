@@ -96,11 +96,6 @@ class CacheReader(ABC):
             self._pool.shutdown(wait=False)
         self._pool = None
 
-    def read_sorted(self, positions: np.ndarray) -> np.ndarray:
-        out = np.empty((len(positions), *self.spec.shape), np.uint8)
-        self.read_into(positions, out)
-        return out
-
     def close(self) -> None:
         """Release handles; the reader may not be used afterwards."""
 
