@@ -139,7 +139,7 @@ class ChunkedReader(CacheReader):
             unit = self.unit_array(k)
             local = sorted_pos[a:b] - k * self.unit
             if order is None:
-                np.take(unit, local, axis=0, out=out[a:b])
+                np.take(unit, local, axis=0, out=out[a:b], mode="clip")
             else:
                 out[order[a:b]] = unit[local]
 

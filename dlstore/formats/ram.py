@@ -69,10 +69,16 @@ class RamReader(CacheReader):
         self.array = arr
 
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
-        """Row gather split across this reader's threads (numpy's take releases the GIL)."""
+        """Row gather split across this reader's threads (numpy's take releases the GIL). Positions are
+        checked by the Cache, so ``mode="clip"``: with the default "raise" numpy buffers ``out`` (a
+        second copy, ≈ 3.8× slower measured on 256 px rows)."""
         step = -(-len(positions) // max(1, self.threads))
         parts = [slice(i, i + step) for i in range(0, len(positions), step)]
-        self.parallel(lambda part: np.take(self.array, positions[part], axis=0, out=out[part]), parts, out.nbytes)
+
+        def gather(part: slice) -> None:
+            np.take(self.array, positions[part], axis=0, out=out[part], mode="clip")
+
+        self.parallel(gather, parts, out.nbytes)
 
     def close(self) -> None:
         self.array = None  # type: ignore[assignment]
