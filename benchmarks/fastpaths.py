@@ -31,7 +31,7 @@ from dlstore.conversion import convert  # noqa: E402
 from dlstore.demo import ensure_demo  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
 from dlstore.idx import write_fashion_mnist_like  # noqa: E402
-from dlstore.loader import PinnedLoader, ResidentLoader, batch_dataloader, make_sampler  # noqa: E402
+from dlstore.loader import PinnedLoader, ResidentLoader, batch_dataloader, make_sampler, storage_sorted  # noqa: E402
 from dlstore.sources import open_source, scan_folder  # noqa: E402
 from dlstore.spec import ImagePolicy  # noqa: E402
 
@@ -241,7 +241,7 @@ def section_random_reads(args: argparse.Namespace, work: Path) -> dict[str, Any]
         t0 = time.perf_counter()
         count = 0
         for i in range(0, min(len(order), batches * b) - b + 1, b):
-            cache.read(order[i:i + b], out=buf)
+            cache.read(storage_sorted(cache, order[i:i + b]), out=buf)  # as the dlstore loaders read
             count += b
         return count / (time.perf_counter() - t0)
 

@@ -133,6 +133,7 @@ class ChunkedReader(CacheReader):
         order = None if ascending else np.argsort(positions, kind="stable")
         sorted_pos = positions if order is None else positions[order]
         runs = group_runs(sorted_pos // self.unit)
+        big_rows = self.spec.image_bytes >= (16 << 10)
 
         def copy(run: tuple[int, int, int]) -> None:
             k, a, b = run
@@ -140,6 +141,9 @@ class ChunkedReader(CacheReader):
             local = sorted_pos[a:b] - k * self.unit
             if order is None:
                 np.take(unit, local, axis=0, out=out[a:b], mode="clip")
+            elif big_rows:  # row by row: no temporary, and each copy releases the GIL
+                for dst, src in zip(order[a:b].tolist(), local.tolist()):
+                    out[dst] = unit[src]
             else:
                 out[order[a:b]] = unit[local]
 
