@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,3 +31,13 @@ def image_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
         exif[ORIENT_TAG] = 6
         img.save(root / cls / "rotated.jpg", exif=exif, quality=92)
     return root
+
+
+@pytest.fixture(scope="module")
+def bench_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Demo images and bench caches in a folder of this test module, not in ~/.cache."""
+    root = tmp_path_factory.mktemp("bench")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DLSTORE_DEMO_DIR", str(root / "demo"))
+        mp.setenv("DLSTORE_BENCH_CACHE", str(root / "caches"))
+        yield root

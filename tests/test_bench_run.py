@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import json
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +19,8 @@ TINY = ["--demo-images", "40", "--batch-size", "8", "--size", "16", "--steps", "
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = tmp_path_factory.mktemp("bench")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DLSTORE_DEMO_DIR", str(root / "demo"))
-        mp.setenv("DLSTORE_BENCH_CACHE", str(root / "caches"))
-        yield root
+def env(bench_env: Path) -> Path:
+    return bench_env
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,12 +11,8 @@ from dlstore.bench.run import run_bench
 
 
 @pytest.fixture(scope="module", autouse=True)
-def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    root = tmp_path_factory.mktemp("workloads")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("DLSTORE_DEMO_DIR", str(root / "demo"))
-        mp.setenv("DLSTORE_BENCH_CACHE", str(root / "caches"))
-        yield root
+def env(bench_env: Path) -> Path:
+    return bench_env
 
 
 def tiny(**kw: object) -> BenchConfig:
