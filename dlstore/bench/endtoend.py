@@ -39,16 +39,20 @@ class RunSpec:
 
 
 def plan_runs(loaders: Sequence[str], workers: Sequence[int], cuda: bool, pin_mode: str,
-              cold: bool) -> list[RunSpec]:
+              cold: bool, workerless: frozenset[str] = frozenset()) -> list[RunSpec]:
     """Every (loader, workers) with pin_memory as the device wants; on CUDA with pin 'auto', one pin-off
-    run per loader at the largest worker count; with ``cold``, one cold run per loader there."""
+    run per loader at the largest worker count; with ``cold``, one cold run per loader there. Loaders in
+    ``workerless`` (no worker processes, no pin_memory choice) run once, at 0 workers."""
     pin_default = cuda if pin_mode == "auto" else pin_mode == "on"
-    specs = [RunSpec(name, w, pin_default) for name in loaders for w in workers]
-    top = max(workers)
+
+    def counts(name: str) -> list[int]:
+        return [0] if name in workerless else list(workers)
+
+    specs = [RunSpec(name, w, pin_default) for name in loaders for w in counts(name)]
     if cuda and pin_mode in ("auto", "both"):
-        specs += [RunSpec(name, top, not pin_default) for name in loaders]
+        specs += [RunSpec(name, max(counts(name)), not pin_default) for name in loaders if name not in workerless]
     if cold:
-        specs += [RunSpec(name, top, pin_default, cold=True) for name in loaders]
+        specs += [RunSpec(name, max(counts(name)), pin_default, cold=True) for name in loaders]
     return specs
 
 
