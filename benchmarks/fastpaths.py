@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dlstore.bench.report import cpu_model  # noqa: E402
 from dlstore.cache import open_cache  # noqa: E402
 from dlstore.conversion import convert  # noqa: E402
 from dlstore.demo import ensure_demo  # noqa: E402
@@ -441,11 +442,7 @@ def environment() -> dict[str, Any]:
         env["import_error"] = str(e)
     if torch.cuda.is_available():
         env["gpu"] = torch.cuda.get_device_name(0)
-    try:
-        env["cpu_model"] = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                                if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    env["cpu_model"] = cpu_model()
     return env
 
 
