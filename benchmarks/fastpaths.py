@@ -17,8 +17,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -53,14 +54,29 @@ def sync() -> None:
 def target(name: str, measured: float, base: float, goal: float, note: str = "") -> None:
     ratio = measured / base if base else float("nan")
     met = ratio >= goal if goal < 5 else measured >= goal
-    TARGETS.append({"name": name, "measured": round(measured, 1), "ceiling_or_baseline": round(base, 1),
-                    "ratio": round(ratio, 3), "goal": goal, "met": bool(met), "note": note})
+    TARGETS.append(
+        {
+            "name": name,
+            "measured": round(measured, 1),
+            "ceiling_or_baseline": round(base, 1),
+            "ratio": round(ratio, 3),
+            "goal": goal,
+            "met": bool(met),
+            "note": note,
+        }
+    )
 
 
 # --- training loops --------------------------------------------------------------------------------
 
-def timed_steps(batches: Callable[[], Any], step: Callable[[torch.Tensor, torch.Tensor], None],
-                warmup: int, steps: int, batch: int) -> float:
+
+def timed_steps(
+    batches: Callable[[], Any],
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+    warmup: int,
+    steps: int,
+    batch: int,
+) -> float:
     """images/s over `steps` steps after `warmup`, CUDA-synchronised; batches() gives a fresh iterator."""
     it = batches()
 
@@ -85,7 +101,9 @@ def timed_steps(batches: Callable[[], Any], step: Callable[[torch.Tensor, torch.
 def resnet_step(name: str, classes: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
     import torchvision
 
-    model = getattr(torchvision.models, name)(num_classes=classes).cuda().to(memory_format=torch.channels_last)
+    model = (
+        getattr(torchvision.models, name)(num_classes=classes).cuda().to(memory_format=torch.channels_last)
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -94,6 +112,7 @@ def resnet_step(name: str, classes: int) -> Callable[[torch.Tensor, torch.Tensor
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+
     return step
 
 
@@ -111,10 +130,13 @@ def smallcnn_step() -> Callable[[torch.Tensor, torch.Tensor], None]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+
     return step
 
 
-def synthetic(shape: tuple[int, ...], classes: int, dtype: torch.dtype, channels_last: bool) -> Callable[[], Any]:
+def synthetic(
+    shape: tuple[int, ...], classes: int, dtype: torch.dtype, channels_last: bool
+) -> Callable[[], Any]:
     x = torch.randn(shape, device="cuda").to(dtype)
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -123,6 +145,7 @@ def synthetic(shape: tuple[int, ...], classes: int, dtype: torch.dtype, channels
     def gen() -> Any:
         while True:
             yield x, y
+
     return gen
 
 
@@ -130,6 +153,7 @@ def augmented(loader: Any, aug: GpuAugment) -> Callable[[], Any]:
     def gen() -> Any:
         for x, y in loader:
             yield aug(x), y
+
     return gen
 
 
@@ -139,7 +163,7 @@ def interleave(configs: dict[str, Callable[[], float]], repeats: int) -> dict[st
     names = list(configs)
     errors: dict[str, str] = {}
     for r in range(repeats):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             if name in errors:
                 continue
             try:
@@ -149,12 +173,17 @@ def interleave(configs: dict[str, Callable[[], float]], repeats: int) -> dict[st
                 log(traceback.format_exc())
                 continue
             log(f"  {name}: {runs[name][-1]:,.0f} img/s")
-    out = {k: {"median": float(np.median(v)), "min": min(v), "max": max(v), "runs": v} for k, v in runs.items() if v}
+    out = {
+        k: {"median": float(np.median(v)), "min": min(v), "max": max(v), "runs": v}
+        for k, v in runs.items()
+        if v
+    }
     out.update({k: {"median": 0.0, "error": e} for k, e in errors.items()})
     return out
 
 
 # --- sections ----------------------------------------------------------------------------------------
+
 
 def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
@@ -168,12 +197,20 @@ def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         src.decode(i, policy)
     one_core = n1 / (time.perf_counter() - t0)
     cores = len(os.sched_getaffinity(0))
-    out: dict[str, Any] = {"demo_images": len(src), "demo_generate_s": gen_s, "one_core_decode_resize_img_s": one_core,
-                           "cores": cores, "convert": {}}
+    out: dict[str, Any] = {
+        "demo_images": len(src),
+        "demo_generate_s": gen_s,
+        "one_core_decode_resize_img_s": one_core,
+        "cores": cores,
+        "convert": {},
+    }
     for fmt, size in (("ram", 256), ("npz", 256), ("zarr", 256), ("ram", 128)):
         res = convert(src, work / f"{fmt}{size}", format=fmt, size=size, workers=cores, overwrite=True)
-        out["convert"][f"{fmt}{size}"] = {"seconds": res.seconds, "img_s": res.images_per_s,
-                                          "bytes": res.bytes_on_disk}
+        out["convert"][f"{fmt}{size}"] = {
+            "seconds": res.seconds,
+            "img_s": res.images_per_s,
+            "bytes": res.bytes_on_disk,
+        }
         log(f"convert {fmt}{size}: {res.images_per_s:,.0f} img/s")
     rate = out["convert"]["ram256"]["img_s"]
     target("convert (ram, 256px, all cores) vs cores x one-core decode+resize", rate, cores * one_core, 0.85)
@@ -209,10 +246,17 @@ def section_loader_alone(args: argparse.Namespace, work: Path) -> dict[str, Any]
 
     def workers(k: int, to_gpu: bool) -> Callable[[], float]:
         def run() -> float:
-            loader = batch_dataloader(work / "ram256", batch_size=b, num_workers=k, order="random",
-                                      pin_memory=to_gpu, prefetch_factor=4)
+            loader = batch_dataloader(
+                work / "ram256",
+                batch_size=b,
+                num_workers=k,
+                order="random",
+                pin_memory=to_gpu,
+                prefetch_factor=4,
+            )
             it = _Reiter(loader) if to_gpu else (lambda: iter(loader))
             return timed_steps(lambda: iter(it) if to_gpu else it(), lambda x, y: None, 20, 300, b)
+
         return run
 
     out["pinned_loader_to_gpu"] = interleave({"pinned": pinned_loader}, 2)["pinned"]
@@ -222,11 +266,20 @@ def section_loader_alone(args: argparse.Namespace, work: Path) -> dict[str, Any]
     out["gpu_resident"] = timed_steps(lambda: iter(resident), lambda x, y: None, 10, 2000, b)
     one = max(out["gather_1_thread"], 0)
     best_one_process = max(out[f"gather_{cores}_threads"], out["pinned_loader_to_gpu"]["median"])
-    target("loader alone, 256px RAM cache, one process (to pinned/GPU)", best_one_process, 50_000, 50_000,
-           f"one thread: {one:,.0f} img/s")
-    target(f"loader alone, 256px RAM cache, {cores} DataLoader workers (host)",
-           out[f"dataloader_{cores}_workers_host"]["median"], 150_000, 150_000,
-           f"to GPU with pin_memory: {out[f'dataloader_{cores}_workers_to_gpu']['median']:,.0f} img/s")
+    target(
+        "loader alone, 256px RAM cache, one process (to pinned/GPU)",
+        best_one_process,
+        50_000,
+        50_000,
+        f"one thread: {one:,.0f} img/s",
+    )
+    target(
+        f"loader alone, 256px RAM cache, {cores} DataLoader workers (host)",
+        out[f"dataloader_{cores}_workers_host"]["median"],
+        150_000,
+        150_000,
+        f"to GPU with pin_memory: {out[f'dataloader_{cores}_workers_to_gpu']['median']:,.0f} img/s",
+    )
     target("loader alone, GPU-resident", out["gpu_resident"], 1_000_000, 1_000_000)
     return out
 
@@ -242,7 +295,7 @@ def section_random_reads(args: argparse.Namespace, work: Path) -> dict[str, Any]
         t0 = time.perf_counter()
         count = 0
         for i in range(0, min(len(order), batches * b) - b + 1, b):
-            cache.read(storage_sorted(cache, order[i:i + b]), out=buf)  # as the dlstore loaders read
+            cache.read(storage_sorted(cache, order[i : i + b]), out=buf)  # as the dlstore loaders read
             count += b
         return count / (time.perf_counter() - t0)
 
@@ -260,12 +313,18 @@ def section_random_reads(args: argparse.Namespace, work: Path) -> dict[str, Any]
         out[f"{fmt}_chunk_sampler"] = rate(cache, order)
         fresh = open_cache(work / f"{fmt}256")
         out[f"{fmt}_full_shuffle"] = rate(fresh, full, batches=10)
-        target(f"{fmt} via ChunkSampler vs memmap, random order", out[f"{fmt}_chunk_sampler"], out["memmap_random"], 0.5)
+        target(
+            f"{fmt} via ChunkSampler vs memmap, random order",
+            out[f"{fmt}_chunk_sampler"],
+            out["memmap_random"],
+            0.5,
+        )
     return out
 
 
-def section_resnet(args: argparse.Namespace, work: Path, name: str, res: int, batch: int, cache_dir: str,
-                   goal: float) -> dict[str, Any]:
+def section_resnet(
+    args: argparse.Namespace, work: Path, name: str, res: int, batch: int, cache_dir: str, goal: float
+) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = True
     step = resnet_step(name, 5)
     aug = GpuAugment(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).cuda()
@@ -273,20 +332,31 @@ def section_resnet(args: argparse.Namespace, work: Path, name: str, res: int, ba
     pinned = PinnedLoader(cache, batch_size=batch, device="cuda", order="random")
     resident = ResidentLoader(cache, batch_size=batch, device="cuda")
     graphed = ResidentLoader(cache, batch_size=batch, device="cuda", transform=aug, cuda_graph=True)
-    dl2 = batch_dataloader(work / cache_dir, batch_size=batch, num_workers=2, order="random", prefetch_factor=4)
+    dl2 = batch_dataloader(
+        work / cache_dir, batch_size=batch, num_workers=2, order="random", prefetch_factor=4
+    )
     cfgs = {
-        "synthetic": lambda: timed_steps(synthetic((batch, 3, res, res), 5, torch.bfloat16, True), step,
-                                         args.warmup, args.steps, batch),
+        "synthetic": lambda: timed_steps(
+            synthetic((batch, 3, res, res), 5, torch.bfloat16, True), step, args.warmup, args.steps, batch
+        ),
         "pinned_0_workers": lambda: timed_steps(augmented(pinned, aug), step, args.warmup, args.steps, batch),
-        "dataloader_2_workers": lambda: timed_steps(augmented(_Reiter(dl2), aug), step, args.warmup, args.steps, batch),
+        "dataloader_2_workers": lambda: timed_steps(
+            augmented(_Reiter(dl2), aug), step, args.warmup, args.steps, batch
+        ),
         "gpu_resident": lambda: timed_steps(augmented(resident, aug), step, args.warmup, args.steps, batch),
-        "gpu_resident_graph": lambda: timed_steps(lambda: iter(graphed), step, args.warmup, args.steps, batch),
+        "gpu_resident_graph": lambda: timed_steps(
+            lambda: iter(graphed), step, args.warmup, args.steps, batch
+        ),
     }
     out = interleave(cfgs, args.repeats)
     ceiling = out["synthetic"]["median"]
     best = max(("pinned_0_workers", "dataloader_2_workers"), key=lambda k: out[k]["median"])
-    target(f"{name} bf16 @{res} bs{batch} from cache (<=2 workers: {best}) vs synthetic", out[best]["median"],
-           ceiling, goal)
+    target(
+        f"{name} bf16 @{res} bs{batch} from cache (<=2 workers: {best}) vs synthetic",
+        out[best]["median"],
+        ceiling,
+        goal,
+    )
     res_best = max(("gpu_resident", "gpu_resident_graph"), key=lambda k: out[k]["median"])
     target(f"{name} bf16 @{res} {res_best} vs synthetic", out[res_best]["median"], ceiling, goal)
     return out
@@ -310,24 +380,34 @@ def section_fashion(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     step = smallcnn_step()
     cache = open_cache(work / "fm28", in_memory=True)
     resident = ResidentLoader(cache, batch_size=256, device="cuda")
-    aug = GpuAugment(28, scale=(0.75, 1.0), ratio=(1.0, 1.0), hflip_p=0.0, degrees=15, mean=(0.2860,),
-                     std=(0.3530,)).cuda()
+    aug = GpuAugment(
+        28, scale=(0.75, 1.0), ratio=(1.0, 1.0), hflip_p=0.0, degrees=15, mean=(0.2860,), std=(0.3530,)
+    ).cuda()
     plain = GpuAugment(28, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip_p=0.0).cuda()  # ToTensor-equivalent
     pinned = PinnedLoader(cache, batch_size=256, device="cuda", order="random")
     graphed = ResidentLoader(cache, batch_size=256, device="cuda", transform=aug, cuda_graph=True)
     steps = args.steps * 3
     cfgs = {
-        "synthetic": lambda: timed_steps(synthetic((256, 1, 28, 28), 10, torch.float32, False), step, 40, steps, 256),
+        "synthetic": lambda: timed_steps(
+            synthetic((256, 1, 28, 28), 10, torch.float32, False), step, 40, steps, 256
+        ),
         "resident_gpu_augment": lambda: timed_steps(augmented(resident, aug), step, 40, steps, 256),
-        "resident_light": lambda: timed_steps(lambda: ((x.float() / 255, y) for x, y in resident), step, 40, steps, 256),
+        "resident_light": lambda: timed_steps(
+            lambda: ((x.float() / 255, y) for x, y in resident), step, 40, steps, 256
+        ),
         "pinned_gpu_augment": lambda: timed_steps(augmented(pinned, aug), step, 40, steps, 256),
         "resident_gpu_augment_graph": lambda: timed_steps(lambda: iter(graphed), step, 40, steps, 256),
     }
     del plain
     out = interleave(cfgs, args.repeats)
     best = max(("resident_gpu_augment", "resident_gpu_augment_graph"), key=lambda k: out[k]["median"])
-    target(f"FashionMNIST SmallCNN + GPU augment, 0 workers ({best})", out[best]["median"],
-           out["synthetic"]["median"], 120_000, "goal is absolute img/s; baseline is the synthetic ceiling")
+    target(
+        f"FashionMNIST SmallCNN + GPU augment, 0 workers ({best})",
+        out[best]["median"],
+        out["synthetic"]["median"],
+        120_000,
+        "goal is absolute img/s; baseline is the synthetic ceiling",
+    )
     return out
 
 
@@ -351,17 +431,25 @@ def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     n, b = len(images), 256
     np.save(work / "peer_images.npy", images)
     cores = len(os.sched_getaffinity(0))
-    out: dict[str, Any] = {"settings": {
-        "litdata": "optimize(chunk_bytes='64MB', num_workers=cores); StreamingDataset(shuffle=True); "
-                   "StreamingDataLoader(batch_size=256, num_workers=k, persistent_workers=k>0)",
-        "webdataset": "ShardWriter(maxcount=1024) of .npy+.cls; WebDataset(shardshuffle=True, "
-                      "nodesplitter=split_by_node).shuffle(2000).decode().to_tuple('npy','cls').batched(256); "
-                      "WebLoader(batch_size=None, num_workers=k, persistent_workers=k>0)",
-        "dlstore": "batch_dataloader(ram cache, order=random, num_workers=k, pin_memory=False); "
-                   "k=0: PinnedLoader to host"}}
+    out: dict[str, Any] = {
+        "settings": {
+            "litdata": "optimize(chunk_bytes='64MB', num_workers=cores); StreamingDataset(shuffle=True); "
+            "StreamingDataLoader(batch_size=256, num_workers=k, persistent_workers=k>0)",
+            "webdataset": "ShardWriter(maxcount=1024) of .npy+.cls; WebDataset(shardshuffle=True, "
+            "nodesplitter=split_by_node).shuffle(2000).decode().to_tuple('npy','cls').batched(256); "
+            "WebLoader(batch_size=None, num_workers=k, persistent_workers=k>0)",
+            "dlstore": "batch_dataloader(ram cache, order=random, num_workers=k, pin_memory=False); "
+            "k=0: PinnedLoader to host",
+        }
+    }
     t0 = time.perf_counter()
-    litdata.optimize(fn=_litdata_item, inputs=[(str(work / "peer_images.npy"), i) for i in range(n)],
-                     output_dir=str(work / "litdata"), chunk_bytes="64MB", num_workers=min(cores, 16))
+    litdata.optimize(
+        fn=_litdata_item,
+        inputs=[(str(work / "peer_images.npy"), i) for i in range(n)],
+        output_dir=str(work / "litdata"),
+        chunk_bytes="64MB",
+        num_workers=min(cores, 16),
+    )
     out["litdata_optimize_s"] = time.perf_counter() - t0
     (work / "wds").mkdir(exist_ok=True)
     t0 = time.perf_counter()
@@ -397,8 +485,13 @@ def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         return lambda: drain(lambda: dl, 20)
 
     def web(k: int) -> Callable[[], float]:
-        ds = (wds.WebDataset(urls, shardshuffle=True, nodesplitter=wds.split_by_node, empty_check=False)
-              .shuffle(2000).decode().to_tuple("npy", "cls").batched(b))
+        ds = (
+            wds.WebDataset(urls, shardshuffle=True, nodesplitter=wds.split_by_node, empty_check=False)
+            .shuffle(2000)
+            .decode()
+            .to_tuple("npy", "cls")
+            .batched(b)
+        )
         dl = wds.WebLoader(ds, batch_size=None, num_workers=k, persistent_workers=k > 0)
         return lambda: drain(lambda: dl, 20)
 
@@ -413,8 +506,12 @@ def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cfgs = {f"litdata_w{k}": lit(k), f"webdataset_w{k}": web(k), f"dlstore_w{k}": ours(k)}
         out.update(interleave(cfgs, 2))
         best_peer = max(out[f"litdata_w{k}"]["median"], out[f"webdataset_w{k}"]["median"])
-        target(f"dlstore vs best of LitData/WebDataset, {k} workers (loader alone)",
-               out[f"dlstore_w{k}"]["median"], best_peer, 1.0)
+        target(
+            f"dlstore vs best of LitData/WebDataset, {k} workers (loader alone)",
+            out[f"dlstore_w{k}"]["median"],
+            best_peer,
+            1.0,
+        )
     return out
 
 
@@ -430,9 +527,15 @@ SECTIONS: dict[str, Callable[..., dict[str, Any]]] = {
 
 
 def environment() -> dict[str, Any]:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__,
-           "cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
-           "argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cores": len(os.sched_getaffinity(0)),
+        "argv": sys.argv,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
     try:
         import torchvision
         import zarr
@@ -459,8 +562,13 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-fast-"))
     RESULTS["environment"] = environment()
-    RESULTS["protocol"] = {"warmup": args.warmup, "steps": args.steps, "repeats": args.repeats,
-                           "images": args.images, "order": "configurations rotated per repeat; median, min-max"}
+    RESULTS["protocol"] = {
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "images": args.images,
+        "order": "configurations rotated per repeat; median, min-max",
+    }
     names = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
     for name in names:
         log(f"section {name}")
@@ -472,12 +580,15 @@ def main() -> None:
             log(traceback.format_exc())
         RESULTS.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
         (args.out / "fastpaths.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-        (args.out / "targets.json").write_text(json.dumps({"environment": RESULTS["environment"],
-                                                           "targets": TARGETS}, indent=1))
+        (args.out / "targets.json").write_text(
+            json.dumps({"environment": RESULTS["environment"], "targets": TARGETS}, indent=1)
+        )
     print(f"{'target':78} {'measured':>12} {'base':>12} {'ratio':>7} {'goal':>9} met")
     for t in TARGETS:
-        print(f"{t['name'][:78]:78} {t['measured']:>12,.0f} {t['ceiling_or_baseline']:>12,.0f} {t['ratio']:>7.3f} "
-              f"{t['goal']:>9g} {'yes' if t['met'] else 'NO'}")
+        print(
+            f"{t['name'][:78]:78} {t['measured']:>12,.0f} {t['ceiling_or_baseline']:>12,.0f} {t['ratio']:>7.3f} "
+            f"{t['goal']:>9g} {'yes' if t['met'] else 'NO'}"
+        )
 
 
 if __name__ == "__main__":

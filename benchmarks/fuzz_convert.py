@@ -40,8 +40,14 @@ SUFFIX = {"JPEG": ".jpg", "PNG": ".png", "WEBP": ".webp"}
 
 def seeds(rng: np.random.Generator) -> list[tuple[str, bytes]]:
     out = []
-    for fmt, kw in (("JPEG", {"quality": 85}), ("JPEG", {"quality": 70, "progressive": True}), ("PNG", {}),
-                    ("PNG", {"optimize": True}), ("WEBP", {"quality": 80}), ("WEBP", {"lossless": True})):
+    for fmt, kw in (
+        ("JPEG", {"quality": 85}),
+        ("JPEG", {"quality": 70, "progressive": True}),
+        ("PNG", {}),
+        ("PNG", {"optimize": True}),
+        ("WEBP", {"quality": 80}),
+        ("WEBP", {"lossless": True}),
+    ):
         arr = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
         arr = np.asarray(Image.fromarray(arr).resize((96, 72), Image.BICUBIC))
         buf = io.BytesIO()
@@ -60,10 +66,10 @@ def mutate(data: bytes, rnd: random.Random) -> bytes:
         elif op < 0.7:
             b[i:i] = bytes(rnd.randrange(256) for _ in range(rnd.randint(1, 16)))
         elif op < 0.85 and b:
-            del b[i:i + rnd.randint(1, 64)]
+            del b[i : i + rnd.randint(1, 64)]
         elif b:
             v = rnd.choice([0, 0xFF, 0x7F, 0x80])
-            b[i:i + 4] = bytes([v] * 4)
+            b[i : i + 4] = bytes([v] * 4)
     if rnd.random() < 0.2 and len(b) > 1:
         b = b[: rnd.randrange(1, len(b))]
     return bytes(b)
@@ -100,8 +106,16 @@ def convert_batch(files: list[Path], work: Path, timeout: float) -> dict[str, An
     for f in files:
         shutil.copy(f, src / "fuzz" / f.name)
     try:
-        r = convert(src, work / "cache", format="npz", size=16, workers=2, overwrite=True, max_bad=1.0,
-                    decode_timeout=timeout)
+        r = convert(
+            src,
+            work / "cache",
+            format="npz",
+            size=16,
+            workers=2,
+            overwrite=True,
+            max_bad=1.0,
+            decode_timeout=timeout,
+        )
         return {"ok": True, "n": r.n, "skipped": r.n_skipped}
     except Exception as e:  # noqa: BLE001
         return {"ok": False, "error": f"{type(e).__name__}: {e}"[:300]}
@@ -143,19 +157,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for p in batch:
             p.unlink(missing_ok=True)
     crashes = sum(n for c in counts.values() for k, n in c.items() if k.startswith("crash"))
-    doc = {"command": "python benchmarks/fuzz_convert.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": f"{os.cpu_count()}-core CPU, {platform.platform()}, Python {platform.python_version()}",
-           "pillow": Image.__version__, "seconds": args.seconds, "per_file_timeout_s": args.timeout,
-           "files_tried": tried, "crashes": crashes,
-           "timeouts": sum(c["timeout"] for c in counts.values()),
-           "slowest_decode_s": round(slowest[0], 3), "slowest_case": slowest[1],
-           "by_format": {fmt: dict(sorted(c.items())) for fmt, c in counts.items()},
-           "real_converts": {"runs": len(converts), "all_finished": all(c["ok"] for c in converts),
-                             "failures": [c for c in converts if not c["ok"]][:5]}}
+    doc = {
+        "command": "python benchmarks/fuzz_convert.py "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{os.cpu_count()}-core CPU, {platform.platform()}, Python {platform.python_version()}",
+        "pillow": Image.__version__,
+        "seconds": args.seconds,
+        "per_file_timeout_s": args.timeout,
+        "files_tried": tried,
+        "crashes": crashes,
+        "timeouts": sum(c["timeout"] for c in counts.values()),
+        "slowest_decode_s": round(slowest[0], 3),
+        "slowest_case": slowest[1],
+        "by_format": {fmt: dict(sorted(c.items())) for fmt, c in counts.items()},
+        "real_converts": {
+            "runs": len(converts),
+            "all_finished": all(c["ok"] for c in converts),
+            "failures": [c for c in converts if not c["ok"]][:5],
+        },
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(json.dumps({k: doc[k] for k in ("files_tried", "crashes", "timeouts", "slowest_decode_s")}), file=sys.stderr)
+    print(
+        json.dumps({k: doc[k] for k in ("files_tried", "crashes", "timeouts", "slowest_decode_s")}),
+        file=sys.stderr,
+    )
     return doc
 
 

@@ -71,8 +71,13 @@ def snapshot(path: Path) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def same(a: tuple[np.ndarray, np.ndarray] | None, b: tuple[np.ndarray, np.ndarray] | None) -> bool:
-    return a is not None and b is not None and a[1].shape == b[1].shape and a[0].shape == b[0].shape \
+    return (
+        a is not None
+        and b is not None
+        and a[1].shape == b[1].shape
+        and a[0].shape == b[0].shape
         and bool(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
+    )
 
 
 def kill_group_after(cmd: list[str], delay: float) -> int:
@@ -93,8 +98,9 @@ def leftovers(dest: Path) -> list[str]:
     return sorted(p.name for p in dest.parent.iterdir() if p.name.startswith(f".{dest.name}."))
 
 
-def one_round(work: Path, src: Path, fmt: str, size: int, ref: Any, old_dir: Path | None, old: Any,
-              delay: float) -> dict[str, Any]:
+def one_round(
+    work: Path, src: Path, fmt: str, size: int, ref: Any, old_dir: Path | None, old: Any, delay: float
+) -> dict[str, Any]:
     dest = work / "dest"
     shutil.rmtree(dest, ignore_errors=True)
     for name in leftovers(dest):
@@ -117,11 +123,22 @@ def one_round(work: Path, src: Path, fmt: str, size: int, ref: Any, old_dir: Pat
     resume = subprocess.run(cmd, capture_output=True, text=True)
     # Killed after it had fully finished (journal gone): a plain re-run then says DEST already exists.
     finished = old_dir is None and resume.returncode == 1 and "already exists" in resume.stderr
-    resumed_ok = (resume.returncode == 0 or finished) and same(snapshot(dest), ref) and verify(dest).ok \
+    resumed_ok = (
+        (resume.returncode == 0 or finished)
+        and same(snapshot(dest), ref)
+        and verify(dest).ok
         and not leftovers(dest)
-    return {"delay_s": round(delay, 3), "rebuild": old_dir is not None, "exit_code_when_killed": rc,
-            "after_kill": outcome, "resume_ok": resumed_ok, "rerun": "already complete" if finished else "resumed", "resume_s": round(time.perf_counter() - t0, 2),
-            **({} if resumed_ok else {"resume_stderr": resume.stderr[-500:]})}
+    )
+    return {
+        "delay_s": round(delay, 3),
+        "rebuild": old_dir is not None,
+        "exit_code_when_killed": rc,
+        "after_kill": outcome,
+        "resume_ok": resumed_ok,
+        "rerun": "already complete" if finished else "resumed",
+        "resume_s": round(time.perf_counter() - t0, 2),
+        **({} if resumed_ok else {"resume_stderr": resume.stderr[-500:]}),
+    }
 
 
 def run_format(work: Path, src: Path, fmt: str, size: int, kills: int, rng: random.Random) -> dict[str, Any]:
@@ -129,14 +146,23 @@ def run_format(work: Path, src: Path, fmt: str, size: int, kills: int, rng: rand
     ref_s = run(command(src, ref_dir, fmt, size, overwrite=False))
     run(command(src, old_dir, fmt, size, overwrite=False) + ["--resize", "pad"])  # same shape, other pixels
     ref, old = snapshot(ref_dir), snapshot(old_dir)
-    rounds = [one_round(work, src, fmt, size, ref, old_dir if i % 2 else None, old, rng.uniform(0, 1.1 * ref_s))
-              for i in range(kills)]
+    rounds = [
+        one_round(work, src, fmt, size, ref, old_dir if i % 2 else None, old, rng.uniform(0, 1.1 * ref_s))
+        for i in range(kills)
+    ]
     outcomes: dict[str, int] = {}
     for r in rounds:
         outcomes[r["after_kill"]] = outcomes.get(r["after_kill"], 0) + 1
     failures = [r for r in rounds if r["after_kill"].startswith("FAIL") or not r["resume_ok"]]
-    return {"format": fmt, "reference_convert_s": round(ref_s, 2), "kills": kills, "outcomes": outcomes,
-            "resumed_ok": sum(r["resume_ok"] for r in rounds), "failures": len(failures), "rounds": rounds}
+    return {
+        "format": fmt,
+        "reference_convert_s": round(ref_s, 2),
+        "kills": kills,
+        "outcomes": outcomes,
+        "resumed_ok": sum(r["resume_ok"] for r in rounds),
+        "failures": len(failures),
+        "rounds": rounds,
+    }
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -157,12 +183,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             work = Path(tmp) / fmt
             work.mkdir()
             results.append(run_format(work, src, fmt, args.size, args.kills, rng))
-            print(f"{fmt}: {results[-1]['outcomes']} resumed_ok={results[-1]['resumed_ok']}/{args.kills} "
-                  f"failures={results[-1]['failures']}", file=sys.stderr)
-    doc = {"command": "python benchmarks/kill_resume.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-           "machine": f"{os.cpu_count()}-core CPU, {platform.platform()}, Python {platform.python_version()}",
-           "images": args.images, "size": args.size, "seconds": round(time.perf_counter() - t0, 1),
-           "total_failures": sum(r["failures"] for r in results), "formats": results}
+            print(
+                f"{fmt}: {results[-1]['outcomes']} resumed_ok={results[-1]['resumed_ok']}/{args.kills} "
+                f"failures={results[-1]['failures']}",
+                file=sys.stderr,
+            )
+    doc = {
+        "command": "python benchmarks/kill_resume.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{os.cpu_count()}-core CPU, {platform.platform()}, Python {platform.python_version()}",
+        "images": args.images,
+        "size": args.size,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "total_failures": sum(r["failures"] for r in results),
+        "formats": results,
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1) + "\n")

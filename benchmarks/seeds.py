@@ -42,8 +42,12 @@ from dlstore.bench.protocol import BenchConfig, parse_int_list  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="Folder for the JSON results (e.g. $OUT).")
-    p.add_argument("--work", type=Path, default=Path("/tmp/dlstore-seeds"),
-                   help="Scratch folder for the IDX files and caches (kept out of OUT, which is copied back).")
+    p.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/dlstore-seeds"),
+        help="Scratch folder for the IDX files and caches (kept out of OUT, which is copied back).",
+    )
     p.add_argument("--n-train", type=int, default=60_000)
     p.add_argument("--workers", default="0,1,2,4,8,12,16", help="Worker sweep for raw (the seeds).")
     p.add_argument("--cached-workers", default="0,2,4,8", help="Worker sweep for the cached kinds.")
@@ -52,12 +56,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
-    p.add_argument("--max-run-seconds", type=float, default=6.0,
-                   help="Cap on one run's timed phase (a slow configuration still gives ≥ 4 timed steps).")
-    p.add_argument("--budget-s", type=float, default=300.0,
-                   help="Start no part after this many seconds (the longest part takes about 2.5 minutes).")
-    p.add_argument("--parts", default="raw-light,raw-augment,cached-gpu-augment,cached-light,cached-augment",
-                   help="In order of importance: the seeds first, then the cached kinds.")
+    p.add_argument(
+        "--max-run-seconds",
+        type=float,
+        default=6.0,
+        help="Cap on one run's timed phase (a slow configuration still gives ≥ 4 timed steps).",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=300.0,
+        help="Start no part after this many seconds (the longest part takes about 2.5 minutes).",
+    )
+    p.add_argument(
+        "--parts",
+        default="raw-light,raw-augment,cached-gpu-augment,cached-light,cached-augment",
+        help="In order of importance: the seeds first, then the cached kinds.",
+    )
     return p.parse_args(argv)
 
 
@@ -91,10 +106,20 @@ def summary_rows(name: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
     for r in doc["runs"]:
         if r["pin_memory"] != doc["protocol"]["pin_memory_default"]:
             continue
-        rows.append({"part": name, "loader": r["loader"], "transform": doc["protocol"]["transform"],
-                     "workers": r["workers"], "img_per_s": r["img_per_s"], "min": r["img_per_s_min"],
-                     "max": r["img_per_s_max"], "predicted": r["predicted_img_per_s"], "bottleneck": r["bottleneck"],
-                     "wait_over_wall": r["wait"]["sum_over_wall"]})
+        rows.append(
+            {
+                "part": name,
+                "loader": r["loader"],
+                "transform": doc["protocol"]["transform"],
+                "workers": r["workers"],
+                "img_per_s": r["img_per_s"],
+                "min": r["img_per_s_min"],
+                "max": r["img_per_s_max"],
+                "predicted": r["predicted_img_per_s"],
+                "bottleneck": r["bottleneck"],
+                "wait_over_wall": r["wait"]["sum_over_wall"],
+            }
+        )
     return rows
 
 
@@ -119,23 +144,48 @@ def main(argv: list[str] | None = None) -> int:
             log(f"{name}: skipped, past the {args.budget_s:.0f} s budget")
             continue
         log(f"{name}: {','.join(part['formats'])} × {part['transform']} × workers {part['workers']}")
-        config = BenchConfig(source="torchvision:FashionMNIST", root=data, formats=part["formats"],
-                             workers=part["workers"], batch_size=args.batch_size, model="smallcnn",
-                             transform=part["transform"], device=args.device, repeats=args.repeats,
-                             steps=args.steps, warmup=args.warmup, stage_steps=min(args.steps, 20),
-                             max_run_s=args.max_run_seconds, cold=False, out=out / name,
-                             demo_images=1, cache=args.work / "caches")
+        config = BenchConfig(
+            source="torchvision:FashionMNIST",
+            root=data,
+            formats=part["formats"],
+            workers=part["workers"],
+            batch_size=args.batch_size,
+            model="smallcnn",
+            transform=part["transform"],
+            device=args.device,
+            repeats=args.repeats,
+            steps=args.steps,
+            warmup=args.warmup,
+            stage_steps=min(args.steps, 20),
+            max_run_s=args.max_run_seconds,
+            cold=False,
+            out=out / name,
+            demo_images=1,
+            cache=args.work / "caches",
+        )
         doc = run_bench(config, log=log)
         (out / f"{name}.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        results[name] = {"verdict": doc["verdict"], "recommendations": doc["recommendations"],
-                         "stages": {k: {s: v[s] for s in ("read", "transform", "h2d", "compute")}
-                                    for k, v in doc["stages"].items()},
-                         "elapsed_s": doc["elapsed_s"], "file": f"{name}.json"}
+        results[name] = {
+            "verdict": doc["verdict"],
+            "recommendations": doc["recommendations"],
+            "stages": {
+                k: {s: v[s] for s in ("read", "transform", "h2d", "compute")}
+                for k, v in doc["stages"].items()
+            },
+            "elapsed_s": doc["elapsed_s"],
+            "file": f"{name}.json",
+        }
         rows += summary_rows(name, doc)
         env = doc["environment"]
-    summary = {"what": "dlstore seeds reproduction (FashionMNIST-format IDX, SmallCNN, batch 256)",
-               "args": {k: str(v) for k, v in vars(args).items()}, "environment": env if results else None,
-               "parts": results, "skipped": skipped, "table": rows, "elapsed_s": time.perf_counter() - t0}
+    summary = {
+        "what": "dlstore seeds reproduction (FashionMNIST-format IDX, SmallCNN, batch 256)",
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "environment": env if results else None,
+        "parts": results,
+        "skipped": skipped,
+        "table": rows,
+        "elapsed_s": time.perf_counter() - t0,
+    }
     (out / "seeds.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
     print(render(rows, summary))
     return 0
@@ -144,15 +194,20 @@ def main(argv: list[str] | None = None) -> int:
 def render(rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     env = summary.get("environment") or {}
     gpu = (env.get("gpu") or {}).get("name", "no GPU")
-    lines = [f"seeds reproduction on {gpu}, {env.get('cpu_usable')} cores, torch {env.get('versions', {}).get('torch')}"
-             f", {summary['elapsed_s']:.0f} s", "",
-             f"{'loader':<6} {'transform':<11} {'wk':>3} {'img/s':>9} {'min–max':>19} {'predicted':>9} "
-             f"{'bottleneck':<10} {'Σwait/wall':>10}"]
+    lines = [
+        f"seeds reproduction on {gpu}, {env.get('cpu_usable')} cores, torch {env.get('versions', {}).get('torch')}"
+        f", {summary['elapsed_s']:.0f} s",
+        "",
+        f"{'loader':<6} {'transform':<11} {'wk':>3} {'img/s':>9} {'min–max':>19} {'predicted':>9} "
+        f"{'bottleneck':<10} {'Σwait/wall':>10}",
+    ]
     for r in rows:
         pred = "-" if r["predicted"] is None else f"{r['predicted']:,.0f}"
-        lines.append(f"{r['loader']:<6} {r['transform']:<11} {r['workers']:>3} {r['img_per_s']:>9,.0f} "
-                     f"{r['min']:>9,.0f}–{r['max']:<9,.0f} {pred:>9} {str(r['bottleneck']):<10} "
-                     f"{'-' if r['wait_over_wall'] is None else format(100 * r['wait_over_wall'], '.0f') + '%':>10}")
+        lines.append(
+            f"{r['loader']:<6} {r['transform']:<11} {r['workers']:>3} {r['img_per_s']:>9,.0f} "
+            f"{r['min']:>9,.0f}–{r['max']:<9,.0f} {pred:>9} {str(r['bottleneck']):<10} "
+            f"{'-' if r['wait_over_wall'] is None else format(100 * r['wait_over_wall'], '.0f') + '%':>10}"
+        )
     if summary["skipped"]:
         lines.append(f"skipped (time budget): {', '.join(summary['skipped'])}")
     return "\n".join(lines)

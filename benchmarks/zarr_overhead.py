@@ -45,9 +45,11 @@ def main() -> None:
     arr = zarr.open_array(work / "z" / "images", mode="r")
     pos = cache.positions
     rng = np.random.default_rng(0)
-    random_batches = [np.sort(pos[rng.choice(len(pos), args.batch, replace=False)]) for _ in range(args.batches)]
+    random_batches = [
+        np.sort(pos[rng.choice(len(pos), args.batch, replace=False)]) for _ in range(args.batches)
+    ]
     order = np.asarray(list(make_sampler(cache, "chunk", seed=0)))
-    chunk_batches = [np.sort(pos[order[i * args.batch:(i + 1) * args.batch]]) for i in range(args.batches)]
+    chunk_batches = [np.sort(pos[order[i * args.batch : (i + 1) * args.batch]]) for i in range(args.batches)]
     unit = cache.reader.unit
     out = np.empty((args.batch, 256, 256, 3), np.uint8)
 
@@ -57,18 +59,22 @@ def main() -> None:
     def zarr_slices(b: np.ndarray) -> None:
         i = 0
         for k in np.unique(b // unit):
-            block = arr[k * unit:(k + 1) * unit]
+            block = arr[k * unit : (k + 1) * unit]
             local = b[(b // unit) == k] - k * unit
-            out[i:i + len(local)] = block[local]
+            out[i : i + len(local)] = block[local]
             i += len(local)
 
     def dlstore_reader(b: np.ndarray) -> None:
         cache.reader.read_into(b, out)
 
-    methods = {"zarr_oindex": zarr_oindex, "zarr_chunk_slices": zarr_slices, "dlstore_ZarrReader": dlstore_reader}
+    methods = {
+        "zarr_oindex": zarr_oindex,
+        "zarr_chunk_slices": zarr_slices,
+        "dlstore_ZarrReader": dlstore_reader,
+    }
     results: dict[str, dict[str, list[float]]] = {m: {"random": [], "chunk_sampler": []} for m in methods}
     for r in range(args.rounds):
-        names = list(methods)[r % 3:] + list(methods)[:r % 3]
+        names = list(methods)[r % 3 :] + list(methods)[: r % 3]
         for name in names:
             for label, batches in (("random", random_batches), ("chunk_sampler", chunk_batches)):
                 if name == "dlstore_ZarrReader":
@@ -79,9 +85,18 @@ def main() -> None:
                     methods[name](b)
                 results[name][label].append(len(batches) * args.batch / (time.perf_counter() - t0))
     summary = {m: {k: float(np.median(v)) for k, v in d.items()} for m, d in results.items()}
-    doc = {"machine": f"{platform.machine()}, {os.cpu_count()} cores", "python": platform.python_version(),
-           "zarr": zarr.__version__, "numpy": np.__version__, "command": " ".join(sys.argv), "images": args.images,
-           "chunk_images": unit, "batch": args.batch, "rounds": results, "median_img_per_s": summary}
+    doc = {
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "python": platform.python_version(),
+        "zarr": zarr.__version__,
+        "numpy": np.__version__,
+        "command": " ".join(sys.argv),
+        "images": args.images,
+        "chunk_images": unit,
+        "batch": args.batch,
+        "rounds": results,
+        "median_img_per_s": summary,
+    }
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1))
     print(f"{'method':22} {'random':>10} {'chunk sampler':>14}  (img/s, median of {args.rounds})")

@@ -15,7 +15,9 @@ KINDS = ("raw", "ram", "npz", "zarr")  # built-in loader kinds; the registry may
 class IntList(click.ParamType):
     name = "N,N,..."
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[int, ...]:
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[int, ...]:
         if isinstance(value, tuple):
             return value
         from dlstore.bench.protocol import parse_int_list
@@ -29,7 +31,9 @@ class IntList(click.ParamType):
 class KindList(click.ParamType):
     name = "KIND,..."
 
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> tuple[str, ...]:
+    def convert(
+        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
+    ) -> tuple[str, ...]:
         if isinstance(value, tuple):
             return value
         from dlstore.bench.protocol import parse_formats
@@ -51,46 +55,131 @@ def known_kinds() -> tuple[str, ...]:
 
 @click.command("bench")
 @click.argument("source", default="demo")
-@click.option("--formats", "formats", type=KindList(), default=",".join(KINDS), show_default=True,
-              help="Loader kinds: raw (per-file decode, as torchvision) and cached formats.")
-@click.option("--workers", type=IntList(), default=None,
-              help="DataLoader worker counts to sweep [default: 0 and the 3 largest powers of two ≤ cores].")
-@click.option("--size", type=click.IntRange(1, 4096), default=None,
-              help="Image side in pixels [default: native for torchvision sets, 32 for demo, 224 for folders].")
+@click.option(
+    "--formats",
+    "formats",
+    type=KindList(),
+    default=",".join(KINDS),
+    show_default=True,
+    help="Loader kinds: raw (per-file decode, as torchvision) and cached formats.",
+)
+@click.option(
+    "--workers",
+    type=IntList(),
+    default=None,
+    help="DataLoader worker counts to sweep [default: 0 and the 3 largest powers of two ≤ cores].",
+)
+@click.option(
+    "--size",
+    type=click.IntRange(1, 4096),
+    default=None,
+    help="Image side in pixels [default: native for torchvision sets, 32 for demo, 224 for folders].",
+)
 @click.option("--batch-size", type=click.IntRange(1, 65536), default=32, show_default=True)
-@click.option("--model", default="smallcnn", show_default=True,
-              help="smallcnn, resnet18, resnet50 or MODULE:CALLABLE.")
-@click.option("--transform", type=click.Choice(["light", "augment", "gpu-augment"]), default="light",
-              show_default=True, help="light = ToTensor-like; augment = RandomResizedCrop+Rotation(15)+flip on "
-              "the CPU; gpu-augment = the same on the device, per sample.")
+@click.option(
+    "--model", default="smallcnn", show_default=True, help="smallcnn, resnet18, resnet50 or MODULE:CALLABLE."
+)
+@click.option(
+    "--transform",
+    type=click.Choice(["light", "augment", "gpu-augment"]),
+    default="light",
+    show_default=True,
+    help="light = ToTensor-like; augment = RandomResizedCrop+Rotation(15)+flip on "
+    "the CPU; gpu-augment = the same on the device, per sample.",
+)
 @click.option("--device", type=click.Choice(["auto", "cuda", "cpu"]), default="auto", show_default=True)
-@click.option("--repeats", type=click.IntRange(1, 100), default=2, show_default=True,
-              help="Rounds over all configurations, each in rotated order.")
-@click.option("--steps", type=click.IntRange(1, 100000), default=16, show_default=True,
-              help="Timed steps per run.")
-@click.option("--warmup", type=click.IntRange(1, 100000), default=4, show_default=True,
-              help="Steps before timing (worker start-up included; reported apart).")
-@click.option("--stage-steps", type=click.IntRange(1, 100000), default=10, show_default=True,
-              help="Timed batches when a stage is measured alone.")
-@click.option("--max-run-seconds", type=click.FloatRange(0, min_open=True), default=None,
-              help="Stop a run's timed steps after this long (at least 4 steps) [default: no limit].")
-@click.option("--cold/--no-cold", default=True, show_default=True,
-              help="A cold-cache run per loader kind at the largest worker count.")
-@click.option("--profile", is_flag=True, help="torch.profiler trace + operator table per configuration "
-              "(separate short runs; throughput never comes from them).")
-@click.option("--out", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Output folder [default: ./dlstore-bench-YYYYmmdd-HHMMSS].")
-@click.option("--cache", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="A dlstore cache to use for its format, or the folder to keep the bench's caches in.")
-@click.option("--root", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Folder holding torchvision dataset files (for torchvision:NAME).")
-@click.option("--demo-images", type=click.IntRange(1, 1_000_000), default=256, show_default=True,
-              help="Images in the demo dataset.")
-@click.option("--json", "as_json", is_flag=True, help="Print the result document on stdout (progress on stderr).")
-def bench_cmd(source: str, formats: tuple[str, ...], workers: tuple[int, ...] | None, size: int | None,
-              batch_size: int, model: str, transform: str, device: str, repeats: int, steps: int, warmup: int,
-              stage_steps: int, max_run_seconds: float | None, cold: bool, profile: bool, out: Path | None,
-              cache: Path | None, root: Path | None, demo_images: int, as_json: bool) -> None:
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, 100),
+    default=2,
+    show_default=True,
+    help="Rounds over all configurations, each in rotated order.",
+)
+@click.option(
+    "--steps", type=click.IntRange(1, 100000), default=16, show_default=True, help="Timed steps per run."
+)
+@click.option(
+    "--warmup",
+    type=click.IntRange(1, 100000),
+    default=4,
+    show_default=True,
+    help="Steps before timing (worker start-up included; reported apart).",
+)
+@click.option(
+    "--stage-steps",
+    type=click.IntRange(1, 100000),
+    default=10,
+    show_default=True,
+    help="Timed batches when a stage is measured alone.",
+)
+@click.option(
+    "--max-run-seconds",
+    type=click.FloatRange(0, min_open=True),
+    default=None,
+    help="Stop a run's timed steps after this long (at least 4 steps) [default: no limit].",
+)
+@click.option(
+    "--cold/--no-cold",
+    default=True,
+    show_default=True,
+    help="A cold-cache run per loader kind at the largest worker count.",
+)
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="torch.profiler trace + operator table per configuration "
+    "(separate short runs; throughput never comes from them).",
+)
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Output folder [default: ./dlstore-bench-YYYYmmdd-HHMMSS].",
+)
+@click.option(
+    "--cache",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="A dlstore cache to use for its format, or the folder to keep the bench's caches in.",
+)
+@click.option(
+    "--root",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Folder holding torchvision dataset files (for torchvision:NAME).",
+)
+@click.option(
+    "--demo-images",
+    type=click.IntRange(1, 1_000_000),
+    default=256,
+    show_default=True,
+    help="Images in the demo dataset.",
+)
+@click.option(
+    "--json", "as_json", is_flag=True, help="Print the result document on stdout (progress on stderr)."
+)
+def bench_cmd(
+    source: str,
+    formats: tuple[str, ...],
+    workers: tuple[int, ...] | None,
+    size: int | None,
+    batch_size: int,
+    model: str,
+    transform: str,
+    device: str,
+    repeats: int,
+    steps: int,
+    warmup: int,
+    stage_steps: int,
+    max_run_seconds: float | None,
+    cold: bool,
+    profile: bool,
+    out: Path | None,
+    cache: Path | None,
+    root: Path | None,
+    demo_images: int,
+    as_json: bool,
+) -> None:
     """Measure each input stage alone and end to end, sweep workers, name the bottleneck.
 
     SOURCE is demo (default), a folder of class subfolders, or torchvision:NAME with --root DIR.
@@ -100,10 +189,27 @@ def bench_cmd(source: str, formats: tuple[str, ...], workers: tuple[int, ...] | 
     from dlstore.bench.report import default_out_dir, render_text
     from dlstore.bench.run import run_bench
 
-    config = BenchConfig(source=source, root=root, formats=formats, workers=workers, size=size,
-                         batch_size=batch_size, model=model, transform=transform, device=device, repeats=repeats,
-                         steps=steps, warmup=warmup, stage_steps=stage_steps, max_run_s=max_run_seconds, cold=cold,
-                         profile=profile, out=out or default_out_dir(), cache=cache, demo_images=demo_images)
+    config = BenchConfig(
+        source=source,
+        root=root,
+        formats=formats,
+        workers=workers,
+        size=size,
+        batch_size=batch_size,
+        model=model,
+        transform=transform,
+        device=device,
+        repeats=repeats,
+        steps=steps,
+        warmup=warmup,
+        stage_steps=stage_steps,
+        max_run_s=max_run_seconds,
+        cold=cold,
+        profile=profile,
+        out=out or default_out_dir(),
+        cache=cache,
+        demo_images=demo_images,
+    )
 
     def log(msg: str) -> None:
         click.echo(f"[bench] {msg}", file=stderr())

@@ -14,36 +14,93 @@ FORMAT_NAMES = ("ram", "npz", "zarr")  # mirrors dlstore.formats.FORMATS; a test
 @click.command("convert")
 @click.argument("source")
 @click.argument("dest", type=click.Path(path_type=Path, file_okay=False))
-@click.option("--format", "fmt", type=click.Choice(FORMAT_NAMES), default="ram", show_default=True,
-              help="Cache format.")
+@click.option(
+    "--format", "fmt", type=click.Choice(FORMAT_NAMES), default="ram", show_default=True, help="Cache format."
+)
 @click.option("--size", type=click.IntRange(1, 8192), required=True, help="Output side in pixels.")
-@click.option("--resize", type=click.Choice(["crop", "pad", "stretch"]), default="crop", show_default=True,
-              help="crop = torchvision Resize(size)+CenterCrop(size).")
-@click.option("--channels", type=click.Choice(["1", "3"]), default="3", show_default=True,
-              help="3 = RGB, 1 = grey.")
-@click.option("--codec", type=click.Choice(["zstd", "lz4", "none"]), default="zstd", show_default=True,
-              help="zarr compressor.")
+@click.option(
+    "--resize",
+    type=click.Choice(["crop", "pad", "stretch"]),
+    default="crop",
+    show_default=True,
+    help="crop = torchvision Resize(size)+CenterCrop(size).",
+)
+@click.option(
+    "--channels", type=click.Choice(["1", "3"]), default="3", show_default=True, help="3 = RGB, 1 = grey."
+)
+@click.option(
+    "--codec",
+    type=click.Choice(["zstd", "lz4", "none"]),
+    default="zstd",
+    show_default=True,
+    help="zarr compressor.",
+)
 @click.option("--compress", is_flag=True, help="npz: deflate shards (np.savez_compressed).")
 @click.option("--workers", type=click.IntRange(1, 1024), default=None, help="Processes [default: all cores].")
-@click.option("--root", type=click.Path(path_type=Path, file_okay=False), default=None,
-              help="Folder holding torchvision dataset files (for torchvision:NAME).")
-@click.option("--split", type=click.Choice(["train", "test"]), default="train", show_default=True,
-              help="torchvision split.")
-@click.option("--demo-images", type=click.IntRange(1, 1_000_000), default=512, show_default=True,
-              help="Images in the demo dataset.")
+@click.option(
+    "--root",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Folder holding torchvision dataset files (for torchvision:NAME).",
+)
+@click.option(
+    "--split",
+    type=click.Choice(["train", "test"]),
+    default="train",
+    show_default=True,
+    help="torchvision split.",
+)
+@click.option(
+    "--demo-images",
+    type=click.IntRange(1, 1_000_000),
+    default=512,
+    show_default=True,
+    help="Images in the demo dataset.",
+)
 @click.option("--strict", is_flag=True, help="Stop at the first undecodable image instead of skipping it.")
-@click.option("--max-bad", type=click.FloatRange(0, 1), default=0.5, show_default=True,
-              help="Abort when more than this fraction of images is undecodable.")
-@click.option("--decode-timeout", type=click.FloatRange(0, None), default=60.0, show_default=True,
-              help="Seconds one image may take to decode before it is skipped as bad (0 = no limit).")
-@click.option("--storage-order", type=click.Choice(["shuffled", "source"]), default="shuffled", show_default=True,
-              help="shuffled: chunks hold a seeded random mix (fast random-order reads with the chunk sampler).")
+@click.option(
+    "--max-bad",
+    type=click.FloatRange(0, 1),
+    default=0.5,
+    show_default=True,
+    help="Abort when more than this fraction of images is undecodable.",
+)
+@click.option(
+    "--decode-timeout",
+    type=click.FloatRange(0, None),
+    default=60.0,
+    show_default=True,
+    help="Seconds one image may take to decode before it is skipped as bad (0 = no limit).",
+)
+@click.option(
+    "--storage-order",
+    type=click.Choice(["shuffled", "source"]),
+    default="shuffled",
+    show_default=True,
+    help="shuffled: chunks hold a seeded random mix (fast random-order reads with the chunk sampler).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing cache at DEST (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
-def convert_cmd(source: str, dest: Path, fmt: str, size: int, resize: str, channels: str, codec: str,
-                compress: bool, workers: int | None, root: Path | None, split: str, demo_images: int,
-                strict: bool, max_bad: float, decode_timeout: float, storage_order: str, overwrite: bool,
-                as_json: bool) -> None:
+def convert_cmd(
+    source: str,
+    dest: Path,
+    fmt: str,
+    size: int,
+    resize: str,
+    channels: str,
+    codec: str,
+    compress: bool,
+    workers: int | None,
+    root: Path | None,
+    split: str,
+    demo_images: int,
+    strict: bool,
+    max_bad: float,
+    decode_timeout: float,
+    storage_order: str,
+    overwrite: bool,
+    as_json: bool,
+) -> None:
     """Convert SOURCE into a pre-resized cache at DEST.
 
     SOURCE is a folder of class subfolders (ImageFolder layout), torchvision:NAME
@@ -52,22 +109,45 @@ def convert_cmd(source: str, dest: Path, fmt: str, size: int, resize: str, chann
     from dlstore.conversion import convert
 
     with click.progressbar(length=1, label="converting", file=stderr()) as bar:
+
         def progress(n: int) -> None:
             bar.length = max(bar.length or 1, bar.pos + n)
             bar.update(n)
 
-        result = convert(source, dest, format=fmt, size=size, resize=resize, channels=int(channels), codec=codec,
-                         compress=compress, workers=workers, overwrite=overwrite, root=root,
-                         train=split == "train", demo_images=demo_images, strict=strict, max_bad=max_bad,
-                         storage_order=storage_order, decode_timeout=decode_timeout, progress=progress,
-                         log=lambda message: click.echo(f"\nwarning: {message}", err=True))
+        result = convert(
+            source,
+            dest,
+            format=fmt,
+            size=size,
+            resize=resize,
+            channels=int(channels),
+            codec=codec,
+            compress=compress,
+            workers=workers,
+            overwrite=overwrite,
+            root=root,
+            train=split == "train",
+            demo_images=demo_images,
+            strict=strict,
+            max_bad=max_bad,
+            storage_order=storage_order,
+            decode_timeout=decode_timeout,
+            progress=progress,
+            log=lambda message: click.echo(f"\nwarning: {message}", err=True),
+        )
     if as_json:
         emit_json(result.to_dict())
         return
-    click.echo(f"{result.dest}: {result.format}, {result.n} images of {'x'.join(map(str, result.shape))}, "
-               f"{len(result.classes)} classes, {human_bytes(result.bytes_on_disk)} on disk")
-    click.echo(f"{result.seconds:.1f} s, {result.images_per_s:,.0f} images/s with {result.workers} workers"
-               + (f", resumed {result.resumed_units} finished units" if result.resumed_units else ""))
+    click.echo(
+        f"{result.dest}: {result.format}, {result.n} images of {'x'.join(map(str, result.shape))}, "
+        f"{len(result.classes)} classes, {human_bytes(result.bytes_on_disk)} on disk"
+    )
+    click.echo(
+        f"{result.seconds:.1f} s, {result.images_per_s:,.0f} images/s with {result.workers} workers"
+        + (f", resumed {result.resumed_units} finished units" if result.resumed_units else "")
+    )
     if result.n_skipped:
-        click.echo(f"skipped {result.n_skipped} undecodable images (listed in {result.dest}/skipped.json); "
-                   f"first: {result.skipped[0]['reason']}")
+        click.echo(
+            f"skipped {result.n_skipped} undecodable images (listed in {result.dest}/skipped.json); "
+            f"first: {result.skipped[0]['reason']}"
+        )

@@ -27,12 +27,20 @@ def info_cmd(dest: Path, as_json: bool) -> None:
         emit_json(doc)
         return
     h, w, c = spec.shape
-    click.echo(f"{dest}: dlstore {spec.format} cache (spec v{spec.spec_version}, dlstore {spec.dlstore_version})")
-    click.echo(f"  images    {spec.n:,} of {h}x{w}x{c} uint8"
-               + (f" ({spec.n_stored - spec.n} skipped at conversion)" if spec.n_stored != spec.n else ""))
-    click.echo(f"  classes   {len(spec.classes)}: {', '.join(spec.classes[:10])}{' ...' if len(spec.classes) > 10 else ''}")
-    click.echo(f"  resize    {spec.image.resize} to {spec.image.size}, exif_transpose={spec.image.exif_transpose}, "
-               f"alpha on {spec.image.background}")
+    click.echo(
+        f"{dest}: dlstore {spec.format} cache (spec v{spec.spec_version}, dlstore {spec.dlstore_version})"
+    )
+    click.echo(
+        f"  images    {spec.n:,} of {h}x{w}x{c} uint8"
+        + (f" ({spec.n_stored - spec.n} skipped at conversion)" if spec.n_stored != spec.n else "")
+    )
+    click.echo(
+        f"  classes   {len(spec.classes)}: {', '.join(spec.classes[:10])}{' ...' if len(spec.classes) > 10 else ''}"
+    )
+    click.echo(
+        f"  resize    {spec.image.resize} to {spec.image.size}, exif_transpose={spec.image.exif_transpose}, "
+        f"alpha on {spec.image.background}"
+    )
     click.echo(f"  options   {json.dumps(spec.format_options)}")
     click.echo(f"  source    {spec.source.get('description')} ({spec.source.get('count')} samples)")
     click.echo(f"  on disk   {human_bytes(dir_bytes(dest))} in {len(spec.checksums)} files")
@@ -40,9 +48,15 @@ def info_cmd(dest: Path, as_json: bool) -> None:
 
 @click.command("verify")
 @click.argument("dest", type=click.Path(path_type=Path, exists=True, file_okay=False))
-@click.option("--deep", is_flag=True, help="Also re-hash every source file (catches edits that kept size and mtime).")
-@click.option("--source", type=click.Path(path_type=Path, exists=True, file_okay=False), default=None,
-              help="Where the source folder is now, if it moved since conversion.")
+@click.option(
+    "--deep", is_flag=True, help="Also re-hash every source file (catches edits that kept size and mtime)."
+)
+@click.option(
+    "--source",
+    type=click.Path(path_type=Path, exists=True, file_okay=False),
+    default=None,
+    help="Where the source folder is now, if it moved since conversion.",
+)
 def verify_cmd(dest: Path, deep: bool, source: Path | None) -> None:
     """Recompute checksums of the cache at DEST and check its source; exit 1 naming the first problem."""
     from dlstore.verification import verify
@@ -51,7 +65,11 @@ def verify_cmd(dest: Path, deep: bool, source: Path | None) -> None:
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if not result.ok:
-        raise click.ClickException(f"{result.first_problem} ({len(result.problems)} problem(s)); "
-                                   "rebuild with `dlstore convert ... --overwrite`")
-    click.echo(f"{dest}: ok, {result.checked} files match their checksums"
-               + (f", {result.sources_hashed} source files match by content" if deep else ""))
+        raise click.ClickException(
+            f"{result.first_problem} ({len(result.problems)} problem(s)); "
+            "rebuild with `dlstore convert ... --overwrite`"
+        )
+    click.echo(
+        f"{dest}: ok, {result.checked} files match their checksums"
+        + (f", {result.sources_hashed} source files match by content" if deep else "")
+    )

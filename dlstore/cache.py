@@ -7,7 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
-from dlstore.errors import CacheCorruptError, CacheReplacedError, CacheTooLargeError, DlstoreError, SampleReadError
+from dlstore.errors import (
+    CacheCorruptError,
+    CacheReplacedError,
+    CacheTooLargeError,
+    DlstoreError,
+    SampleReadError,
+)
 from dlstore.formats import get_format
 from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
 
@@ -46,7 +52,9 @@ class Cache:
         if out is None:
             out = np.empty((len(pos), *self.spec.shape), np.uint8)
         elif out.shape != (len(pos), *self.spec.shape) or out.dtype != np.uint8 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be C-contiguous uint8{(len(pos), *self.spec.shape)}, got {out.dtype}{out.shape}")
+            raise ValueError(
+                f"out must be C-contiguous uint8{(len(pos), *self.spec.shape)}, got {out.dtype}{out.shape}"
+            )
         try:
             self.reader.read_into(pos, out)
         except DlstoreError as e:
@@ -65,8 +73,10 @@ class Cache:
         except OSError:
             inode = -2
         if inode != self._root_inode:
-            raise CacheReplacedError(f"{self.root}: the cache was rebuilt or removed while open; open it "
-                                     "again (a new CachedDataset / open_cache) to read the new generation")
+            raise CacheReplacedError(
+                f"{self.root}: the cache was rebuilt or removed while open; open it "
+                "again (a new CachedDataset / open_cache) to read the new generation"
+            )
 
     def _first_failing(self, indices: np.ndarray, pos: np.ndarray) -> str:
         """On the error path only: re-read one by one to name the dataset index that fails."""
@@ -95,22 +105,32 @@ def load_labels(root: Path, spec: CacheSpec) -> np.ndarray:
     path = root / LABELS_FILE
     labels = load_npy(path)
     if labels.shape != (spec.n_stored,) or labels.dtype.kind != "i" or int((labels >= 0).sum()) != spec.n:
-        raise CacheCorruptError(f"{path}: {labels.dtype}{labels.shape} does not match the manifest "
-                                f"({spec.n} usable of {spec.n_stored}); rebuild the cache")
+        raise CacheCorruptError(
+            f"{path}: {labels.dtype}{labels.shape} does not match the manifest "
+            f"({spec.n} usable of {spec.n_stored}); rebuild the cache"
+        )
     return labels.astype(np.int64, copy=False)
 
 
 def load_positions(root: Path, spec: CacheSpec, stored_labels: np.ndarray) -> np.ndarray:
     path = root / POSITIONS_FILE
     pos = load_npy(path)
-    if (pos.shape != (spec.n,) or pos.dtype.kind != "i" or (pos.size and (pos.min() < 0 or pos.max() >= spec.n_stored))
-            or (stored_labels[pos] < 0).any()):
-        raise CacheCorruptError(f"{path}: {pos.dtype}{pos.shape} does not map {spec.n} samples into "
-                                f"{spec.n_stored} stored images; rebuild the cache")
+    if (
+        pos.shape != (spec.n,)
+        or pos.dtype.kind != "i"
+        or (pos.size and (pos.min() < 0 or pos.max() >= spec.n_stored))
+        or (stored_labels[pos] < 0).any()
+    ):
+        raise CacheCorruptError(
+            f"{path}: {pos.dtype}{pos.shape} does not map {spec.n} samples into "
+            f"{spec.n_stored} stored images; rebuild the cache"
+        )
     return pos.astype(np.int64, copy=False)
 
 
-def open_cache(path: str | Path, in_memory: bool = False, strict: bool = False, check_source: bool = True) -> Cache:
+def open_cache(
+    path: str | Path, in_memory: bool = False, strict: bool = False, check_source: bool = True
+) -> Cache:
     """Open a complete cache for batched reads; raises CacheNotFoundError if it is not complete.
 
     With ``check_source`` the source folder is re-scanned (sizes, mtimes): a changed source warns
@@ -133,7 +153,8 @@ def check_fits_in_memory(need: int, root: Path) -> None:
         raise CacheTooLargeError(
             f"{root}: loading the ram cache into memory needs {need / 1e9:.2f} GB but only {avail / 1e9:.2f} GB "
             f"is available ({where}); open it without in_memory=True (memory-mapped, the default, pages "
-            "it in on demand) or raise the memory limit")
+            "it in on demand) or raise the memory limit"
+        )
 
 
 def _short(indices: object) -> str:

@@ -57,7 +57,9 @@ def digest_key(root: Path, key: str) -> str:
 
 
 def checksum_tree(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in exclude)
+    files = sorted(
+        p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in exclude
+    )
     keys = keys_for(root, files)
     with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as ex:
         return dict(zip(keys, ex.map(lambda k: digest_key(root, k), keys)))
@@ -65,6 +67,7 @@ def checksum_tree(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
 
 def mismatches(root: Path, checksums: dict[str, str]) -> list[str]:
     """Keys whose file is missing, too short, or whose bytes changed; sorted by key."""
+
     def check(key: str) -> str:
         name, offset, length = split_key(key)
         path = root / name

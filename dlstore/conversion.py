@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
-from concurrent.futures.thread import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +35,18 @@ from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError
 from dlstore.formats import get_format
 from dlstore.formats.base import CacheWriter
 from dlstore.sources import Source, open_source
-from dlstore.spec import (LABELS_FILE, MANIFEST, POSITIONS_FILE, SKIPPED_FILE, SOURCES_FILE, CacheSpec, ImagePolicy, fsync_dir,
-                          read_spec, write_json_durably)
+from dlstore.spec import (
+    LABELS_FILE,
+    MANIFEST,
+    POSITIONS_FILE,
+    SKIPPED_FILE,
+    SOURCES_FILE,
+    CacheSpec,
+    ImagePolicy,
+    fsync_dir,
+    read_spec,
+    write_json_durably,
+)
 from dlstore.staging import Staging
 
 Progress = Callable[[int], None]
@@ -67,12 +76,29 @@ class ConvertResult:
         return asdict(self)
 
 
-def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram", size: int,
-            resize: str = "crop", channels: int = 3, codec: str = "zstd", compress: bool = False,
-            workers: int | None = None, overwrite: bool = False, root: Path | None = None, train: bool = True,
-            demo_images: int = 512, strict: bool = False, max_bad: float = 0.5, storage_order: str = "shuffled",
-            seed: int = 0, decode_timeout: float = DECODE_TIMEOUT_S, progress: Progress | None = None,
-            log: Log | None = None) -> ConvertResult:
+def convert(
+    source: str | Path | Source,
+    dest: str | Path,
+    *,
+    format: str = "ram",
+    size: int,
+    resize: str = "crop",
+    channels: int = 3,
+    codec: str = "zstd",
+    compress: bool = False,
+    workers: int | None = None,
+    overwrite: bool = False,
+    root: Path | None = None,
+    train: bool = True,
+    demo_images: int = 512,
+    strict: bool = False,
+    max_bad: float = 0.5,
+    storage_order: str = "shuffled",
+    seed: int = 0,
+    decode_timeout: float = DECODE_TIMEOUT_S,
+    progress: Progress | None = None,
+    log: Log | None = None,
+) -> ConvertResult:
     """Convert SOURCE (folder, ``torchvision:NAME``, ``demo`` or a Source) into a cache at DEST.
 
     ``storage_order="shuffled"`` (default) stores images in a seeded random order, so every chunk
@@ -92,13 +118,27 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
     policy = ImagePolicy(size=size, resize=resize, channels=channels)
     if not Staging.pending(dest):
         check_destination(dest, overwrite)
-    src = source if isinstance(source, Source) else open_source(source, root=root, train=train,
-                                                                demo_images=demo_images)
-    options = {"codec": codec} if fmt.name == "zarr" else {"compress": bool(compress)} if fmt.name == "npz" else {}
+    src = (
+        source
+        if isinstance(source, Source)
+        else open_source(source, root=root, train=train, demo_images=demo_images)
+    )
+    options = (
+        {"codec": codec} if fmt.name == "zarr" else {"compress": bool(compress)} if fmt.name == "npz" else {}
+    )
     writer = fmt.writer(Path(), len(src), policy.shape, options)
     order = storage_permutation(len(src), storage_order, seed)
-    plan = {"storage_order": storage_order, "seed": seed, "format": fmt.name, "policy": asdict(policy), "options": options, "n": len(src),
-            "unit_size": writer.unit_size, "fingerprint": src.fingerprint(), "dlstore": __version__.split(".")[0]}
+    plan = {
+        "storage_order": storage_order,
+        "seed": seed,
+        "format": fmt.name,
+        "policy": asdict(policy),
+        "options": options,
+        "n": len(src),
+        "unit_size": writer.unit_size,
+        "fingerprint": src.fingerprint(),
+        "dlstore": __version__.split(".")[0],
+    }
     warnings = [scan_warning(src)] if scan_errors(src) else []
     with Staging(dest, plan, discard_mismatch=overwrite, entries=src.entries()) as staging:
         if staging.already_published:
@@ -128,26 +168,50 @@ def convert(source: str | Path | Source, dest: str | Path, *, format: str = "ram
                 spec = finalize(src, policy, writer, fmt.name, staging, bad, order)
                 staging.commit(overwrite)
         except KeyboardInterrupt:
-            raise ConvertError(f"interrupted: {done_images(writer, staging)} of {writer.n} done (while finishing); "
-                               "re-run the same command to resume") from None
+            raise ConvertError(
+                f"interrupted: {done_images(writer, staging)} of {writer.n} done (while finishing); "
+                "re-run the same command to resume"
+            ) from None
     seconds = time.perf_counter() - t0
     converted = sum(len(writer.unit_range(k)) for k in todo)
-    return ConvertResult(dest=str(dest), format=fmt.name, n=spec.n, n_skipped=len(bad),
-                         classes=list(src.classes), shape=list(policy.shape),
-                         bytes_on_disk=dir_bytes(dest), seconds=seconds,
-                         images_per_s=converted / max(seconds, 1e-9),
-                         workers=n_workers, resumed_units=writer.n_units - len(todo), skipped=bad, warnings=warnings)
+    return ConvertResult(
+        dest=str(dest),
+        format=fmt.name,
+        n=spec.n,
+        n_skipped=len(bad),
+        classes=list(src.classes),
+        shape=list(policy.shape),
+        bytes_on_disk=dir_bytes(dest),
+        seconds=seconds,
+        images_per_s=converted / max(seconds, 1e-9),
+        workers=n_workers,
+        resumed_units=writer.n_units - len(todo),
+        skipped=bad,
+        warnings=warnings,
+    )
 
 
-def published_result(dest: Path, fmt: str, src: Source, t0: float, n_units: int,
-                     warnings: list[str]) -> ConvertResult:
+def published_result(
+    dest: Path, fmt: str, src: Source, t0: float, n_units: int, warnings: list[str]
+) -> ConvertResult:
     """The result for a re-run whose previous attempt was killed after DEST was already published."""
     spec = read_spec(dest)
     skipped = json.loads((dest / SKIPPED_FILE).read_text())
-    return ConvertResult(dest=str(dest), format=fmt, n=spec.n, n_skipped=spec.n_stored - spec.n,
-                         classes=list(spec.classes), shape=list(spec.shape), bytes_on_disk=dir_bytes(dest),
-                         seconds=time.perf_counter() - t0, images_per_s=0.0, workers=0, resumed_units=n_units,
-                         skipped=skipped, warnings=warnings)
+    return ConvertResult(
+        dest=str(dest),
+        format=fmt,
+        n=spec.n,
+        n_skipped=spec.n_stored - spec.n,
+        classes=list(spec.classes),
+        shape=list(spec.shape),
+        bytes_on_disk=dir_bytes(dest),
+        seconds=time.perf_counter() - t0,
+        images_per_s=0.0,
+        workers=0,
+        resumed_units=n_units,
+        skipped=skipped,
+        warnings=warnings,
+    )
 
 
 def scan_errors(src: Source) -> list[tuple[str, str]]:
@@ -157,8 +221,10 @@ def scan_errors(src: Source) -> list[tuple[str, str]]:
 def scan_warning(src: Source) -> str:
     errs = scan_errors(src)
     path, reason = errs[0]
-    return (f"{len(errs)} file(s) or folder(s) in the source could not be listed and are not in the cache "
-            f"(listed in skipped.json); first: {path}: {reason}")
+    return (
+        f"{len(errs)} file(s) or folder(s) in the source could not be listed and are not in the cache "
+        f"(listed in skipped.json); first: {path}: {reason}"
+    )
 
 
 def plan_digest(plan: dict[str, Any]) -> str:
@@ -171,8 +237,10 @@ def check_destination(dest: Path, overwrite: bool) -> None:
     if not overwrite:
         raise CacheExistsError(f"{dest}: already exists; pass --overwrite to replace it")
     if dest.is_dir() and not (dest / MANIFEST).is_file() and any(dest.iterdir()):
-        raise CacheExistsError(f"{dest}: exists and is not a dlstore cache (no {MANIFEST}); "
-                               "refusing to replace it even with --overwrite; choose another DEST")
+        raise CacheExistsError(
+            f"{dest}: exists and is not a dlstore cache (no {MANIFEST}); "
+            "refusing to replace it even with --overwrite; choose another DEST"
+        )
     if not dest.is_dir():
         raise CacheExistsError(f"{dest}: exists and is a file; choose another DEST")
 
@@ -193,9 +261,11 @@ def preflight(writer: CacheWriter, staging: Staging, compressed: bool) -> list[s
     need = left * writer.image_bytes * (0.8 if compressed else 1.0)
     free = shutil.disk_usage(staging.path).free
     if need > free:
-        return [f"{staging.path.parent}: the cache needs about {need / 1e9:.2f} GB more but only "
-                f"{free / 1e9:.2f} GB is free; the conversion will stop when the disk fills "
-                "(free space, then re-run the same command to resume)"]
+        return [
+            f"{staging.path.parent}: the cache needs about {need / 1e9:.2f} GB more but only "
+            f"{free / 1e9:.2f} GB is free; the conversion will stop when the disk fills "
+            "(free space, then re-run the same command to resume)"
+        ]
     return []
 
 
@@ -213,12 +283,15 @@ def disk_full_as_error(writer: CacheWriter, what: str) -> Iterator[None]:
 def disk_full_message(writer: CacheWriter, what: str) -> str:
     free = shutil.disk_usage(writer.root).free if writer.root.exists() else 0
     need = writer.n * writer.image_bytes
-    return (f"disk full while {what} under {writer.root}: the cache needs up to {need / 1e6:,.0f} MB "
-            f"(uncompressed) and {free / 1e6:,.0f} MB is free; free space and re-run the same command "
-            "to resume (finished parts are kept)")
+    return (
+        f"disk full while {what} under {writer.root}: the cache needs up to {need / 1e6:,.0f} MB "
+        f"(uncompressed) and {free / 1e6:,.0f} MB is free; free space and re-run the same command "
+        "to resume (finished parts are kept)"
+    )
 
 
 # --- the parallel part ------------------------------------------------------------------------------
+
 
 @dataclass
 class Job:
@@ -286,8 +359,10 @@ def decode_one(job: Job, i: int) -> tuple[np.ndarray, str]:
         with time_limit(job.decode_timeout, job.hard_limit):
             return job.src.decode(i, job.policy), job.src.digest(i)
     except DecodeTimeout:
-        raise ImageDecodeError(f"{path}: decoding took longer than {job.decode_timeout:g} s; skipped "
-                               "(raise --decode-timeout if the file is legitimately huge)") from None
+        raise ImageDecodeError(
+            f"{path}: decoding took longer than {job.decode_timeout:g} s; skipped "
+            "(raise --decode-timeout if the file is legitimately huge)"
+        ) from None
 
 
 UnitResult = tuple[int, list[dict[str, Any]], list[str]]
@@ -341,25 +416,31 @@ class BadBudget:
             check_bad_fraction(self.staging.bad(), self.n, self.max_bad, final=False)
 
 
-def run_units(job: Job, todo: list[int], n_workers: int, staging: Staging, budget: BadBudget,
-              progress: Progress | None) -> None:
+def run_units(
+    job: Job, todo: list[int], n_workers: int, staging: Staging, budget: BadBudget, progress: Progress | None
+) -> None:
     try:
         if n_workers <= 1:
             run_in_process(job, todo, budget, progress)
         else:
             run_in_pool(job, todo, n_workers, budget, progress)
     except KeyboardInterrupt:
-        raise ConvertError(f"interrupted: {done_images(job.writer, staging)} of {job.writer.n} done; "
-                           "re-run the same command to resume") from None
+        raise ConvertError(
+            f"interrupted: {done_images(job.writer, staging)} of {job.writer.n} done; "
+            "re-run the same command to resume"
+        ) from None
     except BrokenProcessPool:
         raise ConvertError(
             f"a conversion worker died (killed, out of memory, or a decoder crashed or spun for more than "
             f"{3 * job.decode_timeout + 1:g} s of CPU); {done_images(job.writer, staging)} of {job.writer.n} "
-            "done; re-run the same command to resume") from None
+            "done; re-run the same command to resume"
+        ) from None
     except ImageDecodeError as e:
-        raise ConvertError(f"--strict: stopped at the first undecodable image: {e}; "
-                           f"{done_images(job.writer, staging)} of {job.writer.n} done; fix or remove the "
-                           "file and re-run with --overwrite (or drop --strict to skip and report it)") from None
+        raise ConvertError(
+            f"--strict: stopped at the first undecodable image: {e}; "
+            f"{done_images(job.writer, staging)} of {job.writer.n} done; fix or remove the "
+            "file and re-run with --overwrite (or drop --strict to skip and report it)"
+        ) from None
 
 
 def done_images(writer: CacheWriter, staging: Staging) -> int:
@@ -375,7 +456,9 @@ def run_in_process(job: Job, todo: list[int], budget: BadBudget, progress: Progr
             progress(len(job.writer.unit_range(k)))
 
 
-def run_in_pool(job: Job, todo: list[int], n_workers: int, budget: BadBudget, progress: Progress | None) -> None:
+def run_in_pool(
+    job: Job, todo: list[int], n_workers: int, budget: BadBudget, progress: Progress | None
+) -> None:
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     pool = ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker, initargs=(job,))
     try:
@@ -412,15 +495,25 @@ def check_bad_fraction(bad: list[dict[str, Any]], n: int, max_bad: float, final:
         return
     first = "; ".join(f"{b['path']}: {b['reason']}" for b in bad[:3])
     when = "" if final else " (stopped early)"
-    raise ConvertError(f"{len(bad)} of {n} images could not be decoded{when}, more than --max-bad {max_bad:g} "
-                       f"of them; nothing was marked complete. First: {first}. Fix or remove the files and "
-                       "re-run with --overwrite, or raise --max-bad")
+    raise ConvertError(
+        f"{len(bad)} of {n} images could not be decoded{when}, more than --max-bad {max_bad:g} "
+        f"of them; nothing was marked complete. First: {first}. Fix or remove the files and "
+        "re-run with --overwrite, or raise --max-bad"
+    )
 
 
 # --- commit -----------------------------------------------------------------------------------------
 
-def finalize(src: Source, policy: ImagePolicy, writer: CacheWriter, fmt: str, staging: Staging,
-             bad: list[dict[str, Any]], order: np.ndarray) -> CacheSpec:
+
+def finalize(
+    src: Source,
+    policy: ImagePolicy,
+    writer: CacheWriter,
+    fmt: str,
+    staging: Staging,
+    bad: list[dict[str, Any]],
+    order: np.ndarray,
+) -> CacheSpec:
     root = staging.path
     inverse = np.empty_like(order)
     inverse[order] = np.arange(len(order))
@@ -437,11 +530,19 @@ def finalize(src: Source, policy: ImagePolicy, writer: CacheWriter, fmt: str, st
     write_json_durably(root / SKIPPED_FILE, json.dumps(bad + unlisted(src), indent=1))
     remove_temp_files(root)
     sync_tree(root)  # every data file durable before the manifest that declares the cache complete
-    spec = CacheSpec(format=fmt, n=len(src) - len(bad), n_stored=len(src), shape=policy.shape,
-                     classes=tuple(src.classes), image=policy, format_options=writer.recorded_options(),
-                     source={**src.info(), "plan_sha256": plan_digest(staging.plan)},
-                     checksums=checksum_tree(root, exclude=(MANIFEST,)), dlstore_version=__version__,
-                     created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    spec = CacheSpec(
+        format=fmt,
+        n=len(src) - len(bad),
+        n_stored=len(src),
+        shape=policy.shape,
+        classes=tuple(src.classes),
+        image=policy,
+        format_options=writer.recorded_options(),
+        source={**src.info(), "plan_sha256": plan_digest(staging.plan)},
+        checksums=checksum_tree(root, exclude=(MANIFEST,)),
+        dlstore_version=__version__,
+        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
     fsync_dir(root)
     write_json_durably(root / MANIFEST, spec.to_json())
     return spec
@@ -455,8 +556,12 @@ def sources_doc(src: Source, staging: Staging, writer: CacheWriter, order: np.nd
         for s, d in zip(writer.unit_range(k), digests):
             sha[int(order[s])] = d
     root = getattr(src, "root", None)
-    return {"root": str(Path(root).resolve()) if root is not None else None, "classes": list(src.classes),
-            "entries": src.entries(), "sha256": sha}
+    return {
+        "root": str(Path(root).resolve()) if root is not None else None,
+        "classes": list(src.classes),
+        "entries": src.entries(),
+        "sha256": sha,
+    }
 
 
 def unlisted(src: Source) -> list[dict[str, Any]]:

@@ -41,8 +41,14 @@ class CachedDataset(torch.utils.data.Dataset):
     forked workers share it copy-on-write, spawned workers load their own copy.
     """
 
-    def __init__(self, path: str | Path, transform: Callable[[torch.Tensor], Any] | None = None,
-                 in_memory: bool = False, strict: bool = False, check_source: bool = True) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        transform: Callable[[torch.Tensor], Any] | None = None,
+        in_memory: bool = False,
+        strict: bool = False,
+        check_source: bool = True,
+    ) -> None:
         self.path = Path(path)
         self.transform = transform
         self.in_memory = in_memory
@@ -54,7 +60,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self._cache: Cache | None = None
         self._pid = -1
         if in_memory:
-            self.cache  # load now, before DataLoader forks, so workers share one copy
+            _ = self.cache  # load now, before DataLoader forks, so workers share one copy
 
     @property
     def classes(self) -> list[str]:
@@ -66,8 +72,10 @@ class CachedDataset(torch.utils.data.Dataset):
             self._cache = Cache(self.path, in_memory=self.in_memory)
             self._pid = os.getpid()
             if self._cache.spec != self.spec:  # e.g. a spawned worker opening a cache rebuilt since
-                raise CacheReplacedError(f"{self.path}: the cache was rebuilt after this dataset was created "
-                                         "(its manifest changed); create the dataset again to read the new one")
+                raise CacheReplacedError(
+                    f"{self.path}: the cache was rebuilt after this dataset was created "
+                    "(its manifest changed); create the dataset again to read the new one"
+                )
         return self._cache
 
     @property
@@ -108,5 +116,7 @@ class CachedDataset(torch.utils.data.Dataset):
         return state
 
     def __repr__(self) -> str:
-        return (f"CachedDataset({str(self.path)!r}, format={self.spec.format}, n={len(self)}, "
-                f"shape={self.spec.shape}, classes={len(self.spec.classes)})")
+        return (
+            f"CachedDataset({str(self.path)!r}, format={self.spec.format}, n={len(self)}, "
+            f"shape={self.spec.shape}, classes={len(self.spec.classes)})"
+        )

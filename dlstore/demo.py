@@ -112,7 +112,9 @@ def _bbox(rng: np.random.Generator, w: int, h: int, lo: float, hi: float) -> lis
     return [float(x0), float(y0), float(x0 + bw), float(y0 + bh)]
 
 
-def _polygon(rng: np.random.Generator, box: Sequence[float], n: int, spiky: bool) -> list[tuple[float, float]]:
+def _polygon(
+    rng: np.random.Generator, box: Sequence[float], n: int, spiky: bool
+) -> list[tuple[float, float]]:
     """Vertices around the box centre; ``spiky`` alternates radii to make a star."""
     cx, cy = (box[0] + box[2]) / 2, (box[1] + box[3]) / 2
     rx, ry = (box[2] - box[0]) / 2, (box[3] - box[1]) / 2
@@ -186,9 +188,7 @@ def _stripe_fill(rng: np.random.Generator, w: int, h: int, a: _RGB, b: _RGB) -> 
     return Image.fromarray(np.round(out).astype(np.uint8))
 
 
-def _paint_shape(
-    rng: np.random.Generator, img: Image.Image, family: int, colour: _RGB, second: _RGB
-) -> None:
+def _paint_shape(rng: np.random.Generator, img: Image.Image, family: int, colour: _RGB, second: _RGB) -> None:
     """Paint one shape into ``img`` in place, working only on its bounding box."""
     w, h = img.size
     mask = _shape_mask(rng, family, w, h)

@@ -22,8 +22,18 @@ from dlstore.spec import ImagePolicy
 ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP", "PPM", "TGA", "ICO", "DIB")
 # What Pillow's own fuzzers treat as the normal outcome of bad input.
 DECODE_ERRORS: tuple[type[BaseException], ...] = (
-    OSError, SyntaxError, ValueError, MemoryError, NotImplementedError, OverflowError, EOFError,
-    IndexError, struct.error, zlib.error, Image.DecompressionBombError, Image.DecompressionBombWarning,
+    OSError,
+    SyntaxError,
+    ValueError,
+    MemoryError,
+    NotImplementedError,
+    OverflowError,
+    EOFError,
+    IndexError,
+    struct.error,
+    zlib.error,
+    Image.DecompressionBombError,
+    Image.DecompressionBombWarning,
 )
 _ALPHA_MODES = {"RGBA", "LA", "PA", "La", "RGBa"}
 _SIXTEEN_BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I"}

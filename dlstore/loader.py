@@ -34,7 +34,9 @@ from dlstore.sampler import ChunkSampler
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def make_sampler(cache: Cache, order: str, seed: int = 0, window: int | None = None) -> torch.utils.data.Sampler[int]:
+def make_sampler(
+    cache: Cache, order: str, seed: int = 0, window: int | None = None
+) -> torch.utils.data.Sampler[int]:
     """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``."""
     if order == "auto":
         order = "chunk" if isinstance(cache.reader, ChunkedReader) else "random"
@@ -42,7 +44,9 @@ def make_sampler(cache: Cache, order: str, seed: int = 0, window: int | None = N
         unit = getattr(cache.reader, "unit", 1)
         return ChunkSampler(cache.positions, unit, window=window or default_window(cache), seed=seed)
     if order == "random":
-        return torch.utils.data.RandomSampler(range(len(cache)), generator=torch.Generator().manual_seed(seed))
+        return torch.utils.data.RandomSampler(
+            range(len(cache)), generator=torch.Generator().manual_seed(seed)
+        )
     if order == "sequential":
         return torch.utils.data.SequentialSampler(range(len(cache)))
     raise ValueError(f"order must be auto, chunk, random or sequential, got {order!r}")
@@ -65,9 +69,18 @@ class PinnedLoader:
     ...         step(augment(images), labels)
     """
 
-    def __init__(self, path: str | Path | Cache, batch_size: int, device: str | torch.device = "cuda",
-                 order: str = "auto", drop_last: bool = True, seed: int = 0, num_buffers: int = 4,
-                 in_memory: bool = False, window: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path | Cache,
+        batch_size: int,
+        device: str | torch.device = "cuda",
+        order: str = "auto",
+        drop_last: bool = True,
+        seed: int = 0,
+        num_buffers: int = 4,
+        in_memory: bool = False,
+        window: int | None = None,
+    ) -> None:
         self.cache = path if isinstance(path, Cache) else open_cache(path, in_memory=in_memory)
         self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
         self.device = torch.device(device)
@@ -88,8 +101,9 @@ class PinnedLoader:
             self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         if self._ring is None:  # buffers are kept across epochs: pinning is slow
-            self._ring = BufferRing(self.num_buffers, (self.batch_size, *self.cache.spec.shape),
-                                    pin=self.device.type == "cuda")
+            self._ring = BufferRing(
+                self.num_buffers, (self.batch_size, *self.cache.spec.shape), pin=self.device.type == "cuda"
+            )
         if self._last is not None and (last := self._last()) is not None:
             last.close()  # an epoch abandoned mid-way must give its buffers back first
         batches = torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
@@ -231,10 +245,19 @@ class ResidentLoader:
     ...                         cuda_graph=True)                          # doctest: +SKIP
     """
 
-    def __init__(self, path: str | Path | Cache, batch_size: int, device: str | torch.device = "cuda",
-                 shuffle: bool = True, drop_last: bool = True, seed: int = 0, headroom: float = 0.2,
-                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None, cuda_graph: bool = False,
-                 block_bytes: int = 256 << 20) -> None:
+    def __init__(
+        self,
+        path: str | Path | Cache,
+        batch_size: int,
+        device: str | torch.device = "cuda",
+        shuffle: bool = True,
+        drop_last: bool = True,
+        seed: int = 0,
+        headroom: float = 0.2,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        cuda_graph: bool = False,
+        block_bytes: int = 256 << 20,
+    ) -> None:
         cache = path if isinstance(path, Cache) else open_cache(path)
         self.device = torch.device(device)
         self.batch_size, self.shuffle, self.drop_last, self.seed = batch_size, shuffle, drop_last, seed
@@ -255,10 +278,13 @@ class ResidentLoader:
     def __iter__(self) -> Iterator[Batch]:
         g = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + self.epoch)
         self.epoch += 1
-        order = (torch.randperm(self.n, device=self.device, generator=g) if self.shuffle
-                 else torch.arange(self.n, device=self.device))
+        order = (
+            torch.randperm(self.n, device=self.device, generator=g)
+            if self.shuffle
+            else torch.arange(self.n, device=self.device)
+        )
         for i in range(len(self)):
-            idx = order[i * self.batch_size:(i + 1) * self.batch_size]
+            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
             if self.cuda_graph and len(idx) == self.batch_size:
                 yield self._replay(idx)
             else:
@@ -301,8 +327,10 @@ def check_fits(cache: Cache, device: torch.device, headroom: float) -> None:
         if free is None:
             return
     if need > free * (1 - headroom):
-        raise DlstoreError(f"{cache.root}: {need / 1e9:.2f} GB of images do not fit in {device} with "
-                           f"{headroom:.0%} headroom ({free / 1e9:.2f} GB free); use PinnedLoader instead")
+        raise DlstoreError(
+            f"{cache.root}: {need / 1e9:.2f} GB of images do not fit in {device} with "
+            f"{headroom:.0%} headroom ({free / 1e9:.2f} GB free); use PinnedLoader instead"
+        )
 
 
 def upload(cache: Cache, device: torch.device, block_bytes: int) -> torch.Tensor:
@@ -310,7 +338,9 @@ def upload(cache: Cache, device: torch.device, block_bytes: int) -> torch.Tensor
     n, shape = len(cache), cache.spec.shape
     out = torch.empty((n, *shape), dtype=torch.uint8, device=device)
     block = max(1, block_bytes // cache.spec.image_bytes)
-    staging = torch.empty((min(block, max(n, 1)), *shape), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    staging = torch.empty(
+        (min(block, max(n, 1)), *shape), dtype=torch.uint8, pin_memory=device.type == "cuda"
+    )
     for start in range(0, n, block):
         stop = min(n, start + block)
         host = staging[: stop - start]
@@ -341,13 +371,27 @@ class BatchDataset(torch.utils.data.Dataset):
         return x.permute(0, 3, 1, 2), torch.from_numpy(cache.labels[idx])
 
 
-def batch_dataloader(path: str | Path, batch_size: int, num_workers: int = 2, order: str = "auto",
-                     drop_last: bool = True, seed: int = 0, pin_memory: bool = True, in_memory: bool = False,
-                     **kw: Any) -> torch.utils.data.DataLoader:
+def batch_dataloader(
+    path: str | Path,
+    batch_size: int,
+    num_workers: int = 2,
+    order: str = "auto",
+    drop_last: bool = True,
+    seed: int = 0,
+    pin_memory: bool = True,
+    in_memory: bool = False,
+    **kw: Any,
+) -> torch.utils.data.DataLoader:
     """A DataLoader whose workers each build whole batches (see BatchDataset)."""
     ds = BatchDataset(path, in_memory=in_memory)
     sampler = make_sampler(ds.dataset.cache, order, seed)
     batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
-    return torch.utils.data.DataLoader(ds, sampler=batches, batch_size=None, num_workers=num_workers,
-                                       pin_memory=pin_memory and torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0, **kw)
+    return torch.utils.data.DataLoader(
+        ds,
+        sampler=batches,
+        batch_size=None,
+        num_workers=num_workers,
+        pin_memory=pin_memory and torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+        **kw,
+    )

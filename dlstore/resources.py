@@ -29,13 +29,16 @@ def _read_int(path: Path) -> int | None:
 
 def cgroup_room(cgroup: Path = CGROUP) -> tuple[int, str] | None:
     """(bytes the cgroup may still allocate, description), or None without a memory limit."""
-    for limit_file, usage_file in (("memory.max", "memory.current"),
-                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit_file, usage_file in (
+        ("memory.max", "memory.current"),
+        ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"),
+    ):
         limit = _read_int(cgroup / limit_file)
         if limit is not None and limit < _UNLIMITED:
             used = _read_int(cgroup / usage_file) or 0
-            return max(0, limit - used), (f"cgroup limit {limit / 1e9:.2f} GB in {cgroup / limit_file}, "
-                                          f"{used / 1e9:.2f} GB in use")
+            return max(0, limit - used), (
+                f"cgroup limit {limit / 1e9:.2f} GB in {cgroup / limit_file}, {used / 1e9:.2f} GB in use"
+            )
     return None
 
 
@@ -71,8 +74,9 @@ def shm_free_bytes(shm: Path = SHM) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
-def check_shared_memory(batch_bytes: int, num_workers: int, prefetch_factor: int = 2,
-                        shm: Path = SHM) -> None:
+def check_shared_memory(
+    batch_bytes: int, num_workers: int, prefetch_factor: int = 2, shm: Path = SHM
+) -> None:
     """Raise SharedMemoryError when /dev/shm cannot hold the batches in flight between DataLoader
     workers and the main process (each worker keeps ``prefetch_factor`` batches there)."""
     free = shm_free_bytes(shm)
@@ -83,7 +87,8 @@ def check_shared_memory(batch_bytes: int, num_workers: int, prefetch_factor: int
         f"{shm} has {free / 1e6:.0f} MB free but {num_workers} DataLoader worker(s) x {prefetch_factor} "
         f"prefetched batch(es) of {batch_bytes / 1e6:.1f} MB need about {need / 1e6:.0f} MB there; "
         "workers would die with 'Bus error'. Fix: run the container with --shm-size=8g (or --ipc=host), "
-        "or lower batch_size / num_workers / prefetch_factor")
+        "or lower batch_size / num_workers / prefetch_factor"
+    )
 
 
 _SHM_CHECKED_PID = -1

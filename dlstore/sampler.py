@@ -28,8 +28,17 @@ class ChunkSampler(torch.utils.data.Sampler[int]):
     >>> loader = DataLoader(ds, batch_size=256, sampler=sampler)             # doctest: +SKIP
     """
 
-    def __init__(self, positions: np.ndarray, unit: int, window: int = 16, seed: int = 0,
-                 num_replicas: int = 1, rank: int = 0, drop_last: bool = False, shuffle: bool = True) -> None:
+    def __init__(
+        self,
+        positions: np.ndarray,
+        unit: int,
+        window: int = 16,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+        shuffle: bool = True,
+    ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
         self.positions = np.asarray(positions, dtype=np.int64)
@@ -63,12 +72,12 @@ class ChunkSampler(torch.utils.data.Sampler[int]):
         groups = [self._groups[i] for i in picks]
         stream = []
         for w in range(0, len(groups), self.window):
-            block = np.concatenate(groups[w:w + self.window])
+            block = np.concatenate(groups[w : w + self.window])
             stream.append(rng.permutation(block) if self.shuffle else block)
         flat = np.concatenate(stream) if stream else np.zeros(0, np.int64)
         total = self.num_samples * self.num_replicas
         if len(flat) < total:  # pad like DistributedSampler, from the start of this epoch's order
             flat = np.concatenate([flat, np.resize(flat, total - len(flat))])
         # A contiguous slice per rank: each rank reads whole units, only boundary units are shared.
-        mine = flat[self.rank * self.num_samples:(self.rank + 1) * self.num_samples]
+        mine = flat[self.rank * self.num_samples : (self.rank + 1) * self.num_samples]
         return iter(mine.tolist())

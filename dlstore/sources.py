@@ -59,8 +59,12 @@ class Source:
         return h.hexdigest()
 
     def info(self) -> dict[str, Any]:
-        return {"kind": self.kind, "description": self.description, "count": len(self),
-                "fingerprint": self.fingerprint()}
+        return {
+            "kind": self.kind,
+            "description": self.description,
+            "count": len(self),
+            "fingerprint": self.fingerprint(),
+        }
 
 
 @dataclass
@@ -101,11 +105,15 @@ class ArraySource(Source):
 def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
     root = Path(root)
     if not root.is_dir():
-        raise SourceError(f"{root}: not a directory; give a folder of class subfolders, "
-                          f"'torchvision:NAME --root DIR' or 'demo'")
+        raise SourceError(
+            f"{root}: not a directory; give a folder of class subfolders, "
+            f"'torchvision:NAME --root DIR' or 'demo'"
+        )
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
-        raise SourceError(f"{root}: no class subfolders found; expected ROOT/<class>/<image> like ImageFolder")
+        raise SourceError(
+            f"{root}: no class subfolders found; expected ROOT/<class>/<image> like ImageFolder"
+        )
     names: list[str] = []
     labels: list[int] = []
     stats: list[tuple[int, int]] = []
@@ -120,7 +128,9 @@ def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
                 errors.append((path.relative_to(root).as_posix(), f"cannot stat: {e.strerror}"))
                 continue
             if not stat.S_ISREG(st.st_mode):  # a FIFO or device named .jpg would block or never end
-                errors.append((path.relative_to(root).as_posix(), "not a regular file (FIFO, device or socket)"))
+                errors.append(
+                    (path.relative_to(root).as_posix(), "not a regular file (FIFO, device or socket)")
+                )
                 continue
             names.append(path.relative_to(root).as_posix())
             labels.append(idx)
@@ -128,10 +138,20 @@ def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
     present = set(labels)
     empty = [c for i, c in enumerate(classes) if i not in present]
     if empty:
-        raise SourceError(f"{root}: class folder(s) without any image file: {', '.join(empty)}; "
-                          f"add images or remove the folder (extensions read: {' '.join(IMAGE_EXTENSIONS)})")
-    return FolderSource(description=str(root), classes=tuple(classes), names=names,
-                        labels=np.asarray(labels, np.int64), stats=stats, kind=kind, root=root, scan_errors=errors)
+        raise SourceError(
+            f"{root}: class folder(s) without any image file: {', '.join(empty)}; "
+            f"add images or remove the folder (extensions read: {' '.join(IMAGE_EXTENSIONS)})"
+        )
+    return FolderSource(
+        description=str(root),
+        classes=tuple(classes),
+        names=names,
+        labels=np.asarray(labels, np.int64),
+        stats=stats,
+        kind=kind,
+        root=root,
+        scan_errors=errors,
+    )
 
 
 def _inode(path: Path) -> tuple[int, int]:
@@ -177,8 +197,14 @@ def load_torchvision(name: str, root: Path | None, train: bool = True) -> ArrayS
     targets = np.asarray(ds.targets, dtype=np.int64)
     split = "train" if train else "test"
     names = [f"{name}/{split}/{i}" for i in range(len(data))]
-    return ArraySource(description=f"torchvision:{name} ({split}) from {root}", classes=tuple(ds.classes),
-                       names=names, labels=targets, kind=f"torchvision:{name}", data=data)
+    return ArraySource(
+        description=f"torchvision:{name} ({split}) from {root}",
+        classes=tuple(ds.classes),
+        names=names,
+        labels=targets,
+        kind=f"torchvision:{name}",
+        data=data,
+    )
 
 
 def _check_torchvision_files(name: str, root: Path, train: bool) -> None:
@@ -186,18 +212,26 @@ def _check_torchvision_files(name: str, root: Path, train: bool) -> None:
         prefix = "train" if train else "t10k"
         needed = [root / name / "raw" / f"{prefix}-{k}-ubyte" for k in ("images-idx3", "labels-idx1")]
     elif name == "CIFAR10":
-        needed = [root / "cifar-10-batches-py" / (f"data_batch_{i}" if train else "test_batch")
-                  for i in (range(1, 6) if train else [0])]
+        needed = [
+            root / "cifar-10-batches-py" / (f"data_batch_{i}" if train else "test_batch")
+            for i in (range(1, 6) if train else [0])
+        ]
     else:
-        needed = [root / "cifar-100-python" / ("train" if train else "test"), root / "cifar-100-python" / "meta"]
+        needed = [
+            root / "cifar-100-python" / ("train" if train else "test"),
+            root / "cifar-100-python" / "meta",
+        ]
     for path in needed:
         if not path.is_file():
-            raise SourceError(f"torchvision:{name}: missing {path}; put the extracted dataset files there "
-                              "(dlstore never downloads)")
+            raise SourceError(
+                f"torchvision:{name}: missing {path}; put the extracted dataset files there "
+                "(dlstore never downloads)"
+            )
 
 
-def open_source(source: str | Path, root: Path | None = None, train: bool = True,
-                demo_images: int = 512) -> Source:
+def open_source(
+    source: str | Path, root: Path | None = None, train: bool = True, demo_images: int = 512
+) -> Source:
     """Resolve a SOURCE argument: a folder path, ``torchvision:NAME`` or ``demo``."""
     text = str(source)
     if text == "demo":
@@ -207,4 +241,3 @@ def open_source(source: str | Path, root: Path | None = None, train: bool = True
     if text.startswith("torchvision:"):
         return load_torchvision(text.split(":", 1)[1], root, train)
     return scan_folder(Path(text))
-

@@ -80,13 +80,17 @@ def parse_relpath(name: str, where: Path) -> str:
     """Reject manifest paths that could reach outside the cache root."""
     p = PurePosixPath(name)
     if not name or "\x00" in name or p.is_absolute() or ".." in p.parts or "\\" in name:
-        raise SpecError(f"{where}: unsafe path {name!r} in manifest; the cache may be tampered with, rebuild it")
+        raise SpecError(
+            f"{where}: unsafe path {name!r} in manifest; the cache may be tampered with, rebuild it"
+        )
     return name
 
 
 def _require(d: dict[str, Any], key: str, kind: type | tuple[type, ...], where: Path) -> Any:
     if key not in d or not isinstance(d[key], kind):
-        raise SpecError(f"{where}: manifest field {key!r} missing or not {kind}; rebuild the cache with `dlstore convert`")
+        raise SpecError(
+            f"{where}: manifest field {key!r} missing or not {kind}; rebuild the cache with `dlstore convert`"
+        )
     return d[key]
 
 
@@ -94,8 +98,10 @@ def parse_spec(d: dict[str, Any], where: Path) -> CacheSpec:
     """Validate a decoded manifest; everything past this point trusts the spec."""
     version = _require(d, "spec_version", int, where)
     if version != SPEC_VERSION:
-        raise SpecError(f"{where}: manifest version {version}, this dlstore reads {SPEC_VERSION}; "
-                        "re-run `dlstore convert` with this version")
+        raise SpecError(
+            f"{where}: manifest version {version}, this dlstore reads {SPEC_VERSION}; "
+            "re-run `dlstore convert` with this version"
+        )
     shape = tuple(_require(d, "shape", list, where))
     if len(shape) != 3 or not all(isinstance(x, int) and 0 < x <= 1 << 16 for x in shape):
         raise SpecError(f"{where}: bad image shape {shape} in manifest")
@@ -113,11 +119,19 @@ def parse_spec(d: dict[str, Any], where: Path) -> CacheSpec:
     for name in checksums:
         parse_relpath(name, where)
     return CacheSpec(
-        format=_require(d, "format", str, where), n=n, n_stored=n_stored, shape=shape,  # type: ignore[arg-type]
-        classes=tuple(_require(d, "classes", list, where)), image=policy,
-        format_options=_require(d, "format_options", dict, where), source=_require(d, "source", dict, where),
-        checksums=checksums, dtype="uint8", spec_version=version,
-        dlstore_version=d.get("dlstore_version", ""), created=d.get("created", ""),
+        format=_require(d, "format", str, where),
+        n=n,
+        n_stored=n_stored,
+        shape=shape,  # type: ignore[arg-type]
+        classes=tuple(_require(d, "classes", list, where)),
+        image=policy,
+        format_options=_require(d, "format_options", dict, where),
+        source=_require(d, "source", dict, where),
+        checksums=checksums,
+        dtype="uint8",
+        spec_version=version,
+        dlstore_version=d.get("dlstore_version", ""),
+        created=d.get("created", ""),
     )
 
 
@@ -125,13 +139,16 @@ def read_spec(root: Path) -> CacheSpec:
     """Load and validate ``root/dlstore.json``; a missing manifest means an incomplete cache."""
     path = Path(root) / MANIFEST
     if not Path(root).is_dir():
-        raise CacheNotFoundError(f"{root}: no such cache directory; create it with `dlstore convert SOURCE {root} ...`")
+        raise CacheNotFoundError(
+            f"{root}: no such cache directory; create it with `dlstore convert SOURCE {root} ...`"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise CacheNotFoundError(
             f"{root}: no {MANIFEST}, so this is not a complete dlstore cache; "
-            f"(re)create it with `dlstore convert SOURCE {root} ... --overwrite`") from None
+            f"(re)create it with `dlstore convert SOURCE {root} ... --overwrite`"
+        ) from None
     try:
         d = json.loads(text)
     except json.JSONDecodeError as e:

@@ -31,10 +31,19 @@ _RENAME_EXCHANGE = 2
 class Staging:
     """Context manager: lock, then resume or start the staging area; ``commit`` publishes it."""
 
-    def __init__(self, dest: Path, plan: dict[str, Any], discard_mismatch: bool = False,
-                 entries: list[list[Any]] | None = None) -> None:
+    def __init__(
+        self,
+        dest: Path,
+        plan: dict[str, Any],
+        discard_mismatch: bool = False,
+        entries: list[list[Any]] | None = None,
+    ) -> None:
         # Compared with the plan read back from JSON, so normalise it the same way (tuples → lists).
-        self.dest, self.plan, self.discard_mismatch = Path(dest), json.loads(json.dumps(plan)), discard_mismatch
+        self.dest, self.plan, self.discard_mismatch = (
+            Path(dest),
+            json.loads(json.dumps(plan)),
+            discard_mismatch,
+        )
         self.entries = entries
         parent, name = self.dest.parent, self.dest.name
         self.path = parent / f".{name}.dlstore-staging"
@@ -55,8 +64,10 @@ class Staging:
         try:
             self.dest.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise ConvertError(f"{self.dest.parent}: cannot create the folder for DEST ({e.strerror}); "
-                               "choose a DEST in a writable folder") from None
+            raise ConvertError(
+                f"{self.dest.parent}: cannot create the folder for DEST ({e.strerror}); "
+                "choose a DEST in a writable folder"
+            ) from None
         self._lock()
         try:
             self._open()
@@ -76,8 +87,10 @@ class Staging:
         except BlockingIOError:
             holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
             os.close(fd)
-            raise ConvertError(f"{self.dest}: another dlstore convert (pid {holder}) is writing this destination; "
-                               f"wait for it to finish (lock {self.lock_path})") from None
+            raise ConvertError(
+                f"{self.dest}: another dlstore convert (pid {holder}) is writing this destination; "
+                f"wait for it to finish (lock {self.lock_path})"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._lock_fd = fd  # a dead holder's flock vanishes with it, so a stale lock never blocks
@@ -102,7 +115,8 @@ class Staging:
                 raise ConvertError(
                     f"{self.dest}: an unfinished conversion is staged at {self.path} but {'; '.join(changed)}"
                     f"{self._first_changed_source(old_plan)}; re-run with the original sources and options "
-                    "to resume, or pass --overwrite to discard it and start over")
+                    "to resume, or pass --overwrite to discard it and start over"
+                )
         shutil.rmtree(self.path, ignore_errors=True)
         shutil.rmtree(self.journal, ignore_errors=True)
         self.path.mkdir()
@@ -176,11 +190,14 @@ class Staging:
     # -- publish ------------------------------------------------------------------------------------
     def commit(self, overwrite: bool) -> None:
         """Publish staging as DEST: an atomic swap when DEST exists (old cache readable until then)."""
-        write_json_durably(self.journal / "commit.json",
-                           json.dumps({"manifest_sha256": manifest_digest(self.path)}))
+        write_json_durably(
+            self.journal / "commit.json", json.dumps({"manifest_sha256": manifest_digest(self.path)})
+        )
         if self.dest.exists():
             if not overwrite:
-                raise ConvertError(f"{self.dest}: appeared during the conversion; pass --overwrite to replace it")
+                raise ConvertError(
+                    f"{self.dest}: appeared during the conversion; pass --overwrite to replace it"
+                )
             if _exchange(self.path, self.dest):
                 fsync_dir(self.dest.parent)
                 shutil.rmtree(self.path, ignore_errors=True)  # now holds the previous cache
@@ -217,7 +234,9 @@ def plan_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> 
         if isinstance(a, dict) and isinstance(b, dict):
             out += plan_changes(a, b, f"{prefix}{key}.")
         elif a != b:
-            what = "the source files changed" if key == "fingerprint" else f"{prefix}{key} was {a!r}, now {b!r}"
+            what = (
+                "the source files changed" if key == "fingerprint" else f"{prefix}{key} was {a!r}, now {b!r}"
+            )
             out.append(what)
     return out
 

@@ -54,7 +54,9 @@ def first_difference(old: list[list[Any]], new: list[list[Any]]) -> str | None:
         if b is None:
             return f"{name} (removed)"
         if a[:2] != b[:2]:
-            return f"{name} (size/mtime changed: {a[0]} bytes, mtime_ns {a[1]} -> {b[0]} bytes, mtime_ns {b[1]})"
+            return (
+                f"{name} (size/mtime changed: {a[0]} bytes, mtime_ns {a[1]} -> {b[0]} bytes, mtime_ns {b[1]})"
+            )
         return f"{name} (label changed: {a[2]} -> {b[2]})"
     return None
 
@@ -76,21 +78,30 @@ def source_status(cache_root: str | Path, source: str | Path | None = None) -> S
     old_classes = doc.get("classes")
     if isinstance(old_classes, list) and old_classes != list(now.classes):
         added = sorted(set(now.classes) - set(old_classes))
-        return SourceStatus(checked=True, stale=True, message=(
-            f"class folders of {root} changed ({', '.join(added) or 'some removed'}"
-            f"{' added' if added else ''}); label indices shifted since the cache was built"))
+        return SourceStatus(
+            checked=True,
+            stale=True,
+            message=(
+                f"class folders of {root} changed ({', '.join(added) or 'some removed'}"
+                f"{' added' if added else ''}); label indices shifted since the cache was built"
+            ),
+        )
     diff = first_difference(doc["entries"], now.entries())
     if diff is None:
         return SourceStatus(checked=True)
-    return SourceStatus(checked=True, stale=True, message=f"source changed since the cache was built: {root}/{diff}")
+    return SourceStatus(
+        checked=True, stale=True, message=f"source changed since the cache was built: {root}/{diff}"
+    )
 
 
 def check_source(cache_root: str | Path, strict: bool = False) -> SourceStatus:
     """Warn (or with ``strict`` raise StaleCacheError) when the cache's source changed."""
     status = source_status(cache_root)
     if status.stale:
-        text = (f"{cache_root}: stale cache: {status.message}; rebuild it with "
-                f"`dlstore convert ... {cache_root} --overwrite`")
+        text = (
+            f"{cache_root}: stale cache: {status.message}; rebuild it with "
+            f"`dlstore convert ... {cache_root} --overwrite`"
+        )
         if strict:
             raise StaleCacheError(text)
         warnings.warn(StaleCacheWarning(text), stacklevel=3)

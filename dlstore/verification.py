@@ -50,8 +50,14 @@ def verify(path: str | Path, deep: bool = False, source: str | Path | None = Non
     if deep:
         deep_problems, hashed = source_content_problems(root, source)
         problems += deep_problems
-    return VerifyResult(root=str(root), ok=not problems, checked=len(spec.checksums), problems=problems,
-                        notes=notes, sources_hashed=hashed)
+    return VerifyResult(
+        root=str(root),
+        ok=not problems,
+        checked=len(spec.checksums),
+        problems=problems,
+        notes=notes,
+        sources_hashed=hashed,
+    )
 
 
 def checksum_problems(root: Path, spec: CacheSpec) -> list[str]:
@@ -78,14 +84,24 @@ def skipped_problems(root: Path, spec: CacheSpec) -> list[str]:
         return [f"{path}: lists {len(indexed)} skipped images, the manifest says {expected}"]
     entries = (read_sources(root) or {}).get("entries")
     for s in skipped:
-        if s["index"] is not None and entries and (s["index"] >= len(entries) or entries[s["index"]][0] != s["path"]):
-            return [f"{path}: entry {s['index']} names {s['path']!r}, which is not source sample {s['index']}"]
+        if (
+            s["index"] is not None
+            and entries
+            and (s["index"] >= len(entries) or entries[s["index"]][0] != s["path"])
+        ):
+            return [
+                f"{path}: entry {s['index']} names {s['path']!r}, which is not source sample {s['index']}"
+            ]
     return []
 
 
 def _is_skip_entry(s: Any) -> bool:
-    return (isinstance(s, dict) and isinstance(s.get("path"), str) and isinstance(s.get("reason"), str)
-            and (s.get("index") is None or isinstance(s.get("index"), int)))
+    return (
+        isinstance(s, dict)
+        and isinstance(s.get("path"), str)
+        and isinstance(s.get("reason"), str)
+        and (s.get("index") is None or isinstance(s.get("index"), int))
+    )
 
 
 def source_content_problems(root: Path, source: str | Path | None) -> tuple[list[str], int]:

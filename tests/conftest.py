@@ -7,9 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image
-
 from imagegen import KINDS, ORIENT_TAG, make_image, save, smooth_rgb
+from PIL import Image
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ def make_image(kind: str, rng: np.random.Generator) -> tuple[Image.Image, str]:
     if kind == "bilevel_png":
         return Image.fromarray(rgb).convert("1"), ".png"
     if kind == "i16_png":
-        return Image.fromarray((rgb[..., 0].astype(np.uint16) * 257)), ".png"
+        return Image.fromarray(rgb[..., 0].astype(np.uint16) * 257), ".png"
     if kind == "bmp":
         return Image.fromarray(rgb), ".bmp"
     if kind == "webp":
@@ -53,8 +53,20 @@ def make_image(kind: str, rng: np.random.Generator) -> tuple[Image.Image, str]:
     raise ValueError(kind)
 
 
-KINDS = ("rgb_jpg", "rgb_png", "big_jpg", "grey_png", "rgba_png", "la_png", "p_trns_png", "cmyk_jpg",
-         "bilevel_png", "i16_png", "bmp", "webp")
+KINDS = (
+    "rgb_jpg",
+    "rgb_png",
+    "big_jpg",
+    "grey_png",
+    "rgba_png",
+    "la_png",
+    "p_trns_png",
+    "cmyk_jpg",
+    "bilevel_png",
+    "i16_png",
+    "bmp",
+    "webp",
+)
 
 
 def save(img: Image.Image, path: Path, **kw: object) -> None:

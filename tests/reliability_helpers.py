@@ -15,8 +15,9 @@ from dlstore.formats import FORMATS
 FORMAT_NAMES = list(FORMATS)
 
 
-def make_tree(root: Path, per_class: int = 12, classes: tuple[str, ...] = ("a", "b"), seed: int = 0,
-              side: int = 24) -> Path:
+def make_tree(
+    root: Path, per_class: int = 12, classes: tuple[str, ...] = ("a", "b"), seed: int = 0, side: int = 24
+) -> Path:
     """A small ImageFolder tree of PNG and JPEG files with distinct random content."""
     rng = np.random.default_rng(seed)
     for cls in classes:

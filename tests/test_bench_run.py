@@ -14,8 +14,22 @@ from click.testing import CliRunner
 from dlstore.bench.protocol import STAGES
 from dlstore.cli import main
 
-TINY = ["--demo-images", "40", "--batch-size", "8", "--size", "16", "--steps", "3", "--warmup", "2",
-        "--repeats", "1", "--stage-steps", "2"]
+TINY = [
+    "--demo-images",
+    "40",
+    "--batch-size",
+    "8",
+    "--size",
+    "16",
+    "--steps",
+    "3",
+    "--warmup",
+    "2",
+    "--repeats",
+    "1",
+    "--stage-steps",
+    "2",
+]
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +40,11 @@ def env(bench_env: Path) -> Path:
 @pytest.fixture(scope="module")
 def result(env: Path) -> tuple[dict[str, Any], Path]:
     out = env / "out"
-    res = CliRunner().invoke(main, ["bench", *TINY, "--workers", "0,2", "--formats", "raw,ram,npz,zarr",
-                                    "--out", str(out), "--json"], catch_exceptions=False)
+    res = CliRunner().invoke(
+        main,
+        ["bench", *TINY, "--workers", "0,2", "--formats", "raw,ram,npz,zarr", "--out", str(out), "--json"],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     return json.loads(res.stdout), out  # stdout holds exactly one JSON document
 
@@ -35,7 +52,8 @@ def result(env: Path) -> tuple[dict[str, Any], Path]:
 def test_every_kind_and_worker_count_ran(result: tuple[dict[str, Any], Path]) -> None:
     doc, _ = result
     assert {(r["loader"], r["workers"]) for r in doc["runs"]} == {
-        (k, w) for k in ("raw", "ram", "npz", "zarr") for w in (0, 2)}
+        (k, w) for k in ("raw", "ram", "npz", "zarr") for w in (0, 2)
+    }
     for r in doc["runs"]:
         assert r["img_per_s"] > 0 and r["predicted_img_per_s"] > 0
         assert r["bottleneck"] in STAGES
@@ -45,7 +63,15 @@ def test_every_kind_and_worker_count_ran(result: tuple[dict[str, Any], Path]) ->
 
 def test_json_has_the_keys_other_tools_rely_on(result: tuple[dict[str, Any], Path]) -> None:
     doc, out = result
-    assert {"schema_version", "environment", "protocol", "stages", "runs", "verdict", "recommendations"} <= set(doc)
+    assert {
+        "schema_version",
+        "environment",
+        "protocol",
+        "stages",
+        "runs",
+        "verdict",
+        "recommendations",
+    } <= set(doc)
     for kind, stage in doc["stages"].items():
         assert set(STAGES) <= set(stage), kind
         assert stage["compute"] > 0 and stage["transform"] > 0
@@ -54,7 +80,9 @@ def test_json_has_the_keys_other_tools_rely_on(result: tuple[dict[str, Any], Pat
     for r in doc["runs"]:
         assert {"loader", "workers", "img_per_s", "predicted_img_per_s", "bottleneck"} <= set(r)
     assert isinstance(doc["verdict"], str) and doc["verdict"]
-    assert isinstance(doc["recommendations"], list) and all(isinstance(x, str) for x in doc["recommendations"])
+    assert isinstance(doc["recommendations"], list) and all(
+        isinstance(x, str) for x in doc["recommendations"]
+    )
     env = doc["environment"]
     assert env["cpu_count"] and env["start_method"] and env["versions"]["torch"]
     assert json.loads((out / "result.json").read_text())["runs"] == doc["runs"]
@@ -67,7 +95,9 @@ def test_csv_rows_match_the_runs(result: tuple[dict[str, Any], Path]) -> None:
         rows = list(csv.DictReader(f))
     counts = Counter((r["loader"], int(r["workers"]), r["cold"] == "True") for r in rows)
     for run in doc["runs"]:
-        assert counts[(run["loader"], run["workers"], False)] == sum(len(x["steps"]["index"]) for x in run["raw"])
+        assert counts[(run["loader"], run["workers"], False)] == sum(
+            len(x["steps"]["index"]) for x in run["raw"]
+        )
         assert counts[(run["loader"], run["workers"], False)] == 5  # 2 warm-up + 3 timed, one repeat
     for kind, cold in doc["cold"].items():
         assert counts[(kind, cold["workers"], True)] == 2
@@ -75,9 +105,14 @@ def test_csv_rows_match_the_runs(result: tuple[dict[str, Any], Path]) -> None:
     assert {r["phase"] for r in rows} == {"warmup", "timed", "cold"}
 
 
-def test_caches_are_reused_and_text_ends_with_a_verdict(env: Path, result: tuple[dict[str, Any], Path]) -> None:
-    res = CliRunner().invoke(main, ["bench", *TINY, "--workers", "0", "--formats", "ram", "--no-cold",
-                                    "--out", str(env / "out2")], catch_exceptions=False)
+def test_caches_are_reused_and_text_ends_with_a_verdict(
+    env: Path, result: tuple[dict[str, Any], Path]
+) -> None:
+    res = CliRunner().invoke(
+        main,
+        ["bench", *TINY, "--workers", "0", "--formats", "ram", "--no-cold", "--out", str(env / "out2")],
+        catch_exceptions=False,
+    )
     assert res.exit_code == 0, res.output
     assert "Verdict:" in res.stdout and "ram" in res.stdout
     doc = json.loads((env / "out2" / "result.json").read_text())
@@ -88,12 +123,15 @@ def test_usage_errors(env: Path) -> None:
     runner = CliRunner()
     assert runner.invoke(main, ["bench", "--formats", "raw,tiff"]).exit_code == 2
     assert runner.invoke(main, ["bench", "--workers", "a,b"]).exit_code == 2
-    res = runner.invoke(main, ["bench", *TINY, "--batch-size", "64", "--formats", "raw", "--out", str(env / "o3")])
+    res = runner.invoke(
+        main, ["bench", *TINY, "--batch-size", "64", "--formats", "raw", "--out", str(env / "o3")]
+    )
     assert res.exit_code == 1 and "batch-size" in res.output
 
 
-def test_a_registered_kind_is_measured_and_a_missing_package_skips(env: Path,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_registered_kind_is_measured_and_a_missing_package_skips(
+    env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from dlstore.bench import loaders
     from dlstore.bench.protocol import BenchConfig
     from dlstore.bench.run import run_bench
@@ -105,12 +143,33 @@ def test_a_registered_kind_is_measured_and_a_missing_package_skips(env: Path,
         import torch
 
         data = [(torch.zeros(ctx.channels, ctx.size, ctx.size, dtype=torch.uint8), i % 2) for i in range(32)]
-        return loaders.PreparedLoader("tensors", "list of tensors", 32, [], False, torch.uint8,
-                                      (ctx.channels, ctx.size, ctx.size), lambda: data, loaders.ToFloat())
+        return loaders.PreparedLoader(
+            "tensors",
+            "list of tensors",
+            32,
+            [],
+            False,
+            torch.uint8,
+            (ctx.channels, ctx.size, ctx.size),
+            lambda: data,
+            loaders.ToFloat(),
+        )
+
     monkeypatch.setitem(loaders.LOADER_KINDS, "zarr", loaders.LoaderKind("zarr", "", broken))
     monkeypatch.setitem(loaders.LOADER_KINDS, "tensors", loaders.LoaderKind("tensors", "", tensors))
-    doc = run_bench(BenchConfig(formats=("tensors", "zarr"), workers=(0,), demo_images=40, size=16, batch_size=8,
-                                steps=2, warmup=1, repeats=1, stage_steps=2))
+    doc = run_bench(
+        BenchConfig(
+            formats=("tensors", "zarr"),
+            workers=(0,),
+            demo_images=40,
+            size=16,
+            batch_size=8,
+            steps=2,
+            warmup=1,
+            repeats=1,
+            stage_steps=2,
+        )
+    )
     assert [r["loader"] for r in doc["runs"]] == ["tensors"]
     assert any("zarr: skipped" in n for n in doc["notes"])
 
@@ -119,8 +178,20 @@ def test_fast_path_kinds_are_measured(env: Path) -> None:
     from dlstore.bench.protocol import BenchConfig
     from dlstore.bench.run import run_bench
 
-    doc = run_bench(BenchConfig(formats=("pinned", "resident"), workers=(0, 2), demo_images=40, size=16,
-                                batch_size=8, steps=2, warmup=1, repeats=1, stage_steps=2, transform="gpu-augment"))
+    doc = run_bench(
+        BenchConfig(
+            formats=("pinned", "resident"),
+            workers=(0, 2),
+            demo_images=40,
+            size=16,
+            batch_size=8,
+            steps=2,
+            warmup=1,
+            repeats=1,
+            stage_steps=2,
+            transform="gpu-augment",
+        )
+    )
     # they use no worker processes, so they run once, at 0 workers
     assert sorted((r["loader"], r["workers"]) for r in doc["runs"]) == [("pinned", 0), ("resident", 0)]
     assert all(r["img_per_s"] > 0 for r in doc["runs"])

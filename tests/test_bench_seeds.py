@@ -17,9 +17,32 @@ def test_seeds_script_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     seeds = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(seeds)
     out = tmp_path / "out"
-    rc = seeds.main(["--out", str(out), "--work", str(tmp_path / "work"), "--n-train", "512", "--workers", "0",
-                     "--cached-workers", "0", "--warmup", "1", "--steps", "2", "--batch-size", "64", "--repeats", "1",
-                     "--device", "cpu", "--parts", "raw-augment,cached-gpu-augment"])
+    rc = seeds.main(
+        [
+            "--out",
+            str(out),
+            "--work",
+            str(tmp_path / "work"),
+            "--n-train",
+            "512",
+            "--workers",
+            "0",
+            "--cached-workers",
+            "0",
+            "--warmup",
+            "1",
+            "--steps",
+            "2",
+            "--batch-size",
+            "64",
+            "--repeats",
+            "1",
+            "--device",
+            "cpu",
+            "--parts",
+            "raw-augment,cached-gpu-augment",
+        ]
+    )
     assert rc == 0
     summary = json.loads((out / "seeds.json").read_text())
     assert set(summary["parts"]) == {"raw-augment", "cached-gpu-augment"} and not summary["skipped"]

@@ -12,8 +12,14 @@ import torch
 from dlstore.bench.endtoend import RunSpec, plan_runs, rotated
 from dlstore.bench.models import SMALLCNN_SEED_PARAMS, SmallCNN, build_model, count_parameters
 from dlstore.bench.protocol import default_worker_counts, parse_int_list
-from dlstore.bench.stages import (BatchStream, eviction_worked, evict_files, measure_h2d, measure_read,
-                                  resident_fraction)
+from dlstore.bench.stages import (
+    BatchStream,
+    evict_files,
+    eviction_worked,
+    measure_h2d,
+    measure_read,
+    resident_fraction,
+)
 
 
 def fs_type(path: Path) -> str:
@@ -54,7 +60,9 @@ def test_eviction_is_reported_failed_for_pages_a_live_mapping_holds(tmp_path: Pa
 
 
 @needs_mincore
-@pytest.mark.skipif(not Path("/dev/shm").is_dir() or fs_type(Path("/dev/shm")) != "tmpfs", reason="no tmpfs /dev/shm")
+@pytest.mark.skipif(
+    not Path("/dev/shm").is_dir() or fs_type(Path("/dev/shm")) != "tmpfs", reason="no tmpfs /dev/shm"
+)
 def test_eviction_is_reported_failed_on_tmpfs() -> None:
     f = write(Path("/dev/shm") / f"dlstore-evict-{os.getpid()}.bin", 1 << 20)
     try:

@@ -19,13 +19,22 @@ CPU = torch.device("cpu")
 
 
 def run(loader: str, workers: int, rate: float, pin: bool = False, warmup_s: float = 1.0) -> dict[str, Any]:
-    return {"loader": loader, "workers": workers, "pin_memory": pin, "img_per_s": rate, "img_per_s_min": rate,
-            "img_per_s_max": rate, "warmup_s": warmup_s,
-            "wait": {"sum_over_wall": 0.1, "p95_ms": 1.0, "mean_ms": 0.5, "median_ms": 0.2}}
+    return {
+        "loader": loader,
+        "workers": workers,
+        "pin_memory": pin,
+        "img_per_s": rate,
+        "img_per_s_min": rate,
+        "img_per_s_max": rate,
+        "warmup_s": warmup_s,
+        "wait": {"sum_over_wall": 0.1, "p95_ms": 1.0, "mean_ms": 0.5, "median_ms": 0.2},
+    }
 
 
 def facts(device: str = "cuda", **kw: Any) -> Facts:
-    return Facts(device=device, device_label=device, batch_size=32, warmup_steps=4, pin_default=device == "cuda", **kw)
+    return Facts(
+        device=device, device_label=device, batch_size=32, warmup_steps=4, pin_default=device == "cuda", **kw
+    )
 
 
 @pytest.mark.parametrize("slow", STAGES)
@@ -44,6 +53,7 @@ def test_predict_skips_stages_that_do_not_apply_and_adds_serial_work() -> None:
 
 # --- stages of known cost, measured ------------------------------------------------------------------
 
+
 class SleepyDataset(Dataset):
     """Costs ``seconds`` per image in __getitem__: a decode of known cost."""
 
@@ -61,6 +71,7 @@ class SleepyDataset(Dataset):
 def sleepy_step(seconds_per_batch: float) -> Any:
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         time.sleep(seconds_per_batch)
+
     return step
 
 
@@ -76,30 +87,50 @@ def measured_stages(decode_s: float, step_s: float, read_s_per_mb: float, tmp_pa
         n = sum(p.stat().st_size for p in paths)
         time.sleep(read_s_per_mb * n / 1e6)
         return n
-    read = measure_read("fake", files, n_images=64, reader=slow_reader,
-                        evict=lambda paths: {"resident_after": 0.0})
-    transform = measure_transform("fake", lambda w: DataLoader(SleepyDataset(64, decode_s), batch_size=8),
-                                  [0], warmup=1, steps=3)
-    compute = measure_compute("fake", sleepy_step(step_s), (8, 3, 4, 4), torch.float32, 2, CPU, warmup=1, steps=3)
-    return KindStages(read=read.img_per_s, transform_by_workers={0: transform.img_per_s}, compute=compute.img_per_s,
-                      h2d_pinned=None)
+
+    read = measure_read(
+        "fake", files, n_images=64, reader=slow_reader, evict=lambda paths: {"resident_after": 0.0}
+    )
+    transform = measure_transform(
+        "fake", lambda w: DataLoader(SleepyDataset(64, decode_s), batch_size=8), [0], warmup=1, steps=3
+    )
+    compute = measure_compute(
+        "fake", sleepy_step(step_s), (8, 3, 4, 4), torch.float32, 2, CPU, warmup=1, steps=3
+    )
+    return KindStages(
+        read=read.img_per_s,
+        transform_by_workers={0: transform.img_per_s},
+        compute=compute.img_per_s,
+        h2d_pinned=None,
+    )
 
 
-@pytest.mark.parametrize(("decode_s", "step_s", "read_s_per_mb", "expected"), [
-    (0.004, 0.002, 0.0, "transform"),   # decode-heavy: 250 img/s vs 4,000 img/s step
-    (0.0002, 0.040, 0.0, "compute"),    # compute-heavy: 200 img/s step vs 5,000 img/s decode
-    (0.0002, 0.002, 0.5, "read"),       # read-heavy: 16 kB per image at 2 MB/s → 125 img/s
-])
-def test_measured_fakes_name_the_bottleneck(tmp_path: Path, decode_s: float, step_s: float, read_s_per_mb: float,
-                                            expected: str) -> None:
+@pytest.mark.parametrize(
+    ("decode_s", "step_s", "read_s_per_mb", "expected"),
+    [
+        (0.004, 0.002, 0.0, "transform"),  # decode-heavy: 250 img/s vs 4,000 img/s step
+        (0.0002, 0.040, 0.0, "compute"),  # compute-heavy: 200 img/s step vs 5,000 img/s decode
+        (0.0002, 0.002, 0.5, "read"),  # read-heavy: 16 kB per image at 2 MB/s → 125 img/s
+    ],
+)
+def test_measured_fakes_name_the_bottleneck(
+    tmp_path: Path, decode_s: float, step_s: float, read_s_per_mb: float, expected: str
+) -> None:
     ks = measured_stages(decode_s, step_s, read_s_per_mb, tmp_path)
     _, bottleneck = predict(ks.rates(0, False))
     assert bottleneck == expected
 
 
 def test_h2d_bound_configuration_is_named_and_advised() -> None:
-    stages = {"raw": KindStages(read=1e6, transform_by_workers={4: 50_000.0}, h2d_pinned=2_000.0,
-                                h2d_pageable=900.0, compute=40_000.0)}
+    stages = {
+        "raw": KindStages(
+            read=1e6,
+            transform_by_workers={4: 50_000.0},
+            h2d_pinned=2_000.0,
+            h2d_pageable=900.0,
+            compute=40_000.0,
+        )
+    }
     runs = [run("raw", 4, 1_900.0, pin=True), run("raw", 4, 850.0, pin=False)]
     out = analyse(stages, runs, {}, facts())
     assert runs[0]["bottleneck"] == "h2d" and runs[1]["bottleneck"] == "h2d"
@@ -110,6 +141,7 @@ def test_h2d_bound_configuration_is_named_and_advised() -> None:
 
 # --- analysis -----------------------------------------------------------------------------------------
 
+
 def test_knee_is_smallest_within_five_percent_and_hurts_are_reported() -> None:
     sweep = [run("raw", 0, 400), run("raw", 2, 960), run("raw", 4, 1000), run("raw", 8, 700)]
     k = knee(sweep)
@@ -118,26 +150,48 @@ def test_knee_is_smallest_within_five_percent_and_hurts_are_reported() -> None:
 
 
 def test_gpu_limit_says_nothing_needs_to_change() -> None:
-    stages = {"ram": KindStages(read=None, transform_by_workers={0: 90_000.0, 2: 120_000.0}, h2d_pinned=80_000.0,
-                                compute=5_000.0)}
+    stages = {
+        "ram": KindStages(
+            read=None, transform_by_workers={0: 90_000.0, 2: 120_000.0}, h2d_pinned=80_000.0, compute=5_000.0
+        )
+    }
     runs = [run("ram", 0, 4_900.0, pin=True), run("ram", 2, 4_950.0, pin=True)]
     out = analyse(stages, runs, {}, facts())
     assert out["best"]["bottleneck"] == "compute"
-    assert any("GPU is the limit" in r and "nothing in the input pipeline" in r for r in out["recommendations"])
+    assert any(
+        "GPU is the limit" in r and "nothing in the input pipeline" in r for r in out["recommendations"]
+    )
 
 
 def test_cache_advice_names_the_best_format_and_the_rate_to_expect() -> None:
-    stages = {"raw": KindStages(read=50_000.0, transform_by_workers={0: 500.0, 4: 1_800.0}, h2d_pinned=60_000.0,
-                                compute=20_000.0),
-              "ram": KindStages(read=None, transform_by_workers={0: 30_000.0, 4: 60_000.0}, h2d_pinned=60_000.0,
-                                compute=20_000.0),
-              "zarr": KindStages(read=90_000.0, transform_by_workers={0: 2_000.0, 4: 6_000.0}, h2d_pinned=60_000.0,
-                                 compute=20_000.0)}
-    runs = [run("raw", 0, 480, True), run("raw", 4, 1_700, True), run("ram", 0, 19_000, True),
-            run("ram", 4, 18_500, True), run("zarr", 0, 1_900, True), run("zarr", 4, 5_500, True)]
+    stages = {
+        "raw": KindStages(
+            read=50_000.0, transform_by_workers={0: 500.0, 4: 1_800.0}, h2d_pinned=60_000.0, compute=20_000.0
+        ),
+        "ram": KindStages(
+            read=None, transform_by_workers={0: 30_000.0, 4: 60_000.0}, h2d_pinned=60_000.0, compute=20_000.0
+        ),
+        "zarr": KindStages(
+            read=90_000.0,
+            transform_by_workers={0: 2_000.0, 4: 6_000.0},
+            h2d_pinned=60_000.0,
+            compute=20_000.0,
+        ),
+    }
+    runs = [
+        run("raw", 0, 480, True),
+        run("raw", 4, 1_700, True),
+        run("ram", 0, 19_000, True),
+        run("ram", 4, 18_500, True),
+        run("zarr", 0, 1_900, True),
+        run("zarr", 4, 5_500, True),
+    ]
     out = analyse(stages, runs, {}, facts(size=64, cache_bytes={"ram": 10_000_000, "zarr": 4_000_000}))
     assert {r["loader"]: r["bottleneck"] for r in runs if r["workers"] == 4} == {
-        "raw": "transform", "ram": "compute", "zarr": "transform"}
+        "raw": "transform",
+        "ram": "compute",
+        "zarr": "transform",
+    }
     advice = [r for r in out["recommendations"] if r.startswith("Convert once")]
     assert advice and "--format ram" in advice[0] and "--size 64" in advice[0] and "20,000" in advice[0]
     assert "raw" in out["verdict"] and "ram" in out["verdict"]

@@ -16,7 +16,9 @@ def env(bench_env: Path) -> Path:
 
 
 def tiny(**kw: object) -> BenchConfig:
-    base = dict(demo_images=40, batch_size=8, steps=4, warmup=2, repeats=1, stage_steps=3, workers=(0,), cold=False)
+    base = dict(
+        demo_images=40, batch_size=8, steps=4, warmup=2, repeats=1, stage_steps=3, workers=(0,), cold=False
+    )
     return BenchConfig(**{**base, **kw})  # type: ignore[arg-type]
 
 
@@ -45,8 +47,11 @@ def test_cache_lifts_a_decode_bound_raw_loader() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs CUDA")
 def test_cuda_run_measures_copy_pin_and_device_time() -> None:
-    doc = run_bench(tiny(formats=("raw", "ram"), workers=(0, 2), transform="gpu-augment", size=32, device="cuda",
-                         cold=True))
+    doc = run_bench(
+        tiny(
+            formats=("raw", "ram"), workers=(0, 2), transform="gpu-augment", size=32, device="cuda", cold=True
+        )
+    )
     assert doc["environment"]["gpu"]["name"]
     for kind, stage in doc["stages"].items():
         assert stage["h2d"] and stage["h2d_pageable"] and "cuda" in stage["compute_label"], kind

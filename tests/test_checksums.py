@@ -10,18 +10,24 @@ import dlstore.checksums as checksums
 from dlstore import convert, verify
 
 
-def test_ranged_checksums_locate_damage(image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ranged_checksums_locate_damage(
+    image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(checksums, "RANGE_BYTES", 4096)
     dest = tmp_path / "c"
     convert(image_tree, dest, format="ram", size=16, workers=1)
-    spec_keys = [k for k in checksums.checksum_tree(dest, exclude=("dlstore.json",)) if k.startswith("images.npy@")]
+    spec_keys = [
+        k for k in checksums.checksum_tree(dest, exclude=("dlstore.json",)) if k.startswith("images.npy@")
+    ]
     assert len(spec_keys) > 2
     assert verify(dest).ok
     data = bytearray((dest / "images.npy").read_bytes())
     data[5000] ^= 0xFF
     (dest / "images.npy").write_bytes(bytes(data))
     result = verify(dest)
-    assert not result.ok and "images.npy" in result.first_problem and "bytes 4096..8192" in result.first_problem
+    assert (
+        not result.ok and "images.npy" in result.first_problem and "bytes 4096..8192" in result.first_problem
+    )
 
 
 def test_split_key_roundtrip() -> None:

@@ -13,12 +13,14 @@ from click.testing import CliRunner
 from dlstore.cli import main
 
 
-def run(*args: str) -> "object":
+def run(*args: str) -> object:
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
 def test_convert_json_is_one_document(image_tree: Path, tmp_path: Path) -> None:
-    res = run("convert", image_tree, tmp_path / "c", "--format", "zarr", "--size", "12", "--workers", "2", "--json")
+    res = run(
+        "convert", image_tree, tmp_path / "c", "--format", "zarr", "--size", "12", "--workers", "2", "--json"
+    )
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)  # raises if stdout holds anything but one JSON document
     assert doc["format"] == "zarr" and doc["n"] > 0 and doc["shape"] == [12, 12, 3]
@@ -66,13 +68,21 @@ def test_installed_entry_point_and_no_top_level_cli(tmp_path: Path) -> None:
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True, cwd=tmp_path)
     assert "convert" in out.stdout
     probe = "import importlib.util as u; print(u.find_spec('cli'), u.find_spec('dlstore.cli').origin)"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ""},
+    )
     none, origin = out.stdout.split()
     assert none == "None" and origin.endswith(os.path.join("cli", "__init__.py"))
 
 
 def test_help_does_not_import_torch(tmp_path: Path) -> None:
     probe = "import sys; from dlstore.cli import main; print('torch' in sys.modules, 'zarr' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path
+    )
     assert out.stdout.split() == ["False", "False"]

@@ -30,7 +30,7 @@ def expected(ds: CachedDataset) -> tuple[torch.Tensor, torch.Tensor]:
 
 def test_item_contract(caches: dict[str, Path], image_tree: Path) -> None:
     folder = ImageFolder(str(image_tree))
-    for fmt, path in caches.items():
+    for path in caches.values():
         ds = CachedDataset(path)
         img, label = ds[0]
         assert img.dtype == torch.uint8 and img.shape == (3, 16, 16) and img.is_contiguous()
@@ -42,7 +42,7 @@ def test_item_contract(caches: dict[str, Path], image_tree: Path) -> None:
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_pickle_is_small(caches: dict[str, Path], fmt: str) -> None:
-    for in_memory in ([False, True] if fmt == "ram" else [False]):
+    for in_memory in [False, True] if fmt == "ram" else [False]:
         ds = CachedDataset(caches[fmt], in_memory=in_memory)
         ds[0]  # open storage first: the pickle must still carry no pixels
         blob = pickle.dumps(ds)
@@ -57,8 +57,9 @@ def test_dataloader_epoch(caches: dict[str, Path], fmt: str, workers: int, ctx: 
     ds = CachedDataset(caches[fmt], in_memory=fmt == "ram")
     ref_x, ref_y = expected(ds)  # parent reads first: workers must still open their own handles
     g = torch.Generator().manual_seed(0)
-    loader = DataLoader(ds, batch_size=5, shuffle=True, generator=g, num_workers=workers,
-                        multiprocessing_context=ctx)
+    loader = DataLoader(
+        ds, batch_size=5, shuffle=True, generator=g, num_workers=workers, multiprocessing_context=ctx
+    )
     seen = []
     for x, y in loader:
         assert x.dtype == torch.uint8 and x.shape[1:] == (3, 16, 16)

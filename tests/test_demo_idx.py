@@ -199,7 +199,9 @@ def test_idx_size_mismatch_errors(tmp_path: Path) -> None:
     write_idx(path, np.zeros((4, 28, 28), np.uint8))
     full = path.read_bytes()
     path.write_bytes(full[:-1])
-    with pytest.raises(ValueError, match=rf"imgs-idx3-ubyte.*expected {len(full)} bytes, found {len(full) - 1}"):
+    with pytest.raises(
+        ValueError, match=rf"imgs-idx3-ubyte.*expected {len(full)} bytes, found {len(full) - 1}"
+    ):
         read_idx(path)
     path.write_bytes(full + b"\0")
     with pytest.raises(ValueError, match=rf"expected {len(full)} bytes, found {len(full) + 1}"):

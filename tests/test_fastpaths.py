@@ -24,8 +24,14 @@ def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     n = 97
     data = rng.integers(0, 256, (n, 6, 6, 3), dtype=np.uint8)
     data[:, 0, 0, 0], data[:, 0, 0, 1] = np.arange(n) % 256, np.arange(n) // 256
-    src = ArraySource(description="t", classes=("a", "b", "c"), names=[str(i) for i in range(n)],
-                      labels=rng.integers(0, 3, n), kind="test", data=data)
+    src = ArraySource(
+        description="t",
+        classes=("a", "b", "c"),
+        names=[str(i) for i in range(n)],
+        labels=rng.integers(0, 3, n),
+        kind="test",
+        data=data,
+    )
     base = tmp_path_factory.mktemp("fast")
     for fmt in FORMATS:
         convert(src, base / fmt, format=fmt, size=6, resize="stretch", workers=1)
@@ -53,7 +59,9 @@ def check_epoch(batches: list[tuple[torch.Tensor, torch.Tensor]], path: Path, ex
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("order", ["auto", "random", "sequential"])
 def test_pinned_loader_matches_plain_reads(caches: dict[str, Path], fmt: str, order: str) -> None:
-    loader = PinnedLoader(caches[fmt], batch_size=10, device="cpu", order=order, drop_last=False, num_buffers=2)
+    loader = PinnedLoader(
+        caches[fmt], batch_size=10, device="cpu", order=order, drop_last=False, num_buffers=2
+    )
     for _ in range(2):
         check_epoch(list(loader), caches[fmt], expect_all=True)
 
@@ -99,8 +107,9 @@ def test_resident_loader(caches: dict[str, Path], fmt: str) -> None:
 
 @pytest.mark.parametrize("workers,ctx", [(0, None), (2, "fork"), (2, "spawn")])
 def test_batch_dataloader(caches: dict[str, Path], workers: int, ctx: str | None) -> None:
-    loader = batch_dataloader(caches["npz"], batch_size=9, num_workers=workers, drop_last=False,
-                              multiprocessing_context=ctx)
+    loader = batch_dataloader(
+        caches["npz"], batch_size=9, num_workers=workers, drop_last=False, multiprocessing_context=ctx
+    )
     check_epoch(list(loader), caches["npz"], expect_all=True)
 
 
@@ -113,15 +122,17 @@ def test_chunk_sampler_decodes_each_unit_once(caches: dict[str, Path]) -> None:
     sampler = ChunkSampler(cache.positions, reader.unit, window=2, seed=3)
     order = list(sampler)
     for i in range(0, len(order), 8):
-        cache.read(order[i:i + 8])
+        cache.read(order[i : i + 8])
     assert sorted(loads) == sorted(set(loads))  # no unit decoded twice in an epoch
 
 
 @pytest.mark.parametrize("replicas", [1, 2, 3])
 def test_chunk_sampler_epoch_contract(replicas: int) -> None:
     positions = np.random.default_rng(0).permutation(100)
-    per_rank = [list(ChunkSampler(positions, 7, window=3, seed=5, num_replicas=replicas, rank=r))
-                for r in range(replicas)]
+    per_rank = [
+        list(ChunkSampler(positions, 7, window=3, seed=5, num_replicas=replicas, rank=r))
+        for r in range(replicas)
+    ]
     assert len({len(p) for p in per_rank}) == 1
     union = sum(per_rank, [])
     assert set(union) == set(range(100)) and len(union) - 100 < replicas  # only DistributedSampler padding

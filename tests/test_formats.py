@@ -17,8 +17,14 @@ from dlstore.imageops import decode_file
 from dlstore.sources import ArraySource
 from dlstore.spec import ImagePolicy
 
-FORMAT_CASES = [("ram", {}), ("npz", {}), ("npz", {"compress": True}), ("zarr", {}), ("zarr", {"codec": "lz4"}),
-                ("zarr", {"codec": "none"})]
+FORMAT_CASES = [
+    ("ram", {}),
+    ("npz", {}),
+    ("npz", {"compress": True}),
+    ("zarr", {}),
+    ("zarr", {"codec": "lz4"}),
+    ("zarr", {"codec": "none"}),
+]
 
 
 @pytest.fixture(scope="module")
@@ -84,8 +90,14 @@ def test_roundtrip_property(tmp_path: Path, fmt: str, opts: dict, data: st.DataO
     rng = np.random.default_rng(seed)
     arrays = rng.integers(0, 256, (n, side, side, channels), dtype=np.uint8)
     labels = rng.integers(0, 3, n)
-    src = ArraySource(description="arrays", classes=("a", "b", "c"), names=[str(i) for i in range(n)],
-                      labels=labels, kind="test", data=arrays)
+    src = ArraySource(
+        description="arrays",
+        classes=("a", "b", "c"),
+        names=[str(i) for i in range(n)],
+        labels=labels,
+        kind="test",
+        data=arrays,
+    )
     dest = Path(tempfile.mkdtemp(dir=tmp_path)) / "cache"
     convert(src, dest, format=fmt, size=side, resize="stretch", channels=channels, workers=1, **opts)
     cache = open_cache(dest)
@@ -99,7 +111,9 @@ def test_storage_order_is_shuffled_but_indices_follow_the_source(image_tree: Pat
     assert not np.array_equal(shuffled.positions, np.arange(len(shuffled)))
     np.testing.assert_array_equal(source.positions, np.arange(len(source)))
     np.testing.assert_array_equal(shuffled.labels, source.labels)
-    np.testing.assert_array_equal(shuffled.read(np.arange(len(shuffled))), source.read(np.arange(len(source))))
+    np.testing.assert_array_equal(
+        shuffled.read(np.arange(len(shuffled))), source.read(np.arange(len(source)))
+    )
 
 
 def caches_for_order(image_tree: Path, tmp_path: Path, order: str) -> list[Path]:

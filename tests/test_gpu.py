@@ -23,8 +23,14 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     n = 300
     data = rng.integers(0, 256, (n, 32, 32, 3), dtype=np.uint8)
     data[:, 0, 0, 0], data[:, 0, 0, 1] = np.arange(n) % 256, np.arange(n) // 256
-    src = ArraySource(description="t", classes=("a", "b"), names=[str(i) for i in range(n)],
-                      labels=rng.integers(0, 2, n), kind="test", data=data)
+    src = ArraySource(
+        description="t",
+        classes=("a", "b"),
+        names=[str(i) for i in range(n)],
+        labels=rng.integers(0, 2, n),
+        kind="test",
+        data=data,
+    )
     dest = tmp_path_factory.mktemp("gpu") / "zarr"
     convert(src, dest, format="zarr", size=32, resize="stretch", workers=1)
     return dest
@@ -76,9 +82,11 @@ def test_gpu_augment_matches_cpu(cache_dir: Path) -> None:
 
 def test_resident_cuda_graph_matches_eager(cache_dir: Path) -> None:
     aug = GpuAugment(24, degrees=10).cuda()
-    graphed = ResidentLoader(cache_dir, batch_size=32, device="cuda", transform=aug, cuda_graph=True, shuffle=False)
+    graphed = ResidentLoader(
+        cache_dir, batch_size=32, device="cuda", transform=aug, cuda_graph=True, shuffle=False
+    )
     eager = ResidentLoader(cache_dir, batch_size=32, device="cuda", shuffle=False)
-    for (gx, gy), (ex, ey) in zip(graphed, eager):
+    for (gx, gy), (_, ey) in zip(graphed, eager):
         assert gx.shape == (32, 3, 24, 24) and torch.equal(gy, ey)
         assert gx.abs().sum() > 0  # the replay wrote the output
     torch.manual_seed(0)

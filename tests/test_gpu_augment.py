@@ -104,7 +104,9 @@ def test_crop_distribution_matches_torchvision(
     assert ks < KS_C * math.sqrt((n + m) / (n * m)), (feature, ks)
 
 
-def test_crop_fallback_rate_matches_torchvision(crop_samples: tuple[int, int, np.ndarray, np.ndarray]) -> None:
+def test_crop_fallback_rate_matches_torchvision(
+    crop_samples: tuple[int, int, np.ndarray, np.ndarray],
+) -> None:
     height, width, ref, ours = crop_samples
     expected = GpuAugment(8, scale=(5.0, 6.0))._fallback_crop(height, width)
     p_ref = np.mean((ref == expected).all(axis=1))
@@ -124,7 +126,9 @@ def test_fallback_is_torchvision_central_crop(height: int, width: int) -> None:
 
     # An unreachable scale range makes all 10 attempts fail in both.
     scale, ratio = (5.0, 6.0), (3 / 4, 4 / 3)
-    expected = transforms.RandomResizedCrop.get_params(torch.empty(1, height, width), list(scale), list(ratio))
+    expected = transforms.RandomResizedCrop.get_params(
+        torch.empty(1, height, width), list(scale), list(ratio)
+    )
     p = GpuAugment(8, scale=scale, ratio=ratio, generator=_gen(0)).sample_params(16, height, width, "cpu")
     for field, value in zip(("top", "left", "height", "width"), expected):
         assert (getattr(p, field) == value).all(), (field, getattr(p, field)[:4], value)
@@ -142,7 +146,9 @@ def test_flip_probability() -> None:
 
 def test_angles_uniform() -> None:
     d = 15.0
-    angle = GpuAugment(16, degrees=d, generator=_gen(6)).sample_params(N, 32, 32, "cpu").angle.double().numpy()
+    angle = (
+        GpuAugment(16, degrees=d, generator=_gen(6)).sample_params(N, 32, 32, "cpu").angle.double().numpy()
+    )
     assert angle.min() >= -d and angle.max() <= d
     # One-sample KS against U(-d, d).
     x = np.sort(angle)
@@ -192,7 +198,9 @@ def test_forced_flip() -> None:
     torch.testing.assert_close(out, x.flip(-1).float() / 255, atol=1e-6, rtol=0)
 
 
-def _params(b: int, top: int, left: int, h: int, w: int, flip: bool = False, angle: float = 0.0) -> AugmentParams:
+def _params(
+    b: int, top: int, left: int, h: int, w: int, flip: bool = False, angle: float = 0.0
+) -> AugmentParams:
     full = lambda v, dt: torch.full((b,), v, dtype=dt)  # noqa: E731
     return AugmentParams(
         top=full(top, torch.int64), left=full(left, torch.int64),

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from imagegen import ORIENT_TAG, jpeg_bytes, smooth_rgb
 from PIL import Image, ImageOps
 from torchvision import transforms
 
-from imagegen import ORIENT_TAG, jpeg_bytes, smooth_rgb
 from dlstore.errors import ImageDecodeError
 from dlstore.imageops import decode_file
 from dlstore.spec import ImagePolicy
@@ -86,8 +86,16 @@ def test_exif_orientation_is_applied(tmp_path: Path, orientation: int) -> None:
     upright = smooth_rgb(np.random.default_rng(orientation), 40, 60)
     upright[:10, :10] = 255  # a marker in the top-left corner
     # Store pixels so that applying the orientation tag gives back `upright`.
-    inverse = {1: None, 2: Image.FLIP_LEFT_RIGHT, 3: Image.ROTATE_180, 4: Image.FLIP_TOP_BOTTOM,
-               5: Image.TRANSPOSE, 6: Image.ROTATE_90, 7: Image.TRANSVERSE, 8: Image.ROTATE_270}[orientation]
+    inverse = {
+        1: None,
+        2: Image.FLIP_LEFT_RIGHT,
+        3: Image.ROTATE_180,
+        4: Image.FLIP_TOP_BOTTOM,
+        5: Image.TRANSPOSE,
+        6: Image.ROTATE_90,
+        7: Image.TRANSVERSE,
+        8: Image.ROTATE_270,
+    }[orientation]
     stored = Image.fromarray(upright)
     stored = stored if inverse is None else stored.transpose(inverse)
     exif = Image.Exif()
@@ -105,8 +113,8 @@ def test_exif_orientation_is_applied(tmp_path: Path, orientation: int) -> None:
 def test_alpha_is_composited_on_white(tmp_path: Path) -> None:
     arr = np.zeros((8, 8, 4), np.uint8)
     arr[..., 0] = 200
-    arr[:, :4, 3] = 0      # fully transparent half → background
-    arr[:, 4:, 3] = 255    # opaque half → the colour
+    arr[:, :4, 3] = 0  # fully transparent half → background
+    arr[:, 4:, 3] = 255  # opaque half → the colour
     path = tmp_path / "a.png"
     Image.fromarray(arr, "RGBA").save(path)
     got = decode_file(path, ImagePolicy(size=8, resize="stretch"))
@@ -153,7 +161,6 @@ def test_bad_files_raise_naming_the_file(tmp_path: Path, content: bytes) -> None
 
 
 def test_truncated_jpeg_raises(tmp_path: Path) -> None:
-
 
     data = jpeg_bytes(smooth_rgb(np.random.default_rng(0), 64, 64))
     path = tmp_path / "t.jpg"

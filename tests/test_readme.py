@@ -22,8 +22,12 @@ def test_readme_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DLSTORE_DEMO_DIR", str(tmp_path / "demo"))
     monkeypatch.setenv("DLSTORE_BENCH_CACHE", str(tmp_path / "bench-cache"))
-    commands = [line[2:] for block in blocks("console") for line in block.splitlines() if line.startswith("$ ")]
-    assert any(c.startswith("dlstore convert") for c in commands) and any(c.startswith("dlstore bench") for c in commands)
+    commands = [
+        line[2:] for block in blocks("console") for line in block.splitlines() if line.startswith("$ ")
+    ]
+    assert any(c.startswith("dlstore convert") for c in commands) and any(
+        c.startswith("dlstore bench") for c in commands
+    )
     for command in commands:
         args = shlex.split(command)
         assert args[0] == "dlstore"

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -24,19 +23,26 @@ import pytest
 import torch
 from click.testing import CliRunner
 from PIL import Image
+from reliability_helpers import image_bytes, make_tree, small_units
 
 import dlstore.imageops as imageops
 from dlstore.cache import open_cache
 from dlstore.cli import main
 from dlstore.conversion import convert
 from dlstore.dataset import CachedDataset
-from dlstore.errors import (CacheNotFoundError, ConvertError, ImageDecodeError, SampleReadError, SourceError,
-                            StaleCacheError, StaleCacheWarning)
+from dlstore.errors import (
+    CacheNotFoundError,
+    ConvertError,
+    ImageDecodeError,
+    SampleReadError,
+    SourceError,
+    StaleCacheError,
+    StaleCacheWarning,
+)
 from dlstore.imageops import DECODE_ERRORS, decode_file
 from dlstore.sources import scan_folder
 from dlstore.spec import ImagePolicy, read_spec
 from dlstore.verification import skipped_problems, verify
-from reliability_helpers import image_bytes, make_tree, small_units
 
 POLICY = ImagePolicy(size=8)
 
@@ -52,6 +58,7 @@ def rgb(seed: int = 0, h: int = 40, w: int = 50) -> np.ndarray:
 
 
 # --- B. stale caches ---------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def built(tmp_path: Path) -> tuple[Path, Path]:
@@ -73,12 +80,17 @@ def test_b_fresh_cache_is_not_stale(built: tuple[Path, Path]) -> None:
     assert stale_message(built[1]) == "" and verify(built[1]).ok
 
 
-@pytest.mark.parametrize("edit,expect", [
-    ("modify", "a/img001.png (size/mtime changed"),
-    ("add", "a/img000b.png (added)"),
-    ("remove", "b/img002.jpg (removed)"),
-])
-def test_b1_changed_source_warns_on_open_and_fails_verify(built: tuple[Path, Path], edit: str, expect: str) -> None:
+@pytest.mark.parametrize(
+    "edit,expect",
+    [
+        ("modify", "a/img001.png (size/mtime changed"),
+        ("add", "a/img000b.png (added)"),
+        ("remove", "b/img002.jpg (removed)"),
+    ],
+)
+def test_b1_changed_source_warns_on_open_and_fails_verify(
+    built: tuple[Path, Path], edit: str, expect: str
+) -> None:
     src, dest = built
     if edit == "modify":
         f = src / "a" / "img001.png"
@@ -139,15 +151,21 @@ def test_b3_moved_root_resumes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     small_units(monkeypatch, 3)
     src = make_tree(tmp_path / "src", per_class=4)
     real = RamWriter.write_unit
-    monkeypatch.setattr(RamWriter, "write_unit", lambda self, k, a: (_ for _ in ()).throw(KeyError()) if k == 1
-                        else real(self, k, a))
+    monkeypatch.setattr(
+        RamWriter,
+        "write_unit",
+        lambda self, k, a: (_ for _ in ()).throw(KeyError()) if k == 1 else real(self, k, a),
+    )
     with pytest.raises(KeyError):
         conv(src, tmp_path / "c")
     monkeypatch.setattr(RamWriter, "write_unit", real)
-    assert conv(src.rename(tmp_path / "moved"), tmp_path / "c").resumed_units == 1  # fingerprint: relative names
+    assert (
+        conv(src.rename(tmp_path / "moved"), tmp_path / "c").resumed_units == 1
+    )  # fingerprint: relative names
 
 
 # --- C. bad inputs -------------------------------------------------------------------------------------
+
 
 def write(path: Path, data: bytes) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -161,21 +179,24 @@ JPEG = image_bytes(rgb(), "JPEG", quality=90)
 
 def png_with_bad_idat_crc() -> bytes:
     i = PNG.index(b"IDAT")
-    n = int.from_bytes(PNG[i - 4:i], "big")
+    n = int.from_bytes(PNG[i - 4 : i], "big")
     crc_at = i + 4 + n
-    return PNG[:crc_at] + bytes(b ^ 0xFF for b in PNG[crc_at:crc_at + 4]) + PNG[crc_at + 4:]
+    return PNG[:crc_at] + bytes(b ^ 0xFF for b in PNG[crc_at : crc_at + 4]) + PNG[crc_at + 4 :]
 
 
-@pytest.mark.parametrize("name,data", [
-    *[(f"jpeg_cut_{p}.jpg", JPEG[: max(1, len(JPEG) * p // 100)]) for p in (1, 50, 99)],
-    *[(f"png_cut_{p}.png", PNG[: max(1, len(PNG) * p // 100)]) for p in (1, 50, 99)],
-    ("png_bad_crc.png", png_with_bad_idat_crc()),
-    ("png_no_iend.png", PNG[:-12]),
-    ("empty.jpg", b""),
-    ("page.jpg", b"<!DOCTYPE html><html><body>404</body></html>"),
-    ("doc.jpg", b"%PDF-1.4\n1 0 obj <<>> endobj\n%%EOF\n"),
-    ("text.png", b"just some text\n" * 20),
-])
+@pytest.mark.parametrize(
+    "name,data",
+    [
+        *[(f"jpeg_cut_{p}.jpg", JPEG[: max(1, len(JPEG) * p // 100)]) for p in (1, 50, 99)],
+        *[(f"png_cut_{p}.png", PNG[: max(1, len(PNG) * p // 100)]) for p in (1, 50, 99)],
+        ("png_bad_crc.png", png_with_bad_idat_crc()),
+        ("png_no_iend.png", PNG[:-12]),
+        ("empty.jpg", b""),
+        ("page.jpg", b"<!DOCTYPE html><html><body>404</body></html>"),
+        ("doc.jpg", b"%PDF-1.4\n1 0 obj <<>> endobj\n%%EOF\n"),
+        ("text.png", b"just some text\n" * 20),
+    ],
+)
 def test_c1_c2_bad_files_raise_decode_error_naming_the_file(tmp_path: Path, name: str, data: bytes) -> None:
     path = write(tmp_path / name, data)
     with pytest.raises(ImageDecodeError) as e:
@@ -192,7 +213,9 @@ def test_c1_c2_skip_and_report_in_a_conversion(tmp_path: Path) -> None:
     write(src / "b" / "Thumbs.db", b"\xd0\xcf\x11\xe0")
     write(src / "b" / ".hidden" / "x.jpg", JPEG)
     write(src / ".git" / "y.jpg", JPEG)
-    res = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "c"), "--size", "8", "--workers", "2"])
+    res = CliRunner().invoke(
+        main, ["convert", str(src), str(tmp_path / "c"), "--size", "8", "--workers", "2"]
+    )
     assert res.exit_code == 0, res.output
     assert "skipped 3 undecodable images" in res.output
     skipped = json.loads((tmp_path / "c" / "skipped.json").read_text())
@@ -286,9 +309,14 @@ def test_c8_animation_reads_only_the_first_frame(tmp_path: Path, monkeypatch: py
 def png_claiming(width: int, height: int) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
     ihdr = width.to_bytes(4, "big") + height.to_bytes(4, "big") + bytes([8, 2, 0, 0, 0])
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+        + chunk(b"IEND", b"")
+    )
 
 
 @pytest.mark.parametrize("factor", [1.5, 4.0])
@@ -304,10 +332,12 @@ def test_c9_decompression_bombs_rejected_before_decoding(tmp_path: Path, factor:
 def test_c10_huge_jpeg_decodes_with_bounded_memory(tmp_path: Path) -> None:
     path = tmp_path / "huge.jpg"
     Image.new("RGB", (9000, 9000), (40, 120, 200)).save(path, quality=85)
-    probe = ("import resource, sys; from dlstore.imageops import decode_file; from dlstore.spec import ImagePolicy;"
-             "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
-             "out = decode_file(sys.argv[1], ImagePolicy(size=224));"
-             "print(out.shape, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)")
+    probe = (
+        "import resource, sys; from dlstore.imageops import decode_file; from dlstore.spec import ImagePolicy;"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
+        "out = decode_file(sys.argv[1], ImagePolicy(size=224));"
+        "print(out.shape, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)"
+    )
     out = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, check=True)
     shape, grew_mb = out.stdout.rsplit(" ", 1)
     assert shape == "(224, 224, 3)" and int(grew_mb) < 60  # a full decode would need 243 MB
@@ -352,7 +382,9 @@ def test_c11_per_file_timeout_skips_a_hanging_file(tmp_path: Path, monkeypatch: 
     assert "took longer than 0.5 s" in result.skipped[0]["reason"]
 
 
-def test_c11_worker_killed_by_a_crashing_decoder_is_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_c11_worker_killed_by_a_crashing_decoder_is_reported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import dlstore.sources as sources
 
     src = make_tree(tmp_path / "src", per_class=4)
@@ -370,15 +402,23 @@ def test_c11_worker_killed_by_a_crashing_decoder_is_reported(tmp_path: Path, mon
 
 
 @pytest.mark.parametrize("fmt", ["npz", "zarr"])
-def test_c12_corrupt_unit_in_a_dataloader_worker_names_path_and_index(tmp_path: Path, fmt: str,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_c12_corrupt_unit_in_a_dataloader_worker_names_path_and_index(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     small_units(monkeypatch, 4)
     conv(make_tree(tmp_path / "src", per_class=8), tmp_path / "c", fmt, storage_order="source")
-    bad = (sorted((tmp_path / "c" / "shards").iterdir())[2] if fmt == "npz"
-           else tmp_path / "c" / "images" / "c" / "2" / "0" / "0" / "0")
+    bad = (
+        sorted((tmp_path / "c" / "shards").iterdir())[2]
+        if fmt == "npz"
+        else tmp_path / "c" / "images" / "c" / "2" / "0" / "0" / "0"
+    )
     bad.write_bytes(b"garbage" * 10)
-    loader = torch.utils.data.DataLoader(CachedDataset(tmp_path / "c", check_source=False), batch_size=16,
-                                         num_workers=2, multiprocessing_context="fork")
+    loader = torch.utils.data.DataLoader(
+        CachedDataset(tmp_path / "c", check_source=False),
+        batch_size=16,
+        num_workers=2,
+        multiprocessing_context="fork",
+    )
     with pytest.raises(SampleReadError) as e:
         list(loader)
     msg = str(e.value)
@@ -407,8 +447,11 @@ def test_c13_fifo_is_reported_not_read(tmp_path: Path) -> None:
     assert dict(found.scan_errors)["a/pipe.jpg"].startswith("not a regular file")
     result = conv(src, tmp_path / "c")
     assert "could not be listed" in result.warnings[0]
-    assert {"index": None, "path": "a/pipe.jpg", "reason": "not a regular file (FIFO, device or socket)"} \
-        in json.loads((tmp_path / "c" / "skipped.json").read_text())
+    assert {
+        "index": None,
+        "path": "a/pipe.jpg",
+        "reason": "not a regular file (FIFO, device or socket)",
+    } in json.loads((tmp_path / "c" / "skipped.json").read_text())
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root reads everything")
@@ -451,8 +494,10 @@ def test_c16_empty_class_folder_and_sorted_classes(tmp_path: Path) -> None:
     (src / "empty").rmdir()
     conv(src, tmp_path / "c")
     assert read_spec(tmp_path / "c").classes == ("Alpha", "mid", "zeta")
-    labels = {n.split("/")[0]: int(lab) for n, _, _, lab in json.loads(
-        (tmp_path / "c" / "sources.json").read_text())["entries"]}
+    labels = {
+        n.split("/")[0]: int(lab)
+        for n, _, _, lab in json.loads((tmp_path / "c" / "sources.json").read_text())["entries"]
+    }
     assert labels == {"Alpha": 0, "mid": 1, "zeta": 2}
 
 
@@ -462,7 +507,9 @@ def test_c17_all_bad_aborts_and_nothing_is_complete(tmp_path: Path) -> None:
         write(src / "a" / f"{i}.jpg", b"not a jpeg")
     with pytest.raises(ConvertError) as e:
         conv(src, tmp_path / "c", max_bad=1.0)
-    assert "6 of 6 images could not be decoded" in str(e.value) and "nothing was marked complete" in str(e.value)
+    assert "6 of 6 images could not be decoded" in str(e.value) and "nothing was marked complete" in str(
+        e.value
+    )
     with pytest.raises(CacheNotFoundError):
         open_cache(tmp_path / "c")
 
@@ -473,9 +520,13 @@ def test_c17_max_bad_threshold(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     for i in range(4):
         write(src / "a" / f"img00{i}.jpg", b"broken")  # 4 of 20 bad = 0.2
     assert conv(src, tmp_path / "ok", max_bad=0.2).n_skipped == 4  # at the threshold: kept
-    with pytest.raises(ConvertError, match=r"more than --max-bad 0.1 .*stopped early|stopped early.*--max-bad 0.1"):
+    with pytest.raises(
+        ConvertError, match=r"more than --max-bad 0.1 .*stopped early|stopped early.*--max-bad 0.1"
+    ):
         conv(src, tmp_path / "no", max_bad=0.1)
     with pytest.raises(CacheNotFoundError):
         open_cache(tmp_path / "no")
-    res = CliRunner().invoke(main, ["convert", str(src), str(tmp_path / "cli"), "--size", "8", "--max-bad", "0"])
+    res = CliRunner().invoke(
+        main, ["convert", str(src), str(tmp_path / "cli"), "--size", "8", "--max-bad", "0"]
+    )
     assert res.exit_code == 1 and "--max-bad 0" in res.output

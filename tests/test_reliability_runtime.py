@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from reliability_helpers import FORMAT_NAMES, make_tree, read_all
 
 import dlstore.resources as resources
 from dlstore.cache import open_cache
@@ -24,7 +25,6 @@ from dlstore.dataset import CachedDataset
 from dlstore.errors import CacheCorruptError, CacheTooLargeError, DlstoreError, SharedMemoryError, SpecError
 from dlstore.spec import parse_relpath
 from dlstore.verification import verify
-from reliability_helpers import FORMAT_NAMES, make_tree, read_all
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,7 @@ def epoch(ds: CachedDataset, ctx: str, workers: int = 2) -> tuple[torch.Tensor, 
 
 # --- D1-D3 --------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_d1_fork_after_the_parent_read(caches: dict[str, Path], fmt: str) -> None:
     ds = CachedDataset(caches[fmt])
@@ -68,7 +69,9 @@ def test_d1_spawn_and_forkserver_after_the_parent_read(caches: dict[str, Path], 
 
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 @pytest.mark.parametrize("in_memory", [False, True])
-def test_d2_d3_pickle_is_small_and_handles_are_per_process(caches: dict[str, Path], fmt: str, in_memory: bool) -> None:
+def test_d2_d3_pickle_is_small_and_handles_are_per_process(
+    caches: dict[str, Path], fmt: str, in_memory: bool
+) -> None:
     ds = CachedDataset(caches[fmt], in_memory=in_memory and fmt == "ram")
     ds.read_batch([0, 1])
     blob = pickle.dumps(ds)
@@ -105,6 +108,7 @@ def test_d4_ram_cache_is_not_copied_into_forked_workers(tmp_path: Path) -> None:
 
 # --- D5 /dev/shm ---------------------------------------------------------------------------------------
 
+
 def test_d5_small_dev_shm_is_explained(caches: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(resources, "shm_free_bytes", lambda shm=resources.SHM: 64 << 10)
     with pytest.raises(SharedMemoryError) as e:
@@ -113,13 +117,16 @@ def test_d5_small_dev_shm_is_explained(caches: dict[str, Path], monkeypatch: pyt
     assert "/dev/shm has 0 MB free" in msg and "--shm-size" in msg and "--ipc=host" in msg
     monkeypatch.setattr(resources, "shm_free_bytes", lambda shm=resources.SHM: 1024)
     ds = CachedDataset(caches["npz"])
-    with pytest.raises(SharedMemoryError, match="--shm-size"):  # raised in a worker, shown in the main process
+    with pytest.raises(
+        SharedMemoryError, match="--shm-size"
+    ):  # raised in a worker, shown in the main process
         epoch(ds, "fork")
     monkeypatch.setattr(resources, "shm_free_bytes", lambda shm=resources.SHM: 1 << 40)
     resources.check_shared_memory(batch_bytes=1 << 20, num_workers=2)
 
 
 # --- D6 memory limit -------------------------------------------------------------------------------------
+
 
 def test_d6_cgroup_and_meminfo_are_read(tmp_path: Path) -> None:
     v2 = tmp_path / "v2"
@@ -139,9 +146,12 @@ def test_d6_cgroup_and_meminfo_are_read(tmp_path: Path) -> None:
     assert resources.available_memory(tmp_path / "v1", meminfo)[0] == 1_500_000_000
 
 
-def test_d6_ram_cache_larger_than_memory_is_refused_unless_mapped(caches: dict[str, Path],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(resources, "available_memory", lambda *a: (1000, "cgroup limit in /sys/fs/cgroup/memory.max"))
+def test_d6_ram_cache_larger_than_memory_is_refused_unless_mapped(
+    caches: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        resources, "available_memory", lambda *a: (1000, "cgroup limit in /sys/fs/cgroup/memory.max")
+    )
     need = read_all(caches["ram"])[0].nbytes
     with pytest.raises(CacheTooLargeError) as e:
         open_cache(caches["ram"], in_memory=True)
@@ -155,10 +165,12 @@ def test_d6_ram_cache_larger_than_memory_is_refused_unless_mapped(caches: dict[s
 
 # --- D7 killed worker ------------------------------------------------------------------------------------
 
+
 # A SIGKILLed worker leaves DataLoader's queue feeder thread failing on a closed pipe; pytest reports that
 # as a thread or unraisable exception whenever it is collected, which is torch's noise, not this test's.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning",
-                            "ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning", "ignore::pytest.PytestUnhandledThreadExceptionWarning"
+)
 def test_d7_killed_worker_is_reported_without_hanging(caches: dict[str, Path]) -> None:
     parent = os.getpid()
 
@@ -169,12 +181,15 @@ def test_d7_killed_worker_is_reported_without_hanging(caches: dict[str, Path]) -
 
     ds = CachedDataset(caches["ram"], transform=die_in_worker)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid.*(exited unexpectedly|killed by signal)"):
+    with pytest.raises(
+        RuntimeError, match=r"DataLoader worker \(pid.*(exited unexpectedly|killed by signal)"
+    ):
         epoch(ds, "fork")
     assert time.monotonic() - t0 < 30
 
 
 # --- E security --------------------------------------------------------------------------------------------
+
 
 def python_sources() -> list[Path]:
     return sorted(p for d in ("dlstore", "cli") for p in (REPO / d).rglob("*.py"))
@@ -204,17 +219,24 @@ def test_e1_object_array_payloads_fail_with_a_dlstore_error(caches: dict[str, Pa
         open_cache(cache, check_source=False)
 
 
-@pytest.mark.parametrize("mutate,expect", [
-    (lambda m: m["codecs"].append({"name": "pickle"}), "not allowed"),
-    (lambda m: m.update(codecs=[{"name": "bytes"}, {"name": "zstd"}, {"name": "numcodecs.pickle"}]), "not allowed"),
-    (lambda m: m.update(codecs=[{"name": "numcodecs.pickle"}]), "must start with 'bytes'"),
-    (lambda m: m.update(data_type="object"), "manifest says uint8"),
-    (lambda m: m.update(shape=[10**15, 16, 16, 3]), "manifest says uint8"),
-    (lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[10**9, 16, 16, 3]), "chunk shape"),
-    (lambda m: m.update(storage_transformers=[{"name": "x"}]), "storage transformers"),
-])
-def test_e3_zarr_metadata_refused_before_any_chunk_is_read(caches: dict[str, Path], tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch, mutate, expect) -> None:
+@pytest.mark.parametrize(
+    "mutate,expect",
+    [
+        (lambda m: m["codecs"].append({"name": "pickle"}), "not allowed"),
+        (
+            lambda m: m.update(codecs=[{"name": "bytes"}, {"name": "zstd"}, {"name": "numcodecs.pickle"}]),
+            "not allowed",
+        ),
+        (lambda m: m.update(codecs=[{"name": "numcodecs.pickle"}]), "must start with 'bytes'"),
+        (lambda m: m.update(data_type="object"), "manifest says uint8"),
+        (lambda m: m.update(shape=[10**15, 16, 16, 3]), "manifest says uint8"),
+        (lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[10**9, 16, 16, 3]), "chunk shape"),
+        (lambda m: m.update(storage_transformers=[{"name": "x"}]), "storage transformers"),
+    ],
+)
+def test_e3_zarr_metadata_refused_before_any_chunk_is_read(
+    caches: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mutate, expect
+) -> None:
     import shutil
 
     from dlstore.formats import zarr_cache
@@ -231,7 +253,9 @@ def test_e3_zarr_metadata_refused_before_any_chunk_is_read(caches: dict[str, Pat
     assert zarr_cache  # imported for the reader under test
 
 
-@pytest.mark.parametrize("name", ["../outside.npy", "/etc/passwd", "a/../../x", "nul\x00.npy", "a\\..\\b", ""])
+@pytest.mark.parametrize(
+    "name", ["../outside.npy", "/etc/passwd", "a/../../x", "nul\x00.npy", "a\\..\\b", ""]
+)
 def test_e4_unsafe_manifest_paths_are_rejected(caches: dict[str, Path], tmp_path: Path, name: str) -> None:
     import shutil
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reliability_helpers import FORMAT_NAMES, assert_same_cache, make_tree, read_all, small_units
 
 import dlstore.conversion as conversion
 import dlstore.staging as staging_mod
@@ -26,7 +27,6 @@ from dlstore.errors import CacheNotFoundError, ConvertError, DlstoreError, Sampl
 from dlstore.formats import FORMATS
 from dlstore.spec import MANIFEST, read_spec
 from dlstore.verification import verify
-from reliability_helpers import FORMAT_NAMES, assert_same_cache, make_tree, read_all, small_units
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -103,7 +103,8 @@ def inject(monkeypatch: pytest.MonkeyPatch, fmt: str, stage: str) -> None:
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
 def test_failure_at_each_stage_leaves_old_or_nothing_and_rerun_completes(
-        tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, stage: str) -> None:
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, stage: str
+) -> None:
     ref = tmp_path / "ref"
     conv(tree, ref, fmt)
     dest = tmp_path / "c"
@@ -158,8 +159,11 @@ def unowned(names: set[str]) -> set[str]:
     mapped = set()
     for maps in Path("/proc").glob("[0-9]*/maps"):
         try:
-            mapped |= {line.rsplit("/dev/shm/", 1)[1].split(" ")[0] for line in maps.read_text().splitlines()
-                       if "/dev/shm/" in line}
+            mapped |= {
+                line.rsplit("/dev/shm/", 1)[1].split(" ")[0]
+                for line in maps.read_text().splitlines()
+                if "/dev/shm/" in line
+            }
         except (OSError, IndexError):
             continue
     return {n for n in names if n not in mapped and (Path("/dev/shm") / n).exists()}
@@ -168,10 +172,24 @@ def unowned(names: set[str]) -> set[str]:
 def test_ctrl_c_with_workers_exits_fast_and_resumes(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", per_class=60, side=16)
     dest = tmp_path / "c"
-    cmd = [sys.executable, "-c", SLOW_CLI, "convert", str(src), str(dest), "--format", "zarr", "--size", "256",
-           "--workers", "2"]
+    cmd = [
+        sys.executable,
+        "-c",
+        SLOW_CLI,
+        "convert",
+        str(src),
+        str(dest),
+        "--format",
+        "zarr",
+        "--size",
+        "256",
+        "--workers",
+        "2",
+    ]
     shm_before = set(os.listdir("/dev/shm"))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     done = dest.parent / f".{dest.name}.dlstore-journal" / "done.jsonl"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and not (done.exists() and done.read_text().count("\n") >= 2):
@@ -189,17 +207,23 @@ def test_ctrl_c_with_workers_exits_fast_and_resumes(tmp_path: Path) -> None:
     assert unowned(set(os.listdir("/dev/shm")) - shm_before) == set()
     with pytest.raises(CacheNotFoundError):
         open_cache(dest)
-    res = subprocess.run([str(Path(sys.executable).with_name("dlstore")), *cmd[3:], "--json"],
-                         capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [str(Path(sys.executable).with_name("dlstore")), *cmd[3:], "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout)["resumed_units"] >= 2
 
 
 # --- A4: rebuilding over an existing cache ---------------------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_failed_rebuild_keeps_the_old_cache(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                            fmt: str) -> None:
+def test_failed_rebuild_keeps_the_old_cache(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
     dest = tmp_path / "c"
     conv(tree, dest, fmt, size=8)
     before = read_all(dest)
@@ -216,15 +240,22 @@ def test_failed_rebuild_keeps_the_old_cache(tree: Path, tmp_path: Path, monkeypa
 
 # --- A5: disk full ----------------------------------------------------------------------------------
 
-def test_disk_full_in_a_unit_names_space_and_stays_resumable(tree: Path, tmp_path: Path,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_disk_full_in_a_unit_names_space_and_stays_resumable(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     dest = tmp_path / "c"
     with monkeypatch.context() as m:
         fail_unit(m, "npz", 3, OSError(errno.ENOSPC, "No space left on device"))
         with pytest.raises(ConvertError) as e:
             conv(tree, dest, "npz")
     msg = str(e.value)
-    assert "disk full" in msg and "MB is free" in msg and "needs up to" in msg and "re-run the same command" in msg
+    assert (
+        "disk full" in msg
+        and "MB is free" in msg
+        and "needs up to" in msg
+        and "re-run the same command" in msg
+    )
     assert conv(tree, dest, "npz").resumed_units == 3
     ref = tmp_path / "ref"
     conv(tree, ref, "npz")
@@ -256,8 +287,11 @@ def test_preflight_warns_before_any_unit(tree: Path, tmp_path: Path, monkeypatch
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(conversion.shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 1000, 1000))
     real = FORMATS["ram"].writer.write_unit
-    monkeypatch.setattr(FORMATS["ram"].writer, "write_unit",
-                        lambda self, k, imgs: (events.append("unit"), real(self, k, imgs))[1])
+    monkeypatch.setattr(
+        FORMATS["ram"].writer,
+        "write_unit",
+        lambda self, k, imgs: (events.append("unit"), real(self, k, imgs))[1],
+    )
     result = conv(tree, tmp_path / "c", "ram", log=lambda m: events.append("warn: " + m))
     assert events[0].startswith("warn: ") and "GB is free" in events[0] and "unit" in events[1:]
     assert result.warnings and "needs about" in result.warnings[0]
@@ -265,8 +299,10 @@ def test_preflight_warns_before_any_unit(tree: Path, tmp_path: Path, monkeypatch
 
 # --- A6: commit order ------------------------------------------------------------------------------
 
-def test_commit_order_fsync_data_then_manifest_then_rename(tree: Path, tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_commit_order_fsync_data_then_manifest_then_rename(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     trace: list[tuple[str, str]] = []
 
     def fd_path(fd: int) -> str:
@@ -274,25 +310,36 @@ def test_commit_order_fsync_data_then_manifest_then_rename(tree: Path, tmp_path:
 
     for name in ("fsync", "fdatasync"):
         real = getattr(os, name)
-        monkeypatch.setattr(os, name, lambda fd, real=real: (trace.append(("fsync", fd_path(fd))), real(fd))[1])
+        monkeypatch.setattr(
+            os, name, lambda fd, real=real: (trace.append(("fsync", fd_path(fd))), real(fd))[1]
+        )
     for name in ("replace", "rename"):
         real = getattr(os, name)
-        monkeypatch.setattr(os, name, lambda a, b, real=real, name=name: (trace.append((name, f"{a} -> {b}")),
-                                                                          real(a, b))[1])
+        monkeypatch.setattr(
+            os, name, lambda a, b, real=real, name=name: (trace.append((name, f"{a} -> {b}")), real(a, b))[1]
+        )
     dest = tmp_path / "c"
     conv(tree, dest, "npz")
     staging = str(dest.parent / f".{dest.name}.dlstore-staging")
     tmp_fsync = next(i for i, (op, p) in enumerate(trace) if op == "fsync" and "dlstore.json.tmp" in p)
-    data_fsyncs = [i for i, (op, p) in enumerate(trace) if op == "fsync" and p.startswith(staging + "/")
-                   and ("shards/" in p or p.endswith(".npy"))]
-    replace = next(i for i, (op, p) in enumerate(trace) if op == "replace" and p.endswith(f"{staging}/{MANIFEST}"))
+    data_fsyncs = [
+        i
+        for i, (op, p) in enumerate(trace)
+        if op == "fsync" and p.startswith(staging + "/") and ("shards/" in p or p.endswith(".npy"))
+    ]
+    replace = next(
+        i for i, (op, p) in enumerate(trace) if op == "replace" and p.endswith(f"{staging}/{MANIFEST}")
+    )
     dir_fsync = next(i for i, (op, p) in enumerate(trace) if i > replace and op == "fsync" and p == staging)
     publish = next(i for i, (op, p) in enumerate(trace) if op == "rename" and p == f"{staging} -> {dest}")
-    parent_fsync = next(i for i, (op, p) in enumerate(trace) if i > publish and op == "fsync" and p == str(tmp_path))
+    parent_fsync = next(
+        i for i, (op, p) in enumerate(trace) if i > publish and op == "fsync" and p == str(tmp_path)
+    )
     assert data_fsyncs and max(data_fsyncs) < tmp_fsync < replace < dir_fsync < publish < parent_fsync
 
 
 # --- A7: damage after conversion ---------------------------------------------------------------------
+
 
 def unit_file(dest: Path, fmt: str) -> Path:
     if fmt == "ram":
@@ -304,7 +351,9 @@ def unit_file(dest: Path, fmt: str) -> Path:
 
 @pytest.mark.parametrize("damage", ["delete", "truncate"])
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_damaged_unit_is_named_by_verify_and_by_reads(tree: Path, tmp_path: Path, fmt: str, damage: str) -> None:
+def test_damaged_unit_is_named_by_verify_and_by_reads(
+    tree: Path, tmp_path: Path, fmt: str, damage: str
+) -> None:
     dest = tmp_path / "c"
     conv(tree, dest, fmt, storage_order="source")
     f = unit_file(dest, fmt)
@@ -324,9 +373,11 @@ def test_damaged_unit_is_named_by_verify_and_by_reads(tree: Path, tmp_path: Path
 
 # --- A8: resume redoes only unfinished work, identically --------------------------------------------
 
+
 @pytest.mark.parametrize("fmt", FORMAT_NAMES)
-def test_resume_redoes_only_unfinished_units_identically(tree: Path, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+def test_resume_redoes_only_unfinished_units_identically(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str
+) -> None:
     ref = tmp_path / "ref"
     conv(tree, ref, fmt)
     dest = tmp_path / "c"
@@ -345,14 +396,19 @@ def test_resume_redoes_only_unfinished_units_identically(tree: Path, tmp_path: P
 
 # --- A9: resume refused when anything changed -------------------------------------------------------
 
-@pytest.mark.parametrize("change,expect", [
-    ({"size": 9}, "policy.size was 8, now 9"),
-    ({"resize": "pad"}, "policy.resize was 'crop', now 'pad'"),
-    ({"codec": "lz4"}, "options.codec was 'zstd', now 'lz4'"),
-    ({"storage_order": "source"}, "storage_order was 'shuffled', now 'source'"),
-])
-def test_resume_refused_when_parameters_changed(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                change: dict, expect: str) -> None:
+
+@pytest.mark.parametrize(
+    "change,expect",
+    [
+        ({"size": 9}, "policy.size was 8, now 9"),
+        ({"resize": "pad"}, "policy.resize was 'crop', now 'pad'"),
+        ({"codec": "lz4"}, "options.codec was 'zstd', now 'lz4'"),
+        ({"storage_order": "source"}, "storage_order was 'shuffled', now 'source'"),
+    ],
+)
+def test_resume_refused_when_parameters_changed(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: dict, expect: str
+) -> None:
     dest = tmp_path / "c"
     with monkeypatch.context() as m:
         fail_unit(m, "zarr", 1, Boom())
@@ -365,7 +421,9 @@ def test_resume_refused_when_parameters_changed(tree: Path, tmp_path: Path, monk
     assert open_cache(dest, check_source=False).spec.image.size == change.get("size", 8)
 
 
-def test_resume_refused_when_sources_or_version_changed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resume_refused_when_sources_or_version_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     src = make_tree(tmp_path / "src", per_class=8)
     dest = tmp_path / "c"
     with monkeypatch.context() as m:
@@ -384,14 +442,24 @@ def test_resume_refused_when_sources_or_version_changed(tmp_path: Path, monkeypa
 
 # --- A10: one converter per destination ---------------------------------------------------------------
 
+
 def test_second_converter_fails_naming_the_lock_holder(tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "c"
     lock = tmp_path / ".c.dlstore-lock"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import fcntl, os, sys, time\n"
-        f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
-        "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode())\n"
-        "print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import fcntl, os, sys, time\n"
+                f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+                "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode())\n"
+                "print('locked', flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
         t0 = time.monotonic()
@@ -406,14 +474,16 @@ def test_second_converter_fails_naming_the_lock_holder(tree: Path, tmp_path: Pat
 
 
 def test_stale_lock_of_a_dead_process_does_not_block(tree: Path, tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    ).stdout.strip()
     (tmp_path / ".c.dlstore-lock").write_text(dead)  # a pid, but no flock held
     conv(tree, tmp_path / "c", "ram")
     assert not (tmp_path / ".c.dlstore-lock").exists()
 
 
 # --- A11: a reader of the old generation during a rebuild ---------------------------------------------
+
 
 @pytest.mark.parametrize("in_memory", [False, True])
 def test_ram_reader_keeps_reading_the_old_generation(tree: Path, tmp_path: Path, in_memory: bool) -> None:
@@ -440,8 +510,8 @@ def test_chunked_reader_never_mixes_generations(tree: Path, tmp_path: Path, fmt:
     assert first.shape == (1, 8, 8, 3)
 
 
-
 # --- A1 for real: SIGKILL at random moments (small version of benchmarks/kill_resume.py) -------------
+
 
 @pytest.mark.slow
 def test_kill_resume_stress_small() -> None:

@@ -38,8 +38,14 @@ class RunSpec:
         return (self.loader, self.workers, self.pin_memory, self.cold)
 
 
-def plan_runs(loaders: Sequence[str], workers: Sequence[int], cuda: bool, pin_mode: str,
-              cold: bool, workerless: frozenset[str] = frozenset()) -> list[RunSpec]:
+def plan_runs(
+    loaders: Sequence[str],
+    workers: Sequence[int],
+    cuda: bool,
+    pin_mode: str,
+    cold: bool,
+    workerless: frozenset[str] = frozenset(),
+) -> list[RunSpec]:
     """Every (loader, workers) with pin_memory as the device wants; on CUDA with pin 'auto', one pin-off
     run per loader at the largest worker count; with ``cold``, one cold run per loader there. Loaders in
     ``workerless`` (no worker processes, no pin_memory choice) run once, at 0 workers."""
@@ -50,7 +56,9 @@ def plan_runs(loaders: Sequence[str], workers: Sequence[int], cuda: bool, pin_mo
 
     specs = [RunSpec(name, w, pin_default) for name in loaders for w in counts(name)]
     if cuda and pin_mode in ("auto", "both"):
-        specs += [RunSpec(name, max(counts(name)), not pin_default) for name in loaders if name not in workerless]
+        specs += [
+            RunSpec(name, max(counts(name)), not pin_default) for name in loaders if name not in workerless
+        ]
     if cold:
         specs += [RunSpec(name, max(counts(name)), pin_default, cold=True) for name in loaders]
     return specs
@@ -70,8 +78,15 @@ def move_batch(batch: Any, device: torch.device, non_blocking: bool) -> tuple[to
         return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
 
 
-def run_once(prepared: PreparedLoader, spec: RunSpec, config: BenchConfig, device: torch.device, step: Step,
-             repeat: int = 0, position: int = 0) -> RunResult:
+def run_once(
+    prepared: PreparedLoader,
+    spec: RunSpec,
+    config: BenchConfig,
+    device: torch.device,
+    step: Step,
+    repeat: int = 0,
+    position: int = 0,
+) -> RunResult:
     """One repeat of one configuration; returns every step's timings."""
     result = RunResult(prepared.name, spec.workers, spec.pin_memory, repeat, position, cold=spec.cold)
     if spec.cold:
@@ -94,8 +109,12 @@ def run_once(prepared: PreparedLoader, spec: RunSpec, config: BenchConfig, devic
                 result.warmup_s = t_timed - t0
                 monitor.start(stream.worker_pids())
             ta = time.perf_counter()
-            if (config.max_run_s is not None and i >= config.warmup + MIN_TIMED_STEPS and not spec.cold
-                    and ta - t_timed > config.max_run_s):
+            if (
+                config.max_run_s is not None
+                and i >= config.warmup + MIN_TIMED_STEPS
+                and not spec.cold
+                and ta - t_timed > config.max_run_s
+            ):
                 result.truncated = True
                 break
             with record_function("batch_wait"):
@@ -153,8 +172,13 @@ def aggregate(results: Sequence[RunResult]) -> dict[str, Any]:
     waits = [summarize_waits([s.wait_s for s in r.timed()], r.timed_s) for r in results]
     r0 = results[0]
     return {
-        "loader": r0.loader, "workers": r0.workers, "pin_memory": r0.pin_memory, "repeats": len(results),
-        "img_per_s": statistics.median(rates), "img_per_s_min": min(rates), "img_per_s_max": max(rates),
+        "loader": r0.loader,
+        "workers": r0.workers,
+        "pin_memory": r0.pin_memory,
+        "repeats": len(results),
+        "img_per_s": statistics.median(rates),
+        "img_per_s_min": min(rates),
+        "img_per_s_max": max(rates),
         "first_epoch_img_per_s": statistics.median(first) if first else None,
         "first_epoch_partial": any(r.first_epoch_partial for r in results),
         "startup_s": statistics.median(r.startup_s for r in results),
@@ -167,9 +191,13 @@ def aggregate(results: Sequence[RunResult]) -> dict[str, Any]:
 
 def aggregate_cold(results: Sequence[RunResult]) -> dict[str, Any]:
     worked = [r.eviction.get("worked") for r in results if r.eviction]
-    return {"workers": results[0].workers, "repeats": len(results),
-            "warmup_s": statistics.median(r.warmup_s for r in results),
-            "img_per_s": statistics.median(r.img_per_s for r in results),
-            "startup_s": statistics.median(r.startup_s for r in results),
-            "eviction_worked": all(w is True for w in worked) if worked and None not in worked else None,
-            "eviction": results[-1].eviction, "raw": [r.to_dict() for r in results]}
+    return {
+        "workers": results[0].workers,
+        "repeats": len(results),
+        "warmup_s": statistics.median(r.warmup_s for r in results),
+        "img_per_s": statistics.median(r.img_per_s for r in results),
+        "startup_s": statistics.median(r.startup_s for r in results),
+        "eviction_worked": all(w is True for w in worked) if worked and None not in worked else None,
+        "eviction": results[-1].eviction,
+        "raw": [r.to_dict() for r in results],
+    }

@@ -13,8 +13,14 @@ from typing import Any
 
 import torch
 
-from dlstore.bench.loaders import (META_FILES, LoaderContext, PreparedLoader, device_transform, ensure_cache,
-                                   register_loader_kind)
+from dlstore.bench.loaders import (
+    META_FILES,
+    LoaderContext,
+    PreparedLoader,
+    device_transform,
+    ensure_cache,
+    register_loader_kind,
+)
 
 
 def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any) -> PreparedLoader:
@@ -26,23 +32,43 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any) -> Pr
     h, w, c = spec.shape
     tf = "gpu-augment" if ctx.config.transform == "augment" else ctx.config.transform
     files = sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name not in META_FILES)
-    return PreparedLoader(name, description, spec.n, files, False, torch.uint8, (c, h, w),
-                          lambda: CachedDataset(path, in_memory=True), device_transform(tf, ctx.size, ctx.device),
-                          on_device=True, make_loader=lambda ds, workers, pin, cfg: make(ds.cache, cfg),
-                          info={**info, "shape": list(spec.shape), "loads_once": True, "ignores_workers": True})
+    return PreparedLoader(
+        name,
+        description,
+        spec.n,
+        files,
+        False,
+        torch.uint8,
+        (c, h, w),
+        lambda: CachedDataset(path, in_memory=True),
+        device_transform(tf, ctx.size, ctx.device),
+        on_device=True,
+        make_loader=lambda ds, workers, pin, cfg: make(ds.cache, cfg),
+        info={**info, "shape": list(spec.shape), "loads_once": True, "ignores_workers": True},
+    )
 
 
-@register_loader_kind("pinned", "ram cache, PinnedLoader: gather thread → pinned ring → side-stream copy, no workers")
+@register_loader_kind(
+    "pinned", "ram cache, PinnedLoader: gather thread → pinned ring → side-stream copy, no workers"
+)
 def pinned_kind(ctx: LoaderContext) -> PreparedLoader:
     from dlstore.loader import PinnedLoader
 
-    return _fast_kind(ctx, "pinned", "PinnedLoader(ram, in memory)",
-                      lambda cache, cfg: PinnedLoader(cache, cfg.batch_size, device=ctx.device, order="random"))
+    return _fast_kind(
+        ctx,
+        "pinned",
+        "PinnedLoader(ram, in memory)",
+        lambda cache, cfg: PinnedLoader(cache, cfg.batch_size, device=ctx.device, order="random"),
+    )
 
 
 @register_loader_kind("resident", "ram cache held in device memory, batches gathered there (ResidentLoader)")
 def resident_kind(ctx: LoaderContext) -> PreparedLoader:
     from dlstore.loader import ResidentLoader
 
-    return _fast_kind(ctx, "resident", f"ResidentLoader(ram, on {ctx.device})",
-                      lambda cache, cfg: ResidentLoader(cache, cfg.batch_size, device=ctx.device))
+    return _fast_kind(
+        ctx,
+        "resident",
+        f"ResidentLoader(ram, on {ctx.device})",
+        lambda cache, cfg: ResidentLoader(cache, cfg.batch_size, device=ctx.device),
+    )

@@ -59,8 +59,15 @@ def dataloader_factory(dataset: Dataset, workers: int, pin_memory: bool, config:
     kwargs: dict[str, Any] = {}
     if workers > 0:
         kwargs = {"persistent_workers": True, "prefetch_factor": config.prefetch_factor}
-    return DataLoader(dataset, batch_size=config.batch_size, shuffle=True, num_workers=workers,
-                      pin_memory=pin_memory, drop_last=True, **kwargs)
+    return DataLoader(
+        dataset,
+        batch_size=config.batch_size,
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        drop_last=True,
+        **kwargs,
+    )
 
 
 @dataclass
@@ -125,11 +132,13 @@ class LoaderKind:
 LOADER_KINDS: dict[str, LoaderKind] = {}
 
 
-def register_loader_kind(name: str, description: str = "") -> Callable[[Callable[[LoaderContext], PreparedLoader]],
-                                                                     Callable[[LoaderContext], PreparedLoader]]:
+def register_loader_kind(
+    name: str, description: str = ""
+) -> Callable[[Callable[[LoaderContext], PreparedLoader]], Callable[[LoaderContext], PreparedLoader]]:
     def wrap(factory: Callable[[LoaderContext], PreparedLoader]) -> Callable[[LoaderContext], PreparedLoader]:
         LOADER_KINDS[name] = LoaderKind(name, description, factory)
         return factory
+
     return wrap
 
 
@@ -142,6 +151,7 @@ def prepare_loader(name: str, ctx: LoaderContext) -> PreparedLoader:
 
 
 # --- transforms (module-level classes: picklable for spawn/forkserver workers) ----------------------
+
 
 class ToFloat(torch.nn.Module):
     """uint8 → float32 in [0, 1], the ToTensor scaling, done on the device after the copy."""
@@ -158,8 +168,14 @@ def raw_transform(kind: str, size: int, native: int | None) -> Any:
     if kind == "light":
         return T.Compose([*fit, T.ToTensor()])
     if kind == "augment":
-        return T.Compose([T.RandomResizedCrop(size, scale=AUGMENT_SCALE), T.RandomRotation(AUGMENT_DEGREES),
-                          T.RandomHorizontalFlip(), T.ToTensor()])
+        return T.Compose(
+            [
+                T.RandomResizedCrop(size, scale=AUGMENT_SCALE),
+                T.RandomRotation(AUGMENT_DEGREES),
+                T.RandomHorizontalFlip(),
+                T.ToTensor(),
+            ]
+        )
     return T.Compose([*fit, T.PILToTensor()])  # gpu-augment: uint8 to the device
 
 
@@ -169,8 +185,13 @@ def cached_cpu_transform(kind: str, size: int) -> Any:
         return None
     from torchvision.transforms import v2
 
-    return v2.Compose([v2.RandomResizedCrop(size, scale=AUGMENT_SCALE, antialias=True),
-                       v2.RandomRotation(AUGMENT_DEGREES), v2.RandomHorizontalFlip()])
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(size, scale=AUGMENT_SCALE, antialias=True),
+            v2.RandomRotation(AUGMENT_DEGREES),
+            v2.RandomHorizontalFlip(),
+        ]
+    )
 
 
 def device_transform(kind: str, size: int, device: torch.device) -> torch.nn.Module:
@@ -182,6 +203,7 @@ def device_transform(kind: str, size: int, device: torch.device) -> torch.nn.Mod
 
 
 # --- raw ----------------------------------------------------------------------------------------------
+
 
 def source_channels(source: Source) -> int:
     if isinstance(source, ArraySource):
@@ -208,9 +230,20 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
             from torchvision.datasets import ImageFolder
 
             return ImageFolder(str(root), transform=raw_transform(tf_name, size, None))
-        return PreparedLoader("raw", f"torchvision ImageFolder({root}) + {tf_name}", len(ctx.source), files,
-                              True, dtype, (3, size, size), new_dataset, dev_tf, fresh_for_cold=False,
-                              info={"root": str(root)})
+
+        return PreparedLoader(
+            "raw",
+            f"torchvision ImageFolder({root}) + {tf_name}",
+            len(ctx.source),
+            files,
+            True,
+            dtype,
+            (3, size, size),
+            new_dataset,
+            dev_tf,
+            fresh_for_cold=False,
+            info={"root": str(root)},
+        )
     name = ctx.source.kind.removeprefix("torchvision:")
     root = ctx.config.root
     if root is None:
@@ -220,21 +253,38 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
     def new_tv_dataset() -> Dataset:
         import torchvision.datasets as tvd
 
-        return getattr(tvd, name)(str(root), train=True, download=False,
-                                  transform=raw_transform(tf_name, size, NATIVE_SIZES.get(name)))
-    return PreparedLoader("raw", f"torchvision.datasets.{name}({root}) + {tf_name}", len(ctx.source), files,
-                          False, dtype, (ctx.channels, size, size), new_tv_dataset, dev_tf,
-                          info={"root": str(root), "loads_once": True})
+        return getattr(tvd, name)(
+            str(root),
+            train=True,
+            download=False,
+            transform=raw_transform(tf_name, size, NATIVE_SIZES.get(name)),
+        )
+
+    return PreparedLoader(
+        "raw",
+        f"torchvision.datasets.{name}({root}) + {tf_name}",
+        len(ctx.source),
+        files,
+        False,
+        dtype,
+        (ctx.channels, size, size),
+        new_tv_dataset,
+        dev_tf,
+        info={"root": str(root), "loads_once": True},
+    )
 
 
 def _torchvision_file(name: str, path: Path) -> bool:
     if name in ("MNIST", "FashionMNIST"):
-        return path.parent.name == "raw" and path.parent.parent.name == name and path.name.startswith("train-")
+        return (
+            path.parent.name == "raw" and path.parent.parent.name == name and path.name.startswith("train-")
+        )
     folder = "cifar-10-batches-py" if name == "CIFAR10" else "cifar-100-python"
     return path.parent.name == folder
 
 
 # --- cached kinds ---------------------------------------------------------------------------------------
+
 
 def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path:
     """Reuse a cache given with --cache when it is a cache of this format, else one keyed by the spec."""
@@ -244,8 +294,12 @@ def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path:
 
         if read_spec(Path(given)).format == fmt:
             return Path(given)
-    key = hashlib.sha256(f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|crop".encode()).hexdigest()
-    base = Path(given) if given is not None and not (Path(given) / "dlstore.json").is_file() else ctx.cache_root
+    key = hashlib.sha256(
+        f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|crop".encode()
+    ).hexdigest()
+    base = (
+        Path(given) if given is not None and not (Path(given) / "dlstore.json").is_file() else ctx.cache_root
+    )
     return base / f"{fmt}-s{ctx.size}-c{ctx.channels}-{key[:12]}"
 
 
@@ -258,18 +312,33 @@ def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path, dict[str, Any]]:
     dest = cache_dir_for(ctx, fmt)
     try:
         spec = read_spec(dest)
-        matches = (spec.format == fmt and spec.source.get("fingerprint") == ctx.source.fingerprint()
-                   and tuple(spec.shape) == (ctx.size, ctx.size, ctx.channels))
+        matches = (
+            spec.format == fmt
+            and spec.source.get("fingerprint") == ctx.source.fingerprint()
+            and tuple(spec.shape) == (ctx.size, ctx.size, ctx.channels)
+        )
         if matches or dest == ctx.config.cache:
             return dest, {"cache": str(dest), "reused": True}
     except (CacheNotFoundError, SpecError, FileNotFoundError, OSError):
         pass
     ctx.log(f"converting {ctx.source.description} → {fmt} cache at {dest} ({ctx.size}px)")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    result = convert(ctx.source, dest, format=fmt, size=ctx.size, channels=ctx.channels, overwrite=dest.exists(),
-                     workers=ctx.config.convert_workers)
-    return dest, {"cache": str(dest), "reused": False, "convert_s": result.seconds,
-                  "convert_img_per_s": result.images_per_s, "convert_workers": result.workers}
+    result = convert(
+        ctx.source,
+        dest,
+        format=fmt,
+        size=ctx.size,
+        channels=ctx.channels,
+        overwrite=dest.exists(),
+        workers=ctx.config.convert_workers,
+    )
+    return dest, {
+        "cache": str(dest),
+        "reused": False,
+        "convert_s": result.seconds,
+        "convert_img_per_s": result.images_per_s,
+        "convert_workers": result.workers,
+    }
 
 
 def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
@@ -286,12 +355,22 @@ def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
 
         def new_dataset() -> Dataset:
             return CachedDataset(path, transform=cpu_tf, in_memory=in_memory)
+
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name not in META_FILES)
         side = ctx.size if tf_name != "light" else h
-        return PreparedLoader(fmt, f"CachedDataset({fmt}{', in memory' if in_memory else ''}) + {tf_name}",
-                              spec.n, files, not in_memory, torch.uint8, (c, side, side) if cpu_tf else (c, h, w),
-                              new_dataset, device_transform(tf_name, ctx.size, ctx.device),
-                              info={**info, "shape": list(spec.shape), "loads_once": in_memory})
+        return PreparedLoader(
+            fmt,
+            f"CachedDataset({fmt}{', in memory' if in_memory else ''}) + {tf_name}",
+            spec.n,
+            files,
+            not in_memory,
+            torch.uint8,
+            (c, side, side) if cpu_tf else (c, h, w),
+            new_dataset,
+            device_transform(tf_name, ctx.size, ctx.device),
+            info={**info, "shape": list(spec.shape), "loads_once": in_memory},
+        )
+
     return factory
 
 
@@ -299,7 +378,9 @@ def _register_cached_kinds() -> None:
     from dlstore.formats import FORMATS
 
     for fmt in FORMATS:
-        register_loader_kind(fmt, f"dlstore {fmt} cache through CachedDataset (batched reads)")(cached_kind(fmt))
+        register_loader_kind(fmt, f"dlstore {fmt} cache through CachedDataset (batched reads)")(
+            cached_kind(fmt)
+        )
 
 
 _register_cached_kinds()

@@ -32,11 +32,16 @@ class SmallCNN(nn.Module):
         super().__init__()
         side = image_size // 4
         self.features = nn.Sequential(
-            nn.Conv2d(in_channels, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(in_channels, 16, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
         )
-        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(32 * side * side, 64), nn.ReLU(),
-                                        nn.Linear(64, num_classes))
+        self.classifier = nn.Sequential(
+            nn.Flatten(), nn.Linear(32 * side * side, 64), nn.ReLU(), nn.Linear(64, num_classes)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
@@ -88,8 +93,12 @@ class TrainStep:
     FP32 with TF32 off (the seeds' protocol). ``x`` and ``y`` must already be on ``device``.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device,
-                 device_transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        device_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         self.device = device
         self.model = model.to(device).train()
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)

@@ -151,11 +151,20 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize_waits(waits: list[float], wall_s: float) -> dict[str, float]:
     if not waits:
-        return {"mean_ms": math.nan, "median_ms": math.nan, "p95_ms": math.nan, "max_ms": math.nan,
-                "sum_over_wall": math.nan}
-    return {"mean_ms": 1e3 * statistics.fmean(waits), "median_ms": 1e3 * statistics.median(waits),
-            "p95_ms": 1e3 * percentile(waits, 95), "max_ms": 1e3 * max(waits),
-            "sum_over_wall": sum(waits) / wall_s if wall_s > 0 else math.nan}
+        return {
+            "mean_ms": math.nan,
+            "median_ms": math.nan,
+            "p95_ms": math.nan,
+            "max_ms": math.nan,
+            "sum_over_wall": math.nan,
+        }
+    return {
+        "mean_ms": 1e3 * statistics.fmean(waits),
+        "median_ms": 1e3 * statistics.median(waits),
+        "p95_ms": 1e3 * percentile(waits, 95),
+        "max_ms": 1e3 * max(waits),
+        "sum_over_wall": sum(waits) / wall_s if wall_s > 0 else math.nan,
+    }
 
 
 def parse_int_list(text: str) -> tuple[int, ...]:
@@ -178,5 +187,7 @@ def parse_formats(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     bad = [n for n in names if n not in known]
     if bad or not names:
-        raise ValueError(f"unknown loader kind(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(known)}")
+        raise ValueError(
+            f"unknown loader kind(s) {', '.join(bad) or '(none given)'}; choose from {', '.join(known)}"
+        )
     return names

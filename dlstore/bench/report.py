@@ -23,8 +23,21 @@ import torch
 from dlstore.bench.protocol import STAGES, usable_cores
 from dlstore.bench.resources import load_average, mem_available_bytes, shm_usage
 
-STEP_COLUMNS = ("loader", "workers", "pin_memory", "cold", "repeat", "position", "phase", "epoch", "index",
-                "images", "wait_s", "step_s", "device_step_s")
+STEP_COLUMNS = (
+    "loader",
+    "workers",
+    "pin_memory",
+    "cold",
+    "repeat",
+    "position",
+    "phase",
+    "epoch",
+    "index",
+    "images",
+    "wait_s",
+    "step_s",
+    "device_step_s",
+)
 
 
 def default_out_dir() -> Path:
@@ -55,20 +68,35 @@ def environment(device: torch.device) -> dict[str, Any]:
     gpu = None
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        gpu = {"name": props.name, "memory_gb": props.total_memory / 1e9, "count": torch.cuda.device_count(),
-               "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+        gpu = {
+            "name": props.name,
+            "memory_gb": props.total_memory / 1e9,
+            "count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(),
+        }
     return {
-        "python": sys.version.split()[0], "platform": platform.platform(),
-        "versions": {name: _version(name) for name in ("dlstore", "torch", "torchvision", "numpy", "pillow", "zarr")},
-        "cpu_model": cpu_model(), "cpu_count": os.cpu_count(), "cpu_usable": usable_cores(),
-        "torch_threads": torch.get_num_threads(), "gpu": gpu, "device": str(device),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "versions": {
+            name: _version(name) for name in ("dlstore", "torch", "torchvision", "numpy", "pillow", "zarr")
+        },
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cpu_usable": usable_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "device": str(device),
         "start_method": multiprocessing.get_context().get_start_method(),
-        "free_ram_bytes": mem_available_bytes(), "shm": shm_usage(), "load_average": load_average(),
+        "free_ram_bytes": mem_available_bytes(),
+        "shm": shm_usage(),
+        "load_average": load_average(),
         "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32, "cudnn": torch.backends.cudnn.allow_tf32},
     }
 
 
 # --- files --------------------------------------------------------------------------------------------
+
 
 def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
     """result.json, steps.csv and plots.png (when matplotlib is installed) under ``out``."""
@@ -79,7 +107,9 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
     doc["outputs"]["csv_rows"] = n
     plot = write_plot(doc, out / "plots.png")
     if plot is None:
-        doc.setdefault("notes", []).append("matplotlib is not installed: no plot written (pip install matplotlib)")
+        doc.setdefault("notes", []).append(
+            "matplotlib is not installed: no plot written (pip install matplotlib)"
+        )
     else:
         doc["outputs"]["plot"] = str(plot)
     with open(out / "result.json", "w") as f:
@@ -116,8 +146,12 @@ def step_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         steps = raw["steps"]
         for i in range(len(steps["index"])):
             row = {k: raw[k] for k in ("loader", "workers", "pin_memory", "cold", "repeat", "position")}
-            row.update({k: steps[k][i] for k in ("phase", "epoch", "index", "images", "wait_s", "step_s",
-                                                 "device_step_s")})
+            row.update(
+                {
+                    k: steps[k][i]
+                    for k in ("phase", "epoch", "index", "images", "wait_s", "step_s", "device_step_s")
+                }
+            )
             rows.append(row)
     return rows
 
@@ -142,13 +176,18 @@ def write_plot(doc: dict[str, Any], path: Path) -> Path | None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     pin_default = doc["protocol"]["pin_memory_default"]
     for name in doc["loaders"]:
-        sweep = sorted((r for r in doc["runs"] if r["loader"] == name and r["pin_memory"] == pin_default),
-                       key=lambda r: r["workers"])
+        sweep = sorted(
+            (r for r in doc["runs"] if r["loader"] == name and r["pin_memory"] == pin_default),
+            key=lambda r: r["workers"],
+        )
         if not sweep:
             continue
         xs = [r["workers"] for r in sweep]
         ys = [r["img_per_s"] for r in sweep]
-        err = [[y - r["img_per_s_min"] for y, r in zip(ys, sweep)], [r["img_per_s_max"] - y for y, r in zip(ys, sweep)]]
+        err = [
+            [y - r["img_per_s_min"] for y, r in zip(ys, sweep)],
+            [r["img_per_s_max"] - y for y, r in zip(ys, sweep)],
+        ]
         line = ax1.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{name} measured")
         pred = [r["predicted_img_per_s"] or math.nan for r in sweep]
         ax1.plot(xs, pred, linestyle="--", color=line[0].get_color(), alpha=0.6, label=f"{name} predicted")
@@ -156,7 +195,9 @@ def write_plot(doc: dict[str, Any], path: Path) -> Path | None:
     ax1.set_xlabel("DataLoader workers")
     ax1.set_ylabel("images/s (median of repeats, min–max)")
     proto = doc["protocol"]
-    ax1.set_title(f"end to end: {proto['model']}, batch {proto['batch_size']}, {doc['environment']['device']}")
+    ax1.set_title(
+        f"end to end: {proto['model']}, batch {proto['batch_size']}, {doc['environment']['device']}"
+    )
     ax1.legend(fontsize=7)
     names = list(doc["stages"])
     width = 0.8 / len(STAGES)
@@ -176,8 +217,16 @@ def write_plot(doc: dict[str, Any], path: Path) -> Path | None:
 
 # --- profiler -----------------------------------------------------------------------------------------
 
-def profile_configuration(run_steps: Callable[[Callable[[], None]], None], device: torch.device, out: Path,
-                          name: str, wait: int = 1, warmup: int = 2, active: int = 3) -> dict[str, str]:
+
+def profile_configuration(
+    run_steps: Callable[[Callable[[], None]], None],
+    device: torch.device,
+    out: Path,
+    name: str,
+    wait: int = 1,
+    warmup: int = 2,
+    active: int = 3,
+) -> dict[str, str]:
     """A short scheduled torch.profiler run; ``run_steps(tick)`` runs the loop and calls ``tick`` per step.
 
     Writes ``NAME.trace.json`` (Chrome trace) and ``NAME.ops.txt`` (operator table)."""
@@ -193,13 +242,17 @@ def profile_configuration(run_steps: Callable[[Callable[[], None]], None], devic
         sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         table.write_text(prof.key_averages().table(sort_by=sort, row_limit=30) + "\n")
 
-    with profile(activities=activities, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-                 on_trace_ready=ready) as prof:
+    with profile(
+        activities=activities,
+        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        on_trace_ready=ready,
+    ) as prof:
         run_steps(prof.step)
     return {"trace": str(trace), "ops": str(table), "steps": str(wait + warmup + active)}
 
 
 # --- text ---------------------------------------------------------------------------------------------
+
 
 def _n(x: float | None, fmt: str = ",.0f") -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, fmt)
@@ -211,32 +264,44 @@ def _pct(x: float | None) -> str:
 
 def render_text(doc: dict[str, Any]) -> str:
     """The table of runs, the stage table, the verdict and the recommendations."""
-    lines = [f"dlstore bench: {doc['source']['description']} ({doc['source']['n_images']} images, "
-             f"{doc['protocol']['size']}px), model {doc['protocol']['model']}, batch {doc['protocol']['batch_size']}, "
-             f"transform {doc['protocol']['transform']}, device {doc['environment']['device']}, "
-             f"{doc['protocol']['repeats']} repeats × {doc['protocol']['steps']} timed steps", ""]
-    head = (f"{'loader':<7} {'wk':>3} {'pin':>3} {'img/s':>9} {'min–max':>17} {'predicted':>9} {'err':>5} "
-            f"{'bottleneck':<10} {'Σwait/wall':>10} {'p95 ms':>7} {'1st epoch':>9}")
+    lines = [
+        f"dlstore bench: {doc['source']['description']} ({doc['source']['n_images']} images, "
+        f"{doc['protocol']['size']}px), model {doc['protocol']['model']}, batch {doc['protocol']['batch_size']}, "
+        f"transform {doc['protocol']['transform']}, device {doc['environment']['device']}, "
+        f"{doc['protocol']['repeats']} repeats × {doc['protocol']['steps']} timed steps",
+        "",
+    ]
+    head = (
+        f"{'loader':<7} {'wk':>3} {'pin':>3} {'img/s':>9} {'min–max':>17} {'predicted':>9} {'err':>5} "
+        f"{'bottleneck':<10} {'Σwait/wall':>10} {'p95 ms':>7} {'1st epoch':>9}"
+    )
     lines += [head, "-" * len(head)]
     kinds = list(doc["loaders"])
     for r in sorted(doc["runs"], key=lambda r: (kinds.index(r["loader"]), r["workers"], not r["pin_memory"])):
         pin = "on" if r["pin_memory"] else "off"
         err = "-" if r["prediction_error"] is None else f"{100 * r['prediction_error']:+.0f}%"
-        lines.append(f"{r['loader']:<7} {r['workers']:>3} {pin:>3} {_n(r['img_per_s']):>9} "
-                     f"{_n(r['img_per_s_min']) + '–' + _n(r['img_per_s_max']):>17} "
-                     f"{_n(r['predicted_img_per_s']):>9} "
-                     f"{err:>5} {str(r['bottleneck']):<10} {_pct(r['wait']['sum_over_wall']):>10} "
-                     f"{_n(r['wait']['p95_ms'], '.1f'):>7} {_n(r['first_epoch_img_per_s']):>9}")
-    lines += ["", f"{'stage rates (img/s)':<20} {'read warm':>10} {'read cold':>10} {'transform':>16} {'h2d':>10} "
-              f"{'compute':>10}  eviction"]
+        lines.append(
+            f"{r['loader']:<7} {r['workers']:>3} {pin:>3} {_n(r['img_per_s']):>9} "
+            f"{_n(r['img_per_s_min']) + '–' + _n(r['img_per_s_max']):>17} "
+            f"{_n(r['predicted_img_per_s']):>9} "
+            f"{err:>5} {str(r['bottleneck']):<10} {_pct(r['wait']['sum_over_wall']):>10} "
+            f"{_n(r['wait']['p95_ms'], '.1f'):>7} {_n(r['first_epoch_img_per_s']):>9}"
+        )
+    lines += [
+        "",
+        f"{'stage rates (img/s)':<20} {'read warm':>10} {'read cold':>10} {'transform':>16} {'h2d':>10} "
+        f"{'compute':>10}  eviction",
+    ]
     for name, s in doc["stages"].items():
         d = s["detail"]
         ev = d["read"]["detail"].get("eviction") or {}
         ev_text = {True: "worked", False: "did not take", None: "unknown"}[ev.get("worked")] if ev else "-"
         tf = f"{_n(s['transform'])} @{d['transform']['detail'].get('best_workers', '-')}w"
         warm = _n(s["read_warm"]) + ("" if s["read"] is not None else "*")
-        lines.append(f"{name:<20} {warm:>10} {_n(s['read_cold']):>10} {tf:>16} {_n(s['h2d']):>10} "
-                     f"{_n(s['compute']):>10}  {ev_text}")
+        lines.append(
+            f"{name:<20} {warm:>10} {_n(s['read_cold']):>10} {tf:>16} {_n(s['h2d']):>10} "
+            f"{_n(s['compute']):>10}  {ev_text}"
+        )
     if any(s["read"] is None for s in doc["stages"].values()):
         lines.append("* loaded once into memory: the read is a one-off at start, not a per-epoch bound")
     for note in doc.get("notes", []):

@@ -95,8 +95,16 @@ class GpuSampler:
             return
         try:
             self.proc = subprocess.Popen(
-                [exe, "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits",
-                 f"--loop-ms={self.interval_ms}"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+                [
+                    exe,
+                    "--query-gpu=index,utilization.gpu,memory.used",
+                    "--format=csv,noheader,nounits",
+                    f"--loop-ms={self.interval_ms}",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         except OSError:
             self.proc = None
 
@@ -117,8 +125,12 @@ class GpuSampler:
                 mem.append(float(parts[2]))
         if not util:
             return None
-        return {"util_mean_percent": sum(util) / len(util), "util_max_percent": max(util),
-                "memory_used_mb_max": max(mem), "samples": len(util)}
+        return {
+            "util_mean_percent": sum(util) / len(util),
+            "util_max_percent": max(util),
+            "memory_used_mb_max": max(mem),
+            "samples": len(util),
+        }
 
 
 class ResourceMonitor:

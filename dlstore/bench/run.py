@@ -19,15 +19,38 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from dlstore.bench.endtoend import RunSpec, aggregate, aggregate_cold, move_batch, plan_runs, rotated, run_once
-from dlstore.bench.loaders import (LoaderContext, PreparedLoader, default_size, prepare_loader, source_channels)
+from dlstore.bench.endtoend import (
+    RunSpec,
+    aggregate,
+    aggregate_cold,
+    move_batch,
+    plan_runs,
+    rotated,
+    run_once,
+)
+from dlstore.bench.loaders import LoaderContext, PreparedLoader, default_size, prepare_loader, source_channels
 from dlstore.bench.models import TrainStep, build_model, configure_numerics, count_parameters
-from dlstore.bench.protocol import (AUGMENT_DEGREES, AUGMENT_SCALE, DEVICES, SCHEMA_VERSION, TRANSFORMS, BenchConfig,
-                                    StageResult, default_worker_counts, usable_cores)
+from dlstore.bench.protocol import (
+    AUGMENT_DEGREES,
+    AUGMENT_SCALE,
+    DEVICES,
+    SCHEMA_VERSION,
+    TRANSFORMS,
+    BenchConfig,
+    StageResult,
+    default_worker_counts,
+    usable_cores,
+)
 from dlstore.bench.report import environment, finite, profile_configuration, write_outputs
 from dlstore.bench.resources import mem_available_bytes
-from dlstore.bench.stages import (BatchStream, device_label, measure_compute, measure_h2d, measure_read,
-                                  measure_transform)
+from dlstore.bench.stages import (
+    BatchStream,
+    device_label,
+    measure_compute,
+    measure_h2d,
+    measure_read,
+    measure_transform,
+)
 from dlstore.bench.verdict import Facts, KindStages, analyse
 from dlstore.errors import DlstoreError
 from dlstore.sources import open_source
@@ -88,7 +111,9 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     stage_results = measure_stages(prepared, steps, config, workers, len(source.classes), device, log)
     phases["stages_s"] = time.perf_counter() - t_start - sum(phases.values())
     workerless = frozenset(n for n, p in prepared.items() if p.info.get("ignores_workers"))
-    specs = plan_runs(list(prepared), workers, device.type == "cuda", config.pin_memory, config.cold, workerless)
+    specs = plan_runs(
+        list(prepared), workers, device.type == "cuda", config.pin_memory, config.cold, workerless
+    )
     probe = compute_probe(stage_results, steps, config, len(source.classes), device)
     results = run_rounds(prepared, steps, specs, config, device, log, probe)
     settle_compute(stage_results)
@@ -100,22 +125,43 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     notes += contention_notes(runs)
     kind_stages = {name: kind_stages_of(s, prepared[name]) for name, s in stage_results.items()}
     pin_default = specs[0].pin_memory if specs else False
-    facts = Facts(device=device.type, device_label=device_label(device), batch_size=config.batch_size,
-                  warmup_steps=config.warmup, source=_source_arg(config), size=size, cores=usable_cores(),
-                  cache_bytes={n: p.bytes_on_disk() for n, p in prepared.items() if n != "raw"},
-                  mem_available=mem_available_bytes(), pin_default=pin_default)
+    facts = Facts(
+        device=device.type,
+        device_label=device_label(device),
+        batch_size=config.batch_size,
+        warmup_steps=config.warmup,
+        source=_source_arg(config),
+        size=size,
+        cores=usable_cores(),
+        cache_bytes={n: p.bytes_on_disk() for n, p in prepared.items() if n != "raw"},
+        mem_available=mem_available_bytes(),
+        pin_default=pin_default,
+    )
     analysis = analyse(kind_stages, runs, cold, facts)
     doc = {
-        "schema_version": SCHEMA_VERSION, "tool": "dlstore bench", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "environment": environment(device), "config": config.to_dict(),
+        "schema_version": SCHEMA_VERSION,
+        "tool": "dlstore bench",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "environment": environment(device),
+        "config": config.to_dict(),
         "protocol": protocol_of(config, size, channels, workers, pin_default, device, steps),
-        "source": {"description": source.description, "kind": source.kind, "n_images": len(source),
-                   "classes": len(source.classes)},
+        "source": {
+            "description": source.description,
+            "kind": source.kind,
+            "n_images": len(source),
+            "classes": len(source.classes),
+        },
         "loaders": {n: loader_info(p) for n, p in prepared.items()},
         "stages": {n: stage_entry(s, kind_stages[n], prepared[n]) for n, s in stage_results.items()},
-        "runs": runs, "cold": cold, **{k: analysis[k] for k in ("stalls", "knees", "best") if k in analysis},
-        "verdict": analysis["verdict"], "recommendations": analysis["recommendations"],
-        "notes": notes, "profile": profiles, "phases": phases, "elapsed_s": time.perf_counter() - t_start,
+        "runs": runs,
+        "cold": cold,
+        **{k: analysis[k] for k in ("stalls", "knees", "best") if k in analysis},
+        "verdict": analysis["verdict"],
+        "recommendations": analysis["recommendations"],
+        "notes": notes,
+        "profile": profiles,
+        "phases": phases,
+        "elapsed_s": time.perf_counter() - t_start,
     }
     doc = finite(doc)
     if config.out is not None:
@@ -125,11 +171,16 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
 
 def contention_notes(runs: list[dict[str, Any]]) -> list[str]:
     """Other processes busy on this machine during the timed steps make every number noisy: say so."""
-    other = sorted(r["resources"].get("other_cpu_cores") or 0.0 for r in runs
-                   if (r.get("resources") or {}).get("wall_s", 0.0) >= 0.5)  # /proc ticks are 10 ms
+    other = sorted(
+        r["resources"].get("other_cpu_cores") or 0.0
+        for r in runs
+        if (r.get("resources") or {}).get("wall_s", 0.0) >= 0.5
+    )  # /proc ticks are 10 ms
     if other and other[len(other) // 2] > 0.5:
-        return [f"other processes kept about {other[len(other) // 2]:.1f} of {os.cpu_count()} cores busy during the "
-                "timed steps: the numbers are noisy; compare ratios within this run, or re-run on a quiet machine"]
+        return [
+            f"other processes kept about {other[len(other) // 2]:.1f} of {os.cpu_count()} cores busy during the "
+            "timed steps: the numbers are noisy; compare ratios within this run, or re-run on a quiet machine"
+        ]
     return []
 
 
@@ -138,7 +189,9 @@ def _source_arg(config: BenchConfig) -> str:
     return config.source + (f" --root {config.root}" if tv else "")
 
 
-def prepare_all(config: BenchConfig, ctx: LoaderContext, log: Log) -> tuple[dict[str, PreparedLoader], list[str]]:
+def prepare_all(
+    config: BenchConfig, ctx: LoaderContext, log: Log
+) -> tuple[dict[str, PreparedLoader], list[str]]:
     prepared: dict[str, PreparedLoader] = {}
     notes: list[str] = []
     for name in config.formats:
@@ -149,23 +202,33 @@ def prepare_all(config: BenchConfig, ctx: LoaderContext, log: Log) -> tuple[dict
             log(f"{name}: skipped ({e})")
             continue
         if p.n_images < config.batch_size:
-            raise DlstoreError(f"{name}: {p.n_images} images but --batch-size {config.batch_size}; "
-                               "lower --batch-size or use more images (--demo-images)")
+            raise DlstoreError(
+                f"{name}: {p.n_images} images but --batch-size {config.batch_size}; "
+                "lower --batch-size or use more images (--demo-images)"
+            )
         prepared[name] = p
     if not prepared:
         raise DlstoreError("no loader kind could be prepared; see the notes above")
     return prepared, notes
 
 
-def make_step(p: PreparedLoader, config: BenchConfig, size: int, num_classes: int, device: torch.device) -> TrainStep:
+def make_step(
+    p: PreparedLoader, config: BenchConfig, size: int, num_classes: int, device: torch.device
+) -> TrainStep:
     c, h, _ = p.sample_shape
     side = size if config.transform == "gpu-augment" else h
     return TrainStep(build_model(config.model, c, side, num_classes), device, p.device_transform)
 
 
-def measure_stages(prepared: dict[str, PreparedLoader], steps: dict[str, TrainStep], config: BenchConfig,
-                   workers: tuple[int, ...], num_classes: int, device: torch.device,
-                   log: Log) -> dict[str, dict[str, StageResult]]:
+def measure_stages(
+    prepared: dict[str, PreparedLoader],
+    steps: dict[str, TrainStep],
+    config: BenchConfig,
+    workers: tuple[int, ...],
+    num_classes: int,
+    device: torch.device,
+    log: Log,
+) -> dict[str, dict[str, StageResult]]:
     out: dict[str, dict[str, StageResult]] = {}
     h2d_done: dict[tuple[Any, ...], StageResult] = {}
     compute_done: dict[tuple[Any, ...], StageResult] = {}
@@ -173,8 +236,13 @@ def measure_stages(prepared: dict[str, PreparedLoader], steps: dict[str, TrainSt
         log(f"{name}: stages (read, transform at workers {','.join(map(str, workers))}, h2d, compute)")
         shape = (config.batch_size, *p.sample_shape)
         read = measure_read(name, p.files, p.n_images, config.read_max_bytes)
-        transform = measure_transform(name, lambda w, p=p: p.loader(w, False, config), workers,
-                                      min(config.warmup, 4), config.stage_steps)
+        transform = measure_transform(
+            name,
+            lambda w, p=p: p.loader(w, False, config),
+            workers,
+            min(config.warmup, 4),
+            config.stage_steps,
+        )
         key = (shape, p.batch_dtype)
         if p.on_device:
             h2d = StageResult("h2d", name, None, label="batches arrive on the device")
@@ -183,8 +251,16 @@ def measure_stages(prepared: dict[str, PreparedLoader], steps: dict[str, TrainSt
             h2d_done[key] = h2d
         ckey = (shape, p.batch_dtype, type(p.device_transform).__name__)
         if ckey not in compute_done:
-            compute_done[ckey] = measure_compute(name, steps[name], shape, p.batch_dtype, num_classes, device,
-                                                 warmup=3, steps=max(config.stage_steps, config.steps))
+            compute_done[ckey] = measure_compute(
+                name,
+                steps[name],
+                shape,
+                p.batch_dtype,
+                num_classes,
+                device,
+                warmup=3,
+                steps=max(config.stage_steps, config.steps),
+            )
         out[name] = {"read": read, "transform": transform, "h2d": h2d, "compute": compute_done[ckey]}
     return out
 
@@ -204,22 +280,39 @@ def kind_stages_of(s: dict[str, StageResult], p: PreparedLoader) -> KindStages:
     read, _ = per_epoch_read(s["read"], p)
     by = {int(w): r for w, r in s["transform"].detail.get("by_workers", {}).items()}
     h2d = s["h2d"]
-    return KindStages(read=read, transform_by_workers=by, h2d_pinned=h2d.detail.get("pinned_img_per_s"),
-                      h2d_pageable=h2d.detail.get("pageable_img_per_s"), compute=s["compute"].img_per_s)
+    return KindStages(
+        read=read,
+        transform_by_workers=by,
+        h2d_pinned=h2d.detail.get("pinned_img_per_s"),
+        h2d_pageable=h2d.detail.get("pageable_img_per_s"),
+        compute=s["compute"].img_per_s,
+    )
 
 
 def stage_entry(s: dict[str, StageResult], ks: KindStages, p: PreparedLoader) -> dict[str, Any]:
     _, basis = per_epoch_read(s["read"], p)
-    return {"read": ks.read, "transform": s["transform"].img_per_s, "h2d": ks.h2d_pinned, "compute": ks.compute,
-            "read_basis": basis, "read_warm": s["read"].detail.get("warm_img_per_s"),
-            "read_cold": s["read"].detail.get("cold_img_per_s"),
-            "transform_by_workers": {str(k): v for k, v in ks.transform_by_workers.items()},
-            "h2d_pageable": ks.h2d_pageable, "compute_label": s["compute"].label,
-            "detail": {k: asdict(v) for k, v in s.items()}}
+    return {
+        "read": ks.read,
+        "transform": s["transform"].img_per_s,
+        "h2d": ks.h2d_pinned,
+        "compute": ks.compute,
+        "read_basis": basis,
+        "read_warm": s["read"].detail.get("warm_img_per_s"),
+        "read_cold": s["read"].detail.get("cold_img_per_s"),
+        "transform_by_workers": {str(k): v for k, v in ks.transform_by_workers.items()},
+        "h2d_pageable": ks.h2d_pageable,
+        "compute_label": s["compute"].label,
+        "detail": {k: asdict(v) for k, v in s.items()},
+    }
 
 
-def compute_probe(stage_results: dict[str, dict[str, StageResult]], steps: dict[str, TrainStep], config: BenchConfig,
-                  num_classes: int, device: torch.device) -> Callable[[], None]:
+def compute_probe(
+    stage_results: dict[str, dict[str, StageResult]],
+    steps: dict[str, TrainStep],
+    config: BenchConfig,
+    num_classes: int,
+    device: torch.device,
+) -> Callable[[], None]:
     """Re-measures each distinct compute stage; called once per round so the ceiling is a median over the same
     span of time as the runs it is compared with (a shared machine drifts)."""
     distinct = {id(s["compute"]): (name, s["compute"]) for name, s in stage_results.items()}
@@ -227,9 +320,18 @@ def compute_probe(stage_results: dict[str, dict[str, StageResult]], steps: dict[
     def probe() -> None:
         for name, stage in distinct.values():
             d = stage.detail
-            again = measure_compute(name, steps[name], d["shape"], getattr(torch, d["dtype"]), num_classes, device,
-                                    warmup=2, steps=max(config.stage_steps, config.steps))
+            again = measure_compute(
+                name,
+                steps[name],
+                d["shape"],
+                getattr(torch, d["dtype"]),
+                num_classes,
+                device,
+                warmup=2,
+                steps=max(config.stage_steps, config.steps),
+            )
             d.setdefault("samples_img_per_s", [stage.img_per_s]).append(again.img_per_s)
+
     return probe
 
 
@@ -241,17 +343,25 @@ def settle_compute(stage_results: dict[str, dict[str, StageResult]]) -> None:
             s["compute"].label = s["compute"].label.split(";")[0] + f"; median of {len(samples)}"
 
 
-def run_rounds(prepared: dict[str, PreparedLoader], steps: dict[str, TrainStep], specs: list[RunSpec],
-               config: BenchConfig, device: torch.device, log: Log,
-               probe: Callable[[], None] | None = None) -> dict[tuple[Any, ...], list[Any]]:
+def run_rounds(
+    prepared: dict[str, PreparedLoader],
+    steps: dict[str, TrainStep],
+    specs: list[RunSpec],
+    config: BenchConfig,
+    device: torch.device,
+    log: Log,
+    probe: Callable[[], None] | None = None,
+) -> dict[tuple[Any, ...], list[Any]]:
     results: dict[tuple[Any, ...], list[Any]] = {s.key: [] for s in specs}
     for r in range(config.repeats):
         if probe is not None:
             probe()
         order = rotated(specs, r, config.repeats)
         for pos, spec in enumerate(order):
-            log(f"round {r + 1}/{config.repeats} [{pos + 1}/{len(order)}]: {spec.loader}, {spec.workers} workers, "
-                f"pin_memory={'on' if spec.pin_memory else 'off'}{', cold' if spec.cold else ''}")
+            log(
+                f"round {r + 1}/{config.repeats} [{pos + 1}/{len(order)}]: {spec.loader}, {spec.workers} workers, "
+                f"pin_memory={'on' if spec.pin_memory else 'off'}{', cold' if spec.cold else ''}"
+            )
             p = prepared[spec.loader]
             if spec.cold:
                 p.release()  # no open memmap may pin the pages the cold run needs evicted
@@ -262,8 +372,15 @@ def run_rounds(prepared: dict[str, PreparedLoader], steps: dict[str, TrainStep],
     return results
 
 
-def profile_all(prepared: dict[str, PreparedLoader], steps: dict[str, TrainStep], config: BenchConfig,
-                workers: tuple[int, ...], device: torch.device, specs: list[RunSpec], log: Log) -> dict[str, Any]:
+def profile_all(
+    prepared: dict[str, PreparedLoader],
+    steps: dict[str, TrainStep],
+    config: BenchConfig,
+    workers: tuple[int, ...],
+    device: torch.device,
+    specs: list[RunSpec],
+    log: Log,
+) -> dict[str, Any]:
     """A short scheduled profiler run per (loader, workers); never used for throughput."""
     if config.out is None:
         raise DlstoreError("--profile needs an output folder (--out DIR)")
@@ -273,13 +390,21 @@ def profile_all(prepared: dict[str, PreparedLoader], steps: dict[str, TrainStep]
     for name, p in prepared.items():
         for w in workers:
             log(f"profiling {name} with {w} workers")
-            traces[f"{name}-w{w}"] = profile_configuration(_profile_loop(p, w, pin, config, device, steps[name]),
-                                                           device, out, f"{name}-w{w}")
+            traces[f"{name}-w{w}"] = profile_configuration(
+                _profile_loop(p, w, pin, config, device, steps[name]), device, out, f"{name}-w{w}"
+            )
     return {"dir": str(out), "schedule": {"wait": 1, "warmup": 2, "active": 3}, "traces": traces}
 
 
-def _profile_loop(p: PreparedLoader, workers: int, pin: bool, config: BenchConfig, device: torch.device,
-                  step: TrainStep, n_steps: int = 6) -> Callable[[Callable[[], None]], None]:
+def _profile_loop(
+    p: PreparedLoader,
+    workers: int,
+    pin: bool,
+    config: BenchConfig,
+    device: torch.device,
+    step: TrainStep,
+    n_steps: int = 6,
+) -> Callable[[Callable[[], None]], None]:
     def run_steps(tick: Callable[[], None]) -> None:
         stream = BatchStream(p.loader(workers, pin, config))
         try:
@@ -291,32 +416,64 @@ def _profile_loop(p: PreparedLoader, workers: int, pin: bool, config: BenchConfi
                 tick()
         finally:
             stream.close()
+
     return run_steps
 
 
 def loader_info(p: PreparedLoader) -> dict[str, Any]:
-    return {"description": p.description, "n_images": p.n_images, "files": len(p.files),
-            "bytes_on_disk": p.bytes_on_disk(), "reads_per_epoch": p.reads_per_epoch,
-            "batch_dtype": str(p.batch_dtype).removeprefix("torch."), "sample_shape": list(p.sample_shape),
-            "device_transform": type(p.device_transform).__name__ if p.device_transform else None,
-            "on_device": p.on_device, **p.info}
+    return {
+        "description": p.description,
+        "n_images": p.n_images,
+        "files": len(p.files),
+        "bytes_on_disk": p.bytes_on_disk(),
+        "reads_per_epoch": p.reads_per_epoch,
+        "batch_dtype": str(p.batch_dtype).removeprefix("torch."),
+        "sample_shape": list(p.sample_shape),
+        "device_transform": type(p.device_transform).__name__ if p.device_transform else None,
+        "on_device": p.on_device,
+        **p.info,
+    }
 
 
-def protocol_of(config: BenchConfig, size: int, channels: int, workers: tuple[int, ...], pin_default: bool,
-                device: torch.device, steps: dict[str, TrainStep]) -> dict[str, Any]:
+def protocol_of(
+    config: BenchConfig,
+    size: int,
+    channels: int,
+    workers: tuple[int, ...],
+    pin_default: bool,
+    device: torch.device,
+    steps: dict[str, TrainStep],
+) -> dict[str, Any]:
     any_step = next(iter(steps.values()))
     return {
-        "size": size, "channels": channels, "batch_size": config.batch_size, "model": config.model,
-        "model_params": count_parameters(any_step.model), "optimizer": "Adam(lr=1e-3)",
-        "numerics": "fp32, TF32 off", "transform": config.transform,
-        "augment": {"random_resized_crop_scale": list(AUGMENT_SCALE), "rotation_degrees": AUGMENT_DEGREES,
-                    "hflip_p": 0.5},
-        "workers": list(workers), "repeats": config.repeats, "steps": config.steps, "warmup": config.warmup,
-        "stage_steps": config.stage_steps, "prefetch_factor": config.prefetch_factor,
+        "size": size,
+        "channels": channels,
+        "batch_size": config.batch_size,
+        "model": config.model,
+        "model_params": count_parameters(any_step.model),
+        "optimizer": "Adam(lr=1e-3)",
+        "numerics": "fp32, TF32 off",
+        "transform": config.transform,
+        "augment": {
+            "random_resized_crop_scale": list(AUGMENT_SCALE),
+            "rotation_degrees": AUGMENT_DEGREES,
+            "hflip_p": 0.5,
+        },
+        "workers": list(workers),
+        "repeats": config.repeats,
+        "steps": config.steps,
+        "warmup": config.warmup,
+        "stage_steps": config.stage_steps,
+        "prefetch_factor": config.prefetch_factor,
         "step_threads": torch.get_num_threads(),
-        "persistent_workers": True, "shuffle": True, "drop_last": True, "pin_memory_default": pin_default,
-        "pin_memory_mode": config.pin_memory, "device": str(device), "order": "rotated by repeat × runs / repeats",
+        "persistent_workers": True,
+        "shuffle": True,
+        "drop_last": True,
+        "pin_memory_default": pin_default,
+        "pin_memory_mode": config.pin_memory,
+        "device": str(device),
+        "order": "rotated by repeat × runs / repeats",
         "cold_runs": config.cold,
         "timing": "per step: next() wait and step (copy + train) on the host clock; CUDA events for device time; "
-                  "throughput = timed steps / their wall time, after a final synchronize",
+        "throughput = timed steps / their wall time, after a final synchronize",
     }

@@ -24,12 +24,19 @@ READ_CHUNK = 1 << 20
 
 # --- page-cache residency and eviction ------------------------------------------------------------------
 
+
 def _libc() -> Any | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         return libc
@@ -93,8 +100,13 @@ def evict_files(paths: Sequence[Path]) -> dict[str, Any]:
         finally:
             os.close(fd)
     after = resident_fraction(paths)
-    return {"files": len(paths), "resident_before": before, "resident_after": after,
-            "worked": None if after is None else after <= EVICTED_MAX_RESIDENT, "method": "posix_fadvise+mincore"}
+    return {
+        "files": len(paths),
+        "resident_before": before,
+        "resident_after": after,
+        "worked": None if after is None else after <= EVICTED_MAX_RESIDENT,
+        "method": "posix_fadvise+mincore",
+    }
 
 
 def eviction_worked(resident_after: float | None, cold_s: float, warm_s: float) -> bool:
@@ -126,9 +138,14 @@ def pick_files(paths: Sequence[Path], max_bytes: int) -> list[Path]:
     return [paths[int(i * step)] for i in range(keep)]
 
 
-def measure_read(loader: str, files: Sequence[Path], n_images: int, max_bytes: int = 256 << 20,
-                 evict: Callable[[Sequence[Path]], dict[str, Any]] = evict_files,
-                 reader: Callable[[Sequence[Path]], int] = read_files) -> StageResult:
+def measure_read(
+    loader: str,
+    files: Sequence[Path],
+    n_images: int,
+    max_bytes: int = 256 << 20,
+    evict: Callable[[Sequence[Path]], dict[str, Any]] = evict_files,
+    reader: Callable[[Sequence[Path]], int] = read_files,
+) -> StageResult:
     """Read the loader's files cold (after eviction) then warm; rates in MB/s and images/s."""
     if not files:
         return StageResult("read", loader, None, label="no files")
@@ -143,27 +160,43 @@ def measure_read(loader: str, files: Sequence[Path], n_images: int, max_bytes: i
     reader(picked)
     warm_s = time.perf_counter() - t0
     worked = eviction_worked(eviction.get("resident_after"), cold_s, warm_s)
-    eviction = {**eviction, "worked": worked, "judged_by": "mincore" if eviction.get("resident_after") is not None
-                else "timing", "cold_s": cold_s, "warm_s": warm_s}
+    eviction = {
+        **eviction,
+        "worked": worked,
+        "judged_by": "mincore" if eviction.get("resident_after") is not None else "timing",
+        "cold_s": cold_s,
+        "warm_s": warm_s,
+    }
     images = nbytes / bytes_per_image if bytes_per_image else 0
-    detail = {"bytes": nbytes, "files": len(picked), "files_total": len(files), "bytes_total": total_bytes,
-              "bytes_per_image": bytes_per_image,
-              "cold_mb_per_s": nbytes / cold_s / 1e6 if cold_s > 0 else None,
-              "warm_mb_per_s": nbytes / warm_s / 1e6 if warm_s > 0 else None,
-              "cold_img_per_s": images / cold_s if cold_s > 0 else None,
-              "warm_img_per_s": images / warm_s if warm_s > 0 else None, "eviction": eviction}
-    return StageResult("read", loader, detail["warm_img_per_s"], warm_s, int(images), label="warm", detail=detail)
+    detail = {
+        "bytes": nbytes,
+        "files": len(picked),
+        "files_total": len(files),
+        "bytes_total": total_bytes,
+        "bytes_per_image": bytes_per_image,
+        "cold_mb_per_s": nbytes / cold_s / 1e6 if cold_s > 0 else None,
+        "warm_mb_per_s": nbytes / warm_s / 1e6 if warm_s > 0 else None,
+        "cold_img_per_s": images / cold_s if cold_s > 0 else None,
+        "warm_img_per_s": images / warm_s if warm_s > 0 else None,
+        "eviction": eviction,
+    }
+    return StageResult(
+        "read", loader, detail["warm_img_per_s"], warm_s, int(images), label="warm", detail=detail
+    )
 
 
 # --- iterating a loader -------------------------------------------------------------------------------
+
 
 class BatchStream:
     """``next()`` over epochs of a re-iterable loader (a new epoch starts where the last one ended)."""
 
     def __init__(self, loader: Iterable) -> None:
         if hasattr(loader, "__len__") and len(loader) == 0:  # type: ignore[arg-type]
-            raise DlstoreError("the loader yields no batch: the dataset is smaller than --batch-size "
-                               "(batches drop the last partial one); lower --batch-size")
+            raise DlstoreError(
+                "the loader yields no batch: the dataset is smaller than --batch-size "
+                "(batches drop the last partial one); lower --batch-size"
+            )
         self.loader = loader
         self.epoch = 0
         self.it = iter(loader)
@@ -206,29 +239,44 @@ def time_loader(loader: Iterable, warmup: int, steps: int) -> dict[str, float]:
         seconds = time.perf_counter() - t1
     finally:
         stream.close()
-    return {"img_per_s": images / seconds if seconds > 0 else float("inf"), "seconds": seconds,
-            "images": images, "startup_s": startup}
+    return {
+        "img_per_s": images / seconds if seconds > 0 else float("inf"),
+        "seconds": seconds,
+        "images": images,
+        "startup_s": startup,
+    }
 
 
-def measure_transform(loader: str, make_loader: Callable[[int], Iterable], workers: Sequence[int],
-                      warmup: int, steps: int) -> StageResult:
+def measure_transform(
+    loader: str, make_loader: Callable[[int], Iterable], workers: Sequence[int], warmup: int, steps: int
+) -> StageResult:
     """The Dataset + transform through the loader alone (no device copy), per worker count."""
     by_workers: dict[str, dict[str, float]] = {}
     for w in workers:
         by_workers[str(w)] = time_loader(make_loader(w), warmup, steps)
     best_w = max(by_workers, key=lambda k: by_workers[k]["img_per_s"])
     best = by_workers[best_w]
-    return StageResult("transform", loader, best["img_per_s"], best["seconds"], int(best["images"]),
-                       label=f"best at {best_w} workers",
-                       detail={"by_workers": {k: v["img_per_s"] for k, v in by_workers.items()},
-                               "startup_s": {k: v["startup_s"] for k, v in by_workers.items()},
-                               "best_workers": int(best_w)})
+    return StageResult(
+        "transform",
+        loader,
+        best["img_per_s"],
+        best["seconds"],
+        int(best["images"]),
+        label=f"best at {best_w} workers",
+        detail={
+            "by_workers": {k: v["img_per_s"] for k, v in by_workers.items()},
+            "startup_s": {k: v["startup_s"] for k, v in by_workers.items()},
+            "best_workers": int(best_w),
+        },
+    )
 
 
 # --- host → device ------------------------------------------------------------------------------------
 
-def measure_h2d(loader: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device,
-                steps: int) -> StageResult:
+
+def measure_h2d(
+    loader: str, shape: Sequence[int], dtype: torch.dtype, device: torch.device, steps: int
+) -> StageResult:
     """Copy one batch of the loader's shape and dtype, pinned and pageable; images/s for each."""
     if device.type == "cpu":
         return StageResult("h2d", loader, None, label="no device copy: the step runs on the CPU")
@@ -246,17 +294,24 @@ def measure_h2d(loader: str, shape: Sequence[int], dtype: torch.dtype, device: t
         torch.cuda.synchronize(device)
         rates[name] = batch * steps / (time.perf_counter() - t0)
     nbytes = pageable.numel() * pageable.element_size()
-    detail = {"pinned_img_per_s": rates["pinned"], "pageable_img_per_s": rates["pageable"],
-              "pinned_gb_per_s": rates["pinned"] * nbytes / batch / 1e9,
-              "pageable_gb_per_s": rates["pageable"] * nbytes / batch / 1e9,
-              "batch_bytes": nbytes, "shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}
+    detail = {
+        "pinned_img_per_s": rates["pinned"],
+        "pageable_img_per_s": rates["pageable"],
+        "pinned_gb_per_s": rates["pinned"] * nbytes / batch / 1e9,
+        "pageable_gb_per_s": rates["pageable"] * nbytes / batch / 1e9,
+        "batch_bytes": nbytes,
+        "shape": list(shape),
+        "dtype": str(dtype).removeprefix("torch."),
+    }
     return StageResult("h2d", loader, rates["pinned"], label="pinned", images=batch * steps, detail=detail)
 
 
 # --- compute ------------------------------------------------------------------------------------------
 
-def synthetic_batch(shape: Sequence[int], dtype: torch.dtype, num_classes: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+
+def synthetic_batch(
+    shape: Sequence[int], dtype: torch.dtype, num_classes: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     if dtype == torch.uint8:
         x = torch.randint(0, 256, tuple(shape), dtype=torch.uint8, device=device)
     else:
@@ -270,9 +325,16 @@ def device_label(device: torch.device) -> str:
     return "cpu (no GPU used: the training step runs on the CPU)"
 
 
-def measure_compute(loader: str, step: Callable[[torch.Tensor, torch.Tensor], None], shape: Sequence[int],
-                    dtype: torch.dtype, num_classes: int, device: torch.device, warmup: int,
-                    steps: int) -> StageResult:
+def measure_compute(
+    loader: str,
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    num_classes: int,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+) -> StageResult:
     """The training step alone on a batch already on the device; warm-up first (cudnn tunes per shape)."""
     x, y = synthetic_batch(shape, dtype, num_classes, device)
     for _ in range(max(1, warmup)):
@@ -288,13 +350,18 @@ def measure_compute(loader: str, step: Callable[[torch.Tensor, torch.Tensor], No
         end.record()
     _sync(device)
     seconds = time.perf_counter() - t0
-    detail: dict[str, Any] = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."),
-                              "host_s": seconds, "threads": torch.get_num_threads()}
+    detail: dict[str, Any] = {
+        "shape": list(shape),
+        "dtype": str(dtype).removeprefix("torch."),
+        "host_s": seconds,
+        "threads": torch.get_num_threads(),
+    }
     if device.type == "cuda":
         detail["cuda_event_s"] = start.elapsed_time(end) / 1e3
     images = int(shape[0]) * steps
-    return StageResult("compute", loader, images / seconds, seconds, images, label=device_label(device),
-                       detail=detail)
+    return StageResult(
+        "compute", loader, images / seconds, seconds, images, label=device_label(device), detail=detail
+    )
 
 
 def _sync(device: torch.device) -> None:

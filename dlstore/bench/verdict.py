@@ -39,9 +39,12 @@ class KindStages:
     compute: float | None = None
 
     def rates(self, workers: int, pin_memory: bool) -> dict[str, float | None]:
-        return {"read": self.read, "transform": self.transform_at(workers),
-                "h2d": self.h2d_pinned if pin_memory or self.h2d_pageable is None else self.h2d_pageable,
-                "compute": self.compute}
+        return {
+            "read": self.read,
+            "transform": self.transform_at(workers),
+            "h2d": self.h2d_pinned if pin_memory or self.h2d_pageable is None else self.h2d_pageable,
+            "compute": self.compute,
+        }
 
     def transform_at(self, workers: int) -> float | None:
         if not self.transform_by_workers:
@@ -91,14 +94,27 @@ def knee(sweep: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Smallest worker count within 5% of the best rate, and where adding workers made things worse."""
     best = max(sweep, key=lambda r: r["img_per_s"])
     knee_run = next(r for r in sweep if r["img_per_s"] >= KNEE_FRACTION * best["img_per_s"])
-    hurts = [r for r in sweep if r["workers"] > best["workers"] and r["img_per_s"] < KNEE_FRACTION * best["img_per_s"]]
-    return {"best_workers": best["workers"], "best_img_per_s": best["img_per_s"], "knee_workers": knee_run["workers"],
-            "knee_img_per_s": knee_run["img_per_s"],
-            "hurts": [{"workers": r["workers"], "img_per_s": r["img_per_s"]} for r in hurts]}
+    hurts = [
+        r
+        for r in sweep
+        if r["workers"] > best["workers"] and r["img_per_s"] < KNEE_FRACTION * best["img_per_s"]
+    ]
+    return {
+        "best_workers": best["workers"],
+        "best_img_per_s": best["img_per_s"],
+        "knee_workers": knee_run["workers"],
+        "knee_img_per_s": knee_run["img_per_s"],
+        "hurts": [{"workers": r["workers"], "img_per_s": r["img_per_s"]} for r in hurts],
+    }
 
 
-def stalls(stages: dict[str, KindStages], sweeps: dict[str, list[dict[str, Any]]], cold: dict[str, dict[str, Any]],
-           batch_size: int, warmup_steps: int) -> dict[str, dict[str, Any]]:
+def stalls(
+    stages: dict[str, KindStages],
+    sweeps: dict[str, list[dict[str, Any]]],
+    cold: dict[str, dict[str, Any]],
+    batch_size: int,
+    warmup_steps: int,
+) -> dict[str, dict[str, Any]]:
     """Per loader at the cold run's worker count: prep stall and fetch stall in ms per batch."""
     out: dict[str, dict[str, Any]] = {}
     for name, sweep in sweeps.items():
@@ -108,18 +124,26 @@ def stalls(stages: dict[str, KindStages], sweeps: dict[str, list[dict[str, Any]]
         run = next((r for r in sweep if r["workers"] == w), sweep[-1])
         t_synth = batch_size / compute if compute else None
         t_cached = batch_size / run["img_per_s"] if run["img_per_s"] else None
-        entry: dict[str, Any] = {"workers": w, "synthetic_ms": _ms(t_synth), "cached_ms": _ms(t_cached),
-                                 "prep_stall_ms": _ms(max(0.0, t_cached - t_synth)) if t_synth and t_cached else None,
-                                 "fetch_stall_ms": None, "cold_ms": None, "fetch_note": "no cold run"}
+        entry: dict[str, Any] = {
+            "workers": w,
+            "synthetic_ms": _ms(t_synth),
+            "cached_ms": _ms(t_cached),
+            "prep_stall_ms": _ms(max(0.0, t_cached - t_synth)) if t_synth and t_cached else None,
+            "fetch_stall_ms": None,
+            "cold_ms": None,
+            "fetch_note": "no cold run",
+        }
         if c:
             per_batch_cold = c["warmup_s"] / max(1, warmup_steps)
             per_batch_warm = run["warmup_s"] / max(1, warmup_steps)
             entry["cold_ms"] = _ms(per_batch_cold)
             entry["fetch_stall_ms"] = _ms(max(0.0, per_batch_cold - per_batch_warm))
-            entry["fetch_note"] = ("cold vs warm over the warm-up steps, start-up included"
-                                   if c.get("eviction_worked") else
-                                   "eviction did not take (files cached elsewhere, mapped, or on tmpfs): "
-                                   "the cold run is not cold")
+            entry["fetch_note"] = (
+                "cold vs warm over the warm-up steps, start-up included"
+                if c.get("eviction_worked")
+                else "eviction did not take (files cached elsewhere, mapped, or on tmpfs): "
+                "the cold run is not cold"
+            )
         out[name] = entry
     return out
 
@@ -152,8 +176,9 @@ class Facts:
     pin_default: bool = False
 
 
-def analyse(stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dict[str, dict[str, Any]],
-            facts: Facts) -> dict[str, Any]:
+def analyse(
+    stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dict[str, dict[str, Any]], facts: Facts
+) -> dict[str, Any]:
     """Annotate runs, then the verdict (text) and recommendations (list of text)."""
     cpu_only = facts.device == "cpu"
     annotate_runs(stages, runs, cpu_only)
@@ -168,23 +193,34 @@ def analyse(stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dic
     raw = knees.get("raw")
     if raw:
         raw_run = next(r for r in sweeps["raw"] if r["workers"] == raw["best_workers"])
-        text.append(f"raw (per-file decode, as torchvision users have it) peaks at {_fmt(raw['best_img_per_s'])} "
-                    f"img/s with {_workers(raw['best_workers'])}, limited by "
-                    f"{STAGE_WORDS.get(raw_run['bottleneck'], '?')}.")
-    speedup = f", {best['img_per_s'] / raw['best_img_per_s']:.1f}× raw" if raw and best["loader"] != "raw" else ""
-    text.append(f"Fastest measured: {best['loader']} with {_workers(best['workers'])} at {_fmt(best['img_per_s'])} img/s "
-                f"(range {_fmt(best['img_per_s_min'])}–{_fmt(best['img_per_s_max'])}{speedup}); bottleneck: "
-                f"{best['bottleneck']} ({STAGE_WORDS.get(best['bottleneck'], '?')}); predicted "
-                f"{_fmt(best['predicted_img_per_s'])} img/s{_err(best)}.")
-    compute_bound = bool(best["bottleneck"] == "compute" and compute
-                         and best["img_per_s"] >= COMPUTE_BOUND_FRACTION * compute)
+        text.append(
+            f"raw (per-file decode, as torchvision users have it) peaks at {_fmt(raw['best_img_per_s'])} "
+            f"img/s with {_workers(raw['best_workers'])}, limited by "
+            f"{STAGE_WORDS.get(raw_run['bottleneck'], '?')}."
+        )
+    speedup = (
+        f", {best['img_per_s'] / raw['best_img_per_s']:.1f}× raw" if raw and best["loader"] != "raw" else ""
+    )
+    text.append(
+        f"Fastest measured: {best['loader']} with {_workers(best['workers'])} at {_fmt(best['img_per_s'])} img/s "
+        f"(range {_fmt(best['img_per_s_min'])}–{_fmt(best['img_per_s_max'])}{speedup}); bottleneck: "
+        f"{best['bottleneck']} ({STAGE_WORDS.get(best['bottleneck'], '?')}); predicted "
+        f"{_fmt(best['predicted_img_per_s'])} img/s{_err(best)}."
+    )
+    compute_bound = bool(
+        best["bottleneck"] == "compute" and compute and best["img_per_s"] >= COMPUTE_BOUND_FRACTION * compute
+    )
     if compute_bound:
-        text.append(f"The step is the limit: the input pipeline keeps up (Σwait/wall "
-                    f"{100 * best['wait']['sum_over_wall']:.0f}%).")
+        text.append(
+            f"The step is the limit: the input pipeline keeps up (Σwait/wall "
+            f"{100 * best['wait']['sum_over_wall']:.0f}%)."
+        )
     else:
-        text.append(f"The input pipeline starves the step: the loop waits for data "
-                    f"{100 * best['wait']['sum_over_wall']:.0f}% of the time "
-                    f"(p95 wait {best['wait']['p95_ms']:.1f} ms).")
+        text.append(
+            f"The input pipeline starves the step: the loop waits for data "
+            f"{100 * best['wait']['sum_over_wall']:.0f}% of the time "
+            f"(p95 wait {best['wait']['p95_ms']:.1f} ms)."
+        )
     recs += _worker_advice(knees)
     recs += _cache_advice(knees, sweeps, facts)
     recs += _bound_advice(best, stages, compute_bound, facts)
@@ -192,14 +228,27 @@ def analyse(stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dic
     stall = stalls(stages, sweeps, cold, facts.batch_size, facts.warmup_steps)
     recs += _stall_advice(stall)
     if best["prediction_error"] is not None and abs(best["prediction_error"]) > PREDICTION_TOLERANCE:
-        why = (f"on a CPU-only run the workers and the training step share {facts.cores} cores"
-               if cpu_only and best["workers"] > 0 else
-               "the stages interfere when run together, or the machine's load changed between measurements")
-        recs.append(f"The prediction for the fastest configuration missed by {100 * best['prediction_error']:+.0f}%: "
-                    f"{why}; trust the measured rate.")
-    return {"verdict": " ".join(text), "recommendations": recs, "stalls": stall, "knees": knees,
-            "best": {"loader": best["loader"], "workers": best["workers"], "img_per_s": best["img_per_s"],
-                     "bottleneck": best["bottleneck"]}}
+        why = (
+            f"on a CPU-only run the workers and the training step share {facts.cores} cores"
+            if cpu_only and best["workers"] > 0
+            else "the stages interfere when run together, or the machine's load changed between measurements"
+        )
+        recs.append(
+            f"The prediction for the fastest configuration missed by {100 * best['prediction_error']:+.0f}%: "
+            f"{why}; trust the measured rate."
+        )
+    return {
+        "verdict": " ".join(text),
+        "recommendations": recs,
+        "stalls": stall,
+        "knees": knees,
+        "best": {
+            "loader": best["loader"],
+            "workers": best["workers"],
+            "img_per_s": best["img_per_s"],
+            "bottleneck": best["bottleneck"],
+        },
+    }
 
 
 def _err(run: dict[str, Any]) -> str:
@@ -210,16 +259,21 @@ def _err(run: dict[str, Any]) -> str:
 def _worker_advice(knees: dict[str, dict[str, Any]]) -> list[str]:
     out = []
     for name, k in knees.items():
-        out.append(f"{name}: {_workers(k['knee_workers'])} reach {_fmt(k['knee_img_per_s'])} img/s, within 5% of its "
-                   f"best ({_fmt(k['best_img_per_s'])} at {k['best_workers']}); use num_workers={k['knee_workers']}.")
+        out.append(
+            f"{name}: {_workers(k['knee_workers'])} reach {_fmt(k['knee_img_per_s'])} img/s, within 5% of its "
+            f"best ({_fmt(k['best_img_per_s'])} at {k['best_workers']}); use num_workers={k['knee_workers']}."
+        )
         for h in k["hurts"]:
-            out.append(f"{name}: more workers hurt: {h['workers']} give {_fmt(h['img_per_s'])} img/s vs "
-                       f"{_fmt(k['best_img_per_s'])} at {k['best_workers']}.")
+            out.append(
+                f"{name}: more workers hurt: {h['workers']} give {_fmt(h['img_per_s'])} img/s vs "
+                f"{_fmt(k['best_img_per_s'])} at {k['best_workers']}."
+            )
     return out
 
 
-def _cache_advice(knees: dict[str, dict[str, Any]], sweeps: dict[str, list[dict[str, Any]]],
-                  facts: Facts) -> list[str]:
+def _cache_advice(
+    knees: dict[str, dict[str, Any]], sweeps: dict[str, list[dict[str, Any]]], facts: Facts
+) -> list[str]:
     cached = {k: v for k, v in knees.items() if k != "raw"}
     if "raw" not in knees or not cached:
         return []
@@ -228,40 +282,56 @@ def _cache_advice(knees: dict[str, dict[str, Any]], sweeps: dict[str, list[dict[
     k = cached[fmt]
     run = next(r for r in sweeps[fmt] if r["workers"] == k["knee_workers"])
     if k["best_img_per_s"] < 1.05 * raw:
-        return [f"A cache does not lift the bound here: the best cached kind ({fmt}) reaches "
-                f"{_fmt(k['best_img_per_s'])} img/s vs raw {_fmt(raw)}."]
+        return [
+            f"A cache does not lift the bound here: the best cached kind ({fmt}) reaches "
+            f"{_fmt(k['best_img_per_s'])} img/s vs raw {_fmt(raw)}."
+        ]
     size = facts.cache_bytes.get(fmt)
     mem = ""
     if fmt == "ram" and size is not None:
         mem = f"; ram keeps it in memory ({size / 1e6:,.0f} MB"
         mem += f" of {facts.mem_available / 1e6:,.0f} MB available)" if facts.mem_available else ")"
     disk = f", {size / 1e6:,.1f} MB on disk" if size is not None else ""
-    return [f"Convert once: `dlstore convert {facts.source} DEST --format {fmt} --size {facts.size}`{disk}{mem}. "
-            f"Measured here {_fmt(k['knee_img_per_s'])} img/s with {_workers(k['knee_workers'])} "
-            f"({k['best_img_per_s'] / raw:.1f}× raw's best); expect about {_fmt(run['predicted_img_per_s'])} img/s, "
-            f"bounded then by {run['bottleneck']}."]
+    return [
+        f"Convert once: `dlstore convert {facts.source} DEST --format {fmt} --size {facts.size}`{disk}{mem}. "
+        f"Measured here {_fmt(k['knee_img_per_s'])} img/s with {_workers(k['knee_workers'])} "
+        f"({k['best_img_per_s'] / raw:.1f}× raw's best); expect about {_fmt(run['predicted_img_per_s'])} img/s, "
+        f"bounded then by {run['bottleneck']}."
+    ]
 
 
-def _bound_advice(best: dict[str, Any], stages: dict[str, KindStages], compute_bound: bool, facts: Facts) -> list[str]:
+def _bound_advice(
+    best: dict[str, Any], stages: dict[str, KindStages], compute_bound: bool, facts: Facts
+) -> list[str]:
     b = best["bottleneck"]
     if compute_bound:
         if facts.device == "cpu":
-            return ["No GPU here: the CPU training step is the limit. On a GPU the step is far faster and the input "
-                    "pipeline decides the rate; run `dlstore bench` on the training machine."]
-        return [f"The GPU is the limit at {_fmt(best['img_per_s'])} img/s: nothing in the input pipeline needs to "
-                f"change ({best['loader']} with {_workers(best['workers'])} is enough). To go faster, speed up the "
-                "step (bf16 autocast, channels_last, a larger batch)."]
+            return [
+                "No GPU here: the CPU training step is the limit. On a GPU the step is far faster and the input "
+                "pipeline decides the rate; run `dlstore bench` on the training machine."
+            ]
+        return [
+            f"The GPU is the limit at {_fmt(best['img_per_s'])} img/s: nothing in the input pipeline needs to "
+            f"change ({best['loader']} with {_workers(best['workers'])} is enough). To go faster, speed up the "
+            "step (bf16 autocast, channels_last, a larger batch)."
+        ]
     ks = stages.get(best["loader"], KindStages())
     if b == "h2d":
-        return [f"The host→device copy limits {best['loader']}: {_fmt(ks.h2d_pinned)} img/s pinned vs "
-                f"{_fmt(ks.h2d_pageable)} pageable. Keep pin_memory=True and ship uint8 (4× fewer bytes than "
-                "float32), converting and normalising on the device."]
+        return [
+            f"The host→device copy limits {best['loader']}: {_fmt(ks.h2d_pinned)} img/s pinned vs "
+            f"{_fmt(ks.h2d_pageable)} pageable. Keep pin_memory=True and ship uint8 (4× fewer bytes than "
+            "float32), converting and normalising on the device."
+        ]
     if b == "read":
-        return [f"Storage read limits {best['loader']} ({_fmt(ks.read)} img/s): use fewer bytes per image (a smaller "
-                "--size, a compressed zarr/npz cache), a faster disk, or the ram kind if it fits in memory."]
+        return [
+            f"Storage read limits {best['loader']} ({_fmt(ks.read)} img/s): use fewer bytes per image (a smaller "
+            "--size, a compressed zarr/npz cache), a faster disk, or the ram kind if it fits in memory."
+        ]
     if b == "transform":
-        return [f"CPU work per image limits {best['loader']}: move augmentation to the device "
-                "(--transform gpu-augment with a cached kind) or add cores/workers."]
+        return [
+            f"CPU work per image limits {best['loader']}: move augmentation to the device "
+            "(--transform gpu-augment with a cached kind) or add cores/workers."
+        ]
     return []
 
 
@@ -271,8 +341,10 @@ def _pin_advice(runs: Sequence[dict[str, Any]], facts: Facts) -> list[str]:
     for (name, w, pin), r in by.items():
         other = by.get((name, w, not pin))
         if pin and other:
-            out.append(f"{name} at {_workers(w)}: pin_memory on {_fmt(r['img_per_s'])} vs off "
-                       f"{_fmt(other['img_per_s'])} img/s.")
+            out.append(
+                f"{name} at {_workers(w)}: pin_memory on {_fmt(r['img_per_s'])} vs off "
+                f"{_fmt(other['img_per_s'])} img/s."
+            )
     return out
 
 
@@ -281,8 +353,10 @@ def _stall_advice(stall: dict[str, dict[str, Any]]) -> list[str]:
     for name, s in stall.items():
         if s["prep_stall_ms"] is None:
             continue
-        line = (f"{name} at {_workers(s['workers'])}: {s['cached_ms']:.1f} ms per batch vs {s['synthetic_ms']:.1f} ms "
-                f"on synthetic data: prep stall {s['prep_stall_ms']:.1f} ms")
+        line = (
+            f"{name} at {_workers(s['workers'])}: {s['cached_ms']:.1f} ms per batch vs {s['synthetic_ms']:.1f} ms "
+            f"on synthetic data: prep stall {s['prep_stall_ms']:.1f} ms"
+        )
         if s["fetch_stall_ms"] is not None:
             line += f", fetch stall {s['fetch_stall_ms']:.1f} ms ({s['fetch_note']})"
         out.append(line + ".")

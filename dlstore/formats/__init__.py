@@ -19,7 +19,8 @@ class Format:
 
 
 FORMATS: dict[str, Format] = {
-    f.name: f for f in (
+    f.name: f
+    for f in (
         Format("ram", RamWriter, RamReader),
         Format("npz", NpzWriter, NpzReader),
         Format("zarr", ZarrWriter, ZarrReader),

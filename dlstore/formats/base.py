@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
-from abc import ABC, abstractmethod
 import threading
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -66,7 +66,9 @@ class CacheReader(ABC):
 
     fork_safe: ClassVar[bool] = False
 
-    def __init__(self, root: Path, spec: CacheSpec, in_memory: bool = False, threads: int | None = None) -> None:
+    def __init__(
+        self, root: Path, spec: CacheSpec, in_memory: bool = False, threads: int | None = None
+    ) -> None:
         self.root, self.spec, self.in_memory = Path(root), spec, in_memory
         # Plain threads, not OpenMP: idle OpenMP teams spin-wait and starve the training thread.
         self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
@@ -109,8 +111,15 @@ class ChunkedReader(CacheReader):
 
     fork_safe: ClassVar[bool] = True  # no handle outlives a read; the thread pool is re-made per pid
 
-    def __init__(self, root: Path, spec: CacheSpec, in_memory: bool = False, unit: int = 1,
-                 cache_bytes: int = 512 << 20, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        spec: CacheSpec,
+        in_memory: bool = False,
+        unit: int = 1,
+        cache_bytes: int = 512 << 20,
+        threads: int | None = None,
+    ) -> None:
         super().__init__(root, spec, in_memory, threads)
         self.unit = unit
         self._units = UnitCache(max(2, cache_bytes // max(1, unit * spec.image_bytes)))

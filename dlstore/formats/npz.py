@@ -44,7 +44,9 @@ class NpzReader(ChunkedReader):
     decode at all; a deflated shard is decoded once (in a thread) and the most recent ones are kept."""
 
     def __init__(self, root: Path, spec: Any, in_memory: bool = False, cache_bytes: int = 512 << 20) -> None:
-        super().__init__(root, spec, in_memory, unit=int(spec.format_options["unit_size"]), cache_bytes=cache_bytes)
+        super().__init__(
+            root, spec, in_memory, unit=int(spec.format_options["unit_size"]), cache_bytes=cache_bytes
+        )
 
     def load_unit(self, k: int) -> np.ndarray:
         path = self.root / shard_name(k)
@@ -56,11 +58,17 @@ class NpzReader(ChunkedReader):
                 with np.load(path, allow_pickle=False) as z:
                     arr = z["images"]
         except FileNotFoundError:
-            raise CacheCorruptError(f"{path}: shard missing; run `dlstore verify {self.root}` and rebuild") from None
+            raise CacheCorruptError(
+                f"{path}: shard missing; run `dlstore verify {self.root}` and rebuild"
+            ) from None
         except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, struct.error) as e:
-            raise CacheCorruptError(f"{path}: shard unreadable ({type(e).__name__}: {e}); rebuild the cache") from None
+            raise CacheCorruptError(
+                f"{path}: shard unreadable ({type(e).__name__}: {e}); rebuild the cache"
+            ) from None
         if arr.shape != expected or arr.dtype != np.uint8:
-            raise CacheCorruptError(f"{path}: holds {arr.dtype}{arr.shape}, expected uint8{expected}; rebuild")
+            raise CacheCorruptError(
+                f"{path}: holds {arr.dtype}{arr.shape}, expected uint8{expected}; rebuild"
+            )
         return arr
 
 
@@ -78,10 +86,16 @@ def map_stored_member(path: Path, member: str) -> np.ndarray | None:
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         f.seek(info.header_offset + 30 + name_len + extra_len)
         version = np.lib.format.read_magic(f)
-        read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        read_header = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        )
         shape, fortran, dtype = read_header(f)
         offset = f.tell()
-    if fortran or dtype != np.uint8 or offset - info.header_offset > info.file_size + 30 + name_len + extra_len:
+    if (
+        fortran
+        or dtype != np.uint8
+        or offset - info.header_offset > info.file_size + 30 + name_len + extra_len
+    ):
         raise ValueError(f"{member} is not a C-ordered uint8 array")
     if info.file_size != offset - (info.header_offset + 30 + name_len + extra_len) + int(np.prod(shape)):
         raise ValueError(f"{member}: zip entry size {info.file_size} does not match the array {shape}")

@@ -65,7 +65,9 @@ class RamReader(CacheReader):
         except ValueError as e:
             raise CacheCorruptError(f"{path}: unreadable or truncated ({e}); rebuild the cache") from None
         if arr.shape != expected or arr.dtype != np.uint8:
-            raise CacheCorruptError(f"{path}: holds {arr.dtype}{arr.shape}, manifest says uint8{expected}; rebuild")
+            raise CacheCorruptError(
+                f"{path}: holds {arr.dtype}{arr.shape}, manifest says uint8{expected}; rebuild"
+            )
         self.array = arr
 
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:

@@ -11,8 +11,9 @@ import json
 import math
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -47,17 +48,25 @@ class ZarrWriter(CacheWriter):
 
         codec = self.options.setdefault("codec", "zstd")
         group = zarr.open_group(self.root, mode="a", zarr_format=3)
-        group.create_array("images", shape=(self.n, *self.shape), chunks=(self.unit_size, *self.shape),
-                           dtype="uint8", compressors=_compressors(codec), fill_value=0, overwrite=True)
-        group.create_array("labels", shape=(self.n,), chunks=(max(1, self.n),), dtype="int64",
-                           fill_value=-1, overwrite=True)
+        group.create_array(
+            "images",
+            shape=(self.n, *self.shape),
+            chunks=(self.unit_size, *self.shape),
+            dtype="uint8",
+            compressors=_compressors(codec),
+            fill_value=0,
+            overwrite=True,
+        )
+        group.create_array(
+            "labels", shape=(self.n,), chunks=(max(1, self.n),), dtype="int64", fill_value=-1, overwrite=True
+        )
 
     def write_unit(self, k: int, images: np.ndarray) -> None:
         import zarr
 
         arr = zarr.open_array(self.root / "images", mode="r+", zarr_format=3)
         r = self.unit_range(k)
-        arr[r.start:r.stop] = images
+        arr[r.start : r.stop] = images
 
     def finish(self, labels: np.ndarray) -> None:
         import zarr
@@ -65,7 +74,9 @@ class ZarrWriter(CacheWriter):
         zarr.open_array(self.root / "labels", mode="r+", zarr_format=3)[:] = labels
 
 
-def parse_array_meta(path: Path, n: int, shape: tuple[int, int, int]) -> tuple[int, Callable[[bytes], Any] | None]:
+def parse_array_meta(
+    path: Path, n: int, shape: tuple[int, int, int]
+) -> tuple[int, Callable[[bytes], Any] | None]:
     """Validate ``images/zarr.json`` before any chunk is decoded; return (chunk length, decoder)."""
     try:
         meta = json.loads(path.read_text())
@@ -76,12 +87,21 @@ def parse_array_meta(path: Path, n: int, shape: tuple[int, int, int]) -> tuple[i
     if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         raise SpecError(f"{path}: not zarr v3 array metadata")
     if meta.get("shape") != [n, *shape] or meta.get("data_type") != "uint8":
-        raise SpecError(f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, manifest says uint8{[n, *shape]}")
+        raise SpecError(
+            f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, manifest says uint8{[n, *shape]}"
+        )
     grid = meta.get("chunk_grid", {})
     chunk = grid.get("configuration", {}).get("chunk_shape") if grid.get("name") == "regular" else None
-    if not (isinstance(chunk, list) and len(chunk) == 4 and chunk[1:] == list(shape)
-            and isinstance(chunk[0], int) and 1 <= chunk[0] <= 1 << 16):
-        raise SpecError(f"{path}: chunk shape {chunk} not (k, {', '.join(map(str, shape))}) with 1 ≤ k ≤ 65536")
+    if not (
+        isinstance(chunk, list)
+        and len(chunk) == 4
+        and chunk[1:] == list(shape)
+        and isinstance(chunk[0], int)
+        and 1 <= chunk[0] <= 1 << 16
+    ):
+        raise SpecError(
+            f"{path}: chunk shape {chunk} not (k, {', '.join(map(str, shape))}) with 1 ≤ k ≤ 65536"
+        )
     keys = meta.get("chunk_key_encoding", {})
     if keys.get("name") != "default" or keys.get("configuration", {}).get("separator", "/") != "/":
         raise SpecError(f"{path}: unsupported chunk key encoding {keys}")
@@ -92,10 +112,17 @@ def parse_array_meta(path: Path, n: int, shape: tuple[int, int, int]) -> tuple[i
 
 def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any] | None:
     """Only ``bytes`` then at most one of zstd/blosc; anything else (pickle, object codecs) is refused."""
-    if not isinstance(codecs, list) or not codecs or not isinstance(codecs[0], dict) or codecs[0].get("name") != "bytes":
+    if (
+        not isinstance(codecs, list)
+        or not codecs
+        or not isinstance(codecs[0], dict)
+        or codecs[0].get("name") != "bytes"
+    ):
         raise SpecError(f"{path}: codec chain {codecs} must start with 'bytes'")
     rest = codecs[1:]
-    if len(rest) > 1 or any(not isinstance(c, dict) or c.get("name") not in _ALLOWED_COMPRESSORS for c in rest):
+    if len(rest) > 1 or any(
+        not isinstance(c, dict) or c.get("name") not in _ALLOWED_COMPRESSORS for c in rest
+    ):
         names = [c.get("name") if isinstance(c, dict) else c for c in rest]
         raise SpecError(f"{path}: codec(s) {names} not allowed; only one of {sorted(_ALLOWED_COMPRESSORS)}")
     if not rest:
@@ -135,7 +162,9 @@ class ZarrReader(ChunkedReader):
                 raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
             self.decode(raw, out=out)  # type: ignore[call-arg]
         except FileNotFoundError:
-            raise CacheCorruptError(f"{path}: chunk {k} missing (zarr would read it as zeros); rebuild") from None
+            raise CacheCorruptError(
+                f"{path}: chunk {k} missing (zarr would read it as zeros); rebuild"
+            ) from None
         except (OSError, RuntimeError, ValueError) as e:
             raise CacheCorruptError(f"{path}: chunk {k} does not decode ({e}); rebuild the cache") from None
         return out
@@ -162,7 +191,7 @@ def declared_size(raw: memoryview) -> int:
         width = (1 if single else 0, 2, 4, 8)[fcs_flag]
         if width == 0:
             return -1
-        value = int.from_bytes(head[pos:pos + width], "little")
+        value = int.from_bytes(head[pos : pos + width], "little")
         return value + 256 if width == 2 else value
     if len(head) >= 16:  # blosc: version, versionlz, flags, typesize, then nbytes (uint32 LE)
         return int.from_bytes(head[4:8], "little")
