@@ -8,7 +8,7 @@ PY := $(VENV)/bin/python
 TORCH_PAIR ?= torch==2.14.1 torchvision==0.29.1
 DEMO_OUT ?= demo-out
 
-.PHONY: venv demo test clean
+.PHONY: venv demo test lint clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +25,11 @@ demo: venv
 	$(VENV)/bin/dlstore verify $(DEMO_OUT)/cache-zarr
 	$(VENV)/bin/dlstore bench demo --out $(DEMO_OUT)/bench
 
-test: venv
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: venv lint
 	$(PY) -m pytest -q -m "not slow and not gpu" tests
 
 clean:

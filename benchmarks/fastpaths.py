@@ -28,13 +28,13 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dlstore.bench.report import cpu_model  # noqa: E402
-from dlstore.cache import open_cache  # noqa: E402
-from dlstore.conversion import convert  # noqa: E402
-from dlstore.demo import ensure_demo  # noqa: E402
+from dlstore.build.conversion import convert  # noqa: E402
+from dlstore.build.sources import open_source, scan_folder  # noqa: E402
+from dlstore.datasets.demo import ensure_demo  # noqa: E402
+from dlstore.datasets.mnist_idx import write_fashion_mnist_like  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
-from dlstore.idx import write_fashion_mnist_like  # noqa: E402
-from dlstore.loader import PinnedLoader, ResidentLoader, batch_dataloader, make_sampler, storage_sorted  # noqa: E402
-from dlstore.sources import open_source, scan_folder  # noqa: E402
+from dlstore.read.cache import open_cache  # noqa: E402
+from dlstore.read.loaders import PinnedLoader, ResidentLoader, batch_dataloader, make_sampler, storage_sorted  # noqa: E402
 from dlstore.spec import ImagePolicy  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

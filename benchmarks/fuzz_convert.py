@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from dlstore.conversion import DecodeTimeout, convert, time_limit
+from dlstore.build.conversion import DecodeTimeout, convert, time_limit
+from dlstore.build.imageops import DECODE_ERRORS, decode_file
 from dlstore.errors import ImageDecodeError
-from dlstore.imageops import DECODE_ERRORS, decode_file
 from dlstore.spec import ImagePolicy
 
 SUFFIX = {"JPEG": ".jpg", "PNG": ".png", "WEBP": ".webp"}

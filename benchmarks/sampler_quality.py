@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import dlstore  # noqa: E402
 from dlstore.bench.report import _version, cpu_model  # noqa: E402
-from dlstore.demo import ensure_demo  # noqa: E402
+from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.formats.base import UnitCache  # noqa: E402
-from dlstore.loader import default_window, storage_sorted  # noqa: E402
-from dlstore.sampler import ChunkSampler  # noqa: E402
+from dlstore.read.loaders import default_window, storage_sorted  # noqa: E402
+from dlstore.read.sampler import ChunkSampler  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -2,7 +2,7 @@
 """Reproduce the two seed experiments with ``dlstore bench``, next to the cached kinds, in one call.
 
 FashionMNIST-format IDX files (synthetic pixels, the real format and size: 60,000 train images of 28×28) are
-written with ``dlstore.idx``; then, with the seeds' protocol (SmallCNN, 105,866 parameters, Adam, FP32 with
+written with ``dlstore.datasets.mnist_idx``; then, with the seeds' protocol (SmallCNN, 105,866 parameters, Adam, FP32 with
 TF32 off, batch 256, pin_memory, persistent workers, prefetch 2, 40 warm-up + 100 timed steps, rounds in
 rotated order):
 
@@ -125,7 +125,7 @@ def summary_rows(name: str, doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     from dlstore.bench.run import run_bench
-    from dlstore.idx import write_fashion_mnist_like
+    from dlstore.datasets.mnist_idx import write_fashion_mnist_like
 
     args = parse_args(argv)
     t0 = time.perf_counter()

@@ -24,8 +24,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dlstore import convert, open_cache  # noqa: E402
-from dlstore.demo import ensure_demo  # noqa: E402
-from dlstore.loader import make_sampler  # noqa: E402
+from dlstore.datasets.demo import ensure_demo  # noqa: E402
+from dlstore.read.loaders import make_sampler  # noqa: E402
 
 
 def main() -> None:

@@ -46,7 +46,7 @@ class KindList(click.ParamType):
 
 def known_kinds() -> tuple[str, ...]:
     try:
-        from dlstore.bench.loaders import LOADER_KINDS
+        from dlstore.bench.kinds import LOADER_KINDS
 
         return tuple(LOADER_KINDS)
     except ImportError:

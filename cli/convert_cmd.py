@@ -106,7 +106,7 @@ def convert_cmd(
     SOURCE is a folder of class subfolders (ImageFolder layout), torchvision:NAME
     (MNIST, FashionMNIST, CIFAR10, CIFAR100; files under --root) or demo.
     """
-    from dlstore.conversion import convert
+    from dlstore.build.conversion import convert
 
     with click.progressbar(length=1, label="converting", file=stderr()) as bar:
 

@@ -16,7 +16,7 @@ from dlstore.cli.render import emit_json, human_bytes
 @click.option("--json", "as_json", is_flag=True, help="Print the spec as one JSON document.")
 def info_cmd(dest: Path, as_json: bool) -> None:
     """Show what the cache at DEST holds."""
-    from dlstore.conversion import dir_bytes
+    from dlstore.build.conversion import dir_bytes
     from dlstore.spec import read_spec
 
     spec = read_spec(dest)
@@ -59,7 +59,7 @@ def info_cmd(dest: Path, as_json: bool) -> None:
 )
 def verify_cmd(dest: Path, deep: bool, source: Path | None) -> None:
     """Recompute checksums of the cache at DEST and check its source; exit 1 naming the first problem."""
-    from dlstore.verification import verify
+    from dlstore.build.verification import verify
 
     result = verify(dest, deep=deep, source=source)
     for note in result.notes:

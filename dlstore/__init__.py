@@ -1,6 +1,7 @@
 """dlstore: find and remove the input bottleneck of PyTorch image training.
 
-``from dlstore import CachedDataset, convert, open_cache``. Names load lazily so that importing
+``from dlstore import CachedDataset, convert, open_cache, verify``; the loaders and sampler from
+``dlstore.read``, GPU augmentation from ``dlstore.gpu``. Names load lazily so that importing
 dlstore (and ``dlstore --help``) does not import torch.
 """
 
@@ -11,13 +12,20 @@ from typing import Any
 from dlstore._version import __version__
 from dlstore.errors import DlstoreError
 
-__all__ = ["CachedDataset", "convert", "open_cache", "verify", "DlstoreError", "__version__"]
+__all__ = [
+    "CachedDataset",
+    "DlstoreError",
+    "__version__",
+    "convert",
+    "open_cache",
+    "verify",
+]
 
 _LAZY = {
-    "CachedDataset": "dlstore.dataset",
-    "convert": "dlstore.conversion",
-    "open_cache": "dlstore.cache",
-    "verify": "dlstore.verification",
+    "CachedDataset": "dlstore.read.dataset",
+    "convert": "dlstore.build.conversion",
+    "open_cache": "dlstore.read.cache",
+    "verify": "dlstore.build.verification",
 }
 
 

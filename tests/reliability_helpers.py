@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dlstore.cache import open_cache
 from dlstore.formats import FORMATS
+from dlstore.read.cache import open_cache
 
 FORMAT_NAMES = list(FORMATS)
 

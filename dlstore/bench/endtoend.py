@@ -18,9 +18,9 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from dlstore.bench.loaders import PreparedLoader
+from dlstore.bench.kinds import PreparedLoader
+from dlstore.bench.monitor import ResourceMonitor
 from dlstore.bench.protocol import MIN_TIMED_STEPS, BenchConfig, RunResult, StepRecord, summarize_waits
-from dlstore.bench.resources import ResourceMonitor
 from dlstore.bench.stages import BatchStream, batch_images, evict_files
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]

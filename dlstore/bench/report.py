@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
+from dlstore.bench.monitor import load_average, mem_available_bytes, shm_usage
 from dlstore.bench.protocol import STAGES, usable_cores
-from dlstore.bench.resources import load_average, mem_available_bytes, shm_usage
 
 STEP_COLUMNS = (
     "loader",

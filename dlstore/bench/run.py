@@ -28,8 +28,10 @@ from dlstore.bench.endtoend import (
     rotated,
     run_once,
 )
-from dlstore.bench.loaders import LoaderContext, PreparedLoader, default_size, prepare_loader, source_channels
+from dlstore.bench.kinds import LoaderContext, PreparedLoader, prepare_loader
+from dlstore.bench.kinds.base import default_size, source_channels
 from dlstore.bench.models import TrainStep, build_model, configure_numerics, count_parameters
+from dlstore.bench.monitor import mem_available_bytes
 from dlstore.bench.protocol import (
     AUGMENT_DEGREES,
     AUGMENT_SCALE,
@@ -42,7 +44,6 @@ from dlstore.bench.protocol import (
     usable_cores,
 )
 from dlstore.bench.report import environment, finite, profile_configuration, write_outputs
-from dlstore.bench.resources import mem_available_bytes
 from dlstore.bench.stages import (
     BatchStream,
     device_label,
@@ -52,8 +53,8 @@ from dlstore.bench.stages import (
     measure_transform,
 )
 from dlstore.bench.verdict import Facts, KindStages, analyse
+from dlstore.build.sources import open_source
 from dlstore.errors import DlstoreError
-from dlstore.sources import open_source
 
 Log = Callable[[str], None]
 PAGE_CACHE_FRACTION = 0.8  # data larger than this share of available RAM is read cold every epoch

@@ -139,14 +139,14 @@ def open_cache(
     """
     cache = Cache(Path(path), in_memory=in_memory)
     if check_source:
-        from dlstore.staleness import check_source as check
+        from dlstore.build.staleness import check_source as check
 
         check(cache.root, strict=strict)
     return cache
 
 
 def check_fits_in_memory(need: int, root: Path) -> None:
-    from dlstore.resources import available_memory
+    from dlstore.machine import available_memory
 
     avail, where = available_memory()
     if avail is not None and need > avail:

@@ -10,9 +10,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlstore.cache import Cache
 from dlstore.errors import CacheReplacedError
-from dlstore.resources import check_loader_shared_memory
+from dlstore.machine import check_loader_shared_memory
+from dlstore.read.cache import Cache
 from dlstore.spec import CacheSpec, read_spec
 
 
@@ -54,7 +54,7 @@ class CachedDataset(torch.utils.data.Dataset):
         self.in_memory = in_memory
         self.spec: CacheSpec = read_spec(self.path)
         if check_source:  # warns (strict: raises) naming the first source file changed since conversion
-            from dlstore.staleness import check_source as check
+            from dlstore.build.staleness import check_source as check
 
             check(self.path, strict=strict)
         self._cache: Cache | None = None

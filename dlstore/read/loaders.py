@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlstore.cache import Cache, open_cache
 from dlstore.errors import DlstoreError
 from dlstore.formats.base import ChunkedReader
-from dlstore.sampler import ChunkSampler
+from dlstore.read.cache import Cache, open_cache
+from dlstore.read.sampler import ChunkSampler
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -321,7 +321,7 @@ def check_fits(cache: Cache, device: torch.device, headroom: float) -> None:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        from dlstore.resources import available_memory
+        from dlstore.machine import available_memory
 
         free = available_memory()[0]
         if free is None:
@@ -354,7 +354,7 @@ class BatchDataset(torch.utils.data.Dataset):
     in DataLoader workers so handing the batch to the main process copies nothing."""
 
     def __init__(self, path: str | Path, in_memory: bool = False) -> None:
-        from dlstore.dataset import CachedDataset
+        from dlstore.read.dataset import CachedDataset
 
         self.dataset = CachedDataset(path, in_memory=in_memory)
 

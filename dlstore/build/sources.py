@@ -16,9 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from dlstore.build.imageops import array_to_image, decode_file, prepare
 from dlstore.checksums import file_sha256
 from dlstore.errors import SourceError
-from dlstore.imageops import array_to_image, decode_file, prepare
 from dlstore.spec import ImagePolicy
 
 # torchvision's IMG_EXTENSIONS plus GIF, which Pillow reads (first frame).
@@ -235,7 +235,7 @@ def open_source(
     """Resolve a SOURCE argument: a folder path, ``torchvision:NAME`` or ``demo``."""
     text = str(source)
     if text == "demo":
-        from dlstore.demo import ensure_demo
+        from dlstore.datasets.demo import ensure_demo
 
         return scan_folder(ensure_demo(n_images=demo_images), kind="demo")
     if text.startswith("torchvision:"):

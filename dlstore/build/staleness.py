@@ -63,7 +63,7 @@ def first_difference(old: list[list[Any]], new: list[list[Any]]) -> str | None:
 
 def source_status(cache_root: str | Path, source: str | Path | None = None) -> SourceStatus:
     """Compare the cache's recorded source files with the folder as it is now (size and mtime)."""
-    from dlstore.sources import scan_folder
+    from dlstore.build.sources import scan_folder
 
     doc = read_sources(Path(cache_root))
     if doc is None or (source is None and not doc.get("root")):

@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 from reliability_helpers import FORMAT_NAMES, assert_same_cache, make_tree, read_all, small_units
 
-import dlstore.conversion as conversion
-import dlstore.staging as staging_mod
-from dlstore.cache import open_cache
-from dlstore.conversion import convert
+import dlstore.build.conversion as conversion
+import dlstore.build.staging as staging_mod
+from dlstore.build.conversion import convert
+from dlstore.build.verification import verify
 from dlstore.errors import CacheNotFoundError, ConvertError, DlstoreError, SampleReadError
 from dlstore.formats import FORMATS
+from dlstore.read.cache import open_cache
 from dlstore.spec import MANIFEST, read_spec
-from dlstore.verification import verify
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Boom(Exception):
@@ -129,13 +129,13 @@ def test_failure_at_each_stage_leaves_old_or_nothing_and_rerun_completes(
 
 SLOW_CLI = """
 import sys, time
-import dlstore.imageops as io_
+import dlstore.build.imageops as io_
 real = io_.decode_file
 def slow(path, policy):
     time.sleep(0.06)
     return real(path, policy)
 io_.decode_file = slow
-import dlstore.sources as s; s.decode_file = slow
+import dlstore.build.sources as s; s.decode_file = slow
 from dlstore.cli import main
 sys.exit(main())
 """

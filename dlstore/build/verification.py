@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlstore.build.staleness import read_sources, source_status
 from dlstore.checksums import file_sha256, listed_files, mismatches
 from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
-from dlstore.staleness import read_sources, source_status
 
 
 @dataclass

@@ -132,9 +132,10 @@ def test_usage_errors(env: Path) -> None:
 def test_a_registered_kind_is_measured_and_a_missing_package_skips(
     env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dlstore.bench import loaders
+    from dlstore.bench import kinds as loaders
     from dlstore.bench.protocol import BenchConfig
     from dlstore.bench.run import run_bench
+    from dlstore.bench.transforms import ToFloat
 
     def broken(ctx: Any) -> Any:
         raise ImportError("No module named 'zarr'")
@@ -152,7 +153,7 @@ def test_a_registered_kind_is_measured_and_a_missing_package_skips(
             torch.uint8,
             (ctx.channels, ctx.size, ctx.size),
             lambda: data,
-            loaders.ToFloat(),
+            ToFloat(),
         )
 
     monkeypatch.setitem(loaders.LOADER_KINDS, "zarr", loaders.LoaderKind("zarr", "", broken))

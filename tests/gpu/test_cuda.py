@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dlstore import convert, open_cache
+from dlstore.build.sources import ArraySource
 from dlstore.gpu import GpuAugment
-from dlstore.loader import PinnedLoader, ResidentLoader
-from dlstore.sources import ArraySource
+from dlstore.read.loaders import PinnedLoader, ResidentLoader
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

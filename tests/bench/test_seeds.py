@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "seeds.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "seeds.py"
 
 
 def test_seeds_script_tiny(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -30,11 +30,12 @@ from typing import Any
 import numpy as np
 
 from dlstore._version import __version__
+from dlstore.build.sources import Source, open_source
+from dlstore.build.staging import Staging
 from dlstore.checksums import checksum_tree
 from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError
 from dlstore.formats import get_format
 from dlstore.formats.base import CacheWriter
-from dlstore.sources import Source, open_source
 from dlstore.spec import (
     LABELS_FILE,
     MANIFEST,
@@ -47,7 +48,6 @@ from dlstore.spec import (
     read_spec,
     write_json_durably,
 )
-from dlstore.staging import Staging
 
 Progress = Callable[[int], None]
 Log = Callable[[str], None]

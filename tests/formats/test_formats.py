@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from torchvision.datasets import ImageFolder
 
 from dlstore import convert, open_cache
+from dlstore.build.imageops import decode_file
+from dlstore.build.sources import ArraySource
 from dlstore.formats import FORMATS
-from dlstore.imageops import decode_file
-from dlstore.sources import ArraySource
 from dlstore.spec import ImagePolicy
 
 FORMAT_CASES = [

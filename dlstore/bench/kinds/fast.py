@@ -1,9 +1,9 @@
-"""Loader kinds for dlstore's fast paths, so users see them next to raw files and DataLoader caches.
+"""Kinds for dlstore's fast paths, so users see them next to raw files and DataLoader caches.
 
-``pinned``: ``dlstore.loader.PinnedLoader`` over a ram cache: no worker processes, a gather thread into
-pinned buffers and a side-stream copy; batches arrive on the device. ``resident``: the whole cache in
-device memory (``ResidentLoader``). Both ignore the worker count (they use none) and apply the run's
-device transform (``light`` → float, ``gpu-augment``/``augment`` → GpuAugment on the device).
+``pinned``: ``PinnedLoader`` over a ram cache: no worker processes, a gather thread into pinned buffers
+and a side-stream copy; batches arrive on the device. ``resident``: the whole cache in device memory
+(``ResidentLoader``). Both ignore the worker count (they use none) and apply the run's device transform
+(``light`` → float, ``gpu-augment``/``augment`` → GpuAugment on the device).
 """
 
 from __future__ import annotations
@@ -13,18 +13,16 @@ from typing import Any
 
 import torch
 
-from dlstore.bench.loaders import (
-    META_FILES,
-    LoaderContext,
-    PreparedLoader,
-    device_transform,
-    ensure_cache,
-    register_loader_kind,
-)
+from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader
+from dlstore.bench.kinds.cached import ensure_cache
+from dlstore.bench.transforms import device_transform
+
+PINNED = "ram cache, PinnedLoader: gather thread → pinned ring → side-stream copy, no workers"
+RESIDENT = "ram cache held in device memory, batches gathered there (ResidentLoader)"
 
 
 def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any) -> PreparedLoader:
-    from dlstore.dataset import CachedDataset
+    from dlstore.read.dataset import CachedDataset
     from dlstore.spec import read_spec
 
     path, info = ensure_cache(ctx, "ram")
@@ -48,11 +46,8 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any) -> Pr
     )
 
 
-@register_loader_kind(
-    "pinned", "ram cache, PinnedLoader: gather thread → pinned ring → side-stream copy, no workers"
-)
 def pinned_kind(ctx: LoaderContext) -> PreparedLoader:
-    from dlstore.loader import PinnedLoader
+    from dlstore.read.loaders import PinnedLoader
 
     return _fast_kind(
         ctx,
@@ -62,9 +57,8 @@ def pinned_kind(ctx: LoaderContext) -> PreparedLoader:
     )
 
 
-@register_loader_kind("resident", "ram cache held in device memory, batches gathered there (ResidentLoader)")
 def resident_kind(ctx: LoaderContext) -> PreparedLoader:
-    from dlstore.loader import ResidentLoader
+    from dlstore.read.loaders import ResidentLoader
 
     return _fast_kind(
         ctx,

@@ -128,7 +128,7 @@ class Staging:
     def _first_changed_source(self, old_plan: dict[str, Any]) -> str:
         if old_plan.get("fingerprint") == self.plan.get("fingerprint") or self.entries is None:
             return ""
-        from dlstore.staleness import first_difference
+        from dlstore.build.staleness import first_difference
 
         old = self._read_json(self.journal / "entries.json")
         diff = first_difference(old, self.entries) if isinstance(old, list) else None

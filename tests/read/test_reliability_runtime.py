@@ -1,6 +1,6 @@
 """RELIABILITY.md sections D (concurrency and memory) and E (security).
 
-Also covered elsewhere: D1 fork/spawn epochs and D2 small pickles per format in tests/test_dataset.py.
+Also covered elsewhere: D1 fork/spawn epochs and D2 small pickles per format in tests/read/test_dataset.py.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import pytest
 import torch
 from reliability_helpers import FORMAT_NAMES, make_tree, read_all
 
-import dlstore.resources as resources
-from dlstore.cache import open_cache
-from dlstore.conversion import convert
-from dlstore.dataset import CachedDataset
+import dlstore.machine as resources
+from dlstore.build.conversion import convert
+from dlstore.build.verification import verify
 from dlstore.errors import CacheCorruptError, CacheTooLargeError, DlstoreError, SharedMemoryError, SpecError
+from dlstore.read.cache import open_cache
+from dlstore.read.dataset import CachedDataset
 from dlstore.spec import parse_relpath
-from dlstore.verification import verify
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

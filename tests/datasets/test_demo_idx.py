@@ -1,4 +1,4 @@
-"""Tests for the embedded demo dataset (dlstore.demo) and the IDX reader/writer (dlstore.idx)."""
+"""Tests for the embedded demo dataset (dlstore.datasets.demo) and the IDX reader/writer (dlstore.datasets.mnist_idx)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlstore import demo
-from dlstore.demo import DEMO_CLASSES, demo_jpeg_bytes, ensure_demo, make_demo_image
-from dlstore.idx import read_idx, synthetic_mnist_arrays, write_fashion_mnist_like, write_idx
+from dlstore.datasets import demo
+from dlstore.datasets.demo import DEMO_CLASSES, demo_jpeg_bytes, ensure_demo, make_demo_image
+from dlstore.datasets.mnist_idx import read_idx, synthetic_mnist_arrays, write_fashion_mnist_like, write_idx
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 N_CLASSES = len(DEMO_CLASSES)
 
 
@@ -110,7 +110,7 @@ def test_crashed_run_leaves_nothing_reusable(tmp_path: Path) -> None:
     root = tmp_path / "demo"
     code = (
         "import os, sys\n"
-        "from dlstore import demo\n"
+        "from dlstore.datasets import demo\n"
         "demo._write_marker = lambda *a, **k: os._exit(3)\n"
         f"demo.ensure_demo({str(root)!r}, n_images=4, workers=1)\n"
     )

@@ -1,4 +1,4 @@
-"""Tests for dlstore.gpu.GpuAugment (CPU tensors).
+"""Tests for dlstore.gpu.augment.GpuAugment (CPU tensors).
 
 Statistical tolerances: every comparison is seeded, so the tests are
 deterministic; the bounds are still chosen so that a correct implementation
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dlstore.gpu import AugmentParams, GpuAugment, normalize
+from dlstore.gpu.augment import AugmentParams, GpuAugment, normalize
 
 N = 20_000
 KS_C = math.sqrt(-math.log(1e-3 / 2) / 2)

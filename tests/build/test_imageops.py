@@ -10,8 +10,8 @@ from imagegen import ORIENT_TAG, jpeg_bytes, smooth_rgb
 from PIL import Image, ImageOps
 from torchvision import transforms
 
+from dlstore.build.imageops import decode_file
 from dlstore.errors import ImageDecodeError
-from dlstore.imageops import decode_file
 from dlstore.spec import ImagePolicy
 
 

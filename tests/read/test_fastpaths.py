@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from dlstore import convert, open_cache
+from dlstore.build.sources import ArraySource
 from dlstore.formats import FORMATS
-from dlstore.loader import BufferRing, PinnedLoader, ResidentLoader, batch_dataloader
-from dlstore.sampler import ChunkSampler
-from dlstore.sources import ArraySource
+from dlstore.read.loaders import BufferRing, PinnedLoader, ResidentLoader, batch_dataloader
+from dlstore.read.sampler import ChunkSampler
 
 
 @pytest.fixture(scope="module")

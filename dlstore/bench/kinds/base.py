@@ -1,0 +1,118 @@
+"""What every loader kind is built from and returns: ``LoaderContext`` in, ``PreparedLoader`` out, and the
+DataLoader all built-in kinds share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dlstore.bench.protocol import BenchConfig
+from dlstore.build.sources import ArraySource, Source
+
+NATIVE_SIZES = {"MNIST": 28, "FashionMNIST": 28, "CIFAR10": 32, "CIFAR100": 32}
+DEFAULT_FOLDER_SIZE = 224  # what image folders are usually trained at
+DEFAULT_DEMO_SIZE = 32  # keeps the default run within its time bound on 2 cores
+META_FILES = {"dlstore.json", "sources.json", "skipped.json"}
+
+Log = Callable[[str], None]
+
+
+@dataclass
+class LoaderContext:
+    """What a loader-kind factory may use."""
+
+    config: BenchConfig
+    source: Source
+    size: int
+    channels: int
+    device: torch.device
+    cache_root: Path
+    log: Log = lambda msg: None
+
+
+LoaderFactory = Callable[[Dataset, int, bool, BenchConfig], Iterable]
+
+
+def dataloader_factory(dataset: Dataset, workers: int, pin_memory: bool, config: BenchConfig) -> DataLoader:
+    """The DataLoader every built-in kind uses: shuffled, drop_last, persistent workers, prefetch."""
+    kwargs: dict[str, Any] = {}
+    if workers > 0:
+        kwargs = {"persistent_workers": True, "prefetch_factor": config.prefetch_factor}
+    return DataLoader(
+        dataset,
+        batch_size=config.batch_size,
+        shuffle=True,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        drop_last=True,
+        **kwargs,
+    )
+
+
+@dataclass
+class PreparedLoader:
+    """A loader kind ready to measure.
+
+    ``files``: what an epoch reads from storage (read stage, cold runs). ``reads_per_epoch``: False when
+    the dataset loads everything once (then the read stage is a one-off load, not a per-epoch bound).
+    ``batch_dtype``/``sample_shape``: what one sample looks like when it reaches the copy.
+    ``device_transform``: runs on the device inside the training step (float conversion, GPU augment).
+    ``on_device``: batches arrive already on the device (no host→device copy stage).
+    """
+
+    name: str
+    description: str
+    n_images: int
+    files: list[Path]
+    reads_per_epoch: bool
+    batch_dtype: torch.dtype
+    sample_shape: tuple[int, int, int]
+    new_dataset: Callable[[], Dataset]
+    device_transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    on_device: bool = False
+    fresh_for_cold: bool = True  # cold runs build a new dataset (no state left from warm runs)
+    make_loader: LoaderFactory = dataloader_factory
+    info: dict[str, Any] = field(default_factory=dict)
+    _dataset: Dataset | None = None
+
+    @property
+    def dataset(self) -> Dataset:
+        if self._dataset is None:
+            self._dataset = self.new_dataset()
+        return self._dataset
+
+    def loader(self, workers: int, pin_memory: bool, config: BenchConfig, fresh: bool = False) -> Iterable:
+        dataset = self.new_dataset() if fresh else self.dataset
+        return self.make_loader(dataset, workers, pin_memory, config)
+
+    def release(self) -> None:
+        """Close the shared dataset's storage handles (memmaps hold pages against eviction); the next use
+        re-creates it."""
+        ds, self._dataset = self._dataset, None
+        cache = getattr(ds, "_cache", None)
+        if cache is not None and hasattr(cache, "close"):
+            cache.close()
+        del ds, cache
+        import gc
+
+        gc.collect()
+
+    def bytes_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in self.files)
+
+
+def source_channels(source: Source) -> int:
+    if isinstance(source, ArraySource):
+        return 1 if source.data.ndim == 3 else 3
+    return 3
+
+
+def default_size(source: Source) -> int:
+    if source.kind == "demo":
+        return DEFAULT_DEMO_SIZE
+    return NATIVE_SIZES.get(source.kind.removeprefix("torchvision:"), DEFAULT_FOLDER_SIZE)

@@ -1,0 +1,103 @@
+"""One kind per registered format: the source converted once into a cache, read through ``CachedDataset``
+in batches by a torch DataLoader."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader
+from dlstore.bench.transforms import cached_cpu_transform, device_transform
+
+
+def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path:
+    """Reuse a cache given with --cache when it is a cache of this format, else one keyed by the spec."""
+    given = ctx.config.cache
+    if given is not None and (Path(given) / "dlstore.json").is_file():
+        from dlstore.spec import read_spec
+
+        if read_spec(Path(given)).format == fmt:
+            return Path(given)
+    key = hashlib.sha256(
+        f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|crop".encode()
+    ).hexdigest()
+    base = (
+        Path(given) if given is not None and not (Path(given) / "dlstore.json").is_file() else ctx.cache_root
+    )
+    return base / f"{fmt}-s{ctx.size}-c{ctx.channels}-{key[:12]}"
+
+
+def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path, dict[str, Any]]:
+    """Convert the source into a cache unless a matching one is there; return its path and what happened."""
+    from dlstore.build.conversion import convert
+    from dlstore.errors import CacheNotFoundError, SpecError
+    from dlstore.spec import read_spec
+
+    dest = cache_dir_for(ctx, fmt)
+    try:
+        spec = read_spec(dest)
+        matches = (
+            spec.format == fmt
+            and spec.source.get("fingerprint") == ctx.source.fingerprint()
+            and tuple(spec.shape) == (ctx.size, ctx.size, ctx.channels)
+        )
+        if matches or dest == ctx.config.cache:
+            return dest, {"cache": str(dest), "reused": True}
+    except (CacheNotFoundError, SpecError, FileNotFoundError, OSError):
+        pass
+    ctx.log(f"converting {ctx.source.description} → {fmt} cache at {dest} ({ctx.size}px)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    result = convert(
+        ctx.source,
+        dest,
+        format=fmt,
+        size=ctx.size,
+        channels=ctx.channels,
+        overwrite=dest.exists(),
+        workers=ctx.config.convert_workers,
+    )
+    return dest, {
+        "cache": str(dest),
+        "reused": False,
+        "convert_s": result.seconds,
+        "convert_img_per_s": result.images_per_s,
+        "convert_workers": result.workers,
+    }
+
+
+def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
+    def factory(ctx: LoaderContext) -> PreparedLoader:
+        from dlstore.read.dataset import CachedDataset
+        from dlstore.spec import read_spec
+
+        path, info = ensure_cache(ctx, fmt)
+        spec = read_spec(path)
+        h, w, c = spec.shape
+        tf_name = ctx.config.transform
+        in_memory = fmt == "ram"
+        cpu_tf = cached_cpu_transform(tf_name, ctx.size)
+
+        def new_dataset() -> Dataset:
+            return CachedDataset(path, transform=cpu_tf, in_memory=in_memory)
+
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name not in META_FILES)
+        side = ctx.size if tf_name != "light" else h
+        return PreparedLoader(
+            fmt,
+            f"CachedDataset({fmt}{', in memory' if in_memory else ''}) + {tf_name}",
+            spec.n,
+            files,
+            not in_memory,
+            torch.uint8,
+            (c, side, side) if cpu_tf else (c, h, w),
+            new_dataset,
+            device_transform(tf_name, ctx.size, ctx.device),
+            info={**info, "shape": list(spec.shape), "loads_once": in_memory},
+        )
+
+    return factory

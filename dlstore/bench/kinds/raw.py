@@ -1,0 +1,81 @@
+"""The ``raw`` kind: torchvision ImageFolder / torchvision dataset, per-file PIL decode + resize + transform
+in DataLoader workers — what users start from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from dlstore.bench.kinds.base import NATIVE_SIZES, LoaderContext, PreparedLoader
+from dlstore.bench.transforms import device_transform, raw_transform
+from dlstore.build.sources import FolderSource
+from dlstore.errors import DlstoreError
+
+DESCRIPTION = "torchvision ImageFolder/dataset: per-file PIL decode + resize + transform"
+
+
+def raw_kind(ctx: LoaderContext) -> PreparedLoader:
+    tf_name, size = ctx.config.transform, ctx.size
+    dtype = torch.uint8 if tf_name == "gpu-augment" else torch.float32
+    dev_tf = device_transform(tf_name, size, ctx.device) if tf_name == "gpu-augment" else None
+    if isinstance(ctx.source, FolderSource):
+        root = ctx.source.root
+        files = [root / n for n in ctx.source.names]
+
+        def new_dataset() -> Dataset:
+            from torchvision.datasets import ImageFolder
+
+            return ImageFolder(str(root), transform=raw_transform(tf_name, size, None))
+
+        return PreparedLoader(
+            "raw",
+            f"torchvision ImageFolder({root}) + {tf_name}",
+            len(ctx.source),
+            files,
+            True,
+            dtype,
+            (3, size, size),
+            new_dataset,
+            dev_tf,
+            fresh_for_cold=False,
+            info={"root": str(root)},
+        )
+    name = ctx.source.kind.removeprefix("torchvision:")
+    root = ctx.config.root
+    if root is None:
+        raise DlstoreError(f"raw loader for {ctx.source.kind} needs --root")
+    files = sorted(p for p in Path(root).rglob("*") if p.is_file() and _torchvision_file(name, p))
+
+    def new_tv_dataset() -> Dataset:
+        import torchvision.datasets as tvd
+
+        return getattr(tvd, name)(
+            str(root),
+            train=True,
+            download=False,
+            transform=raw_transform(tf_name, size, NATIVE_SIZES.get(name)),
+        )
+
+    return PreparedLoader(
+        "raw",
+        f"torchvision.datasets.{name}({root}) + {tf_name}",
+        len(ctx.source),
+        files,
+        False,
+        dtype,
+        (ctx.channels, size, size),
+        new_tv_dataset,
+        dev_tf,
+        info={"root": str(root), "loads_once": True},
+    )
+
+
+def _torchvision_file(name: str, path: Path) -> bool:
+    if name in ("MNIST", "FashionMNIST"):
+        return (
+            path.parent.name == "raw" and path.parent.parent.name == name and path.name.startswith("train-")
+        )
+    folder = "cifar-10-batches-py" if name == "CIFAR10" else "cifar-100-python"
+    return path.parent.name == folder

@@ -1,0 +1,60 @@
+"""The bench's transforms: torchvision pipelines on PIL images for raw files, per-sample v2 transforms on
+uint8 tensors for cached kinds, and what runs on the device after the copy. Module-level classes, so they
+pickle into spawn/forkserver workers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
+
+
+class ToFloat(torch.nn.Module):
+    """uint8 → float32 in [0, 1], the ToTensor scaling, done on the device after the copy."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float32) / 255.0  # never in place: a float input may be a reused batch
+
+
+def raw_transform(kind: str, size: int, native: int | None) -> Any:
+    """torchvision transforms on PIL images, as users write them."""
+    from torchvision import transforms as T
+
+    fit = [] if native == size else [T.Resize(size), T.CenterCrop(size)]
+    if kind == "light":
+        return T.Compose([*fit, T.ToTensor()])
+    if kind == "augment":
+        return T.Compose(
+            [
+                T.RandomResizedCrop(size, scale=AUGMENT_SCALE),
+                T.RandomRotation(AUGMENT_DEGREES),
+                T.RandomHorizontalFlip(),
+                T.ToTensor(),
+            ]
+        )
+    return T.Compose([*fit, T.PILToTensor()])  # gpu-augment: uint8 to the device
+
+
+def cached_cpu_transform(kind: str, size: int) -> Any:
+    """Per-sample CPU augmentation of uint8 CHW tensors (torchvision v2), for cached kinds."""
+    if kind != "augment":
+        return None
+    from torchvision.transforms import v2
+
+    return v2.Compose(
+        [
+            v2.RandomResizedCrop(size, scale=AUGMENT_SCALE, antialias=True),
+            v2.RandomRotation(AUGMENT_DEGREES),
+            v2.RandomHorizontalFlip(),
+        ]
+    )
+
+
+def device_transform(kind: str, size: int, device: torch.device) -> torch.nn.Module:
+    if kind == "gpu-augment":
+        from dlstore.gpu import GpuAugment
+
+        return GpuAugment(size, scale=AUGMENT_SCALE, degrees=AUGMENT_DEGREES).to(device)
+    return ToFloat()
