@@ -7,9 +7,8 @@ from typing import Any
 
 import click
 
+from dlstore.bench.protocol import DEFAULT_LOADERS as KINDS  # no torch: --help stays instant
 from dlstore.cli.render import emit_json, stderr
-
-KINDS = ("raw", "ram", "npz", "zarr")  # built-in loader kinds; the registry may hold more
 
 
 class IntList(click.ParamType):
@@ -36,12 +35,27 @@ class KindList(click.ParamType):
     ) -> tuple[str, ...]:
         if isinstance(value, tuple):
             return value
-        from dlstore.bench.protocol import parse_formats
+        from dlstore.bench.protocol import parse_loaders
 
         try:
-            return parse_formats(str(value), known_kinds())
+            return parse_loaders(str(value), known_kinds())
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+def pick_loaders(loaders: tuple[str, ...] | None, alias: tuple[str, ...] | None) -> tuple[str, ...]:
+    """``--formats`` was renamed ``--loaders`` (it takes loader kinds, not storage formats); the old name
+    still works, with a warning on stderr."""
+    if alias is not None:
+        if loaders is not None:
+            raise click.UsageError("give --loaders only (--formats is its deprecated old name)")
+        click.echo(
+            "Warning: --formats is deprecated and will be removed; use --loaders (it takes loader kinds "
+            "such as raw and pinned, not storage formats).",
+            file=stderr(),
+        )
+        return alias
+    return loaders if loaders is not None else KINDS
 
 
 def known_kinds() -> tuple[str, ...]:
@@ -56,12 +70,20 @@ def known_kinds() -> tuple[str, ...]:
 @click.command("bench")
 @click.argument("source", default="demo")
 @click.option(
-    "--formats",
-    "formats",
+    "--loaders",
+    "loaders",
     type=KindList(),
-    default=",".join(KINDS),
-    show_default=True,
-    help="Loader kinds: raw (per-file decode, as torchvision) and cached formats.",
+    default=None,
+    help="Loader kinds to compare: raw (per-file decode, as torchvision), one per cache format, and the "
+    f"fast paths pinned and resident [default: {','.join(KINDS)}].",
+)
+@click.option(
+    "--formats",
+    "formats_alias",
+    type=KindList(),
+    default=None,
+    hidden=True,
+    help="Deprecated alias of --loaders.",
 )
 @click.option(
     "--workers",
@@ -160,7 +182,8 @@ def known_kinds() -> tuple[str, ...]:
 )
 def bench_cmd(
     source: str,
-    formats: tuple[str, ...],
+    loaders: tuple[str, ...] | None,
+    formats_alias: tuple[str, ...] | None,
     workers: tuple[int, ...] | None,
     size: int | None,
     batch_size: int,
@@ -192,7 +215,7 @@ def bench_cmd(
     config = BenchConfig(
         source=source,
         root=root,
-        formats=formats,
+        loaders=pick_loaders(loaders, formats_alias),
         workers=workers,
         size=size,
         batch_size=batch_size,

@@ -1,7 +1,7 @@
 """``dlstore bench``: measure each input-pipeline stage alone and end to end, then name the bottleneck.
 
 >>> from dlstore.bench import BenchConfig, run_bench          # doctest: +SKIP
->>> doc = run_bench(BenchConfig(formats=("raw", "ram"), workers=(0, 2)))
+>>> doc = run_bench(BenchConfig(loaders=("raw", "ram"), workers=(0, 2)))
 >>> doc["verdict"], doc["runs"][0]["bottleneck"]
 
 ``run_bench`` is imported lazily: ``dlstore.bench.protocol`` needs no torch.

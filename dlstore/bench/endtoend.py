@@ -19,6 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from dlstore.bench.kinds import PreparedLoader
+from dlstore.bench.kinds.base import loader_settings
 from dlstore.bench.monitor import ResourceMonitor
 from dlstore.bench.protocol import MIN_TIMED_STEPS, BenchConfig, RunResult, StepRecord, summarize_waits
 from dlstore.bench.stages import BatchStream, batch_images, evict_files
@@ -97,7 +98,9 @@ def run_once(
     monitor = ResourceMonitor(gpu=cuda)
     t0 = time.perf_counter()
     fresh = spec.cold and prepared.fresh_for_cold
-    stream = BatchStream(prepared.loader(spec.workers, spec.pin_memory, config, fresh=fresh))
+    loader = prepared.loader(spec.workers, spec.pin_memory, config, fresh=fresh)
+    result.loader_settings = loader_settings(loader)
+    stream = BatchStream(loader)
     first_epoch_end: float | None = None
     first_epoch_images = 0
     t_timed = t0
@@ -184,6 +187,7 @@ def aggregate(results: Sequence[RunResult]) -> dict[str, Any]:
         "startup_s": statistics.median(r.startup_s for r in results),
         "warmup_s": statistics.median(r.warmup_s for r in results),
         "wait": {k: statistics.median(w[k] for w in waits) for k in waits[0]},
+        "loader_settings": r0.loader_settings,
         "resources": results[-1].resources,
         "raw": [r.to_dict() for r in results],
     }

@@ -14,7 +14,7 @@ SCHEMA_VERSION = 1
 STAGES = ("read", "transform", "h2d", "compute")
 TRANSFORMS = ("light", "augment", "gpu-augment")
 DEVICES = ("auto", "cuda", "cpu")
-DEFAULT_FORMATS = ("raw", "ram", "npz", "zarr")
+DEFAULT_LOADERS = ("raw", "ram", "npz", "zarr")
 MIN_TIMED_STEPS = 4
 # Augmentation of the two seed experiments; RandomResizedCrop's scale there was (0.75, 1).
 AUGMENT_SCALE = (0.75, 1.0)
@@ -38,12 +38,12 @@ def default_worker_counts(cores: int | None = None) -> tuple[int, ...]:
 class BenchConfig:
     """Everything that decides what is measured. ``None`` fields are resolved by ``run_bench``.
 
-    >>> cfg = BenchConfig(source="demo", formats=("raw", "ram"), workers=(0, 2), steps=8)
+    >>> cfg = BenchConfig(source="demo", loaders=("raw", "ram"), workers=(0, 2), steps=8)
     """
 
     source: str = "demo"
     root: Path | None = None
-    formats: tuple[str, ...] = DEFAULT_FORMATS
+    loaders: tuple[str, ...] = DEFAULT_LOADERS  # loader kinds (dlstore.bench.kinds), not storage formats
     workers: tuple[int, ...] | None = None
     size: int | None = None
     batch_size: int = 32
@@ -74,7 +74,7 @@ class BenchConfig:
         d = asdict(self)
         for k in ("root", "out", "cache"):
             d[k] = None if d[k] is None else str(d[k])
-        d["formats"], d["workers"] = list(self.formats), None if self.workers is None else list(self.workers)
+        d["loaders"], d["workers"] = list(self.loaders), None if self.workers is None else list(self.workers)
         return d
 
 
@@ -123,6 +123,7 @@ class RunResult:
     first_epoch_partial: bool = False
     truncated: bool = False  # stopped early by max_run_s
     eviction: dict[str, Any] | None = None
+    loader_settings: dict[str, Any] = field(default_factory=dict)  # read back from the loader that ran
     resources: dict[str, Any] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
 
@@ -183,7 +184,7 @@ def parse_int_list(text: str) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def parse_formats(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
+def parse_loaders(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     bad = [n for n in names if n not in known]
     if bad or not names:

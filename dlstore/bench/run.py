@@ -33,8 +33,6 @@ from dlstore.bench.kinds.base import default_size, source_channels
 from dlstore.bench.models import TrainStep, build_model, configure_numerics, count_parameters
 from dlstore.bench.monitor import mem_available_bytes
 from dlstore.bench.protocol import (
-    AUGMENT_DEGREES,
-    AUGMENT_SCALE,
     DEVICES,
     SCHEMA_VERSION,
     TRANSFORMS,
@@ -145,7 +143,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "environment": environment(device),
         "config": config.to_dict(),
-        "protocol": protocol_of(config, size, channels, workers, pin_default, device, steps),
+        "protocol": protocol_of(config, size, channels, workers, pin_default, device, steps, runs, prepared),
         "source": {
             "description": source.description,
             "kind": source.kind,
@@ -195,7 +193,7 @@ def prepare_all(
 ) -> tuple[dict[str, PreparedLoader], list[str]]:
     prepared: dict[str, PreparedLoader] = {}
     notes: list[str] = []
-    for name in config.formats:
+    for name in config.loaders:
         try:
             p = prepare_loader(name, ctx)
         except ImportError as e:  # zarr is optional on some machines
@@ -444,32 +442,32 @@ def protocol_of(
     pin_default: bool,
     device: torch.device,
     steps: dict[str, TrainStep],
+    runs: list[dict[str, Any]],
+    prepared: dict[str, PreparedLoader],
 ) -> dict[str, Any]:
+    """What ran, read back from the objects that ran: the step's optimizer and numerics, each kind's
+    transforms, each run's loader settings. A setting that differs between runs is listed under
+    ``varies`` and recorded in each run's ``loader_settings``."""
     any_step = next(iter(steps.values()))
+    common, varies = split_settings([r.get("loader_settings") or {} for r in runs])
     return {
         "size": size,
         "channels": channels,
         "batch_size": config.batch_size,
         "model": config.model,
         "model_params": count_parameters(any_step.model),
-        "optimizer": "Adam(lr=1e-3)",
-        "numerics": "fp32, TF32 off",
+        "optimizer": describe_optimizer(any_step.optimizer),
+        "numerics": numerics(device),
         "transform": config.transform,
-        "augment": {
-            "random_resized_crop_scale": list(AUGMENT_SCALE),
-            "rotation_degrees": AUGMENT_DEGREES,
-            "hflip_p": 0.5,
-        },
+        "transforms": {name: kind_transforms(p) for name, p in prepared.items()},
         "workers": list(workers),
         "repeats": config.repeats,
         "steps": config.steps,
         "warmup": config.warmup,
         "stage_steps": config.stage_steps,
-        "prefetch_factor": config.prefetch_factor,
         "step_threads": torch.get_num_threads(),
-        "persistent_workers": True,
-        "shuffle": True,
-        "drop_last": True,
+        "loader_settings": common,
+        "varies": varies,
         "pin_memory_default": pin_default,
         "pin_memory_mode": config.pin_memory,
         "device": str(device),
@@ -477,4 +475,44 @@ def protocol_of(
         "cold_runs": config.cold,
         "timing": "per step: next() wait and step (copy + train) on the host clock; CUDA events for device time; "
         "throughput = timed steps / their wall time, after a final synchronize",
+    }
+
+
+def split_settings(settings: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """(settings every run shared, names of those that differ between runs)."""
+    names = sorted({k for s in settings for k in s})
+    common: dict[str, Any] = {}
+    varies: list[str] = []
+    for name in names:
+        values = {repr(s.get(name)) for s in settings}
+        if len(values) == 1:
+            common[name] = settings[0].get(name)
+        else:
+            varies.append(name)
+    return common, varies
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    hyper = {
+        k: v for k, v in optimizer.defaults.items() if isinstance(v, (int, float, str, tuple, type(None)))
+    }
+    return {"type": type(optimizer).__name__, **hyper}
+
+
+def numerics(device: torch.device) -> dict[str, Any]:
+    """The numeric settings in force while the runs ran (read from torch, not assumed)."""
+    return {
+        "dtype": "float32",
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        "tf32_cudnn": torch.backends.cudnn.allow_tf32,
+        "cudnn_benchmark": torch.backends.cudnn.benchmark if device.type == "cuda" else None,
+    }
+
+
+def kind_transforms(p: PreparedLoader) -> dict[str, Any]:
+    from dlstore.bench.kinds.base import describe_transform
+
+    return {
+        "cpu": describe_transform(getattr(p.dataset, "transform", None)),
+        "device": describe_transform(p.device_transform),
     }

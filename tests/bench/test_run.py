@@ -42,7 +42,7 @@ def result(env: Path) -> tuple[dict[str, Any], Path]:
     out = env / "out"
     res = CliRunner().invoke(
         main,
-        ["bench", *TINY, "--workers", "0,2", "--formats", "raw,ram,npz,zarr", "--out", str(out), "--json"],
+        ["bench", *TINY, "--workers", "0,2", "--loaders", "raw,ram,npz,zarr", "--out", str(out), "--json"],
         catch_exceptions=False,
     )
     assert res.exit_code == 0, res.output
@@ -89,6 +89,22 @@ def test_json_has_the_keys_other_tools_rely_on(result: tuple[dict[str, Any], Pat
     assert (out / "plots.png").stat().st_size > 0
 
 
+def test_protocol_records_what_ran(result: tuple[dict[str, Any], Path]) -> None:
+    doc, _ = result
+    proto = doc["protocol"]
+    # 0 and 2 workers: persistence and prefetch differ per run, so they are recorded per run
+    assert {"num_workers", "persistent_workers", "prefetch_factor"} <= set(proto["varies"])
+    for r in doc["runs"]:
+        s = r["loader_settings"]
+        assert s["num_workers"] == r["workers"] and s["persistent_workers"] == (r["workers"] > 0)
+        assert s["pin_memory"] == r["pin_memory"] and s["batch_size"] == 8
+    assert proto["loader_settings"]["drop_last"] is True and proto["loader_settings"]["shuffle"] is True
+    assert proto["optimizer"]["type"] == "Adam" and proto["optimizer"]["lr"] == 1e-3
+    assert proto["numerics"]["tf32_matmul"] is False  # a CPU run: what torch had set, read back
+    assert proto["transforms"]["raw"]["cpu"]["hflip_p"] is None  # light: no flip anywhere
+    assert "ToFloat" in proto["transforms"]["ram"]["device"]["repr"]
+
+
 def test_csv_rows_match_the_runs(result: tuple[dict[str, Any], Path]) -> None:
     doc, out = result
     with open(out / "steps.csv") as f:
@@ -110,7 +126,7 @@ def test_caches_are_reused_and_text_ends_with_a_verdict(
 ) -> None:
     res = CliRunner().invoke(
         main,
-        ["bench", *TINY, "--workers", "0", "--formats", "ram", "--no-cold", "--out", str(env / "out2")],
+        ["bench", *TINY, "--workers", "0", "--loaders", "ram", "--no-cold", "--out", str(env / "out2")],
         catch_exceptions=False,
     )
     assert res.exit_code == 0, res.output
@@ -119,12 +135,37 @@ def test_caches_are_reused_and_text_ends_with_a_verdict(
     assert doc["loaders"]["ram"]["reused"] is True
 
 
+def test_formats_is_a_hidden_deprecated_alias_of_loaders(env: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(
+        main,
+        [
+            "bench",
+            *TINY,
+            "--workers",
+            "0",
+            "--formats",
+            "ram",
+            "--no-cold",
+            "--out",
+            str(env / "o4"),
+            "--json",
+        ],
+    )
+    assert res.exit_code == 0, res.output
+    assert "--formats is deprecated" in res.stderr and "--loaders" in res.stderr
+    assert [r["loader"] for r in json.loads(res.stdout)["runs"]] == ["ram"]
+    assert "--formats" not in runner.invoke(main, ["bench", "--help"]).output
+    both = runner.invoke(main, ["bench", "--loaders", "ram", "--formats", "raw"])
+    assert both.exit_code == 2 and "--loaders only" in both.output
+
+
 def test_usage_errors(env: Path) -> None:
     runner = CliRunner()
-    assert runner.invoke(main, ["bench", "--formats", "raw,tiff"]).exit_code == 2
+    assert runner.invoke(main, ["bench", "--loaders", "raw,tiff"]).exit_code == 2
     assert runner.invoke(main, ["bench", "--workers", "a,b"]).exit_code == 2
     res = runner.invoke(
-        main, ["bench", *TINY, "--batch-size", "64", "--formats", "raw", "--out", str(env / "o3")]
+        main, ["bench", *TINY, "--batch-size", "64", "--loaders", "raw", "--out", str(env / "o3")]
     )
     assert res.exit_code == 1 and "batch-size" in res.output
 
@@ -160,7 +201,7 @@ def test_a_registered_kind_is_measured_and_a_missing_package_skips(
     monkeypatch.setitem(loaders.LOADER_KINDS, "tensors", loaders.LoaderKind("tensors", "", tensors))
     doc = run_bench(
         BenchConfig(
-            formats=("tensors", "zarr"),
+            loaders=("tensors", "zarr"),
             workers=(0,),
             demo_images=40,
             size=16,
@@ -181,7 +222,7 @@ def test_fast_path_kinds_are_measured(env: Path) -> None:
 
     doc = run_bench(
         BenchConfig(
-            formats=("pinned", "resident"),
+            loaders=("pinned", "resident"),
             workers=(0, 2),
             demo_images=40,
             size=16,

@@ -24,20 +24,21 @@ def tiny(**kw: object) -> BenchConfig:
 
 def test_decode_heavy_is_transform_bound() -> None:
     # full-size JPEG decode + CPU augmentation per image, a model step that costs almost nothing at 16 px
-    doc = run_bench(tiny(formats=("raw",), transform="augment", size=16))
+    doc = run_bench(tiny(loaders=("raw",), transform="augment", size=16))
     assert doc["runs"][0]["bottleneck"] == "transform"
+    assert doc["protocol"]["transforms"]["raw"]["cpu"]["hflip_p"] == 0.5  # read from the transform that ran
     assert "Convert once" not in " ".join(doc["recommendations"])  # no cached kind measured: no claim
 
 
 def test_compute_heavy_is_compute_bound() -> None:
     # pre-resized pixels from RAM, a ResNet-18 step on the CPU
-    doc = run_bench(tiny(formats=("ram",), model="resnet18", size=32))
+    doc = run_bench(tiny(loaders=("ram",), model="resnet18", size=32))
     assert doc["runs"][0]["bottleneck"] == "compute"
     assert any("CPU training step is the limit" in r for r in doc["recommendations"])
 
 
 def test_cache_lifts_a_decode_bound_raw_loader() -> None:
-    doc = run_bench(tiny(formats=("raw", "ram"), transform="gpu-augment", size=16))
+    doc = run_bench(tiny(loaders=("raw", "ram"), transform="gpu-augment", size=16))
     by = {r["loader"]: r for r in doc["runs"]}
     assert by["raw"]["bottleneck"] == "transform"
     assert by["ram"]["img_per_s"] > by["raw"]["img_per_s"]
@@ -49,7 +50,7 @@ def test_cache_lifts_a_decode_bound_raw_loader() -> None:
 def test_cuda_run_measures_copy_pin_and_device_time() -> None:
     doc = run_bench(
         tiny(
-            formats=("raw", "ram"), workers=(0, 2), transform="gpu-augment", size=32, device="cuda", cold=True
+            loaders=("raw", "ram"), workers=(0, 2), transform="gpu-augment", size=32, device="cuda", cold=True
         )
     )
     assert doc["environment"]["gpu"]["name"]

@@ -106,6 +106,53 @@ class PreparedLoader:
         return sum(p.stat().st_size for p in self.files)
 
 
+SETTING_NAMES = (
+    "batch_size",
+    "num_workers",
+    "persistent_workers",
+    "prefetch_factor",
+    "pin_memory",
+    "drop_last",
+)
+
+
+def loader_settings(loader: Iterable) -> dict[str, Any]:
+    """What the loader object that ran was set to (read back from it, not from what was asked)."""
+    out: dict[str, Any] = {"type": type(loader).__name__}
+    for name in SETTING_NAMES:
+        if hasattr(loader, name):
+            out[name] = getattr(loader, name)
+    sampler = getattr(loader, "sampler", None)
+    if sampler is not None:
+        out["sampler"] = type(sampler).__name__
+        out["shuffle"] = type(sampler).__name__ == "RandomSampler"
+    for name in ("order", "shuffle"):
+        if hasattr(loader, name) and name not in out:
+            out[name] = getattr(loader, name)
+    if out.get("num_workers") == 0:
+        out["prefetch_factor"] = None  # DataLoader ignores it without workers
+    return out
+
+
+def describe_transform(transform: Any) -> dict[str, Any] | None:
+    """The transform as it ran: its repr (with every parameter) and the horizontal-flip probability."""
+    if transform is None:
+        return None
+    return {"repr": " ".join(repr(transform).split()), "hflip_p": hflip_probability(transform)}
+
+
+def hflip_probability(transform: Any) -> float | None:
+    if hasattr(transform, "hflip_p"):  # GpuAugment
+        return float(transform.hflip_p)
+    if "HorizontalFlip" in type(transform).__name__:
+        return float(getattr(transform, "p", 0.5))
+    for t in getattr(transform, "transforms", ()):  # Compose
+        p = hflip_probability(t)
+        if p is not None:
+            return p
+    return None
+
+
 def source_channels(source: Source) -> int:
     if isinstance(source, ArraySource):
         return 1 if source.data.ndim == 3 else 3
