@@ -8,7 +8,7 @@ from typing import Any
 import click
 
 from dlstore.bench.protocol import DEFAULT_LOADERS as KINDS  # no torch: --help stays instant
-from dlstore.cli.render import emit_json, stderr
+from dlstore.cli.render import StorePath, emit_json, stderr
 
 
 class IntList(click.ParamType):
@@ -160,7 +160,7 @@ def known_kinds() -> tuple[str, ...]:
 )
 @click.option(
     "--cache",
-    type=click.Path(path_type=Path, file_okay=False),
+    type=StorePath(),
     default=None,
     help="A dlstore cache to use for its format, or the folder to keep the bench's caches in.",
 )

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import click
 
-from dlstore.cli.render import emit_json, human_bytes, stderr
+from dlstore.cli.render import StorePath, emit_json, human_bytes, stderr
 
 FORMAT_NAMES = ("ram", "npz", "zarr")  # mirrors dlstore.formats.FORMATS; a test keeps them equal
 
 
 @click.command("convert")
 @click.argument("source")
-@click.argument("dest", type=click.Path(path_type=Path, file_okay=False))
+@click.argument("dest", type=StorePath())
 @click.option(
     "--format", "fmt", type=click.Choice(FORMAT_NAMES), default="ram", show_default=True, help="Cache format."
 )
@@ -27,6 +27,14 @@ FORMAT_NAMES = ("ram", "npz", "zarr")  # mirrors dlstore.formats.FORMATS; a test
 )
 @click.option(
     "--channels", type=click.Choice(["1", "3"]), default="3", show_default=True, help="3 = RGB, 1 = grey."
+)
+@click.option(
+    "--decode",
+    type=click.Choice(["exact", "fast"]),
+    default="exact",
+    show_default=True,
+    help="exact = full decode, torchvision's pixels; fast = DCT-scaled decode of large JPEGs "
+    "(several times faster, mean error ≤ about 1 level; see README).",
 )
 @click.option(
     "--codec",
@@ -88,6 +96,7 @@ def convert_cmd(
     size: int,
     resize: str,
     channels: str,
+    decode: str,
     codec: str,
     compress: bool,
     workers: int | None,
@@ -121,6 +130,7 @@ def convert_cmd(
             size=size,
             resize=resize,
             channels=int(channels),
+            decode=decode,
             codec=codec,
             compress=compress,
             workers=workers,

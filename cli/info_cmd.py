@@ -8,11 +8,11 @@ from pathlib import Path
 
 import click
 
-from dlstore.cli.render import emit_json, human_bytes
+from dlstore.cli.render import StorePath, emit_json, human_bytes
 
 
 @click.command("info")
-@click.argument("dest", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("dest", type=StorePath())
 @click.option("--json", "as_json", is_flag=True, help="Print the spec as one JSON document.")
 def info_cmd(dest: Path, as_json: bool) -> None:
     """Show what the cache at DEST holds."""
@@ -47,7 +47,7 @@ def info_cmd(dest: Path, as_json: bool) -> None:
 
 
 @click.command("verify")
-@click.argument("dest", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("dest", type=StorePath())
 @click.option(
     "--deep", is_flag=True, help="Also re-hash every source file (catches edits that kept size and mtime)."
 )

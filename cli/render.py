@@ -9,6 +9,21 @@ from typing import Any
 import click
 
 
+class StorePath(click.ParamType):
+    """A cache location, checked by the library's one rule for where caches may live."""
+
+    name = "PATH"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        from dlstore.errors import DlstoreError
+        from dlstore.read.stores import parse_store_path
+
+        try:
+            return parse_store_path(value)
+        except DlstoreError as e:
+            self.fail(str(e), param, ctx)
+
+
 def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=1, default=str))
 

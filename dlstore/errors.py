@@ -57,3 +57,7 @@ class SharedMemoryError(DlstoreError, RuntimeError):
 
 class CacheReplacedError(DlstoreError, RuntimeError):
     """The cache was rebuilt or removed while it was open; reopen it to read the new generation."""
+
+
+class UnsupportedStoreError(DlstoreError, ValueError):
+    """A cache path names a store this dlstore cannot use (a URL such as s3://)."""

@@ -17,6 +17,7 @@ SOURCES_FILE = "sources.json"
 SKIPPED_FILE = "skipped.json"
 SPEC_VERSION = 1
 RESIZE_POLICIES = ("crop", "pad", "stretch")
+DECODE_MODES = ("exact", "fast")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class ImagePolicy:
     pixels as torchvision ``Resize(size)`` + ``CenterCrop(size)``. ``pad``: longer side to ``size``,
     centred on black. ``stretch``: straight to ``size``². Alpha is composited on ``background``;
     16-bit images are scaled to 8 bits (``v * 255 / 65535``, rounded); EXIF orientation is applied.
+    ``decode="exact"`` decodes every image in full (the torchvision pixels); ``"fast"`` lets large JPEGs
+    be DCT-scaled while decoding, within a bounded error (see ``dlstore.build.imageops``).
     """
 
     size: int
@@ -34,7 +37,7 @@ class ImagePolicy:
     channels: int = 3
     background: tuple[int, int, int] = (255, 255, 255)
     exif_transpose: bool = True
-    draft: bool = True
+    decode: str = "exact"
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -43,6 +46,8 @@ class ImagePolicy:
             raise SpecError(f"resize must be one of {RESIZE_POLICIES}, got {self.resize!r}")
         if self.channels not in (1, 3):
             raise SpecError(f"channels must be 1 or 3, got {self.channels}")
+        if self.decode not in DECODE_MODES:
+            raise SpecError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -110,7 +115,9 @@ def parse_spec(d: dict[str, Any], where: Path) -> CacheSpec:
         raise SpecError(f"{where}: bad counts n={n} n_stored={n_stored} in manifest")
     if _require(d, "dtype", str, where) != "uint8":
         raise SpecError(f"{where}: dtype {d['dtype']!r} unsupported (only uint8)")
-    img = _require(d, "image", dict, where)
+    img = dict(_require(d, "image", dict, where))
+    if "draft" in img:  # manifests before --decode: draft=True was DCT scaling from 4x the target
+        img["decode"] = "fast" if img.pop("draft") else "exact"
     try:
         policy = ImagePolicy(**{**img, "background": tuple(img.get("background", (255, 255, 255)))})
     except TypeError as e:

@@ -36,6 +36,7 @@ from dlstore.checksums import checksum_tree
 from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError
 from dlstore.formats import get_format
 from dlstore.formats.base import CacheWriter
+from dlstore.read.stores import parse_store_path
 from dlstore.spec import (
     LABELS_FILE,
     MANIFEST,
@@ -84,6 +85,7 @@ def convert(
     size: int,
     resize: str = "crop",
     channels: int = 3,
+    decode: str = "exact",
     codec: str = "zstd",
     compress: bool = False,
     workers: int | None = None,
@@ -101,6 +103,10 @@ def convert(
 ) -> ConvertResult:
     """Convert SOURCE (folder, ``torchvision:NAME``, ``demo`` or a Source) into a cache at DEST.
 
+    ``decode="exact"`` (default) gives torchvision's ``Resize`` + ``CenterCrop`` pixels exactly;
+    ``decode="fast"`` DCT-scales large JPEGs while decoding (faster, a bounded error; recorded in the
+    manifest's image policy).
+
     ``storage_order="shuffled"`` (default) stores images in a seeded random order, so every chunk
     or shard holds a mix of classes and a chunk-aware sampler stays close to a full shuffle; dataset
     index ``i`` is still source sample ``i`` (``positions.npy`` maps it to storage).
@@ -113,9 +119,9 @@ def convert(
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
     t0 = time.perf_counter()
-    dest = Path(dest)
+    dest = parse_store_path(dest)
     fmt = get_format(format)
-    policy = ImagePolicy(size=size, resize=resize, channels=channels)
+    policy = ImagePolicy(size=size, resize=resize, channels=channels, decode=decode)
     if not Staging.pending(dest):
         check_destination(dest, overwrite)
     src = (

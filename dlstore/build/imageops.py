@@ -1,8 +1,11 @@
 """Decode, orient, convert and pre-resize one image. Pure functions over Pillow; no torch.
 
-The pixel contract: for ``resize="crop"`` the result equals torchvision ``Resize(size)`` followed by
-``CenterCrop(size)`` on the PIL image (antialiased bilinear), except that a JPEG at least twice the
-target is decoded with ``Image.draft`` (DCT scaling), which stays within a mean of 2 levels of it.
+The pixel contract: with ``decode="exact"`` (the default) and ``resize="crop"`` the result equals
+torchvision ``Resize(size)`` followed by ``CenterCrop(size)`` on the PIL image (antialiased bilinear),
+pixel for pixel. ``decode="fast"`` lets libjpeg scale a large JPEG by 1/2, 1/4 or 1/8 while decoding
+(``Image.draft``, DCT scaling), but only while the decoded image keeps at least ``FAST_MARGIN`` times
+the pixels the resize needs; the bilinear step then maps the exact source geometry (a ``box``), so the
+only error left is the narrower low-pass of DCT scaling (measured in benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -35,6 +38,19 @@ DECODE_ERRORS: tuple[type[BaseException], ...] = (
     Image.DecompressionBombError,
     Image.DecompressionBombWarning,
 )
+# Decoded side ≥ this many times the resize target before DCT scaling may be used (decode="fast").
+# Chosen by measurement on real photographs (benchmarks/decode_accuracy.py, RESULTS.md).
+FAST_MARGIN = 3.0
+ORIENTATION_TAG = 0x0112
+_TRANSPOSE = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 _ALPHA_MODES = {"RGBA", "LA", "PA", "La", "RGBa"}
 _SIXTEEN_BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 
@@ -48,8 +64,8 @@ def decode_file(path: Path | str, policy: ImagePolicy) -> np.ndarray:
             with Image.open(path, formats=ALLOWED_FORMATS) as img:
                 if img.format == "PNG":
                     check_png_chunks(path)
-                if policy.draft and img.format == "JPEG":
-                    _draft(img, policy)
+                if policy.decode == "fast" and img.format == "JPEG" and draft_scale(img.size, policy) > 1:
+                    return decode_drafted(img, policy)
                 img.load()
                 return prepare(img, policy)
     except DECODE_ERRORS as e:
@@ -85,11 +101,14 @@ def check_png_chunks(path: Path | str) -> None:
 
 
 def prepare(img: Image.Image, policy: ImagePolicy) -> np.ndarray:
-    """Orient, convert and resize an opened image according to the policy."""
+    """Orient, convert and resize an opened image according to the policy (the exact path)."""
     if policy.exif_transpose:
         img = ImageOps.exif_transpose(img) or img
     img = to_mode(img, policy)
-    img = resize(img, policy)
+    return as_array(resize(img, policy))
+
+
+def as_array(img: Image.Image) -> np.ndarray:
     arr = np.asarray(img, dtype=np.uint8)
     return arr[:, :, None] if arr.ndim == 2 else arr
 
@@ -122,21 +141,36 @@ def composite(img: Image.Image, background: tuple[int, int, int]) -> Image.Image
 
 
 def resize(img: Image.Image, policy: ImagePolicy) -> Image.Image:
+    """Resize to ``target_size`` (antialiased bilinear), then crop or pad to ``size``²."""
+    target = target_size(img.size, policy)
+    if target != img.size:
+        img = img.resize(target, Image.BILINEAR)
+    return fit(img, policy)
+
+
+def target_size(size: tuple[int, int], policy: ImagePolicy) -> tuple[int, int]:
+    """The size the whole image is resized to before crop/pad; symmetric in w and h, so it is the same
+    computation before and after an EXIF rotation."""
+    w, h = size
     n = policy.size
     if policy.resize == "stretch":
-        return img if img.size == (n, n) else img.resize((n, n), Image.BILINEAR)
+        return n, n
     if policy.resize == "pad":
-        return _pad(img, n)
-    return _center_crop(_resize_short(img, n), n)
-
-
-def _resize_short(img: Image.Image, n: int) -> Image.Image:
+        scale = n / max(w, h)
+        return max(1, round(w * scale)), max(1, round(h * scale))
     # torchvision's _compute_resized_output_size, so the pixels match Resize(n) exactly.
-    w, h = img.size
     short, long = (w, h) if w <= h else (h, w)
     new_short, new_long = n, int(n * long / short)
-    new_w, new_h = (new_short, new_long) if w <= h else (new_long, new_short)
-    return img if (new_w, new_h) == (w, h) else img.resize((new_w, new_h), Image.BILINEAR)
+    return (new_short, new_long) if w <= h else (new_long, new_short)
+
+
+def fit(img: Image.Image, policy: ImagePolicy) -> Image.Image:
+    """The resized image → ``size``²: centre crop (crop), centred on black (pad), as is (stretch)."""
+    if policy.resize == "crop":
+        return _center_crop(img, policy.size)
+    if policy.resize == "pad":
+        return _pad(img, policy.size)
+    return img
 
 
 def _center_crop(img: Image.Image, n: int) -> Image.Image:
@@ -147,26 +181,37 @@ def _center_crop(img: Image.Image, n: int) -> Image.Image:
 
 def _pad(img: Image.Image, n: int) -> Image.Image:
     w, h = img.size
-    scale = n / max(w, h)
-    new_w, new_h = max(1, round(w * scale)), max(1, round(h * scale))
-    if (new_w, new_h) != (w, h):
-        img = img.resize((new_w, new_h), Image.BILINEAR)
     out = Image.new(img.mode, (n, n), 0)
-    out.paste(img, ((n - new_w) // 2, (n - new_h) // 2))
+    out.paste(img, ((n - w) // 2, (n - h) // 2))
     return out
 
 
-def _draft(img: Image.Image, policy: ImagePolicy) -> None:
-    """DCT-scale a large JPEG while decoding, keeping every side the resize needs at ≥ 2× target."""
+def draft_scale(size: tuple[int, int], policy: ImagePolicy, margin: float | None = None) -> int:
+    """The largest DCT scale (1/8, 1/4, 1/2) keeping both decoded sides ≥ ``margin`` × the resize
+    target; 1 when none does. A scale that leaves less makes the bilinear step's antialiasing too
+    narrow to undo libjpeg's block-aligned averaging (a visible blur and shift on real photos)."""
+    margin = FAST_MARGIN if margin is None else margin
+    w, h = size
+    tw, th = target_size(size, policy)
+    for s in (8, 4, 2):
+        if w / s >= margin * tw and h / s >= margin * th:
+            return s
+    return 1
+
+
+def decode_drafted(img: Image.Image, policy: ImagePolicy) -> np.ndarray:
+    """decode="fast" for a large JPEG: DCT-scaled decode, then resize in the file's own frame with the
+    exact source box (the drafted image's last row/column may cover a partial block), then orient."""
     w, h = img.size
-    n2 = 2 * policy.size
-    if policy.resize == "pad":
-        scale = n2 / max(w, h)
-        request = (max(1, int(np.ceil(w * scale))), max(1, int(np.ceil(h * scale))))
-    else:
-        request = (n2, n2)
-    if w >= 2 * request[0] and h >= 2 * request[1]:
-        img.draft(None, request)
+    scale = draft_scale((w, h), policy)
+    orientation = img.getexif().get(ORIENTATION_TAG, 1) if policy.exif_transpose else 1
+    used = img.draft(None, (w // scale, h // scale))
+    box = used[1] if used is not None else (0, 0, w, h)
+    img.load()
+    img = to_mode(img, policy)
+    img = img.resize(target_size((w, h), policy), Image.BILINEAR, box=box)
+    method = _TRANSPOSE.get(orientation)
+    return as_array(fit(img.transpose(method) if method is not None else img, policy))
 
 
 def array_to_image(arr: np.ndarray) -> Image.Image:

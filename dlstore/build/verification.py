@@ -14,6 +14,7 @@ from typing import Any
 
 from dlstore.build.staleness import read_sources, source_status
 from dlstore.checksums import file_sha256, listed_files, mismatches
+from dlstore.read.stores import parse_store_path
 from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
 
 
@@ -35,7 +36,7 @@ def verify(path: str | Path, deep: bool = False, source: str | Path | None = Non
     """Check every data file against the manifest's sha256, that no data file is unlisted, that
     ``skipped.json`` agrees with the manifest, and that the source is unchanged (``deep``: by content).
     ``source`` overrides the recorded source root (a dataset that moved)."""
-    root = Path(path)
+    root = parse_store_path(path)
     spec = read_spec(root)
     problems = checksum_problems(root, spec)
     if not problems:

@@ -15,6 +15,7 @@ from dlstore.errors import (
     SampleReadError,
 )
 from dlstore.formats import get_format
+from dlstore.read.stores import parse_store_path
 from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
 
 
@@ -26,7 +27,7 @@ class Cache:
     """
 
     def __init__(self, root: Path, in_memory: bool = False) -> None:
-        self.root = Path(root)
+        self.root = parse_store_path(root)
         self._root_inode = os.stat(self.root).st_ino if self.root.is_dir() else -1
         self.spec: CacheSpec = read_spec(self.root)
         stored = load_labels(self.root, self.spec)
@@ -137,7 +138,7 @@ def open_cache(
     (StaleCacheWarning), or with ``strict`` raises StaleCacheError, naming the first changed path.
     ``in_memory`` (ram format) is refused up front when the images exceed the available memory.
     """
-    cache = Cache(Path(path), in_memory=in_memory)
+    cache = Cache(parse_store_path(path), in_memory=in_memory)
     if check_source:
         from dlstore.build.staleness import check_source as check
 

@@ -13,6 +13,7 @@ import torch
 from dlstore.errors import CacheReplacedError
 from dlstore.machine import check_loader_shared_memory
 from dlstore.read.cache import Cache
+from dlstore.read.stores import parse_store_path
 from dlstore.spec import CacheSpec, read_spec
 
 
@@ -49,7 +50,7 @@ class CachedDataset(torch.utils.data.Dataset):
         strict: bool = False,
         check_source: bool = True,
     ) -> None:
-        self.path = Path(path)
+        self.path = parse_store_path(path)
         self.transform = transform
         self.in_memory = in_memory
         self.spec: CacheSpec = read_spec(self.path)

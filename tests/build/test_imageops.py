@@ -23,7 +23,7 @@ def reference(path: Path, size: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("size", [16, 32, 37])
-def test_crop_matches_torchvision_exactly_without_draft(image_tree: Path, size: int) -> None:
+def test_crop_matches_torchvision_exactly_by_default(image_tree: Path, size: int) -> None:
     checked = 0
     for path in sorted(image_tree.rglob("*")):
         if path.suffix not in (".jpg", ".png", ".bmp", ".webp") or "rotated" in path.name:
@@ -31,25 +31,25 @@ def test_crop_matches_torchvision_exactly_without_draft(image_tree: Path, size: 
         with Image.open(path) as img:
             if img.mode not in ("RGB", "L", "P") or "transparency" in img.info:
                 continue
-        got = decode_file(path, ImagePolicy(size=size, draft=False))
+        got = decode_file(path, ImagePolicy(size=size))
         np.testing.assert_array_equal(got, reference(path, size), err_msg=str(path))
         checked += 1
     assert checked >= 8
 
 
-def test_draft_stays_within_two_levels(image_tree: Path) -> None:
+def test_fast_stays_within_one_level(image_tree: Path) -> None:
     bigs = sorted(image_tree.rglob("big_jpg*.jpg"))
     assert bigs
     for path in bigs:
-        got = decode_file(path, ImagePolicy(size=32)).astype(float)
+        got = decode_file(path, ImagePolicy(size=32, decode="fast")).astype(float)
         diff = np.abs(got - reference(path, 32)).mean()
-        assert diff <= 2.0, (path, diff)
+        assert 0 < diff <= 1.0, (path, diff)  # > 0: the DCT-scaled path did run
 
 
-def test_draft_is_used_for_large_jpeg(image_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def spy_draft(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     from PIL.JpegImagePlugin import JpegImageFile
 
-    calls = []
+    calls: list[tuple[int, int]] = []
     orig = JpegImageFile.draft
 
     def spy(self: JpegImageFile, mode: str | None, size: tuple[int, int]) -> object:
@@ -57,8 +57,36 @@ def test_draft_is_used_for_large_jpeg(image_tree: Path, monkeypatch: pytest.Monk
         return orig(self, mode, size)
 
     monkeypatch.setattr(JpegImageFile, "draft", spy)
-    decode_file(next(image_tree.rglob("big_jpg*.jpg")), ImagePolicy(size=32))
-    assert calls == [(64, 64)]
+    return calls
+
+
+def test_fast_drafts_only_down_to_the_margin(image_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = spy_draft(monkeypatch)
+    path = next(image_tree.rglob("big_jpg*.jpg"))  # 410 x 300
+    decode_file(path, ImagePolicy(size=32, decode="fast"))
+    assert calls == [(205, 150)]  # 1/2: 150 ≥ FAST_MARGIN × 32, while 1/4 (75) would not be
+    decode_file(path, ImagePolicy(size=64, decode="fast"))
+    assert calls == [(205, 150)]  # 1/2 would leave 150 < 3 × 64: no DCT scaling at all
+
+
+def test_exact_never_drafts(image_tree: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = spy_draft(monkeypatch)
+    decode_file(next(image_tree.rglob("big_jpg*.jpg")), ImagePolicy(size=16))
+    assert calls == []
+
+
+@pytest.mark.parametrize("resize", ["crop", "pad", "stretch"])
+@pytest.mark.parametrize("orientation", [1, 3, 6, 8])
+def test_fast_matches_exact_geometry_for_every_policy(tmp_path: Path, resize: str, orientation: int) -> None:
+    """The drafted path resizes in the file's frame and orients afterwards: same geometry as exact."""
+    rng = np.random.default_rng(orientation)
+    exif = Image.Exif()
+    exif[ORIENT_TAG] = orientation
+    path = tmp_path / "o.jpg"
+    Image.fromarray(smooth_rgb(rng, 403, 611)).save(path, quality=92, exif=exif)
+    exact = decode_file(path, ImagePolicy(size=24, resize=resize)).astype(float)
+    fast = decode_file(path, ImagePolicy(size=24, resize=resize, decode="fast")).astype(float)
+    assert exact.shape == fast.shape and np.abs(exact - fast).mean() <= 1.0
 
 
 def test_sixteen_bit_ramp_keeps_256_levels(tmp_path: Path) -> None:
@@ -68,7 +96,7 @@ def test_sixteen_bit_ramp_keeps_256_levels(tmp_path: Path) -> None:
     with Image.open(path) as img:
         assert img.mode.startswith("I")
     got = decode_file(path, ImagePolicy(size=4, resize="stretch", channels=1))
-    full = decode_file(path, ImagePolicy(size=ramp.shape[1], resize="stretch", channels=1, draft=False))
+    full = decode_file(path, ImagePolicy(size=ramp.shape[1], resize="stretch", channels=1))
     assert len(np.unique(full)) == 256
     assert got.dtype == np.uint8 and full.max() == 255 and full.min() == 0
 
@@ -105,7 +133,7 @@ def test_exif_orientation_is_applied(tmp_path: Path, orientation: int) -> None:
     with Image.open(path) as img:
         expected = np.asarray(ImageOps.exif_transpose(img).convert("RGB"))
     np.testing.assert_array_equal(expected, upright)  # our inverse table is right
-    got = decode_file(path, ImagePolicy(size=60, resize="stretch", draft=False))
+    got = decode_file(path, ImagePolicy(size=60, resize="stretch"))
     ref = np.asarray(Image.fromarray(upright).resize((60, 60), Image.BILINEAR))
     np.testing.assert_array_equal(got, ref)
 
@@ -126,7 +154,7 @@ def test_palette_transparency_and_grey_channels(image_tree: Path) -> None:
     path = next(image_tree.rglob("p_trns_png*"))
     with Image.open(path) as img:
         ref = np.asarray(img.convert("RGBA"))
-    got = decode_file(path, ImagePolicy(size=ref.shape[1], resize="stretch", draft=False))
+    got = decode_file(path, ImagePolicy(size=ref.shape[1], resize="stretch"))
     transparent = ref[..., 3] == 0
     if ref.shape[0] == ref.shape[1]:
         assert (got[transparent] == 255).all()
@@ -136,7 +164,7 @@ def test_palette_transparency_and_grey_channels(image_tree: Path) -> None:
 
 def test_cmyk_matches_pillow_rgb(image_tree: Path) -> None:
     path = next(image_tree.rglob("cmyk_jpg*"))
-    np.testing.assert_array_equal(decode_file(path, ImagePolicy(size=24, draft=False)), reference(path, 24))
+    np.testing.assert_array_equal(decode_file(path, ImagePolicy(size=24)), reference(path, 24))
 
 
 @pytest.mark.parametrize("policy", ["pad", "stretch"])

@@ -271,7 +271,7 @@ def test_c4_adobe_inverted_cmyk_jpeg(tmp_path: Path) -> None:
     with Image.open(path) as ref:
         assert "adobe" in ref.info
         expected = np.asarray(ref.convert("RGB").resize((8, 8), Image.BILINEAR))
-    out = decode_file(path, ImagePolicy(size=8, resize="stretch", draft=False))
+    out = decode_file(path, ImagePolicy(size=8, resize="stretch"))
     assert np.abs(out.astype(int) - expected).mean() < 1
 
 

@@ -86,3 +86,11 @@ def test_help_does_not_import_torch(tmp_path: Path) -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_decode_option_is_recorded_in_the_manifest(image_tree: Path, tmp_path: Path) -> None:
+    for mode in ("exact", "fast"):
+        dest = tmp_path / mode
+        args = ["--decode", mode] if mode == "fast" else []  # exact is the default
+        assert run("convert", image_tree, dest, "--size", "8", "--workers", "1", *args).exit_code == 0
+        assert json.loads(run("info", dest, "--json").stdout)["image"]["decode"] == mode

@@ -1,0 +1,50 @@
+"""Cache paths with a URL scheme are refused (remote stores are not supported yet), never turned
+into a local folder named ``s3:``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from dlstore import CachedDataset, convert, open_cache, verify
+from dlstore.cli import main
+from dlstore.errors import UnsupportedStoreError
+from dlstore.read.stores import parse_store_path
+
+URLS = ["s3://bucket/prefix", "gs://b/c", "http://host/x", "https://host/x", "az://c/p", "s3:/bucket/p"]
+
+
+@pytest.mark.parametrize("url", URLS)
+def test_library_entry_points_refuse_urls(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for call in (
+        lambda: convert("demo", url, size=8),
+        lambda: open_cache(url),
+        lambda: CachedDataset(url),
+        lambda: verify(url),
+    ):
+        with pytest.raises(UnsupportedStoreError, match="not supported"):
+            call()
+    assert list(tmp_path.iterdir()) == []  # no local folder named "s3:" or "http:"
+
+
+@pytest.mark.parametrize(
+    "command", [["convert", "demo", "{url}", "--size", "8"], ["info", "{url}"], ["verify", "{url}"]]
+)
+def test_cli_refuses_urls_with_a_clear_message(
+    command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = [a.format(url="s3://bucket/prefix") for a in command]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "s3://bucket/prefix" in res.output and "not supported" in res.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_local_paths_and_file_urls_are_local() -> None:
+    assert parse_store_path("cache/x") == Path("cache/x")
+    assert parse_store_path(Path("/tmp/c")) == Path("/tmp/c")
+    assert parse_store_path("file:///tmp/c") == Path("/tmp/c")
+    assert parse_store_path("C:/data/c") == Path("C:/data/c")  # a drive letter is not a scheme
