@@ -12,6 +12,7 @@ import torch
 
 from dlstore.errors import CacheReplacedError
 from dlstore.machine import check_loader_shared_memory
+from dlstore.read.batch import BatchSamples, ImageBatch, in_worker, new_batch
 from dlstore.read.cache import Cache
 from dlstore.read.stores import parse_store_path
 from dlstore.spec import CacheSpec, read_spec
@@ -90,22 +91,32 @@ class CachedDataset(torch.utils.data.Dataset):
         image, label = self._batch([index])
         return self._sample(image[0], int(label[0]))
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, int]]:
-        """One storage pass for the batch; returns samples as DataLoader's default collate expects."""
+    def __getitems__(self, indices: Sequence[int]) -> Sequence[tuple[Any, int]]:
+        """One storage pass for the batch, as the samples DataLoader's default collate expects.
+
+        Without a transform the batch is read once into one (in a worker: shared-memory) block and
+        default_collate hands that block on (see ``dlstore.read.batch``): one copy per image, where
+        per-sample CHW tensors stacked by collate cost three (the per-sample one a strided transpose).
+        """
         check_loader_shared_memory(len(indices) * self.spec.image_bytes)
-        images, labels = self._batch(indices)
-        return [self._sample(img, int(lab)) for img, lab in zip(images, labels.tolist())]
+        if self.transform is not None:
+            images, labels = self._batch(indices)
+            return [self._sample(img, int(lab)) for img, lab in zip(images, labels.tolist())]
+        images, labels = self._batch(indices, shared=in_worker())
+        return BatchSamples(images.as_subclass(ImageBatch), labels)
 
     def read_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(B,C,H,W) uint8 and (B,) int64 tensors without per-sample work (no transform)."""
         images, labels = self._batch(indices)
         return images, torch.from_numpy(labels)
 
-    def _batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+    def _batch(self, indices: Sequence[int], shared: bool = False) -> tuple[torch.Tensor, np.ndarray]:
+        """(B,C,H,W) with channels-last strides: the (B,H,W,C) block as read, not transposed."""
         cache = self.cache
         idx = np.asarray(indices, dtype=np.int64)
-        images = torch.from_numpy(cache.read(idx)).permute(0, 3, 1, 2)
-        return images, cache.labels[idx]
+        block = new_batch((len(idx), *cache.spec.shape), shared)
+        cache.read(idx, out=block.numpy())
+        return block.permute(0, 3, 1, 2), cache.labels[idx]
 
     def _sample(self, image: torch.Tensor, label: int) -> tuple[Any, int]:
         image = image.contiguous()

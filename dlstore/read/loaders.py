@@ -28,6 +28,7 @@ import torch
 
 from dlstore.errors import DlstoreError
 from dlstore.formats.base import ChunkedReader
+from dlstore.read.batch import ImageBatch, in_worker, new_batch
 from dlstore.read.cache import Cache, open_cache
 from dlstore.read.sampler import ChunkSampler
 
@@ -67,6 +68,10 @@ class PinnedLoader:
     >>> for epoch in range(10):
     ...     for images, labels in loader:                                  # uint8 on the GPU
     ...         step(augment(images), labels)
+
+    ``transform`` (e.g. a ``GpuAugment``) is applied to each batch on the device; with
+    ``cuda_graph=True`` it is replayed from a CUDA graph (``dlstore.gpu.graphs.CudaGraphed``) and the
+    images it yields are overwritten by the next batch, as with ``ResidentLoader``.
     """
 
     def __init__(
@@ -80,8 +85,15 @@ class PinnedLoader:
         num_buffers: int = 4,
         in_memory: bool = False,
         window: int | None = None,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        cuda_graph: bool = False,
     ) -> None:
         self.cache = path if isinstance(path, Cache) else open_cache(path, in_memory=in_memory)
+        if cuda_graph and transform is not None:
+            from dlstore.gpu.graphs import CudaGraphed
+
+            transform = CudaGraphed(transform)  # replayed, not launched op by op (see ResidentLoader)
+        self.transform = transform
         self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
         self.device = torch.device(device)
         self.sampler = make_sampler(self.cache, order, seed, window)
@@ -107,7 +119,7 @@ class PinnedLoader:
         if self._last is not None and (last := self._last()) is not None:
             last.close()  # an epoch abandoned mid-way must give its buffers back first
         batches = torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
-        it = _PinnedIter(self.cache, self._ring, batches, self.device)
+        it = _PinnedIter(self.cache, self._ring, batches, self.device, self.transform)
         self._last = weakref.ref(it)
         return it
 
@@ -186,8 +198,15 @@ class _Producer:
 
 
 class _PinnedIter:
-    def __init__(self, cache: Cache, ring: BufferRing, batches: Any, device: torch.device) -> None:
-        self.ring, self.device = ring, device
+    def __init__(
+        self,
+        cache: Cache,
+        ring: BufferRing,
+        batches: Any,
+        device: torch.device,
+        transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.ring, self.device, self.transform = ring, device, transform
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.producer = _Producer(cache, ring, list(batches))
@@ -208,7 +227,8 @@ class _PinnedIter:
             self.ring.release(slot, None)
         else:
             x, y = self._copy(host_x, host_y, slot)
-        return x.permute(0, 3, 1, 2), y
+        x = x.permute(0, 3, 1, 2)
+        return (self.transform(x) if self.transform else x), y
 
     def _copy(self, host_x: torch.Tensor, host_y: torch.Tensor, slot: int) -> Batch:
         assert self.stream is not None
@@ -364,11 +384,9 @@ class BatchDataset(torch.utils.data.Dataset):
     def __getitem__(self, indices: list[int]) -> Batch:
         cache = self.dataset.cache
         idx = storage_sorted(cache, indices)
-        x = torch.empty((len(idx), *cache.spec.shape), dtype=torch.uint8)
-        if torch.utils.data.get_worker_info() is not None:
-            x.share_memory_()
+        x = new_batch((len(idx), *cache.spec.shape), shared=in_worker())
         cache.read(idx, out=x.numpy())
-        return x.permute(0, 3, 1, 2), torch.from_numpy(cache.labels[idx])
+        return x.permute(0, 3, 1, 2).as_subclass(ImageBatch), torch.from_numpy(cache.labels[idx])
 
 
 def batch_dataloader(

@@ -93,3 +93,37 @@ def test_resident_cuda_graph_matches_eager(cache_dir: Path) -> None:
     first = next(iter(graphed))[0].clone()
     second = next(iter(graphed))[0].clone()
     assert not torch.equal(first, second)  # fresh random parameters on every replay
+
+
+def test_cuda_graphed_transform_matches_eager() -> None:
+    from dlstore.gpu.graphs import CudaGraphed
+
+    def light(x: torch.Tensor) -> torch.Tensor:
+        return (x.float() / 255 - 0.5).flip(-1)
+
+    graphed = CudaGraphed(light)
+    for seed in range(3):
+        x = torch.randint(0, 256, (8, 3, 16, 16), dtype=torch.uint8, device="cuda", generator=None)
+        x = x.contiguous(memory_format=torch.channels_last) if seed else x
+        torch.manual_seed(seed)
+        assert torch.equal(graphed(x), light(x))
+
+
+def test_pinned_loader_graphed_transform(cache_dir: Path) -> None:
+    aug = GpuAugment(24, degrees=10).cuda()
+    loader = PinnedLoader(cache_dir, batch_size=64, device="cuda", transform=aug, cuda_graph=True)
+    shapes = [tuple(x.shape) for x, _ in loader]
+    assert shapes and all(s == (64, 3, 24, 24) for s in shapes)
+
+
+def test_image_batch_pins_in_parallel(cache_dir: Path) -> None:
+    from torch.utils.data import DataLoader
+
+    from dlstore import CachedDataset
+
+    ds = CachedDataset(cache_dir)
+    for workers in (0, 2):
+        loader = DataLoader(ds, batch_size=100, num_workers=workers, pin_memory=True)
+        x, y = next(iter(loader))
+        assert type(x) is torch.Tensor and x.is_pinned() and y.is_pinned()
+        assert torch.equal(x, torch.stack([ds[i][0] for i in range(100)]))
