@@ -145,8 +145,12 @@ def convert_cmd(
             progress=progress,
             log=lambda message: click.echo(f"\nwarning: {message}", err=True),
         )
+    if result.up_to_date:
+        click.echo(f"{result.dest} is up to date", err=True)
     if as_json:
         emit_json(result.to_dict())
+        return
+    if result.up_to_date:
         return
     click.echo(
         f"{result.dest}: {result.format}, {result.n} images of {'x'.join(map(str, result.shape))}, "

@@ -13,7 +13,7 @@ from dlstore.errors import CacheNotFoundError, SpecError
 MANIFEST = "dlstore.json"
 LABELS_FILE = "labels.npy"
 POSITIONS_FILE = "positions.npy"
-SOURCES_FILE = "sources.json"
+SOURCE_RECORD = "sources.npz"
 SKIPPED_FILE = "skipped.json"
 SPEC_VERSION = 1
 RESIZE_POLICIES = ("crop", "pad", "stretch")

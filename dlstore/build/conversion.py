@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from dlstore._version import __version__
+from dlstore.build.rerun import is_up_to_date
 from dlstore.build.sources import Source, open_source
 from dlstore.build.staging import Staging
 from dlstore.checksums import checksum_tree
@@ -37,12 +38,13 @@ from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError
 from dlstore.formats import get_format
 from dlstore.formats.base import CacheWriter
 from dlstore.read.stores import parse_store_path
+from dlstore.sourcefiles import SourceRecord
 from dlstore.spec import (
     LABELS_FILE,
     MANIFEST,
     POSITIONS_FILE,
     SKIPPED_FILE,
-    SOURCES_FILE,
+    SOURCE_RECORD,
     CacheSpec,
     ImagePolicy,
     fsync_dir,
@@ -72,6 +74,7 @@ class ConvertResult:
     resumed_units: int = 0
     skipped: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    up_to_date: bool = False  # DEST already held this cache (same source and options): nothing done
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,7 +125,9 @@ def convert(
     dest = parse_store_path(dest)
     fmt = get_format(format)
     policy = ImagePolicy(size=size, resize=resize, channels=channels, decode=decode)
-    if not Staging.pending(dest):
+    pending = Staging.pending(dest)
+    rerun = not pending and not overwrite and (dest / MANIFEST).is_file()
+    if not pending and not rerun:
         check_destination(dest, overwrite)
     src = (
         source
@@ -146,6 +151,8 @@ def convert(
         "dlstore": __version__.split(".")[0],
     }
     warnings = [scan_warning(src)] if scan_errors(src) else []
+    if rerun and is_up_to_date(dest, Staging.normalised(plan), src):
+        return published_result(dest, fmt.name, src, t0, writer.n_units, warnings, up_to_date=True)
     with Staging(dest, plan, discard_mismatch=overwrite, entries=src.entries()) as staging:
         if staging.already_published:
             return published_result(dest, fmt.name, src, t0, writer.n_units, warnings)
@@ -198,9 +205,10 @@ def convert(
 
 
 def published_result(
-    dest: Path, fmt: str, src: Source, t0: float, n_units: int, warnings: list[str]
+    dest: Path, fmt: str, src: Source, t0: float, n_units: int, warnings: list[str], up_to_date: bool = False
 ) -> ConvertResult:
-    """The result for a re-run whose previous attempt was killed after DEST was already published."""
+    """The result for a re-run whose previous attempt finished (``up_to_date``) or was killed after
+    DEST was already published: no work done."""
     spec = read_spec(dest)
     skipped = json.loads((dest / SKIPPED_FILE).read_text())
     return ConvertResult(
@@ -217,6 +225,7 @@ def published_result(
         resumed_units=n_units,
         skipped=skipped,
         warnings=warnings,
+        up_to_date=up_to_date,
     )
 
 
@@ -532,7 +541,7 @@ def finalize(
     writer.finish(labels)
     save_npy_durably(root / LABELS_FILE, labels)
     save_npy_durably(root / POSITIONS_FILE, positions)
-    write_json_durably(root / SOURCES_FILE, json.dumps(sources_doc(src, staging, writer, order)))
+    source_record(src, staging, writer, order).save(root / SOURCE_RECORD)
     write_json_durably(root / SKIPPED_FILE, json.dumps(bad + unlisted(src), indent=1))
     remove_temp_files(root)
     sync_tree(root)  # every data file durable before the manifest that declares the cache complete
@@ -544,7 +553,7 @@ def finalize(
         classes=tuple(src.classes),
         image=policy,
         format_options=writer.recorded_options(),
-        source={**src.info(), "plan_sha256": plan_digest(staging.plan)},
+        source={**src.info(), **root_facts(src, staging.dest), "plan": staging.plan},
         checksums=checksum_tree(root, exclude=(MANIFEST,)),
         dlstore_version=__version__,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -554,20 +563,28 @@ def finalize(
     return spec
 
 
-def sources_doc(src: Source, staging: Staging, writer: CacheWriter, order: np.ndarray) -> dict[str, Any]:
-    """What stale checks and ``verify --deep`` compare: the source root, (name, size, mtime_ns, label)
-    per sample and the sha256 of each file as it was decoded ("" where unknown), in source order."""
+def source_record(src: Source, staging: Staging, writer: CacheWriter, order: np.ndarray) -> SourceRecord:
+    """What stale checks and ``verify --deep`` compare: (name, size, mtime_ns, label) per sample and
+    the sha256 of each file as it was decoded ("" where unknown), in source order."""
     sha = [""] * len(src)
     for k, digests in staging.digests.items():
         for s, d in zip(writer.unit_range(k), digests):
             sha[int(order[s])] = d
+    return SourceRecord.from_rows(src.entries(), sha)
+
+
+def root_facts(src: Source, dest: Path) -> dict[str, Any]:
+    """The folder source's root and its mtime, for the one-``stat`` check on open; no mtime when DEST
+    lives directly in the root (publishing DEST changes the root's mtime itself)."""
     root = getattr(src, "root", None)
-    return {
-        "root": str(Path(root).resolve()) if root is not None else None,
-        "classes": list(src.classes),
-        "entries": src.entries(),
-        "sha256": sha,
-    }
+    if root is None:
+        return {}
+    resolved = Path(root).resolve()
+    facts: dict[str, Any] = {"root": str(resolved)}
+    mtime = getattr(src, "root_mtime_ns", 0)
+    if mtime and Path(dest).resolve().parent != resolved:
+        facts["root_mtime_ns"] = mtime
+    return facts
 
 
 def unlisted(src: Source) -> list[dict[str, Any]]:
@@ -595,6 +612,9 @@ def sync_tree(root: Path) -> None:
 
 
 def save_npy_durably(path: Path, array: np.ndarray) -> None:
+    """Index arrays as int32 when they fit (readers widen them): half the metadata bytes."""
+    if array.dtype.kind == "i" and (array.size == 0 or (array.min() >= -(2**31) and array.max() < 2**31)):
+        array = array.astype(np.int32)
     with open(path, "wb") as f:
         np.save(f, array, allow_pickle=False)
         f.flush()

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,10 +17,11 @@ import numpy as np
 from dlstore.build.imageops import array_to_image, decode_file, prepare
 from dlstore.checksums import file_sha256
 from dlstore.errors import SourceError
+from dlstore.sourcefiles import IMAGE_EXTENSIONS, scan_tree
 from dlstore.spec import ImagePolicy
 
-# torchvision's IMG_EXTENSIONS plus GIF, which Pillow reads (first frame).
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
+__all__ = ["IMAGE_EXTENSIONS", "ArraySource", "FolderSource", "Source", "open_source", "scan_folder"]
+
 TORCHVISION_SETS = ("MNIST", "FashionMNIST", "CIFAR10", "CIFAR100")
 
 
@@ -78,6 +77,7 @@ class FolderSource(Source):
     """
 
     root: Path = Path(".")
+    root_mtime_ns: int = 0
     scan_errors: list[tuple[str, str]] = field(default_factory=list)
 
     def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
@@ -103,84 +103,18 @@ class ArraySource(Source):
 
 
 def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
-    root = Path(root)
-    if not root.is_dir():
-        raise SourceError(
-            f"{root}: not a directory; give a folder of class subfolders, "
-            f"'torchvision:NAME --root DIR' or 'demo'"
-        )
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-    if not classes:
-        raise SourceError(
-            f"{root}: no class subfolders found; expected ROOT/<class>/<image> like ImageFolder"
-        )
-    names: list[str] = []
-    labels: list[int] = []
-    stats: list[tuple[int, int]] = []
-    errors: list[tuple[str, str]] = []
-    # A link back to the root or to a class folder would copy images into another class: never follow.
-    blocked = {_inode(root)} | {_inode(root / c) for c in classes}
-    for idx, cls in enumerate(classes):
-        for path in _walk_images(root / cls, errors, blocked):
-            try:
-                st = path.stat()
-            except OSError as e:
-                errors.append((path.relative_to(root).as_posix(), f"cannot stat: {e.strerror}"))
-                continue
-            if not stat.S_ISREG(st.st_mode):  # a FIFO or device named .jpg would block or never end
-                errors.append(
-                    (path.relative_to(root).as_posix(), "not a regular file (FIFO, device or socket)")
-                )
-                continue
-            names.append(path.relative_to(root).as_posix())
-            labels.append(idx)
-            stats.append((st.st_size, st.st_mtime_ns))
-    present = set(labels)
-    empty = [c for i, c in enumerate(classes) if i not in present]
-    if empty:
-        raise SourceError(
-            f"{root}: class folder(s) without any image file: {', '.join(empty)}; "
-            f"add images or remove the folder (extensions read: {' '.join(IMAGE_EXTENSIONS)})"
-        )
+    scan = scan_tree(Path(root))
     return FolderSource(
-        description=str(root),
-        classes=tuple(classes),
-        names=names,
-        labels=np.asarray(labels, np.int64),
-        stats=stats,
+        description=str(scan.root),
+        classes=scan.classes,
+        names=scan.names,
+        labels=scan.labels,
+        stats=scan.stats,
         kind=kind,
-        root=root,
-        scan_errors=errors,
+        root=scan.root,
+        scan_errors=scan.errors,
+        root_mtime_ns=scan.root_mtime_ns,
     )
-
-
-def _inode(path: Path) -> tuple[int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino
-
-
-def _walk_images(top: Path, errors: list[tuple[str, str]], blocked: set[tuple[int, int]]) -> list[Path]:
-    """ImageFolder's order (sorted os.walk, sorted names) with loop-safe link following."""
-    seen: set[tuple[int, int]] = set()
-    walked: list[tuple[str, list[str]]] = []
-
-    def onerror(e: OSError) -> None:
-        errors.append((str(e.filename), f"cannot list folder: {e.strerror}"))
-
-    for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=onerror):
-        key = _inode(Path(dirpath))
-        if key in seen or (key in blocked and dirpath != str(top)):
-            dirnames[:] = []
-            continue
-        seen.add(key)
-        dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-        walked.append((dirpath, filenames))
-    out = []
-    for dirpath, filenames in sorted(walked):
-        for name in sorted(filenames):
-            if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
-                out.append(Path(dirpath) / name)
-    return out
 
 
 def load_torchvision(name: str, root: Path | None, train: bool = True) -> ArraySource:

@@ -38,12 +38,7 @@ class Staging:
         discard_mismatch: bool = False,
         entries: list[list[Any]] | None = None,
     ) -> None:
-        # Compared with the plan read back from JSON, so normalise it the same way (tuples → lists).
-        self.dest, self.plan, self.discard_mismatch = (
-            Path(dest),
-            json.loads(json.dumps(plan)),
-            discard_mismatch,
-        )
+        self.dest, self.plan, self.discard_mismatch = Path(dest), self.normalised(plan), discard_mismatch
         self.entries = entries
         parent, name = self.dest.parent, self.dest.name
         self.path = parent / f".{name}.dlstore-staging"
@@ -54,6 +49,11 @@ class Staging:
         self.fresh = True
         self.already_published = False  # a previous run of this plan was killed after publishing DEST
         self._lock_fd: int | None = None
+
+    @staticmethod
+    def normalised(plan: dict[str, Any]) -> dict[str, Any]:
+        """A plan as it reads back from JSON (tuples → lists), so plans compare equal."""
+        return json.loads(json.dumps(plan))
 
     @staticmethod
     def pending(dest: Path) -> bool:
@@ -128,7 +128,7 @@ class Staging:
     def _first_changed_source(self, old_plan: dict[str, Any]) -> str:
         if old_plan.get("fingerprint") == self.plan.get("fingerprint") or self.entries is None:
             return ""
-        from dlstore.build.staleness import first_difference
+        from dlstore.sourcefiles import first_difference
 
         old = self._read_json(self.journal / "entries.json")
         diff = first_difference(old, self.entries) if isinstance(old, list) else None
@@ -226,19 +226,47 @@ def manifest_digest(root: Path) -> str | None:
         return None
 
 
+# Plan keys as the user typed them; anything else is named by its key.
+_OPTION_NAMES = {
+    "format": "--format",
+    "policy.size": "--size",
+    "policy.resize": "--resize",
+    "policy.channels": "--channels",
+    "policy.decode": "--decode",
+    "options.codec": "--codec",
+    "options.compress": "--compress",
+    "storage_order": "--storage-order",
+    "n": "number of source images",
+    "dlstore": "dlstore major version",
+}
+SOURCE_KEYS = ("fingerprint", "n")  # what the source decides, not the options
+DERIVED_KEYS = ("unit_size",)  # follows from the options; never the first difference worth naming
+
+
 def plan_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
-    """Human-readable differences between two plans: ``policy.size was 32, now 64``."""
+    """Human-readable differences between two plans, new value first: ``--size 64 was 32``."""
     out: list[str] = []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             out += plan_changes(a, b, f"{prefix}{key}.")
+        elif a != b and key == "fingerprint":
+            out.append("the source files changed")
         elif a != b:
-            what = (
-                "the source files changed" if key == "fingerprint" else f"{prefix}{key} was {a!r}, now {b!r}"
-            )
-            out.append(what)
+            out.append(f"{_OPTION_NAMES.get(prefix + key, prefix + key)} {_show(b)} was {_show(a)}")
     return out
+
+
+def option_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Like plan_changes, leaving out what the source decides and what follows from the options."""
+    skip = SOURCE_KEYS + DERIVED_KEYS
+    return plan_changes(
+        {k: v for k, v in old.items() if k not in skip}, {k: v for k, v in new.items() if k not in skip}
+    )
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
 
 
 def _exchange(a: Path, b: Path) -> bool:

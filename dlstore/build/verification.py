@@ -1,6 +1,6 @@
 """``verify``: recompute every checksum in the manifest; name the first file that differs.
 
-Also checks ``skipped.json`` against the labels and the source folder against ``sources.json``
+Also checks ``skipped.json`` against the labels and the source folder against the cache's source record
 (sizes and mtimes; with ``deep`` the sha256 of every source file, which also catches an edit that
 kept the size and had its mtime restored).
 """
@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlstore.build.staleness import read_sources, source_status
 from dlstore.checksums import file_sha256, listed_files, mismatches
 from dlstore.read.stores import parse_store_path
+from dlstore.sourcefiles import read_record, recorded_root, source_status
 from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
 
 
@@ -83,13 +83,10 @@ def skipped_problems(root: Path, spec: CacheSpec) -> list[str]:
     expected = spec.n_stored - spec.n
     if len(indexed) != expected or len(set(indexed)) != len(indexed):
         return [f"{path}: lists {len(indexed)} skipped images, the manifest says {expected}"]
-    entries = (read_sources(root) or {}).get("entries")
+    record = read_record(root)
+    names = record.names if record is not None else []
     for s in skipped:
-        if (
-            s["index"] is not None
-            and entries
-            and (s["index"] >= len(entries) or entries[s["index"]][0] != s["path"])
-        ):
+        if s["index"] is not None and names and (s["index"] >= len(names) or names[s["index"]] != s["path"]):
             return [
                 f"{path}: entry {s['index']} names {s['path']!r}, which is not source sample {s['index']}"
             ]
@@ -106,27 +103,30 @@ def _is_skip_entry(s: Any) -> bool:
 
 
 def source_content_problems(root: Path, source: str | Path | None) -> tuple[list[str], int]:
-    """Re-hash every source file recorded with a sha256; name those whose content changed."""
-    doc = read_sources(root)
-    if doc is None:
-        return [f"{root}: no sources.json; cannot check the source by content"], 0
-    src_root = Path(source) if source is not None else Path(doc.get("root") or "")
-    if not doc.get("root") and source is None:
+    """Re-hash every source file recorded with a digest; name those whose content changed."""
+    record = read_record(root)
+    if record is None:
+        return [f"{root}: no source record; cannot check the source by content"], 0
+    recorded = recorded_root(read_spec(root), root)
+    if recorded is None and source is None:
         return [], 0  # not a folder source (torchvision arrays, ...): nothing on disk to hash
+    src_root = Path(source) if source is not None else recorded
+    assert src_root is not None
     if not src_root.is_dir():
         return [f"source root {src_root} not found; pass the dataset's new location with --source DIR"], 0
     problems: list[str] = []
     hashed = 0
-    for entry, digest in zip(doc["entries"], doc.get("sha256", [])):
+    for i, name in enumerate(record.names):
+        digest = record.digest(i)
         if not digest:
             continue
-        file = src_root / entry[0]
+        file = src_root / name
         try:
             now = file_sha256(file)
         except OSError as e:
             problems.append(f"{file}: cannot read source file ({e.strerror})")
             continue
         hashed += 1
-        if now != digest:
+        if not now.startswith(digest):
             problems.append(f"{file}: source content changed since conversion (sha256 differs)")
     return problems, hashed

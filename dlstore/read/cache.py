@@ -130,20 +130,30 @@ def load_positions(root: Path, spec: CacheSpec, stored_labels: np.ndarray) -> np
 
 
 def open_cache(
-    path: str | Path, in_memory: bool = False, strict: bool = False, check_source: bool = True
+    path: str | Path, in_memory: bool = False, strict: bool = False, check_source: bool = False
 ) -> Cache:
     """Open a complete cache for batched reads; raises CacheNotFoundError if it is not complete.
 
-    With ``check_source`` the source folder is re-scanned (sizes, mtimes): a changed source warns
-    (StaleCacheWarning), or with ``strict`` raises StaleCacheError, naming the first changed path.
-    ``in_memory`` (ram format) is refused up front when the images exceed the available memory.
+    Opening reads the manifest and the index arrays, never the source files: its cost does not grow
+    with the number of source files. One ``stat`` of the source root warns (StaleCacheWarning) when a
+    class folder was added, removed or renamed since. ``check_source=True`` re-scans the source folder
+    (sizes, mtimes): a changed source warns, or with ``strict`` raises StaleCacheError, naming the first
+    changed path. ``in_memory`` (ram format) is refused up front when the images exceed the available
+    memory.
     """
     cache = Cache(parse_store_path(path), in_memory=in_memory)
-    if check_source:
-        from dlstore.build.staleness import check_source as check
-
-        check(cache.root, strict=strict)
+    check_staleness(cache.root, cache.spec, check_source, strict)
     return cache
+
+
+def check_staleness(root: Path, spec: CacheSpec, full: bool, strict: bool) -> None:
+    """The cheap root check always; the full scan only when asked for."""
+    from dlstore import sourcefiles
+
+    if full:
+        sourcefiles.check_source(root, strict=strict)
+    else:
+        sourcefiles.root_warning(spec, root)
 
 
 def check_fits_in_memory(need: int, root: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from dlstore.errors import CacheReplacedError
 from dlstore.machine import check_loader_shared_memory
 from dlstore.read.batch import BatchSamples, ImageBatch, in_worker, new_batch
-from dlstore.read.cache import Cache
+from dlstore.read.cache import Cache, check_staleness
 from dlstore.read.stores import parse_store_path
 from dlstore.spec import CacheSpec, read_spec
 
@@ -49,16 +49,15 @@ class CachedDataset(torch.utils.data.Dataset):
         transform: Callable[[torch.Tensor], Any] | None = None,
         in_memory: bool = False,
         strict: bool = False,
-        check_source: bool = True,
+        check_source: bool = False,
     ) -> None:
         self.path = parse_store_path(path)
         self.transform = transform
         self.in_memory = in_memory
         self.spec: CacheSpec = read_spec(self.path)
-        if check_source:  # warns (strict: raises) naming the first source file changed since conversion
-            from dlstore.build.staleness import check_source as check
-
-            check(self.path, strict=strict)
+        # The source is only scanned when asked (check_source=True: warns, strict: raises, naming the
+        # first changed file); otherwise one stat of its root, so opening costs nothing per file.
+        check_staleness(self.path, self.spec, check_source, strict)
         self._cache: Cache | None = None
         self._pid = -1
         if in_memory:

@@ -42,6 +42,7 @@ from dlstore.errors import (
 )
 from dlstore.read.cache import open_cache
 from dlstore.read.dataset import CachedDataset
+from dlstore.sourcefiles import read_record
 from dlstore.spec import ImagePolicy, read_spec
 
 POLICY = ImagePolicy(size=8)
@@ -71,7 +72,7 @@ def built(tmp_path: Path) -> tuple[Path, Path]:
 def stale_message(dest: Path) -> str:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        open_cache(dest)
+        open_cache(dest, check_source=True)
     stale = [str(w.message) for w in caught if issubclass(w.category, StaleCacheWarning)]
     return stale[0] if stale else ""
 
@@ -102,9 +103,9 @@ def test_b1_changed_source_warns_on_open_and_fails_verify(
     msg = stale_message(dest)
     assert expect in msg and "stale cache" in msg and "--overwrite" in msg
     with pytest.raises(StaleCacheError, match=expect.split(" (")[0]):
-        open_cache(dest, strict=True)
+        open_cache(dest, strict=True, check_source=True)
     with pytest.raises(StaleCacheError):
-        CachedDataset(dest, strict=True)
+        CachedDataset(dest, strict=True, check_source=True)
     result = verify(dest)
     assert not result.ok and expect in result.first_problem
 
@@ -477,8 +478,7 @@ def test_c15_odd_filenames_round_trip(tmp_path: Path) -> None:
         (src / "a" / n).write_bytes(PNG)
     result = conv(src, tmp_path / "c")
     assert result.n == 6 and result.n_skipped == 0
-    doc = json.loads((tmp_path / "c" / "sources.json").read_text())
-    recorded = {e[0] for e in doc["entries"]}
+    recorded = set(read_record(tmp_path / "c").names)
     assert {f"a/{n}" for n in names} <= recorded
     assert all((src / r).is_file() for r in recorded)  # the names map back to the very files
     assert verify(tmp_path / "c", deep=True).ok and stale_message(tmp_path / "c") == ""
@@ -494,10 +494,7 @@ def test_c16_empty_class_folder_and_sorted_classes(tmp_path: Path) -> None:
     (src / "empty").rmdir()
     conv(src, tmp_path / "c")
     assert read_spec(tmp_path / "c").classes == ("Alpha", "mid", "zeta")
-    labels = {
-        n.split("/")[0]: int(lab)
-        for n, _, _, lab in json.loads((tmp_path / "c" / "sources.json").read_text())["entries"]
-    }
+    labels = {n.split("/")[0]: int(lab) for n, _, _, lab in read_record(tmp_path / "c").rows()}
     assert labels == {"Alpha": 0, "mid": 1, "zeta": 2}
 
 

@@ -391,7 +391,7 @@ def test_resume_redoes_only_unfinished_units_identically(
     n_units = -(-24 // 5)
     assert written == list(range(3, n_units)) and result.resumed_units == 3
     a, b = read_spec(dest).checksums, read_spec(ref).checksums
-    assert a == b  # byte-identical files, sources.json and skipped.json included
+    assert a == b  # byte-identical files, sources.npz and skipped.json included
 
 
 # --- A9: resume refused when anything changed -------------------------------------------------------
@@ -400,10 +400,10 @@ def test_resume_redoes_only_unfinished_units_identically(
 @pytest.mark.parametrize(
     "change,expect",
     [
-        ({"size": 9}, "policy.size was 8, now 9"),
-        ({"resize": "pad"}, "policy.resize was 'crop', now 'pad'"),
-        ({"codec": "lz4"}, "options.codec was 'zstd', now 'lz4'"),
-        ({"storage_order": "source"}, "storage_order was 'shuffled', now 'source'"),
+        ({"size": 9}, "--size 9 was 8"),
+        ({"resize": "pad"}, "--resize pad was crop"),
+        ({"codec": "lz4"}, "--codec lz4 was zstd"),
+        ({"storage_order": "source"}, "--storage-order source was shuffled"),
     ],
 )
 def test_resume_refused_when_parameters_changed(
@@ -436,7 +436,7 @@ def test_resume_refused_when_sources_or_version_changed(
         conv(src, dest, "ram")
     assert "source files changed" in str(e.value) and "b/img003.png (size/mtime changed" in str(e.value)
     monkeypatch.setattr(conversion, "__version__", "99.0.0")
-    with pytest.raises(ConvertError, match="dlstore was '0', now '99'"):
+    with pytest.raises(ConvertError, match="dlstore major version 99 was 0"):
         conv(src, dest, "ram")
 
 

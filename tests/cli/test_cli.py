@@ -46,13 +46,20 @@ def test_verify_names_the_bad_file(image_tree: Path, tmp_path: Path) -> None:
     assert res.exit_code == 1 and shard.name in res.output
 
 
-def test_existing_destination_is_refused_without_overwrite(image_tree: Path, tmp_path: Path) -> None:
+def test_rerun_is_up_to_date_or_refused_naming_the_difference(image_tree: Path, tmp_path: Path) -> None:
     dest = tmp_path / "c"
     args = ("convert", image_tree, dest, "--format", "ram", "--size", "8", "--workers", "1")
     assert run(*args).exit_code == 0
+    manifest = (dest / "dlstore.json").read_bytes()
     res = run(*args)
-    assert res.exit_code == 1 and "--overwrite" in res.output
-    assert run(*args, "--overwrite").exit_code == 0
+    assert res.exit_code == 0 and f"{dest} is up to date" in res.stderr
+    doc = json.loads(run(*args, "--json").stdout)
+    assert doc["up_to_date"] is True and doc["n"] > 0
+    assert (dest / "dlstore.json").read_bytes() == manifest  # no work done
+    res = CliRunner().invoke(main, [str(a) for a in (*args[:-4], "--size", "16", "--workers", "1")])
+    assert res.exit_code == 1 and "--size 16 was 8" in res.output and "--overwrite" in res.output
+    res = run(*args[:-4], "--size", "16", "--workers", "1", "--overwrite")
+    assert res.exit_code == 0 and "up to date" not in res.stderr
 
 
 def test_bad_source_message(tmp_path: Path) -> None:

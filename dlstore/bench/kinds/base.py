@@ -17,7 +17,7 @@ from dlstore.build.sources import ArraySource, Source
 NATIVE_SIZES = {"MNIST": 28, "FashionMNIST": 28, "CIFAR10": 32, "CIFAR100": 32}
 DEFAULT_FOLDER_SIZE = 224  # what image folders are usually trained at
 DEFAULT_DEMO_SIZE = 32  # keeps the default run within its time bound on 2 cores
-META_FILES = {"dlstore.json", "sources.json", "skipped.json"}
+META_FILES = {"dlstore.json", "sources.npz", "skipped.json"}
 
 Log = Callable[[str], None]
 
