@@ -2,25 +2,51 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import click
 
 from dlstore.cli.render import StorePath, emit_json, human_bytes, stderr
+from dlstore.formats import FORMATS, cli_options
+from dlstore.spec import RESIZE_POLICIES
 
-FORMAT_NAMES = ("ram", "npz", "zarr")  # mirrors dlstore.formats.FORMATS; a test keeps them equal
+F = Callable[..., Any]
+
+
+def writer_options(command: F) -> F:
+    """One click option per writer option any format declares (``--codec`` …), choices from the
+    registry; default None so each format fills in its own default."""
+    for opt in reversed(cli_options()):
+        kind: click.ParamType
+        if opt.choices:
+            kind = click.Choice(opt.choices)
+        elif opt.kind is int:
+            kind = click.IntRange(opt.min, opt.max)  # type: ignore[arg-type]
+        elif opt.kind is float:
+            kind = click.FloatRange(opt.min, opt.max)
+        else:
+            kind = click.STRING
+        command = click.option(f"--{opt.name}", opt.name, type=kind, default=None, help=opt.help)(command)
+    return command
 
 
 @click.command("convert")
 @click.argument("source")
 @click.argument("dest", type=StorePath())
 @click.option(
-    "--format", "fmt", type=click.Choice(FORMAT_NAMES), default="ram", show_default=True, help="Cache format."
+    "--format",
+    "fmt",
+    type=click.Choice(list(FORMATS)),
+    default="ram",
+    show_default=True,
+    help="Cache format.",
 )
 @click.option("--size", type=click.IntRange(1, 8192), required=True, help="Output side in pixels.")
 @click.option(
     "--resize",
-    type=click.Choice(["crop", "pad", "stretch"]),
+    type=click.Choice(RESIZE_POLICIES),
     default="crop",
     show_default=True,
     help="crop = torchvision Resize(size)+CenterCrop(size).",
@@ -36,14 +62,8 @@ FORMAT_NAMES = ("ram", "npz", "zarr")  # mirrors dlstore.formats.FORMATS; a test
     help="exact = full decode, torchvision's pixels; fast = DCT-scaled decode of large JPEGs "
     "(several times faster, mean error ≤ about 1 level; see README).",
 )
-@click.option(
-    "--codec",
-    type=click.Choice(["zstd", "lz4", "none"]),
-    default="zstd",
-    show_default=True,
-    help="zarr compressor.",
-)
-@click.option("--compress", is_flag=True, help="npz: deflate shards (np.savez_compressed).")
+@writer_options
+@click.option("--compress", is_flag=True, hidden=True, help="Deprecated: --codec deflate (npz).")
 @click.option("--workers", type=click.IntRange(1, 1024), default=None, help="Processes [default: all cores].")
 @click.option(
     "--root",
@@ -97,7 +117,6 @@ def convert_cmd(
     resize: str,
     channels: str,
     decode: str,
-    codec: str,
     compress: bool,
     workers: int | None,
     root: Path | None,
@@ -109,6 +128,7 @@ def convert_cmd(
     storage_order: str,
     overwrite: bool,
     as_json: bool,
+    **options: Any,
 ) -> None:
     """Convert SOURCE into a pre-resized cache at DEST.
 
@@ -117,6 +137,10 @@ def convert_cmd(
     """
     from dlstore.build.conversion import convert
 
+    options = {k: v for k, v in options.items() if v is not None}
+    if compress:
+        click.echo("warning: --compress is deprecated; use --codec deflate", err=True)
+        options.setdefault("codec", "deflate")
     with click.progressbar(length=1, label="converting", file=stderr()) as bar:
 
         def progress(n: int) -> None:
@@ -131,8 +155,7 @@ def convert_cmd(
             resize=resize,
             channels=int(channels),
             decode=decode,
-            codec=codec,
-            compress=compress,
+            options=options,
             workers=workers,
             overwrite=overwrite,
             root=root,

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlstore.bench.protocol import STAGES
+from dlstore.formats import FORMATS
 
 KNEE_FRACTION = 0.95
 COMPUTE_BOUND_FRACTION = 0.85
@@ -288,8 +289,8 @@ def _cache_advice(
         ]
     size = facts.cache_bytes.get(fmt)
     mem = ""
-    if fmt == "ram" and size is not None:
-        mem = f"; ram keeps it in memory ({size / 1e6:,.0f} MB"
+    if loads_into_ram(fmt) and size is not None:
+        mem = f"; {fmt} keeps it in memory ({size / 1e6:,.0f} MB"
         mem += f" of {facts.mem_available / 1e6:,.0f} MB available)" if facts.mem_available else ")"
     disk = f", {size / 1e6:,.1f} MB on disk" if size is not None else ""
     return [
@@ -298,6 +299,11 @@ def _cache_advice(
         f"({k['best_img_per_s'] / raw:.1f}× raw's best); expect about {_fmt(run['predicted_img_per_s'])} img/s, "
         f"bounded then by {run['bottleneck']}."
     ]
+
+
+def loads_into_ram(kind: str) -> bool:
+    """Whether a loader kind named after a cache format reads a cache held in RAM (its trait)."""
+    return kind in FORMATS and FORMATS[kind].traits.loads_into_ram
 
 
 def _bound_advice(

@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from warnings import warn
 
 import numpy as np
 
@@ -89,8 +90,9 @@ def convert(
     resize: str = "crop",
     channels: int = 3,
     decode: str = "exact",
-    codec: str = "zstd",
-    compress: bool = False,
+    codec: str | None = None,
+    options: dict[str, Any] | None = None,
+    compress: bool | None = None,
     workers: int | None = None,
     overwrite: bool = False,
     root: Path | None = None,
@@ -119,6 +121,10 @@ def convert(
     longer than ``decode_timeout`` seconds counts as undecodable. ``log`` receives warnings as they
     arise (before the work starts, for the disk-space estimate).
 
+    ``codec`` and ``options`` are the format's declared writer options (``dlstore.formats``: e.g.
+    zarr zstd|lz4|none, npz deflate|none); what the format does not take is refused, what is not given
+    takes the format's default. ``compress=True`` is the deprecated spelling of npz ``codec="deflate"``.
+
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
     t0 = time.perf_counter()
@@ -134,9 +140,7 @@ def convert(
         if isinstance(source, Source)
         else open_source(source, root=root, train=train, demo_images=demo_images)
     )
-    options = (
-        {"codec": codec} if fmt.name == "zarr" else {"compress": bool(compress)} if fmt.name == "npz" else {}
-    )
+    options = fmt.writer.parse_options(requested_options(codec, options, compress))
     writer = fmt.writer(Path(), len(src), policy.shape, options)
     order = storage_permutation(len(src), storage_order, seed)
     plan = {
@@ -164,7 +168,7 @@ def convert(
             staging.save_writer_options(writer.options)
         else:
             writer.options = saved
-        warnings += preflight(writer, staging, compress or fmt.name == "zarr")
+        warnings += preflight(writer, staging)
         for w in warnings:
             if log:
                 log(w)
@@ -266,14 +270,26 @@ def resolve_workers(workers: int | None, n_units: int) -> int:
     return max(1, min(workers, n_units))
 
 
-def estimate_bytes(writer: CacheWriter, compressed: bool) -> int:
-    return int(writer.n * writer.image_bytes * (0.8 if compressed else 1.0))
+def requested_options(
+    codec: str | None, options: dict[str, Any] | None, compress: bool | None
+) -> dict[str, Any]:
+    """The writer options the caller asked for (the format validates them and adds its defaults)."""
+    given = dict(options or {})
+    if compress is not None:
+        warn(
+            "convert(compress=...) is deprecated: use codec='deflate' (npz)", DeprecationWarning, stacklevel=3
+        )
+        if compress and codec is None:
+            codec = "deflate"
+    if codec is not None:
+        given["codec"] = codec
+    return given
 
 
-def preflight(writer: CacheWriter, staging: Staging, compressed: bool) -> list[str]:
+def preflight(writer: CacheWriter, staging: Staging) -> list[str]:
     """Warn before any work when the cache will likely not fit on the destination's disk."""
     left = sum(len(writer.unit_range(k)) for k in range(writer.n_units) if k not in staging.done)
-    need = left * writer.image_bytes * (0.8 if compressed else 1.0)
+    need = left * writer.image_bytes * writer.size_ratio
     free = shutil.disk_usage(staging.path).free
     if need > free:
         return [
@@ -402,20 +418,8 @@ def convert_unit(k: int) -> UnitResult:
             digest = job.src.digest(i, missing_ok=True)
         digests.append(digest)
     with disk_full_as_error(job.writer, f"writing unit {k}"):
-        job.writer.write_unit(k, out)
-        sync_unit(job.writer, k)
+        job.writer.write_unit(k, out)  # durable when it returns: the journal may record it
     return k, bad, digests
-
-
-def sync_unit(writer: CacheWriter, k: int) -> None:
-    """zarr writes chunk files without fsync; the journal may only record durable units."""
-    if writer.name == "zarr":
-        chunk = writer.root / "images" / "c" / str(k) / "0" / "0" / "0"
-        fd = os.open(chunk, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class BadBudget:

@@ -1,4 +1,8 @@
-"""Registry of cache formats: a name → (Writer, Reader). The CLI's ``--format`` choices come from here."""
+"""Registry of cache formats: a name → (Writer, Reader), with what each declares about itself.
+
+The CLI's ``--format``/``--codec`` choices and every format-dependent decision elsewhere come from
+here (``Format.options``, ``Format.traits``), never from testing a format's name.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,22 @@ from dataclasses import dataclass
 
 from dlstore.errors import SpecError
 from dlstore.formats.base import CacheReader, CacheWriter
+from dlstore.formats.describe import Codec, Option, Traits
 from dlstore.formats.npz import NpzReader, NpzWriter
 from dlstore.formats.ram import RamReader, RamWriter
 from dlstore.formats.zarr_cache import ZarrReader, ZarrWriter
+
+__all__ = [
+    "FORMATS",
+    "Codec",
+    "Format",
+    "Option",
+    "Traits",
+    "cli_options",
+    "get_format",
+    "in_memory_format",
+    "register_codec",
+]
 
 
 @dataclass(frozen=True)
@@ -16,6 +33,14 @@ class Format:
     name: str
     writer: type[CacheWriter]
     reader: type[CacheReader]
+
+    @property
+    def traits(self) -> Traits:
+        return self.reader.traits
+
+    @property
+    def options(self) -> tuple[Option, ...]:
+        return self.writer.declared_options()
 
 
 FORMATS: dict[str, Format] = {
@@ -33,3 +58,46 @@ def get_format(name: str) -> Format:
         return FORMATS[name]
     except KeyError:
         raise SpecError(f"unknown cache format {name!r}; choose one of {', '.join(FORMATS)}") from None
+
+
+def register_codec(format: str, codec: Codec) -> None:
+    """Add a codec to a chunked format: it becomes a ``--codec`` choice for that format."""
+    codecs = get_format(format).writer.codecs
+    if codecs is None:
+        raise SpecError(f"the {format} format takes no codec")
+    codecs.register(codec)
+
+
+def in_memory_format() -> str:
+    """The format whose caches load into RAM (the one the in-memory fast loaders build)."""
+    return next(f.name for f in FORMATS.values() if f.traits.loads_into_ram)
+
+
+@dataclass(frozen=True)
+class CliOption:
+    """One writer option as the CLI offers it: every format's choices together, no default (each
+    format fills in its own), and a help line saying which format takes what."""
+
+    name: str
+    choices: tuple[str, ...]
+    help: str
+    kind: type
+    min: float | None
+    max: float | None
+
+
+def cli_options() -> list[CliOption]:
+    """The union of every format's declared options, in declaration order."""
+    by_name: dict[str, list[tuple[str, Option]]] = {}
+    for f in FORMATS.values():
+        for o in f.options:
+            by_name.setdefault(o.name, []).append((f.name, o))
+    out = []
+    for name, decls in by_name.items():
+        choices = tuple(dict.fromkeys(c for _, o in decls for c in o.choices))
+        per_format = "; ".join(
+            f"{fmt}: {'|'.join(o.choices) or o.kind.__name__} (default {o.default})" for fmt, o in decls
+        )
+        first = decls[0][1]
+        out.append(CliOption(name, choices, f"{first.help} {per_format}.", first.kind, first.min, first.max))
+    return out

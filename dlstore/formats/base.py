@@ -14,6 +14,8 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dlstore.errors import SpecError
+from dlstore.formats.describe import Codec, CodecTable, Option, Traits, parse_options
 from dlstore.spec import CacheSpec
 
 
@@ -21,13 +23,40 @@ class CacheWriter(ABC):
     """Writes images in *units* (a shard, a chunk, a slab): unit ``k`` holds images
     ``[k*unit_size, (k+1)*unit_size)``. ``create`` runs once in the main process; ``write_unit`` may run
     in any worker process and must only touch that unit's bytes, so units can be written in parallel
-    and a finished unit never needs redoing."""
+    and a finished unit never needs redoing.
+
+    A Writer declares the options it takes (``codecs`` becomes the ``codec`` option, plus
+    ``extra_options``); ``parse_options`` validates them and fills defaults, and ``recorded_options``
+    is what the manifest keeps.
+    """
 
     name: ClassVar[str]
+    codecs: ClassVar[CodecTable | None] = None
+    extra_options: ClassVar[tuple[Option, ...]] = ()
 
     def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
         self.root, self.n, self.shape, self.options = Path(root), n, tuple(shape), dict(options)
         self.unit_size = self.choose_unit_size(self.image_bytes)
+
+    @classmethod
+    def declared_options(cls) -> tuple[Option, ...]:
+        if cls.codecs is None:
+            return cls.extra_options
+        codec = Option("codec", cls.codecs.default, "How each unit's pixels are stored.", cls.codecs.names())
+        return (codec, *cls.extra_options)
+
+    @classmethod
+    def parse_options(cls, given: dict[str, Any]) -> dict[str, Any]:
+        return parse_options(cls.declared_options(), given, cls.name)
+
+    @property
+    def codec(self) -> Codec | None:
+        return None if self.codecs is None else self.codecs[self.options["codec"]]
+
+    @property
+    def size_ratio(self) -> float:
+        """Expected stored bytes per raw byte (for the disk-space warning)."""
+        return 1.0 if self.codec is None else self.codec.size_ratio
 
     @property
     def image_bytes(self) -> int:
@@ -51,7 +80,8 @@ class CacheWriter(ABC):
 
     @abstractmethod
     def write_unit(self, k: int, images: np.ndarray) -> None:
-        """Store unit k durably (fsync) before returning."""
+        """Store unit k durably (fsync of every file it wrote) before returning: the converter
+        journals the unit as done as soon as this returns."""
 
     def finish(self, labels: np.ndarray) -> None:
         """Main process, after every unit: anything global (labels copies, final flush)."""
@@ -61,10 +91,10 @@ class CacheWriter(ABC):
 
 
 class CacheReader(ABC):
-    """Reads images by storage position. ``fork_safe`` readers may be used by a forked child as they
-    are; others are re-opened per process by the dataset."""
+    """Reads images by storage position; ``traits`` say what the format's readers can do (a reader
+    that is not ``fork_safe`` is re-opened per process by the dataset)."""
 
-    fork_safe: ClassVar[bool] = False
+    traits: ClassVar[Traits]
 
     def __init__(
         self, root: Path, spec: CacheSpec, in_memory: bool = False, threads: int | None = None
@@ -74,6 +104,10 @@ class CacheReader(ABC):
         self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
+
+    @property
+    def fork_safe(self) -> bool:
+        return self.traits.fork_safe
 
     @abstractmethod
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
@@ -109,7 +143,10 @@ class ChunkedReader(CacheReader):
     cache are decoded in threads (zstd and zlib release the GIL), so one process can use several cores.
     """
 
-    fork_safe: ClassVar[bool] = True  # no handle outlives a read; the thread pool is re-made per pid
+    # No handle outlives a read (the thread pool is re-made per pid), so forked children may use it.
+    traits: ClassVar[Traits] = Traits(
+        loads_into_ram=False, unit_grouped=True, fork_safe=True, opens_files_per_read=True
+    )
 
     def __init__(
         self,
@@ -120,6 +157,11 @@ class ChunkedReader(CacheReader):
         cache_bytes: int = 512 << 20,
         threads: int | None = None,
     ) -> None:
+        if in_memory:
+            raise SpecError(
+                f"{root}: a {spec.format} cache is read unit by unit and cannot be loaded into memory "
+                "(in_memory=True); open it without in_memory, or convert it with --format ram"
+            )
         super().__init__(root, spec, in_memory, threads)
         self.unit = unit
         self._units = UnitCache(max(2, cache_bytes // max(1, unit * spec.image_bytes)))

@@ -1,4 +1,4 @@
-"""``npz``: shards of many images, ``np.savez`` (stored) or ``np.savez_compressed`` (deflate)."""
+"""``npz``: shards of many images, ``np.savez`` (codec ``none``) or ``np.savez_compressed`` (``deflate``)."""
 
 from __future__ import annotations
 
@@ -6,12 +6,13 @@ import io
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from dlstore.errors import CacheCorruptError
 from dlstore.formats.base import CacheWriter, ChunkedReader, clamp_units, write_file_durably
+from dlstore.formats.describe import Codec, CodecTable
 
 SHARD_DIR = "shards"
 
@@ -24,6 +25,11 @@ class NpzWriter(CacheWriter):
     """One unit = one shard of about 32 MB of pixels, written to a temp name and renamed."""
 
     name = "npz"
+    codecs: ClassVar[CodecTable] = CodecTable(
+        "none",
+        Codec("none", "stored: shards are memory-mapped, no decode", 1.0, np.savez),
+        Codec("deflate", "zip deflate (np.savez_compressed), decoded in threads", 0.8, np.savez_compressed),
+    )
 
     @staticmethod
     def choose_unit_size(image_bytes: int) -> int:
@@ -34,8 +40,7 @@ class NpzWriter(CacheWriter):
 
     def write_unit(self, k: int, images: np.ndarray) -> None:
         buf = io.BytesIO()
-        save = np.savez_compressed if self.options.get("compress") else np.savez
-        save(buf, images=np.ascontiguousarray(images, dtype=np.uint8))
+        self.codecs[self.options["codec"]].impl(buf, images=np.ascontiguousarray(images, dtype=np.uint8))
         write_file_durably(self.root / shard_name(k), buf.getbuffer())
 
 

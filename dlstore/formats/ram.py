@@ -10,6 +10,7 @@ import numpy as np
 
 from dlstore.errors import CacheCorruptError
 from dlstore.formats.base import CacheReader, CacheWriter, clamp_units
+from dlstore.formats.describe import Traits
 
 IMAGES_FILE = "images.npy"
 
@@ -52,7 +53,11 @@ class RamReader(CacheReader):
     """Memory-maps ``images.npy`` (pages shared by every process), or with ``in_memory`` loads it into
     one contiguous array, which forked DataLoader workers share copy-on-write."""
 
-    fork_safe: ClassVar[bool] = True
+    # The memory map is taken at open: pages are shared by forked children, and a cache swapped
+    # underneath keeps reading its own generation.
+    traits: ClassVar[Traits] = Traits(
+        loads_into_ram=True, unit_grouped=False, fork_safe=True, opens_files_per_read=False
+    )
 
     def __init__(self, root: Path, spec, in_memory: bool = False) -> None:  # type: ignore[no-untyped-def]
         super().__init__(root, spec, in_memory)

@@ -13,31 +13,48 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from dlstore.errors import CacheCorruptError, SpecError
 from dlstore.formats.base import BufferPool, CacheWriter, ChunkedReader
+from dlstore.formats.describe import Codec, CodecTable
 
-CODECS = ("zstd", "lz4", "none")
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
 
 
-def _compressors(codec: str) -> list[Any]:
-    from zarr.codecs import BloscCodec, ZstdCodec
+def _zstd() -> list[Any]:
+    from zarr.codecs import ZstdCodec
 
-    if codec == "zstd":
-        return [ZstdCodec(level=3)]
-    if codec == "lz4":
-        return [BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle")]
+    return [ZstdCodec(level=3)]
+
+
+def _lz4() -> list[Any]:
+    from zarr.codecs import BloscCodec
+
+    return [BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle")]
+
+
+def _raw() -> list[Any]:
     return []
+
+
+def chunk_path(root: Path, k: int) -> Path:
+    """Chunk k of ``images`` (default chunk key encoding, one chunk across the other axes)."""
+    return Path(root) / "images" / "c" / str(k) / "0" / "0" / "0"
 
 
 class ZarrWriter(CacheWriter):
     """One unit = one chunk of ≥ 1 MB; chunks are whole, so parallel writers never share one."""
 
     name = "zarr"
+    codecs: ClassVar[CodecTable] = CodecTable(
+        "zstd",
+        Codec("zstd", "zstd level 3", 0.8, _zstd),
+        Codec("lz4", "blosc lz4, fastest decode", 0.8, _lz4),
+        Codec("none", "raw chunks, memory-mapped on read", 1.0, _raw),
+    )
 
     @staticmethod
     def choose_unit_size(image_bytes: int) -> int:
@@ -46,14 +63,13 @@ class ZarrWriter(CacheWriter):
     def create(self) -> None:
         import zarr
 
-        codec = self.options.setdefault("codec", "zstd")
         group = zarr.open_group(self.root, mode="a", zarr_format=3)
         group.create_array(
             "images",
             shape=(self.n, *self.shape),
             chunks=(self.unit_size, *self.shape),
             dtype="uint8",
-            compressors=_compressors(codec),
+            compressors=self.codecs[self.options["codec"]].impl(),
             fill_value=0,
             overwrite=True,
         )
@@ -67,11 +83,20 @@ class ZarrWriter(CacheWriter):
         arr = zarr.open_array(self.root / "images", mode="r+", zarr_format=3)
         r = self.unit_range(k)
         arr[r.start : r.stop] = images
+        fsync_file(chunk_path(self.root, k))  # zarr does not fsync; the contract says durable
 
     def finish(self, labels: np.ndarray) -> None:
         import zarr
 
         zarr.open_array(self.root / "labels", mode="r+", zarr_format=3)[:] = labels
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def parse_array_meta(
@@ -148,11 +173,8 @@ class ZarrReader(ChunkedReader):
     def recycle(self, evicted: list[np.ndarray]) -> None:
         self._buffers.give(evicted)
 
-    def chunk_path(self, k: int) -> Path:
-        return self.root / "images" / "c" / str(k) / "0" / "0" / "0"
-
     def load_unit(self, k: int) -> np.ndarray:
-        path = self.chunk_path(k)
+        path = chunk_path(self.root, k)
         try:
             if self.decode is None:
                 return np.memmap(path, np.uint8, "r", shape=(self.unit, *self.spec.shape))

@@ -34,9 +34,11 @@ class Cache:
         # Dataset index → storage position: storage may be shuffled, and skipped images keep a slot.
         self.positions: np.ndarray = load_positions(self.root, self.spec, stored)
         self.labels: np.ndarray = stored[self.positions]
-        if in_memory and self.spec.format == "ram":
+        fmt = get_format(self.spec.format)
+        self.traits = fmt.traits
+        if in_memory and self.traits.loads_into_ram:
             check_fits_in_memory(self.spec.n_stored * self.spec.image_bytes, self.root)
-        self.reader = get_format(self.spec.format).reader(self.root, self.spec, in_memory=in_memory)
+        self.reader = fmt.reader(self.root, self.spec, in_memory=in_memory)
 
     def __len__(self) -> int:
         return self.spec.n
@@ -61,14 +63,14 @@ class Cache:
         except DlstoreError as e:
             where = self._first_failing(np.asarray(indices, dtype=np.int64).reshape(-1), pos)
             raise SampleReadError(f"reading dataset {where} from {self.root}: {e}") from e
-        if self.spec.format != "ram":
+        if self.traits.opens_files_per_read:
             self.check_generation()
         return out
 
     def check_generation(self) -> None:
-        """Chunked formats open files as they go: if DEST was rebuilt (swapped) while open, refuse
+        """Formats that open files as they go: if DEST was rebuilt (swapped) while open, refuse
         rather than mix generations. Checked after a read, so a read that passed got the old files.
-        (A ram cache keeps reading its old generation: the memory map outlives the swap.)"""
+        (A memory map taken at open keeps reading its old generation: it outlives the swap.)"""
         try:
             inode = os.stat(self.root).st_ino
         except OSError:
@@ -138,8 +140,8 @@ def open_cache(
     with the number of source files. One ``stat`` of the source root warns (StaleCacheWarning) when a
     class folder was added, removed or renamed since. ``check_source=True`` re-scans the source folder
     (sizes, mtimes): a changed source warns, or with ``strict`` raises StaleCacheError, naming the first
-    changed path. ``in_memory`` (ram format) is refused up front when the images exceed the available
-    memory.
+    changed path. ``in_memory`` (formats that load into RAM) is refused up front when the images
+    exceed the available memory, and for formats that are read unit by unit.
     """
     cache = Cache(parse_store_path(path), in_memory=in_memory)
     check_staleness(cache.root, cache.spec, check_source, strict)

@@ -20,7 +20,7 @@ from dlstore.spec import ImagePolicy
 FORMAT_CASES = [
     ("ram", {}),
     ("npz", {}),
-    ("npz", {"compress": True}),
+    ("npz", {"codec": "deflate"}),
     ("zarr", {}),
     ("zarr", {"codec": "lz4"}),
     ("zarr", {"codec": "none"}),
@@ -38,10 +38,19 @@ def caches(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[s
     return out
 
 
-def test_every_registered_format_is_covered() -> None:
-    from dlstore.cli.convert_cmd import FORMAT_NAMES
+def test_every_registered_format_and_codec_is_covered() -> None:
+    from dlstore.cli.convert_cmd import convert_cmd
 
-    assert set(FORMATS) == {f for f, _ in FORMAT_CASES} == set(FORMAT_NAMES)
+    choices = {p.name: getattr(p.type, "choices", None) for p in convert_cmd.params}
+    assert set(FORMATS) == {f for f, _ in FORMAT_CASES} == set(choices["fmt"])
+    for name, fmt in FORMATS.items():
+        codecs = fmt.writer.codecs.names() if fmt.writer.codecs else ()
+        covered = {
+            opts.get("codec", fmt.writer.codecs and fmt.writer.codecs.default)
+            for f, opts in FORMAT_CASES
+            if f == name
+        }
+        assert set(codecs) <= covered, name
 
 
 def test_pixels_and_labels_match_references(image_tree: Path, caches: dict[str, Path]) -> None:

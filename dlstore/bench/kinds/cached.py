@@ -72,6 +72,7 @@ def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path, dict[str, Any]]:
 
 def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
     def factory(ctx: LoaderContext) -> PreparedLoader:
+        from dlstore.formats import get_format
         from dlstore.read.dataset import CachedDataset
         from dlstore.spec import read_spec
 
@@ -79,7 +80,7 @@ def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
         spec = read_spec(path)
         h, w, c = spec.shape
         tf_name = ctx.config.transform
-        in_memory = fmt == "ram"
+        in_memory = get_format(fmt).traits.loads_into_ram
         cpu_tf = cached_cpu_transform(tf_name, ctx.size)
 
         def new_dataset() -> Dataset:

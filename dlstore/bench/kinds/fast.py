@@ -22,10 +22,11 @@ RESIDENT = "ram cache held in device memory, batches gathered there (ResidentLoa
 
 
 def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any) -> PreparedLoader:
+    from dlstore.formats import in_memory_format
     from dlstore.read.dataset import CachedDataset
     from dlstore.spec import read_spec
 
-    path, info = ensure_cache(ctx, "ram")
+    path, info = ensure_cache(ctx, in_memory_format())
     spec = read_spec(path)
     h, w, c = spec.shape
     tf = "gpu-augment" if ctx.config.transform == "augment" else ctx.config.transform

@@ -1,0 +1,118 @@
+"""What a format declares about itself: the options its Writer takes, its codecs, its traits.
+
+Everything outside ``dlstore/formats/`` decides through these declarations (the CLI's choices, the
+disk-space estimate, whether a cache can be loaded into RAM, whether reads group by unit), never by
+testing a format's name. A new format or codec is a declaration here, not an edit elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dlstore.errors import SpecError
+
+
+@dataclass(frozen=True)
+class Codec:
+    """One way a chunked format stores a unit's pixels.
+
+    ``size_ratio`` is a rough stored/raw byte ratio, used only to warn before a conversion that the
+    disk will likely fill. ``impl`` is what the owning Writer calls for it (zarr: a function returning
+    zarr compressors; npz: the numpy save function); nothing outside the format looks at it.
+    """
+
+    name: str
+    help: str
+    size_ratio: float = 1.0
+    impl: Any = None
+
+    @property
+    def compressed(self) -> bool:
+        return self.size_ratio < 1.0
+
+
+@dataclass(frozen=True)
+class Option:
+    """One Writer option: its manifest key (also its CLI flag, ``--name``), choices and default.
+
+    ``choices`` empty means any value of ``kind`` within [``min``, ``max``] when those are given.
+    """
+
+    name: str
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    kind: type = str
+    min: float | None = None
+    max: float | None = None
+
+    def parse(self, value: Any, fmt: str) -> Any:
+        """The validated value, or SpecError naming the format, the option, what is allowed."""
+        if self.choices:
+            if value not in self.choices:
+                raise SpecError(
+                    f"--{self.name} {value!r} is not available for the {fmt} format; "
+                    f"choose one of {', '.join(self.choices)}"
+                )
+            return value
+        try:
+            parsed = self.kind(value)
+        except (TypeError, ValueError):
+            raise SpecError(
+                f"--{self.name} for the {fmt} format must be a {self.kind.__name__}, got {value!r}"
+            ) from None
+        if (self.min is not None and parsed < self.min) or (self.max is not None and parsed > self.max):
+            raise SpecError(
+                f"--{self.name} for the {fmt} format must be in [{self.min}, {self.max}], got {value}"
+            )
+        return parsed
+
+
+@dataclass(frozen=True)
+class Traits:
+    """What readers of a format can do, so callers ask the format instead of testing its name.
+
+    loads_into_ram: ``in_memory=True`` holds the whole cache in one array (checked against the
+      available memory first); other formats refuse ``in_memory``.
+    unit_grouped: images are stored in units of many (shards, chunks) decoded whole, so batches are
+      grouped by unit and the ChunkSampler pays off.
+    fork_safe: a reader opened before a fork may be used by the child as it is.
+    opens_files_per_read: reads open files as they go, so a cache swapped underneath must be detected
+      after each read (a memory map taken at open keeps reading its own generation instead).
+    """
+
+    loads_into_ram: bool
+    unit_grouped: bool
+    fork_safe: bool
+    opens_files_per_read: bool
+
+
+class CodecTable:
+    """The codecs one format accepts (its ``--codec`` choices) and its default. Another module may
+    ``register`` a codec (with the ``impl`` the format's Writer expects); the CLI picks it up."""
+
+    def __init__(self, default: str, *codecs: Codec) -> None:
+        self.default = default
+        self.codecs = {c.name: c for c in codecs}
+
+    def register(self, codec: Codec) -> None:
+        self.codecs[codec.name] = codec
+
+    def __getitem__(self, name: str) -> Codec:
+        return self.codecs[name]
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.codecs)
+
+
+def parse_options(declared: tuple[Option, ...], given: Mapping[str, Any], fmt: str) -> dict[str, Any]:
+    """Every declared option, validated, defaults filled in; an option the format does not take is an
+    error (``--codec`` for a ram cache would otherwise be silently ignored)."""
+    known = {o.name: o for o in declared}
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        takes = ", ".join(f"--{n}" for n in known) or "no options"
+        raise SpecError(f"the {fmt} format does not take --{unknown[0]}; it takes {takes}")
+    return {o.name: o.parse(given.get(o.name, o.default), fmt) for o in declared}
