@@ -36,14 +36,30 @@ Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 def make_sampler(
-    cache: Cache, order: str, seed: int = 0, window: int | None = None
+    cache: Cache,
+    order: str,
+    seed: int = 0,
+    window: int | None = None,
+    num_replicas: int = 1,
+    rank: int = 0,
 ) -> torch.utils.data.Sampler[int]:
-    """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``."""
+    """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``.
+
+    With ``num_replicas`` > 1 (one process per GPU) each rank gets its own equal-length share of the
+    epoch (``ChunkSampler``'s contiguous slice, or ``DistributedSampler`` for ``random``), so every
+    rank runs the same number of steps and DDP never waits on a rank that ran out."""
     if order == "auto":
         order = "chunk" if isinstance(cache.reader, ChunkedReader) else "random"
     if order == "chunk":
         unit = getattr(cache.reader, "unit", 1)
-        return ChunkSampler(cache.positions, unit, window=window or default_window(cache), seed=seed)
+        window = window or default_window(cache)
+        return ChunkSampler(
+            cache.positions, unit, window=window, seed=seed, num_replicas=num_replicas, rank=rank
+        )
+    if order in ("random", "sequential") and num_replicas > 1:
+        return torch.utils.data.DistributedSampler(
+            range(len(cache)), num_replicas=num_replicas, rank=rank, shuffle=order == "random", seed=seed
+        )
     if order == "random":
         return torch.utils.data.RandomSampler(
             range(len(cache)), generator=torch.Generator().manual_seed(seed)
@@ -87,6 +103,8 @@ class PinnedLoader:
         window: int | None = None,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         cuda_graph: bool = False,
+        num_replicas: int = 1,
+        rank: int = 0,
     ) -> None:
         self.cache = path if isinstance(path, Cache) else open_cache(path, in_memory=in_memory)
         if cuda_graph and transform is not None:
@@ -96,7 +114,7 @@ class PinnedLoader:
         self.transform = transform
         self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
         self.device = torch.device(device)
-        self.sampler = make_sampler(self.cache, order, seed, window)
+        self.sampler = make_sampler(self.cache, order, seed, window, num_replicas, rank)
         # The only process reading: let the reader's (blocking, not spinning) threads use every core.
         self.cache.reader.threads = max(self.cache.reader.threads, len(os.sched_getaffinity(0)))
         self.num_buffers = max(2, num_buffers)
@@ -107,6 +125,11 @@ class PinnedLoader:
     def __len__(self) -> int:
         n = len(self.sampler)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """The order of the next epoch is the one of ``epoch`` (resuming at an epoch boundary);
+        without calls, each iteration advances the epoch by one."""
+        self.epoch = epoch
 
     def __iter__(self) -> Iterator[Batch]:
         if hasattr(self.sampler, "set_epoch"):
@@ -398,11 +421,14 @@ def batch_dataloader(
     seed: int = 0,
     pin_memory: bool = True,
     in_memory: bool = False,
+    num_replicas: int = 1,
+    rank: int = 0,
     **kw: Any,
 ) -> torch.utils.data.DataLoader:
-    """A DataLoader whose workers each build whole batches (see BatchDataset)."""
+    """A DataLoader whose workers each build whole batches (see BatchDataset). Under DDP pass
+    ``num_replicas``/``rank`` and call ``loader.sampler.sampler.set_epoch(e)`` each epoch."""
     ds = BatchDataset(path, in_memory=in_memory)
-    sampler = make_sampler(ds.dataset.cache, order, seed)
+    sampler = make_sampler(ds.dataset.cache, order, seed, num_replicas=num_replicas, rank=rank)
     batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
     return torch.utils.data.DataLoader(
         ds,
