@@ -107,6 +107,13 @@ def writer_options(command: F) -> F:
     show_default=True,
     help="shuffled: chunks hold a seeded random mix (fast random-order reads with the chunk sampler).",
 )
+@click.option(
+    "--scheduler",
+    default=None,
+    metavar="local[:N]|tcp://HOST:PORT",
+    help="Run the units as Dask tasks: a local cluster of N processes, or a running scheduler "
+    "whose workers see SOURCE and DEST (needs dlstore[dask]).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace an existing cache at DEST (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def convert_cmd(
@@ -126,6 +133,7 @@ def convert_cmd(
     max_bad: float,
     decode_timeout: float,
     storage_order: str,
+    scheduler: str | None,
     overwrite: bool,
     as_json: bool,
     **options: Any,
@@ -165,6 +173,7 @@ def convert_cmd(
             max_bad=max_bad,
             storage_order=storage_order,
             decode_timeout=decode_timeout,
+            scheduler=scheduler,
             progress=progress,
             log=lambda message: click.echo(f"\nwarning: {message}", err=True),
         )

@@ -61,3 +61,15 @@ class CacheReplacedError(DlstoreError, RuntimeError):
 
 class UnsupportedStoreError(DlstoreError, ValueError):
     """A cache path names a store this dlstore cannot use (a URL such as s3://)."""
+
+
+class MissingExtraError(DlstoreError, ImportError):
+    """A feature needs an optional dependency; names the extra to install (``pip install 'dlstore[X]'``)."""
+
+
+def require_extra(module: str, extra: str, feature: str) -> None:
+    """Raise MissingExtraError naming ``extra`` when ``module`` cannot be imported."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtraError(f"{feature} needs the {module!r} package: pip install 'dlstore[{extra}]'")

@@ -31,11 +31,18 @@ from warnings import warn
 import numpy as np
 
 from dlstore._version import __version__
+from dlstore.build.dask_engine import (
+    count_workers,
+    dask_client,
+    is_killed_worker,
+    parse_scheduler,
+    run_on_dask,
+)
 from dlstore.build.rerun import is_up_to_date
 from dlstore.build.sources import Source, open_source
 from dlstore.build.staging import Staging
 from dlstore.checksums import checksum_tree
-from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError
+from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError, require_extra
 from dlstore.formats import get_format
 from dlstore.formats.base import CacheWriter
 from dlstore.read.stores import parse_store_path
@@ -103,6 +110,7 @@ def convert(
     storage_order: str = "shuffled",
     seed: int = 0,
     decode_timeout: float = DECODE_TIMEOUT_S,
+    scheduler: str | None = None,
     progress: Progress | None = None,
     log: Log | None = None,
 ) -> ConvertResult:
@@ -125,12 +133,19 @@ def convert(
     zarr zstd|lz4|none, npz deflate|none); what the format does not take is refused, what is not given
     takes the format's default. ``compress=True`` is the deprecated spelling of npz ``codec="deflate"``.
 
+    ``scheduler`` runs the units as Dask tasks instead of in the built-in process pool: ``local``,
+    ``local:N`` (a LocalCluster of N worker processes) or ``tcp://HOST:PORT`` (a running cluster whose
+    workers see SOURCE and DEST); needs ``pip install 'dlstore[dask]'``. See ``dask_engine``.
+
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
     t0 = time.perf_counter()
     dest = parse_store_path(dest)
     fmt = get_format(format)
     policy = ImagePolicy(size=size, resize=resize, channels=channels, decode=decode)
+    cluster = parse_scheduler(scheduler) if scheduler is not None else None
+    if cluster is not None:
+        require_extra("distributed", "dask", "--scheduler")
     pending = Staging.pending(dest)
     rerun = not pending and not overwrite and (dest / MANIFEST).is_file()
     if not pending and not rerun:
@@ -175,9 +190,15 @@ def convert(
         todo = [k for k in range(writer.n_units) if k not in staging.done]
         if progress:
             progress(sum(len(writer.unit_range(k)) for k in staging.done))
-        n_workers = resolve_workers(workers, len(todo))
         job = Job(src, policy, writer, strict, decode_timeout, order)
-        run_units(job, todo, n_workers, staging, BadBudget(len(src), max_bad, staging), progress)
+        budget = BadBudget(len(src), max_bad, staging)
+        if cluster is None:
+            n_workers = resolve_workers(workers, len(todo))
+            run_units(job, todo, n_workers, staging, budget, progress)
+        else:
+            with dask_client(cluster) as client:
+                n_workers = count_workers(client)
+                run_units(job, todo, n_workers, staging, budget, progress, client)
         bad = staging.bad()
         check_bad_fraction(bad, len(src), max_bad)
         try:
@@ -401,8 +422,12 @@ UnitResult = tuple[int, list[dict[str, Any]], list[str]]
 
 def convert_unit(k: int) -> UnitResult:
     """Decode and store unit k (in a worker process); return the undecodable images and file digests."""
-    job = _JOB
-    assert job is not None
+    assert _JOB is not None
+    return convert_job_unit(_JOB, k)
+
+
+def convert_job_unit(job: Job, k: int) -> UnitResult:
+    """``convert_unit`` with the job passed in: a Dask task (the job is scattered once per worker)."""
     r = job.writer.unit_range(k)
     out = np.zeros((len(r), *job.policy.shape), np.uint8)
     bad: list[dict[str, Any]] = []
@@ -436,10 +461,20 @@ class BadBudget:
 
 
 def run_units(
-    job: Job, todo: list[int], n_workers: int, staging: Staging, budget: BadBudget, progress: Progress | None
+    job: Job,
+    todo: list[int],
+    n_workers: int,
+    staging: Staging,
+    budget: BadBudget,
+    progress: Progress | None,
+    client: Any = None,
 ) -> None:
     try:
-        if n_workers <= 1:
+        if client is not None:
+            run_on_dask(
+                client, job, todo, convert_job_unit, lambda result: finish_unit(job, budget, progress, result)
+            )
+        elif n_workers <= 1:
             run_in_process(job, todo, budget, progress)
         else:
             run_in_pool(job, todo, n_workers, budget, progress)
@@ -460,19 +495,31 @@ def run_units(
             f"{done_images(job.writer, staging)} of {job.writer.n} done; fix or remove the "
             "file and re-run with --overwrite (or drop --strict to skip and report it)"
         ) from None
+    except Exception as e:
+        if not is_killed_worker(e):
+            raise
+        raise ConvertError(
+            f"Dask workers kept dying on a unit ({e}); {done_images(job.writer, staging)} of {job.writer.n} "
+            "done; re-run the same command to resume"
+        ) from None
 
 
 def done_images(writer: CacheWriter, staging: Staging) -> int:
     return sum(len(writer.unit_range(k)) for k in staging.done)
 
 
+def finish_unit(job: Job, budget: BadBudget, progress: Progress | None, result: UnitResult) -> None:
+    """In the driver: journal a finished unit, then report its images."""
+    budget.record(result)
+    if progress:
+        progress(len(job.writer.unit_range(result[0])))
+
+
 def run_in_process(job: Job, todo: list[int], budget: BadBudget, progress: Progress | None) -> None:
     global _JOB
     _JOB = job
     for k in todo:
-        budget.record(convert_unit(k))
-        if progress:
-            progress(len(job.writer.unit_range(k)))
+        finish_unit(job, budget, progress, convert_unit(k))
 
 
 def run_in_pool(
@@ -485,9 +532,7 @@ def run_in_pool(
         while pending:
             finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
             for fut in finished:
-                budget.record(fut.result())  # re-raises a worker's error here
-                if progress:
-                    progress(len(job.writer.unit_range(fut.result()[0])))
+                finish_unit(job, budget, progress, fut.result())  # re-raises a worker's error here
     except BaseException:
         stop_pool(pool)
         raise

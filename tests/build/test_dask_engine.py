@@ -1,0 +1,129 @@
+"""Conversion on Dask (``scheduler=``): the same cache, journal, resume and bad-file handling as the
+built-in pool, against a real ``distributed.LocalCluster`` of worker processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from reliability_helpers import FORMAT_NAMES, assert_same_cache, make_tree, small_units
+
+from dlstore.build.conversion import ConvertResult, convert
+from dlstore.build.dask_engine import SchedulerSpec, parse_scheduler
+from dlstore.cli import main
+from dlstore.errors import ConvertError, MissingExtraError
+from dlstore.spec import read_spec
+
+distributed = pytest.importorskip("distributed")
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    with distributed.LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+    ) as c:
+        yield c.scheduler_address
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two classes of 12 images and one truncated JPEG (skipped and reported)."""
+    root = make_tree(tmp_path_factory.mktemp("src"), per_class=12)
+    bad = root / "a" / "img000.jpg"
+    bad.write_bytes(bad.read_bytes()[:200])
+    return root
+
+
+@pytest.fixture(autouse=True)
+def _small_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    small_units(monkeypatch, 5)  # 25 images → 5 units, spread over the workers
+
+
+def conv(tree: Path, dest: Path, fmt: str = "npz", **kw: Any) -> ConvertResult:
+    return convert(tree, dest, format=fmt, size=8, workers=1, **kw)
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_dask_result_is_byte_identical_to_the_pool(
+    tree: Path, tmp_path: Path, cluster: str, fmt: str
+) -> None:
+    local = conv(tree, tmp_path / "local", fmt)
+    dask = conv(tree, tmp_path / "dask", fmt, scheduler=cluster)
+    assert read_spec(tmp_path / "dask").checksums == read_spec(tmp_path / "local").checksums
+    assert dask.workers == 2 and dask.n == local.n == 23
+    assert dask.skipped == local.skipped and dask.skipped[0]["path"].endswith("img000.jpg")
+    assert_same_cache(tmp_path / "local", tmp_path / "dask")
+
+
+def test_dask_run_resumes_from_the_journal(tree: Path, tmp_path: Path, cluster: str) -> None:
+    reported = []
+
+    def interrupt_after_two_units(n: int) -> None:
+        reported.append(n)
+        if len(reported) == 3:  # the first call reports resumed images (0), then one per unit
+            raise KeyboardInterrupt
+
+    with pytest.raises(ConvertError, match="re-run the same command to resume"):
+        conv(tree, tmp_path / "c", scheduler=cluster, progress=interrupt_after_two_units)
+    assert not (tmp_path / "c").exists()  # nothing published
+    resumed = conv(tree, tmp_path / "c", scheduler=cluster)
+    assert resumed.resumed_units >= 2  # the journaled units were not redone
+    conv(tree, tmp_path / "ref")
+    assert read_spec(tmp_path / "c").checksums == read_spec(tmp_path / "ref").checksums
+
+
+def test_strict_on_dask_names_the_file(tree: Path, tmp_path: Path, cluster: str) -> None:
+    with pytest.raises(ConvertError, match=r"--strict.*img000\.jpg"):
+        conv(tree, tmp_path / "c", scheduler=cluster, strict=True)
+    assert not (tmp_path / "c").exists()
+
+
+def test_local_n_starts_its_own_cluster(tree: Path, tmp_path: Path) -> None:
+    result = conv(tree, tmp_path / "c", scheduler="local:1")
+    assert result.workers == 1 and result.n == 23
+
+
+def test_cli_json_is_the_same_document(tree: Path, tmp_path: Path, cluster: str) -> None:
+    docs = []
+    for name, extra in (("local", []), ("dask", ["--scheduler", cluster])):
+        args = ["convert", str(tree), str(tmp_path / name), "--format", "npz", "--size", "8", "--json"]
+        res = CliRunner().invoke(main, args + ["--workers", "1", *extra])
+        assert res.exit_code == 0, res.output
+        docs.append(json.loads(res.stdout))
+    assert docs[0].keys() == docs[1].keys()
+    for key in ("n", "n_skipped", "classes", "shape", "bytes_on_disk", "skipped", "resumed_units"):
+        assert docs[0][key] == docs[1][key], key
+
+
+@pytest.mark.parametrize(
+    ("text", "spec"),
+    [
+        ("local:3", SchedulerSpec(local_workers=3)),
+        ("tcp://10.0.0.1:8786", SchedulerSpec(address="tcp://10.0.0.1:8786")),
+    ],
+)
+def test_parse_scheduler(text: str, spec: SchedulerSpec) -> None:
+    assert parse_scheduler(text) == spec
+
+
+@pytest.mark.parametrize("text", ["local:0", "local:x", "dask", "10.0.0.1:8786"])
+def test_bad_scheduler_is_refused_before_any_work(tree: Path, tmp_path: Path, text: str) -> None:
+    with pytest.raises(ConvertError, match="--scheduler"):
+        conv(tree, tmp_path / "c", scheduler=text)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_the_extra_the_message_names_it(
+    tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "distributed" else real(name, *a)
+    )
+    with pytest.raises(MissingExtraError, match=r"pip install 'dlstore\[dask\]'"):
+        conv(tree, tmp_path / "c", scheduler="local:1")
