@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import sys
 import tempfile
@@ -27,12 +26,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dlstore.bench.report import cpu_model  # noqa: E402
 from dlstore.build.conversion import convert  # noqa: E402
 from dlstore.build.sources import open_source, scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.datasets.mnist_idx import write_fashion_mnist_like  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
+from dlstore.machine import cpu_model, usable_cores  # noqa: E402
 from dlstore.read.cache import open_cache  # noqa: E402
 from dlstore.read.loaders import PinnedLoader, ResidentLoader, batch_dataloader, make_sampler, storage_sorted  # noqa: E402
 from dlstore.spec import ImagePolicy  # noqa: E402
@@ -196,7 +195,7 @@ def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for i in range(n1):
         src.decode(i, policy)
     one_core = n1 / (time.perf_counter() - t0)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     out: dict[str, Any] = {
         "demo_images": len(src),
         "demo_generate_s": gen_s,
@@ -235,7 +234,7 @@ def section_loader_alone(args: argparse.Namespace, work: Path) -> dict[str, Any]
             cache.read(i, out=pinned.numpy())
         return len(idx) * b / (time.perf_counter() - t0)
 
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     out["gather_1_thread"] = host_gather(1)
     out[f"gather_{cores}_threads"] = host_gather(cores)
     torch.set_num_threads(cores)
@@ -288,7 +287,7 @@ def section_random_reads(args: argparse.Namespace, work: Path) -> dict[str, Any]
     b = 256
     out: dict[str, Any] = {}
     memmap = open_cache(work / "ram256")
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     buf = np.empty((b, 256, 256, 3), np.uint8)
 
     def rate(cache: Any, order: list[int], batches: int = 60) -> float:
@@ -430,7 +429,7 @@ def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     images, labels = _peer_arrays(work)
     n, b = len(images), 256
     np.save(work / "peer_images.npy", images)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     out: dict[str, Any] = {
         "settings": {
             "litdata": "optimize(chunk_bytes='64MB', num_workers=cores); StreamingDataset(shuffle=True); "
@@ -532,7 +531,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "numpy": np.__version__,
         "cpu": platform.processor() or platform.machine(),
-        "cores": len(os.sched_getaffinity(0)),
+        "cores": usable_cores(),
         "argv": sys.argv,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }

@@ -38,9 +38,10 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 import dlstore  # noqa: E402
-from dlstore.bench.report import _version, cpu_model  # noqa: E402
+from dlstore.bench.report import package_version  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.formats.base import UnitCache  # noqa: E402
+from dlstore.machine import cpu_model  # noqa: E402
 from dlstore.read.loaders import default_window, storage_sorted  # noqa: E402
 from dlstore.read.sampler import ChunkSampler  # noqa: E402
 
@@ -82,7 +83,9 @@ def environment() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "load_average": list(os.getloadavg()),
-        "versions": {d: _version(d) for d in ("dlstore", "torch", "torchvision", "numpy", "zarr", "pillow")},
+        "versions": {
+            d: package_version(d) for d in ("dlstore", "torch", "torchvision", "numpy", "zarr", "pillow")
+        },
     }
 
 

@@ -8,9 +8,10 @@ roughly where a big file went bad.
 from __future__ import annotations
 
 import hashlib
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from dlstore.machine import usable_cores
 
 RANGE_BYTES = 64 << 20
 _BLOCK = 8 << 20
@@ -61,7 +62,7 @@ def checksum_tree(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
         p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in exclude
     )
     keys = keys_for(root, files)
-    with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as ex:
+    with ThreadPoolExecutor(max(1, min(16, usable_cores()))) as ex:
         return dict(zip(keys, ex.map(lambda k: digest_key(root, k), keys)))
 
 
@@ -81,7 +82,7 @@ def mismatches(root: Path, checksums: dict[str, str]) -> list[str]:
         return ""
 
     keys = sorted(checksums)
-    with ThreadPoolExecutor(max(1, min(16, os.cpu_count() or 1))) as ex:
+    with ThreadPoolExecutor(max(1, min(16, usable_cores()))) as ex:
         return [p for p in ex.map(check, keys) if p]
 
 

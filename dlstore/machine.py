@@ -1,4 +1,9 @@
-"""Memory and shared-memory limits, read the way a container sees them.
+"""Machine facts, read the way a container sees them: usable cores, available memory, shared memory,
+the CPU model, and a device synchronise for timing.
+
+``usable_cores`` honours both the CPU affinity mask and the cgroup CPU quota (v2 ``cpu.max``, v1
+``cpu.cfs_quota_us / cpu.cfs_period_us``): a container given 2 CPUs of a 64-core host must not start
+64 workers.
 
 ``available_memory`` takes the smallest of /proc/meminfo's MemAvailable and the cgroup's free room
 (v2 ``memory.max - memory.current``, v1 ``memory.limit_in_bytes - memory.usage_in_bytes``): inside a
@@ -8,15 +13,77 @@ batches DataLoader workers hand over (Docker gives 64 MB), which otherwise ends 
 
 from __future__ import annotations
 
+import math
 import os
+import platform
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dlstore.errors import SharedMemoryError
 
+if TYPE_CHECKING:
+    import torch
+
 CGROUP = Path("/sys/fs/cgroup")
 MEMINFO = Path("/proc/meminfo")
+CPUINFO = Path("/proc/cpuinfo")
 SHM = Path("/dev/shm")
 _UNLIMITED = 1 << 60  # cgroup v1 writes a huge number for "no limit"
+
+
+def cpu_quota(cgroup: Path = CGROUP) -> float | None:
+    """CPUs the cgroup may use (quota / period), or None without a quota."""
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    for folder in ("cpu", "cpu,cpuacct"):
+        quota_us = _read_signed(cgroup / folder / "cpu.cfs_quota_us")
+        period_us = _read_signed(cgroup / folder / "cpu.cfs_period_us")
+        if quota_us is not None and period_us:
+            return None if quota_us < 0 else quota_us / period_us
+    return None
+
+
+def affinity_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def usable_cores(cgroup: Path = CGROUP) -> int:
+    """Cores this process may run on: the affinity mask, capped by the cgroup quota (rounded up)."""
+    cores = affinity_cores()
+    quota = cpu_quota(cgroup)
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return cores
+
+
+def cpu_model(cpuinfo: Path = CPUINFO) -> str:
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for a CUDA device's queued work (for timing); nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+
+
+def _read_signed(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 def _read_int(path: Path) -> int | None:

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from dlstore.durable import durable_file
 from dlstore.errors import SourceError, StaleCacheError, StaleCacheWarning
 from dlstore.spec import SOURCE_RECORD, CacheSpec, read_spec
 
@@ -170,7 +171,7 @@ class SourceRecord:
         """Deflated columns; mtimes as differences, which files written together keep small."""
         joined = b"\0".join(n.encode("utf-8", "surrogateescape") for n in self.names)
         mt = np.diff(self.mtimes_ns, prepend=np.int64(0))
-        with open(path, "wb") as f:
+        with durable_file(path) as f:
             np.savez_compressed(
                 f,
                 names=np.frombuffer(joined, np.uint8),
@@ -179,8 +180,6 @@ class SourceRecord:
                 labels=self.labels,
                 digests=self.digests,
             )
-            f.flush()
-            os.fsync(f.fileno())
 
     @classmethod
     def load(cls, path: Path) -> SourceRecord:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -163,22 +162,3 @@ def read_spec(root: Path) -> CacheSpec:
     if not isinstance(d, dict):
         raise SpecError(f"{path}: manifest is not a JSON object; rebuild the cache")
     return parse_spec(d, path)
-
-
-def write_json_durably(path: Path, text: str) -> None:
-    """Temp file, fsync, rename, fsync dir: the file is either old or new, never half."""
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

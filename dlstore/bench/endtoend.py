@@ -23,6 +23,7 @@ from dlstore.bench.kinds.base import loader_settings
 from dlstore.bench.monitor import ResourceMonitor
 from dlstore.bench.protocol import MIN_TIMED_STEPS, BenchConfig, RunResult, StepRecord, summarize_waits
 from dlstore.bench.stages import BatchStream, batch_images, evict_files
+from dlstore.machine import synchronize
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 
@@ -107,7 +108,7 @@ def run_once(
     try:
         for i in range(n_steps):
             if i == config.warmup and not spec.cold:
-                _sync(device)
+                synchronize(device)
                 t_timed = time.perf_counter()
                 result.warmup_s = t_timed - t0
                 monitor.start(stream.worker_pids())
@@ -141,7 +142,7 @@ def run_once(
             tc = time.perf_counter()
             phase = "cold" if spec.cold else ("warmup" if i < config.warmup else "timed")
             result.steps.append(StepRecord(phase, stream.epoch, i, n, tb - ta, tc - tb))
-        _sync(device)
+        synchronize(device)
         t_end = time.perf_counter()
         if spec.cold:
             result.warmup_s = t_end - t0
@@ -161,11 +162,6 @@ def run_once(
     for rec, ev in zip(result.steps, events):
         rec.device_step_s = ev[0].elapsed_time(ev[1]) / 1e3
     return result
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def aggregate(results: Sequence[RunResult]) -> dict[str, Any]:

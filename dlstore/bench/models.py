@@ -120,8 +120,3 @@ def configure_numerics(device: torch.device) -> None:
     torch.backends.cudnn.allow_tf32 = False
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -10,6 +10,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from dlstore.machine import available_memory
+
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -72,14 +74,8 @@ def load_average() -> list[float] | None:
 
 
 def mem_available_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    """Memory this process can still use, cgroup limits included (see dlstore.machine)."""
+    return available_memory()[0]
 
 
 class GpuSampler:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import math
-import os
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from dlstore.machine import usable_cores
 
 SCHEMA_VERSION = 1
 STAGES = ("read", "transform", "h2d", "compute")
@@ -19,12 +20,6 @@ MIN_TIMED_STEPS = 4
 # Augmentation of the two seed experiments; RandomResizedCrop's scale there was (0.75, 1).
 AUGMENT_SCALE = (0.75, 1.0)
 AUGMENT_DEGREES = 15.0
-
-
-def usable_cores() -> int:
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def default_worker_counts(cores: int | None = None) -> tuple[int, ...]:

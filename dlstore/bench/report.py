@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from dlstore.bench.monitor import load_average, mem_available_bytes, shm_usage
-from dlstore.bench.protocol import STAGES, usable_cores
+from dlstore.bench.protocol import STAGES
+from dlstore.machine import cpu_model, usable_cores
 
 STEP_COLUMNS = (
     "loader",
@@ -44,24 +45,13 @@ def default_out_dir() -> Path:
     return Path(f"dlstore-bench-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def _version(dist: str) -> str | None:
+def package_version(dist: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
     try:
         return version(dist)
     except PackageNotFoundError:
         return None
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def environment(device: torch.device) -> dict[str, Any]:
@@ -79,7 +69,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "versions": {
-            name: _version(name) for name in ("dlstore", "torch", "torchvision", "numpy", "pillow", "zarr")
+            name: package_version(name)
+            for name in ("dlstore", "torch", "torchvision", "numpy", "pillow", "zarr")
         },
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),

@@ -39,7 +39,6 @@ from dlstore.bench.protocol import (
     BenchConfig,
     StageResult,
     default_worker_counts,
-    usable_cores,
 )
 from dlstore.bench.report import environment, finite, profile_configuration, write_outputs
 from dlstore.bench.stages import (
@@ -53,6 +52,7 @@ from dlstore.bench.stages import (
 from dlstore.bench.verdict import Facts, KindStages, analyse
 from dlstore.build.sources import open_source
 from dlstore.errors import DlstoreError
+from dlstore.machine import usable_cores
 
 Log = Callable[[str], None]
 PAGE_CACHE_FRACTION = 0.8  # data larger than this share of available RAM is read cold every epoch

@@ -16,6 +16,7 @@ import torch
 
 from dlstore.bench.protocol import StageResult
 from dlstore.errors import DlstoreError
+from dlstore.machine import synchronize
 
 EVICTED_MAX_RESIDENT = 0.05  # at most 5% of the pages still cached counts as evicted
 COLD_WARM_RATIO = 0.67  # without mincore: cold must be this much slower than warm to count as evicted
@@ -339,7 +340,7 @@ def measure_compute(
     x, y = synthetic_batch(shape, dtype, num_classes, device)
     for _ in range(max(1, warmup)):
         step(x, y)
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -348,7 +349,7 @@ def measure_compute(
         step(x, y)
     if device.type == "cuda":
         end.record()
-    _sync(device)
+    synchronize(device)
     seconds = time.perf_counter() - t0
     detail: dict[str, Any] = {
         "shape": list(shape),
@@ -362,8 +363,3 @@ def measure_compute(
     return StageResult(
         "compute", loader, images / seconds, seconds, images, label=device_label(device), detail=detail
     )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

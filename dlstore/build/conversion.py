@@ -13,7 +13,6 @@ import errno
 import hashlib
 import json
 import multiprocessing as mp
-import os
 import re
 import shutil
 import signal
@@ -42,9 +41,11 @@ from dlstore.build.rerun import is_up_to_date
 from dlstore.build.sources import Source, open_source
 from dlstore.build.staging import Staging
 from dlstore.checksums import checksum_tree
+from dlstore.durable import fsync_path, save_npy_durably, sync_tree, write_json_durably
 from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError, require_extra
 from dlstore.formats import get_format
 from dlstore.formats.base import CacheWriter
+from dlstore.machine import usable_cores
 from dlstore.read.stores import parse_store_path
 from dlstore.sourcefiles import SourceRecord
 from dlstore.spec import (
@@ -55,9 +56,7 @@ from dlstore.spec import (
     SOURCE_RECORD,
     CacheSpec,
     ImagePolicy,
-    fsync_dir,
     read_spec,
-    write_json_durably,
 )
 
 Progress = Callable[[int], None]
@@ -287,7 +286,7 @@ def check_destination(dest: Path, overwrite: bool) -> None:
 
 def resolve_workers(workers: int | None, n_units: int) -> int:
     if workers is None:
-        workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = usable_cores()
     return max(1, min(workers, n_units))
 
 
@@ -588,8 +587,8 @@ def finalize(
     good[bad_sources] = False
     positions = inverse[good]  # dataset index → storage (setdiff1d would cost a 0.3 s lazy import)
     writer.finish(labels)
-    save_npy_durably(root / LABELS_FILE, labels)
-    save_npy_durably(root / POSITIONS_FILE, positions)
+    save_npy_durably(root / LABELS_FILE, narrow_index(labels))
+    save_npy_durably(root / POSITIONS_FILE, narrow_index(positions))
     source_record(src, staging, writer, order).save(root / SOURCE_RECORD)
     write_json_durably(root / SKIPPED_FILE, json.dumps(bad + unlisted(src), indent=1))
     remove_temp_files(root)
@@ -607,7 +606,7 @@ def finalize(
         dlstore_version=__version__,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )
-    fsync_dir(root)
+    fsync_path(root)
     write_json_durably(root / MANIFEST, spec.to_json())
     return spec
 
@@ -650,24 +649,11 @@ def remove_temp_files(root: Path) -> None:
             p.unlink()
 
 
-def sync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*"), key=lambda q: -len(q.parts)):
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_dir(root)
-
-
-def save_npy_durably(path: Path, array: np.ndarray) -> None:
+def narrow_index(array: np.ndarray) -> np.ndarray:
     """Index arrays as int32 when they fit (readers widen them): half the metadata bytes."""
     if array.dtype.kind == "i" and (array.size == 0 or (array.min() >= -(2**31) and array.max() < 2**31)):
-        array = array.astype(np.int32)
-    with open(path, "wb") as f:
-        np.save(f, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
+        return array.astype(np.int32)
+    return array
 
 
 def dir_bytes(root: Path) -> int:

@@ -15,7 +15,6 @@ fast and is skipped and reported as with the pool).
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlstore.errors import ConvertError, require_extra
+from dlstore.machine import usable_cores
 
 _ADDRESS = re.compile(r"^(tcp|tls|inproc|ucx)://\S+$")
 
@@ -41,7 +41,7 @@ class SchedulerSpec:
 def parse_scheduler(text: str) -> SchedulerSpec:
     """``local`` (one worker per core), ``local:N`` or ``tcp://HOST:PORT``."""
     if text == "local":
-        return SchedulerSpec(local_workers=len(os.sched_getaffinity(0)))
+        return SchedulerSpec(local_workers=usable_cores())
     if text.startswith("local:"):
         count = text.partition(":")[2]
         if not count.isdigit() or int(count) < 1:

@@ -22,8 +22,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from dlstore.durable import fsync_path, write_json_durably
 from dlstore.errors import ConvertError
-from dlstore.spec import MANIFEST, fsync_dir, write_json_durably
+from dlstore.spec import MANIFEST
 
 _RENAME_EXCHANGE = 2
 
@@ -199,18 +200,18 @@ class Staging:
                     f"{self.dest}: appeared during the conversion; pass --overwrite to replace it"
                 )
             if _exchange(self.path, self.dest):
-                fsync_dir(self.dest.parent)
+                fsync_path(self.dest.parent)
                 shutil.rmtree(self.path, ignore_errors=True)  # now holds the previous cache
             else:
                 old = self.dest.parent / f".{self.dest.name}.dlstore-old"
                 shutil.rmtree(old, ignore_errors=True)
                 os.rename(self.dest, old)
                 os.rename(self.path, self.dest)
-                fsync_dir(self.dest.parent)
+                fsync_path(self.dest.parent)
                 shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(self.path, self.dest)
-            fsync_dir(self.dest.parent)
+            fsync_path(self.dest.parent)
         self._clean_up()
 
     def _clean_up(self) -> None:

@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
+from dlstore.machine import usable_cores
+
 __all__ = [
     "DEMO_CLASSES",
     "DEMO_JPEG_QUALITY",
@@ -413,14 +415,6 @@ def _remove_stale_tmp_dirs(root: Path) -> None:
                 pass
 
 
-def _default_workers() -> int:
-    # CPUs this process may actually run on (respects taskset/cgroup cpusets),
-    # falling back to the machine total.
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
-
-
 def _write_one(directory: str, seed: int, index: int) -> int:
     """Generate and write one image; module-level so pool workers can pickle it."""
     data = demo_jpeg_bytes(index, index % len(DEMO_CLASSES), seed)
@@ -432,7 +426,7 @@ def _write_one(directory: str, seed: int, index: int) -> int:
 def _generate_into(directory: Path, n_images: int, seed: int, workers: int | None) -> None:
     for name in DEMO_CLASSES:
         (directory / name).mkdir()
-    n_workers = min(workers if workers is not None else _default_workers(), n_images)
+    n_workers = min(workers if workers is not None else usable_cores(), n_images)
     job = functools.partial(_write_one, str(directory), seed)
     if n_workers <= 1:
         for i in range(n_images):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dlstore.durable import durable_file
+
 __all__ = ["read_idx", "synthetic_mnist_arrays", "write_fashion_mnist_like", "write_idx"]
 
 # IDX dtype codes -> big-endian numpy dtypes, per the format's specification.
@@ -41,13 +43,10 @@ def write_idx(path: StrPath, array: np.ndarray) -> None:
         raise ValueError(f"{path}: write_idx supports ndim 1 or 3, got shape {array.shape}")
     magic = (_UINT8_CODE << 8) | array.ndim
     header = np.array((magic, *array.shape), dtype=_HEADER_DIM).tobytes()
-    # Write to a sibling temp file then rename: readers (and crashed writers) never
-    # see a truncated file under the final name.
-    tmp = Path(f"{os.fspath(path)}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
+    # Readers (and crashed writers) never see a truncated file under the final name.
+    with durable_file(Path(path)) as f:
         f.write(header)
         f.write(np.ascontiguousarray(array).tobytes())
-    os.replace(tmp, path)
 
 
 def read_idx(path: StrPath) -> np.ndarray:

@@ -16,6 +16,7 @@ import numpy as np
 
 from dlstore.errors import SpecError
 from dlstore.formats.describe import Codec, CodecTable, Option, Traits, parse_options
+from dlstore.machine import usable_cores
 from dlstore.spec import CacheSpec
 
 
@@ -101,7 +102,7 @@ class CacheReader(ABC):
     ) -> None:
         self.root, self.spec, self.in_memory = Path(root), spec, in_memory
         # Plain threads, not OpenMP: idle OpenMP teams spin-wait and starve the training thread.
-        self.threads = threads if threads is not None else min(4, os.cpu_count() or 1)
+        self.threads = threads if threads is not None else min(4, usable_cores())
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
 
@@ -270,16 +271,6 @@ class BufferPool:
 
 def clamp_units(target_bytes: int, image_bytes: int, lo: int, hi: int) -> int:
     return int(min(hi, max(lo, target_bytes // max(1, image_bytes))))
-
-
-def write_file_durably(path: Path, data: bytes | memoryview) -> None:
-    """Temp name in the same folder, fsync, rename: a reader never sees a partial file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def group_runs(keys: np.ndarray) -> list[tuple[int, int, int]]:

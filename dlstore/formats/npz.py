@@ -10,8 +10,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dlstore.durable import write_bytes_durably
 from dlstore.errors import CacheCorruptError
-from dlstore.formats.base import CacheWriter, ChunkedReader, clamp_units, write_file_durably
+from dlstore.formats.base import CacheWriter, ChunkedReader, clamp_units
 from dlstore.formats.describe import Codec, CodecTable
 
 SHARD_DIR = "shards"
@@ -41,7 +42,7 @@ class NpzWriter(CacheWriter):
     def write_unit(self, k: int, images: np.ndarray) -> None:
         buf = io.BytesIO()
         self.codecs[self.options["codec"]].impl(buf, images=np.ascontiguousarray(images, dtype=np.uint8))
-        write_file_durably(self.root / shard_name(k), buf.getbuffer())
+        write_bytes_durably(self.root / shard_name(k), buf.getbuffer())
 
 
 class NpzReader(ChunkedReader):

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from dlstore.durable import fsync_path
 from dlstore.errors import CacheCorruptError, SpecError
 from dlstore.formats.base import BufferPool, CacheWriter, ChunkedReader
 from dlstore.formats.describe import Codec, CodecTable
@@ -83,20 +84,12 @@ class ZarrWriter(CacheWriter):
         arr = zarr.open_array(self.root / "images", mode="r+", zarr_format=3)
         r = self.unit_range(k)
         arr[r.start : r.stop] = images
-        fsync_file(chunk_path(self.root, k))  # zarr does not fsync; the contract says durable
+        fsync_path(chunk_path(self.root, k))  # zarr does not fsync; the contract says durable
 
     def finish(self, labels: np.ndarray) -> None:
         import zarr
 
         zarr.open_array(self.root / "labels", mode="r+", zarr_format=3)[:] = labels
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def parse_array_meta(

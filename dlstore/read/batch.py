@@ -29,6 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data._utils import collate as _collate
 
+from dlstore.machine import usable_cores
+
 _MADV_POPULATE_READ = 22
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PIN_SPLIT_BYTES = 4 << 20  # below this a single copy is as fast as several
@@ -85,7 +87,7 @@ _libc: Any = None
 
 
 def _threads() -> int:
-    return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 4))
+    return max(1, min(8, usable_cores()))
 
 
 def _copy_pool() -> ThreadPoolExecutor:

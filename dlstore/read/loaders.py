@@ -15,7 +15,6 @@ labels int64 (B,). Convert, normalise and augment on the GPU (``dlstore.gpu.GpuA
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import weakref
@@ -28,6 +27,7 @@ import torch
 
 from dlstore.errors import DlstoreError
 from dlstore.formats.base import ChunkedReader
+from dlstore.machine import usable_cores
 from dlstore.read.batch import ImageBatch, in_worker, new_batch
 from dlstore.read.cache import Cache, open_cache
 from dlstore.read.sampler import ChunkSampler
@@ -116,7 +116,7 @@ class PinnedLoader:
         self.device = torch.device(device)
         self.sampler = make_sampler(self.cache, order, seed, window, num_replicas, rank)
         # The only process reading: let the reader's (blocking, not spinning) threads use every core.
-        self.cache.reader.threads = max(self.cache.reader.threads, len(os.sched_getaffinity(0)))
+        self.cache.reader.threads = max(self.cache.reader.threads, usable_cores())
         self.num_buffers = max(2, num_buffers)
         self.epoch = 0
         self._ring: BufferRing | None = None

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
+from dlstore.formats.base import group_runs
+
 
 class ChunkSampler(torch.utils.data.Sampler[int]):
     """Yields dataset indices, grouped so that each storage unit is visited once per epoch.
@@ -49,9 +51,7 @@ class ChunkSampler(torch.utils.data.Sampler[int]):
         self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
         # Dataset indices grouped by the storage unit that holds them.
         order = np.argsort(self.positions, kind="stable")
-        units = self.positions[order] // self.unit
-        cuts = np.flatnonzero(np.diff(units)) + 1
-        self._groups = np.split(order, cuts) if n else []
+        self._groups = [order[a:b] for _, a, b in group_runs(self.positions[order] // self.unit)]
 
     @classmethod
     def for_dataset(cls, dataset: object, **kw: object) -> ChunkSampler:
