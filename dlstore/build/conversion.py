@@ -587,6 +587,7 @@ def finalize(
     good[bad_sources] = False
     positions = inverse[good]  # dataset index → storage (setdiff1d would cost a 0.3 s lazy import)
     writer.finish(labels)
+    writer.describe(format_attributes(src, policy, len(src) - len(bad)), positions)
     save_npy_durably(root / LABELS_FILE, narrow_index(labels))
     save_npy_durably(root / POSITIONS_FILE, narrow_index(positions))
     source_record(src, staging, writer, order).save(root / SOURCE_RECORD)
@@ -619,6 +620,21 @@ def source_record(src: Source, staging: Staging, writer: CacheWriter, order: np.
         for s, d in zip(writer.unit_range(k), digests):
             sha[int(order[s])] = d
     return SourceRecord.from_rows(src.entries(), sha)
+
+
+def format_attributes(src: Source, policy: ImagePolicy, n: int) -> dict[str, Any]:
+    """What a format records in its own metadata for tools that do not know dlstore."""
+    return {
+        "classes": list(src.classes),
+        "policy": asdict(policy),
+        "shape": list(policy.shape),
+        "n": n,
+        "n_stored": len(src),
+        "source": {k: v for k, v in src.info().items() if k in ("kind", "description", "count")},
+        "labels": "label per stored image, storage order; -1 marks an image skipped as undecodable",
+        "positions": "storage row of each dataset index: images[positions[i]] is sample i",
+        "dlstore_version": __version__,
+    }
 
 
 def root_facts(src: Source, dest: Path) -> dict[str, Any]:

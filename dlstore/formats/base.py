@@ -87,6 +87,10 @@ class CacheWriter(ABC):
     def finish(self, labels: np.ndarray) -> None:
         """Main process, after every unit: anything global (labels copies, final flush)."""
 
+    def describe(self, attributes: dict[str, Any], positions: np.ndarray) -> None:
+        """Main process, after ``finish``: say what the cache holds in the format's own metadata, for
+        tools that open the files without dlstore (zarr: group attributes). Default: nothing."""
+
     def recorded_options(self) -> dict[str, Any]:
         return {**self.options, "unit_size": self.unit_size}
 

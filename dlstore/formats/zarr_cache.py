@@ -11,6 +11,7 @@ import json
 import math
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -90,6 +91,27 @@ class ZarrWriter(CacheWriter):
         import zarr
 
         zarr.open_array(self.root / "labels", mode="r+", zarr_format=3)[:] = labels
+
+    def describe(self, attributes: dict[str, Any], positions: np.ndarray) -> None:
+        """A first-class zarr group: the spec in its attributes, ``positions`` beside ``images`` and
+        ``labels``, and consolidated metadata, so ``zarr.open_group(DEST)`` lists its members from
+        ``zarr.json`` and never meets dlstore's own files (manifest, index arrays, source record)."""
+        import zarr
+
+        group = zarr.open_group(self.root, mode="r+", zarr_format=3)
+        group.create_array(
+            "positions",
+            shape=positions.shape,
+            chunks=(max(1, len(positions)),),
+            dtype="int64",
+            fill_value=-1,
+            overwrite=True,
+        )[:] = positions
+        group.attrs.update({"dlstore": attributes})
+        with warnings.catch_warnings():
+            # "not part of the v3 specification (yet)": zarr-python reads it by default, which is the point
+            warnings.simplefilter("ignore", UserWarning)
+            zarr.consolidate_metadata(self.root, zarr_format=3)
 
 
 def parse_array_meta(

@@ -1,0 +1,45 @@
+"""A dlstore zarr cache is first-class zarr (issue 9): plain zarr-python opens it without a single
+warning, finds the spec in the group's attributes, and reads the pixels dlstore serves."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dlstore.build.conversion import convert
+from dlstore.read.cache import open_cache
+
+
+@pytest.fixture(scope="module")
+def cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("zarr") / "c"
+    convert(image_tree, dest, format="zarr", size=12, workers=1)
+    return dest
+
+
+def test_plain_zarr_opens_the_cache_without_warnings(cache: Path) -> None:
+    zarr = pytest.importorskip("zarr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        group = zarr.open_group(cache, mode="r")
+        members = dict(group.members(max_depth=None))
+        tree = str(group.tree())
+        attrs = dict(group.attrs)["dlstore"]
+    assert set(members) == {"images", "labels", "positions"} and "positions" in tree
+    assert attrs["classes"] == ["cat", "dog", "zebra"]
+    assert attrs["policy"]["resize"] == "crop" and attrs["policy"]["size"] == 12
+    assert attrs["shape"] == [12, 12, 3] and attrs["source"]["kind"] == "folder"
+
+
+def test_zarr_arrays_hold_what_dlstore_reads(cache: Path) -> None:
+    zarr = pytest.importorskip("zarr")
+    group = zarr.open_group(cache, mode="r")
+    ours = open_cache(cache)
+    positions = group["positions"][:]
+    np.testing.assert_array_equal(positions, ours.positions)
+    np.testing.assert_array_equal(group["labels"][:][positions], ours.labels)
+    idx = np.arange(len(ours))
+    np.testing.assert_array_equal(group["images"][:][positions[idx]], ours.read(idx))
