@@ -75,6 +75,7 @@ class Staging:
         except BaseException:
             self._unlock()
             raise
+        self.entries = None  # only needed to open; a row per source file is too much to keep
         return self
 
     def __exit__(self, *exc: object) -> None:
