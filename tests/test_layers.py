@@ -1,0 +1,44 @@
+"""The package's layers (README "Architecture"): each folder imports only the folders above it, and
+at most 8 modules sit directly in dlstore/."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dlstore
+
+PACKAGE = Path(dlstore.__file__).parent
+LAYERS = ["(root)", "formats", "datasets", "gpu", "read", "build", "bench", "cli"]
+
+
+def layer_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else "(root)"
+
+
+def imported(path: Path) -> set[str]:
+    """Every dlstore module a file imports, at the top or inside a function."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dlstore"):
+            out.add(node.module)
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("dlstore")}
+    return out
+
+
+def test_each_layer_imports_only_layers_above_it() -> None:
+    wrong = []
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(PACKAGE).parts
+        mine = rel[0] if len(rel) > 1 else "(root)"
+        for module in imported(path):
+            theirs = layer_of(module)
+            if LAYERS.index(theirs) > LAYERS.index(mine):
+                wrong.append(f"{'/'.join(rel)} imports {module}")
+    assert wrong == []
+
+
+def test_at_most_eight_modules_at_the_root() -> None:
+    assert len(list(PACKAGE.glob("*.py"))) <= 8
