@@ -97,9 +97,40 @@ def known_kinds() -> tuple[str, ...]:
     default=None,
     help="Image side in pixels [default: native for torchvision sets, 32 for demo, 224 for folders].",
 )
-@click.option("--batch-size", type=click.IntRange(1, 65536), default=32, show_default=True)
 @click.option(
-    "--model", default="smallcnn", show_default=True, help="smallcnn, resnet18, resnet50 or MODULE:CALLABLE."
+    "--batch-size",
+    type=click.IntRange(1, 65536),
+    default=None,
+    help="[default: what a user picks for the model: 256 for ResNets and 128 for smallcnn on a GPU, 32 on a CPU]",
+)
+@click.option(
+    "--model",
+    default="smallcnn",
+    show_default=True,
+    help="smallcnn, resnet18, resnet50 or MODULE:CALLABLE (a factory taking any of in_channels, image_size, "
+    "num_classes).",
+)
+@click.option(
+    "--step",
+    "step",
+    default=None,
+    metavar="MODULE:CALLABLE",
+    help="Your own training step, called as CALLABLE(images, labels) with batches on the device after the "
+    "device transform; replaces --model's step.",
+)
+@click.option(
+    "--precision",
+    type=click.Choice(["bf16", "fp16", "fp32", "tf32"]),
+    default=None,
+    help="Numerics of the step [default: bf16 autocast on CUDA, fp32 on a CPU].",
+)
+@click.option(
+    "--channels-last/--no-channels-last",
+    default=None,
+    help="channels_last weights and inputs [default: on for conv nets on CUDA].",
+)
+@click.option(
+    "--compile", "compile_", is_flag=True, help="torch.compile the model (compile time is in warm-up)."
 )
 @click.option(
     "--transform",
@@ -137,8 +168,9 @@ def known_kinds() -> tuple[str, ...]:
 @click.option(
     "--max-run-seconds",
     type=click.FloatRange(0, min_open=True),
-    default=None,
-    help="Stop a run's timed steps after this long (at least 4 steps) [default: no limit].",
+    default=2.0,
+    show_default=True,
+    help="Stop a run's timed steps after this long (at least 4 steps, whole cycles of the loader).",
 )
 @click.option(
     "--cold/--no-cold",
@@ -173,9 +205,8 @@ def known_kinds() -> tuple[str, ...]:
 @click.option(
     "--demo-images",
     type=click.IntRange(1, 1_000_000),
-    default=256,
-    show_default=True,
-    help="Images in the demo dataset.",
+    default=None,
+    help="Images in the demo dataset [default: 8 batches, at least 256].",
 )
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the result document on stdout (progress on stderr)."
@@ -186,8 +217,12 @@ def bench_cmd(
     formats_alias: tuple[str, ...] | None,
     workers: tuple[int, ...] | None,
     size: int | None,
-    batch_size: int,
+    batch_size: int | None,
     model: str,
+    step: str | None,
+    precision: str | None,
+    channels_last: bool | None,
+    compile_: bool,
     transform: str,
     device: str,
     repeats: int,
@@ -200,13 +235,13 @@ def bench_cmd(
     out: Path | None,
     cache: Path | None,
     root: Path | None,
-    demo_images: int,
+    demo_images: int | None,
     as_json: bool,
 ) -> None:
     """Measure each input stage alone and end to end, sweep workers, name the bottleneck.
 
     SOURCE is demo (default), a folder of class subfolders, or torchvision:NAME with --root DIR.
-    Writes result.json, steps.csv and plots.png under --out.
+    Writes result.json, steps.csv, plots.png and timeline.png under --out.
     """
     from dlstore.bench.protocol import BenchConfig
     from dlstore.bench.report import default_out_dir, render_text
@@ -220,6 +255,10 @@ def bench_cmd(
         size=size,
         batch_size=batch_size,
         model=model,
+        step=step,
+        precision=precision,
+        channels_last=channels_last,
+        compile=compile_,
         transform=transform,
         device=device,
         repeats=repeats,

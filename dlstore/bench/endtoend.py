@@ -21,7 +21,14 @@ from torch.profiler import record_function
 from dlstore.bench.kinds import PreparedLoader
 from dlstore.bench.kinds.base import loader_settings
 from dlstore.bench.monitor import ResourceMonitor
-from dlstore.bench.protocol import MIN_TIMED_STEPS, BenchConfig, RunResult, StepRecord, summarize_waits
+from dlstore.bench.protocol import (
+    MIN_TIMED_STEPS,
+    BenchConfig,
+    RunResult,
+    StepRecord,
+    cycle_window,
+    summarize_waits,
+)
 from dlstore.bench.stages import BatchStream, batch_images, evict_files
 from dlstore.machine import synchronize
 
@@ -80,6 +87,15 @@ def move_batch(batch: Any, device: torch.device, non_blocking: bool) -> tuple[to
         return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
 
 
+def feeder(
+    prepared: PreparedLoader, device: torch.device, pin_memory: bool
+) -> Callable[[Any], tuple[torch.Tensor, torch.Tensor]]:
+    """How the loop hands a loader's batch to the step (the fed-step measurement uses the same)."""
+    if prepared.on_device:
+        return lambda batch: (batch[0], batch[1])
+    return lambda batch: move_batch(batch, device, pin_memory)
+
+
 def run_once(
     prepared: PreparedLoader,
     spec: RunSpec,
@@ -89,36 +105,38 @@ def run_once(
     repeat: int = 0,
     position: int = 0,
 ) -> RunResult:
-    """One repeat of one configuration; returns every step's timings."""
+    """One repeat of one configuration; returns every step's timings.
+
+    Warm-up and timed steps are whole cycles of the loader's delivery pattern (``cycle_window``); a run cut
+    short by ``max_run_s`` stops on a cycle boundary too."""
     result = RunResult(prepared.name, spec.workers, spec.pin_memory, repeat, position, cold=spec.cold)
     if spec.cold:
         result.eviction = evict_files(prepared.files)
     cuda = device.type == "cuda"
-    n_steps = config.warmup + (0 if spec.cold else config.steps)
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    monitor = ResourceMonitor(gpu=cuda)
-    t0 = time.perf_counter()
     fresh = spec.cold and prepared.fresh_for_cold
     loader = prepared.loader(spec.workers, spec.pin_memory, config, fresh=fresh)
     result.loader_settings = loader_settings(loader)
+    n_batches = len(loader) if hasattr(loader, "__len__") else config.steps  # type: ignore[arg-type]
+    warm, timed, cycle = cycle_window(n_batches, spec.workers, config.warmup, config.steps)
+    n_steps = warm + (0 if spec.cold else timed)
+    feed = feeder(prepared, device, spec.pin_memory)
+    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    monitor = ResourceMonitor(gpu=cuda)
+    ref = _reference_event(device)
+    t0 = time.perf_counter()
     stream = BatchStream(loader)
     first_epoch_end: float | None = None
     first_epoch_images = 0
     t_timed = t0
     try:
         for i in range(n_steps):
-            if i == config.warmup and not spec.cold:
+            if i == warm and not spec.cold:
                 synchronize(device)
+                monitor.start(stream.worker_pids())  # before the clock: it may start nvidia-smi
                 t_timed = time.perf_counter()
                 result.warmup_s = t_timed - t0
-                monitor.start(stream.worker_pids())
             ta = time.perf_counter()
-            if (
-                config.max_run_s is not None
-                and i >= config.warmup + MIN_TIMED_STEPS
-                and not spec.cold
-                and ta - t_timed > config.max_run_s
-            ):
+            if _past_limit(config, i - warm, cycle, ta - t_timed) and not spec.cold:
                 result.truncated = True
                 break
             with record_function("batch_wait"):
@@ -131,7 +149,7 @@ def run_once(
             n = batch_images(batch)
             if stream.epoch == 0:
                 first_epoch_images += n
-            x, y = (batch[0], batch[1]) if prepared.on_device else move_batch(batch, device, spec.pin_memory)
+            x, y = feed(batch)
             if cuda:
                 ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                 ev[0].record()
@@ -140,8 +158,8 @@ def run_once(
                 ev[1].record()
                 events.append(ev)
             tc = time.perf_counter()
-            phase = "cold" if spec.cold else ("warmup" if i < config.warmup else "timed")
-            result.steps.append(StepRecord(phase, stream.epoch, i, n, tb - ta, tc - tb))
+            phase = "cold" if spec.cold else ("warmup" if i < warm else "timed")
+            result.steps.append(StepRecord(phase, stream.epoch, i, n, tb - ta, tc - tb, t_s=ta - t0))
         synchronize(device)
         t_end = time.perf_counter()
         if spec.cold:
@@ -161,7 +179,30 @@ def run_once(
             monitor.abandon()  # an error mid-run: stop the nvidia-smi sampler too
     for rec, ev in zip(result.steps, events):
         rec.device_step_s = ev[0].elapsed_time(ev[1]) / 1e3
+        if ref is not None:
+            rec.device_start_s = ref.elapsed_time(ev[0]) / 1e3
+            rec.device_end_s = ref.elapsed_time(ev[1]) / 1e3
     return result
+
+
+def _reference_event(device: torch.device) -> Any:
+    """A CUDA event recorded on an idle device at the host's time origin: device times become offsets on the
+    host clock (for the timeline plot)."""
+    if device.type != "cuda":
+        return None
+    synchronize(device)
+    ref = torch.cuda.Event(enable_timing=True)
+    ref.record()
+    return ref
+
+
+def _past_limit(config: BenchConfig, timed_index: int, cycle: int, elapsed: float) -> bool:
+    return (
+        config.max_run_s is not None
+        and timed_index >= MIN_TIMED_STEPS
+        and timed_index % cycle == 0
+        and elapsed > config.max_run_s
+    )
 
 
 def aggregate(results: Sequence[RunResult]) -> dict[str, Any]:
@@ -184,8 +225,23 @@ def aggregate(results: Sequence[RunResult]) -> dict[str, Any]:
         "warmup_s": statistics.median(r.warmup_s for r in results),
         "wait": {k: statistics.median(w[k] for w in waits) for k in waits[0]},
         "loader_settings": r0.loader_settings,
+        "measured_ms": statistics_ms(results),
         "resources": results[-1].resources,
         "raw": [r.to_dict() for r in results],
+    }
+
+
+def statistics_ms(results: Sequence[RunResult]) -> dict[str, float | None]:
+    """The measured per-batch budget over the timed steps of all repeats: period, wait, host work, device."""
+    steps = [s for r in results for s in r.timed()]
+    if not steps:
+        return {"period_ms": None, "wait_ms": None, "host_ms": None, "device_ms": None}
+    device = [s.device_step_s for s in steps if s.device_step_s is not None]
+    return {
+        "period_ms": 1e3 * statistics.median(r.timed_s / max(1, len(r.timed())) for r in results),
+        "wait_ms": 1e3 * statistics.fmean(s.wait_s for s in steps),
+        "host_ms": 1e3 * statistics.fmean(s.step_s for s in steps),
+        "device_ms": 1e3 * statistics.fmean(device) if device else None,
     }
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -70,11 +72,7 @@ def build_model(name: str, in_channels: int, image_size: int, num_classes: int) 
 
 
 def _import_model(spec: str, in_channels: int, image_size: int, num_classes: int) -> nn.Module:
-    module_name, _, attr = spec.partition(":")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise DlstoreError(f"--model {spec}: cannot import {attr!r} from {module_name!r} ({e})") from None
+    factory = import_callable(spec, "--model")
     offered = {"in_channels": in_channels, "image_size": image_size, "num_classes": num_classes}
     try:
         params = inspect.signature(factory).parameters
@@ -87,10 +85,81 @@ def _import_model(spec: str, in_channels: int, image_size: int, num_classes: int
     return model
 
 
-class TrainStep:
-    """``step(x, y)``: optional on-device input transform, forward, cross-entropy, backward, Adam step.
+PRECISIONS = ("bf16", "fp16", "fp32", "tf32")
+# What a user would pick on a GPU (ResNets: 256, as in torchvision's reference recipes scaled to one GPU);
+# on a CPU a training run is a smoke test, so the bench keeps batches small there.
+GPU_BATCH_SIZES = {"smallcnn": 128, "resnet18": 256, "resnet50": 256}
+GPU_BATCH_SIZE_OTHER = 128
+CPU_BATCH_SIZE = 32
 
-    FP32 with TF32 off (the seeds' protocol). ``x`` and ``y`` must already be on ``device``.
+
+def default_batch_size(model: str, device_type: str) -> int:
+    if device_type != "cuda":
+        return CPU_BATCH_SIZE
+    return GPU_BATCH_SIZES.get(model, GPU_BATCH_SIZE_OTHER)
+
+
+def default_precision(device_type: str) -> str:
+    """bf16 autocast on CUDA (what nearly everyone trains with on Hopper); fp32 on a CPU."""
+    return "bf16" if device_type == "cuda" else "fp32"
+
+
+def is_conv_net(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.Conv2d) for m in model.modules())
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How the step runs: autocast precision, memory format, torch.compile."""
+
+    precision: str = "fp32"
+    channels_last: bool = False
+    compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise DlstoreError(f"--precision {self.precision}: choose one of {', '.join(PRECISIONS)}")
+
+
+def resolve_step_options(
+    precision: str | None, channels_last: bool | None, compile_: bool, device: torch.device, model: nn.Module
+) -> StepOptions:
+    """Fill the defaults: bf16 on CUDA and fp32 on CPU; channels_last on for CUDA conv nets."""
+    if precision == "fp16" and device.type == "cpu":
+        raise DlstoreError("--precision fp16 needs CUDA; on a CPU use bf16 or fp32")
+    cl = channels_last if channels_last is not None else device.type == "cuda" and is_conv_net(model)
+    return StepOptions(precision or default_precision(device.type), cl, compile_)
+
+
+def configure_numerics(device: torch.device, precision: str = "fp32") -> None:
+    """TF32 only when asked for (tf32), torch's defaults under autocast, off for fp32; cudnn picks kernels per
+    shape (hence a warm-up per input shape)."""
+    tf32 = precision == "tf32"
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32 or precision in ("bf16", "fp16")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+def numerics_state() -> dict[str, Any]:
+    """The global switches as they are now, to restore after a run."""
+    return {
+        "matmul": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn": torch.backends.cudnn.allow_tf32,
+        "benchmark": torch.backends.cudnn.benchmark,
+    }
+
+
+def restore_numerics(state: dict[str, Any]) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = state["matmul"]
+    torch.backends.cudnn.allow_tf32 = state["cudnn"]
+    torch.backends.cudnn.benchmark = state["benchmark"]
+
+
+class TrainStep:
+    """``step(x, y)``: optional on-device input transform, forward, cross-entropy, backward, Adam step, run
+    the way a user's loop runs it: autocast (bf16/fp16, with a GradScaler for fp16), channels_last inputs
+    and weights for conv nets, optionally ``torch.compile``. ``x`` and ``y`` must already be on ``device``.
     """
 
     def __init__(
@@ -98,25 +167,95 @@ class TrainStep:
         model: nn.Module,
         device: torch.device,
         device_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        options: StepOptions = StepOptions(),
     ) -> None:
         self.device = device
-        self.model = model.to(device).train()
+        self.options = options
+        self.memory_format = torch.channels_last if options.channels_last else torch.contiguous_format
+        self.model = model.to(device, memory_format=self.memory_format).train()
+        self.forward = torch.compile(self.model) if options.compile else self.model
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-3)
         self.device_transform = device_transform
+        self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.precision)
+        self.scaler = torch.amp.GradScaler(device.type) if options.precision == "fp16" else None
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
         with record_function("forward_backward_step"):
             if self.device_transform is not None:
                 x = self.device_transform(x)
+            x = x.contiguous(memory_format=self.memory_format) if x.dim() == 4 else x
             self.optimizer.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(self.model(x), y)
-            loss.backward()
-            self.optimizer.step()
+            with torch.autocast(
+                self.device.type,
+                dtype=self.autocast_dtype or torch.float32,
+                enabled=self.autocast_dtype is not None,
+            ):
+                loss = F.cross_entropy(self.forward(x), y)
+            if self.scaler is None:
+                loss.backward()
+                self.optimizer.step()
+            else:
+                self.scaler.scale(loss).backward()
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "kind": "built-in",
+            "model_params": count_parameters(self.model),
+            "optimizer": describe_optimizer(self.optimizer),
+            "precision": self.options.precision,
+            "autocast_dtype": None
+            if self.autocast_dtype is None
+            else str(self.autocast_dtype).removeprefix("torch."),
+            "grad_scaler": self.scaler is not None,
+            "channels_last": self.options.channels_last,
+            "compiled": self.options.compile,
+        }
 
 
-def configure_numerics(device: torch.device) -> None:
-    """FP32 without TF32; cudnn picks kernels per shape, hence a warm-up per input shape."""
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
+class UserStep:
+    """A user's own training step, ``CALLABLE(images, labels)`` from ``--step MODULE:CALLABLE``, fed the same
+    batches as the built-in step: on the device, after the bench's device transform (float conversion or
+    GPU augmentation). Its model, optimizer and numerics are its own, so the bench records only its name."""
+
+    def __init__(
+        self,
+        spec: str,
+        device: torch.device,
+        device_transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.device = device
+        self.fn = import_callable(spec, "--step")
+        self.device_transform = device_transform
+        self.model = None
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        with record_function("forward_backward_step"):
+            if self.device_transform is not None:
+                x = self.device_transform(x)
+            self.fn(x, y)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "user", "step": self.spec, "model_params": None, "optimizer": None}
+
+
+def import_callable(spec: str, option: str) -> Callable[..., Any]:
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise DlstoreError(f"{option} {spec}: expected MODULE:CALLABLE, e.g. mytrain:train_step")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise DlstoreError(f"{option} {spec}: cannot import {attr!r} from {module_name!r} ({e})") from None
+    if not callable(fn):
+        raise DlstoreError(f"{option} {spec}: {attr!r} is a {type(fn).__name__}, not a callable")
+    return fn
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    hyper = {
+        k: v for k, v in optimizer.defaults.items() if isinstance(v, (int, float, str, tuple, type(None)))
+    }
+    return {"type": type(optimizer).__name__, **hyper}

@@ -22,6 +22,22 @@ AUGMENT_SCALE = (0.75, 1.0)
 AUGMENT_DEGREES = 15.0
 
 
+def cycle_window(batches_per_epoch: int, workers: int, warmup: int, steps: int) -> tuple[int, int, int]:
+    """(warm-up batches, timed batches, cycle): both counts whole cycles of the loader's delivery pattern.
+
+    N workers started together hand over batches in waves of N, and a persistent-workers DataLoader drains
+    and refills its pipeline at every epoch end. Timing from the middle of one wave to the middle of another
+    counts batches that were already waiting (measured at 8 workers: +25%), so the window starts and ends on
+    a wave boundary, or on an epoch boundary when epochs are short enough to sit inside the window."""
+    if workers <= 1:
+        cycle = 1
+    elif batches_per_epoch <= max(steps, 2 * workers):
+        cycle = max(1, batches_per_epoch)
+    else:
+        cycle = workers
+    return -(-warmup // cycle) * cycle, -(-steps // cycle) * cycle, cycle
+
+
 def default_worker_counts(cores: int | None = None) -> tuple[int, ...]:
     """0 plus the three largest powers of two that fit the cores: 2 → 0,1,2; 16 → 0,4,8,16."""
     cores = cores or usable_cores()
@@ -41,8 +57,14 @@ class BenchConfig:
     loaders: tuple[str, ...] = DEFAULT_LOADERS  # loader kinds (dlstore.bench.kinds), not storage formats
     workers: tuple[int, ...] | None = None
     size: int | None = None
-    batch_size: int = 32
+    batch_size: int | None = (
+        None  # None: what a user picks for the model on the device (models.default_batch_size)
+    )
     model: str = "smallcnn"
+    step: str | None = None  # MODULE:CALLABLE, the user's own step(images, labels), instead of --model's
+    precision: str | None = None  # None: bf16 autocast on CUDA, fp32 on a CPU
+    channels_last: bool | None = None  # None: on for conv nets on CUDA
+    compile: bool = False
     transform: str = "light"
     device: str = "auto"
     repeats: int = 2
@@ -51,10 +73,12 @@ class BenchConfig:
     profile: bool = False
     out: Path | None = None
     cache: Path | None = None
-    demo_images: int = 256
+    demo_images: int | None = None  # None: enough for 8 batches, at least 256
     prefetch_factor: int = 2
     pin_memory: str = "auto"  # auto: on for CUDA, plus a pin-off run at the largest worker count
-    max_run_s: float | None = None  # cap on a run's timed phase (at least MIN_TIMED_STEPS steps)
+    # Cap on a run's timed phase (at least MIN_TIMED_STEPS steps, whole cycles): keeps the default run short
+    # where a slow configuration (per-file decode at 0 workers) would take most of the time.
+    max_run_s: float | None = 2.0
     cold: bool = True  # a cold-cache run per loader kind at the largest worker count
     stage_steps: int = 10  # timed batches for the transform / h2d / compute stages
     read_max_bytes: int = 256 << 20
@@ -98,6 +122,9 @@ class StepRecord:
     wait_s: float
     step_s: float
     device_step_s: float | None = None
+    t_s: float = 0.0  # host clock when next() was called, from the loader's creation
+    device_start_s: float | None = None  # the step's start and end on the device, same origin
+    device_end_s: float | None = None
 
 
 @dataclass

@@ -38,6 +38,9 @@ STEP_COLUMNS = (
     "wait_s",
     "step_s",
     "device_step_s",
+    "t_s",
+    "device_start_s",
+    "device_end_s",
 )
 
 
@@ -103,6 +106,7 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
         )
     else:
         doc["outputs"]["plot"] = str(plot)
+        doc["outputs"]["timeline"] = str(write_timeline(doc, out / "timeline.png"))
     with open(out / "result.json", "w") as f:
         json.dump(doc, f, indent=1, default=_json_default)
         f.write("\n")
@@ -137,12 +141,7 @@ def step_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
         steps = raw["steps"]
         for i in range(len(steps["index"])):
             row = {k: raw[k] for k in ("loader", "workers", "pin_memory", "cold", "repeat", "position")}
-            row.update(
-                {
-                    k: steps[k][i]
-                    for k in ("phase", "epoch", "index", "images", "wait_s", "step_s", "device_step_s")
-                }
-            )
+            row.update({k: steps[k][i] for k in STEP_COLUMNS[6:]})
             rows.append(row)
     return rows
 
@@ -206,6 +205,82 @@ def write_plot(doc: dict[str, Any], path: Path) -> Path | None:
     return path
 
 
+def timeline_runs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(title, first repeat's record) for the default configuration and the best one."""
+    out = []
+    seen = set()
+    for role in ("default", "best"):
+        pick = doc.get(role)
+        key = pick and (pick["loader"], pick["workers"], pick["pin_memory"])
+        if not pick or key in seen:
+            continue
+        seen.add(key)
+        run = next(
+            (
+                r
+                for r in doc["runs"]
+                if (r["loader"], r["workers"], r["pin_memory"])
+                == (pick["loader"], pick["workers"], pick["pin_memory"])
+            ),
+            None,
+        )
+        if run is not None and run["raw"]:
+            title = (
+                f"{role}: {run['loader']}, {run['workers']} workers, pin_memory={run['pin_memory']}: "
+                f"{run['img_per_s']:,.0f} img/s, bottleneck {run.get('bottleneck')}"
+            )
+            out.append((title, run["raw"][0]))
+    return out
+
+
+def write_timeline(doc: dict[str, Any], path: Path) -> Path:
+    """Per step, on one time axis: the main thread waiting for data, its own work (copy + step calls), and the
+    step on the device; warm-up (worker start, first batches) shaded apart from the timed, warm steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    picks = timeline_runs(doc)
+    fig, axes = plt.subplots(max(1, len(picks)), 1, figsize=(13, 2.6 * max(1, len(picks))), squeeze=False)
+    for ax, (title, raw) in zip(axes[:, 0], picks):
+        _timeline_axis(ax, raw["steps"], title)
+    axes[-1, 0].set_xlabel("time since the loader was created (ms)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _timeline_axis(ax: Any, steps: dict[str, list[Any]], title: str) -> None:
+    colours = {"wait": "#d62728", "host": "#1f77b4", "device": "#2ca02c"}
+    n = len(steps["index"])
+    for i in range(n):
+        t, wait, host = 1e3 * steps["t_s"][i], 1e3 * steps["wait_s"][i], 1e3 * steps["step_s"][i]
+        ax.broken_barh([(t, wait)], (1.1, 0.8), color=colours["wait"])
+        ax.broken_barh([(t + wait, host)], (1.1, 0.8), color=colours["host"])
+        start, end = steps["device_start_s"][i], steps["device_end_s"][i]
+        if start is not None and end is not None:
+            ax.broken_barh([(1e3 * start, 1e3 * (end - start))], (0.1, 0.8), color=colours["device"])
+    warm = [1e3 * steps["t_s"][i] for i in range(n) if steps["phase"][i] != "warmup"]
+    if warm:
+        ax.axvspan(0, warm[0], color="0.9", zorder=0)
+        ax.text(0, 2.05, " warm-up: worker start, first batches", fontsize=7, va="bottom")
+        ax.text(warm[0], 2.05, " timed (warm)", fontsize=7, va="bottom")
+    ax.set_yticks([0.5, 1.5], ["device step", "main thread"])
+    ax.set_ylim(0, 2.4)
+    ax.set_title(title, fontsize=9)
+    handles = [matplotlib_patch(c, k) for k, c in colours.items()]
+    ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=3)
+
+
+def matplotlib_patch(colour: str, key: str) -> Any:
+    from matplotlib.patches import Patch
+
+    label = {"wait": "waiting for data (next())", "host": "copy + step calls", "device": "step on the device"}
+    return Patch(color=colour, label=label[key])
+
+
 # --- profiler -----------------------------------------------------------------------------------------
 
 
@@ -254,33 +329,73 @@ def _pct(x: float | None) -> str:
 
 
 def render_text(doc: dict[str, Any]) -> str:
-    """The table of runs, the stage table, the verdict and the recommendations."""
+    """One line per loader kind, at most five recommendations, the verdict; then the runs with their per-batch
+    budget (measured vs predicted), the stage table and notes."""
+    proto = doc["protocol"]
+    num = proto.get("numerics") or {}
+    step = proto.get("model") or (proto.get("step") or {}).get("step")
     lines = [
-        f"dlstore bench: {doc['source']['description']} ({doc['source']['n_images']} images, "
-        f"{doc['protocol']['size']}px), model {doc['protocol']['model']}, batch {doc['protocol']['batch_size']}, "
-        f"transform {doc['protocol']['transform']}, device {doc['environment']['device']}, "
-        f"{doc['protocol']['repeats']} repeats × {doc['protocol']['steps']} timed steps",
+        f"dlstore bench: {doc['source']['description']} ({doc['source']['n_images']} images, {proto['size']}px), "
+        f"{step}, {num.get('precision') or '-'}{', channels_last' if num.get('channels_last') else ''}"
+        f"{', compiled' if num.get('compiled') else ''}, batch {proto['batch_size']}, transform "
+        f"{proto['transform']}, device {doc['environment']['device']}, {proto['repeats']} repeats",
         "",
     ]
+    lines += kind_lines(doc)
+    lines += ["", "Recommendations (most valuable first):"]
+    lines += [f"{i}. {r}" for i, r in enumerate(doc["recommendations"], 1)] or ["(none)"]
+    lines += ["", "Verdict: " + doc["verdict"], ""]
+    lines += run_table(doc)
+    lines += stage_table(doc)
+    for note in doc.get("notes", []):
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
+
+
+def kind_lines(doc: dict[str, Any]) -> list[str]:
+    head = f"{'kind':<9} {'best':>5} {'img/s':>9} {'bottleneck':<10} {'predicted':>9} {'err':>5}  by workers (img/s)"
+    lines = [head, "-" * len(head)]
+    for name, k in (doc.get("kinds") or {}).items():
+        err = "-" if k["prediction_error"] is None else f"{100 * k['prediction_error']:+.0f}%"
+        sweep = " · ".join(
+            f"{w}: {_n(r)}" for w, r in sorted(k["by_workers"].items(), key=lambda x: int(x[0]))
+        )
+        hurt = f" (more than {k['best_workers']} workers: slower)" if k["hurts"] else ""
+        lines.append(
+            f"{name:<9} {str(k['best_workers']) + 'w':>5} {_n(k['best_img_per_s']):>9} {str(k['bottleneck']):<10} "
+            f"{_n(k['predicted_img_per_s']):>9} {err:>5}  {sweep}{hurt}"
+        )
+    return lines
+
+
+def run_table(doc: dict[str, Any]) -> list[str]:
     head = (
-        f"{'loader':<7} {'wk':>3} {'pin':>3} {'img/s':>9} {'min–max':>17} {'predicted':>9} {'err':>5} "
-        f"{'bottleneck':<10} {'Σwait/wall':>10} {'p95 ms':>7} {'1st epoch':>9}"
+        f"{'loader':<8} {'wk':>3} {'pin':>3} {'img/s':>9} {'min–max':>17} {'predicted':>9} {'err':>5} "
+        f"{'bottleneck':<10} {'ms/batch: wait':>14} {'host':>6} {'device':>6} {'| predicted':>11} {'wait':>6} "
+        f"{'host':>6} {'device':>6} {'p95 wait':>8} {'1st epoch':>9}"
     )
-    lines += [head, "-" * len(head)]
+    lines = ["runs (per-batch budget measured | predicted)", head, "-" * len(head)]
     kinds = list(doc["loaders"])
     for r in sorted(doc["runs"], key=lambda r: (kinds.index(r["loader"]), r["workers"], not r["pin_memory"])):
         pin = "on" if r["pin_memory"] else "off"
         err = "-" if r["prediction_error"] is None else f"{100 * r['prediction_error']:+.0f}%"
+        m = r.get("measured_ms") or {}
+        p = (r.get("budget_ms") or {}).get("predicted") or {}
         lines.append(
-            f"{r['loader']:<7} {r['workers']:>3} {pin:>3} {_n(r['img_per_s']):>9} "
-            f"{_n(r['img_per_s_min']) + '–' + _n(r['img_per_s_max']):>17} "
-            f"{_n(r['predicted_img_per_s']):>9} "
-            f"{err:>5} {str(r['bottleneck']):<10} {_pct(r['wait']['sum_over_wall']):>10} "
-            f"{_n(r['wait']['p95_ms'], '.1f'):>7} {_n(r['first_epoch_img_per_s']):>9}"
+            f"{r['loader']:<8} {r['workers']:>3} {pin:>3} {_n(r['img_per_s']):>9} "
+            f"{_n(r['img_per_s_min']) + '–' + _n(r['img_per_s_max']):>17} {_n(r['predicted_img_per_s']):>9} "
+            f"{err:>5} {str(r['bottleneck']):<10} {_n(m.get('wait_ms'), '.2f'):>14} {_n(m.get('host_ms'), '.2f'):>6} "
+            f"{_n(m.get('device_ms'), '.2f'):>6} {'|':>11} {_n(p.get('wait_ms'), '.2f'):>6} "
+            f"{_n(p.get('host_ms'), '.2f'):>6} {_n(p.get('device_ms'), '.2f'):>6} "
+            f"{_n(r['wait']['p95_ms'], '.1f'):>8} {_n(r['first_epoch_img_per_s']):>9}"
         )
-    lines += [
+    return lines
+
+
+def stage_table(doc: dict[str, Any]) -> list[str]:
+    lines = [
         "",
-        f"{'stage rates (img/s)':<20} {'read warm':>10} {'read cold':>10} {'transform':>16} {'h2d':>10} "
+        f"{'parts alone (img/s)':<20} {'read warm':>10} {'read cold':>10} {'loader':>16} {'h2d':>10} "
         f"{'compute':>10}  eviction",
     ]
     for name, s in doc["stages"].items():
@@ -295,8 +410,4 @@ def render_text(doc: dict[str, Any]) -> str:
         )
     if any(s["read"] is None for s in doc["stages"].values()):
         lines.append("* loaded once into memory: the read is a one-off at start, not a per-epoch bound")
-    for note in doc.get("notes", []):
-        lines.append(f"note: {note}")
-    lines += ["", "Verdict: " + doc["verdict"], ""]
-    lines += [f"- {r}" for r in doc["recommendations"]]
-    return "\n".join(lines)
+    return lines

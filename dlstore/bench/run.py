@@ -8,11 +8,10 @@ then predict, name the bottleneck and advise. Returns the result document (see `
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -23,15 +22,34 @@ from dlstore.bench.endtoend import (
     RunSpec,
     aggregate,
     aggregate_cold,
-    move_batch,
+    feeder,
     plan_runs,
     rotated,
     run_once,
 )
 from dlstore.bench.kinds import LoaderContext, PreparedLoader, prepare_loader
 from dlstore.bench.kinds.base import default_size, source_channels
-from dlstore.bench.models import TrainStep, build_model, configure_numerics, count_parameters
+from dlstore.bench.models import (
+    TrainStep,
+    UserStep,
+    build_model,
+    configure_numerics,
+    default_batch_size,
+    default_precision,
+    numerics_state,
+    resolve_step_options,
+    restore_numerics,
+)
 from dlstore.bench.monitor import mem_available_bytes
+from dlstore.bench.parts import (
+    FedProbe,
+    compute_probe,
+    kind_stages_of,
+    measure_kind,
+    settle_compute,
+    stage_entry,
+    transform_stage,
+)
 from dlstore.bench.protocol import (
     DEVICES,
     SCHEMA_VERSION,
@@ -41,21 +59,16 @@ from dlstore.bench.protocol import (
     default_worker_counts,
 )
 from dlstore.bench.report import environment, finite, profile_configuration, write_outputs
-from dlstore.bench.stages import (
-    BatchStream,
-    device_label,
-    measure_compute,
-    measure_h2d,
-    measure_read,
-    measure_transform,
-)
-from dlstore.bench.verdict import Facts, KindStages, analyse
+from dlstore.bench.stages import BatchStream, device_label
+from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse
 from dlstore.build.sources import open_source
 from dlstore.errors import DlstoreError
 from dlstore.machine import usable_cores
 
 Log = Callable[[str], None]
-PAGE_CACHE_FRACTION = 0.8  # data larger than this share of available RAM is read cold every epoch
+Step = TrainStep | UserStep
+MIN_DEMO_IMAGES = 256
+DEMO_BATCHES = 8  # the demo source holds at least this many batches, so an epoch is more than a batch
 
 
 def bench_cache_root() -> Path:
@@ -75,7 +88,7 @@ def check_config(config: BenchConfig) -> None:
     if config.transform not in TRANSFORMS:
         raise DlstoreError(f"--transform {config.transform}: choose one of {', '.join(TRANSFORMS)}")
     for name in ("batch_size", "repeats", "steps", "warmup", "stage_steps"):
-        if getattr(config, name) < 1:
+        if getattr(config, name) is not None and getattr(config, name) < 1:
             raise DlstoreError(f"{name} must be at least 1, got {getattr(config, name)}")
     if config.pin_memory not in ("auto", "on", "off", "both"):
         raise DlstoreError(f"pin_memory must be auto, on, off or both, got {config.pin_memory!r}")
@@ -85,35 +98,56 @@ def run_bench(config: BenchConfig, log: Log | None = None) -> dict[str, Any]:
     """Measure, predict, advise; write result.json, steps.csv and plots under ``config.out`` when set."""
     check_config(config)
     device = resolve_device(config.device)
+    config = resolve_config(config, device)
     threads = torch.get_num_threads()
+    numerics = numerics_state()
     if device.type == "cpu":
         torch.set_num_threads(config.cpu_threads)
     try:
         return _run_bench(config, device, log or (lambda msg: None))
     finally:
         torch.set_num_threads(threads)
+        restore_numerics(numerics)
+
+
+def resolve_config(config: BenchConfig, device: torch.device) -> BenchConfig:
+    """Fill what depends on the device: the batch size a user picks for the model, the precision, and a demo
+    source of at least ``DEMO_BATCHES`` batches."""
+    batch = config.batch_size or default_batch_size(config.model, device.type)
+    demo = config.demo_images or max(MIN_DEMO_IMAGES, DEMO_BATCHES * batch)
+    precision = config.precision or default_precision(device.type)
+    return dataclasses.replace(config, batch_size=batch, demo_images=demo, precision=precision)
 
 
 def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str, Any]:
+    assert config.batch_size is not None and config.precision is not None
     t_start = time.perf_counter()
-    configure_numerics(device)
+    configure_numerics(device, config.precision)
     torch.manual_seed(config.seed)
-    source = open_source(config.source, root=config.root, demo_images=config.demo_images)
+    source = open_source(config.source, root=config.root, demo_images=config.demo_images or MIN_DEMO_IMAGES)
     size = config.size or default_size(source)
     channels = source_channels(source)
     workers = tuple(config.workers) if config.workers else default_worker_counts()
     ctx = LoaderContext(config, source, size, channels, device, bench_cache_root(), log)
     phases = {"source_s": time.perf_counter() - t_start}
     prepared, notes = prepare_all(config, ctx, log)
-    steps = {name: make_step(p, config, size, len(source.classes), device) for name, p in prepared.items()}
+    classes = len(source.classes)
+    steps = {name: make_step(p, config, size, classes, device) for name, p in prepared.items()}
     phases["prepare_s"] = time.perf_counter() - t_start - sum(phases.values())
-    stage_results = measure_stages(prepared, steps, config, workers, len(source.classes), device, log)
-    phases["stages_s"] = time.perf_counter() - t_start - sum(phases.values())
     workerless = frozenset(n for n, p in prepared.items() if p.info.get("ignores_workers"))
     specs = plan_runs(
         list(prepared), workers, device.type == "cuda", config.pin_memory, config.cold, workerless
     )
-    probe = compute_probe(stage_results, steps, config, len(source.classes), device)
+    pin_default = specs[0].pin_memory if specs else False
+    stage_results = measure_all(prepared, steps, specs, config, classes, device, pin_default, log)
+    phases["stages_s"] = time.perf_counter() - t_start - sum(phases.values())
+    fed = FedProbe(prepared, steps, specs, config, classes, device)
+    ceiling = compute_probe(stage_results, steps, config, classes, device)
+
+    def probe() -> None:  # once per round: the ceiling and the fed step drift with the machine's load
+        ceiling()
+        fed()
+
     results = run_rounds(prepared, steps, specs, config, device, log, probe)
     settle_compute(stage_results)
     phases["end_to_end_s"] = time.perf_counter() - t_start - sum(phases.values())
@@ -122,8 +156,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     profiles = profile_all(prepared, steps, config, workers, device, specs, log) if config.profile else None
     phases["profile_s"] = time.perf_counter() - t_start - sum(phases.values())
     notes += contention_notes(runs)
-    kind_stages = {name: kind_stages_of(s, prepared[name]) for name, s in stage_results.items()}
-    pin_default = specs[0].pin_memory if specs else False
+    kind_stages = {name: kind_stages_of(s, prepared[name], fed) for name, s in stage_results.items()}
     facts = Facts(
         device=device.type,
         device_label=device_label(device),
@@ -132,11 +165,16 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         source=_source_arg(config),
         size=size,
         cores=usable_cores(),
-        cache_bytes={n: p.bytes_on_disk() for n, p in prepared.items() if n != "raw"},
+        cache_bytes={n: p.bytes_on_disk() for n, p in prepared.items() if p.info.get("apply")},
         mem_available=mem_available_bytes(),
         pin_default=pin_default,
+        apply={n: p.info["apply"] for n, p in prepared.items() if p.info.get("apply")},
+        precision=config.precision,
+        transform=config.transform,
+        bench_command=bench_command(config),
     )
     analysis = analyse(kind_stages, runs, cold, facts)
+    notes += prediction_notes(analysis.get("prediction", {}))
     doc = {
         "schema_version": SCHEMA_VERSION,
         "tool": "dlstore bench",
@@ -148,15 +186,20 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
             "description": source.description,
             "kind": source.kind,
             "n_images": len(source),
-            "classes": len(source.classes),
+            "classes": classes,
         },
         "loaders": {n: loader_info(p) for n, p in prepared.items()},
-        "stages": {n: stage_entry(s, kind_stages[n], prepared[n]) for n, s in stage_results.items()},
+        "stages": {n: stage_entry(s, kind_stages[n], prepared[n], fed) for n, s in stage_results.items()},
         "runs": runs,
         "cold": cold,
-        **{k: analysis[k] for k in ("stalls", "knees", "best") if k in analysis},
+        **{
+            k: analysis[k]
+            for k in ("kinds", "stalls", "knees", "best", "default", "prediction")
+            if k in analysis
+        },
         "verdict": analysis["verdict"],
         "recommendations": analysis["recommendations"],
+        "advice": analysis.get("advice", []),
         "notes": notes,
         "profile": profiles,
         "phases": phases,
@@ -166,6 +209,47 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     if config.out is not None:
         write_outputs(doc, Path(config.out))
     return doc
+
+
+def measure_all(
+    prepared: dict[str, PreparedLoader],
+    steps: dict[str, Step],
+    specs: list[RunSpec],
+    config: BenchConfig,
+    classes: int,
+    device: torch.device,
+    pin_default: bool,
+    log: Log,
+) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    shared: dict[tuple[Any, ...], StageResult] = {}
+    for name, p in prepared.items():
+        counts = sorted({s.workers for s in specs if s.loader == name})
+        log(f"{name}: parts (read, loader alone at workers {','.join(map(str, counts))}, h2d, compute)")
+        out[name] = measure_kind(p, steps[name], specs, config, classes, device, shared)
+        out[name]["transform"] = transform_stage(name, out[name]["loader"], pin_default)
+    return out
+
+
+def prediction_notes(summary: dict[str, Any]) -> list[str]:
+    n, ok = summary.get("runs", 0), summary.get("within_tolerance", 0)
+    if not n or ok == n:
+        return []
+    return [
+        f"predictions within ±{100 * PREDICTION_TOLERANCE:.0f}% for {ok} of {n} runs (largest miss "
+        f"{100 * summary['max_abs_error']:.0f}%): where they miss, the parts interfere when run together or "
+        "the machine's load changed between measurements; trust the measured rates"
+    ]
+
+
+def bench_command(config: BenchConfig) -> str:
+    """The command that re-runs this bench, for advice that says "measure it with …"."""
+    parts = ["dlstore bench", _source_arg(config), f"--loaders {','.join(config.loaders)}"]
+    parts.append(f"--model {config.model}" if config.step is None else f"--step {config.step}")
+    parts += [f"--batch-size {config.batch_size}", f"--transform {config.transform}"]
+    if config.size:
+        parts.append(f"--size {config.size}")
+    return " ".join(parts)
 
 
 def contention_notes(runs: list[dict[str, Any]]) -> list[str]:
@@ -213,138 +297,20 @@ def prepare_all(
 
 def make_step(
     p: PreparedLoader, config: BenchConfig, size: int, num_classes: int, device: torch.device
-) -> TrainStep:
+) -> Step:
+    """The built-in step with the options a user trains with, or the user's own ``--step``."""
+    if config.step is not None:
+        return UserStep(config.step, device, p.device_transform)
     c, h, _ = p.sample_shape
     side = size if config.transform == "gpu-augment" else h
-    return TrainStep(build_model(config.model, c, side, num_classes), device, p.device_transform)
-
-
-def measure_stages(
-    prepared: dict[str, PreparedLoader],
-    steps: dict[str, TrainStep],
-    config: BenchConfig,
-    workers: tuple[int, ...],
-    num_classes: int,
-    device: torch.device,
-    log: Log,
-) -> dict[str, dict[str, StageResult]]:
-    out: dict[str, dict[str, StageResult]] = {}
-    h2d_done: dict[tuple[Any, ...], StageResult] = {}
-    compute_done: dict[tuple[Any, ...], StageResult] = {}
-    for name, p in prepared.items():
-        log(f"{name}: stages (read, transform at workers {','.join(map(str, workers))}, h2d, compute)")
-        shape = (config.batch_size, *p.sample_shape)
-        read = measure_read(name, p.files, p.n_images, config.read_max_bytes)
-        transform = measure_transform(
-            name,
-            lambda w, p=p: p.loader(w, False, config),
-            workers,
-            min(config.warmup, 4),
-            config.stage_steps,
-        )
-        key = (shape, p.batch_dtype)
-        if p.on_device:
-            h2d = StageResult("h2d", name, None, label="batches arrive on the device")
-        else:
-            h2d = h2d_done.get(key) or measure_h2d(name, shape, p.batch_dtype, device, config.stage_steps)
-            h2d_done[key] = h2d
-        ckey = (shape, p.batch_dtype, type(p.device_transform).__name__)
-        if ckey not in compute_done:
-            compute_done[ckey] = measure_compute(
-                name,
-                steps[name],
-                shape,
-                p.batch_dtype,
-                num_classes,
-                device,
-                warmup=3,
-                steps=max(config.stage_steps, config.steps),
-            )
-        out[name] = {"read": read, "transform": transform, "h2d": h2d, "compute": compute_done[ckey]}
-    return out
-
-
-def per_epoch_read(read: StageResult, p: PreparedLoader) -> tuple[float | None, str]:
-    """The read rate an epoch sees: none for a dataset loaded once; cold when the data cannot stay cached."""
-    if not p.reads_per_epoch:
-        return None, "loaded once into memory: no per-epoch read"
-    avail = mem_available_bytes()
-    total = read.detail.get("bytes_total", 0)
-    if avail is not None and total > PAGE_CACHE_FRACTION * avail:
-        return read.detail.get("cold_img_per_s"), "cold: the data does not fit in the page cache"
-    return read.img_per_s, "warm: the data fits in the page cache after the first epoch"
-
-
-def kind_stages_of(s: dict[str, StageResult], p: PreparedLoader) -> KindStages:
-    read, _ = per_epoch_read(s["read"], p)
-    by = {int(w): r for w, r in s["transform"].detail.get("by_workers", {}).items()}
-    h2d = s["h2d"]
-    return KindStages(
-        read=read,
-        transform_by_workers=by,
-        h2d_pinned=h2d.detail.get("pinned_img_per_s"),
-        h2d_pageable=h2d.detail.get("pageable_img_per_s"),
-        compute=s["compute"].img_per_s,
-    )
-
-
-def stage_entry(s: dict[str, StageResult], ks: KindStages, p: PreparedLoader) -> dict[str, Any]:
-    _, basis = per_epoch_read(s["read"], p)
-    return {
-        "read": ks.read,
-        "transform": s["transform"].img_per_s,
-        "h2d": ks.h2d_pinned,
-        "compute": ks.compute,
-        "read_basis": basis,
-        "read_warm": s["read"].detail.get("warm_img_per_s"),
-        "read_cold": s["read"].detail.get("cold_img_per_s"),
-        "transform_by_workers": {str(k): v for k, v in ks.transform_by_workers.items()},
-        "h2d_pageable": ks.h2d_pageable,
-        "compute_label": s["compute"].label,
-        "detail": {k: asdict(v) for k, v in s.items()},
-    }
-
-
-def compute_probe(
-    stage_results: dict[str, dict[str, StageResult]],
-    steps: dict[str, TrainStep],
-    config: BenchConfig,
-    num_classes: int,
-    device: torch.device,
-) -> Callable[[], None]:
-    """Re-measures each distinct compute stage; called once per round so the ceiling is a median over the same
-    span of time as the runs it is compared with (a shared machine drifts)."""
-    distinct = {id(s["compute"]): (name, s["compute"]) for name, s in stage_results.items()}
-
-    def probe() -> None:
-        for name, stage in distinct.values():
-            d = stage.detail
-            again = measure_compute(
-                name,
-                steps[name],
-                d["shape"],
-                getattr(torch, d["dtype"]),
-                num_classes,
-                device,
-                warmup=2,
-                steps=max(config.stage_steps, config.steps),
-            )
-            d.setdefault("samples_img_per_s", [stage.img_per_s]).append(again.img_per_s)
-
-    return probe
-
-
-def settle_compute(stage_results: dict[str, dict[str, StageResult]]) -> None:
-    for s in stage_results.values():
-        samples = s["compute"].detail.get("samples_img_per_s")
-        if samples:
-            s["compute"].img_per_s = statistics.median(samples)
-            s["compute"].label = s["compute"].label.split(";")[0] + f"; median of {len(samples)}"
+    model = build_model(config.model, c, side, num_classes)
+    options = resolve_step_options(config.precision, config.channels_last, config.compile, device, model)
+    return TrainStep(model, device, p.device_transform, options)
 
 
 def run_rounds(
     prepared: dict[str, PreparedLoader],
-    steps: dict[str, TrainStep],
+    steps: dict[str, Step],
     specs: list[RunSpec],
     config: BenchConfig,
     device: torch.device,
@@ -373,7 +339,7 @@ def run_rounds(
 
 def profile_all(
     prepared: dict[str, PreparedLoader],
-    steps: dict[str, TrainStep],
+    steps: dict[str, Step],
     config: BenchConfig,
     workers: tuple[int, ...],
     device: torch.device,
@@ -401,16 +367,18 @@ def _profile_loop(
     pin: bool,
     config: BenchConfig,
     device: torch.device,
-    step: TrainStep,
+    step: Step,
     n_steps: int = 6,
 ) -> Callable[[Callable[[], None]], None]:
+    feed = feeder(p, device, pin)
+
     def run_steps(tick: Callable[[], None]) -> None:
         stream = BatchStream(p.loader(workers, pin, config))
         try:
             for _ in range(n_steps):
                 with record_function("batch_wait"):
                     batch = stream.next()
-                x, y = (batch[0], batch[1]) if p.on_device else move_batch(batch, device, pin)
+                x, y = feed(batch)
                 step(x, y)
                 tick()
         finally:
@@ -441,23 +409,24 @@ def protocol_of(
     workers: tuple[int, ...],
     pin_default: bool,
     device: torch.device,
-    steps: dict[str, TrainStep],
+    steps: dict[str, Step],
     runs: list[dict[str, Any]],
     prepared: dict[str, PreparedLoader],
 ) -> dict[str, Any]:
     """What ran, read back from the objects that ran: the step's optimizer and numerics, each kind's
     transforms, each run's loader settings. A setting that differs between runs is listed under
     ``varies`` and recorded in each run's ``loader_settings``."""
-    any_step = next(iter(steps.values()))
+    step = next(iter(steps.values())).describe()
     common, varies = split_settings([r.get("loader_settings") or {} for r in runs])
     return {
         "size": size,
         "channels": channels,
         "batch_size": config.batch_size,
-        "model": config.model,
-        "model_params": count_parameters(any_step.model),
-        "optimizer": describe_optimizer(any_step.optimizer),
-        "numerics": numerics(device),
+        "model": config.model if config.step is None else None,
+        "step": step,
+        "model_params": step["model_params"],
+        "optimizer": step["optimizer"],
+        "numerics": numerics(device, step),
         "transform": config.transform,
         "transforms": {name: kind_transforms(p) for name, p in prepared.items()},
         "workers": list(workers),
@@ -492,17 +461,14 @@ def split_settings(settings: list[dict[str, Any]]) -> tuple[dict[str, Any], list
     return common, varies
 
 
-def describe_optimizer(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    hyper = {
-        k: v for k, v in optimizer.defaults.items() if isinstance(v, (int, float, str, tuple, type(None)))
-    }
-    return {"type": type(optimizer).__name__, **hyper}
-
-
-def numerics(device: torch.device) -> dict[str, Any]:
-    """The numeric settings in force while the runs ran (read from torch, not assumed)."""
+def numerics(device: torch.device, step: dict[str, Any]) -> dict[str, Any]:
+    """The numeric settings in force while the runs ran (read from torch and the step, not assumed)."""
     return {
-        "dtype": "float32",
+        "precision": step.get("precision"),
+        "autocast_dtype": step.get("autocast_dtype"),
+        "grad_scaler": step.get("grad_scaler"),
+        "channels_last": step.get("channels_last"),
+        "compiled": step.get("compiled"),
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "tf32_cudnn": torch.backends.cudnn.allow_tf32,
         "cudnn_benchmark": torch.backends.cudnn.benchmark if device.type == "cuda" else None,

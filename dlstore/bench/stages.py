@@ -21,6 +21,7 @@ from dlstore.machine import synchronize
 EVICTED_MAX_RESIDENT = 0.05  # at most 5% of the pages still cached counts as evicted
 COLD_WARM_RATIO = 0.67  # without mincore: cold must be this much slower than warm to count as evicted
 READ_CHUNK = 1 << 20
+MIN_BATCHES = 4  # a loader-alone measurement cut short by time still counts at least this many
 
 
 # --- page-cache residency and eviction ------------------------------------------------------------------
@@ -246,6 +247,118 @@ def time_loader(loader: Iterable, warmup: int, steps: int) -> dict[str, float]:
         "images": images,
         "startup_s": startup,
     }
+
+
+def measure_loader(
+    loader: Iterable,
+    warmup: int,
+    steps: int,
+    device: torch.device,
+    max_s: float | None = None,
+    cycle: int = 1,
+) -> dict[str, Any]:
+    """The loader alone (no copy, no step), over ``warmup`` then ``steps`` batches (whole cycles, see
+    ``cycle_window``): its period per batch, the main thread's own share of it, and the CPU it burns.
+
+    The main thread's share is wall time in ``next()`` when the loader works in the caller (a DataLoader
+    with 0 workers: decode, collate, pin all happen there), else the thread's CPU time in ``next()``
+    (receiving a batch from a worker, unpickling it): waiting for workers costs the main thread nothing."""
+    from dlstore.bench.monitor import process_cpu_s
+
+    in_caller = getattr(loader, "num_workers", None) == 0
+    t0 = time.perf_counter()
+    stream = BatchStream(loader)
+    try:
+        for _ in range(warmup):
+            stream.next()
+        startup = time.perf_counter() - t0
+        synchronize(device)
+        pids = [os.getpid(), *stream.worker_pids()]
+        cpu0 = [process_cpu_s(p) for p in pids]
+        wall_next = cpu_next = 0.0
+        images = 0
+        t1 = time.perf_counter()
+        done = 0
+        for i in range(steps):
+            if max_s is not None and i >= MIN_BATCHES and i % cycle == 0 and time.perf_counter() - t1 > max_s:
+                break  # enough for a rate; stop on a cycle boundary
+            a, c = time.perf_counter(), time.thread_time()
+            images += batch_images(stream.next())
+            done += 1
+            cpu_next += time.thread_time() - c
+            wall_next += time.perf_counter() - a
+        synchronize(device)
+        seconds = time.perf_counter() - t1
+        cpu1 = [process_cpu_s(p) for p in pids]
+    finally:
+        stream.close()
+    cpu = sum(b - a for a, b in zip(cpu0, cpu1) if a is not None and b is not None)
+    return {
+        "period_s": seconds / done,
+        "main_s": (wall_next if in_caller else cpu_next) / done,
+        "cpu_s": cpu / done,
+        "img_per_s": images / seconds if seconds > 0 else float("inf"),
+        "in_caller": in_caller,
+        "warmup_batches": warmup,
+        "batches": done,
+        "startup_s": startup,
+        "processes": len(pids),
+    }
+
+
+def measure_fed(
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+    batch: tuple[torch.Tensor, torch.Tensor],
+    move: Callable[[tuple[torch.Tensor, torch.Tensor]], tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device,
+    warmup: int,
+    steps: int,
+    delay_s: float = 0.0,
+) -> dict[str, Any]:
+    """The step fed from an already-collated batch the way the loop feeds it (``move``: the same copy), with
+    ``delay_s`` of main-thread work between steps (a busy wait, as a loader's work holds the thread).
+
+    With no delay the period is what the copy + step sustain when data is free; with a delay longer than
+    the device's step the device is idle when the host comes back, so period − delay is the main thread's
+    own serial cost per batch (Python loop, copy call, kernel launches, any synchronisation the step does)."""
+    events: list[tuple[Any, Any]] = []
+    host = spun = 0.0
+    for i in range(warmup + steps):
+        if i == warmup:
+            synchronize(device)
+            t1 = time.perf_counter()
+            host = spun = 0.0
+        if delay_s:
+            spun += _spin(delay_s)
+        a = time.perf_counter()
+        x, y = move(batch)
+        if device.type == "cuda" and i >= warmup:
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+            step(x, y)
+            ev[1].record()
+            events.append(ev)
+        else:
+            step(x, y)
+        host += time.perf_counter() - a
+    synchronize(device)
+    seconds = time.perf_counter() - t1
+    device_s = sum(a.elapsed_time(b) for a, b in events) / 1e3 / steps if events else None
+    return {
+        "period_s": seconds / steps,
+        "host_s": host / steps,
+        "serial_s": (seconds - spun) / steps,
+        "delay_s": spun / steps,
+        "device_s": device_s,
+        "batches": steps,
+    }
+
+
+def _spin(seconds: float) -> float:
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        pass
+    return time.perf_counter() - t0
 
 
 def measure_transform(

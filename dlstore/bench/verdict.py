@@ -1,11 +1,9 @@
-"""From stage rates and measured runs to a bottleneck, a prediction and advice. Pure functions over
-plain numbers, so tests feed them stages of known cost.
+"""From measured parts and measured runs to predictions, a bottleneck per run, one line per loader kind and
+at most five recommendations, most valuable first. Pure functions over plain numbers, so tests feed them
+parts of known cost (see ``predict`` for how the parts compose into a rate).
 
-Prediction: a configuration can go no faster than its slowest stage, so predicted = min(stage rates) and
-that stage is the bottleneck. One exception: with 0 workers on a CPU-only run the main process decodes
-and trains in turn, so the times add (1 / Σ 1/rate over transform and compute); the bottleneck is still
-the slower of the two. Lost time is split as DS-Analyzer does: prep stall = t(cached, measured) −
-t(synthetic, compute stage); fetch stall = t(cold) − t(warm) over the same warm-up phase.
+Lost time is also split as DS-Analyzer does: prep stall = t(cached, measured) − t(synthetic, compute
+stage); fetch stall = t(cold) − t(warm) over the same warm-up phase.
 """
 
 from __future__ import annotations
@@ -14,72 +12,111 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlstore.bench.protocol import STAGES
-from dlstore.formats import FORMATS
+from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, compose, prediction_error
+from dlstore.formats import in_memory_format
 
 KNEE_FRACTION = 0.95
 COMPUTE_BOUND_FRACTION = 0.85
 PREDICTION_TOLERANCE = 0.20
+WORTH_FRACTION = 1.05  # a change is advised when it is expected to gain at least 5%
+MAX_RECOMMENDATIONS = 5
 
 STAGE_WORDS = {
     "read": "storage read",
     "transform": "CPU decode/transform in the Dataset and its workers",
+    "host": "the main thread's own work per step (Python loop, copy call, kernel launches)",
     "h2d": "host→device copy",
     "compute": "the training step",
+    "cores": "CPU cores: workers and the main thread need more than there are",
 }
 
 
 @dataclass
 class KindStages:
-    """Stage rates of one loader kind in images/s (None: the stage does not apply)."""
+    """What was measured alone for one loader kind. Rates in images/s (None: does not apply); ``loader``
+    per (workers, pin_memory) and ``fed`` per pin_memory are per-batch timings (see ``predict``)."""
 
     read: float | None = None
     transform_by_workers: dict[int, float] = field(default_factory=dict)
     h2d_pinned: float | None = None
     h2d_pageable: float | None = None
     compute: float | None = None
+    loader: dict[tuple[int, bool], LoaderTiming] = field(default_factory=dict)
+    fed: dict[bool, FedTiming] = field(default_factory=dict)
+    read_limit: float | None = None  # images/s of a cold read when the data cannot stay in the page cache
 
-    def rates(self, workers: int, pin_memory: bool) -> dict[str, float | None]:
-        return {
-            "read": self.read,
-            "transform": self.transform_at(workers),
-            "h2d": self.h2d_pinned if pin_memory or self.h2d_pageable is None else self.h2d_pageable,
-            "compute": self.compute,
-        }
-
-    def transform_at(self, workers: int) -> float | None:
-        if not self.transform_by_workers:
+    def loader_at(self, workers: int, pin: bool) -> LoaderTiming | None:
+        if (workers, pin) in self.loader:
+            return self.loader[(workers, pin)]
+        same = [k for k in self.loader if k[1] == pin] or list(self.loader)
+        if not same:
             return None
-        if workers in self.transform_by_workers:
-            return self.transform_by_workers[workers]
-        nearest = min(self.transform_by_workers, key=lambda w: abs(w - workers))
-        return self.transform_by_workers[nearest]
+        return self.loader[min(same, key=lambda k: abs(k[0] - workers))]
+
+    def fed_at(self, pin: bool, batch: int) -> FedTiming | None:
+        if pin in self.fed:
+            return self.fed[pin]
+        if self.fed:
+            return next(iter(self.fed.values()))
+        if self.compute:
+            return FedTiming(batch / self.compute, 0.0)
+        return None
+
+    def copy_bound(self, pin: bool) -> bool:
+        h2d = self.h2d_pinned if pin or self.h2d_pageable is None else self.h2d_pageable
+        return bool(h2d and self.compute and h2d < self.compute)
 
 
-def predict(rates: dict[str, float | None], serial: bool = False) -> tuple[float | None, str | None]:
-    """(predicted images/s, bottleneck stage) from the stages that apply."""
-    usable = {k: v for k, v in rates.items() if k in STAGES and v is not None and v > 0}
-    if not usable:
-        return None, None
-    bottleneck = min(usable, key=lambda k: usable[k])
-    if serial:
-        in_turn = [usable[k] for k in ("transform", "compute") if k in usable]
-        rate = 1.0 / sum(1.0 / r for r in in_turn) if in_turn else usable[bottleneck]
-        others = [v for k, v in usable.items() if k not in ("transform", "compute")]
-        return min([rate, *others]), bottleneck
-    return usable[bottleneck], bottleneck
+@dataclass
+class Facts:
+    """What the advice needs besides the numbers."""
+
+    device: str  # "cuda" or "cpu"
+    device_label: str
+    batch_size: int
+    warmup_steps: int
+    source: str = "demo"
+    size: int = 64
+    cores: int = 1
+    cache_bytes: dict[str, int] = field(default_factory=dict)
+    mem_available: int | None = None
+    pin_default: bool = False
+    apply: dict[str, str] = field(default_factory=dict)  # kind → how a user gets it (command or code)
+    precision: str = "fp32"
+    transform: str = "light"
+    bench_command: str = "dlstore bench"
 
 
-def annotate_runs(stages: dict[str, KindStages], runs: list[dict[str, Any]], cpu_only: bool) -> None:
-    """Add stage_rates, predicted_img_per_s, bottleneck, prediction_error to each run, in place."""
+def parts_of(run: dict[str, Any], ks: KindStages, facts: Facts) -> LoopParts | None:
+    loader = ks.loader_at(run["workers"], run["pin_memory"])
+    fed = ks.fed_at(run["pin_memory"], facts.batch_size)
+    if loader is None or fed is None:
+        return None
+    return LoopParts(
+        batch=facts.batch_size,
+        workers=run["workers"],
+        loader=loader,
+        fed=fed,
+        cores=facts.cores,
+        read_s=facts.batch_size / ks.read_limit if ks.read_limit else None,
+        step_on_host=facts.device == "cpu",
+        copy_bound=ks.copy_bound(run["pin_memory"]),
+    )
+
+
+def annotate_runs(stages: dict[str, KindStages], runs: list[dict[str, Any]], facts: Facts) -> None:
+    """Add predicted_img_per_s, bottleneck, prediction_error, limits_ms and budget_ms to each run, in place."""
     for run in runs:
-        ks = stages.get(run["loader"], KindStages())
-        rates = ks.rates(run["workers"], run["pin_memory"])
-        predicted, bottleneck = predict(rates, serial=cpu_only and run["workers"] == 0)
-        run["stage_rates"] = rates
-        run["predicted_img_per_s"] = predicted
-        run["bottleneck"] = bottleneck
-        run["prediction_error"] = (run["img_per_s"] - predicted) / predicted if predicted else None
+        parts = parts_of(run, stages.get(run["loader"], KindStages()), facts)
+        if parts is None:
+            run.update(predicted_img_per_s=None, bottleneck=None, prediction_error=None, limits_ms={})
+            continue
+        pred = compose(parts)
+        run["predicted_img_per_s"] = pred.img_per_s
+        run["bottleneck"] = pred.bottleneck
+        run["prediction_error"] = prediction_error(run["img_per_s"], pred.img_per_s)
+        run["limits_ms"] = {k: 1e3 * v for k, v in pred.terms_s.items()}
+        run["budget_ms"] = {"predicted": pred.budget_ms(parts), "measured": run.get("measured_ms")}
 
 
 def default_runs(runs: Sequence[dict[str, Any]], pin_default: bool) -> dict[str, list[dict[str, Any]]]:
@@ -106,6 +143,20 @@ def knee(sweep: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "knee_workers": knee_run["workers"],
         "knee_img_per_s": knee_run["img_per_s"],
         "hurts": [{"workers": r["workers"], "img_per_s": r["img_per_s"]} for r in hurts],
+    }
+
+
+def kind_summary(sweep: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One kind in one line's worth of numbers: its best configuration, the knee, what more workers did."""
+    k = knee(sweep)
+    best = next(r for r in sweep if r["workers"] == k["best_workers"])
+    return {
+        **k,
+        "bottleneck": best["bottleneck"],
+        "predicted_img_per_s": best["predicted_img_per_s"],
+        "prediction_error": best["prediction_error"],
+        "by_workers": {r["workers"]: r["img_per_s"] for r in sweep},
+        "errors": [r["prediction_error"] for r in sweep if r["prediction_error"] is not None],
     }
 
 
@@ -161,43 +212,74 @@ def _fmt(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:,.0f}"
 
 
-@dataclass
-class Facts:
-    """What the advice needs besides the numbers."""
-
-    device: str  # "cuda" or "cpu"
-    device_label: str
-    batch_size: int
-    warmup_steps: int
-    source: str = "demo"
-    size: int = 64
-    cores: int = 1
-    cache_bytes: dict[str, int] = field(default_factory=dict)
-    mem_available: int | None = None
-    pin_default: bool = False
-
-
 def analyse(
     stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dict[str, dict[str, Any]], facts: Facts
 ) -> dict[str, Any]:
-    """Annotate runs, then the verdict (text) and recommendations (list of text)."""
-    cpu_only = facts.device == "cpu"
-    annotate_runs(stages, runs, cpu_only)
+    """Annotate runs, then one summary per kind, the verdict (text) and the recommendations."""
+    annotate_runs(stages, runs, facts)
     sweeps = default_runs(runs, facts.pin_default)
     if not sweeps:
-        return {"verdict": "no runs were measured", "recommendations": [], "stalls": {}, "knees": {}}
-    knees = {name: knee(sweep) for name, sweep in sweeps.items()}
+        return {"verdict": "no runs were measured", "recommendations": [], "advice": [], "stalls": {}}
+    kinds = {name: kind_summary(sweep) for name, sweep in sweeps.items()}
     best = max((r for s in sweeps.values() for r in s), key=lambda r: r["img_per_s"])
     compute = stages.get(best["loader"], KindStages()).compute
-    recs: list[str] = []
-    text = [f"The training step alone runs {_fmt(compute)} img/s on {facts.device_label}."]
-    raw = knees.get("raw")
+    compute_bound = is_compute_bound(best, facts.batch_size)
+    default = sweeps[next(iter(sweeps))][0]  # the first kind at its fewest workers: DataLoader's default
+    advice = rank(
+        _best_config_advice(best, default, kinds, facts)
+        + _bound_advice(best, stages, compute_bound, facts)
+        + _pin_advice(runs, facts)
+    )
+    stall = stalls(stages, sweeps, cold, facts.batch_size, facts.warmup_steps)
+    return {
+        "verdict": verdict_text(best, kinds, compute, compute_bound, facts),
+        "kinds": kinds,
+        "recommendations": [
+            a["text"] + (f" Apply: {a['command']}" if a.get("command") else "") for a in advice
+        ],
+        "advice": advice,
+        "stalls": stall,
+        "knees": {name: knee(sweep) for name, sweep in sweeps.items()},
+        "best": {k: best[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
+        "default": {k: default[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
+        "prediction": prediction_summary(runs),
+    }
+
+
+def is_compute_bound(run: dict[str, Any], batch: int) -> bool:
+    """The step is the limit when the run is named compute-bound and reaches most of what the step sustains
+    when fed collated batches through the same copy (its real ceiling in this loop)."""
+    device_ms = (run.get("limits_ms") or {}).get("device")
+    if run.get("bottleneck") != "compute" or not device_ms:
+        return False
+    return run["img_per_s"] >= COMPUTE_BOUND_FRACTION * batch / (device_ms / 1e3)
+
+
+def prediction_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    errors = [abs(r["prediction_error"]) for r in runs if r.get("prediction_error") is not None]
+    return {
+        "runs": len(errors),
+        "within_tolerance": sum(e <= PREDICTION_TOLERANCE for e in errors),
+        "tolerance": PREDICTION_TOLERANCE,
+        "max_abs_error": max(errors) if errors else None,
+    }
+
+
+def verdict_text(
+    best: dict[str, Any],
+    kinds: dict[str, dict[str, Any]],
+    compute: float | None,
+    compute_bound: bool,
+    facts: Facts,
+) -> str:
+    text = [
+        f"The training step alone runs {_fmt(compute)} img/s on {facts.device_label} ({facts.precision})."
+    ]
+    raw = kinds.get("raw")
     if raw:
-        raw_run = next(r for r in sweeps["raw"] if r["workers"] == raw["best_workers"])
         text.append(
-            f"raw (per-file decode, as torchvision users have it) peaks at {_fmt(raw['best_img_per_s'])} "
-            f"img/s with {_workers(raw['best_workers'])}, limited by "
-            f"{STAGE_WORDS.get(raw_run['bottleneck'], '?')}."
+            f"raw (per-file decode, as torchvision users have it) peaks at {_fmt(raw['best_img_per_s'])} img/s "
+            f"with {_workers(raw['best_workers'])}, limited by {STAGE_WORDS.get(raw['bottleneck'], '?')}."
         )
     speedup = (
         f", {best['img_per_s'] / raw['best_img_per_s']:.1f}× raw" if raw and best["loader"] != "raw" else ""
@@ -208,48 +290,17 @@ def analyse(
         f"{best['bottleneck']} ({STAGE_WORDS.get(best['bottleneck'], '?')}); predicted "
         f"{_fmt(best['predicted_img_per_s'])} img/s{_err(best)}."
     )
-    compute_bound = bool(
-        best["bottleneck"] == "compute" and compute and best["img_per_s"] >= COMPUTE_BOUND_FRACTION * compute
-    )
+    wait = best["wait"]
     if compute_bound:
         text.append(
-            f"The step is the limit: the input pipeline keeps up (Σwait/wall "
-            f"{100 * best['wait']['sum_over_wall']:.0f}%)."
+            f"The step is the limit: the input pipeline keeps up (Σwait/wall {100 * wait['sum_over_wall']:.0f}%)."
         )
     else:
         text.append(
-            f"The input pipeline starves the step: the loop waits for data "
-            f"{100 * best['wait']['sum_over_wall']:.0f}% of the time "
-            f"(p95 wait {best['wait']['p95_ms']:.1f} ms)."
+            f"The step does not get data fast enough: the loop waits for data {100 * wait['sum_over_wall']:.0f}% "
+            f"of the time (p95 wait {wait['p95_ms']:.1f} ms)."
         )
-    recs += _worker_advice(knees)
-    recs += _cache_advice(knees, sweeps, facts)
-    recs += _bound_advice(best, stages, compute_bound, facts)
-    recs += _pin_advice(runs, facts)
-    stall = stalls(stages, sweeps, cold, facts.batch_size, facts.warmup_steps)
-    recs += _stall_advice(stall)
-    if best["prediction_error"] is not None and abs(best["prediction_error"]) > PREDICTION_TOLERANCE:
-        why = (
-            f"on a CPU-only run the workers and the training step share {facts.cores} cores"
-            if cpu_only and best["workers"] > 0
-            else "the stages interfere when run together, or the machine's load changed between measurements"
-        )
-        recs.append(
-            f"The prediction for the fastest configuration missed by {100 * best['prediction_error']:+.0f}%: "
-            f"{why}; trust the measured rate."
-        )
-    return {
-        "verdict": " ".join(text),
-        "recommendations": recs,
-        "stalls": stall,
-        "knees": knees,
-        "best": {
-            "loader": best["loader"],
-            "workers": best["workers"],
-            "img_per_s": best["img_per_s"],
-            "bottleneck": best["bottleneck"],
-        },
-    }
+    return " ".join(text)
 
 
 def _err(run: dict[str, Any]) -> str:
@@ -257,113 +308,165 @@ def _err(run: dict[str, Any]) -> str:
     return "" if e is None else f", measured {100 * e:+.0f}% vs predicted"
 
 
-def _worker_advice(knees: dict[str, dict[str, Any]]) -> list[str]:
+def rank(advice: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Most valuable first (the largest expected gain; advice without a number after), at most five."""
+    ordered = sorted(advice, key=lambda a: -(a.get("gain") or 0.0))
+    return ordered[:MAX_RECOMMENDATIONS]
+
+
+def _advice(
+    text: str, command: str | None, gain: float | None, expected: float | None = None
+) -> dict[str, Any]:
+    return {"text": text, "command": command, "gain": gain, "expected_img_per_s": expected}
+
+
+def _best_config_advice(
+    best: dict[str, Any], default: dict[str, Any], kinds: dict[str, dict[str, Any]], facts: Facts
+) -> list[dict[str, Any]]:
+    """Move to the fastest configuration (kind and its knee worker count), measured against the default."""
     out = []
-    for name, k in knees.items():
-        out.append(
-            f"{name}: {_workers(k['knee_workers'])} reach {_fmt(k['knee_img_per_s'])} img/s, within 5% of its "
-            f"best ({_fmt(k['best_img_per_s'])} at {k['best_workers']}); use num_workers={k['knee_workers']}."
+    k = kinds[best["loader"]]
+    rate = k["knee_img_per_s"]
+    if default["img_per_s"] and rate >= WORTH_FRACTION * default["img_per_s"]:
+        gain = rate / default["img_per_s"]
+        how = facts.apply.get(best["loader"])
+        workers = k["knee_workers"]
+        what = f"{best['loader']} with {_workers(workers)}" if workers else best["loader"]
+        loader = (
+            f"DataLoader(..., num_workers={workers}, persistent_workers=True, pin_memory={facts.pin_default})"
         )
-        for h in k["hurts"]:
+        command = how or loader
+        if how and workers:
+            command = f"{how}; {loader}"
+        out.append(
+            _advice(
+                f"Use {what}: {_fmt(rate)} img/s measured, {gain:.1f}× the default configuration "
+                f"({default['loader']} with {_workers(default['workers'])}, {_fmt(default['img_per_s'])} img/s).",
+                command,
+                gain,
+                rate,
+            )
+        )
+    for name, kk in kinds.items():  # a kind's own worker count, when it is not the best kind
+        if name == best["loader"] or not kk["knee_workers"]:
+            continue
+        zero = kk["by_workers"].get(0)
+        if zero and kk["knee_img_per_s"] >= WORTH_FRACTION * zero:
             out.append(
-                f"{name}: more workers hurt: {h['workers']} give {_fmt(h['img_per_s'])} img/s vs "
-                f"{_fmt(k['best_img_per_s'])} at {k['best_workers']}."
+                _advice(
+                    f"If you keep {name}: {_workers(kk['knee_workers'])} give {_fmt(kk['knee_img_per_s'])} img/s, "
+                    f"{kk['knee_img_per_s'] / zero:.1f}× its 0-worker rate"
+                    + (f"; more workers are slower ({_hurts(kk)})." if kk["hurts"] else "."),
+                    f"DataLoader(..., num_workers={kk['knee_workers']}, persistent_workers=True)",
+                    # ranks below moving to the best kind: its gain is against its own 0-worker rate
+                    kk["knee_img_per_s"] / default["img_per_s"] if default["img_per_s"] else None,
+                    kk["knee_img_per_s"],
+                )
             )
     return out
 
 
-def _cache_advice(
-    knees: dict[str, dict[str, Any]], sweeps: dict[str, list[dict[str, Any]]], facts: Facts
-) -> list[str]:
-    cached = {k: v for k, v in knees.items() if k != "raw"}
-    if "raw" not in knees or not cached:
-        return []
-    raw = knees["raw"]["best_img_per_s"]
-    fmt = max(cached, key=lambda k: cached[k]["best_img_per_s"])
-    k = cached[fmt]
-    run = next(r for r in sweeps[fmt] if r["workers"] == k["knee_workers"])
-    if k["best_img_per_s"] < 1.05 * raw:
-        return [
-            f"A cache does not lift the bound here: the best cached kind ({fmt}) reaches "
-            f"{_fmt(k['best_img_per_s'])} img/s vs raw {_fmt(raw)}."
-        ]
-    size = facts.cache_bytes.get(fmt)
-    mem = ""
-    if loads_into_ram(fmt) and size is not None:
-        mem = f"; {fmt} keeps it in memory ({size / 1e6:,.0f} MB"
-        mem += f" of {facts.mem_available / 1e6:,.0f} MB available)" if facts.mem_available else ")"
-    disk = f", {size / 1e6:,.1f} MB on disk" if size is not None else ""
-    return [
-        f"Convert once: `dlstore convert {facts.source} DEST --format {fmt} --size {facts.size}`{disk}{mem}. "
-        f"Measured here {_fmt(k['knee_img_per_s'])} img/s with {_workers(k['knee_workers'])} "
-        f"({k['best_img_per_s'] / raw:.1f}× raw's best); expect about {_fmt(run['predicted_img_per_s'])} img/s, "
-        f"bounded then by {run['bottleneck']}."
-    ]
-
-
-def loads_into_ram(kind: str) -> bool:
-    """Whether a loader kind named after a cache format reads a cache held in RAM (its trait)."""
-    return kind in FORMATS and FORMATS[kind].traits.loads_into_ram
+def _hurts(k: dict[str, Any]) -> str:
+    return ", ".join(f"{h['workers']}: {_fmt(h['img_per_s'])}" for h in k["hurts"])
 
 
 def _bound_advice(
     best: dict[str, Any], stages: dict[str, KindStages], compute_bound: bool, facts: Facts
-) -> list[str]:
+) -> list[dict[str, Any]]:
+    """What to change when even the best configuration is limited: the step, the copy, the host, the cores."""
     b = best["bottleneck"]
+    ks = stages.get(best["loader"], KindStages())
     if compute_bound:
         if facts.device == "cpu":
             return [
-                "No GPU here: the CPU training step is the limit. On a GPU the step is far faster and the input "
-                "pipeline decides the rate; run `dlstore bench` on the training machine."
+                _advice(
+                    "No GPU here: the CPU training step is the limit. On a GPU the step is far faster and the input "
+                    "pipeline decides the rate; run the bench on the training machine.",
+                    facts.bench_command,
+                    None,
+                )
             ]
+        faster = "--precision bf16 --channels-last --compile" if facts.precision == "fp32" else "--compile"
         return [
-            f"The GPU is the limit at {_fmt(best['img_per_s'])} img/s: nothing in the input pipeline needs to "
-            f"change ({best['loader']} with {_workers(best['workers'])} is enough). To go faster, speed up the "
-            "step (bf16 autocast, channels_last, a larger batch)."
+            _advice(
+                f"The GPU is the limit at {_fmt(best['img_per_s'])} img/s: nothing in the input pipeline needs to "
+                f"change ({best['loader']} with {_workers(best['workers'])} is enough). To go faster, speed up the "
+                "step (bf16 autocast, channels_last, torch.compile, a larger batch) and measure it here.",
+                f"{facts.bench_command} {faster}",
+                None,
+            )
         ]
-    ks = stages.get(best["loader"], KindStages())
     if b == "h2d":
         return [
-            f"The host→device copy limits {best['loader']}: {_fmt(ks.h2d_pinned)} img/s pinned vs "
-            f"{_fmt(ks.h2d_pageable)} pageable. Keep pin_memory=True and ship uint8 (4× fewer bytes than "
-            "float32), converting and normalising on the device."
+            _advice(
+                f"The host→device copy limits {best['loader']}: {_fmt(ks.h2d_pinned)} img/s pinned vs "
+                f"{_fmt(ks.h2d_pageable)} pageable. Ship uint8 (4× fewer bytes than float32) from pinned memory "
+                "and convert and normalise on the device.",
+                "DataLoader(..., pin_memory=True); x = x.to('cuda', non_blocking=True)",
+                None,
+            )
         ]
     if b == "read":
         return [
-            f"Storage read limits {best['loader']} ({_fmt(ks.read)} img/s): use fewer bytes per image (a smaller "
-            "--size, a compressed zarr/npz cache), a faster disk, or the ram kind if it fits in memory."
+            _advice(
+                f"Storage read limits {best['loader']} ({_fmt(ks.read_limit)} img/s cold): use fewer bytes per "
+                "image (a smaller --size, a compressed cache), a faster disk, or a RAM cache if it fits.",
+                f"dlstore convert {facts.source} DEST --format {in_memory_format()} --size {facts.size}",
+                None,
+            )
         ]
-    if b == "transform":
+    if b == "transform" and facts.transform == "augment":
         return [
-            f"CPU work per image limits {best['loader']}: move augmentation to the device "
-            "(--transform gpu-augment with a cached kind) or add cores/workers."
+            _advice(
+                f"CPU augmentation limits {best['loader']}: move it to the GPU (GpuAugment after the copy).",
+                f"{facts.bench_command} --transform gpu-augment",
+                None,
+            )
+        ]
+    if b == "host":
+        return [
+            _advice(
+                f"The main thread's own per-step work limits {best['loader']} ({_ms_of(best, 'main')} ms per batch): "
+                "fewer, larger steps (a larger batch), torch.compile or CUDA graphs, and a loader that hands over "
+                "device batches (the pinned kind).",
+                f"{facts.bench_command} --batch-size {2 * facts.batch_size} --compile",
+                None,
+            )
+        ]
+    if b == "cores":
+        return [
+            _advice(
+                f"{best['loader']} needs more CPU than the {facts.cores} usable cores give: use fewer workers, "
+                "a cheaper decode (a cache), or more cores.",
+                f"dlstore convert {facts.source} DEST --format {in_memory_format()} --size {facts.size}",
+                None,
+            )
         ]
     return []
 
 
-def _pin_advice(runs: Sequence[dict[str, Any]], facts: Facts) -> list[str]:
+def _ms_of(run: dict[str, Any], limit: str) -> str:
+    v = (run.get("limits_ms") or {}).get(limit)
+    return "?" if v is None else f"{v:.1f}"
+
+
+def _pin_advice(runs: Sequence[dict[str, Any]], facts: Facts) -> list[dict[str, Any]]:
     out = []
     by = {(r["loader"], r["workers"], r["pin_memory"]): r for r in runs}
     for (name, w, pin), r in by.items():
         other = by.get((name, w, not pin))
-        if pin and other:
-            out.append(
-                f"{name} at {_workers(w)}: pin_memory on {_fmt(r['img_per_s'])} vs off "
-                f"{_fmt(other['img_per_s'])} img/s."
-            )
-    return out
-
-
-def _stall_advice(stall: dict[str, dict[str, Any]]) -> list[str]:
-    out = []
-    for name, s in stall.items():
-        if s["prep_stall_ms"] is None:
+        if not pin or other is None:
             continue
-        line = (
-            f"{name} at {_workers(s['workers'])}: {s['cached_ms']:.1f} ms per batch vs {s['synthetic_ms']:.1f} ms "
-            f"on synthetic data: prep stall {s['prep_stall_ms']:.1f} ms"
-        )
-        if s["fetch_stall_ms"] is not None:
-            line += f", fetch stall {s['fetch_stall_ms']:.1f} ms ({s['fetch_note']})"
-        out.append(line + ".")
+        better, worse = (r, other) if r["img_per_s"] >= other["img_per_s"] else (other, r)
+        if better["img_per_s"] >= WORTH_FRACTION * worse["img_per_s"]:
+            on = better["pin_memory"]
+            out.append(
+                _advice(
+                    f"{name} at {_workers(w)}: pin_memory={'True' if on else 'False'} gives "
+                    f"{_fmt(better['img_per_s'])} img/s vs {_fmt(worse['img_per_s'])}.",
+                    f"DataLoader(..., pin_memory={on})",
+                    better["img_per_s"] / worse["img_per_s"] * 0.5,  # a gain within one kind, ranked low
+                    better["img_per_s"],
+                )
+            )
     return out

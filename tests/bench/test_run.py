@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from dlstore.bench.protocol import STAGES
+from dlstore.bench.predict import BOTTLENECKS
+from dlstore.bench.protocol import STAGES, cycle_window
 from dlstore.cli import main
 
 TINY = [
@@ -56,7 +57,7 @@ def test_every_kind_and_worker_count_ran(result: tuple[dict[str, Any], Path]) ->
     }
     for r in doc["runs"]:
         assert r["img_per_s"] > 0 and r["predicted_img_per_s"] > 0
-        assert r["bottleneck"] in STAGES
+        assert r["bottleneck"] in BOTTLENECKS
         assert r["wait"]["sum_over_wall"] >= 0 and r["wait"]["p95_ms"] >= r["wait"]["median_ms"] >= 0
     assert set(doc["cold"]) == {"raw", "ram", "npz", "zarr"}
 
@@ -86,7 +87,13 @@ def test_json_has_the_keys_other_tools_rely_on(result: tuple[dict[str, Any], Pat
     env = doc["environment"]
     assert env["cpu_count"] and env["start_method"] and env["versions"]["torch"]
     assert json.loads((out / "result.json").read_text())["runs"] == doc["runs"]
-    assert (out / "plots.png").stat().st_size > 0
+    assert (out / "plots.png").stat().st_size > 0 and (out / "timeline.png").stat().st_size > 0
+    assert set(doc["kinds"]) == {"raw", "ram", "npz", "zarr"} and len(doc["recommendations"]) <= 5
+    for r in doc["runs"]:  # every number behind the text stays in the document
+        assert r["measured_ms"]["wait_ms"] >= 0 and r["budget_ms"]["predicted"]["period_ms"] > 0
+        assert set(r["limits_ms"]) >= {"producer", "main", "device", "cores"}
+    for kind, stage in doc["stages"].items():
+        assert stage["loader_alone"] and stage["fed_step"], kind
 
 
 def test_protocol_records_what_ran(result: tuple[dict[str, Any], Path]) -> None:
@@ -114,9 +121,10 @@ def test_csv_rows_match_the_runs(result: tuple[dict[str, Any], Path]) -> None:
         assert counts[(run["loader"], run["workers"], False)] == sum(
             len(x["steps"]["index"]) for x in run["raw"]
         )
-        assert counts[(run["loader"], run["workers"], False)] == 5  # 2 warm-up + 3 timed, one repeat
+        warm, timed, _ = cycle_window(40 // 8, run["workers"], 2, 3)  # whole cycles of the loader's delivery
+        assert counts[(run["loader"], run["workers"], False)] == warm + timed
     for kind, cold in doc["cold"].items():
-        assert counts[(kind, cold["workers"], True)] == 2
+        assert counts[(kind, cold["workers"], True)] == cycle_window(40 // 8, cold["workers"], 2, 3)[0]
     assert len(rows) == doc["outputs"]["csv_rows"]
     assert {r["phase"] for r in rows} == {"warmup", "timed", "cold"}
 

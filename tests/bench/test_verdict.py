@@ -1,57 +1,120 @@
-"""The verdict names the right stage: stages of known cost, fed through the real measurement functions
-where they can be faked (sleeping datasets, steps and readers), and through the pure analysis."""
+"""The prediction composes measured parts the way the loop runs, and the verdict names the right stage: pure
+functions fed parts of known cost, plus parts measured for real on fakes of known cost (sleeping datasets
+and steps)."""
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dlstore.bench.protocol import STAGES
-from dlstore.bench.stages import measure_compute, measure_read, measure_transform
-from dlstore.bench.verdict import Facts, KindStages, analyse, knee, predict, stalls
+from dlstore.bench.predict import BOTTLENECKS, FedTiming, LoaderTiming, LoopParts, compose
+from dlstore.bench.stages import measure_fed, measure_loader
+from dlstore.bench.verdict import (
+    MAX_RECOMMENDATIONS,
+    Facts,
+    KindStages,
+    analyse,
+    kind_summary,
+    knee,
+    rank,
+    stalls,
+)
 
 CPU = torch.device("cpu")
+MS = 1e-3
 
 
-def run(loader: str, workers: int, rate: float, pin: bool = False, warmup_s: float = 1.0) -> dict[str, Any]:
-    return {
-        "loader": loader,
-        "workers": workers,
-        "pin_memory": pin,
-        "img_per_s": rate,
-        "img_per_s_min": rate,
-        "img_per_s_max": rate,
-        "warmup_s": warmup_s,
-        "wait": {"sum_over_wall": 0.1, "p95_ms": 1.0, "mean_ms": 0.5, "median_ms": 0.2},
-    }
-
-
-def facts(device: str = "cuda", **kw: Any) -> Facts:
-    return Facts(
-        device=device, device_label=device, batch_size=32, warmup_steps=4, pin_default=device == "cuda", **kw
+def parts(
+    workers: int,
+    loader_ms: float,
+    main_ms: float,
+    fed_ms: float,
+    serial_ms: float,
+    cpu_ms: float = 0.0,
+    cores: int = 16,
+    **kw: Any,
+) -> LoopParts:
+    return LoopParts(
+        batch=100,
+        workers=workers,
+        loader=LoaderTiming(loader_ms * MS, main_ms * MS, cpu_ms * MS),
+        fed=FedTiming(fed_ms * MS, serial_ms * MS, None),
+        cores=cores,
+        **kw,
     )
 
 
-@pytest.mark.parametrize("slow", STAGES)
-def test_predict_names_the_slowest_stage(slow: str) -> None:
-    rates = {s: 10_000.0 for s in STAGES}
-    rates[slow] = 100.0
-    assert predict(rates) == (100.0, slow)
+# --- composition ------------------------------------------------------------------------------------
 
 
-def test_predict_skips_stages_that_do_not_apply_and_adds_serial_work() -> None:
-    assert predict({"read": None, "transform": 200.0, "h2d": None, "compute": 300.0}) == (200.0, "transform")
-    rate, stage = predict({"read": None, "transform": 200.0, "h2d": None, "compute": 200.0}, serial=True)
-    assert stage in ("transform", "compute") and rate == pytest.approx(100.0)
-    assert predict({s: None for s in STAGES}) == (None, None)
+def test_zero_workers_run_serially() -> None:
+    # the loader's 10 ms run on the main thread before its 2 ms of step work: 12 ms, not max(10, 5)
+    p = compose(parts(0, loader_ms=10, main_ms=10, fed_ms=5, serial_ms=2))
+    assert p.period_s == pytest.approx(12 * MS) and p.bottleneck == "transform"
+    assert p.img_per_s == pytest.approx(100 / 0.012)
 
 
-# --- stages of known cost, measured ------------------------------------------------------------------
+def test_workers_pipeline_with_the_main_thread_and_the_device() -> None:
+    # 4 workers make a batch every 10 ms; the main thread needs 0.5 + 2 ms; the device 5 ms: workers set it
+    assert compose(parts(4, 10, 0.5, 5, 2)).period_s == pytest.approx(10 * MS)
+    # fast workers: the device's 5 ms sets it
+    p = compose(parts(8, 1, 0.5, 5, 2))
+    assert p.period_s == pytest.approx(5 * MS) and p.bottleneck == "compute"
+    # a device batch every 1 ms, but the main thread spends 0.5 ms receiving and 2 ms launching: host-bound
+    p = compose(parts(8, 1, 0.5, 1, 2))
+    assert p.period_s == pytest.approx(2.5 * MS) and p.bottleneck == "host"
+
+
+def test_a_synchronising_step_is_serial_without_a_special_case() -> None:
+    # a step that waits for the device (loss.item(), pageable copy) has serial ≈ its device time: the
+    # loader's main-thread work then adds to it instead of overlapping
+    p = compose(parts(0, loader_ms=3, main_ms=3, fed_ms=5, serial_ms=5))
+    assert p.period_s == pytest.approx(8 * MS)
+    # an asynchronous step of the same device time hides the loader behind the device
+    assert compose(parts(0, 3, 3, 5, 1)).period_s == pytest.approx(5 * MS)
+
+
+def test_cores_limit_when_workers_and_main_thread_need_more_than_there_are() -> None:
+    # 2 cores; workers burn 30 ms CPU per batch, the main thread 4: (30 + 4) / 2 = 17 ms > the 10 ms period
+    p = compose(parts(4, loader_ms=10, main_ms=1, fed_ms=4, serial_ms=4, cpu_ms=30, cores=2))
+    assert p.period_s == pytest.approx(17 * MS) and p.bottleneck == "cores"
+
+
+def test_device_term_names_the_copy_and_cpu_steps_name_compute() -> None:
+    assert compose(parts(8, 1, 0.1, 5, 1, copy_bound=True)).bottleneck == "h2d"
+    # on a CPU the step is main-thread work: a step-bound CPU run is compute-bound, not host-bound
+    assert compose(parts(0, 1, 1, 20, 20, step_on_host=True)).bottleneck == "compute"
+    assert compose(parts(8, 1, 0.1, 1, 0.5, read_s=30 * MS)).bottleneck == "read"
+
+
+def test_budget_splits_the_period() -> None:
+    pp = parts(4, 10, 0.5, 5, 2)
+    b = compose(pp).budget_ms(pp)
+    assert b["period_ms"] == pytest.approx(10) and b["host_ms"] == pytest.approx(2)
+    assert b["wait_ms"] == pytest.approx(8)
+
+
+@pytest.mark.parametrize("limit", ["producer", "main", "device", "cores"])
+def test_every_limit_can_be_the_bottleneck(limit: str) -> None:
+    big = 50.0
+    p = parts(
+        4,
+        loader_ms=big if limit == "producer" else 1,
+        main_ms=big if limit == "main" else 0.1,
+        fed_ms=big if limit == "device" else 1,
+        serial_ms=0.5,
+        cpu_ms=8 * big if limit == "cores" else 1,
+        cores=4,
+    )
+    pred = compose(p)
+    assert max(pred.terms_s, key=lambda k: pred.terms_s[k]) == limit and pred.bottleneck in BOTTLENECKS
+
+
+# --- parts of known cost, measured for real -----------------------------------------------------------
 
 
 class SleepyDataset(Dataset):
@@ -75,126 +138,136 @@ def sleepy_step(seconds_per_batch: float) -> Any:
     return step
 
 
-def measured_stages(decode_s: float, step_s: float, read_s_per_mb: float, tmp_path: Path) -> KindStages:
-    """Each stage measured for real on fakes of known cost (batch 8)."""
-    files = []
-    for i in range(4):
-        p = tmp_path / f"f{i}.bin"
-        p.write_bytes(b"x" * (256 << 10))
-        files.append(p)
-
-    def slow_reader(paths: Any) -> int:
-        n = sum(p.stat().st_size for p in paths)
-        time.sleep(read_s_per_mb * n / 1e6)
-        return n
-
-    read = measure_read(
-        "fake", files, n_images=64, reader=slow_reader, evict=lambda paths: {"resident_after": 0.0}
+def measured_parts(decode_s: float, step_s: float, workers: int) -> LoopParts:
+    """The loader alone and the fed step, measured on fakes of known cost (batch 8)."""
+    loader = DataLoader(
+        SleepyDataset(64, decode_s), batch_size=8, num_workers=workers, persistent_workers=workers > 0
     )
-    transform = measure_transform(
-        "fake", lambda w: DataLoader(SleepyDataset(64, decode_s), batch_size=8), [0], warmup=1, steps=3
-    )
-    compute = measure_compute(
-        "fake", sleepy_step(step_s), (8, 3, 4, 4), torch.float32, 2, CPU, warmup=1, steps=3
-    )
-    return KindStages(
-        read=read.img_per_s,
-        transform_by_workers={0: transform.img_per_s},
-        compute=compute.img_per_s,
-        h2d_pinned=None,
+    lt = measure_loader(loader, warmup=max(1, workers), steps=max(2, 2 * workers), device=CPU)
+    fed = measure_fed(sleepy_step(step_s), (torch.zeros(8, 3, 4, 4), torch.zeros(8)), lambda b: b, CPU, 1, 3)
+    return LoopParts(
+        batch=8,
+        workers=workers,
+        loader=LoaderTiming(lt["period_s"], lt["main_s"], lt["cpu_s"]),
+        fed=FedTiming(fed["period_s"], fed["period_s"]),
+        cores=64,  # sleeping costs no CPU: keep the cores limit out of this test
+        step_on_host=True,
     )
 
 
 @pytest.mark.parametrize(
-    ("decode_s", "step_s", "read_s_per_mb", "expected"),
+    ("decode_s", "step_s", "workers", "expected"),
     [
-        (0.004, 0.002, 0.0, "transform"),  # decode-heavy: 250 img/s vs 4,000 img/s step
-        (0.0002, 0.040, 0.0, "compute"),  # compute-heavy: 200 img/s step vs 5,000 img/s decode
-        (0.0002, 0.002, 0.5, "read"),  # read-heavy: 16 kB per image at 2 MB/s → 125 img/s
+        (0.004, 0.002, 0, "transform"),  # decode-heavy: 32 ms of decode + 2 ms step per batch, serially
+        (0.0002, 0.040, 0, "compute"),  # compute-heavy: 40 ms step vs 1.6 ms decode
+        (0.004, 0.002, 2, "transform"),  # two workers still take 16 ms per batch vs the 2 ms step
     ],
 )
 def test_measured_fakes_name_the_bottleneck(
-    tmp_path: Path, decode_s: float, step_s: float, read_s_per_mb: float, expected: str
+    decode_s: float, step_s: float, workers: int, expected: str
 ) -> None:
-    ks = measured_stages(decode_s, step_s, read_s_per_mb, tmp_path)
-    _, bottleneck = predict(ks.rates(0, False))
-    assert bottleneck == expected
+    p = measured_parts(decode_s, step_s, workers)
+    assert compose(p).bottleneck == expected
+    if workers == 0:  # at 0 workers the main thread does the loading: its share is the whole period
+        assert p.loader.main_s == pytest.approx(p.loader.period_s, rel=0.2)
+    else:  # with workers it only receives batches: waiting for them costs it nothing
+        assert p.loader.main_s < 0.5 * p.loader.period_s
 
 
-def test_h2d_bound_configuration_is_named_and_advised() -> None:
-    stages = {
-        "raw": KindStages(
-            read=1e6,
-            transform_by_workers={4: 50_000.0},
-            h2d_pinned=2_000.0,
-            h2d_pageable=900.0,
-            compute=40_000.0,
-        )
-    }
-    runs = [run("raw", 4, 1_900.0, pin=True), run("raw", 4, 850.0, pin=False)]
-    out = analyse(stages, runs, {}, facts())
-    assert runs[0]["bottleneck"] == "h2d" and runs[1]["bottleneck"] == "h2d"
-    assert runs[1]["predicted_img_per_s"] == 900.0  # pin off → pageable rate
-    assert any("host→device copy limits" in r for r in out["recommendations"])
-    assert any("pin_memory on" in r for r in out["recommendations"])
+def test_fed_step_with_a_delay_measures_the_serial_cost() -> None:
+    out = measure_fed(
+        sleepy_step(0.003), (torch.zeros(2), torch.zeros(2)), lambda b: b, CPU, 1, 4, delay_s=0.002
+    )
+    assert out["delay_s"] >= 0.002 and out["serial_s"] >= 0.003
+    assert out["period_s"] == pytest.approx(out["serial_s"] + out["delay_s"])
 
 
 # --- analysis -----------------------------------------------------------------------------------------
 
 
-def test_knee_is_smallest_within_five_percent_and_hurts_are_reported() -> None:
-    sweep = [run("raw", 0, 400), run("raw", 2, 960), run("raw", 4, 1000), run("raw", 8, 700)]
-    k = knee(sweep)
-    assert k["knee_workers"] == 2 and k["best_workers"] == 4
-    assert [h["workers"] for h in k["hurts"]] == [8]
-
-
-def test_gpu_limit_says_nothing_needs_to_change() -> None:
-    stages = {
-        "ram": KindStages(
-            read=None, transform_by_workers={0: 90_000.0, 2: 120_000.0}, h2d_pinned=80_000.0, compute=5_000.0
-        )
+def run(loader: str, workers: int, rate: float, pin: bool = False, warmup_s: float = 1.0) -> dict[str, Any]:
+    return {
+        "loader": loader,
+        "workers": workers,
+        "pin_memory": pin,
+        "img_per_s": rate,
+        "img_per_s_min": rate,
+        "img_per_s_max": rate,
+        "warmup_s": warmup_s,
+        "wait": {"sum_over_wall": 0.1, "p95_ms": 1.0, "mean_ms": 0.5, "median_ms": 0.2},
     }
-    runs = [run("ram", 0, 4_900.0, pin=True), run("ram", 2, 4_950.0, pin=True)]
-    out = analyse(stages, runs, {}, facts())
-    assert out["best"]["bottleneck"] == "compute"
-    assert any(
-        "GPU is the limit" in r and "nothing in the input pipeline" in r for r in out["recommendations"]
+
+
+def facts(device: str = "cuda", **kw: Any) -> Facts:
+    return Facts(
+        device=device, device_label=device, batch_size=100, warmup_steps=4, pin_default=device == "cuda", **kw
     )
 
 
-def test_cache_advice_names_the_best_format_and_the_rate_to_expect() -> None:
+def stages_of(
+    loader_ms: dict[int, float], main_ms: dict[int, float], fed_ms: float, serial_ms: float, **kw: Any
+) -> KindStages:
+    return KindStages(
+        transform_by_workers={w: 100 / (ms * MS) for w, ms in loader_ms.items()},
+        loader={(w, True): LoaderTiming(ms * MS, main_ms[w] * MS) for w, ms in loader_ms.items()},
+        fed={True: FedTiming(fed_ms * MS, serial_ms * MS)},
+        compute=100 / (fed_ms * MS),
+        **kw,
+    )
+
+
+def test_analysis_predicts_each_run_and_advises_the_best_configuration() -> None:
     stages = {
-        "raw": KindStages(
-            read=50_000.0, transform_by_workers={0: 500.0, 4: 1_800.0}, h2d_pinned=60_000.0, compute=20_000.0
-        ),
-        "ram": KindStages(
-            read=None, transform_by_workers={0: 30_000.0, 4: 60_000.0}, h2d_pinned=60_000.0, compute=20_000.0
-        ),
-        "zarr": KindStages(
-            read=90_000.0,
-            transform_by_workers={0: 2_000.0, 4: 6_000.0},
-            h2d_pinned=60_000.0,
-            compute=20_000.0,
-        ),
+        "raw": stages_of({0: 200, 4: 55}, {0: 200, 4: 0.5}, fed_ms=5, serial_ms=2),  # decode-bound
+        "ram": stages_of({0: 1, 4: 2}, {0: 1, 4: 0.3}, fed_ms=5, serial_ms=2),  # GPU-bound
     }
     runs = [
         run("raw", 0, 480, True),
-        run("raw", 4, 1_700, True),
+        run("raw", 4, 1_800, True),
         run("ram", 0, 19_000, True),
         run("ram", 4, 18_500, True),
-        run("zarr", 0, 1_900, True),
-        run("zarr", 4, 5_500, True),
     ]
-    out = analyse(stages, runs, {}, facts(size=64, cache_bytes={"ram": 10_000_000, "zarr": 4_000_000}))
-    assert {r["loader"]: r["bottleneck"] for r in runs if r["workers"] == 4} == {
-        "raw": "transform",
-        "ram": "compute",
-        "zarr": "transform",
-    }
-    advice = [r for r in out["recommendations"] if r.startswith("Convert once")]
-    assert advice and "--format ram" in advice[0] and "--size 64" in advice[0] and "20,000" in advice[0]
-    assert "raw" in out["verdict"] and "ram" in out["verdict"]
+    out = analyse(
+        stages, runs, {}, facts(size=64, apply={"ram": "dlstore convert demo DEST --format ram --size 64"})
+    )
+    by = {(r["loader"], r["workers"]): r for r in runs}
+    assert by[("raw", 0)]["predicted_img_per_s"] == pytest.approx(100 / 0.202)  # serial: 200 + 2 ms
+    assert by[("raw", 4)]["bottleneck"] == "transform" and by[("ram", 0)]["bottleneck"] == "compute"
+    assert by[("ram", 0)]["predicted_img_per_s"] == pytest.approx(20_000)  # max(5, 1 + 2) ms
+    assert by[("ram", 0)]["budget_ms"]["predicted"]["host_ms"] == pytest.approx(2)
+    first = out["advice"][0]
+    assert "Use ram" in first["text"] and "--format ram" in first["command"]
+    assert first["gain"] == pytest.approx(19_000 / 480)
+    assert out["kinds"]["raw"]["best_workers"] == 4 and out["kinds"]["ram"]["bottleneck"] == "compute"
+    assert any("GPU is the limit" in r for r in out["recommendations"])
+    assert out["prediction"]["runs"] == 4 and out["default"]["loader"] == "raw"
+
+
+def test_recommendations_are_ranked_and_capped() -> None:
+    advice = [{"text": str(g), "gain": g} for g in (1.2, None, 5.0, 2.0, 1.1, 3.0, 1.5)]
+    ranked = rank(advice)
+    assert [a["gain"] for a in ranked] == [5.0, 3.0, 2.0, 1.5, 1.2] and len(ranked) == MAX_RECOMMENDATIONS
+
+
+def test_host_bound_best_configuration_is_advised() -> None:
+    stages = {"pinned": stages_of({0: 0.2}, {0: 0.1}, fed_ms=1, serial_ms=3)}
+    runs = [run("pinned", 0, 32_000, True)]
+    out = analyse(stages, runs, {}, facts())
+    assert runs[0]["bottleneck"] == "host"
+    assert any(
+        "main thread's own per-step work" in r and "--batch-size 200" in r for r in out["recommendations"]
+    )
+
+
+def test_knee_and_kind_summary_fold_the_sweep() -> None:
+    sweep = [run("raw", 0, 400), run("raw", 2, 960), run("raw", 4, 1000), run("raw", 8, 700)]
+    for r in sweep:
+        r.update(bottleneck="transform", predicted_img_per_s=r["img_per_s"], prediction_error=0.0)
+    k = knee(sweep)
+    assert k["knee_workers"] == 2 and k["best_workers"] == 4
+    assert [h["workers"] for h in k["hurts"]] == [8]
+    s = kind_summary(sweep)
+    assert s["by_workers"] == {0: 400, 2: 960, 4: 1000, 8: 700} and s["bottleneck"] == "transform"
 
 
 def test_stall_split_from_synthetic_cached_and_cold() -> None:

@@ -153,6 +153,14 @@ def hflip_probability(transform: Any) -> float | None:
     return None
 
 
+def convert_command(ctx: LoaderContext, fmt: str) -> str:
+    """The ``dlstore convert`` a user runs once to get this kind's cache."""
+    src = ctx.config.source
+    if ctx.config.root is not None and src.startswith("torchvision:"):
+        src += f" --root {ctx.config.root}"
+    return f"dlstore convert {src} DEST --format {fmt} --size {ctx.size}"
+
+
 def source_channels(source: Source) -> int:
     if isinstance(source, ArraySource):
         return 1 if source.data.ndim == 3 else 3

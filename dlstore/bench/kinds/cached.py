@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader
+from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader, convert_command
 from dlstore.bench.transforms import cached_cpu_transform, device_transform
 
 
@@ -98,7 +98,13 @@ def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
             (c, side, side) if cpu_tf else (c, h, w),
             new_dataset,
             device_transform(tf_name, ctx.size, ctx.device),
-            info={**info, "shape": list(spec.shape), "loads_once": in_memory},
+            info={
+                **info,
+                "shape": list(spec.shape),
+                "loads_once": in_memory,
+                "apply": f"{convert_command(ctx, fmt)}, then CachedDataset(DEST"
+                + (", in_memory=True)" if in_memory else ")"),
+            },
         )
 
     return factory

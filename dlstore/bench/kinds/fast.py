@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader
+from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader, convert_command
 from dlstore.bench.kinds.cached import ensure_cache
 from dlstore.bench.transforms import device_transform
 
@@ -21,7 +21,7 @@ PINNED = "ram cache, PinnedLoader: gather thread → pinned ring → side-stream
 RESIDENT = "ram cache held in device memory, batches gathered there (ResidentLoader)"
 
 
-def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any) -> PreparedLoader:
+def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code: str) -> PreparedLoader:
     from dlstore.formats import in_memory_format
     from dlstore.read.dataset import CachedDataset
     from dlstore.spec import read_spec
@@ -43,7 +43,13 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any) -> Pr
         device_transform(tf, ctx.size, ctx.device),
         on_device=True,
         make_loader=lambda ds, workers, pin, cfg: make(ds.cache, cfg),
-        info={**info, "shape": list(spec.shape), "loads_once": True, "ignores_workers": True},
+        info={
+            **info,
+            "shape": list(spec.shape),
+            "loads_once": True,
+            "ignores_workers": True,
+            "apply": f"{convert_command(ctx, in_memory_format())}, then {code}",
+        },
     )
 
 
@@ -55,6 +61,7 @@ def pinned_kind(ctx: LoaderContext) -> PreparedLoader:
         "pinned",
         "PinnedLoader(ram, in memory)",
         lambda cache, cfg: PinnedLoader(cache, cfg.batch_size, device=ctx.device, order="random"),
+        f"from dlstore.read import PinnedLoader; PinnedLoader(DEST, {ctx.config.batch_size}, device='{ctx.device.type}')",
     )
 
 
@@ -66,4 +73,5 @@ def resident_kind(ctx: LoaderContext) -> PreparedLoader:
         "resident",
         f"ResidentLoader(ram, on {ctx.device})",
         lambda cache, cfg: ResidentLoader(cache, cfg.batch_size, device=ctx.device),
+        f"from dlstore.read import ResidentLoader; ResidentLoader(DEST, {ctx.config.batch_size}, device='{ctx.device.type}')",
     )

@@ -1,0 +1,269 @@
+"""The parts the prediction is composed from, each measured alone for every loader kind (see ``predict``):
+
+- storage read, cold and warm (a per-epoch limit only when the data cannot stay in the page cache);
+- the loader alone at each (workers, pin_memory) the sweep runs: its period, the main thread's share, its CPU;
+- the host→device copy, pinned and pageable, and the step on synthetic on-device batches (the ceiling);
+- the step fed from an already-collated batch through the loop's own copy, with data free (device period)
+  and with a busy wait between steps (the main thread's serial cost). Re-measured once per round, like the
+  ceiling, so each is a median over the same span of time as the runs it is compared with.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from dlstore.bench.endtoend import RunSpec, feeder
+from dlstore.bench.kinds import PreparedLoader
+from dlstore.bench.monitor import mem_available_bytes
+from dlstore.bench.predict import FedTiming, LoaderTiming
+from dlstore.bench.protocol import BenchConfig, StageResult, cycle_window
+from dlstore.bench.stages import (
+    measure_compute,
+    measure_fed,
+    measure_h2d,
+    measure_loader,
+    measure_read,
+    synthetic_batch,
+)
+from dlstore.bench.verdict import KindStages
+
+Log = Callable[[str], None]
+Step = Callable[[torch.Tensor, torch.Tensor], None]
+PAGE_CACHE_FRACTION = 0.8  # data larger than this share of available RAM is read cold every epoch
+FED_MIN_S = 0.25  # time the fed loop at least this long (short steps are noisy)
+FED_MAX_STEPS = 200
+IDLE_DELAY_FACTOR = 1.25  # the busy wait between fed steps, in device periods: the device idles by then
+
+
+def measure_kind(
+    p: PreparedLoader,
+    step: Step,
+    specs: Sequence[RunSpec],
+    config: BenchConfig,
+    num_classes: int,
+    device: torch.device,
+    shared: dict[tuple[Any, ...], StageResult],
+) -> dict[str, Any]:
+    """Read, loader alone per (workers, pin), h2d and compute for one kind. ``shared`` keeps the h2d and
+    compute stages of kinds whose batches look alike, so they are measured once."""
+    assert config.batch_size is not None
+    shape = (config.batch_size, *p.sample_shape)
+    read = measure_read(p.name, p.files, p.n_images, config.read_max_bytes)
+    loader = {
+        (s.workers, s.pin_memory): loader_timing(p, s.workers, s.pin_memory, config, device)
+        for s in specs
+        if s.loader == p.name and not s.cold
+    }
+    if p.on_device:
+        h2d = StageResult("h2d", p.name, None, label="batches arrive on the device")
+    else:
+        key = ("h2d", shape, p.batch_dtype)
+        h2d = shared.get(key) or measure_h2d(p.name, shape, p.batch_dtype, device, config.stage_steps)
+        shared[key] = h2d
+    ckey = ("compute", shape, p.batch_dtype, type(p.device_transform).__name__)
+    if ckey not in shared:
+        shared[ckey] = measure_compute(
+            p.name,
+            step,
+            shape,
+            p.batch_dtype,
+            num_classes,
+            device,
+            warmup=3,
+            steps=max(config.stage_steps, 8),
+        )
+    return {"read": read, "loader": loader, "h2d": h2d, "compute": shared[ckey]}
+
+
+def loader_timing(
+    p: PreparedLoader, workers: int, pin: bool, config: BenchConfig, device: torch.device
+) -> dict[str, Any]:
+    loader = p.loader(workers, pin, config)
+    n = len(loader) if hasattr(loader, "__len__") else config.stage_steps  # type: ignore[arg-type]
+    warm, timed, cycle = cycle_window(n, workers, min(config.warmup, 4), config.stage_steps)
+    return measure_loader(loader, warm, timed, device, config.max_run_s, cycle)
+
+
+def transform_stage(name: str, loader: dict[tuple[int, bool], dict[str, Any]], pin: bool) -> StageResult:
+    """The loader-alone rates at the default pin_memory, as the stage table shows them."""
+    by = {w: t["img_per_s"] for (w, p), t in loader.items() if p == pin} or {
+        w: t["img_per_s"] for (w, _), t in loader.items()
+    }
+    best_w = max(by, key=lambda w: by[w])
+    return StageResult(
+        "transform",
+        name,
+        by[best_w],
+        label=f"best at {best_w} workers",
+        detail={"by_workers": {str(w): r for w, r in sorted(by.items())}, "best_workers": best_w},
+    )
+
+
+class FedProbe:
+    """Measures the fed step per (batch look, pin_memory) once per round; ``timing`` gives the medians."""
+
+    def __init__(
+        self,
+        prepared: dict[str, PreparedLoader],
+        steps: dict[str, Step],
+        specs: Sequence[RunSpec],
+        config: BenchConfig,
+        num_classes: int,
+        device: torch.device,
+    ) -> None:
+        self.device, self.num_classes, self.config = device, num_classes, config
+        self.jobs: dict[tuple[Any, ...], tuple[PreparedLoader, Step, bool]] = {}
+        self.kind_keys: dict[tuple[str, bool], tuple[Any, ...]] = {}
+        for s in specs:
+            p = prepared[s.loader]
+            key = (
+                p.sample_shape,
+                p.batch_dtype,
+                type(p.device_transform).__name__,
+                p.on_device,
+                s.pin_memory,
+            )
+            self.jobs.setdefault(key, (p, steps[s.loader], s.pin_memory))
+            self.kind_keys[(s.loader, s.pin_memory)] = key
+        self.samples: dict[tuple[Any, ...], list[dict[str, Any]]] = {k: [] for k in self.jobs}
+
+    def __call__(self) -> None:
+        for key, (p, step, pin) in self.jobs.items():
+            self.samples[key].append(self.measure(p, step, pin))
+
+    def measure(self, p: PreparedLoader, step: Step, pin: bool) -> dict[str, Any]:
+        assert self.config.batch_size is not None
+        x, y = synthetic_batch(
+            (self.config.batch_size, *p.sample_shape), p.batch_dtype, self.num_classes, self.device
+        )
+        if not p.on_device:
+            x, y = x.cpu(), y.cpu()
+            if pin and self.device.type == "cuda":
+                x, y = x.pin_memory(), y.pin_memory()
+        feed = feeder(p, self.device, pin)
+        quick = measure_fed(step, (x, y), feed, self.device, warmup=3, steps=3)
+        n = int(min(FED_MAX_STEPS, max(self.config.stage_steps, FED_MIN_S / max(quick["period_s"], 1e-6))))
+        free = measure_fed(step, (x, y), feed, self.device, warmup=1, steps=n)
+        if self.device.type != "cuda":  # the step runs on this thread: nothing overlaps it
+            return {"free": free, "idle": None, "serial_s": free["period_s"]}
+        idle = measure_fed(
+            step, (x, y), feed, self.device, warmup=1, steps=n, delay_s=IDLE_DELAY_FACTOR * free["period_s"]
+        )
+        return {"free": free, "idle": idle, "serial_s": idle["serial_s"]}
+
+    def timing(self, kind: str, pin: bool) -> FedTiming | None:
+        samples = self.samples.get(self.kind_keys.get((kind, pin), ()), [])
+        if not samples:
+            return None
+        device = [s["free"]["device_s"] for s in samples if s["free"]["device_s"] is not None]
+        return FedTiming(
+            period_s=statistics.median(s["free"]["period_s"] for s in samples),
+            serial_s=statistics.median(s["serial_s"] for s in samples),
+            device_s=statistics.median(device) if device else None,
+        )
+
+    def detail(self, kind: str) -> dict[str, Any]:
+        out = {}
+        for (k, pin), key in self.kind_keys.items():
+            if k == kind:
+                t = self.timing(kind, pin)
+                out["pinned" if pin else "pageable"] = {
+                    **(asdict(t) if t else {}),
+                    "samples": self.samples[key],
+                }
+        return out
+
+
+def per_epoch_read(read: StageResult, p: PreparedLoader) -> tuple[float | None, str, bool]:
+    """(the read rate an epoch sees, why, whether it bounds the epoch): none for a dataset loaded once; cold
+    when the data cannot stay in the page cache."""
+    if not p.reads_per_epoch:
+        return None, "loaded once into memory: no per-epoch read", False
+    avail = mem_available_bytes()
+    total = read.detail.get("bytes_total", 0)
+    if avail is not None and total > PAGE_CACHE_FRACTION * avail:
+        return read.detail.get("cold_img_per_s"), "cold: the data does not fit in the page cache", True
+    return read.img_per_s, "warm: the data fits in the page cache after the first epoch", False
+
+
+def kind_stages_of(s: dict[str, Any], p: PreparedLoader, fed: FedProbe) -> KindStages:
+    read, _, bounds = per_epoch_read(s["read"], p)
+    transform = s["transform"]
+    h2d = s["h2d"]
+    fed_by = {pin: t for pin in (True, False) if (t := fed.timing(p.name, pin)) is not None}
+    return KindStages(
+        read=read,
+        transform_by_workers={int(w): r for w, r in transform.detail["by_workers"].items()},
+        h2d_pinned=h2d.detail.get("pinned_img_per_s"),
+        h2d_pageable=h2d.detail.get("pageable_img_per_s"),
+        compute=s["compute"].img_per_s,
+        loader={k: LoaderTiming(v["period_s"], v["main_s"], v["cpu_s"]) for k, v in s["loader"].items()},
+        fed=fed_by,
+        read_limit=read if bounds else None,
+    )
+
+
+def stage_entry(s: dict[str, Any], ks: KindStages, p: PreparedLoader, fed: FedProbe) -> dict[str, Any]:
+    _, basis, _ = per_epoch_read(s["read"], p)
+    return {
+        "read": ks.read,
+        "transform": s["transform"].img_per_s,
+        "h2d": ks.h2d_pinned,
+        "compute": ks.compute,
+        "read_basis": basis,
+        "read_warm": s["read"].detail.get("warm_img_per_s"),
+        "read_cold": s["read"].detail.get("cold_img_per_s"),
+        "transform_by_workers": {str(k): v for k, v in ks.transform_by_workers.items()},
+        "h2d_pageable": ks.h2d_pageable,
+        "compute_label": s["compute"].label,
+        "loader_alone": {f"w{w}-{'pin' if pin else 'nopin'}": v for (w, pin), v in s["loader"].items()},
+        "fed_step": fed.detail(p.name),
+        "detail": {k: asdict(v) for k, v in s.items() if isinstance(v, StageResult)},
+    }
+
+
+def compute_probe(
+    stage_results: dict[str, dict[str, Any]],
+    steps: dict[str, Step],
+    config: BenchConfig,
+    num_classes: int,
+    device: torch.device,
+) -> Callable[[], None]:
+    """Re-measures each distinct compute stage; called once per round so the ceiling is a median over the same
+    span of time as the runs it is compared with (a shared machine drifts)."""
+    distinct = {id(s["compute"]): (name, s["compute"]) for name, s in stage_results.items()}
+
+    def probe() -> None:
+        for name, stage in distinct.values():
+            d = stage.detail
+            again = measure_compute(
+                name,
+                steps[name],
+                d["shape"],
+                getattr(torch, d["dtype"]),
+                num_classes,
+                device,
+                warmup=2,
+                steps=max(config.stage_steps, 8),
+            )
+            d.setdefault("samples_img_per_s", [stage.img_per_s]).append(again.img_per_s)
+
+    return probe
+
+
+def settle_compute(stage_results: dict[str, dict[str, Any]]) -> None:
+    for s in stage_results.values():
+        samples = s["compute"].detail.get("samples_img_per_s")
+        if samples and not s["compute"].label.endswith(f"median of {len(samples)}"):
+            s["compute"].img_per_s = statistics.median(samples)
+            s["compute"].label = s["compute"].label.split(";")[0] + f"; median of {len(samples)}"
+
+
+def elapsed(t0: float) -> float:
+    return time.perf_counter() - t0

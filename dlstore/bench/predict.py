@@ -1,0 +1,115 @@
+"""The loop's rate predicted from parts measured alone, composed the way the loop runs. Pure functions.
+
+A training loop is ``for x, y in loader: copy; step``. Three things work on each batch:
+
+- the **producer**: DataLoader workers (or a loader's own thread) making batches, measured as a loader-only
+  loop (``loader.period_s`` per batch);
+- the **main thread**: its share of the loader's work (all of it with 0 workers: decode, collate, pin run
+  in ``next()``; with workers only the hand-over) plus its own per-step work: the Python loop, the copy
+  call, the kernel launches and any synchronisation the step does. That last part is measured by feeding
+  the step an already-collated batch with a busy wait between steps longer than the device's step
+  (``fed.serial_s``);
+- the **device**: copy + step, measured as the fed loop without the wait (``fed.period_s``).
+
+They overlap (workers run in parallel; CUDA runs the step while the host moves on), so the period is the
+largest of: the producer's, the main thread's serial chain, the device's — and the CPU work of all of them
+spread over the usable cores. The loop runs serially at 0 workers because the loader's work *is* on the
+main thread: ``loader_main + serial``. A synchronising step (pageable copy, ``loss.item()``) shows up in
+``serial_s`` and so needs no special case. A per-epoch storage read bound (data larger than the page
+cache) is one more producer limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# What a run can be limited by, as the verdict names it.
+BOTTLENECKS = ("read", "transform", "host", "h2d", "compute", "cores")
+
+
+@dataclass(frozen=True)
+class LoaderTiming:
+    """The loader alone, per batch: its period, the main thread's share of it, its CPU seconds (all
+    processes and threads)."""
+
+    period_s: float
+    main_s: float
+    cpu_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class FedTiming:
+    """The step fed from a collated batch, per batch: ``period_s`` with data free, ``serial_s`` the main
+    thread's own serial cost (measured with the device idle between steps), ``device_s`` the step's device
+    time (None on a CPU)."""
+
+    period_s: float
+    serial_s: float
+    device_s: float | None = None
+
+
+@dataclass(frozen=True)
+class LoopParts:
+    batch: int
+    workers: int
+    loader: LoaderTiming
+    fed: FedTiming
+    cores: int = 1
+    read_s: float | None = None  # storage read per batch when it bounds every epoch, else None
+    step_on_host: bool = False  # a CPU run: the "device" is the main thread itself
+    copy_bound: bool = False  # the copy alone is slower than the step alone (names the device term h2d)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    period_s: float
+    img_per_s: float
+    bottleneck: str
+    terms_s: dict[str, float]  # each limit's seconds per batch: producer, main, device, cores, read
+
+    def budget_ms(self, parts: LoopParts) -> dict[str, float | None]:
+        """Per batch: what the main thread spends waiting for data, its own work, and the device step."""
+        host = parts.fed.serial_s
+        return {
+            "period_ms": 1e3 * self.period_s,
+            "wait_ms": 1e3 * max(0.0, self.period_s - host),
+            "host_ms": 1e3 * host,
+            "device_ms": None if parts.fed.device_s is None else 1e3 * parts.fed.device_s,
+            "loader_ms": 1e3 * parts.loader.period_s,
+        }
+
+
+def compose(parts: LoopParts) -> Prediction:
+    """The period of the loop as the largest of its limits; the bottleneck is the limit that sets it."""
+    main = parts.loader.main_s + parts.fed.serial_s
+    terms: dict[str, float] = {
+        "producer": parts.loader.period_s,
+        "main": main,
+        "device": parts.fed.period_s,
+        "cores": (parts.loader.cpu_s + parts.fed.serial_s) / max(1, parts.cores),
+    }
+    if parts.read_s is not None:
+        terms["read"] = parts.read_s
+    limit = max(terms, key=lambda k: terms[k])
+    period = terms[limit]
+    return Prediction(period, parts.batch / period if period > 0 else float("inf"), name(limit, parts), terms)
+
+
+def name(limit: str, parts: LoopParts) -> str:
+    """A limit → the stage a user acts on."""
+    if limit == "producer":
+        return "transform"
+    if limit == "main":
+        if parts.loader.main_s >= parts.fed.serial_s:
+            return "transform"  # the loader's own work in the main process
+        return "compute" if parts.step_on_host else "host"
+    if limit == "device":
+        return "h2d" if parts.copy_bound else "compute"
+    return limit  # read, cores
+
+
+def prediction_error(measured: float, predicted: float | None) -> float | None:
+    """(measured − predicted) / predicted."""
+    if not predicted:
+        return None
+    return (measured - predicted) / predicted
