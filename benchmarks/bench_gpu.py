@@ -73,7 +73,10 @@ def run(name: str, config: BenchConfig, results: dict[str, Any], log: Any) -> di
     log(f"{name}: start")
     doc = run_bench(config, log=lambda m: log(f"{name}: {m}"))
     results[name] = {"wall_s": time.perf_counter() - t0, "doc": trim(doc)}
-    log(f"{name}: {time.perf_counter() - t0:.0f} s")
+    log(f"{name}: {time.perf_counter() - t0:.0f} s, phases {doc['phases']}")
+    print("\n".join(table_rows(name, doc)), flush=True)  # as it goes: a run cut short still reports
+    if results.get("_out"):
+        Path(results["_out"]).write_text(json.dumps(results, indent=1, default=str) + "\n")
     return doc
 
 
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    results: dict[str, Any] = {"sections": sections}
+    results: dict[str, Any] = {"sections": sections, "_out": str(args.out / "bench_gpu.json")}
     common = dict(
         cache=args.work / "caches", cold=False, repeats=args.repeats, transform="gpu-augment", max_run_s=None
     )
@@ -157,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             capture_output=True,
             text=True,
             check=False,
+            cwd=args.work,  # not the checkout: PYTHONPATH may hold "" (the cwd), whose dlstore/ lacks cli
         )
         wall = time.perf_counter() - t0
         results["default"] = {

@@ -101,7 +101,7 @@ def known_kinds() -> tuple[str, ...]:
     "--batch-size",
     type=click.IntRange(1, 65536),
     default=None,
-    help="[default: what a user picks for the model: 256 for ResNets and 128 for smallcnn on a GPU, 32 on a CPU]",
+    help="[default: what a user picks for the model: 256 for ResNets and 64 for smallcnn on a GPU, 32 on a CPU]",
 )
 @click.option(
     "--model",
@@ -168,7 +168,7 @@ def known_kinds() -> tuple[str, ...]:
 @click.option(
     "--max-run-seconds",
     type=click.FloatRange(0, min_open=True),
-    default=2.0,
+    default=1.0,
     show_default=True,
     help="Stop a run's timed steps after this long (at least 4 steps, whole cycles of the loader).",
 )

@@ -121,7 +121,9 @@ def run_once(
     n_steps = warm + (0 if spec.cold else timed)
     feed = feeder(prepared, device, spec.pin_memory)
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    monitor = ResourceMonitor(gpu=cuda)
+    # No nvidia-smi sampling while timing: its NVML queries contend with kernel launches (a launch-bound step
+    # ran slower in the loop than alone). The device's busy share comes from the CUDA events instead.
+    monitor = ResourceMonitor(gpu=False)
     ref = _reference_event(device)
     t0 = time.perf_counter()
     stream = BatchStream(loader)
@@ -237,7 +239,9 @@ def statistics_ms(results: Sequence[RunResult]) -> dict[str, float | None]:
     if not steps:
         return {"period_ms": None, "wait_ms": None, "host_ms": None, "device_ms": None}
     device = [s.device_step_s for s in steps if s.device_step_s is not None]
+    wall = sum(r.timed_s for r in results)
     return {
+        "device_busy": sum(device) / wall if device and wall > 0 else None,
         "period_ms": 1e3 * statistics.median(r.timed_s / max(1, len(r.timed())) for r in results),
         "wait_ms": 1e3 * statistics.fmean(s.wait_s for s in steps),
         "host_ms": 1e3 * statistics.fmean(s.step_s for s in steps),

@@ -88,7 +88,7 @@ def _import_model(spec: str, in_channels: int, image_size: int, num_classes: int
 PRECISIONS = ("bf16", "fp16", "fp32", "tf32")
 # What a user would pick on a GPU (ResNets: 256, as in torchvision's reference recipes scaled to one GPU);
 # on a CPU a training run is a smoke test, so the bench keeps batches small there.
-GPU_BATCH_SIZES = {"smallcnn": 128, "resnet18": 256, "resnet50": 256}
+GPU_BATCH_SIZES = {"smallcnn": 64, "resnet18": 256, "resnet50": 256}
 GPU_BATCH_SIZE_OTHER = 128
 CPU_BATCH_SIZE = 32
 

@@ -35,6 +35,16 @@ class LoaderTiming:
     period_s: float
     main_s: float
     cpu_s: float = 0.0
+    in_caller: bool = True  # the loader works in next() on the main thread (a DataLoader with 0 workers)
+    refill_s: float | None = None  # a restart's first batch (epoch end: drain, refill), when measured
+    epoch_batches: int | None = None
+
+    def epoch_refill(self) -> tuple[float, float] | None:
+        """(refill, steady period): an epoch of E batches takes refill + (E − 1) × steady, loader alone."""
+        e = self.epoch_batches
+        if self.in_caller or self.refill_s is None or not e or e < 2:
+            return None
+        return self.refill_s, max(0.0, (e * self.period_s - self.refill_s) / (e - 1))
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,13 @@ class Prediction:
 
 
 def compose(parts: LoopParts) -> Prediction:
-    """The period of the loop as the largest of its limits; the bottleneck is the limit that sets it."""
+    """The period of the loop as the largest of its limits; the bottleneck is the limit that sets it.
+
+    A loader that restarts at each epoch end (persistent DataLoader workers, a loader's own thread) first
+    drains: the next epoch's first batch takes ``refill`` from the restart, and nothing else runs meanwhile,
+    since the restart waits for the loop to consume the last batch. An epoch of E batches then takes
+    ``refill + max(E × consumer, (E − 1) × steady + consumer)``, with ``consumer`` the per-batch limit of the
+    main thread, the device and the cores; with long epochs this tends to the plain pipeline."""
     main = parts.loader.main_s + parts.fed.serial_s
     terms: dict[str, float] = {
         "producer": parts.loader.period_s,
@@ -90,8 +106,22 @@ def compose(parts: LoopParts) -> Prediction:
     }
     if parts.read_s is not None:
         terms["read"] = parts.read_s
-    limit = max(terms, key=lambda k: terms[k])
-    period = terms[limit]
+    refill = parts.loader.epoch_refill()
+    if refill is None:
+        limit = max(terms, key=lambda k: terms[k])
+        period = terms[limit]
+    else:
+        e = parts.loader.epoch_batches or 1
+        r, steady = refill
+        consumers = {k: v for k, v in terms.items() if k != "producer"}
+        limit = max(consumers, key=lambda k: consumers[k])
+        consumer = consumers[limit]
+        epoch = r + max(e * consumer, (e - 1) * steady + consumer)
+        # the loader's share: time per batch the loop waits on it, not overlapped with anything
+        terms["producer"] = (epoch - e * consumer) / e
+        period = consumer + terms["producer"]
+        if terms["producer"] > consumer:
+            limit = "producer"
     return Prediction(period, parts.batch / period if period > 0 else float("inf"), name(limit, parts), terms)
 
 

@@ -78,7 +78,7 @@ class BenchConfig:
     pin_memory: str = "auto"  # auto: on for CUDA, plus a pin-off run at the largest worker count
     # Cap on a run's timed phase (at least MIN_TIMED_STEPS steps, whole cycles): keeps the default run short
     # where a slow configuration (per-file decode at 0 workers) would take most of the time.
-    max_run_s: float | None = 2.0
+    max_run_s: float | None = 1.0
     cold: bool = True  # a cold-cache run per loader kind at the largest worker count
     stage_steps: int = 10  # timed batches for the transform / h2d / compute stages
     read_max_bytes: int = 256 << 20

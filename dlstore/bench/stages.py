@@ -7,6 +7,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -279,11 +280,14 @@ def measure_loader(
         images = 0
         t1 = time.perf_counter()
         done = 0
+        refills: list[float] = []
         for i in range(steps):
             if max_s is not None and i >= MIN_BATCHES and i % cycle == 0 and time.perf_counter() - t1 > max_s:
                 break  # enough for a rate; stop on a cycle boundary
-            a, c = time.perf_counter(), time.thread_time()
+            a, c, epoch = time.perf_counter(), time.thread_time(), stream.epoch
             images += batch_images(stream.next())
+            if stream.epoch != epoch:  # this next() restarted the loader: drain, refill, first batch
+                refills.append(time.perf_counter() - a)
             done += 1
             cpu_next += time.thread_time() - c
             wall_next += time.perf_counter() - a
@@ -299,6 +303,8 @@ def measure_loader(
         "cpu_s": cpu / done,
         "img_per_s": images / seconds if seconds > 0 else float("inf"),
         "in_caller": in_caller,
+        "refill_s": statistics.median(refills) if refills else None,
+        "epoch_batches": len(loader) if hasattr(loader, "__len__") else None,  # type: ignore[arg-type]
         "warmup_batches": warmup,
         "batches": done,
         "startup_s": startup,

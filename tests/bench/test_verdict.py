@@ -78,6 +78,22 @@ def test_a_synchronising_step_is_serial_without_a_special_case() -> None:
     assert compose(parts(0, 3, 3, 5, 1)).period_s == pytest.approx(5 * MS)
 
 
+def test_short_epochs_pay_the_loader_refill_unoverlapped() -> None:
+    # 3 batches per epoch; 4 workers: after a restart the first batch takes 20 ms, the other two are ready
+    # at once (loader alone: 22 ms per epoch). The loop's main thread needs 15 ms per batch, so an epoch is
+    # 20 + 3 × 15 = 65 ms: 21.7 ms per batch, not max(7.3, 15) = 15
+    loader = LoaderTiming(22 * MS / 3, 0.3 * MS, 0.0, in_caller=False, refill_s=20 * MS, epoch_batches=3)
+    p = compose(LoopParts(100, 4, loader, FedTiming(13 * MS, 14.7 * MS), cores=16))
+    assert p.period_s == pytest.approx(65 * MS / 3) and p.bottleneck == "host"
+    # a slow producer: every batch 80 ms apart after a 100 ms refill: the loader sets the pace
+    slow = LoaderTiming(260 * MS / 3, 0.3 * MS, 0.0, in_caller=False, refill_s=100 * MS, epoch_batches=3)
+    p = compose(LoopParts(100, 1, slow, FedTiming(13 * MS, 14.7 * MS), cores=16))
+    assert p.period_s == pytest.approx((100 + 2 * 80 + 15) * MS / 3) and p.bottleneck == "transform"
+    # long epochs or an unmeasured refill: the plain pipeline
+    long = LoaderTiming(7 * MS, 0.3 * MS, 0.0, in_caller=False, refill_s=None, epoch_batches=300)
+    assert compose(LoopParts(100, 4, long, FedTiming(13 * MS, 14.7 * MS))).period_s == pytest.approx(15 * MS)
+
+
 def test_cores_limit_when_workers_and_main_thread_need_more_than_there_are() -> None:
     # 2 cores; workers burn 30 ms CPU per batch, the main thread 4: (30 + 4) / 2 = 17 ms > the 10 ms period
     p = compose(parts(4, loader_ms=10, main_ms=1, fed_ms=4, serial_ms=4, cpu_ms=30, cores=2))
