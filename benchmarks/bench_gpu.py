@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    results: dict[str, Any] = {"sections": sections, "_out": str(args.out / "bench_gpu.json")}
+    results: dict[str, Any] = {"sections": sections, "_out": str(args.out / f"bench_gpu_{'-'.join(sections)}.json")}
     common = dict(
         cache=args.work / "caches", cold=False, repeats=args.repeats, transform="gpu-augment", max_run_s=None
     )
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
             "compute-heavy": [r["bottleneck"] for r in compute["runs"]],
         }
     results["elapsed_s"] = time.perf_counter() - t_start
-    (args.out / "bench_gpu.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    Path(results["_out"]).write_text(json.dumps(results, indent=1, default=str) + "\n")
     lines = [
         f"{'run':<10} {'batch':>5} {'loader':<8} {'wk':>3} {'pin':>3} {'img/s':>9} {'predicted':>9} {'err':>6} bottleneck"
     ]
