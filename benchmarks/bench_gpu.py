@@ -106,7 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{time.perf_counter() - t_start:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    results: dict[str, Any] = {"sections": sections, "_out": str(args.out / f"bench_gpu_{'-'.join(sections)}.json")}
+    results: dict[str, Any] = {
+        "sections": sections,
+        "_out": str(args.out / f"bench_gpu_{'-'.join(sections)}.json"),
+    }
     common = dict(
         cache=args.work / "caches", cold=False, repeats=args.repeats, transform="gpu-augment", max_run_s=None
     )

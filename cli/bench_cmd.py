@@ -89,7 +89,7 @@ def known_kinds() -> tuple[str, ...]:
     "--workers",
     type=IntList(),
     default=None,
-    help="DataLoader worker counts to sweep [default: 0 and the 3 largest powers of two ≤ cores].",
+    help="DataLoader worker counts to sweep [default: 0 and the 2 largest powers of two ≤ cores].",
 )
 @click.option(
     "--size",

@@ -36,7 +36,7 @@ from dlstore.bench.verdict import KindStages
 Log = Callable[[str], None]
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 PAGE_CACHE_FRACTION = 0.8  # data larger than this share of available RAM is read cold every epoch
-FED_MIN_S = 0.25  # time the fed loop at least this long (short steps are noisy)
+FED_MIN_S = 0.15  # time the fed loop at least this long (short steps are noisy)
 FED_MAX_STEPS = 200
 IDLE_DELAY_FACTOR = 1.25  # the busy wait between fed steps, in device periods: the device idles by then
 

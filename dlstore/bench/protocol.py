@@ -39,10 +39,11 @@ def cycle_window(batches_per_epoch: int, workers: int, warmup: int, steps: int) 
 
 
 def default_worker_counts(cores: int | None = None) -> tuple[int, ...]:
-    """0 plus the three largest powers of two that fit the cores: 2 → 0,1,2; 16 → 0,4,8,16."""
+    """0 plus the two largest powers of two that fit the cores: 2 → 0,1,2; 16 → 0,8,16. Two, not more:
+    every worker count is a fresh pool per run, and the default run must stay within a minute on 16 cores."""
     cores = cores or usable_cores()
     powers = [p for p in (1, 2, 4, 8, 16, 32, 64, 128) if p <= cores]
-    return (0, *powers[-3:])
+    return (0, *powers[-2:])
 
 
 @dataclass

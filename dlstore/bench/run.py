@@ -246,7 +246,7 @@ def bench_command(config: BenchConfig) -> str:
     """The command that re-runs this bench, for advice that says "measure it with …"."""
     parts = ["dlstore bench", _source_arg(config), f"--loaders {','.join(config.loaders)}"]
     parts.append(f"--model {config.model}" if config.step is None else f"--step {config.step}")
-    parts += [f"--batch-size {config.batch_size}", f"--transform {config.transform}"]
+    parts.append(f"--transform {config.transform}")  # no --batch-size: advice sets its own
     if config.size:
         parts.append(f"--size {config.size}")
     return " ".join(parts)

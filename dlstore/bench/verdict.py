@@ -295,6 +295,11 @@ def verdict_text(
         text.append(
             f"The step is the limit: the input pipeline keeps up (Σwait/wall {100 * wait['sum_over_wall']:.0f}%)."
         )
+    elif best["bottleneck"] == "host":
+        text.append(
+            "The main thread is the limit: its own work per step (Python loop, copy call, kernel launches) takes "
+            f"longer than the device's; the loop waits for data only {100 * wait['sum_over_wall']:.0f}% of the time."
+        )
     else:
         text.append(
             f"The step does not get data fast enough: the loop waits for data {100 * wait['sum_over_wall']:.0f}% "
@@ -427,8 +432,7 @@ def _bound_advice(
         return [
             _advice(
                 f"The main thread's own per-step work limits {best['loader']} ({_ms_of(best, 'main')} ms per batch): "
-                "fewer, larger steps (a larger batch), torch.compile or CUDA graphs, and a loader that hands over "
-                "device batches (the pinned kind).",
+                "fewer, larger steps (a larger batch) or fewer kernel launches per step (torch.compile, CUDA graphs).",
                 f"{facts.bench_command} --batch-size {2 * facts.batch_size} --compile",
                 None,
             )

@@ -123,4 +123,4 @@ def test_option_parsing() -> None:
     assert parse_int_list("4,0, 2,2") == (0, 2, 4)
     with pytest.raises(ValueError):
         parse_int_list("-1")
-    assert default_worker_counts(2) == (0, 1, 2) and default_worker_counts(16) == (0, 4, 8, 16)
+    assert default_worker_counts(2) == (0, 1, 2) and default_worker_counts(16) == (0, 8, 16)
