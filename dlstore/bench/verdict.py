@@ -248,11 +248,13 @@ def analyse(
 
 def is_compute_bound(run: dict[str, Any], batch: int) -> bool:
     """The step is the limit when the run is named compute-bound and reaches most of what the step sustains
-    when fed collated batches through the same copy (its real ceiling in this loop)."""
-    device_ms = (run.get("limits_ms") or {}).get("device")
-    if run.get("bottleneck") != "compute" or not device_ms:
+    in this loop: fed collated batches through the same copy on a GPU; on a CPU, where the step runs on the
+    main thread between loads, the main thread's serial chain."""
+    limits = run.get("limits_ms") or {}
+    step_ms = max(limits.get("device") or 0.0, limits.get("main") or 0.0)
+    if run.get("bottleneck") != "compute" or not step_ms:
         return False
-    return run["img_per_s"] >= COMPUTE_BOUND_FRACTION * batch / (device_ms / 1e3)
+    return run["img_per_s"] >= COMPUTE_BOUND_FRACTION * batch / (step_ms / 1e3)
 
 
 def prediction_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
