@@ -383,16 +383,16 @@ def _bound_advice(
     """What to change when even the best configuration is limited: the step, the copy, the host, the cores."""
     b = best["bottleneck"]
     ks = stages.get(best["loader"], KindStages())
+    if b == "compute" and facts.device == "cpu":  # the model names it; a noisy CPU run cannot hide it
+        return [
+            _advice(
+                "No GPU here: the CPU training step is the limit. On a GPU the step is far faster and the input "
+                "pipeline decides the rate; run the bench on the training machine.",
+                facts.bench_command,
+                None,
+            )
+        ]
     if compute_bound:
-        if facts.device == "cpu":
-            return [
-                _advice(
-                    "No GPU here: the CPU training step is the limit. On a GPU the step is far faster and the input "
-                    "pipeline decides the rate; run the bench on the training machine.",
-                    facts.bench_command,
-                    None,
-                )
-            ]
         faster = "--precision bf16 --channels-last --compile" if facts.precision == "fp32" else "--compile"
         return [
             _advice(
