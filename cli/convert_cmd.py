@@ -9,8 +9,8 @@ from typing import Any
 import click
 
 from dlstore.cli.render import StorePath, emit_json, human_bytes, stderr
-from dlstore.formats import FORMATS, cli_options
-from dlstore.spec import RESIZE_POLICIES
+from dlstore.formats import DEFAULT_FORMAT, FORMATS, cli_options
+from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
 
 F = Callable[..., Any]
 
@@ -39,7 +39,7 @@ def writer_options(command: F) -> F:
     "--format",
     "fmt",
     type=click.Choice(list(FORMATS)),
-    default="ram",
+    default=DEFAULT_FORMAT,
     show_default=True,
     help="Cache format.",
 )
@@ -52,11 +52,15 @@ def writer_options(command: F) -> F:
     help="crop = torchvision Resize(size)+CenterCrop(size).",
 )
 @click.option(
-    "--channels", type=click.Choice(["1", "3"]), default="3", show_default=True, help="3 = RGB, 1 = grey."
+    "--channels",
+    type=click.Choice([str(c) for c in CHANNELS]),
+    default="3",
+    show_default=True,
+    help="3 = RGB, 1 = grey.",
 )
 @click.option(
     "--decode",
-    type=click.Choice(["exact", "fast"]),
+    type=click.Choice(DECODE_MODES),
     default="exact",
     show_default=True,
     help="exact = full decode, torchvision's pixels; fast = DCT-scaled decode of large JPEGs "
@@ -102,7 +106,7 @@ def writer_options(command: F) -> F:
 )
 @click.option(
     "--storage-order",
-    type=click.Choice(["shuffled", "source"]),
+    type=click.Choice(STORAGE_ORDERS),
     default="shuffled",
     show_default=True,
     help="shuffled: chunks hold a seeded random mix (fast random-order reads with the chunk sampler).",

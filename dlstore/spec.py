@@ -17,6 +17,8 @@ SKIPPED_FILE = "skipped.json"
 SPEC_VERSION = 1
 RESIZE_POLICIES = ("crop", "pad", "stretch")
 DECODE_MODES = ("exact", "fast")
+CHANNELS = (1, 3)
+STORAGE_ORDERS = ("shuffled", "source")  # storage position order: seeded random, or as the source lists
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ class ImagePolicy:
             raise SpecError(f"size must be a positive number of pixels, got {self.size}")
         if self.resize not in RESIZE_POLICIES:
             raise SpecError(f"resize must be one of {RESIZE_POLICIES}, got {self.resize!r}")
-        if self.channels not in (1, 3):
+        if self.channels not in CHANNELS:
             raise SpecError(f"channels must be 1 or 3, got {self.channels}")
         if self.decode not in DECODE_MODES:
             raise SpecError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")

@@ -43,7 +43,7 @@ from dlstore.build.staging import Staging
 from dlstore.checksums import checksum_tree
 from dlstore.durable import fsync_path, save_npy_durably, sync_tree, write_json_durably
 from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError, require_extra
-from dlstore.formats import get_format
+from dlstore.formats import DEFAULT_FORMAT, get_format
 from dlstore.formats.base import CacheWriter
 from dlstore.machine import usable_cores
 from dlstore.read.stores import parse_store_path
@@ -54,6 +54,7 @@ from dlstore.spec import (
     POSITIONS_FILE,
     SKIPPED_FILE,
     SOURCE_RECORD,
+    STORAGE_ORDERS,
     CacheSpec,
     ImagePolicy,
     read_spec,
@@ -91,7 +92,7 @@ def convert(
     source: str | Path | Source,
     dest: str | Path,
     *,
-    format: str = "ram",
+    format: str = DEFAULT_FORMAT,
     size: int,
     resize: str = "crop",
     channels: int = 3,
@@ -364,7 +365,7 @@ def storage_permutation(n: int, storage_order: str, seed: int) -> np.ndarray:
     """Storage position s holds source sample order[s]."""
     if storage_order == "source":
         return np.arange(n, dtype=np.int64)
-    if storage_order != "shuffled":
+    if storage_order not in STORAGE_ORDERS:
         raise ValueError(f"storage_order must be 'shuffled' or 'source', got {storage_order!r}")
     return np.random.default_rng(seed).permutation(n).astype(np.int64)
 

@@ -16,6 +16,7 @@ from dlstore.formats.ram import RamReader, RamWriter
 from dlstore.formats.zarr_cache import ZarrReader, ZarrWriter
 
 __all__ = [
+    "DEFAULT_FORMAT",
     "FORMATS",
     "Codec",
     "Format",
@@ -51,6 +52,9 @@ FORMATS: dict[str, Format] = {
         Format("zarr", ZarrWriter, ZarrReader),
     )
 }
+
+
+DEFAULT_FORMAT = "ram"  # fastest to read when it fits in memory; `dlstore bench` says when it does not
 
 
 def get_format(name: str) -> Format:
