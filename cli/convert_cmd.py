@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from dlstore.cli.render import StorePath, emit_json, human_bytes, stderr
+from dlstore.cli.render import StorePath, emit_json, human_bytes, stderr, storage_options_option
 from dlstore.formats import DEFAULT_FORMAT, FORMATS, cli_options
 from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
 
@@ -118,6 +118,7 @@ def writer_options(command: F) -> F:
     help="Run the units as Dask tasks: a local cluster of N processes, or a running scheduler "
     "whose workers see SOURCE and DEST (needs dlstore[dask]).",
 )
+@storage_options_option()
 @click.option("--overwrite", is_flag=True, help="Replace an existing cache at DEST (atomically).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def convert_cmd(
@@ -138,6 +139,7 @@ def convert_cmd(
     decode_timeout: float,
     storage_order: str,
     scheduler: str | None,
+    storage_options: dict[str, Any] | None,
     overwrite: bool,
     as_json: bool,
     **options: Any,
@@ -178,6 +180,7 @@ def convert_cmd(
             storage_order=storage_order,
             decode_timeout=decode_timeout,
             scheduler=scheduler,
+            storage_options=storage_options,
             progress=progress,
             log=lambda message: click.echo(f"\nwarning: {message}", err=True),
         )

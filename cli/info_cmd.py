@@ -5,25 +5,27 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import click
 
-from dlstore.cli.render import StorePath, emit_json, human_bytes
+from dlstore.cli.render import StorePath, emit_json, human_bytes, storage_options_option
 
 
 @click.command("info")
 @click.argument("dest", type=StorePath())
 @click.option("--json", "as_json", is_flag=True, help="Print the spec as one JSON document.")
-def info_cmd(dest: Path, as_json: bool) -> None:
-    """Show what the cache at DEST holds."""
-    from dlstore.build.conversion import dir_bytes
-    from dlstore.spec import read_spec
+@storage_options_option()
+def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | None) -> None:
+    """Show what the cache at DEST (a folder or a URL) holds."""
+    from dlstore.read.remote import bytes_at, spec_at
 
-    spec = read_spec(dest)
+    spec = spec_at(dest, storage_options)
+    nbytes = bytes_at(dest, storage_options)
     if as_json:
         doc = asdict(spec)
         doc["checksums"] = len(spec.checksums)
-        doc["bytes_on_disk"] = dir_bytes(dest)
+        doc["bytes_on_disk"] = nbytes
         emit_json(doc)
         return
     h, w, c = spec.shape
@@ -43,7 +45,7 @@ def info_cmd(dest: Path, as_json: bool) -> None:
     )
     click.echo(f"  options   {json.dumps(spec.format_options)}")
     click.echo(f"  source    {spec.source.get('description')} ({spec.source.get('count')} samples)")
-    click.echo(f"  on disk   {human_bytes(dir_bytes(dest))} in {len(spec.checksums)} files")
+    click.echo(f"  on disk   {human_bytes(nbytes)} in {len(spec.checksums)} files")
 
 
 @click.command("verify")
@@ -57,11 +59,14 @@ def info_cmd(dest: Path, as_json: bool) -> None:
     default=None,
     help="Where the source folder is now, if it moved since conversion.",
 )
-def verify_cmd(dest: Path, deep: bool, source: Path | None) -> None:
+@storage_options_option()
+def verify_cmd(
+    dest: Path | str, deep: bool, source: Path | None, storage_options: dict[str, Any] | None
+) -> None:
     """Recompute checksums of the cache at DEST and check its source; exit 1 naming the first problem."""
     from dlstore.build.verification import verify
 
-    result = verify(dest, deep=deep, source=source)
+    result = verify(dest, deep=deep, source=source, storage_options=storage_options)
     for note in result.notes:
         click.echo(f"note: {note}", err=True)
     if not result.ok:

@@ -24,6 +24,33 @@ class StorePath(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
+class JsonObject(click.ParamType):
+    """A JSON object given on the command line (e.g. ``--storage-options '{"anon": true}'``)."""
+
+    name = "JSON"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, dict):
+            return value
+        try:
+            doc = json.loads(value)
+        except ValueError as e:
+            self.fail(f"not valid JSON ({e})", param, ctx)
+        if not isinstance(doc, dict):
+            self.fail('expected a JSON object such as {"anon": true}', param, ctx)
+        return doc
+
+
+STORAGE_OPTIONS_HELP = (
+    "For a URL cache path: fsspec options as a JSON object (endpoint_url, key, secret, profile, ...); "
+    "default: the store's standard environment. Never logged or stored."
+)
+
+
+def storage_options_option() -> Any:
+    return click.option("--storage-options", type=JsonObject(), default=None, help=STORAGE_OPTIONS_HELP)
+
+
 def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=1, default=str))
 

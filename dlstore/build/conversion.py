@@ -111,6 +111,7 @@ def convert(
     seed: int = 0,
     decode_timeout: float = DECODE_TIMEOUT_S,
     scheduler: str | None = None,
+    storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
     log: Log | None = None,
 ) -> ConvertResult:
@@ -137,10 +138,26 @@ def convert(
     ``local:N`` (a LocalCluster of N worker processes) or ``tcp://HOST:PORT`` (a running cluster whose
     workers see SOURCE and DEST); needs ``pip install 'dlstore[dask]'``. See ``dask_engine``.
 
+    DEST may be a URL (``s3://bucket/prefix``; credentials from the environment or
+    ``storage_options``): the cache is built in a local spool folder with all of the above, then
+    published by the protocol in ``dlstore.build.publish`` (staging prefix, manifest last, resumable).
+
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
+    given = dict(locals())  # exactly the arguments: a URL DEST re-runs this with a local spool folder
     t0 = time.perf_counter()
     dest = parse_store_path(dest)
+    if isinstance(dest, str):
+        from dlstore.build.publish import convert_to_store
+
+        def build_locally(spool: Path) -> ConvertResult:
+            local = {**given, "dest": spool, "storage_options": None, "overwrite": False}
+            try:  # a spool built by an interrupted attempt with the same options is up to date
+                return convert(**local)
+            except CacheExistsError:  # built with other options: replace it
+                return convert(**{**local, "overwrite": True})
+
+        return convert_to_store(dest, storage_options, overwrite, log, build_locally)
     fmt = get_format(format)
     policy = ImagePolicy(size=size, resize=resize, channels=channels, decode=decode)
     cluster = parse_scheduler(scheduler) if scheduler is not None else None

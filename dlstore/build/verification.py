@@ -8,12 +8,14 @@ kept the size and had its mtime restored).
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dlstore.checksums import file_sha256, listed_files, mismatches
-from dlstore.read.stores import parse_store_path
+from dlstore.read.remote import fetch_manifest
+from dlstore.read.stores import RemoteStore, parse_store_path
 from dlstore.sourcefiles import read_record, recorded_root, source_status
 from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
 
@@ -32,11 +34,19 @@ class VerifyResult:
         return self.problems[0] if self.problems else ""
 
 
-def verify(path: str | Path, deep: bool = False, source: str | Path | None = None) -> VerifyResult:
+def verify(
+    path: str | Path,
+    deep: bool = False,
+    source: str | Path | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> VerifyResult:
     """Check every data file against the manifest's sha256, that no data file is unlisted, that
     ``skipped.json`` agrees with the manifest, and that the source is unchanged (``deep``: by content).
-    ``source`` overrides the recorded source root (a dataset that moved)."""
+    ``source`` overrides the recorded source root (a dataset that moved). A URL is checked object by
+    object (each downloaded to a temporary folder); its source is not checked."""
     root = parse_store_path(path)
+    if isinstance(root, str):
+        return verify_remote(RemoteStore(root, storage_options))
     spec = read_spec(root)
     problems = checksum_problems(root, spec)
     if not problems:
@@ -130,3 +140,31 @@ def source_content_problems(root: Path, source: str | Path | None) -> tuple[list
         if not now.startswith(digest):
             problems.append(f"{file}: source content changed since conversion (sha256 differs)")
     return problems, hashed
+
+
+def verify_remote(store: RemoteStore) -> VerifyResult:
+    """Every listed object downloaded and checked; unlisted objects (but staging) are problems."""
+    from dlstore.build.publish import STAGING
+
+    raw, spec = fetch_manifest(store)
+    listing = store.sizes()
+    listed = listed_files(spec.checksums)
+    with tempfile.TemporaryDirectory(prefix="dlstore-verify-") as tmp:
+        root = Path(tmp)
+        (root / MANIFEST).write_bytes(raw)
+        for rel in sorted(listed & set(listing)):  # a missing one is reported by mismatches
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            store.get_file(rel, root / rel)
+        problems = mismatches(root, spec.checksums) or skipped_problems(root, spec)
+        problems = [p.replace(str(root), store.url) for p in problems]
+    extra = sorted(
+        k for k in listing if k not in listed and k != MANIFEST and not k.startswith(f"{STAGING}/")
+    )
+    problems += [f"{store.where(k)}: not part of this cache (unexpected object)" for k in extra]
+    return VerifyResult(
+        root=store.url,
+        ok=not problems,
+        checked=len(spec.checksums),
+        problems=problems,
+        notes=[f"{store.url}: a remote cache; its source folder is not checked"],
+    )

@@ -118,6 +118,16 @@ class CacheReader(ABC):
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
         """Fill ``out`` (B,H,W,C) uint8 with the images at ``positions`` (any order, duplicates allowed)."""
 
+    @classmethod
+    def unit_files(cls, spec: CacheSpec) -> list[str]:
+        """Files (relative to the root) read unit by unit: a remote cache fetches them on first use.
+        Every other file is read when the reader opens. Default: none, all at open."""
+        return []
+
+    def files_for(self, positions: np.ndarray) -> list[str]:
+        """Which of ``unit_files`` a read of these storage positions touches."""
+        return []
+
     def parallel(self, fn: Callable[[Any], None], items: list[Any], nbytes: int) -> None:
         """Run fn over items in this reader's threads when there is enough to copy to be worth it."""
         if len(items) > 1 and self.threads > 1 and nbytes >= (4 << 20):
@@ -178,6 +188,19 @@ class ChunkedReader(CacheReader):
     @abstractmethod
     def load_unit(self, k: int) -> np.ndarray:
         """Decode unit k into (unit_len, H, W, C) uint8."""
+
+    @classmethod
+    @abstractmethod
+    def unit_file(cls, k: int) -> str:
+        """The file holding unit k, relative to the root."""
+
+    @classmethod
+    def unit_files(cls, spec: CacheSpec) -> list[str]:
+        unit = int(spec.format_options["unit_size"])
+        return [cls.unit_file(k) for k in range(-(-spec.n_stored // unit))]
+
+    def files_for(self, positions: np.ndarray) -> list[str]:
+        return [self.unit_file(int(k)) for k in np.unique(np.asarray(positions) // self.unit)]
 
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
         """Per unit: decode (if not cached) and copy its images out, units in parallel threads.

@@ -54,6 +54,10 @@ class NpzReader(ChunkedReader):
             root, spec, in_memory, unit=int(spec.format_options["unit_size"]), cache_bytes=cache_bytes
         )
 
+    @classmethod
+    def unit_file(cls, k: int) -> str:
+        return shard_name(k)
+
     def load_unit(self, k: int) -> np.ndarray:
         path = self.root / shard_name(k)
         count = min(self.unit, self.spec.n_stored - k * self.unit)

@@ -188,6 +188,10 @@ class ZarrReader(ChunkedReader):
     def recycle(self, evicted: list[np.ndarray]) -> None:
         self._buffers.give(evicted)
 
+    @classmethod
+    def unit_file(cls, k: int) -> str:
+        return chunk_path(Path(), k).as_posix()
+
     def load_unit(self, k: int) -> np.ndarray:
         path = chunk_path(self.root, k)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from dlstore.errors import (
     SampleReadError,
 )
 from dlstore.formats import get_format
+from dlstore.read.remote import open_mirror
 from dlstore.read.stores import parse_store_path
 from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
 
@@ -26,8 +28,24 @@ class Cache:
     >>> images = cache.read([5, 1, 9])          # (3, H, W, C) uint8, in the order asked
     """
 
-    def __init__(self, root: Path, in_memory: bool = False) -> None:
-        self.root = parse_store_path(root)
+    def __init__(
+        self,
+        root: str | Path,
+        in_memory: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | Path | None = None,
+        cache_bytes: int | None = None,
+    ) -> None:
+        location = parse_store_path(root)
+        self.location = location  # what errors name: the folder, or the URL of a remote cache
+        # A remote cache is read through its local mirror (dlstore.read.remote); below this point
+        # every format reads local files, on today's code path.
+        self.mirror = (
+            open_mirror(location, storage_options, cache_dir, cache_bytes)
+            if isinstance(location, str)
+            else None
+        )
+        self.root: Path = self.mirror.path if self.mirror is not None else location
         self._root_inode = os.stat(self.root).st_ino if self.root.is_dir() else -1
         self.spec: CacheSpec = read_spec(self.root)
         stored = load_labels(self.root, self.spec)
@@ -59,10 +77,16 @@ class Cache:
                 f"out must be C-contiguous uint8{(len(pos), *self.spec.shape)}, got {out.dtype}{out.shape}"
             )
         try:
-            self.reader.read_into(pos, out)
+            if self.mirror is None:
+                self.reader.read_into(pos, out)
+            else:
+                with self.mirror.reading():  # fetched units stay until read (eviction waits)
+                    self.mirror.ensure(self.reader.files_for(pos))
+                    self.reader.read_into(pos, out)
         except DlstoreError as e:
-            where = self._first_failing(np.asarray(indices, dtype=np.int64).reshape(-1), pos)
-            raise SampleReadError(f"reading dataset {where} from {self.root}: {e}") from e
+            flat = np.asarray(indices, dtype=np.int64).reshape(-1)
+            where = self._first_failing(flat, pos) if self.mirror is None else f"indices {_short(flat)}"
+            raise SampleReadError(f"reading dataset {where} from {self.location}: {e}") from e
         if self.traits.opens_files_per_read:
             self.check_generation()
         return out
@@ -132,7 +156,13 @@ def load_positions(root: Path, spec: CacheSpec, stored_labels: np.ndarray) -> np
 
 
 def open_cache(
-    path: str | Path, in_memory: bool = False, strict: bool = False, check_source: bool = False
+    path: str | Path,
+    in_memory: bool = False,
+    strict: bool = False,
+    check_source: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | Path | None = None,
+    cache_bytes: int | None = None,
 ) -> Cache:
     """Open a complete cache for batched reads; raises CacheNotFoundError if it is not complete.
 
@@ -142,9 +172,15 @@ def open_cache(
     (sizes, mtimes): a changed source warns, or with ``strict`` raises StaleCacheError, naming the first
     changed path. ``in_memory`` (formats that load into RAM) is refused up front when the images
     exceed the available memory, and for formats that are read unit by unit.
+
+    ``path`` may be a URL (``s3://bucket/prefix``): credentials from the store's environment or
+    ``storage_options``; data units are fetched on first use into a local read-through cache under
+    ``cache_dir`` (default ``~/.cache/dlstore/remote``) of at most ``cache_bytes``, each checked
+    against the manifest's checksum. The source is not re-scanned for a remote cache.
     """
-    cache = Cache(parse_store_path(path), in_memory=in_memory)
-    check_staleness(cache.root, cache.spec, check_source, strict)
+    cache = Cache(path, in_memory, storage_options, cache_dir, cache_bytes)
+    if cache.mirror is None:  # a remote cache's source folder is on the machine that converted it
+        check_staleness(cache.root, cache.spec, check_source, strict)
     return cache
 
 

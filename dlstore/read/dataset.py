@@ -14,8 +14,9 @@ from dlstore.errors import CacheReplacedError
 from dlstore.machine import check_loader_shared_memory
 from dlstore.read.batch import BatchSamples, ImageBatch, in_worker, new_batch
 from dlstore.read.cache import Cache, check_staleness
+from dlstore.read.remote import spec_at
 from dlstore.read.stores import parse_store_path
-from dlstore.spec import CacheSpec, read_spec
+from dlstore.spec import CacheSpec
 
 
 class CachedDataset(torch.utils.data.Dataset):
@@ -50,14 +51,21 @@ class CachedDataset(torch.utils.data.Dataset):
         in_memory: bool = False,
         strict: bool = False,
         check_source: bool = False,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | Path | None = None,
+        cache_bytes: int | None = None,
     ) -> None:
         self.path = parse_store_path(path)
         self.transform = transform
         self.in_memory = in_memory
-        self.spec: CacheSpec = read_spec(self.path)
+        # A remote cache (URL): what each worker process needs to open its own mirror of it.
+        self.remote = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_bytes": cache_bytes}
+        self.spec: CacheSpec = spec_at(self.path, storage_options)
         # The source is only scanned when asked (check_source=True: warns, strict: raises, naming the
-        # first changed file); otherwise one stat of its root, so opening costs nothing per file.
-        check_staleness(self.path, self.spec, check_source, strict)
+        # first changed file); otherwise one stat of its root, so opening costs nothing per file. A
+        # remote cache's source folder is on the machine that converted it: not checked.
+        if not isinstance(self.path, str):
+            check_staleness(self.path, self.spec, check_source, strict)
         self._cache: Cache | None = None
         self._pid = -1
         if in_memory:
@@ -70,7 +78,7 @@ class CachedDataset(torch.utils.data.Dataset):
     @property
     def cache(self) -> Cache:
         if self._cache is None or (self._pid != os.getpid() and not self._cache.reader.fork_safe):
-            self._cache = Cache(self.path, in_memory=self.in_memory)
+            self._cache = Cache(self.path, self.in_memory, **self.remote)
             self._pid = os.getpid()
             if self._cache.spec != self.spec:  # e.g. a spawned worker opening a cache rebuilt since
                 raise CacheReplacedError(

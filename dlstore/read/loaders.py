@@ -105,8 +105,14 @@ class PinnedLoader:
         cuda_graph: bool = False,
         num_replicas: int = 1,
         rank: int = 0,
+        storage_options: dict[str, Any] | None = None,
+        cache_dir: str | Path | None = None,
     ) -> None:
-        self.cache = path if isinstance(path, Cache) else open_cache(path, in_memory=in_memory)
+        self.cache = (
+            path
+            if isinstance(path, Cache)
+            else open_cache(path, in_memory=in_memory, storage_options=storage_options, cache_dir=cache_dir)
+        )
         if cuda_graph and transform is not None:
             from dlstore.gpu.graphs import CudaGraphed
 

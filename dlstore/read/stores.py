@@ -1,22 +1,54 @@
-"""Where a cache lives. Today only a local (or mounted) folder; this is the one place that decides,
-so remote stores (fsspec URLs) can be added here without touching the commands that take a path."""
+"""Where a cache lives: a local (or mounted) folder, or a URL on an object store through fsspec
+(s3fs for ``s3://``, gcsfs for ``gs://``). ``parse_store_path`` is the one place that decides; local
+paths keep today's code path and speed.
+
+Credentials and endpoint come from each store's standard environment (for S3:
+``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``,
+profiles) or from ``storage_options`` (passed to the fsspec filesystem as keyword arguments). They are
+never logged, never put into an error message, and never written into a manifest.
+
+Every request goes through ``RemoteStore``: transient failures (connection refused or reset, time-outs,
+5xx) are retried with exponential backoff, then a ``RemoteStoreError`` names the object; a missing
+object is a ``FileNotFoundError`` at once. The store counts its requests and bytes, which is how the
+object-size rule in benchmarks/RESULTS.md was measured.
+"""
 
 from __future__ import annotations
 
 import os
+import random
 import re
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
-from dlstore.errors import UnsupportedStoreError
+from dlstore.errors import DlstoreError, UnsupportedStoreError, require_extra
 
+T = TypeVar("T")
+# scheme → (the fsspec backend module, the dlstore extra that installs it)
+EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
+RETRIES = 5  # attempts per request before giving up
+BACKOFF_S = 0.25  # first wait; doubles per attempt, with jitter, capped at BACKOFF_MAX_S
+BACKOFF_MAX_S = 8.0
+# Not worth retrying: the answer will not change.
+PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
 # "s3://b/k", and also "s3:/b/k": what pathlib makes of a URL (it collapses "//"). Two letters at
 # least, so a Windows drive ("C:/") is not mistaken for a scheme.
-_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/")
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]+):/+(?P<rest>.*)$")
+
+StorePath = Path | str  # a local folder, or the URL of a remote cache
 
 
-def parse_store_path(path: str | os.PathLike[str]) -> Path:
-    """A cache location → a local Path; a URL (``s3://``, ``gs://``, ``http://``, ...) is refused
-    instead of becoming a local folder named ``s3:``. ``file://`` URLs name a local path."""
+class RemoteStoreError(DlstoreError, OSError):
+    """A request to an object store kept failing after its retries; names the object."""
+
+
+def parse_store_path(path: str | os.PathLike[str]) -> StorePath:
+    """A cache location → a local ``Path``, or the normalised URL (``str``) of a remote cache.
+    ``file://`` URLs name a local path; a scheme no fsspec backend of dlstore serves is refused
+    instead of becoming a local folder named ``http:``."""
     text = os.fspath(path)
     match = _URL.match(text)
     if match is None:
@@ -24,8 +56,138 @@ def parse_store_path(path: str | os.PathLike[str]) -> Path:
     scheme = match["scheme"].lower()
     if scheme == "file" and text.startswith("file://"):
         return Path(text[len("file://") :])
-    raise UnsupportedStoreError(
-        f"{text}: remote cache locations ({scheme}://) are not supported by this dlstore; "
-        "give a local folder (or a mounted file system path), or convert locally and copy the "
-        "folder to the remote store"
-    )
+    if scheme not in EXTRAS:
+        raise UnsupportedStoreError(
+            f"{text}: remote cache locations ({scheme}://) are not supported; use s3:// or gs:// "
+            f"({', '.join(sorted(EXTRAS))}), a local folder or a mounted file system path"
+        )
+    return f"{scheme}://{match['rest'].rstrip('/')}"
+
+
+def is_url(path: object) -> bool:
+    return isinstance(path, str) and _URL.match(path) is not None and not path.startswith("file://")
+
+
+def scheme_of(url: str) -> str:
+    return url.partition("://")[0].lower()
+
+
+def check_extra(url: str) -> None:
+    """A URL whose fsspec backend is not installed: name the extra to install."""
+    module, extra = EXTRAS[scheme_of(url)]
+    require_extra(module, extra, f"{scheme_of(url)}:// cache paths")
+
+
+def backoff(attempt: int) -> float:
+    return min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt) * (0.5 + random.random() / 2)
+
+
+class RemoteStore:
+    """One cache root on an object store: whole-object get/put, listing, server-side copy, delete.
+
+    Opened lazily per process (fsspec's async clients must not cross a fork); pickles as its URL and
+    options only.
+
+    >>> store = RemoteStore("s3://bucket/caches/imagenet")          # doctest: +SKIP
+    >>> store.get_bytes("dlstore.json")                              # doctest: +SKIP
+    """
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        check_extra(url)
+        self.url = url.rstrip("/")
+        self.storage_options = dict(storage_options or {})
+        self.requests = 0
+        self.bytes = 0
+        self._fs: Any = None
+        self._root = ""
+        self._pid = -1
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"url": self.url, "storage_options": self.storage_options}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["url"], state["storage_options"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return f"RemoteStore({self.url!r})"  # never the options: they may hold credentials
+
+    @property
+    def fs(self) -> Any:
+        with self._lock:
+            if self._fs is None or self._pid != os.getpid():
+                from fsspec.core import url_to_fs
+
+                self._fs, self._root = url_to_fs(self.url, skip_instance_cache=True, **self.storage_options)
+                self._pid = os.getpid()
+            return self._fs
+
+    def key(self, rel: str) -> str:
+        _ = self.fs
+        return f"{self._root}/{rel}" if rel else self._root
+
+    def where(self, rel: str) -> str:
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
+        """``fn`` with retries on transient errors; then RemoteStoreError naming the object."""
+        last: BaseException | None = None
+        for attempt in range(RETRIES):
+            try:
+                self.requests += 1
+                return fn()
+            except PERMANENT:
+                raise
+            except Exception as e:  # noqa: BLE001 - network stacks raise many types; all are retried
+                last = e
+                if attempt + 1 < RETRIES:
+                    time.sleep(backoff(attempt))
+        raise RemoteStoreError(
+            f"{self.where(rel)}: {what} failed {RETRIES} times ({type(last).__name__}: {last}); "
+            "check that the object store is reachable and the credentials are valid, then retry"
+        ) from last
+
+    def get_bytes(self, rel: str) -> bytes:
+        data: bytes = self.call("GET", rel, lambda: self.fs.cat_file(self.key(rel)))
+        self.bytes += len(data)
+        return data
+
+    def get_file(self, rel: str, dest: Path) -> int:
+        """Download one object to ``dest``; returns its size."""
+        self.call("GET", rel, lambda: self.fs.get_file(self.key(rel), str(dest)))
+        size = dest.stat().st_size
+        self.bytes += size
+        return size
+
+    def put_file(self, src: Path, rel: str) -> None:
+        self.call("PUT", rel, lambda: self.fs.put_file(str(src), self.key(rel)))
+        self.bytes += src.stat().st_size
+
+    def put_bytes(self, data: bytes, rel: str) -> None:
+        self.call("PUT", rel, lambda: self.fs.pipe_file(self.key(rel), data))
+        self.bytes += len(data)
+
+    def copy(self, src_rel: str, dst_rel: str) -> None:
+        """Server-side copy: no bytes through this machine."""
+        self.call("COPY", dst_rel, lambda: self.fs.cp_file(self.key(src_rel), self.key(dst_rel)))
+
+    def delete(self, rels: list[str]) -> None:
+        if rels:
+            self.call("DELETE", rels[0], lambda: self.fs.rm([self.key(r) for r in rels]))
+
+    def exists(self, rel: str) -> bool:
+        return bool(self.call("HEAD", rel, lambda: self.fs.exists(self.key(rel))))
+
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every object under ``prefix`` (names relative to it) and its size; a fresh listing."""
+
+        def listing() -> dict[str, Any]:
+            self.fs.invalidate_cache()
+            try:
+                return self.fs.find(self.key(prefix), detail=True)
+            except FileNotFoundError:
+                return {}
+
+        found = self.call("LIST", prefix, listing)
+        base = self.key(prefix).rstrip("/") + "/"
+        return {name[len(base) :]: int(info.get("size") or 0) for name, info in found.items()}

@@ -1,5 +1,5 @@
-"""Cache paths with a URL scheme are refused (remote stores are not supported yet), never turned
-into a local folder named ``s3:``."""
+"""Cache paths with a URL scheme no backend serves are refused, never turned into a local folder
+named ``http:``; s3:// and gs:// are remote caches (tests/read/test_remote.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dlstore.cli import main
 from dlstore.errors import UnsupportedStoreError
 from dlstore.read.stores import parse_store_path
 
-URLS = ["s3://bucket/prefix", "gs://b/c", "http://host/x", "https://host/x", "az://c/p", "s3:/bucket/p"]
+URLS = ["http://host/x", "https://host/x", "az://c/p", "ftp:/host/p"]
 
 
 @pytest.mark.parametrize("url", URLS)
@@ -37,9 +37,9 @@ def test_cli_refuses_urls_with_a_clear_message(
     command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    args = [a.format(url="s3://bucket/prefix") for a in command]
+    args = [a.format(url="https://host/prefix") for a in command]
     res = CliRunner().invoke(main, args)
-    assert res.exit_code == 2 and "s3://bucket/prefix" in res.output and "not supported" in res.output
+    assert res.exit_code == 2 and "https://host/prefix" in res.output and "not supported" in res.output
     assert list(tmp_path.iterdir()) == []
 
 
@@ -48,3 +48,9 @@ def test_local_paths_and_file_urls_are_local() -> None:
     assert parse_store_path(Path("/tmp/c")) == Path("/tmp/c")
     assert parse_store_path("file:///tmp/c") == Path("/tmp/c")
     assert parse_store_path("C:/data/c") == Path("C:/data/c")  # a drive letter is not a scheme
+
+
+def test_object_store_urls_stay_urls() -> None:
+    assert parse_store_path("s3://bucket/prefix/") == "s3://bucket/prefix"
+    assert parse_store_path("s3:/bucket/prefix") == "s3://bucket/prefix"  # what pathlib makes of a URL
+    assert parse_store_path("gs://b/c") == "gs://b/c"

@@ -1,0 +1,239 @@
+"""Caches on object storage, against a real S3-compatible server (moto's server mode on a free port):
+convert to s3://, open/read/verify/info from it, atomic publish and resume, the read-through chunk
+cache, checksums on truncated or tampered objects, retries and a clear error when the server dies."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+from reliability_helpers import FORMAT_NAMES, make_tree, read_all
+
+import dlstore.read.stores as stores
+from dlstore import CachedDataset, convert, open_cache, verify
+from dlstore.cli import main
+from dlstore.errors import CacheExistsError, CacheNotFoundError, SampleReadError
+from dlstore.read.loaders import PinnedLoader
+from dlstore.read.stores import RemoteStore
+
+pytestmark = pytest.mark.s3
+moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("s3fs")
+
+BUCKET = "dlstore-test"
+SECRET = "not-a-real-secret-4f1c"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server() -> Any:
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    """A moto S3 server; credentials and endpoint through the standard AWS environment."""
+    server = start_server()
+    host, port = server.get_host_and_port()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
+        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+        mp.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("DLSTORE_SPOOL", str(tmp_path_factory.mktemp("spool")))
+        RemoteStore(f"s3://{BUCKET}").fs.mkdir(BUCKET)
+        yield {"server": server, "endpoint": f"http://{host}:{port}"}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tree(tmp_path_factory.mktemp("src"), per_class=12)
+
+
+@pytest.fixture(autouse=True)
+def _fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stores, "RETRIES", 3)
+    monkeypatch.setattr(stores, "BACKOFF_S", 0.01)
+
+
+def url(name: str) -> str:
+    return f"s3://{BUCKET}/{name}"
+
+
+def conv(tree: Path, dest: str | Path, fmt: str, **kw: Any) -> Any:
+    return convert(tree, dest, format=fmt, size=8, workers=1, **kw)
+
+
+@pytest.mark.parametrize("fmt", FORMAT_NAMES)
+def test_convert_to_s3_and_read_back_the_same_pixels(
+    s3: dict, tree: Path, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 5))
+    local = conv(tree, tmp_path / "local", fmt)
+    remote = conv(tree, url(f"roundtrip-{fmt}"), fmt)
+    assert remote.dest == url(f"roundtrip-{fmt}") and remote.n == local.n == 24
+    images, labels = read_all(tmp_path / "local")
+    cache = open_cache(url(f"roundtrip-{fmt}"), cache_dir=tmp_path / "mirror")
+    assert np.array_equal(cache.read(np.arange(len(cache))), images)
+    assert np.array_equal(cache.labels, labels)
+    assert verify(url(f"roundtrip-{fmt}")).ok
+    manifest = RemoteStore(url(f"roundtrip-{fmt}")).get_bytes("dlstore.json").decode()
+    assert SECRET not in manifest and "testing" not in manifest  # credentials never in the manifest
+
+
+def test_dataset_and_loaders_read_a_url(
+    s3: dict, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("DLSTORE_REMOTE_CACHE", str(tmp_path / "mirror"))
+    conv(tree, url("ds"), "npz")
+    ds = CachedDataset(url("ds"))
+    loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="spawn")
+    seen = torch.cat([y for _, y in loader])
+    assert sorted(seen.tolist()) == sorted(ds.targets)
+    pinned = PinnedLoader(url("ds"), batch_size=8, device="cpu", order="chunk")
+    assert sum(len(y) for _, y in pinned) == 24
+
+
+def test_second_epoch_reads_local_disk_and_the_mirror_stays_bounded(
+    s3: dict, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 4))
+    conv(tree, url("lru"), "npz")
+    cache = open_cache(url("lru"), cache_dir=tmp_path / "big")
+    for start in range(0, 24, 4):
+        cache.read(np.arange(start, min(24, start + 4)))
+    store = cache.mirror.store
+    before = store.requests
+    cache.read(np.arange(24))  # the whole second epoch
+    assert store.requests == before  # nothing fetched again
+    unit_bytes = max(p.stat().st_size for p in (cache.mirror.path / "shards").iterdir())
+    small = open_cache(url("lru"), cache_dir=tmp_path / "small", cache_bytes=2 * unit_bytes)
+    for start in range(0, 24, 4):
+        small.read(np.arange(start, min(24, start + 4)))
+        shards = list((small.mirror.path / "shards").iterdir())
+        assert sum(p.stat().st_size for p in shards) <= 2 * unit_bytes
+    assert np.array_equal(small.read(np.arange(24)), cache.read(np.arange(24)))
+
+
+def test_publish_is_atomic_and_resumes_from_staging(
+    s3: dict, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 5))
+    conv(tree, url("atomic"), "npz")
+    old = read_all_url(url("atomic"), tmp_path / "m0")
+    put = RemoteStore.put_file
+    calls: list[str] = []
+
+    def dying_put(self: RemoteStore, src: Path, rel: str) -> None:
+        calls.append(rel)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # killed mid-upload
+        put(self, src, rel)
+
+    monkeypatch.setattr(RemoteStore, "put_file", dying_put)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tree, url("atomic"), format="npz", size=12, workers=1, overwrite=True)
+    # The previous cache is untouched while the new one is only staged.
+    assert np.array_equal(read_all_url(url("atomic"), tmp_path / "m1")[0], old[0])
+    calls.clear()
+    monkeypatch.setattr(
+        RemoteStore, "put_file", lambda self, src, rel: (calls.append(rel), put(self, src, rel))
+    )
+    convert(tree, url("atomic"), format="npz", size=12, workers=1, overwrite=True)
+    assert 0 < len(calls) < 9  # only what was not staged yet
+    assert open_cache(url("atomic"), cache_dir=tmp_path / "m2").spec.shape == (12, 12, 3)
+    leftovers = [k for k in RemoteStore(url("atomic")).sizes() if k.startswith(".dlstore-staging")]
+    assert leftovers == []
+
+
+def read_all_url(u: str, mirror: Path) -> tuple[np.ndarray, np.ndarray]:
+    cache = open_cache(u, cache_dir=mirror)
+    return cache.read(np.arange(len(cache))), cache.labels
+
+
+def test_no_manifest_means_no_cache_and_existing_needs_overwrite(
+    s3: dict, tree: Path, tmp_path: Path
+) -> None:
+    store = RemoteStore(url("half"))
+    store.put_bytes(b"x" * 10, "labels.npy")  # objects without a manifest: a half-written cache
+    with pytest.raises(CacheNotFoundError, match="no dlstore.json"):
+        open_cache(url("half"), cache_dir=tmp_path)
+    conv(tree, url("exists"), "npz")
+    with pytest.raises(CacheExistsError, match="--overwrite"):
+        conv(tree, url("exists"), "npz")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "tamper"])
+def test_damaged_objects_are_caught_by_their_checksum(
+    s3: dict, tree: Path, tmp_path: Path, damage: str
+) -> None:
+    u = url(f"damaged-{damage}")
+    conv(tree, u, "npz")
+    store = RemoteStore(u)
+    shard = next(k for k in store.sizes() if k.startswith("shards/"))
+    data = store.get_bytes(shard)
+    store.put_bytes(data[: len(data) // 2] if damage == "truncate" else data[:-8] + b"XXXXXXXX", shard)
+    cache = open_cache(u, cache_dir=tmp_path)
+    with pytest.raises(SampleReadError, match=rf"{shard}.*(checksum mismatch|truncated)"):
+        cache.read(np.arange(len(cache)))
+    assert not (cache.mirror.path / shard).exists()  # never kept, never read
+    result = verify(u)
+    assert not result.ok and shard in result.first_problem
+
+
+def test_server_dying_mid_epoch_gives_a_clear_error_naming_the_object(tree: Path, tmp_path: Path) -> None:
+    server = start_server()
+    host, port = server.get_host_and_port()
+    opts = {
+        "endpoint_url": f"http://{host}:{port}",
+        "key": "testing",
+        "secret": SECRET,
+        "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}},
+    }
+    try:
+        RemoteStore("s3://dying", opts).fs.mkdir("dying")
+        monkey = pytest.MonkeyPatch()
+        monkey.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 5))
+        monkey.setenv("DLSTORE_SPOOL", str(tmp_path / "spool"))
+        convert(tree, "s3://dying/c", format="npz", size=8, workers=1, storage_options=opts)
+        cache = open_cache("s3://dying/c", cache_dir=tmp_path / "m", storage_options=opts)
+        cache.read(np.arange(5))  # the first unit arrives
+    finally:
+        server.stop()
+        monkey.undo()
+    with pytest.raises(SampleReadError) as info:
+        cache.read(np.arange(5, 24))
+    message = str(info.value)
+    assert "s3://dying/c/shards/" in message and "failed 3 times" in message
+    assert SECRET not in message
+
+
+def test_cli_convert_info_verify_with_a_url(s3: dict, tree: Path) -> None:
+    runner = CliRunner()
+    res = runner.invoke(main, ["convert", str(tree), url("cli"), "--format", "npz", "--size", "8", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["dest"] == url("cli")
+    res = runner.invoke(main, ["info", url("cli"), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["n"] == 24
+    res = runner.invoke(main, ["verify", url("cli")])
+    assert res.exit_code == 0 and "ok" in res.output
+    opts = json.dumps({"key": "testing", "secret": SECRET})
+    res = runner.invoke(main, ["info", url("cli"), "--storage-options", opts])
+    assert res.exit_code == 0 and SECRET not in res.output
