@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,45 @@ def test_readme_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.Mon
     assert (tmp_path / "bench-out" / "result.json").is_file()
     (example,) = blocks("python")
     exec(compile(example, str(README), "exec"), {})
+
+
+@pytest.mark.s3
+def test_readme_scale_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Scale section: Dask conversion, torchrun DDP on CPU (gloo), a cache on a local S3 server."""
+    pytest.importorskip("moto.server")
+    from s3server import aws_env, start_server
+
+    from dlstore.read.stores import RemoteStore
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DLSTORE_DEMO_DIR", str(tmp_path / "demo"))
+    monkeypatch.setenv("DLSTORE_SPOOL", str(tmp_path / "spool"))
+    (tmp_path / "benchmarks").symlink_to(README.parent / "benchmarks")
+    server = start_server()
+    try:
+        for name, value in aws_env(server).items():
+            monkeypatch.setenv(name, value)
+        commands = [line[2:] for line in blocks("scale")[0].splitlines() if line.startswith("$ ")]
+        buckets = {c.split("s3://")[1].split("/")[0] for c in commands if "s3://" in c}
+        for bucket in buckets:  # the README assumes the bucket exists
+            RemoteStore(f"s3://{bucket}").fs.mkdir(bucket)
+        assert len(commands) >= 3 and any("--scheduler" in c for c in commands)
+        for command in commands:
+            run_scale_command(shlex.split(command))
+    finally:
+        server.stop()
+
+
+def run_scale_command(args: list[str]) -> None:
+    if args[0] == "dlstore":
+        result = CliRunner().invoke(main, args[1:], catch_exceptions=False)
+        assert result.exit_code == 0, f"{shlex.join(args)}\n{result.output}"
+        return
+    assert args[0] == "torchrun", args
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_make_targets_named_in_readme_exist() -> None:

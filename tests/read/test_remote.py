@@ -5,8 +5,6 @@ cache, checksums on truncated or tampered objects, retries and a clear error whe
 from __future__ import annotations
 
 import json
-import logging
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +14,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from reliability_helpers import FORMAT_NAMES, make_tree, read_all
+from s3server import aws_env, start_server
 
 import dlstore.read.stores as stores
 from dlstore import CachedDataset, convert, open_cache, verify
@@ -25,39 +24,23 @@ from dlstore.read.loaders import PinnedLoader
 from dlstore.read.stores import RemoteStore
 
 pytestmark = pytest.mark.s3
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
 
 BUCKET = "dlstore-test"
 SECRET = "not-a-real-secret-4f1c"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server() -> Any:
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
-    server.start()
-    return server
-
-
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """A moto S3 server; credentials and endpoint through the standard AWS environment."""
     server = start_server()
-    host, port = server.get_host_and_port()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("AWS_ENDPOINT_URL", f"http://{host}:{port}")
-        mp.setenv("AWS_ACCESS_KEY_ID", "testing")
-        mp.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
-        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        for name, value in aws_env(server, SECRET).items():
+            mp.setenv(name, value)
         mp.setenv("DLSTORE_SPOOL", str(tmp_path_factory.mktemp("spool")))
         RemoteStore(f"s3://{BUCKET}").fs.mkdir(BUCKET)
-        yield {"server": server, "endpoint": f"http://{host}:{port}"}
+        yield {"server": server}
     server.stop()
 
 
@@ -224,7 +207,7 @@ def test_server_dying_mid_epoch_gives_a_clear_error_naming_the_object(tree: Path
     assert SECRET not in message
 
 
-def test_cli_convert_info_verify_with_a_url(s3: dict, tree: Path) -> None:
+def test_cli_convert_info_verify_bench_with_a_url(s3: dict, tree: Path, tmp_path: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(main, ["convert", str(tree), url("cli"), "--format", "npz", "--size", "8", "--json"])
     assert res.exit_code == 0, res.output
@@ -237,3 +220,10 @@ def test_cli_convert_info_verify_with_a_url(s3: dict, tree: Path) -> None:
     opts = json.dumps({"key": "testing", "secret": SECRET})
     res = runner.invoke(main, ["info", url("cli"), "--storage-options", opts])
     assert res.exit_code == 0 and SECRET not in res.output
+    bench = ["bench", str(tree), "--loaders", "npz", "--cache", url("cli"), "--size", "8", "--workers", "0", "--batch-size", "8"]
+    res = runner.invoke(
+        main, [*bench, "--steps", "2", "--warmup", "1", "--repeats", "1", "--out", str(tmp_path / "b")]
+    )
+    assert res.exit_code == 0, res.output
+    run = json.loads((tmp_path / "b" / "result.json").read_text())
+    assert run["loaders"]["npz"]["cache"] == url("cli") and run["loaders"]["npz"]["remote"]

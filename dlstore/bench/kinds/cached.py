@@ -15,9 +15,16 @@ from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader, 
 from dlstore.bench.transforms import cached_cpu_transform, device_transform
 
 
-def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path:
-    """Reuse a cache given with --cache when it is a cache of this format, else one keyed by the spec."""
+def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path | str:
+    """Reuse a cache given with --cache when it is a cache of this format, else one keyed by the spec.
+    A URL (a remote cache) is read where it is, through its local read-through cache."""
     given = ctx.config.cache
+    if isinstance(given, str):
+        from dlstore.read.remote import spec_at
+
+        if spec_at(given).format == fmt:
+            return given
+        given = None
     if given is not None and (Path(given) / "dlstore.json").is_file():
         from dlstore.spec import read_spec
 
@@ -32,13 +39,15 @@ def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path:
     return base / f"{fmt}-s{ctx.size}-c{ctx.channels}-{key[:12]}"
 
 
-def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path, dict[str, Any]]:
+def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path | str, dict[str, Any]]:
     """Convert the source into a cache unless a matching one is there; return its path and what happened."""
     from dlstore.build.conversion import convert
     from dlstore.errors import CacheNotFoundError, SpecError
     from dlstore.spec import read_spec
 
     dest = cache_dir_for(ctx, fmt)
+    if isinstance(dest, str):
+        return dest, {"cache": dest, "reused": True, "remote": True}
     try:
         spec = read_spec(dest)
         matches = (
@@ -74,10 +83,10 @@ def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
     def factory(ctx: LoaderContext) -> PreparedLoader:
         from dlstore.formats import get_format
         from dlstore.read.dataset import CachedDataset
-        from dlstore.spec import read_spec
+        from dlstore.read.remote import spec_at
 
         path, info = ensure_cache(ctx, fmt)
-        spec = read_spec(path)
+        spec = spec_at(path)
         h, w, c = spec.shape
         tf_name = ctx.config.transform
         in_memory = get_format(fmt).traits.loads_into_ram
@@ -86,7 +95,11 @@ def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
         def new_dataset() -> Dataset:
             return CachedDataset(path, transform=cpu_tf, in_memory=in_memory)
 
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name not in META_FILES)
+        # A remote cache's files are fetched into its local mirror as read: no page-cache eviction.
+        local = path if isinstance(path, Path) else None
+        files = (
+            sorted(p for p in local.rglob("*") if p.is_file() and p.name not in META_FILES) if local else []
+        )
         side = ctx.size if tf_name != "light" else h
         return PreparedLoader(
             fmt,
