@@ -220,7 +220,20 @@ def test_cli_convert_info_verify_bench_with_a_url(s3: dict, tree: Path, tmp_path
     opts = json.dumps({"key": "testing", "secret": SECRET})
     res = runner.invoke(main, ["info", url("cli"), "--storage-options", opts])
     assert res.exit_code == 0 and SECRET not in res.output
-    bench = ["bench", str(tree), "--loaders", "npz", "--cache", url("cli"), "--size", "8", "--workers", "0", "--batch-size", "8"]
+    bench = [
+        "bench",
+        str(tree),
+        "--loaders",
+        "npz",
+        "--cache",
+        url("cli"),
+        "--size",
+        "8",
+        "--workers",
+        "0",
+        "--batch-size",
+        "8",
+    ]
     res = runner.invoke(
         main, [*bench, "--steps", "2", "--warmup", "1", "--repeats", "1", "--out", str(tmp_path / "b")]
     )
