@@ -91,6 +91,13 @@ class Cache:
             self.check_generation()
         return out
 
+    def prefetch(self, indices: np.ndarray | list[int]) -> None:
+        """A remote cache starts downloading the units these indices need (in the background); a
+        local one has nothing to do. Errors surface in the read that needs the unit, not here."""
+        if self.mirror is not None:
+            pos = self.storage_positions(np.asarray(indices, dtype=np.int64).reshape(-1))
+            self.mirror.prefetch(self.reader.files_for(pos))
+
     def check_generation(self) -> None:
         """Formats that open files as they go: if DEST was rebuilt (swapped) while open, refuse
         rather than mix generations. Checked after a read, so a read that passed got the old files.

@@ -196,7 +196,9 @@ class _Producer:
 
     def run(self) -> None:
         try:
-            for idx in self.batches:
+            for i, idx in enumerate(self.batches):
+                if i + 1 < len(self.batches):  # a remote cache downloads the next batch's units meanwhile
+                    self.cache.prefetch(self.batches[i + 1])
                 slot = self.ring.acquire()
                 if self.stop.is_set():
                     self.ring.release(slot, None)

@@ -86,6 +86,8 @@ class RemoteMirror:
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = -1
         self._lock_pid = -1
+        self._prefetcher: ThreadPoolExecutor | None = None
+        self._prefetcher_pid = -1
         if not (self.path / MANIFEST).is_file():
             install(self.path / MANIFEST, raw)
         with self.reading():
@@ -94,6 +96,7 @@ class RemoteMirror:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_lock_fd"], state["_lock_pid"] = -1, -1
+        state["_prefetcher"], state["_prefetcher_pid"] = None, -1
         return state
 
     # --- locking: shared while reading, exclusive while evicting -------------------------------------
@@ -163,6 +166,23 @@ class RemoteMirror:
                     f"{self.store.where(rel)}: checksum mismatch (truncated or modified object); "
                     "rebuild the cache (`dlstore convert ... --overwrite`)"
                 )
+
+    def prefetch(self, files: list[str]) -> None:
+        """``ensure`` in one background thread per process (the next batches in sampler order)."""
+        missing = [rel for rel in files if not (self.path / rel).is_file()]
+        if not missing:
+            return
+        if self._prefetcher is None or self._prefetcher_pid != os.getpid():
+            self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="dlstore-prefetch")
+            self._prefetcher_pid = os.getpid()
+        self._prefetcher.submit(self._prefetch, missing)
+
+    def _prefetch(self, files: list[str]) -> None:
+        try:
+            with self.reading():
+                self.ensure(files)
+        except Exception:  # noqa: BLE001 - the read that needs the unit fetches it again and reports
+            pass
 
     # --- bounded size --------------------------------------------------------------------------------
 

@@ -114,6 +114,27 @@ def test_second_epoch_reads_local_disk_and_the_mirror_stays_bounded(
     assert np.array_equal(small.read(np.arange(24)), cache.read(np.arange(24)))
 
 
+def test_pinned_loader_prefetches_the_next_batch_units(
+    s3: dict, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 4))
+    conv(tree, url("prefetch"), "npz")
+    cache = open_cache(url("prefetch"), cache_dir=tmp_path)
+    cache.prefetch(np.arange(8))
+    cache.mirror._prefetcher.shutdown(wait=True)
+    assert sorted(p.name for p in (cache.mirror.path / "shards").iterdir()) == [
+        Path(f).name for f in cache.reader.files_for(cache.positions[:8])
+    ]
+    asked: list[list[int]] = []
+    real = type(cache).prefetch
+    monkeypatch.setattr(type(cache), "prefetch", lambda self, idx: (asked.append(list(idx)), real(self, idx)))
+    loader = PinnedLoader(cache, batch_size=8, device="cpu", order="chunk")
+    batches = [sorted(y.tolist()) for _, y in loader]
+    assert (
+        len(asked) == len(batches) - 1
+    )  # every batch but the first was prefetched while the previous one was read
+
+
 def test_publish_is_atomic_and_resumes_from_staging(
     s3: dict, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
