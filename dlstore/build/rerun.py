@@ -34,7 +34,7 @@ def is_up_to_date(dest: Path, plan: dict[str, Any], src: Source) -> bool:
         )
     if old.get("fingerprint") == plan.get("fingerprint"):
         return True
-    before, now = spec.source.get("description"), src.description
+    before, now = spec.source.get("root") or spec.source.get("description"), where(src)
     if before != now:
         raise CacheExistsError(
             f"{dest}: holds a cache of another source: {now} was {before}; pass --overwrite to replace it"
@@ -42,6 +42,12 @@ def is_up_to_date(dest: Path, plan: dict[str, Any], src: Source) -> bool:
     raise CacheExistsError(
         f"{dest}: the source changed since the cache was built: {first_change(dest, src)}; {_REBUILD}"
     )
+
+
+def where(src: Source) -> str:
+    """A folder source's resolved root (``photos/`` and ``/data/photos`` are the same source)."""
+    root = getattr(src, "root", None)
+    return str(Path(root).resolve()) if root is not None else src.description
 
 
 def first_change(dest: Path, src: Source) -> str:

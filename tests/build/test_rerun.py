@@ -82,6 +82,16 @@ def test_another_source_is_refused(built: tuple[Path, Path], tmp_path: Path) -> 
     assert str(other) in str(e.value)
 
 
+def test_the_same_source_by_another_path_is_the_same_source(
+    built: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dest = built
+    (src / "a" / "img000.jpg").unlink()
+    monkeypatch.chdir(src.parent)
+    with pytest.raises(CacheExistsError, match=r"source changed.*a/img000.jpg \(removed\)"):
+        conv(Path("src"), dest)  # relative this time: still the same source, so the change is named
+
+
 def test_moved_source_with_the_same_files_is_up_to_date(built: tuple[Path, Path], tmp_path: Path) -> None:
     src, dest = built
     moved = tmp_path / "moved"
