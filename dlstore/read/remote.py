@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dlstore.checksums import file_sha256, split_key
-from dlstore.errors import CacheCorruptError, CacheNotFoundError
+from dlstore.errors import CacheCorruptError, CacheNotFoundError, CacheReplacedError
 from dlstore.read.stores import RemoteStore
 from dlstore.spec import MANIFEST, CacheSpec, parse_relpath, parse_spec, read_spec
 
@@ -146,10 +146,26 @@ class RemoteMirror:
                     f"{self.store.where(rel)}: listed in the manifest but missing from the store; "
                     "rebuild the cache (`dlstore convert ... --overwrite`)"
                 ) from None
-            self.check(rel, tmp)
+            try:
+                self.check(rel, tmp)
+            except CacheCorruptError:
+                self.check_generation()  # a rebuilt cache says so; a damaged object keeps its error
+                raise
             os.replace(tmp, final)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def check_generation(self) -> None:
+        """Refuse to mix generations: the remote manifest is not the one this mirror was opened with."""
+        try:
+            now = self.store.get_bytes(MANIFEST)
+        except FileNotFoundError:
+            now = b""
+        if hashlib.sha256(now).hexdigest()[:16] != self.path.name:
+            raise CacheReplacedError(
+                f"{self.store.url}: the cache was rebuilt or removed while open; open it again "
+                "(a new CachedDataset / open_cache) to read the new generation"
+            )
 
     def check(self, rel: str, path: Path) -> None:
         """Every checksummed range of the file; a truncated or altered object is refused."""

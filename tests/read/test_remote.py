@@ -171,6 +171,19 @@ def read_all_url(u: str, mirror: Path) -> tuple[np.ndarray, np.ndarray]:
     return cache.read(np.arange(len(cache))), cache.labels
 
 
+def test_a_reader_of_a_rebuilt_remote_cache_is_told_never_mixed(
+    s3: dict, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 5))
+    conv(tree, url("rebuilt"), "npz")
+    cache = open_cache(url("rebuilt"), cache_dir=tmp_path)
+    first = cache.read(np.arange(5))
+    convert(tree, url("rebuilt"), format="npz", size=8, workers=1, overwrite=True, storage_order="source")
+    with pytest.raises(SampleReadError, match="rebuilt or removed while open"):
+        cache.read(np.arange(len(cache)))
+    assert np.array_equal(cache.read(np.arange(5)), first)  # units already here: the old generation
+
+
 def test_no_manifest_means_no_cache_and_existing_needs_overwrite(
     s3: dict, tree: Path, tmp_path: Path
 ) -> None:
