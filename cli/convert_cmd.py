@@ -49,7 +49,14 @@ def writer_options(command: F) -> F:
     type=click.Choice(RESIZE_POLICIES),
     default="crop",
     show_default=True,
-    help="crop = torchvision Resize(size)+CenterCrop(size).",
+    help="crop = torchvision Resize(size)+CenterCrop(size); shorter = Resize(size): aspect ratio kept, "
+    "images differ in size (npz/zarr).",
+)
+@click.option(
+    "--max-side",
+    type=click.IntRange(2, 65536),
+    default=None,
+    help="With --resize shorter: cap the longer side (torchvision Resize's max_size).",
 )
 @click.option(
     "--channels",
@@ -127,6 +134,7 @@ def convert_cmd(
     fmt: str,
     size: int,
     resize: str,
+    max_side: int | None,
     channels: str,
     decode: str,
     compress: bool,
@@ -170,6 +178,7 @@ def convert_cmd(
             channels=int(channels),
             decode=decode,
             options=options,
+            max_side=max_side,
             workers=workers,
             overwrite=overwrite,
             root=root,

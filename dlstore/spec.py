@@ -15,7 +15,7 @@ POSITIONS_FILE = "positions.npy"
 SOURCE_RECORD = "sources.npz"
 SKIPPED_FILE = "skipped.json"
 SPEC_VERSION = 1
-RESIZE_POLICIES = ("crop", "pad", "stretch")
+RESIZE_POLICIES = ("crop", "pad", "stretch", "shorter")
 DECODE_MODES = ("exact", "fast")
 CHANNELS = (1, 3)
 STORAGE_ORDERS = ("shuffled", "source")  # storage position order: seeded random, or as the source lists
@@ -27,7 +27,9 @@ class ImagePolicy:
 
     ``crop``: shorter side to ``size`` (antialiased bilinear) then a centred ``size``² crop, the same
     pixels as torchvision ``Resize(size)`` + ``CenterCrop(size)``. ``pad``: longer side to ``size``,
-    centred on black. ``stretch``: straight to ``size``². Alpha is composited on ``background``;
+    centred on black. ``stretch``: straight to ``size``². ``shorter``: shorter side to ``size`` keeping the
+    aspect ratio (torchvision ``Resize(size, max_size=max_side)``'s output size and pixels), so images
+    differ in size (a ragged cache); ``max_side`` caps the longer side. Alpha is composited on ``background``;
     16-bit images are scaled to 8 bits (``v * 255 / 65535``, rounded); EXIF orientation is applied.
     ``decode="exact"`` decodes every image in full (the torchvision pixels); ``"fast"`` lets large JPEGs
     be DCT-scaled while decoding, within a bounded error (see ``dlstore.build.imageops``).
@@ -39,12 +41,18 @@ class ImagePolicy:
     background: tuple[int, int, int] = (255, 255, 255)
     exif_transpose: bool = True
     decode: str = "exact"
+    max_side: int | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1:
             raise SpecError(f"size must be a positive number of pixels, got {self.size}")
         if self.resize not in RESIZE_POLICIES:
             raise SpecError(f"resize must be one of {RESIZE_POLICIES}, got {self.resize!r}")
+        if self.max_side is not None and (self.resize != "shorter" or self.max_side <= self.size):
+            raise SpecError(
+                f"max_side {self.max_side} needs resize='shorter' and must exceed size {self.size} "
+                "(torchvision Resize's max_size rule)"
+            )
         if self.channels not in CHANNELS:
             raise SpecError(f"channels must be 1 or 3, got {self.channels}")
         if self.decode not in DECODE_MODES:
@@ -52,7 +60,13 @@ class ImagePolicy:
 
     @property
     def shape(self) -> tuple[int, int, int]:
+        """The shape of every image; for a ragged policy the nominal (size, size, channels)."""
         return (self.size, self.size, self.channels)
+
+    @property
+    def ragged(self) -> bool:
+        """Images keep their aspect ratio, so they differ in size."""
+        return self.resize == "shorter"
 
 
 @dataclass(frozen=True)
@@ -78,8 +92,13 @@ class CacheSpec:
 
     @property
     def image_bytes(self) -> int:
+        """Bytes of one image; for a ragged cache those of the nominal size² image."""
         h, w, c = self.shape
         return h * w * c
+
+    @property
+    def ragged(self) -> bool:
+        return self.image.ragged
 
 
 def parse_relpath(name: str, where: Path) -> str:

@@ -100,6 +100,7 @@ def convert(
     codec: str | None = None,
     options: dict[str, Any] | None = None,
     compress: bool | None = None,
+    max_side: int | None = None,
     workers: int | None = None,
     overwrite: bool = False,
     root: Path | None = None,
@@ -159,7 +160,7 @@ def convert(
 
         return convert_to_store(dest, storage_options, overwrite, log, build_locally)
     fmt = get_format(format)
-    policy = ImagePolicy(size=size, resize=resize, channels=channels, decode=decode)
+    policy = ImagePolicy(size=size, resize=resize, channels=channels, decode=decode, max_side=max_side)
     cluster = parse_scheduler(scheduler) if scheduler is not None else None
     if cluster is not None:
         require_extra("distributed", "dask", "--scheduler")
@@ -173,7 +174,7 @@ def convert(
         else open_source(source, root=root, train=train, demo_images=demo_images)
     )
     options = fmt.writer.parse_options(requested_options(codec, options, compress))
-    writer = fmt.writer(Path(), len(src), policy.shape, options)
+    writer = fmt.writer_for(options, policy.ragged)(Path(), len(src), policy.shape, options)
     order = storage_permutation(len(src), storage_order, seed)
     plan = {
         "storage_order": storage_order,
@@ -446,18 +447,25 @@ def convert_unit(k: int) -> UnitResult:
 def convert_job_unit(job: Job, k: int) -> UnitResult:
     """``convert_unit`` with the job passed in: a Dask task (the job is scattered once per worker)."""
     r = job.writer.unit_range(k)
-    out = np.zeros((len(r), *job.policy.shape), np.uint8)
+    # Variable-size images (resize "shorter") go to the writer as a list; a skipped one as a 1x1 black
+    # placeholder that no dataset index maps to.
+    out: Any = [] if job.policy.ragged else np.zeros((len(r), *job.policy.shape), np.uint8)
     bad: list[dict[str, Any]] = []
     digests: list[str] = []
     for j, s in enumerate(r):
         i = int(job.order[s])
         try:
-            out[j], digest = decode_one(job, i)
+            image, digest = decode_one(job, i)
         except ImageDecodeError as e:
             if job.strict:
                 raise
             bad.append({"index": i, "path": job.src.names[i], "reason": str(e)})
             digest = job.src.digest(i, missing_ok=True)
+            image = np.zeros((1, 1, job.policy.channels) if job.policy.ragged else job.policy.shape, np.uint8)
+        if job.policy.ragged:
+            out.append(image)
+        else:
+            out[j] = image
         digests.append(digest)
     with disk_full_as_error(job.writer, f"writing unit {k}"):
         job.writer.write_unit(k, out)  # durable when it returns: the journal may record it

@@ -2,7 +2,9 @@
 
 The pixel contract: with ``decode="exact"`` (the default) and ``resize="crop"`` the result equals
 torchvision ``Resize(size)`` followed by ``CenterCrop(size)`` on the PIL image (antialiased bilinear),
-pixel for pixel. ``decode="fast"`` lets libjpeg scale a large JPEG by 1/2, 1/4 or 1/8 while decoding
+pixel for pixel, and with ``resize="shorter"`` torchvision ``Resize(size, max_size=max_side)`` (aspect
+ratio kept, images differ in size; the output size always comes from the full-size image, so it is
+torchvision's in both decode modes). ``decode="fast"`` lets libjpeg scale a large JPEG by 1/2, 1/4 or 1/8 while decoding
 (``Image.draft``, DCT scaling), but only while the decoded image keeps at least ``FAST_MARGIN`` times
 the pixels the resize needs; the bilinear step then maps the exact source geometry (a ``box``), so the
 only error left is the narrower low-pass of DCT scaling (measured in benchmarks/RESULTS.md).
@@ -158,14 +160,23 @@ def target_size(size: tuple[int, int], policy: ImagePolicy) -> tuple[int, int]:
     if policy.resize == "pad":
         scale = n / max(w, h)
         return max(1, round(w * scale)), max(1, round(h * scale))
-    # torchvision's _compute_resized_output_size, so the pixels match Resize(n) exactly.
+    return shorter_side_size((w, h), n, policy.max_side if policy.resize == "shorter" else None)
+
+
+def shorter_side_size(size: tuple[int, int], n: int, max_side: int | None = None) -> tuple[int, int]:
+    """(w, h) after torchvision ``Resize(n, max_size=max_side)``: its _compute_resized_output_size,
+    so the pixels match Resize exactly."""
+    w, h = size
     short, long = (w, h) if w <= h else (h, w)
     new_short, new_long = n, int(n * long / short)
+    if max_side is not None and new_long > max_side:
+        new_short, new_long = int(max_side * new_short / new_long), max_side
     return (new_short, new_long) if w <= h else (new_long, new_short)
 
 
 def fit(img: Image.Image, policy: ImagePolicy) -> Image.Image:
-    """The resized image → ``size``²: centre crop (crop), centred on black (pad), as is (stretch)."""
+    """The resized image → ``size``²: centre crop (crop), centred on black (pad), as is (stretch,
+    shorter)."""
     if policy.resize == "crop":
         return _center_crop(img, policy.size)
     if policy.resize == "pad":

@@ -2,18 +2,26 @@
 
 The CLI's ``--format``/``--codec`` choices and every format-dependent decision elsewhere come from
 here (``Format.options``, ``Format.traits``), never from testing a format's name.
+
+The chunked formats have two layouts: pixels (one (n,H,W,C) array per unit) and payloads (per-image
+encoded bytes plus an index, see ``payload.py``), the latter for image codecs (``--codec jpeg``) and
+variable-size images (``resize="shorter"``). ``Format.writer_for`` / ``reader_for`` pick the classes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from dlstore.errors import SpecError
 from dlstore.formats.base import CacheReader, CacheWriter
+from dlstore.formats.codecs import JpegCodec, is_image_codec
 from dlstore.formats.describe import Codec, Option, Traits
-from dlstore.formats.npz import NpzReader, NpzWriter
+from dlstore.formats.npz import NpzPayloadReader, NpzPayloadWriter, NpzReader, NpzWriter
+from dlstore.formats.payload import PAYLOAD
 from dlstore.formats.ram import RamReader, RamWriter
-from dlstore.formats.zarr_cache import ZarrReader, ZarrWriter
+from dlstore.formats.zarr_cache import ZarrPayloadReader, ZarrPayloadWriter, ZarrReader, ZarrWriter
+from dlstore.spec import CacheSpec
 
 __all__ = [
     "DEFAULT_FORMAT",
@@ -34,6 +42,32 @@ class Format:
     name: str
     writer: type[CacheWriter]
     reader: type[CacheReader]
+    payload_writer: type[CacheWriter] | None = None
+    payload_reader: type[CacheReader] | None = None
+
+    @property
+    def ragged_ok(self) -> bool:
+        """Can store images of different sizes, and image codecs (the payload layout)."""
+        return self.payload_writer is not None
+
+    def writer_for(self, options: dict[str, Any], ragged: bool) -> type[CacheWriter]:
+        """The writer for validated ``options`` and an image policy; refuses what it cannot store."""
+        codec = self.writer.codecs[options["codec"]] if self.writer.codecs is not None else None
+        image_codec = codec is not None and is_image_codec(codec.impl)
+        if not (ragged or image_codec):
+            return self.writer
+        if self.payload_writer is None:
+            others = " or ".join(f.name for f in FORMATS.values() if f.ragged_ok)
+            raise SpecError(
+                f"the {self.name} format cannot store variable-size images (resize 'shorter'); "
+                f"use --format {others}"
+            )
+        return self.payload_writer
+
+    def reader_for(self, spec: CacheSpec) -> type[CacheReader]:
+        if spec.format_options.get("layout") == PAYLOAD and self.payload_reader is not None:
+            return self.payload_reader
+        return self.reader
 
     @property
     def traits(self) -> Traits:
@@ -48,8 +82,8 @@ FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
         Format("ram", RamWriter, RamReader),
-        Format("npz", NpzWriter, NpzReader),
-        Format("zarr", ZarrWriter, ZarrReader),
+        Format("npz", NpzWriter, NpzReader, NpzPayloadWriter, NpzPayloadReader),
+        Format("zarr", ZarrWriter, ZarrReader, ZarrPayloadWriter, ZarrPayloadReader),
     )
 }
 
@@ -70,6 +104,17 @@ def register_codec(format: str, codec: Codec) -> None:
     if codecs is None:
         raise SpecError(f"the {format} format takes no codec")
     codecs.register(codec)
+
+
+JPEG = Codec(
+    "jpeg",
+    "each image a baseline JPEG at --quality (variable size allowed; DecodeLoader decodes on the GPU)",
+    0.1,
+    JpegCodec,
+)
+for _fmt in FORMATS.values():
+    if _fmt.ragged_ok:
+        register_codec(_fmt.name, JPEG)
 
 
 def in_memory_format() -> str:

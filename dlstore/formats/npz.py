@@ -13,7 +13,9 @@ import numpy as np
 from dlstore.durable import write_bytes_durably
 from dlstore.errors import CacheCorruptError
 from dlstore.formats.base import CacheWriter, ChunkedReader, clamp_units
+from dlstore.formats.codecs import quality_option
 from dlstore.formats.describe import Codec, CodecTable
+from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter
 
 SHARD_DIR = "shards"
 
@@ -26,11 +28,16 @@ class NpzWriter(CacheWriter):
     """One unit = one shard of about 32 MB of pixels, written to a temp name and renamed."""
 
     name = "npz"
+    extra_options = (quality_option(),)
     codecs: ClassVar[CodecTable] = CodecTable(
         "none",
         Codec("none", "stored: shards are memory-mapped, no decode", 1.0, np.savez),
         Codec("deflate", "zip deflate (np.savez_compressed), decoded in threads", 0.8, np.savez_compressed),
     )
+
+    def recorded_options(self) -> dict[str, Any]:
+        # --quality belongs to --codec jpeg, which the payload writer handles; pixels have none
+        return {k: v for k, v in super().recorded_options().items() if k != "quality"}
 
     @staticmethod
     def choose_unit_size(image_bytes: int) -> int:
@@ -110,3 +117,58 @@ def map_stored_member(path: Path, member: str) -> np.ndarray | None:
     if info.file_size != offset - (info.header_offset + 30 + name_len + extra_len) + int(np.prod(shape)):
         raise ValueError(f"{member}: zip entry size {info.file_size} does not match the array {shape}")
     return np.memmap(path, dtype=np.uint8, mode="r", offset=offset, shape=shape)
+
+
+class NpzPayloadWriter(PayloadWriter):
+    """Payload layout: a shard holds ``data`` (the payloads back to back), ``offsets``, ``shapes``,
+    ``crc`` and ``error`` (the sampled encode error); stored, or deflated with ``compress``."""
+
+    name = "npz"
+    codecs = NpzWriter.codecs
+    extra_options = NpzWriter.extra_options
+    target_unit_bytes = 8 << 20  # JPEG shards of ~500 images at 256 px: enough units to convert in parallel
+
+    def create(self) -> None:
+        (self.root / SHARD_DIR).mkdir(parents=True, exist_ok=True)
+
+    def write_unit(self, k: int, images: Images) -> None:
+        unit = self.encode_unit(images)
+        buf = io.BytesIO()
+        save = self.codec.impl if self.unit_compressed and self.codec is not None else np.savez
+        save(buf, data=unit.data, offsets=unit.offsets, shapes=unit.shapes, crc=unit.crc, error=unit.error)
+        write_bytes_durably(self.root / shard_name(k), buf.getbuffer())
+
+    def finish(self, labels: np.ndarray) -> None:
+        errors = []
+        for k in range(self.n_units):
+            path = self.root / shard_name(k)
+            with np.load(path, allow_pickle=False) as z:
+                errors.append(z["error"])
+        self.options["mean_abs_error"] = self.mean_error(errors)
+
+
+class NpzPayloadReader(PayloadReader):
+    """The ``data`` member of a stored shard is memory-mapped; the small index members are loaded."""
+
+    def __init__(self, root: Path, spec: Any, in_memory: bool = False) -> None:
+        super().__init__(root, spec, in_memory, unit=int(spec.format_options["unit_size"]), max_units=8)
+
+    def unit_path(self, k: int) -> Path:
+        return self.root / shard_name(k)
+
+    def load_payload_unit(self, k: int) -> PayloadUnit:
+        path = self.unit_path(k)
+        try:
+            data = map_stored_member(path, "data.npy")
+            with np.load(path, allow_pickle=False) as z:
+                if data is None:
+                    data = z["data"]
+                return PayloadUnit(data, z["offsets"], z["shapes"], z["crc"], z["error"])
+        except FileNotFoundError:
+            raise CacheCorruptError(
+                f"{path}: shard {k} missing; run `dlstore verify {self.root}` and rebuild"
+            ) from None
+        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, struct.error) as e:
+            raise CacheCorruptError(
+                f"{path}: shard {k} unreadable ({type(e).__name__}: {e}); rebuild the cache"
+            ) from None

@@ -21,7 +21,9 @@ import numpy as np
 from dlstore.durable import fsync_path
 from dlstore.errors import CacheCorruptError, SpecError
 from dlstore.formats.base import BufferPool, CacheWriter, ChunkedReader
+from dlstore.formats.codecs import quality_option
 from dlstore.formats.describe import Codec, CodecTable
+from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter
 
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
 
@@ -51,12 +53,17 @@ class ZarrWriter(CacheWriter):
     """One unit = one chunk of ≥ 1 MB; chunks are whole, so parallel writers never share one."""
 
     name = "zarr"
+    extra_options = (quality_option(),)
     codecs: ClassVar[CodecTable] = CodecTable(
         "zstd",
         Codec("zstd", "zstd level 3", 0.8, _zstd),
         Codec("lz4", "blosc lz4, fastest decode", 0.8, _lz4),
         Codec("none", "raw chunks, memory-mapped on read", 1.0, _raw),
     )
+
+    def recorded_options(self) -> dict[str, Any]:
+        # --quality belongs to --codec jpeg, which the payload writer handles; pixels have none
+        return {k: v for k, v in super().recorded_options().items() if k != "quality"}
 
     @staticmethod
     def choose_unit_size(image_bytes: int) -> int:
@@ -237,3 +244,159 @@ def declared_size(raw: memoryview) -> int:
     if len(head) >= 16:  # blosc: version, versionlz, flags, typesize, then nbytes (uint32 LE)
         return int.from_bytes(head[4:8], "little")
     return -1
+
+
+# --- payload layout ---------------------------------------------------------------------------------
+# ``images`` is a 1-D zarr array of variable-length bytes (one payload per image, chunk = unit, zstd /
+# blosc on top for raw pixels); ``shapes`` (n, 3) int32, ``crc`` (n,) uint32 and ``error`` (units, 2)
+# float64 are plain arrays chunked by unit, so parallel writers never share a chunk file. Any zarr
+# reader opens it (``zarr.open_group(root)["images"][i]`` is image i's JPEG file).
+
+
+def _quiet_vlen() -> Any:
+    """zarr warns that variable-length bytes have no final v3 spec yet; we read the chunks ourselves."""
+    import warnings
+
+    ctx = warnings.catch_warnings()
+    ctx.__enter__()
+    warnings.simplefilter("ignore")
+    return ctx
+
+
+class ZarrPayloadWriter(PayloadWriter):
+    name = "zarr"
+    codecs = ZarrWriter.codecs
+    extra_options = ZarrWriter.extra_options
+
+    def compressors(self) -> list[Any]:
+        return self.codec.impl() if self.unit_compressed and self.codec is not None else []
+
+    def create(self) -> None:
+        import zarr
+        from zarr.core.dtype import VariableLengthBytes
+
+        group = zarr.open_group(self.root, mode="a", zarr_format=3)
+        u, n = self.unit_size, self.n
+        ctx = _quiet_vlen()
+        try:
+            group.create_array(
+                "images",
+                shape=(n,),
+                chunks=(u,),
+                dtype=VariableLengthBytes(),
+                compressors=self.compressors(),
+                overwrite=True,
+            )
+        finally:
+            ctx.__exit__(None, None, None)
+        # Every index chunk is written, even all zeros: a missing one must mean damage, not "fill value".
+        plain = {"compressors": None, "overwrite": True, "config": {"write_empty_chunks": True}}
+        group.create_array("shapes", shape=(n, 3), chunks=(u, 3), dtype="int32", **plain)
+        group.create_array("crc", shape=(n,), chunks=(u,), dtype="uint32", **plain)
+        group.create_array("error", shape=(self.n_units, 2), chunks=(1, 2), dtype="float64", **plain)
+        group.create_array(
+            "labels", shape=(n,), chunks=(max(1, n),), dtype="int64", fill_value=-1, overwrite=True
+        )
+
+    def write_unit(self, k: int, images: Images) -> None:
+        import zarr
+
+        unit = self.encode_unit(images)
+        r = self.unit_range(k)
+        payloads = np.empty(len(unit), dtype=object)
+        payloads[:] = [bytes(unit.payload(j)) for j in range(len(unit))]
+        ctx = _quiet_vlen()
+        try:
+            zarr.open_array(self.root / "images", mode="r+", zarr_format=3)[r.start : r.stop] = payloads
+        finally:
+            ctx.__exit__(None, None, None)
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            zarr.open_array(self.root / "shapes", mode="r+", zarr_format=3)[r.start : r.stop] = unit.shapes
+            zarr.open_array(self.root / "crc", mode="r+", zarr_format=3)[r.start : r.stop] = unit.crc
+            zarr.open_array(self.root / "error", mode="r+", zarr_format=3)[k] = unit.error
+        for name in ("images/c", "crc/c"):  # zarr does not fsync; the journal may record durable units only
+            fsync_path(self.root / name / str(k))
+        fsync_path(self.root / "shapes" / "c" / str(k) / "0")
+        fsync_path(self.root / "error" / "c" / str(k) / "0")
+
+    def finish(self, labels: np.ndarray) -> None:
+        import zarr
+
+        zarr.open_array(self.root / "labels", mode="r+", zarr_format=3)[:] = labels
+        errors = zarr.open_array(self.root / "error", mode="r", zarr_format=3)[:]
+        self.options["mean_abs_error"] = self.mean_error(list(errors))
+
+
+class ZarrPayloadReader(PayloadReader):
+    """Reads the chunk files directly after validating ``images/zarr.json`` (vlen-bytes, then at most
+    one of zstd/blosc); the vlen chunk is (u32 count, then u32 length + bytes per item)."""
+
+    def __init__(self, root: Path, spec: Any, in_memory: bool = False) -> None:
+        unit, self.decompress = parse_payload_meta(Path(root) / "images" / "zarr.json", spec.n_stored)
+        super().__init__(root, spec, in_memory, unit=unit, max_units=256)
+
+    def unit_path(self, k: int) -> Path:
+        return self.root / "images" / "c" / str(k)
+
+    def load_payload_unit(self, k: int) -> PayloadUnit:
+        path = self.unit_path(k)
+        try:
+            raw: Any = path.read_bytes()
+            if self.decompress is not None:
+                raw = self.decompress(raw)
+            data, offsets, ends = parse_vlen_chunk(memoryview(raw))
+            count = len(ends)
+            shapes = np.fromfile(self.root / "shapes" / "c" / str(k) / "0", "<i4").reshape(-1, 3)[:count]
+            crc = np.fromfile(self.root / "crc" / "c" / str(k), "<u4")[:count]
+        except FileNotFoundError as e:
+            raise CacheCorruptError(f"{e.filename}: chunk {k} missing; rebuild the cache") from None
+        except (OSError, RuntimeError, ValueError) as e:
+            raise CacheCorruptError(f"{path}: chunk {k} does not decode ({e}); rebuild the cache") from None
+        return PayloadUnit(data, offsets, shapes, crc, np.zeros(2), ends)
+
+
+def parse_vlen_chunk(buf: memoryview) -> tuple[memoryview, np.ndarray, np.ndarray]:
+    """(the chunk bytes, item starts + the end of the last, item ends) of a zarr vlen-bytes chunk."""
+    if len(buf) < 4:
+        raise ValueError("vlen chunk shorter than its header")
+    count = int.from_bytes(buf[:4], "little")
+    starts = np.empty(count + 1, np.int64)
+    ends = np.empty(count, np.int64)
+    pos = 4
+    for i in range(count):
+        if pos + 4 > len(buf):
+            raise ValueError(f"vlen chunk cut off at item {i} of {count}")
+        size = int.from_bytes(buf[pos : pos + 4], "little")
+        starts[i] = pos + 4
+        pos += 4 + size
+        ends[i] = pos
+    if pos > len(buf):
+        raise ValueError(f"vlen chunk declares {pos} bytes, holds {len(buf)}")
+    starts[count] = pos
+    return buf, starts, ends
+
+
+def parse_payload_meta(path: Path, n: int) -> tuple[int, Callable[[bytes], Any] | None]:
+    """Validate the payload ``images`` array's metadata; return (chunk length, decompressor)."""
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CacheCorruptError(f"{path}: unreadable zarr metadata ({e}); rebuild the cache") from None
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise SpecError(f"{path}: not zarr v3 array metadata")
+    if meta.get("shape") != [n] or meta.get("data_type") != "variable_length_bytes":
+        raise SpecError(
+            f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, expected vlen bytes [{n}]"
+        )
+    grid = meta.get("chunk_grid", {})
+    chunk = grid.get("configuration", {}).get("chunk_shape") if grid.get("name") == "regular" else None
+    if not (
+        isinstance(chunk, list) and len(chunk) == 1 and isinstance(chunk[0], int) and 1 <= chunk[0] <= 1 << 16
+    ):
+        raise SpecError(f"{path}: chunk shape {chunk} not (k,) with 1 ≤ k ≤ 65536")
+    if meta.get("storage_transformers"):
+        raise SpecError(f"{path}: storage transformers are not supported")
+    codecs = meta.get("codecs")
+    if not isinstance(codecs, list) or not codecs or codecs[0] != {"name": "vlen-bytes", "configuration": {}}:
+        raise SpecError(f"{path}: codec chain {codecs} must start with 'vlen-bytes'")
+    return chunk[0], _decoder(path, [{"name": "bytes"}, *codecs[1:]])

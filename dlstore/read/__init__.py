@@ -1,5 +1,5 @@
-"""Reading a cache: ``open_cache`` (batched reads), ``CachedDataset``, ``ChunkSampler`` and the fast
-loaders ``PinnedLoader`` / ``ResidentLoader``.
+"""Reading a cache: ``open_cache`` (batched reads), ``CachedDataset``, ``ChunkSampler``, the fast
+loaders ``PinnedLoader`` / ``ResidentLoader`` and ``DecodeLoader`` (JPEG / ragged caches, decoded on the GPU).
 
 >>> from dlstore.read import CachedDataset, PinnedLoader, ChunkSampler   # doctest: +SKIP
 
@@ -18,6 +18,7 @@ _LAZY = {
     "ChunkSampler": "dlstore.read.sampler",
     "PinnedLoader": "dlstore.read.loaders",
     "ResidentLoader": "dlstore.read.loaders",
+    "DecodeLoader": "dlstore.read.gpu_decode",
 }
 
 __all__ = sorted(_LAZY)

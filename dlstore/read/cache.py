@@ -56,7 +56,12 @@ class Cache:
         self.traits = fmt.traits
         if in_memory and self.traits.loads_into_ram:
             check_fits_in_memory(self.spec.n_stored * self.spec.image_bytes, self.root)
-        self.reader = fmt.reader(self.root, self.spec, in_memory=in_memory)
+        self.reader = fmt.reader_for(self.spec)(self.root, self.spec, in_memory=in_memory)
+
+    @property
+    def ragged(self) -> bool:
+        """Images differ in size: read them with ``read_images`` (a list), not ``read``."""
+        return self.spec.ragged
 
     def __len__(self) -> int:
         return self.spec.n
@@ -69,6 +74,11 @@ class Cache:
     def read(self, indices: np.ndarray | list[int], out: np.ndarray | None = None) -> np.ndarray:
         """(B,H,W,C) uint8 images in the order of ``indices``, into ``out`` when given (e.g. a pinned
         buffer's numpy view); chunked formats visit each chunk once per call."""
+        if self.ragged:
+            raise ValueError(
+                f"{self.root}: images in this cache differ in size (resize={self.spec.image.resize}); "
+                "read them with read_images() (a list), or use CachedDataset / a GPU-crop loader"
+            )
         pos = self.storage_positions(np.asarray(indices, dtype=np.int64).reshape(-1))
         if out is None:
             out = np.empty((len(pos), *self.spec.shape), np.uint8)
@@ -97,6 +107,47 @@ class Cache:
         if self.mirror is not None:
             pos = self.storage_positions(np.asarray(indices, dtype=np.int64).reshape(-1))
             self.mirror.prefetch(self.reader.files_for(pos))
+
+    def read_images(self, indices: np.ndarray | list[int]) -> list[np.ndarray]:
+        """(H, W, C) uint8 images in the order of ``indices``, of any sizes (every format and layout)."""
+        index = np.asarray(indices, dtype=np.int64).reshape(-1)
+        pos = self.storage_positions(index)
+        read_images = getattr(self.reader, "read_images", None)
+        if read_images is None:  # pixel layouts: one batched read
+            return list(self.read(index))
+        try:
+            images = read_images(pos)
+        except DlstoreError as e:
+            raise SampleReadError(
+                f"reading dataset {self._name_failing(index, pos, e)} from {self.root}: {e}"
+            ) from e
+        self.check_generation()
+        return images
+
+    def read_payloads(self, indices: np.ndarray | list[int]) -> tuple[list[memoryview], np.ndarray]:
+        """Encoded payloads (CRC-checked) and (B, 3) shapes, for a decoder elsewhere (the GPU); payload
+        layouts only (``reader.gpu_jpeg`` says whether nvJPEG can decode them)."""
+        index = np.asarray(indices, dtype=np.int64).reshape(-1)
+        pos = self.storage_positions(index)
+        try:
+            result = self.reader.read_payloads(pos)  # type: ignore[attr-defined]
+        except DlstoreError as e:
+            raise SampleReadError(
+                f"reading dataset {self._name_failing(index, pos, e)} from {self.root}: {e}"
+            ) from e
+        self.check_generation()
+        return result
+
+    def dataset_index(self, position: int) -> int | None:
+        hits = np.flatnonzero(self.positions == position)
+        return int(hits[0]) if hits.size else None
+
+    def _name_failing(self, indices: np.ndarray, pos: np.ndarray, error: Exception) -> str:
+        """Payload readers say which storage position failed; map it back to the dataset index."""
+        p = getattr(error, "position", None)
+        if p is not None:
+            return f"index {self.dataset_index(p)} (storage position {p}; batch {_short(indices)})"
+        return f"indices {_short(indices)}"
 
     def check_generation(self) -> None:
         """Formats that open files as they go: if DEST was rebuilt (swapped) while open, refuse

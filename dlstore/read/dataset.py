@@ -40,6 +40,11 @@ class CachedDataset(torch.utils.data.Dataset):
             loss = loss_fn(model(x), labels.cuda(non_blocking=True))
             ...
 
+    A ragged cache (``resize="shorter"``: images keep their aspect ratio) yields variable-size tensors,
+    as ImageFolder does: give a ``transform`` that makes them one size (e.g. torchvision
+    ``RandomResizedCrop``) or a ``collate_fn`` of your own; JPEG caches are decoded here, on the CPU, in
+    the reader's threads (Pillow releases the GIL). The tensors are the same uint8 CHW whatever the codec.
+
     ``in_memory=True`` (ram format) loads the images once into one contiguous array in this process;
     forked workers share it copy-on-write, spawned workers load their own copy.
     """
@@ -104,23 +109,30 @@ class CachedDataset(torch.utils.data.Dataset):
         Without a transform the batch is read once into one (in a worker: shared-memory) block and
         default_collate hands that block on (see ``dlstore.read.batch``): one copy per image, where
         per-sample CHW tensors stacked by collate cost three (the per-sample one a strided transpose).
+        A ragged cache's images differ in size, so they go out one by one (collate is the user's).
         """
-        check_loader_shared_memory(len(indices) * self.spec.image_bytes)
-        if self.transform is not None:
+        check_loader_shared_memory(len(indices) * self.spec.image_bytes * (2 if self.spec.ragged else 1))
+        if self.transform is not None or self.spec.ragged:
             images, labels = self._batch(indices)
             return [self._sample(img, int(lab)) for img, lab in zip(images, labels.tolist())]
         images, labels = self._batch(indices, shared=in_worker())
-        return BatchSamples(images.as_subclass(ImageBatch), labels)
+        return BatchSamples(images.as_subclass(ImageBatch), labels)  # type: ignore[union-attr]
 
-    def read_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B,C,H,W) uint8 and (B,) int64 tensors without per-sample work (no transform)."""
+    def read_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
+        """(B,C,H,W) uint8 (a list of (C,H,W) for a ragged cache) and (B,) int64 tensors, no transform."""
         images, labels = self._batch(indices)
         return images, torch.from_numpy(labels)
 
-    def _batch(self, indices: Sequence[int], shared: bool = False) -> tuple[torch.Tensor, np.ndarray]:
-        """(B,C,H,W) with channels-last strides: the (B,H,W,C) block as read, not transposed."""
+    def _batch(
+        self, indices: Sequence[int], shared: bool = False
+    ) -> tuple[torch.Tensor | list[torch.Tensor], np.ndarray]:
+        """(B,C,H,W) with channels-last strides: the (B,H,W,C) block as read, not transposed; for a
+        ragged cache a list of (C,H_i,W_i)."""
         cache = self.cache
         idx = np.asarray(indices, dtype=np.int64)
+        if cache.ragged:
+            images = [torch.from_numpy(img).permute(2, 0, 1) for img in cache.read_images(idx)]
+            return images, cache.labels[idx]
         block = new_batch((len(idx), *cache.spec.shape), shared)
         cache.read(idx, out=block.numpy())
         return block.permute(0, 3, 1, 2), cache.labels[idx]

@@ -48,10 +48,12 @@ def test_the_name_check_finds_a_name_test(tmp_path: Path) -> None:
 
 
 def test_options_are_validated_and_defaults_filled() -> None:
-    assert get_format("zarr").writer.parse_options({}) == {"codec": "zstd"}
-    assert get_format("npz").writer.parse_options({"codec": "deflate"}) == {"codec": "deflate"}
+    assert get_format("zarr").writer.parse_options({}) == {"codec": "zstd", "quality": 90}
+    assert get_format("npz").writer.parse_options({"codec": "deflate"}) == {"codec": "deflate", "quality": 90}
     assert get_format("ram").writer.parse_options({}) == {}
-    with pytest.raises(SpecError, match="not available for the zarr format; choose one of zstd, lz4, none"):
+    with pytest.raises(
+        SpecError, match="not available for the zarr format; choose one of zstd, lz4, none, jpeg"
+    ):
         get_format("zarr").writer.parse_options({"codec": "deflate"})
     with pytest.raises(SpecError, match="ram format does not take --codec; it takes no options"):
         get_format("ram").writer.parse_options({"codec": "zstd"})
@@ -68,7 +70,7 @@ def test_a_registered_codec_becomes_a_cli_choice(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(codecs, "codecs", dict(codecs.codecs))  # undone after the test
     register_codec("zarr", Codec("fancy", "a test codec", 0.5))
     (codec,) = [o for o in cli_options() if o.name == "codec"]
-    assert "fancy" in codec.choices and "zarr: zstd|lz4|none|fancy" in codec.help
+    assert "fancy" in codec.choices and "zarr: zstd|lz4|none|jpeg|fancy" in codec.help
     with pytest.raises(SpecError, match="takes no codec"):
         register_codec("ram", Codec("fancy", "a test codec"))
 

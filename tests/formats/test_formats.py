@@ -15,6 +15,7 @@ from dlstore import convert, open_cache
 from dlstore.build.imageops import decode_file
 from dlstore.build.sources import ArraySource
 from dlstore.formats import FORMATS
+from dlstore.formats.codecs import is_image_codec
 from dlstore.spec import ImagePolicy
 
 FORMAT_CASES = [
@@ -45,6 +46,8 @@ def test_every_registered_format_and_codec_is_covered() -> None:
     assert set(FORMATS) == {f for f, _ in FORMAT_CASES} == set(choices["fmt"])
     for name, fmt in FORMATS.items():
         codecs = fmt.writer.codecs.names() if fmt.writer.codecs else ()
+        # lossy image codecs (jpeg) cannot match pixels exactly: test_payload.py covers them
+        codecs = tuple(c for c in codecs if not is_image_codec(fmt.writer.codecs[c].impl))  # type: ignore[index]
         covered = {
             opts.get("codec", fmt.writer.codecs and fmt.writer.codecs.default)
             for f, opts in FORMAT_CASES

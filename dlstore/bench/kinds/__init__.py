@@ -13,7 +13,7 @@ kind is one more entry here::
 
 Built-in kinds: ``raw`` (torchvision ImageFolder / dataset, per-file decode in DataLoader workers), one
 cached kind per registered format (``ram``, ``npz``, ``zarr``) read through ``CachedDataset``, and the
-fast paths ``pinned`` and ``resident``.
+fast paths ``pinned`` and ``resident``, and the JPEG cache's ``jpeg-gpu`` / ``jpeg-cpu``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dlstore.bench.kinds import cached, fast, raw
+from dlstore.bench.kinds import cached, fast, jpeg, raw
 from dlstore.bench.kinds.base import LoaderContext, PreparedLoader
 from dlstore.errors import DlstoreError
 from dlstore.formats import FORMATS
@@ -68,3 +68,5 @@ for _fmt in FORMATS:
     )
 register_loader_kind(LoaderKind("pinned", fast.PINNED, fast.pinned_kind))
 register_loader_kind(LoaderKind("resident", fast.RESIDENT, fast.resident_kind))
+register_loader_kind(LoaderKind("jpeg-gpu", jpeg.GPU, jpeg.jpeg_gpu_kind))
+register_loader_kind(LoaderKind("jpeg-cpu", jpeg.CPU, jpeg.jpeg_cpu_kind))

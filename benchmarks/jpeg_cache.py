@@ -1,0 +1,619 @@
+"""Issue 10 targets (JPEG cache, GPU decode, ragged GPU crop), side by side in one run on the H200.
+
+    python benchmarks/jpeg_cache.py --out OUTDIR [--images 8192] [--steps 30] [--sections all]
+
+Photographs: crops of the real photos bundled with scikit-image (``skimage.data``), resized to about
+460×345 (portrait and landscape) and saved as q95 JPEGs in an ImageFolder tree. From them: a raw ``ram``
+cache (256² crop), a JPEG q90 cache of the same 256² crops (bytes and error vs raw), and JPEG q90
+``--resize shorter`` caches at 256 (and 128) for training with the GPU RandomResizedCrop.
+
+Writes OUTDIR/jpeg_cache.json (every number, environment, protocol) and OUTDIR/targets.json, then prints
+a table. Each section is recorded as it finishes; a failing section does not stop the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dlstore.build.conversion import convert  # noqa: E402
+from dlstore.formats.codecs import get_codec  # noqa: E402
+from dlstore.gpu import GpuAugment, RaggedRandomResizedCrop  # noqa: E402
+from dlstore.read.cache import open_cache  # noqa: E402
+from dlstore.read.dataset import CachedDataset  # noqa: E402
+from dlstore.read.gpu_decode import DecodeLoader  # noqa: E402
+from dlstore.read.loaders import PinnedLoader  # noqa: E402
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
+RESULTS: dict[str, Any] = {}
+TARGETS: list[dict[str, Any]] = []
+CORES = len(os.sched_getaffinity(0))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def target(name: str, measured: float, base: float, goal: float, note: str = "", higher: bool = True) -> None:
+    """goal < 5: a ratio measured/base to reach; else an absolute rate. ``higher=False``: at most goal."""
+    ratio = measured / base if base else float("nan")
+    value = ratio if goal < 5 else measured
+    met = value >= goal if higher else value <= goal
+    TARGETS.append(
+        {
+            "name": name,
+            "measured": round(measured, 3),
+            "ceiling_or_baseline": round(base, 3),
+            "ratio": round(ratio, 4),
+            "goal": goal,
+            "met": bool(met),
+            "note": note,
+        }
+    )
+
+
+# --- data -------------------------------------------------------------------------------------------
+
+
+def _photo_arrays() -> list[np.ndarray]:
+    import skimage.data
+
+    out = []
+    for name in PHOTOS:
+        try:
+            img = np.asarray(getattr(skimage.data, name)())
+        except Exception as e:  # a photo that needs a download: skip it
+            log(f"skimage.data.{name}: {e}")
+            continue
+        if img.ndim == 3 and img.shape[2] >= 3 and img.dtype == np.uint8:
+            out.append(np.ascontiguousarray(img[:, :, :3]))
+    return out
+
+
+def _write_crops(job: tuple[int, int, str]) -> None:
+    from PIL import Image
+
+    start, stop, root = job
+    photos = _photo_arrays()
+    rng = np.random.default_rng(start)
+    for i in range(start, stop):
+        src = photos[i % len(photos)]
+        h, w = src.shape[:2]
+        side = rng.uniform(0.5, 1.0) * min(h, w)  # at most ~2x upscaling of the smallest photo
+        aspect = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+        ch, cw = int(min(h, side / np.sqrt(aspect))), int(min(w, side * np.sqrt(aspect)))
+        top, left = int(rng.integers(0, h - ch + 1)), int(rng.integers(0, w - cw + 1))
+        crop = Image.fromarray(src[top : top + ch, left : left + cw])
+        long_side = 460
+        size = (long_side, int(long_side * ch / cw)) if cw >= ch else (int(long_side * cw / ch), long_side)
+        crop = crop.resize(size, Image.BILINEAR)
+        if rng.random() < 0.5:
+            crop = crop.transpose(Image.FLIP_LEFT_RIGHT)
+        cls = Path(root) / f"class{i % 10}"
+        cls.mkdir(parents=True, exist_ok=True)
+        crop.save(cls / f"{i:06d}.jpg", quality=95)
+
+
+def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    photos = work / "photos"
+    t0 = time.perf_counter()
+    step = -(-args.images // CORES)
+    jobs = [(a, min(args.images, a + step), str(photos)) for a in range(0, args.images, step)]
+    with mp.get_context("fork").Pool(CORES) as pool:
+        pool.map(_write_crops, jobs)
+    out: dict[str, Any] = {
+        "photos": [p for p in PHOTOS],
+        "images": args.images,
+        "make_s": time.perf_counter() - t0,
+        "source_bytes_per_image": sum(p.stat().st_size for p in photos.rglob("*.jpg")) / args.images,
+    }
+    caches = {
+        "raw256": {"format": "ram", "size": 256},
+        "jpeg256": {"format": "npz", "size": 256, "codec": "jpeg", "options": {"quality": 90}},
+        "jpeg_short256": {"format": "npz", "size": 256, "codec": "jpeg", "resize": "shorter"},
+        "jpeg_short128": {"format": "npz", "size": 128, "codec": "jpeg", "resize": "shorter"},
+        "zarr_jpeg_short256": {"format": "zarr", "size": 256, "codec": "jpeg", "resize": "shorter"},
+    }
+    for name, kw in caches.items():
+        r = convert(photos, work / name, workers=CORES, **kw)  # type: ignore[arg-type]
+        out[name] = {"images_per_s": r.images_per_s, "seconds": r.seconds, "bytes_on_disk": r.bytes_on_disk}
+        log(f"converted {name}: {r.images_per_s:,.0f} img/s")
+    return out
+
+
+# --- bytes and error ----------------------------------------------------------------------------------
+
+
+def payload_bytes(cache: Any) -> int:
+    reader = cache.reader
+    total = 0
+    for k in range(-(-cache.spec.n_stored // reader.unit)):
+        unit = reader.payload_unit(k)
+        total += int(np.sum((unit.ends if unit.ends is not None else unit.offsets[1:]) - unit.offsets[:-1]))
+    return total
+
+
+def section_bytes(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    raw, jpeg = open_cache(work / "raw256"), open_cache(work / "jpeg256")
+    n = len(raw)
+    idx = np.arange(n)
+    out: dict[str, Any] = {"raw_bytes_per_image": raw.spec.image_bytes}
+    for name in ("jpeg256", "jpeg_short256", "jpeg_short128", "zarr_jpeg_short256"):
+        c = open_cache(work / name)
+        out[name] = {
+            "payload_bytes_per_image": payload_bytes(c) / len(c),
+            "cache_bytes_per_image": sum(p.stat().st_size for p in (work / name).rglob("*") if p.is_file())
+            / len(c),
+            "recorded_mean_abs_error": c.spec.format_options.get("mean_abs_error"),
+        }
+    diffs = []
+    for a in range(0, n, 512):
+        r = raw.read(idx[a : a + 512]).astype(np.int16)
+        j = np.stack(jpeg.read_images(idx[a : a + 512])).astype(np.int16)
+        diffs.append(np.abs(r - j).mean())
+    out["jpeg256_vs_raw_mean_abs_pillow"] = float(np.mean(diffs))
+    if torch.cuda.is_available():
+        from dlstore.read.gpu_decode import decode_on_device
+
+        sel = idx[:1024]
+        payloads, shapes = jpeg.read_payloads(sel)
+        imgs, fb = decode_on_device(jpeg, payloads, shapes, jpeg.positions[sel], torch.device("cuda"))
+        gpu = torch.stack(imgs).permute(0, 2, 3, 1).cpu().numpy().astype(np.int16)
+        out["jpeg256_vs_raw_mean_abs_nvjpeg"] = float(np.abs(gpu - raw.read(sel).astype(np.int16)).mean())
+        out["nvjpeg_fallbacks"] = fb
+    per = out["jpeg256"]["payload_bytes_per_image"]
+    target(
+        "jpeg: bytes/image q90 256px photos vs raw (at most 1/10)",
+        per,
+        raw.spec.image_bytes,
+        0.1,
+        higher=False,
+    )
+    target(
+        "jpeg: cache vs raw mean abs error at q90 (levels, at most 3)",
+        out["jpeg256_vs_raw_mean_abs_pillow"],
+        1.0,
+        3.0,
+        note=f"manifest's sampled estimate {out['jpeg256']['recorded_mean_abs_error']}",
+        higher=False,
+    )
+    return out
+
+
+# --- decode -------------------------------------------------------------------------------------------
+
+
+def section_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from torchvision.io import decode_jpeg
+
+    out: dict[str, Any] = {}
+    cache = open_cache(work / "jpeg256")
+    n = len(cache) // 256 * 256
+    payloads, _ = cache.read_payloads(np.arange(n))
+    tensors = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads]
+    batches = [tensors[a : a + 256] for a in range(0, n, 256)]
+
+    def bare(passes: int) -> float:
+        decode_jpeg(batches[0], device="cuda")
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            for b in batches:
+                decode_jpeg(b, device="cuda")
+        sync()
+        return passes * n / (time.perf_counter() - t0)
+
+    def loader_rate(path: str, transform: Any, epochs: int) -> tuple[float, Any]:
+        loader = DecodeLoader(work / path, 256, transform=transform, device="cuda")
+        for _ in loader:  # warm epoch: unit cache, allocator, cudnn
+            pass
+        sync()
+        t0 = time.perf_counter()
+        count = 0
+        for _ in range(epochs):
+            for x, _y in loader:
+                count += len(x)
+        sync()
+        return count / (time.perf_counter() - t0), loader.stats
+
+    out.update(decode_breakdown(work))
+    rates: dict[str, list[float]] = {"bare": [], "loader": []}
+    for _ in range(args.repeats):  # alternate, median
+        rates["bare"].append(bare(2))
+        rates["loader"].append(loader_rate("jpeg256", None, 2)[0])
+    out["bare_decode_jpeg_batch256"] = rates["bare"]
+    out["decode_loader_256px"] = rates["loader"]
+    rrc = RaggedRandomResizedCrop(
+        224, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True
+    ).cuda()
+    out["decode_loader_short256_rrc224"], stats = loader_rate("jpeg_short256", rrc, 2)
+    out["decode_loader_stats"] = vars(stats)
+    rrc112 = RaggedRandomResizedCrop(
+        112, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True
+    ).cuda()
+    out["decode_loader_short256_rrc112"] = loader_rate("jpeg_short256", rrc112, 2)[0]
+    out["decode_loader_short128_rrc112"] = loader_rate("jpeg_short128", rrc112, 2)[0]
+    out["decode_loader_zarr_short256_rrc224"] = loader_rate("zarr_jpeg_short256", rrc, 2)[0]
+    bare_med, loader_med = float(np.median(rates["bare"])), float(np.median(rates["loader"]))
+    target("jpeg: GPU decode alone (DecodeLoader, 256px, img/s >= 30k)", loader_med, 1.0, 30000)
+    target("jpeg: DecodeLoader vs bare batched decode_jpeg (same run)", loader_med, bare_med, 0.9)
+    return out
+
+
+def decode_breakdown(work: Path) -> dict[str, float]:
+    """Each step of the GPU path alone, 256-image batches of the shorter-256 cache: read (CRC'd payloads),
+    frombuffer, decode_on_device, RRC 224 on the decoded list."""
+    from dlstore.read.gpu_decode import as_tensors, decode_on_device
+
+    cache = open_cache(work / "jpeg_short256")
+    cache.reader.threads = CORES
+    n = len(cache) // 256 * 256
+    index = [np.arange(a, a + 256) for a in range(0, n, 256)]  # dataset indices; reads sort by storage
+
+    def rate(fn: Callable[[int], Any], passes: int = 2) -> float:
+        fn(0)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            for b in range(len(index)):
+                fn(b)
+        sync()
+        return passes * n / (time.perf_counter() - t0)
+
+    read = [cache.read_payloads(i) for i in index]
+    tensors = [as_tensors(p) for p, _ in read]
+    dev = torch.device("cuda")
+    decoded = [
+        decode_on_device(cache, p, s, cache.positions[i], dev, t)[0]
+        for (p, s), t, i in zip(read, tensors, index)
+    ]
+    rrc = RaggedRandomResizedCrop(
+        224, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True
+    ).cuda()
+    return {
+        "breakdown_read_payloads": rate(lambda b: cache.read_payloads(index[b])),
+        "breakdown_frombuffer": rate(lambda b: as_tensors(read[b][0])),
+        "breakdown_decode_on_device": rate(
+            lambda b: decode_on_device(
+                cache, read[b][0], read[b][1], cache.positions[index[b]], dev, tensors[b]
+            )
+        ),
+        "breakdown_rrc224": rate(lambda b: rrc(decoded[b])),
+    }
+
+
+def section_cpu_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cache = open_cache(work / "jpeg256")
+    codec = get_codec("jpeg")
+    sel = np.arange(min(2000, len(cache)))
+    payloads, shapes = cache.read_payloads(sel)
+    items = [(bytes(p), tuple(int(v) for v in s)) for p, s in zip(payloads, shapes)]
+    t0 = time.perf_counter()
+    for p, s in items:
+        codec.decode(p, s)
+    one_core = len(items) / (time.perf_counter() - t0)
+    reader = cache.reader
+    reader.threads = CORES
+    reader.read_images(sel[:512])
+    t0 = time.perf_counter()
+    for a in range(0, len(sel), 256):
+        reader.read_images(cache.positions[sel[a : a + 256]])
+    threads_rate = len(sel) / (time.perf_counter() - t0)
+    ds = CachedDataset(work / "jpeg256", check_source=False)
+    dl = torch.utils.data.DataLoader(
+        ds,
+        batch_size=256,
+        shuffle=True,
+        num_workers=CORES,
+        persistent_workers=True,
+        prefetch_factor=4,
+        drop_last=True,
+    )
+    it = iter(dl)
+
+    def nxt() -> Any:
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:
+            it = iter(dl)
+            return next(it)
+
+    for _ in range(CORES):  # every worker started and warm
+        nxt()
+    t0 = time.perf_counter()
+    count = 0
+    for _ in range(args.cpu_batches):
+        x, _y = nxt()
+        count += len(x)
+    workers_rate = count / (time.perf_counter() - t0)
+    it = None  # shuts the workers down
+    target(
+        f"jpeg: CPU decode, CachedDataset + {CORES} DataLoader workers vs cores x one-core Pillow",
+        workers_rate,
+        CORES * one_core,
+        0.85,
+        note=f"one core {one_core:,.0f} img/s; {CORES} threads in one process {threads_rate:,.0f} img/s",
+    )
+    return {
+        "one_core_pillow": one_core,
+        "threads_one_process": threads_rate,
+        "dataloader_workers": workers_rate,
+    }
+
+
+# --- training -----------------------------------------------------------------------------------------
+
+
+def resnet_step(name: str, classes: int) -> Callable[[torch.Tensor, torch.Tensor], None]:
+    import torchvision
+
+    model = (
+        getattr(torchvision.models, name)(num_classes=classes).cuda().to(memory_format=torch.channels_last)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def timed_steps(
+    batches: Callable[[], Any], step: Callable[..., None], warmup: int, steps: int, batch: int
+) -> float:
+    it = batches()
+
+    def nxt() -> Any:
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:
+            it = batches()
+            return next(it)
+
+    for _ in range(warmup):
+        step(*nxt())
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(*nxt())
+    sync()
+    return steps * batch / (time.perf_counter() - t0)
+
+
+def predecoded(path: Path, batch: int) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """Diagnostic: every batch already decoded on the GPU, so a run with it costs only the crop."""
+    loader = DecodeLoader(path, batch, transform=lambda imgs: imgs, device="cuda")  # type: ignore[arg-type,return-value]
+    return [(imgs, labels) for imgs, labels in loader]
+
+
+class _ToGpu:
+    """An ImageFolder DataLoader's uint8 batches to the GPU, normalised there."""
+
+    def __init__(self, dl: Any) -> None:
+        self.dl = dl
+
+    def __iter__(self) -> Any:
+        from dlstore.gpu import normalize
+
+        for x, y in self.dl:
+            x = normalize(x.cuda(non_blocking=True), MEAN, STD, torch.bfloat16)
+            yield x.contiguous(memory_format=torch.channels_last), y.cuda(non_blocking=True)
+
+
+def imagefolder_loader(work: Path, res: int, batch: int) -> Any:
+    from torchvision import datasets
+    from torchvision import transforms as T
+
+    tf = T.Compose([T.RandomResizedCrop(res), T.RandomHorizontalFlip(), T.PILToTensor()])
+    ds = datasets.ImageFolder(str(work / "photos"), transform=tf)
+    return torch.utils.data.DataLoader(
+        ds,
+        batch_size=batch,
+        shuffle=True,
+        num_workers=CORES,
+        pin_memory=True,
+        drop_last=True,
+        persistent_workers=True,
+        prefetch_factor=4,
+    )
+
+
+def section_train(args: argparse.Namespace, work: Path, model: str, res: int, batch: int) -> dict[str, Any]:
+    torch.backends.cudnn.benchmark = True
+    step = resnet_step(model, 10)
+    x = (
+        torch.randn(batch, 3, res, res, device="cuda")
+        .to(torch.bfloat16)
+        .contiguous(memory_format=torch.channels_last)
+    )
+    y = torch.randint(0, 10, (batch,), device="cuda")
+
+    def synthetic() -> Any:
+        while True:
+            yield x, y
+
+    rrc = RaggedRandomResizedCrop(
+        res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True
+    ).cuda()
+    jpeg = {
+        name: DecodeLoader(work / name, batch, transform=rrc, device="cuda")
+        for name in (("jpeg_short256", "jpeg_short128") if res <= 128 else ("jpeg_short256",))
+    }
+    aug = GpuAugment(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).cuda()
+    pinned = PinnedLoader(open_cache(work / "raw256", in_memory=True), batch, device="cuda", order="random")
+
+    def augmented() -> Any:
+        return ((aug(a), b) for a, b in pinned)
+
+    folder = _ToGpu(imagefolder_loader(work, res, batch))
+    decoded = predecoded(work / "jpeg_short256", batch)
+
+    def crop_only() -> Any:
+        for imgs, labels in decoded:
+            yield rrc(imgs), labels
+
+    def switch_1ms() -> float:
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(0.001)
+        try:
+            ld = jpeg["jpeg_short256"]
+            return timed_steps(lambda: iter(ld), step, args.warmup, args.steps, batch)
+        finally:
+            sys.setswitchinterval(old)
+
+    cfgs: dict[str, Callable[[], float]] = {
+        "synthetic": lambda: timed_steps(synthetic, step, args.warmup, args.steps, batch),
+        **{
+            f"{name}_gpu_decode_0_workers": (
+                lambda ld=ld: timed_steps(lambda: iter(ld), step, args.warmup, args.steps, batch)
+            )
+            for name, ld in jpeg.items()
+        },
+        "raw_ram_pinned_0_workers": lambda: timed_steps(augmented, step, args.warmup, args.steps, batch),
+        f"imagefolder_{CORES}_workers": lambda: timed_steps(
+            lambda: iter(folder), step, args.warmup, args.steps, batch
+        ),
+    }
+    out: dict[str, list[float]] = {k: [] for k in cfgs}
+    names = list(cfgs)
+    for r in range(args.repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            out[name].append(cfgs[name]())
+            log(f"{model}@{res} {name}: {out[name][-1]:,.0f} img/s")
+    med = {k: float(np.median(v)) for k, v in out.items()}
+    ceiling = med["synthetic"]
+    main_key = "jpeg_short256_gpu_decode_0_workers"
+    side = f"raw ram {med['raw_ram_pinned_0_workers']:,.0f}, ImageFolder x{CORES} {med[f'imagefolder_{CORES}_workers']:,.0f} img/s"
+    if model == "resnet50":
+        target(
+            f"jpeg: ResNet-50 bf16 @{res} bs{batch} from JPEG cache (GPU decode+RRC, 0 workers) vs synthetic",
+            med[main_key],
+            ceiling,
+            0.97,
+            note=side,
+        )
+    else:
+        target(
+            f"jpeg: ResNet-18 bf16 @{res} bs{batch} from JPEG cache shorter-256 (GPU decode+RRC) vs synthetic",
+            med[main_key],
+            ceiling,
+            0.70,
+            note=side,
+        )
+        if "jpeg_short128_gpu_decode_0_workers" in med:
+            target(
+                f"jpeg: ResNet-18 bf16 @{res} bs{batch} from JPEG cache shorter-128 vs synthetic",
+                med["jpeg_short128_gpu_decode_0_workers"],
+                ceiling,
+                0.70,
+            )
+    return {"runs": out, "median": med}
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
+    "data": section_data,
+    "bytes": section_bytes,
+    "decode": section_decode,
+    "cpu_decode": section_cpu_decode,
+    "resnet50": lambda a, w: section_train(a, w, "resnet50", 224, 256),
+    "resnet18": lambda a, w: section_train(a, w, "resnet18", 112, 512),
+}
+
+
+def environment() -> dict[str, Any]:
+    import torchvision
+
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchvision": torchvision.__version__,
+        "numpy": np.__version__,
+        "cores": CORES,
+        "argv": sys.argv,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    try:
+        import PIL
+        import skimage
+
+        env.update(pillow=PIL.__version__, skimage=skimage.__version__)
+    except ImportError as e:
+        env["import_error"] = str(e)
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    return env
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--images", type=int, default=8192)
+    ap.add_argument("--sections", default="all")
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--cpu-batches", type=int, default=40)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-jpeg-"))
+    RESULTS["environment"] = environment()
+    RESULTS["protocol"] = {
+        "images": args.images,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "repeats": args.repeats,
+        "order": "training configurations rotated per repeat; median",
+    }
+    names = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
+    for name in names:
+        log(f"section {name}")
+        t0 = time.perf_counter()
+        try:
+            RESULTS[name] = SECTIONS[name](args, work)
+        except Exception as e:
+            RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            log(traceback.format_exc())
+        RESULTS.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
+        (args.out / "jpeg_cache.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+        (args.out / "targets.json").write_text(
+            json.dumps({"environment": RESULTS["environment"], "targets": TARGETS}, indent=1)
+        )
+    print(f"{'target':90} {'measured':>12} {'base':>12} {'ratio':>7} {'goal':>8} met")
+    for t in TARGETS:
+        print(
+            f"{t['name'][:90]:90} {t['measured']:>12,.1f} {t['ceiling_or_baseline']:>12,.1f} {t['ratio']:>7.3f} "
+            f"{t['goal']:>8g} {'yes' if t['met'] else 'NO'}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Kinds for the JPEG cache (``--codec jpeg --resize shorter``: per-image JPEGs of variable size).
+
+``jpeg-gpu``: ``DecodeLoader`` — a read-ahead thread gathers the JPEG bytes chunk by chunk, one batched
+nvJPEG call decodes them on the device, and ``RaggedRandomResizedCrop`` (``augment``/``gpu-augment``) or
+``RaggedCenterCrop`` (``light``) makes the fixed-size batch there; no worker processes. On a machine
+without CUDA it decodes on the CPU in threads. ``jpeg-cpu``: ``CachedDataset`` in DataLoader workers,
+each decoding with Pillow and cropping with torchvision v2 transforms, as an ImageFolder user would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader
+from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
+from dlstore.bench.transforms import device_transform
+
+GPU = "JPEG cache (variable size), DecodeLoader: batched nvJPEG decode + GPU crop, no workers"
+CPU = "JPEG cache (variable size), CachedDataset in DataLoader workers: Pillow decode + v2 crop"
+QUALITY = 90
+
+
+def payload_format() -> str:
+    """The first registered format that stores per-image payloads (a trait, not a name)."""
+    from dlstore.formats import FORMATS
+
+    return next(f.name for f in FORMATS.values() if f.ragged_ok)
+
+
+def ensure_jpeg_cache(ctx: LoaderContext) -> tuple[Path, dict[str, Any]]:
+    """Convert the source once into a JPEG cache (shorter side = the run's size), keyed by the spec."""
+    from dlstore.build.conversion import convert
+    from dlstore.errors import CacheNotFoundError, SpecError
+    from dlstore.spec import read_spec
+
+    fmt = payload_format()
+    key = hashlib.sha256(
+        f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|shorter|jpeg{QUALITY}".encode()
+    ).hexdigest()
+    dest = ctx.cache_root / f"jpeg-{fmt}-s{ctx.size}-c{ctx.channels}-{key[:12]}"
+    try:
+        read_spec(dest)
+        return dest, {"cache": str(dest), "reused": True}
+    except (CacheNotFoundError, SpecError, FileNotFoundError, OSError):
+        pass
+    ctx.log(
+        f"converting {ctx.source.description} → JPEG q{QUALITY} {fmt} cache at {dest} (shorter {ctx.size}px)"
+    )
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    result = convert(
+        ctx.source,
+        dest,
+        format=fmt,
+        size=ctx.size,
+        channels=ctx.channels,
+        resize="shorter",
+        codec="jpeg",
+        options={"quality": QUALITY},
+        overwrite=dest.exists(),
+        workers=ctx.config.convert_workers,
+    )
+    return dest, {
+        "cache": str(dest),
+        "reused": False,
+        "convert_s": result.seconds,
+        "convert_img_per_s": result.images_per_s,
+        "convert_workers": result.workers,
+    }
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(p for p in path.rglob("*") if p.is_file() and p.name not in META_FILES)
+
+
+def gpu_crop(transform: str, size: int, device: torch.device) -> torch.nn.Module:
+    from dlstore.gpu.ragged import RaggedCenterCrop, RaggedRandomResizedCrop
+
+    if transform == "light":
+        return RaggedCenterCrop(size, crop_fraction=1.0).to(device)
+    return RaggedRandomResizedCrop(size, scale=AUGMENT_SCALE).to(device)
+
+
+def jpeg_gpu_kind(ctx: LoaderContext) -> PreparedLoader:
+    from dlstore.read.dataset import CachedDataset
+    from dlstore.read.gpu_decode import DecodeLoader
+
+    path, info = ensure_jpeg_cache(ctx)
+    crop = gpu_crop(ctx.config.transform, ctx.size, ctx.device)
+    c = ctx.channels
+
+    def make(ds: Any, workers: int, pin: bool, cfg: Any) -> DecodeLoader:
+        return DecodeLoader(ds.cache, cfg.batch_size, transform=crop, device=ctx.device)
+
+    return PreparedLoader(
+        "jpeg-gpu",
+        GPU,
+        CachedDataset(path, check_source=False).spec.n,
+        _files(path),
+        True,
+        torch.float32,
+        (c, ctx.size, ctx.size),
+        lambda: CachedDataset(path, check_source=False),
+        None,  # the loader's crop already made float batches on the device
+        on_device=True,
+        make_loader=make,
+        info={**info, "quality": QUALITY, "resize": "shorter", "ignores_workers": True},
+    )
+
+
+def cpu_transform(transform: str, size: int) -> Any:
+    """Per-sample v2 transforms that make variable-size uint8 CHW tensors one size (what users write)."""
+    from torchvision.transforms import v2
+
+    if transform == "augment":
+        return v2.Compose(
+            [
+                v2.RandomResizedCrop(size, scale=AUGMENT_SCALE, antialias=True),
+                v2.RandomRotation(AUGMENT_DEGREES),
+                v2.RandomHorizontalFlip(),
+            ]
+        )
+    return v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+
+
+def jpeg_cpu_kind(ctx: LoaderContext) -> PreparedLoader:
+    from dlstore.read.dataset import CachedDataset
+
+    path, info = ensure_jpeg_cache(ctx)
+    tf_name = ctx.config.transform
+    cpu_tf = cpu_transform(tf_name, ctx.size)
+
+    def new_dataset() -> Dataset:
+        return CachedDataset(path, transform=cpu_tf, check_source=False)
+
+    return PreparedLoader(
+        "jpeg-cpu",
+        CPU,
+        CachedDataset(path, check_source=False).spec.n,
+        _files(path),
+        True,
+        torch.uint8,
+        (ctx.channels, ctx.size, ctx.size),
+        new_dataset,
+        device_transform("light" if tf_name == "augment" else tf_name, ctx.size, ctx.device),
+        info={**info, "quality": QUALITY, "resize": "shorter"},
+    )

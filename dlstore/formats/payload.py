@@ -1,0 +1,228 @@
+"""The payload layout of the chunked formats: per-image encoded bytes in units, with an index.
+
+A unit (npz shard, zarr chunk) holds its images' payloads back to back plus, per image, its offset,
+its (H, W, C) shape and the CRC-32 of its payload. This carries both variable-size images
+(``resize="shorter"``, raw pixels) and compressed ones (JPEG): no pickles, no object arrays. Reads
+are grouped by unit like the pixel layout; every payload's CRC is checked before it is decoded, so a
+corrupt byte is an error naming the image and its unit, never wrong pixels.
+"""
+
+from __future__ import annotations
+
+import zlib
+from abc import abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from dlstore.errors import CacheCorruptError
+from dlstore.formats.base import CacheWriter, ChunkedReader, UnitCache, group_runs
+from dlstore.formats.codecs import (
+    DEFAULT_QUALITY,
+    ERROR_SAMPLE_EVERY,
+    ImageCodec,
+    PayloadError,
+    RawCodec,
+    error_sample,
+    get_codec,
+    is_image_codec,
+)
+from dlstore.spec import CacheSpec
+
+Images = np.ndarray | list[np.ndarray]
+PAYLOAD = "payload"  # format_options["layout"] of caches in this layout
+
+
+@dataclass
+class PayloadUnit:
+    """One unit's payloads (``data``, a uint8 buffer) and index; ``error``: (sum |err|, count)."""
+
+    data: Any
+    offsets: np.ndarray  # (n + 1,) int64
+    shapes: np.ndarray  # (n, 3) int32
+    crc: np.ndarray  # (n,) uint32
+    error: np.ndarray  # (2,) float64
+    ends: np.ndarray | None = None  # when payloads are not back to back: item j is offsets[j]:ends[j]
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def payload(self, j: int) -> memoryview:
+        end = self.offsets[j + 1] if self.ends is None else self.ends[j]
+        return memoryview(self.data)[int(self.offsets[j]) : int(end)]
+
+
+def payload_codec(options: dict[str, Any]) -> ImageCodec:
+    return get_codec(options.get("image_codec", "raw"), int(options.get("quality", DEFAULT_QUALITY)))
+
+
+class PayloadWriter(CacheWriter):
+    """Encodes a unit's images (in the converter's worker process) into a PayloadUnit; subclasses
+    store it. ``images`` may be one (B,H,W,C) array or a list of (H,W,C) arrays of any sizes. The
+    declared ``--codec`` is either an image codec (JPEG: each image encoded on its own, units stored
+    as they are) or the format's unit compressor over raw-pixel payloads."""
+
+    target_unit_bytes: ClassVar[int] = 4 << 20
+
+    def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
+        super().__init__(root, n, shape, options)
+        impl = self.codec.impl if self.codec is not None else None
+        quality = int(self.options.get("quality", DEFAULT_QUALITY))
+        self.image_codec: ImageCodec = impl(quality) if is_image_codec(impl) else RawCodec()
+        per_image = self.image_bytes // (10 if self.image_codec.lossy else 1)
+        self.unit_size = int(min(4096, max(1, self.target_unit_bytes // max(1, per_image))))
+
+    @property
+    def unit_compressed(self) -> bool:
+        """Whether the format's unit compressor applies (raw-pixel payloads only)."""
+        return not is_image_codec(self.codec.impl if self.codec is not None else None)
+
+    @staticmethod
+    def choose_unit_size(image_bytes: int) -> int:
+        return 1  # replaced in __init__, where the codec is known
+
+    def recorded_options(self) -> dict[str, Any]:
+        out = {**super().recorded_options(), "layout": PAYLOAD, "image_codec": self.image_codec.name}
+        if not self.image_codec.lossy:
+            out.pop("quality", None)
+        return out
+
+    def encode_unit(self, images: Images) -> PayloadUnit:
+        payloads = [self.image_codec.encode(np.asarray(img)) for img in images]
+        sizes = np.fromiter((len(p) for p in payloads), np.int64, len(payloads))
+        offsets = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        shapes = np.asarray([np.shape(img) for img in images], np.int32).reshape(-1, 3)
+        crc = np.fromiter((zlib.crc32(p) for p in payloads), np.uint32, len(payloads))
+        error = np.zeros(2, np.float64)
+        n = len(payloads)
+        for j in sorted(set(range(0, n, ERROR_SAMPLE_EVERY)) | ({1} if n > 1 else set())):
+            total, count = error_sample(self.image_codec, np.asarray(images[j]), payloads[j])
+            error += (total, count)
+        data = np.frombuffer(b"".join(payloads), np.uint8)
+        return PayloadUnit(data, offsets, shapes, crc, error)
+
+    @staticmethod
+    def mean_error(errors: list[np.ndarray]) -> float | None:
+        total = np.sum(errors, axis=0) if errors else np.zeros(2)
+        return round(float(total[0] / total[1]), 4) if total[1] else None
+
+
+def corrupt_at(position: int, message: str) -> CacheCorruptError:
+    """A CacheCorruptError that carries the storage position, so the Cache can name the dataset index."""
+    error = CacheCorruptError(message)
+    error.position = position  # type: ignore[attr-defined]
+    return error
+
+
+class PayloadReader(ChunkedReader):
+    """Reads payloads grouped by unit (units loaded in threads, the most recent kept), checks each
+    payload's CRC, decodes on the CPU in threads (``read_images``) or hands the bytes to a GPU decoder
+    (``read_payloads``). Traits: ``ragged`` (images differ in size), ``gpu_jpeg`` (payloads are JPEG
+    files nvJPEG can decode)."""
+
+    def __init__(
+        self, root: Path, spec: CacheSpec, in_memory: bool = False, unit: int = 1, max_units: int = 64
+    ) -> None:
+        super().__init__(root, spec, in_memory, unit=unit)
+        self.image_codec = payload_codec(spec.format_options)
+        self.ragged = spec.ragged
+        self.gpu_jpeg = self.image_codec.gpu_jpeg
+        self._units = UnitCache(max_units)
+
+    @abstractmethod
+    def unit_path(self, k: int) -> Path: ...
+
+    @abstractmethod
+    def load_payload_unit(self, k: int) -> PayloadUnit:
+        """Read unit k's payloads and index (CacheCorruptError naming the file when it cannot)."""
+
+    def load_unit(self, k: int) -> np.ndarray:
+        raise NotImplementedError("payload units are read with payload_unit()")
+
+    def payload_unit(self, k: int) -> PayloadUnit:
+        unit = self._units.lookup(k)  # type: ignore[assignment]
+        if unit is None:
+            unit = self.load_payload_unit(k)
+            self.check_index(k, unit)
+            self._units.put(k, unit)  # type: ignore[arg-type]
+        return unit  # type: ignore[return-value]
+
+    def check_index(self, k: int, unit: PayloadUnit) -> None:
+        count = min(self.unit, self.spec.n_stored - k * self.unit)
+        offsets = unit.offsets
+        if (
+            len(unit) < count
+            or unit.shapes.shape[1:] != (3,)
+            or len(offsets) != len(unit) + 1
+            or len(unit.crc) != len(unit)
+            or offsets[0] < 0
+            or offsets[-1] > len(unit.data)
+            or bool(np.any(np.diff(offsets) < 0))
+        ):
+            raise CacheCorruptError(
+                f"{self.unit_path(k)}: chunk {k}'s index is inconsistent ({len(unit)} entries, "
+                f"expected ≥ {count}); run `dlstore verify {self.root}` and rebuild"
+            )
+
+    def read_payloads(self, positions: np.ndarray) -> tuple[list[memoryview], np.ndarray]:
+        """Payloads (CRC-checked) and (B, 3) shapes of the images at ``positions``, in that order."""
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        order = np.argsort(positions, kind="stable")
+        sorted_pos = positions[order]
+        runs = group_runs(sorted_pos // self.unit)
+        payloads: list[memoryview] = [memoryview(b"")] * len(positions)
+        shapes = np.empty((len(positions), 3), np.int64)
+
+        def fetch(run: tuple[int, int, int]) -> None:
+            k, a, b = run
+            unit = self.payload_unit(k)
+            local = sorted_pos[a:b] - k * self.unit
+            starts = unit.offsets[local].tolist()
+            ends = (unit.offsets[local + 1] if unit.ends is None else unit.ends[local]).tolist()
+            view = memoryview(unit.data)
+            dst = order[a:b]
+            shapes[dst] = unit.shapes[local]
+            for d, j, s, e, crc in zip(dst.tolist(), local.tolist(), starts, ends, unit.crc[local].tolist()):
+                data = view[s:e]
+                if zlib.crc32(data) != crc:
+                    p = k * self.unit + j
+                    raise corrupt_at(
+                        p,
+                        f"{self.unit_path(k)}: the image at storage position {p} (chunk {k}, item {j}) "
+                        f"fails its CRC check: the cache is corrupt; run `dlstore verify {self.root}` "
+                        "and rebuild",
+                    )
+                payloads[d] = data
+
+        self.parallel(fetch, runs, sum(1 for _ in runs) << 22)
+        return payloads, shapes
+
+    def decode(self, payload: Any, shape: Any, position: int) -> np.ndarray:
+        """CPU decode of one payload; a failure names the image and its chunk."""
+        try:
+            return self.image_codec.decode(payload, tuple(int(s) for s in shape))  # type: ignore[arg-type]
+        except PayloadError as e:
+            k = position // self.unit
+            raise corrupt_at(
+                position,
+                f"{self.unit_path(k)}: the image at storage position {position} (chunk {k}) does not "
+                f"decode: {e}; rebuild the cache",
+            ) from None
+
+    def read_images(self, positions: np.ndarray) -> list[np.ndarray]:
+        """(H, W, C) uint8 images at ``positions``, decoded in this reader's threads."""
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        payloads, shapes = self.read_payloads(positions)
+        items = list(zip(payloads, shapes, positions.tolist()))
+        if len(items) > 1 and self.threads > 1 and self.image_codec.lossy:
+            return list(self._thread_pool().map(lambda it: self.decode(*it), items))
+        return [self.decode(*it) for it in items]
+
+    def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
+        """Fixed-size caches only (the Cache refuses ragged ones before getting here)."""
+        for i, img in enumerate(self.read_images(positions)):
+            if img.shape != out.shape[1:]:
+                raise CacheCorruptError(f"{self.root}: image of shape {img.shape} in a {out.shape[1:]} cache")
+            out[i] = img

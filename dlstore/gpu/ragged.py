@@ -1,0 +1,256 @@
+"""Crops of variable-size images to one fixed size, batched on the device.
+
+A ragged cache (``resize="shorter"``) keeps each image's aspect ratio, so a decoded batch is a list of
+``(C, H_i, W_i)`` uint8 tensors. ``RaggedRandomResizedCrop`` draws one crop per image over its *whole*
+field of view with torchvision's ``RandomResizedCrop.get_params`` distribution (10 attempts, same
+central fallback), flips, and resamples every crop to ``size`` in one batched gather;
+``RaggedCenterCrop`` is the evaluation counterpart (torchvision ``Resize(size / crop_fraction)`` +
+``CenterCrop(size)``, as a centred square of ``crop_fraction`` × the shorter side)::
+
+    crop = RaggedRandomResizedCrop(224, mean=IMAGENET_MEAN, std=IMAGENET_STD,
+                                   out_dtype=torch.bfloat16, channels_last=True).cuda()
+    x = crop(images)          # images: list of uint8 (3, H_i, W_i) on the GPU -> (B, 3, 224, 224)
+
+Geometry: the images are concatenated into one flat uint8 buffer (one ``cat``, no padding, no
+per-image launches); every output pixel gathers its four neighbours there. Sampling positions follow
+``interpolate(..., align_corners=False)`` (pixel ``i`` covers ``[i, i+1)``, no antialiasing) and are
+clamped to each crop, so the pixels equal torchvision's ``resized_crop(..., antialias=False)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dlstore.gpu.augment import _CROP_ATTEMPTS, _channel_affine, _check_channels, _pair
+
+__all__ = ["RaggedCenterCrop", "RaggedRandomResizedCrop", "flat_batch", "sample_crop_boxes"]
+
+
+def flat_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The uint8 (C, H_i, W_i) images back to back in one flat buffer (one ``cat``: no per-image copy
+    launches, no padding), with each image's start, height and width as (B,) int64 tensors."""
+    if not images:
+        raise ValueError("empty batch")
+    c = images[0].shape[0]
+    for img in images:
+        if img.dtype != torch.uint8 or img.ndim != 3 or img.shape[0] != c:
+            raise ValueError(f"expected uint8 (C={c}, H, W) tensors, got {img.dtype}{tuple(img.shape)}")
+    dev = images[0].device
+    flat = torch.cat([img.reshape(-1) for img in images])
+    sizes = torch.tensor([[img.shape[1], img.shape[2]] for img in images], dtype=torch.int64)
+    starts = torch.zeros(len(images), dtype=torch.int64)
+    starts[1:] = torch.cumsum(sizes[:, 0] * sizes[:, 1] * c, 0)[:-1]
+    sizes, starts = sizes.to(dev, non_blocking=True), starts.to(dev, non_blocking=True)
+    return flat, starts, sizes[:, 0], sizes[:, 1]
+
+
+def sample_crop_boxes(
+    heights: torch.Tensor,
+    widths: torch.Tensor,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchvision ``RandomResizedCrop.get_params`` for every image at once, each with its own size:
+    (top, left, height, width) int64 tensors on the device of ``heights``."""
+    dev = heights.device
+    b = heights.numel()
+    h_img, w_img = heights.to(torch.float64), widths.to(torch.float64)
+    area = (h_img * w_img).unsqueeze(1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.rand(*shape, generator=generator, device=dev, dtype=torch.float64)
+
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    target = area * (scale[0] + (scale[1] - scale[0]) * rand(b, _CROP_ATTEMPTS))
+    aspect = torch.exp(log_lo + (log_hi - log_lo) * rand(b, _CROP_ATTEMPTS))
+    w_c = torch.round(torch.sqrt(target * aspect)).long()
+    h_c = torch.round(torch.sqrt(target / aspect)).long()
+    valid = (w_c > 0) & (w_c <= widths.unsqueeze(1)) & (h_c > 0) & (h_c <= heights.unsqueeze(1))
+    first = valid.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first valid attempt
+    any_valid = valid.any(dim=1)
+    h_acc, w_acc = h_c.gather(1, first).squeeze(1), w_c.gather(1, first).squeeze(1)
+    top_acc = torch.minimum((rand(b) * (heights - h_acc + 1)).long(), heights - h_acc)
+    left_acc = torch.minimum((rand(b) * (widths - w_acc + 1)).long(), widths - w_acc)
+    fb_top, fb_left, fb_h, fb_w = _fallback_boxes(heights, widths, ratio)
+    return (
+        torch.where(any_valid, top_acc, fb_top),
+        torch.where(any_valid, left_acc, fb_left),
+        torch.where(any_valid, h_acc, fb_h),
+        torch.where(any_valid, w_acc, fb_w),
+    )
+
+
+def _fallback_boxes(
+    heights: torch.Tensor, widths: torch.Tensor, ratio: tuple[float, float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchvision's central-crop fallback, per image (float64 like Python's floats; round half even)."""
+    hf, wf = heights.to(torch.float64), widths.to(torch.float64)
+    in_ratio = wf / hf
+    lo, hi = min(ratio), max(ratio)
+    w = torch.where(in_ratio > hi, torch.round(hf * hi).long(), widths)
+    h = torch.where(in_ratio < lo, torch.round(wf / lo).long(), heights)
+    return (heights - h) // 2, (widths - w) // 2, h, w
+
+
+def center_boxes(
+    heights: torch.Tensor, widths: torch.Tensor, crop_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A centred square of ``crop_fraction`` × the shorter side (torchvision CenterCrop's rounding)."""
+    side = torch.clamp(torch.round(torch.minimum(heights, widths) * crop_fraction).long(), min=1)
+    top = torch.round((heights - side).double() / 2).long()
+    left = torch.round((widths - side).double() / 2).long()
+    return top, left, side, side
+
+
+class _RaggedCrop(torch.nn.Module):
+    def __init__(
+        self,
+        size: int | tuple[int, int],
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+        out_dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+    ) -> None:
+        super().__init__()
+        if not out_dtype.is_floating_point:
+            raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype}")
+        self.size = _pair(size)
+        self.out_dtype, self.channels_last = out_dtype, channels_last
+        mul, add = _channel_affine(mean, std)
+        self._mul: torch.Tensor
+        self._add: torch.Tensor
+        self.register_buffer("_mul", mul, persistent=False)
+        self.register_buffer("_add", add, persistent=False)
+
+    def boxes(
+        self, heights: torch.Tensor, widths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(top, left, height, width, flip) per image."""
+        raise NotImplementedError
+
+    def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
+        """A list of uint8 (C, H_i, W_i) tensors (or one (B, C, H, W) batch) → (B, C, *size)."""
+        if isinstance(images, torch.Tensor):
+            images = list(images.unbind(0))
+        flat, starts, heights, widths = flat_batch(images)
+        channels = images[0].shape[0]
+        _check_channels(self._mul, channels)
+        top, left, h, w, flip = self.boxes(heights, widths)
+        sx, sy = crop_coords(top, left, h, w, flip, self.size)
+        out = bilinear_gather(flat, starts, heights, widths, channels, sx, sy)
+        out = torch.addcmul(self._add.view(1, -1, 1, 1), out, self._mul.view(1, -1, 1, 1))
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        return out.to(dtype=self.out_dtype, memory_format=fmt)
+
+
+def crop_coords(
+    top: torch.Tensor,
+    left: torch.Tensor,
+    h: torch.Tensor,
+    w: torch.Tensor,
+    flip: torch.Tensor,
+    size: tuple[int, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Source positions (pixel-centre coordinates) of each crop's output columns (B, out_w) and rows
+    (B, out_h): interpolate's ``align_corners=False`` mapping, clamped to the crop as interpolate clamps
+    to its input, so the pixels equal torchvision's resized_crop(antialias=False)."""
+    out_h, out_w = size
+    dev = top.device
+    xs = torch.arange(out_w, device=dev, dtype=torch.float32)
+    ys = torch.arange(out_h, device=dev, dtype=torch.float32)
+    xs = torch.where(flip.unsqueeze(1), out_w - 1 - xs, xs)
+    sx = left.unsqueeze(1) + (xs + 0.5) * (w.unsqueeze(1).float() / out_w) - 0.5
+    sy = top.unsqueeze(1) + (ys.unsqueeze(0) + 0.5) * (h.unsqueeze(1).float() / out_h) - 0.5
+    sx = torch.minimum(torch.maximum(sx, left.unsqueeze(1).float()), (left + w - 1).unsqueeze(1).float())
+    sy = torch.minimum(torch.maximum(sy, top.unsqueeze(1).float()), (top + h - 1).unsqueeze(1).float())
+    return sx, sy
+
+
+def bilinear_gather(
+    flat: torch.Tensor,
+    starts: torch.Tensor,
+    heights: torch.Tensor,
+    widths: torch.Tensor,
+    channels: int,
+    sx: torch.Tensor,
+    sy: torch.Tensor,
+) -> torch.Tensor:
+    """float32 (B, C, out_h, out_w): bilinear samples at (sy, sx) of each image in the flat buffer."""
+    x0f, y0f = sx.floor(), sy.floor()
+    wx, wy = (sx - x0f).unsqueeze(1).unsqueeze(2), (sy - y0f).unsqueeze(1).unsqueeze(3)
+    x0, y0 = x0f.long(), y0f.long()
+    x1 = torch.minimum(x0 + 1, (widths - 1).unsqueeze(1))
+    y1 = torch.minimum(y0 + 1, (heights - 1).unsqueeze(1))
+    plane = heights * widths
+    chan = starts.unsqueeze(1) + torch.arange(channels, device=flat.device) * plane.unsqueeze(1)  # (B, C)
+    w_ = widths.unsqueeze(1)
+    row0 = (chan.unsqueeze(2) + (y0 * w_).unsqueeze(1)).unsqueeze(3)  # (B, C, out_h, 1)
+    row1 = (chan.unsqueeze(2) + (y1 * w_).unsqueeze(1)).unsqueeze(3)
+    col0, col1 = x0.unsqueeze(1).unsqueeze(2), x1.unsqueeze(1).unsqueeze(2)  # (B, 1, 1, out_w)
+
+    def px(rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        return flat[rows + cols].float()
+
+    top_row = torch.lerp(px(row0, col0), px(row0, col1), wx)
+    bottom_row = torch.lerp(px(row1, col0), px(row1, col1), wx)
+    return torch.lerp(top_row, bottom_row, wy)
+
+
+class RaggedRandomResizedCrop(_RaggedCrop):
+    """RandomResizedCrop (+ horizontal flip, + normalise) of variable-size images, batched.
+
+    Args: ``size``, ``scale``, ``ratio`` as torchvision's; ``hflip_p`` flip probability; ``mean``/``std``
+    in [0, 1] units (else the output is scaled to [0, 1]); ``out_dtype``; ``channels_last``;
+    ``generator`` on the device of the images (None: the device's default).
+    """
+
+    def __init__(
+        self,
+        size: int | tuple[int, int],
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
+        hflip_p: float = 0.5,
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+        out_dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        super().__init__(size, mean, std, out_dtype, channels_last)
+        if not (0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1]):
+            raise ValueError(f"need 0 < min <= max for scale {scale} and ratio {ratio}")
+        self.scale, self.ratio, self.hflip_p, self.generator = scale, ratio, hflip_p, generator
+
+    def boxes(
+        self, heights: torch.Tensor, widths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        top, left, h, w = sample_crop_boxes(heights, widths, self.scale, self.ratio, self.generator)
+        flip = torch.rand(heights.numel(), generator=self.generator, device=heights.device) < self.hflip_p
+        return top, left, h, w, flip
+
+
+class RaggedCenterCrop(_RaggedCrop):
+    """Evaluation crop: a centred square of ``crop_fraction`` × the shorter side, resized to ``size``."""
+
+    def __init__(
+        self,
+        size: int | tuple[int, int],
+        crop_fraction: float = 0.875,
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+        out_dtype: torch.dtype = torch.float32,
+        channels_last: bool = False,
+    ) -> None:
+        super().__init__(size, mean, std, out_dtype, channels_last)
+        if not 0 < crop_fraction <= 1:
+            raise ValueError(f"crop_fraction must be in (0, 1], got {crop_fraction}")
+        self.crop_fraction = crop_fraction
+
+    def boxes(
+        self, heights: torch.Tensor, widths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        top, left, h, w = center_boxes(heights, widths, self.crop_fraction)
+        return top, left, h, w, torch.zeros_like(top, dtype=torch.bool)

@@ -1,0 +1,61 @@
+"""The JPEG cache on CUDA: nvJPEG batched decode and the ragged GPU crop (``pytest -m gpu``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from dlstore import convert, open_cache
+from dlstore.formats import FORMATS
+from dlstore.gpu.ragged import RaggedRandomResizedCrop, bilinear_gather, crop_coords, flat_batch
+from dlstore.read.gpu_decode import DecodeLoader, decode_on_device
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
+
+
+@pytest.fixture(scope="module")
+def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("cuda-jpeg") / "c"
+    convert(image_tree, dest, format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2)
+    return dest
+
+
+def test_nvjpeg_decode_is_close_to_pillow(jpeg_cache: Path) -> None:
+    cache = open_cache(jpeg_cache)
+    index = np.arange(len(cache))
+    payloads, shapes = cache.read_payloads(index)
+    out, fallbacks = decode_on_device(cache, payloads, shapes, cache.positions[index], torch.device("cuda"))
+    assert fallbacks == 0 and all(t.is_cuda for t in out)
+    for gpu, cpu in zip(out, cache.read_images(index)):
+        diff = (gpu.permute(1, 2, 0).cpu().int() - torch.from_numpy(cpu).int()).abs().float().mean()
+        assert diff < 1.5
+
+
+def test_ragged_crop_on_cuda_equals_cpu(jpeg_cache: Path) -> None:
+    images = [
+        torch.from_numpy(a).permute(2, 0, 1).contiguous()
+        for a in open_cache(jpeg_cache).read_images(range(8))
+    ]
+    boxes = [(0, 0, min(a.shape[1:]), min(a.shape[1:])) for a in images]
+    top, left, h, w = (torch.tensor(v) for v in zip(*boxes))
+    flip = torch.zeros(8, dtype=torch.bool)
+    outs = []
+    for dev in ("cpu", "cuda"):
+        flat, starts, heights, widths = flat_batch([a.to(dev) for a in images])
+        sx, sy = crop_coords(top.to(dev), left.to(dev), h.to(dev), w.to(dev), flip.to(dev), (16, 16))
+        outs.append(bilinear_gather(flat, starts, heights, widths, 3, sx, sy).cpu())
+    assert torch.allclose(outs[0], outs[1], atol=1e-3)
+
+
+def test_decode_loader_on_cuda(jpeg_cache: Path) -> None:
+    crop = RaggedRandomResizedCrop(16, out_dtype=torch.bfloat16, channels_last=True).cuda()
+    loader = DecodeLoader(jpeg_cache, batch_size=4, transform=crop, device="cuda")
+    seen = 0
+    for images, labels in loader:
+        assert images.is_cuda and images.shape == (4, 3, 16, 16) and labels.is_cuda
+        seen += len(images)
+    assert seen == len(loader) * 4 and loader.stats.gpu_images == seen and loader.stats.cpu_fallbacks == 0
