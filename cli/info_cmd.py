@@ -33,7 +33,9 @@ def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | 
         f"{dest}: dlstore {spec.format} cache (spec v{spec.spec_version}, dlstore {spec.dlstore_version})"
     )
     click.echo(
-        f"  images    {spec.n:,} of {h}x{w}x{c} uint8"
+        f"  images    {spec.n:,} of "
+        + (f"shorter side {h} (sizes vary), {c} channel(s)" if spec.ragged else f"{h}x{w}x{c}")
+        + " uint8"
         + (f" ({spec.n_stored - spec.n} skipped at conversion)" if spec.n_stored != spec.n else "")
     )
     click.echo(

@@ -333,7 +333,7 @@ class ZarrPayloadReader(PayloadReader):
 
     def __init__(self, root: Path, spec: Any, in_memory: bool = False) -> None:
         unit, self.decompress = parse_payload_meta(Path(root) / "images" / "zarr.json", spec.n_stored)
-        super().__init__(root, spec, in_memory, unit=unit, max_units=256)
+        super().__init__(root, spec, in_memory, unit=unit, max_units=64)  # ~4 MB chunks: 256 MB
 
     def unit_path(self, k: int) -> Path:
         return self.root / "images" / "c" / str(k)
