@@ -153,8 +153,9 @@ class NpzPayloadReader(PayloadReader):
     def __init__(self, root: Path, spec: Any, in_memory: bool = False) -> None:
         super().__init__(root, spec, in_memory, unit=int(spec.format_options["unit_size"]), max_units=8)
 
-    def unit_path(self, k: int) -> Path:
-        return self.root / shard_name(k)
+    @classmethod
+    def unit_file(cls, k: int) -> str:
+        return shard_name(k)
 
     def load_payload_unit(self, k: int) -> PayloadUnit:
         path = self.unit_path(k)

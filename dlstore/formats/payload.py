@@ -131,8 +131,8 @@ class PayloadReader(ChunkedReader):
         self.gpu_jpeg = self.image_codec.gpu_jpeg
         self._units = UnitCache(max_units)
 
-    @abstractmethod
-    def unit_path(self, k: int) -> Path: ...
+    def unit_path(self, k: int) -> Path:
+        return self.root / self.unit_file(k)
 
     @abstractmethod
     def load_payload_unit(self, k: int) -> PayloadUnit:

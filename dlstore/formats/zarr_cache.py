@@ -24,6 +24,7 @@ from dlstore.formats.base import BufferPool, CacheWriter, ChunkedReader
 from dlstore.formats.codecs import quality_option
 from dlstore.formats.describe import Codec, CodecTable
 from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter
+from dlstore.spec import CacheSpec
 
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
 
@@ -335,8 +336,23 @@ class ZarrPayloadReader(PayloadReader):
         unit, self.decompress = parse_payload_meta(Path(root) / "images" / "zarr.json", spec.n_stored)
         super().__init__(root, spec, in_memory, unit=unit, max_units=64)  # ~4 MB chunks: 256 MB
 
-    def unit_path(self, k: int) -> Path:
-        return self.root / "images" / "c" / str(k)
+    @classmethod
+    def unit_file(cls, k: int) -> str:
+        return f"images/c/{k}"
+
+    @classmethod
+    def unit_and_index_files(cls, k: int) -> list[str]:
+        """Every file a read of unit k opens: the payloads, then its shapes and CRCs."""
+        return [cls.unit_file(k), f"shapes/c/{k}/0", f"crc/c/{k}"]
+
+    @classmethod
+    def unit_files(cls, spec: CacheSpec) -> list[str]:
+        unit = int(spec.format_options["unit_size"])
+        return [f for k in range(-(-spec.n_stored // unit)) for f in cls.unit_and_index_files(k)]
+
+    def files_for(self, positions: np.ndarray) -> list[str]:
+        units = np.unique(np.asarray(positions) // self.unit)
+        return [f for k in units.tolist() for f in self.unit_and_index_files(k)]
 
     def load_payload_unit(self, k: int) -> PayloadUnit:
         path = self.unit_path(k)

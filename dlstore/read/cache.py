@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -19,6 +20,8 @@ from dlstore.formats import get_format
 from dlstore.read.remote import open_mirror
 from dlstore.read.stores import parse_store_path
 from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
+
+T = TypeVar("T")
 
 
 class Cache:
@@ -110,30 +113,28 @@ class Cache:
 
     def read_images(self, indices: np.ndarray | list[int]) -> list[np.ndarray]:
         """(H, W, C) uint8 images in the order of ``indices``, of any sizes (every format and layout)."""
-        index = np.asarray(indices, dtype=np.int64).reshape(-1)
-        pos = self.storage_positions(index)
-        read_images = getattr(self.reader, "read_images", None)
-        if read_images is None:  # pixel layouts: one batched read
-            return list(self.read(index))
-        try:
-            images = read_images(pos)
-        except DlstoreError as e:
-            raise SampleReadError(
-                f"reading dataset {self._name_failing(index, pos, e)} from {self.root}: {e}"
-            ) from e
-        self.check_generation()
-        return images
+        if getattr(self.reader, "read_images", None) is None:  # pixel layouts: one batched read
+            return list(self.read(indices))
+        return self._read_payload_layout(indices, self.reader.read_images)  # type: ignore[attr-defined]
 
     def read_payloads(self, indices: np.ndarray | list[int]) -> tuple[list[memoryview], np.ndarray]:
         """Encoded payloads (CRC-checked) and (B, 3) shapes, for a decoder elsewhere (the GPU); payload
         layouts only (``reader.gpu_jpeg`` says whether nvJPEG can decode them)."""
+        return self._read_payload_layout(indices, self.reader.read_payloads)  # type: ignore[attr-defined]
+
+    def _read_payload_layout(self, indices: np.ndarray | list[int], read: Callable[[np.ndarray], T]) -> T:
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
         pos = self.storage_positions(index)
         try:
-            result = self.reader.read_payloads(pos)  # type: ignore[attr-defined]
+            if self.mirror is None:
+                result = read(pos)
+            else:
+                with self.mirror.reading():  # fetched units stay until read (eviction waits)
+                    self.mirror.ensure(self.reader.files_for(pos))
+                    result = read(pos)
         except DlstoreError as e:
             raise SampleReadError(
-                f"reading dataset {self._name_failing(index, pos, e)} from {self.root}: {e}"
+                f"reading dataset {self._name_failing(index, pos, e)} from {self.location}: {e}"
             ) from e
         self.check_generation()
         return result

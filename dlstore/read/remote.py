@@ -260,7 +260,7 @@ def open_mirror(
 
     store = RemoteStore(url, storage_options)
     raw, spec = fetch_manifest(store)
-    lazy = get_format(spec.format).reader.unit_files(spec)
+    lazy = get_format(spec.format).reader_for(spec).unit_files(spec)
     return RemoteMirror(store, lazy, cache_dir, cache_bytes, manifest=(raw, spec))
 
 
