@@ -20,6 +20,7 @@ import dlstore.read.stores as stores
 from dlstore import CachedDataset, convert, open_cache, verify
 from dlstore.cli import main
 from dlstore.errors import CacheExistsError, CacheNotFoundError, SampleReadError
+from dlstore.formats import FORMATS
 from dlstore.read.loaders import PinnedLoader
 from dlstore.read.stores import RemoteStore
 
@@ -274,3 +275,16 @@ def test_cli_convert_info_verify_bench_with_a_url(s3: dict, tree: Path, tmp_path
     assert res.exit_code == 0, res.output
     run = json.loads((tmp_path / "b" / "result.json").read_text())
     assert run["loaders"]["npz"]["cache"] == url("cli") and run["loaders"]["npz"]["remote"]
+
+
+@pytest.mark.parametrize("fmt", [f.name for f in FORMATS.values() if f.ragged_ok])
+def test_jpeg_ragged_cache_on_s3_reads_the_same_images(
+    s3: dict, tree: Path, tmp_path: Path, fmt: str
+) -> None:
+    kw: dict[str, Any] = {"codec": "jpeg", "resize": "shorter"}
+    conv(tree, tmp_path / "local", fmt, **kw)
+    conv(tree, url(f"jpeg-{fmt}"), fmt, **kw)
+    local = open_cache(tmp_path / "local").read_images(np.arange(24))
+    remote = open_cache(url(f"jpeg-{fmt}"), cache_dir=tmp_path / "mirror").read_images(np.arange(24))
+    assert all(np.array_equal(a, b) for a, b in zip(local, remote))
+    assert verify(url(f"jpeg-{fmt}")).ok
