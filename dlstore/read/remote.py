@@ -86,6 +86,7 @@ class RemoteMirror:
         self.path.mkdir(parents=True, exist_ok=True)
         self._lock_fd = -1
         self._lock_pid = -1
+        self._grown = True  # a download since the last size check: only then can eviction be due
         self._prefetcher: ThreadPoolExecutor | None = None
         self._prefetcher_pid = -1
         if not (self.path / MANIFEST).is_file():
@@ -152,6 +153,7 @@ class RemoteMirror:
                 self.check_generation()  # a rebuilt cache says so; a damaged object keeps its error
                 raise
             os.replace(tmp, final)
+            self._grown = True
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -203,7 +205,11 @@ class RemoteMirror:
     # --- bounded size --------------------------------------------------------------------------------
 
     def evict_if_over(self) -> None:
-        """Remove least recently used data units until the mirror folder is within ``cache_bytes``."""
+        """Remove least recently used data units until the mirror folder is within ``cache_bytes``.
+        Only after a download: a warm epoch pays no directory scan per batch."""
+        if not self._grown:
+            return
+        self._grown = False
         units = [(p.stat(), p) for rel in self.lazy if (p := self.path / rel).is_file()]
         total = sum(st.st_size for st, _ in units)
         if total <= self.cache_bytes:
