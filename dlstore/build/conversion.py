@@ -23,6 +23,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wai
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 from warnings import warn
@@ -83,6 +84,8 @@ class ConvertResult:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     up_to_date: bool = False  # DEST already held this cache (same source and options): nothing done
+    # Where the time went (seconds): main-process phases, and worker time summed over workers.
+    stages: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,6 +150,7 @@ def convert(
     """
     given = dict(locals())  # exactly the arguments: a URL DEST re-runs this with a local spool folder
     t0 = time.perf_counter()
+    stages: dict[str, float] = {}
     dest = parse_store_path(dest)
     if isinstance(dest, str):
         from dlstore.build.publish import convert_to_store
@@ -210,6 +214,7 @@ def convert(
             progress(sum(len(writer.unit_range(k)) for k in staging.done))
         job = Job(src, policy, writer, strict, decode_timeout, order)
         budget = BadBudget(len(src), max_bad, staging)
+        stages["setup_s"] = time.perf_counter() - t0
         if cluster is None:
             n_workers = resolve_workers(workers, len(todo))
             run_units(job, todo, n_workers, staging, budget, progress)
@@ -217,12 +222,16 @@ def convert(
             with dask_client(cluster) as client:
                 n_workers = count_workers(client)
                 run_units(job, todo, n_workers, staging, budget, progress, client)
+        stages.update(budget.stages(n_workers))
         bad = staging.bad()
         check_bad_fraction(bad, len(src), max_bad)
         try:
             with disk_full_as_error(writer, "finishing the cache (labels, checksums, manifest)"):
-                spec = finalize(src, policy, writer, fmt.name, staging, bad, order)
+                t_fin = time.perf_counter()
+                spec = finalize(src, policy, writer, fmt.name, staging, bad, order, stages)
+                stages["finalize_s"] = time.perf_counter() - t_fin
                 staging.commit(overwrite)
+                stages["commit_s"] = time.perf_counter() - t_fin - stages["finalize_s"]
         except KeyboardInterrupt:
             raise ConvertError(
                 f"interrupted: {done_images(writer, staging)} of {writer.n} done (while finishing); "
@@ -244,6 +253,7 @@ def convert(
         resumed_units=writer.n_units - len(todo),
         skipped=bad,
         warnings=warnings,
+        stages=stages,
     )
 
 
@@ -422,12 +432,20 @@ def time_limit(seconds: float, hard: bool) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def decode_one(job: Job, i: int) -> tuple[np.ndarray, str]:
-    """Image i and the sha256 of its file, or ImageDecodeError naming the file."""
+def decode_one(job: Job, i: int, times: dict[str, float] | None = None) -> tuple[np.ndarray, str]:
+    """Image i and the sha256 of its file, or ImageDecodeError naming the file; ``times`` accumulates
+    the seconds spent decoding (and resizing) and hashing."""
     path = job.src.names[i]
     try:
         with time_limit(job.decode_timeout, job.hard_limit):
-            return job.src.decode(i, job.policy), job.src.digest(i)
+            t0 = time.perf_counter()
+            image = job.src.decode(i, job.policy)
+            t1 = time.perf_counter()
+            digest = job.src.digest(i)
+            if times is not None:
+                times["decode"] += t1 - t0
+                times["digest"] += time.perf_counter() - t1
+            return image, digest
     except DecodeTimeout:
         raise ImageDecodeError(
             f"{path}: decoding took longer than {job.decode_timeout:g} s; skipped "
@@ -435,7 +453,8 @@ def decode_one(job: Job, i: int) -> tuple[np.ndarray, str]:
         ) from None
 
 
-UnitResult = tuple[int, list[dict[str, Any]], list[str]]
+# (unit, undecodable images, file digests, timings: decode/digest/write seconds, start/end stamps)
+UnitResult = tuple[int, list[dict[str, Any]], list[str], dict[str, float]]
 
 
 def convert_unit(k: int) -> UnitResult:
@@ -446,6 +465,7 @@ def convert_unit(k: int) -> UnitResult:
 
 def convert_job_unit(job: Job, k: int) -> UnitResult:
     """``convert_unit`` with the job passed in: a Dask task (the job is scattered once per worker)."""
+    times = {"start": time.monotonic(), "decode": 0.0, "digest": 0.0}
     r = job.writer.unit_range(k)
     # Variable-size images (resize "shorter") go to the writer as a list; a skipped one as a 1x1 black
     # placeholder that no dataset index maps to.
@@ -455,7 +475,7 @@ def convert_job_unit(job: Job, k: int) -> UnitResult:
     for j, s in enumerate(r):
         i = int(job.order[s])
         try:
-            image, digest = decode_one(job, i)
+            image, digest = decode_one(job, i, times)
         except ImageDecodeError as e:
             if job.strict:
                 raise
@@ -468,8 +488,10 @@ def convert_job_unit(job: Job, k: int) -> UnitResult:
             out[j] = image
         digests.append(digest)
     with disk_full_as_error(job.writer, f"writing unit {k}"):
+        t0 = time.perf_counter()
         job.writer.write_unit(k, out)  # durable when it returns: the journal may record it
-    return k, bad, digests
+        times.update(write=time.perf_counter() - t0, end=time.monotonic())
+    return k, bad, digests, times
 
 
 class BadBudget:
@@ -477,12 +499,40 @@ class BadBudget:
 
     def __init__(self, n: int, max_bad: float, staging: Staging) -> None:
         self.n, self.max_bad, self.staging = n, max_bad, staging
+        self.started = time.monotonic()  # reset when the units are handed out
+        self.journal_s = 0.0
+        self.worker: dict[str, float] = {"decode": 0.0, "digest": 0.0, "write": 0.0}
+        self.starts: list[float] = []
+        self.ends: list[float] = []
 
-    def record(self, result: UnitResult) -> None:
-        k, bad, digests = result
-        self.staging.record(k, bad, digests)
-        if bad:
+    def record(self, results: list[UnitResult]) -> None:
+        """Journal finished units, with one fsync for all of them."""
+        t0 = time.perf_counter()
+        self.staging.record_many([(k, bad, digests) for k, bad, digests, _ in results])
+        self.journal_s += time.perf_counter() - t0
+        for *_, times in results:
+            for key in self.worker:
+                self.worker[key] += times.get(key, 0.0)
+            self.starts.append(times["start"])
+            self.ends.append(times["end"])
+        if any(bad for _, bad, _, _ in results):
             check_bad_fraction(self.staging.bad(), self.n, self.max_bad, final=False)
+
+    def stages(self, n_workers: int) -> dict[str, float]:
+        """Seconds: units handed out → first unit started (process start-up), the run, the main
+        process's journaling, worker time by kind (summed over workers) and what was left over."""
+        now = time.monotonic()
+        run = now - self.started
+        out = {
+            "workers": float(n_workers),
+            "run_s": run,
+            "startup_s": min(self.starts) - self.started if self.starts else 0.0,
+            "journal_s": self.journal_s,
+            "after_last_unit_s": now - max(self.ends) if self.ends else 0.0,
+        }
+        out.update({f"workers_{k}_s": v for k, v in self.worker.items()})
+        out["workers_other_or_idle_s"] = max(0.0, n_workers * run - sum(self.worker.values()))
+        return out
 
 
 def run_units(
@@ -535,14 +585,21 @@ def done_images(writer: CacheWriter, staging: Staging) -> int:
 
 def finish_unit(job: Job, budget: BadBudget, progress: Progress | None, result: UnitResult) -> None:
     """In the driver: journal a finished unit, then report its images."""
-    budget.record(result)
+    finish_units(job, budget, progress, [result])
+
+
+def finish_units(job: Job, budget: BadBudget, progress: Progress | None, results: list[UnitResult]) -> None:
+    """Several finished units: one journal fsync for all of them, then report their images."""
+    budget.record(results)
     if progress:
-        progress(len(job.writer.unit_range(result[0])))
+        for res in results:
+            progress(len(job.writer.unit_range(res[0])))
 
 
 def run_in_process(job: Job, todo: list[int], budget: BadBudget, progress: Progress | None) -> None:
     global _JOB
     _JOB = job
+    budget.started = time.monotonic()
     for k in todo:
         finish_unit(job, budget, progress, convert_unit(k))
 
@@ -551,13 +608,20 @@ def run_in_pool(
     job: Job, todo: list[int], n_workers: int, budget: BadBudget, progress: Progress | None
 ) -> None:
     ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    budget.started = time.monotonic()
     pool = ProcessPoolExecutor(n_workers, mp_context=ctx, initializer=_init_worker, initargs=(job,))
+    # A bounded window of submitted units: ``wait`` walks every pending future on each call, so
+    # submitting all units at once costs O(units²) in the main process on large datasets.
+    queue = iter(todo)
     try:
-        pending: set[Future[UnitResult]] = {pool.submit(convert_unit, k) for k in todo}
+        pending: set[Future[UnitResult]] = {
+            pool.submit(convert_unit, k) for k in islice(queue, 4 * n_workers)
+        }
         while pending:
             finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for fut in finished:
-                finish_unit(job, budget, progress, fut.result())  # re-raises a worker's error here
+            results = [fut.result() for fut in finished]  # re-raises a worker's error here
+            pending |= {pool.submit(convert_unit, k) for k in islice(queue, len(finished))}
+            finish_units(job, budget, progress, results)
     except BaseException:
         stop_pool(pool)
         raise
@@ -602,6 +666,7 @@ def finalize(
     staging: Staging,
     bad: list[dict[str, Any]],
     order: np.ndarray,
+    stages: dict[str, float] | None = None,
 ) -> CacheSpec:
     root = staging.path
     inverse = np.empty_like(order)
@@ -619,7 +684,12 @@ def finalize(
     source_record(src, staging, writer, order).save(root / SOURCE_RECORD)
     write_json_durably(root / SKIPPED_FILE, json.dumps(bad + unlisted(src), indent=1))
     remove_temp_files(root)
+    t0 = time.perf_counter()
     sync_tree(root)  # every data file durable before the manifest that declares the cache complete
+    t1 = time.perf_counter()
+    checksums = checksum_tree(root, exclude=(MANIFEST,))
+    if stages is not None:
+        stages.update(sync_tree_s=t1 - t0, checksums_s=time.perf_counter() - t1)
     spec = CacheSpec(
         format=fmt,
         n=len(src) - len(bad),
@@ -629,7 +699,7 @@ def finalize(
         image=policy,
         format_options=writer.recorded_options(),
         source={**src.info(), **root_facts(src, staging.dest), "plan": staging.plan},
-        checksums=checksum_tree(root, exclude=(MANIFEST,)),
+        checksums=checksums,
         dlstore_version=__version__,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     )

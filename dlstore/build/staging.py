@@ -179,12 +179,22 @@ class Staging:
 
     def record(self, unit: int, bad: list[dict[str, Any]], digests: list[str] | None = None) -> None:
         """Journal a unit as done, after its data is durable (the writer fsyncs)."""
+        self.record_many([(unit, bad, digests or [])])
+
+    def record_many(self, units: list[tuple[int, list[dict[str, Any]], list[str]]]) -> None:
+        """Journal several durable units with one fsync (lines, so a torn last line is ignored)."""
+        if not units:
+            return
+        lines = "".join(
+            json.dumps({"unit": k, "bad": bad, "sha256": digests or []}) + "\n" for k, bad, digests in units
+        )
         with open(self.journal / "done.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({"unit": unit, "bad": bad, "sha256": digests or []}) + "\n")
+            f.write(lines)
             f.flush()
             os.fsync(f.fileno())
-        self.done[unit] = bad
-        self.digests[unit] = digests or []
+        for k, bad, digests in units:
+            self.done[k] = bad
+            self.digests[k] = digests or []
 
     def bad(self) -> list[dict[str, Any]]:
         return sorted((b for bad in self.done.values() for b in bad), key=lambda b: b["index"])

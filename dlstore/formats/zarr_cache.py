@@ -178,7 +178,10 @@ def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any] | None:
     if rest[0]["name"] == "zstd":
         from numcodecs.zstd import Zstd
 
-        return Zstd().decode
+        from dlstore.formats.zstd_direct import direct_zstd_decoder
+
+        direct = direct_zstd_decoder()  # one context per thread instead of one per chunk
+        return direct.decode if direct is not None else Zstd().decode
     from numcodecs.blosc import Blosc
 
     return Blosc().decode

@@ -1,0 +1,117 @@
+"""zstd chunk decoding with one reusable decompression context per thread.
+
+numcodecs' ``Zstd.decode`` calls ``ZSTD_decompress``, which creates and frees a ~96 KB context on every
+call. In a process where many threads decode 1 MB chunks at once, that malloc/free per chunk lands on
+glibc's per-thread arenas, whose trimming (``madvise``) interrupts every other thread of the process.
+Here each thread keeps one ``ZSTD_DCtx`` for its lifetime and calls ``ZSTD_decompressDCtx`` through
+ctypes (which releases the GIL for the call) straight into the caller's buffer.
+
+The zstd used is the one numcodecs bundles (its extension exports the library's symbols), else a
+system ``libzstd``; without either, ``direct_zstd_decoder`` returns None and numcodecs is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+from typing import Any
+
+import numpy as np
+
+
+class _Context:
+    """A thread's ZSTD_DCtx, freed when the thread (and so its thread-local slot) goes away."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib, self.ptr = lib, lib.ZSTD_createDCtx()
+        if not self.ptr:
+            raise MemoryError("ZSTD_createDCtx failed")
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None):
+            self.lib.ZSTD_freeDCtx(self.ptr)
+            self.ptr = None
+
+
+class DirectZstd:
+    """``decode(raw, out=array)``: the same call shape as numcodecs' ``Zstd().decode``."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        self._local = threading.local()
+
+    def context(self) -> int:
+        ctx = getattr(self._local, "ctx", None)
+        if ctx is None:
+            ctx = self._local.ctx = _Context(self.lib)
+        return int(ctx.ptr)
+
+    def decode(self, raw: Any, out: np.ndarray | None = None) -> np.ndarray:
+        if out is None or not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("DirectZstd.decode needs a writable C-contiguous out array")
+        src = np.frombuffer(raw, dtype=np.uint8)
+        n = self.lib.ZSTD_decompressDCtx(
+            self.context(), out.ctypes.data, out.nbytes, src.ctypes.data, src.nbytes
+        )
+        if self.lib.ZSTD_isError(n):
+            raise RuntimeError(f"zstd: {self.lib.ZSTD_getErrorName(n).decode(errors='replace')}")
+        if n != out.nbytes:
+            raise ValueError(f"zstd: decoded {n} bytes, expected {out.nbytes}")
+        return out
+
+
+_LOCK = threading.Lock()
+_CACHED: list[DirectZstd | None] = []
+
+
+def direct_zstd_decoder() -> DirectZstd | None:
+    """The process-wide direct decoder, or None when no zstd library with the needed symbols loads."""
+    with _LOCK:
+        if not _CACHED:
+            _CACHED.append(_load())
+        return _CACHED[0]
+
+
+def _load() -> DirectZstd | None:
+    for path in _candidates():
+        try:
+            lib = ctypes.CDLL(path)
+            _declare(lib)
+        except (OSError, AttributeError):
+            continue
+        return DirectZstd(lib)
+    return None
+
+
+def _candidates() -> list[str]:
+    paths = []
+    try:
+        import numcodecs.zstd
+
+        paths.append(numcodecs.zstd.__file__)
+    except ImportError:
+        pass
+    system = ctypes.util.find_library("zstd")
+    if system:
+        paths.append(system)
+    return [p for p in paths if p]
+
+
+def _declare(lib: Any) -> None:
+    lib.ZSTD_createDCtx.restype = ctypes.c_void_p
+    lib.ZSTD_createDCtx.argtypes = []
+    lib.ZSTD_freeDCtx.restype = ctypes.c_size_t
+    lib.ZSTD_freeDCtx.argtypes = [ctypes.c_void_p]
+    lib.ZSTD_decompressDCtx.restype = ctypes.c_size_t
+    lib.ZSTD_decompressDCtx.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+    ]
+    lib.ZSTD_isError.restype = ctypes.c_uint
+    lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
+    lib.ZSTD_getErrorName.restype = ctypes.c_char_p
+    lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]

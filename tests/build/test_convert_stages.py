@@ -1,0 +1,56 @@
+"""convert reports where its time went (ConvertResult.stages) and journals units in batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from dlstore.build.conversion import convert
+from dlstore.read.cache import open_cache
+
+WORKER_KEYS = ("workers_decode_s", "workers_digest_s", "workers_write_s")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_stages_cover_the_phases(image_tree: Path, tmp_path: Path, workers: int) -> None:
+    res = convert(image_tree, tmp_path / "c", format="ram", size=16, workers=workers)
+    st = res.stages
+    for key in (
+        "setup_s",
+        "run_s",
+        "startup_s",
+        "journal_s",
+        "finalize_s",
+        "commit_s",
+        "checksums_s",
+        *WORKER_KEYS,
+    ):
+        assert st[key] >= 0.0, key
+    assert st["workers"] == res.workers and st["workers_decode_s"] > 0
+    # Worker time is measured inside the run, and the phases inside the whole conversion.
+    assert sum(st[k] for k in WORKER_KEYS) <= res.workers * st["run_s"] + 0.05
+    assert st["setup_s"] + st["run_s"] + st["finalize_s"] + st["commit_s"] <= res.seconds + 0.05
+    assert len(open_cache(tmp_path / "c")) == res.n
+
+
+def test_many_units_with_a_bounded_window(
+    image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More units than the submission window (4 per worker): every unit is still written once."""
+    from dlstore.formats.ram import RamWriter
+
+    monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 1))
+    journaled: list[int] = []
+    import dlstore.build.staging as staging_mod
+
+    real = staging_mod.Staging.record_many
+
+    def spy(self, units):  # type: ignore[no-untyped-def]
+        journaled.extend(k for k, _, _ in units)
+        real(self, units)
+
+    monkeypatch.setattr(staging_mod.Staging, "record_many", spy)
+    res = convert(image_tree, tmp_path / "c", format="ram", size=16, workers=2)
+    assert sorted(journaled) == list(range(res.n)) and res.n > 4 * 2
+    assert len(open_cache(tmp_path / "c")) == res.n
