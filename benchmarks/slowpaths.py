@@ -1,0 +1,765 @@
+"""Issue 13 targets, measured side by side in one run on one machine (meant for the lent H200).
+
+    python benchmarks/slowpaths.py --out OUTDIR [--images 8192] [--sections all] [--commit SHA]
+
+Sections, in this order (each recorded as it finishes, so a failure or time-out loses only that section):
+  data        demo JPEGs, and the ram/zarr caches the other sections read
+  reader      the one-process reader (256 px ram cache, all cores) and PinnedLoader to the GPU
+  zarr        numcodecs' own decode of the cache's chunks (1 and all threads) vs dlstore's reader via
+              ChunkSampler (both decoders); a py-spy profile of each; bytes/image and decode rates of
+              none / lz4 / zstd-1 / zstd-3 on the same chunks
+  dataloader  16-thread and 1-thread memcpy; torch DataLoader(CachedDataset) and batch_dataloader at 0
+              and all-core workers, with and without pin_memory, and the CPU seconds per GB of each side
+  convert     one-core decode+resize; a ≥ 30 s all-core conversion (the demo files hard-linked many
+              times) with ConvertResult.stages, the fixed costs apart
+  resnet18    ResNet-18 bf16 @112 from host memory (≤ 2 workers; eager or CUDA-graphed augment)
+  peers       LitData / WebDataset (fastpaths.py's section), when installed
+
+Writes OUTDIR/slowpaths.json (every number) and OUTDIR/targets.json, then prints the target table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import fastpaths as fp  # noqa: E402
+
+from dlstore.build.conversion import convert  # noqa: E402
+from dlstore.build.sources import scan_folder  # noqa: E402
+from dlstore.datasets.demo import ensure_demo  # noqa: E402
+from dlstore.gpu import GpuAugment  # noqa: E402
+from dlstore.read.cache import open_cache  # noqa: E402
+from dlstore.read.dataset import CachedDataset  # noqa: E402
+from dlstore.read.loaders import PinnedLoader, batch_dataloader, make_sampler, storage_sorted  # noqa: E402
+from dlstore.spec import ImagePolicy  # noqa: E402
+
+RESULTS: dict[str, Any] = {}
+LONG_CACHE: list[Path] = []  # the long conversion's output, removed at exit
+CORES = len(os.sched_getaffinity(0))
+log, target = fp.log, fp.target
+
+
+def work_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# --- data --------------------------------------------------------------------------------------------
+
+
+def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    demo = ensure_demo(work / "demo", n_images=args.images)
+    out: dict[str, Any] = {"demo_generate_s": time.perf_counter() - t0, "convert": {}}
+    src = scan_folder(demo)
+    out["demo_images"] = len(src)
+    for name, fmt, size, codec in (
+        ("ram256", "ram", 256, None),
+        ("zarr256", "zarr", 256, "zstd"),
+        ("ram128", "ram", 128, None),
+    ):
+        kw = {"codec": codec} if codec else {}
+        res = convert(src, work / name, format=fmt, size=size, workers=CORES, overwrite=True, **kw)
+        out["convert"][name] = {
+            "seconds": res.seconds,
+            "img_s": res.images_per_s,
+            "bytes": res.bytes_on_disk,
+            "stages": res.stages,
+        }
+        log(f"convert {name}: {res.images_per_s:,.0f} img/s")
+    return out
+
+
+# --- one-process reader -------------------------------------------------------------------------------
+
+
+def section_reader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    b = 256
+    cache = open_cache(work / "ram256", in_memory=True)
+    cache.reader.threads = CORES  # as PinnedLoader sets it: the one process reading
+    pinned = torch.empty((b, 256, 256, 3), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    rng = np.random.default_rng(0)
+
+    def gather() -> float:
+        idx = [rng.integers(0, len(cache), b) for _ in range(300)]
+        for i in idx[:10]:
+            cache.read(i, out=pinned.numpy())
+        t0 = time.perf_counter()
+        for i in idx:
+            cache.read(i, out=pinned.numpy())
+        return len(idx) * b / (time.perf_counter() - t0)
+
+    def pinned_loader() -> float:
+        loader = PinnedLoader(cache, batch_size=b, device="cuda", order="random")
+        return fp.timed_steps(lambda: iter(loader), lambda x, y: None, 10, 150, b)
+
+    out = fp.interleave({"gather_all_threads": gather, "pinned_loader_to_gpu": pinned_loader}, 2)
+    best = max(out["gather_all_threads"]["median"], out["pinned_loader_to_gpu"]["median"])
+    target(
+        "one-process reader, 256px ram cache (gather into pinned / PinnedLoader to GPU)",
+        best,
+        100_000,
+        100_000,
+        f"gather {out['gather_all_threads']['median']:,.0f}, to GPU {out['pinned_loader_to_gpu']['median']:,.0f} img/s",
+    )
+    return out
+
+
+# --- zarr --------------------------------------------------------------------------------------------
+
+
+def chunk_files(cache_dir: Path) -> list[Path]:
+    root = cache_dir / "images" / "c"
+    return sorted(root.glob("*/0/0/0"), key=lambda p: int(p.parts[-4]))
+
+
+def decode_rate(
+    decode: Callable[[bytes, np.ndarray], Any],
+    raws: list[bytes],
+    unit: int,
+    shape: tuple[int, ...],
+    threads: int,
+    seconds: float = 1.2,
+) -> float:
+    """img/s of decoding the chunks in `threads` threads, each into its own reused buffer (or, when the
+    decode ignores ``out``, into whatever it allocates); at least `seconds` of work."""
+    import threading
+
+    local = threading.local()
+
+    def one(raw: bytes) -> None:
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = np.empty(shape, np.uint8)
+        decode(raw, buf)
+
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(one, raws[: 2 * threads]))  # warm: threads, buffers
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            batch = raws if threads > 1 else raws[: max(1, len(raws) // 8)]
+            list(ex.map(one, batch))
+            done += len(batch)
+        return done * unit / (time.perf_counter() - t0)
+
+
+def codec_table(images: np.ndarray, unit: int) -> dict[str, Any]:
+    """Each codec on the same chunks (unit images each): bytes/image, compress and decode rates."""
+    from numcodecs.blosc import Blosc
+    from numcodecs.zstd import Zstd
+
+    from dlstore.formats.zstd_direct import direct_zstd_decoder
+
+    direct = direct_zstd_decoder()
+    chunks = [np.ascontiguousarray(images[i : i + unit]) for i in range(0, len(images) - unit + 1, unit)]
+    shape = chunks[0].shape
+    codecs: dict[str, Any] = {
+        "lz4 (blosc, clevel 5, no shuffle)": Blosc(cname="lz4", clevel=5, shuffle=Blosc.NOSHUFFLE),
+        "zstd-1": Zstd(level=1),
+        "zstd-3 (dlstore default)": Zstd(level=3),
+    }
+    out: dict[str, Any] = {"none": {"bytes_per_image": float(images[0].nbytes)}}
+    for name, codec in codecs.items():
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(CORES) as ex:
+            raws = list(ex.map(codec.encode, chunks))
+        comp_s = time.perf_counter() - t0
+        raws = [bytes(r) for r in raws]
+        dec: Callable[[bytes, np.ndarray], Any]
+        if name.startswith("zstd") and direct is not None:
+            dec = lambda r, o: direct.decode(r, out=o)  # noqa: E731
+        else:
+            dec = lambda r, o, c=codec: c.decode(r, out=o)  # noqa: E731
+        row = {
+            "bytes_per_image": sum(map(len, raws)) / (len(raws) * unit),
+            "ratio": images[0].nbytes * unit * len(raws) / sum(map(len, raws)),
+            "compress_img_s_all_threads": len(raws) * unit / comp_s,
+            "decode_img_s_1_thread": decode_rate(dec, raws, unit, shape, 1, 0.6),
+            f"decode_img_s_{CORES}_threads": decode_rate(dec, raws, unit, shape, CORES, 0.8),
+        }
+        out[name] = row
+        log(
+            f"  codec {name}: {row['bytes_per_image']:,.0f} B/img, decode {row[f'decode_img_s_{CORES}_threads']:,.0f} img/s"
+        )
+    return out
+
+
+PROFILE_LOOP = """
+import sys, time, numpy as np
+sys.path[:0] = {paths!r}
+from numcodecs.zstd import Zstd
+from dlstore.read.cache import open_cache
+from dlstore.read.loaders import make_sampler, storage_sorted
+
+def epoch():
+    cache = open_cache({cache!r})
+    cache.reader.threads = {threads}
+    if {numcodecs}:
+        cache.reader.decode = Zstd().decode
+    order = list(make_sampler(cache, "chunk", seed=0))
+    buf = np.empty((256, *cache.spec.shape), np.uint8)
+    for i in range(0, len(order) - 255, 256):
+        cache.read(storage_sorted(cache, order[i : i + 256]), out=buf)
+
+epoch()  # imports, threads, first decodes: not profiled
+print("ready", flush=True)
+t0 = time.perf_counter()
+while time.perf_counter() - t0 < {seconds}:
+    epoch()
+"""
+
+PROFILE_KEYS = {
+    "waiting for the GIL": ("take_gil", "PyEval_RestoreThread", "PyEval_AcquireThread"),
+    "zstd decode": ("ZSTD_decompress", "ZSTD_decompressDCtx", "HUF_", "ZSTD_decode", "ZSTD_execSequence"),
+    "malloc/free": (
+        "malloc",
+        "_int_free",
+        "__libc_free",
+        "cfree",
+        "sysmalloc",
+        "systrim",
+        "heap_trim",
+        "munmap",
+        "madvise",
+        "mmap",
+    ),
+    "row copy (np.take)": ("PyArray_TakeFrom", "npy_fasttake", "take"),
+    "file read/open": ("__libc_read", "read (", "__libc_open", "__open64", "readinto", "_io_FileIO_readinto"),
+    "idle thread (pool wait)": (
+        "do_futex_wait",
+        "pthread_cond_wait",
+        "sem_clockwait",
+        "__futex_abstimed_wait",
+        "PyThread_acquire_lock_timed",
+    ),
+}
+
+
+def py_spy() -> str | None:
+    for cand in (
+        shutil.which("py-spy"),
+        "/tmp/site/bin/py-spy",
+        str(Path(__file__).resolve().parents[1] / "pyspy" / "bin" / "py-spy"),
+    ):
+        if cand and Path(cand).is_file():
+            return cand
+    return None
+
+
+def profile_reader(work: Path, out_dir: Path, numcodecs: bool, seconds: float = 5.0) -> dict[str, Any]:
+    """py-spy (native frames, idle threads included) of the zarr reader loop; sample shares by frame."""
+    exe = py_spy()
+    if exe is None:
+        return {"error": "py-spy not found"}
+    name = "numcodecs" if numcodecs else "direct"
+    code = PROFILE_LOOP.format(
+        paths=sys.path[:3],
+        seconds=seconds + 1.5,
+        cache=str(work / "zarr256"),
+        threads=CORES,
+        numcodecs=numcodecs,
+    )
+    script = work / f"profile_{name}.py"
+    script.write_text(code)
+    raw = out_dir / f"pyspy_zarr_{name}.txt"
+    loop = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert loop.stdout is not None
+        if loop.stdout.readline().strip() != "ready":
+            return {"error": "the profiled loop did not start"}
+        cmd = [exe, "record", "--pid", str(loop.pid), "--native", "--idle", "--threads", "--rate", "200"]
+        cmd += ["--duration", str(int(seconds)), "--format", "raw", "--output", str(raw)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+    finally:
+        loop.kill()
+        loop.wait()
+    if not raw.is_file():
+        return {"error": f"py-spy rc {proc.returncode}: {proc.stderr[-800:]}"}
+    return summarize_profile(raw)
+
+
+def summarize_profile(raw: Path) -> dict[str, Any]:
+    """Shares of samples: by category (innermost matching native frame), and by thread group with the
+    innermost Python function (and the native leaf when it has a symbol)."""
+    total, shares, where = 0, dict.fromkeys(PROFILE_KEYS, 0), {}
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not count.isdigit():
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        thread = frames[0].split(": ", 1)[-1] if frames[0].startswith("thread") else "?"
+        group = "reader threads" if thread.startswith("dlstore-read") else thread
+        py = [f.split(" (")[0] for f in frames if ".py:" in f]
+        leaf = frames[-1].split(" (")[0]
+        key = f"{group}: {py[-1] if py else '-'}" + (
+            "" if leaf.startswith("0x") or ".py:" in frames[-1] else f" > {leaf}"
+        )
+        where[key] = where.get(key, 0) + n
+        for cat, needles in PROFILE_KEYS.items():
+            if any(any(nd in f for nd in needles) for f in frames[-6:]):
+                shares[cat] += n
+                break
+    top = sorted(where.items(), key=lambda kv: -kv[1])[:25]
+    return {
+        "samples": total,
+        "share": {k: round(v / max(1, total), 3) for k, v in shares.items()},
+        "top": [(k, round(v / max(1, total), 3)) for k, v in top],
+        "raw_file": raw.name,
+    }
+
+
+def section_zarr(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from numcodecs.zstd import Zstd
+
+    from dlstore.formats.zstd_direct import direct_zstd_decoder
+
+    b = 256
+    out: dict[str, Any] = {}
+    probe = open_cache(work / "zarr256")
+    unit, shape = probe.reader.unit, (probe.reader.unit, *probe.spec.shape)
+    files = chunk_files(work / "zarr256")
+    raws = [f.read_bytes() for f in files]  # zarr stores edge chunks whole: every one decodes to `shape`
+    out["chunks"], out["unit_images"], out["chunk_bytes_mean"] = (
+        len(raws),
+        unit,
+        float(np.mean([len(r) for r in raws])),
+    )
+    nc = Zstd()
+    direct = direct_zstd_decoder()
+    out["direct_decoder_available"] = direct is not None
+    ceil: dict[str, float] = {}
+    for threads in (1, CORES):
+        ceil[f"numcodecs_alloc_{threads}"] = decode_rate(
+            lambda r, o: nc.decode(r), raws, unit, shape, threads
+        )
+        ceil[f"numcodecs_out_{threads}"] = decode_rate(
+            lambda r, o: nc.decode(r, out=o), raws, unit, shape, threads
+        )
+        if direct is not None:
+            ceil[f"direct_{threads}"] = decode_rate(
+                lambda r, o: direct.decode(r, out=o), raws, unit, shape, threads
+            )
+    out["decode_ceiling_img_s"] = ceil
+    log(f"  zarr decode ceilings: { {k: round(v) for k, v in ceil.items()} }")
+
+    buf = np.empty((b, *probe.spec.shape), np.uint8)
+    memmap = open_cache(work / "ram256")
+
+    def rate(cache: Any, order: list[int], batches: int = 60) -> float:
+        t0, count = time.perf_counter(), 0
+        for i in range(0, min(len(order), batches * b) - b + 1, b):
+            cache.read(storage_sorted(cache, order[i : i + b]), out=buf)
+            count += b
+        return count / (time.perf_counter() - t0)
+
+    def reader(decoder: str) -> Callable[[], float]:
+        def run() -> float:
+            cache = open_cache(work / "zarr256")  # cold unit cache each time
+            cache.reader.threads = CORES
+            if decoder == "numcodecs":
+                cache.reader.decode = nc.decode
+            return rate(cache, list(make_sampler(cache, "chunk", seed=0)))
+
+        return run
+
+    full = np.random.default_rng(1).permutation(len(memmap)).tolist()
+    cfgs = {
+        "reader_direct": reader("direct"),
+        "reader_numcodecs": reader("numcodecs"),
+        "memmap_random": lambda: rate(memmap, full),
+    }
+    out.update(fp.interleave(cfgs, args.repeats))
+    numcodecs_ceiling = max(ceil[f"numcodecs_alloc_{CORES}"], ceil[f"numcodecs_out_{CORES}"])
+    target(
+        "zarr zstd-3 256px via ChunkSampler (dlstore reader) vs numcodecs all-core decode of the same chunks",
+        out["reader_direct"]["median"],
+        numcodecs_ceiling,
+        0.8,
+        f"reader with numcodecs' decoder {out['reader_numcodecs']['median']:,.0f} img/s; numcodecs 1 thread "
+        f"{ceil['numcodecs_out_1']:,.0f}; memmap random {out['memmap_random']['median']:,.0f} img/s",
+    )
+    images = memmap.reader.array[: (min(len(memmap), 4096) // unit) * unit]
+    out["codecs"] = codec_table(np.asarray(images), unit)
+    out["profile_numcodecs"] = profile_reader(work, args.out, numcodecs=True, seconds=3.0)
+    out["profile_direct"] = profile_reader(work, args.out, numcodecs=False, seconds=3.0)
+    log(f"  profile numcodecs: {out['profile_numcodecs'].get('share', out['profile_numcodecs'])}")
+    log(f"  profile direct: {out['profile_direct'].get('share', out['profile_direct'])}")
+    return out
+
+
+# --- DataLoader workers ------------------------------------------------------------------------------
+
+
+def memcpy_rate(threads: int, nbytes: int = 1 << 30) -> float:
+    """Bytes/s copied (each byte counted once) between two pre-faulted buffers, in `threads` threads."""
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros(nbytes, np.uint8)
+    step = -(-nbytes // threads)
+    parts = [slice(i, i + step) for i in range(0, nbytes, step)]
+    best = 0.0
+    with ThreadPoolExecutor(threads) as ex:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            list(ex.map(lambda s: np.copyto(dst[s], src[s]), parts))
+            best = max(best, nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def drain(loader: Any, warmup: int, batches: int, image_bytes: int) -> dict[str, float]:
+    """img/s of a DataLoader (host side: batches are not touched), with the CPU seconds per GB
+    delivered in the main process (incl. its pin thread) and in the workers."""
+    it = iter(loader)
+
+    def nxt() -> Any:
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:  # a new epoch (persistent workers carry on)
+            it = iter(loader)
+            return next(it)
+
+    for _ in range(warmup):
+        nxt()
+    workers = [w.pid for w in getattr(it, "_workers", [])]
+    main0, w0 = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(workers)
+    t0, n = time.perf_counter(), 0
+    for _ in range(batches):
+        x, _ = nxt()
+        n += len(x)
+    dt = time.perf_counter() - t0
+    main1, w1 = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(workers)
+    gb = n * image_bytes / 1e9
+    main_cpu = (main1.ru_utime - main0.ru_utime) + (main1.ru_stime - main0.ru_stime)
+    return {
+        "img_s": n / dt,
+        "main_cpu_s_per_gb": main_cpu / gb,
+        "worker_cpu_s_per_gb": (w1 - w0) / gb,
+        "pinned": bool(x.is_pinned()),
+    }
+
+
+def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    b, k = 256, CORES
+    out: dict[str, Any] = {"memcpy_bytes_s": {1: memcpy_rate(1), k: memcpy_rate(k)}}
+    log(f"  memcpy: {out['memcpy_bytes_s']}")
+    # A short epoch (8,192 images = 32 batches) would be dominated by its start and end with 16 workers:
+    # read the long conversion's cache (memory-mapped from tmpfs) when the convert section made it.
+    path, in_memory = (LONG_CACHE[0], False) if LONG_CACHE else (work / "ram256", True)
+    out["cache"] = {"path": str(path), "in_memory": in_memory}
+    ds = CachedDataset(path, in_memory=in_memory, check_source=False)
+    out["cache"]["images"] = len(ds)
+    image_bytes = ds.spec.image_bytes
+    runs: dict[str, list[dict[str, float]]] = {}
+
+    def plain(workers: int, pin: bool) -> Any:
+        return torch.utils.data.DataLoader(
+            ds,
+            batch_size=b,
+            shuffle=True,
+            num_workers=workers,
+            pin_memory=pin,
+            drop_last=True,
+            persistent_workers=workers > 0,
+        )
+
+    def batched(workers: int, pin: bool) -> Any:
+        return batch_dataloader(
+            path, b, num_workers=workers, order="random", pin_memory=pin, in_memory=in_memory
+        )
+
+    makers: dict[str, Callable[[], Any]] = {
+        "plain_w0": lambda: plain(0, False),
+        "plain_w0_pin": lambda: plain(0, True),
+        f"plain_w{k}": lambda: plain(k, False),
+        f"plain_w{k}_pin": lambda: plain(k, True),
+        f"batch_w{k}": lambda: batched(k, False),
+        f"batch_w{k}_pin": lambda: batched(k, True),
+    }
+    names = list(makers)
+    for r in range(args.repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            try:
+                loader = makers[name]()
+                res = drain(loader, 8 if "w0" not in name else 3, args.loader_batches, image_bytes)
+                del loader
+            except Exception as e:  # one broken configuration must not lose the others
+                res = {"img_s": 0.0, "error": f"{type(e).__name__}: {e}"}
+                log(traceback.format_exc())
+            runs.setdefault(name, []).append(res)
+            log(f"  {name}: {res['img_s']:,.0f} img/s")
+    for name, rs in runs.items():
+        med = float(np.median([r["img_s"] for r in rs]))
+        out[name] = {"median_img_s": med, "median_bytes_s": med * image_bytes, "runs": rs}
+    mc = out["memcpy_bytes_s"][k]
+    for name, label, goal in (
+        (f"plain_w{k}", f"plain DataLoader(CachedDataset, shuffle=True), {k} workers", 0.4),
+        (f"batch_w{k}", f"batch_dataloader, {k} workers", 0.4),
+        (f"plain_w{k}_pin", f"plain DataLoader(CachedDataset), {k} workers, pin_memory", 0.3),
+        (f"batch_w{k}_pin", f"batch_dataloader, {k} workers, pin_memory", 0.3),
+    ):
+        target(
+            f"DataLoader workers: {label}, MB/s vs {k}-thread memcpy",
+            out[name]["median_bytes_s"] / 1e6,
+            mc / 1e6,
+            goal,
+            f"{out[name]['median_img_s']:,.0f} img/s of {image_bytes:,} B",
+        )
+    target(
+        "DataLoader workers: plain DataLoader(CachedDataset, shuffle=True), 0 workers, img/s",
+        out["plain_w0"]["median_img_s"],
+        25_000,
+        25_000,
+        f"with pin_memory {out['plain_w0_pin']['median_img_s']:,.0f} img/s",
+    )
+    return out
+
+
+# --- convert -----------------------------------------------------------------------------------------
+
+
+def one_core_rate(src: Any, n: int = 250, rounds: int = 3) -> tuple[float, list[float]]:
+    policy = ImagePolicy(size=256)
+    for i in range(30):
+        src.decode(i, policy)
+    rates = []
+    for r in range(rounds):
+        idx = range((r * n) % max(1, len(src) - n), (r * n) % max(1, len(src) - n) + n)
+        t0 = time.perf_counter()
+        for i in idx:
+            src.decode(i, policy)
+        rates.append(n / (time.perf_counter() - t0))
+    return float(np.median(rates)), rates
+
+
+def linked_source(demo: Path, dest: Path, copies: int) -> Path:
+    """A folder of `copies` hard links to every demo image (new names, same classes): a large source
+    without generating more images."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    for cls in sorted(p for p in demo.iterdir() if p.is_dir()):
+        (dest / cls.name).mkdir(parents=True)
+        files = sorted(f for f in cls.iterdir() if f.is_file())
+        for c in range(copies):
+            for f in files:
+                os.link(f, dest / cls.name / f"{c:03d}_{f.name}")
+    return dest
+
+
+def section_convert(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    demo = work / "demo"
+    src = scan_folder(demo)
+    one, rates = one_core_rate(src)
+    out: dict[str, Any] = {"one_core_img_s": one, "one_core_rounds": rates, "cores": CORES}
+    image_bytes = 256 * 256 * 3
+    want = int(args.convert_seconds * CORES * one)
+    shm = Path("/dev/shm")
+    shm_free = shutil.disk_usage(shm).free if shm.is_dir() else 0
+    base = shm if shm_free > 1.3 * want * image_bytes else work
+    free = shutil.disk_usage(base).free
+    n = min(want, int(0.75 * free / image_bytes))
+    copies = max(1, -(-n // len(src)))
+    t0 = time.perf_counter()
+    long_src = linked_source(demo, work / "long_src", copies)
+    out["link_s"] = time.perf_counter() - t0
+    dest = base / "dlstore_long_ram256"
+    res = convert(long_src, dest, format="ram", size=256, workers=CORES, overwrite=True)
+    LONG_CACHE.append(dest)  # the DataLoader section reads it (epochs long enough to leave out their ends)
+    out.update(
+        dest_filesystem=str(base),
+        images=res.n,
+        seconds=res.seconds,
+        img_s=res.images_per_s,
+        stages=res.stages,
+    )
+    st = res.stages
+    fixed = st.get("setup_s", 0) + st.get("startup_s", 0) + st.get("finalize_s", 0) + st.get("commit_s", 0)
+    out["fixed_s"] = fixed
+    out["steady_img_s"] = res.n / max(1e-9, st.get("run_s", res.seconds) - st.get("startup_s", 0))
+    shutil.rmtree(long_src, ignore_errors=True)
+    log(f"  convert long: {res.n} images in {res.seconds:.1f} s = {res.images_per_s:,.0f} img/s; stages {st}")
+    target(
+        f"convert (ram, 256px, {CORES} workers, {res.seconds:.0f} s run) vs cores x one-core decode+resize",
+        res.images_per_s,
+        CORES * one,
+        0.85,
+        f"{res.n:,} images to {base}; fixed costs {fixed:.1f} s (setup {st.get('setup_s', 0):.1f}, start-up "
+        f"{st.get('startup_s', 0):.2f}, finalize {st.get('finalize_s', 0):.1f}, commit {st.get('commit_s', 0):.2f}); "
+        f"without them {out['steady_img_s']:,.0f} img/s",
+    )
+    return out
+
+
+# --- ResNet-18 from host memory -------------------------------------------------------------------------
+
+
+def section_resnet18(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    torch.backends.cudnn.benchmark = True
+    batch, res = 512, 112
+    step = fp.resnet_step("resnet18", 5)
+    aug = GpuAugment(res, mean=fp.MEAN, std=fp.STD, out_dtype=torch.bfloat16, channels_last=True).cuda()
+    cache = open_cache(work / "ram128", in_memory=True)
+    pinned = PinnedLoader(cache, batch_size=batch, device="cuda", order="random")
+    pinned_graph = PinnedLoader(
+        cache, batch_size=batch, device="cuda", order="random", transform=aug, cuda_graph=True
+    )
+    dl2 = batch_dataloader(
+        work / "ram128", batch_size=batch, num_workers=2, order="random", prefetch_factor=4
+    )
+    w, s = args.warmup, args.steps
+    cfgs = {
+        "synthetic": lambda: fp.timed_steps(
+            fp.synthetic((batch, 3, res, res), 5, torch.bfloat16, True), step, w, s, batch
+        ),
+        "pinned_0_workers_eager_augment": lambda: fp.timed_steps(
+            fp.augmented(pinned, aug), step, w, s, batch
+        ),
+        "pinned_0_workers_graph_augment": lambda: fp.timed_steps(
+            lambda: iter(pinned_graph), step, w, s, batch
+        ),
+        "dataloader_2_workers_eager_augment": lambda: fp.timed_steps(
+            fp.augmented(fp._Reiter(dl2), aug), step, w, s, batch
+        ),
+    }
+    out = fp.interleave(cfgs, args.repeats)
+    host = [k for k in cfgs if k != "synthetic"]
+    best = max(host, key=lambda k: out[k]["median"])
+    target(
+        f"resnet18 bf16 @112 bs512 from host memory (<=2 workers: {best}) vs synthetic",
+        out[best]["median"],
+        out["synthetic"]["median"],
+        0.9,
+        ", ".join(f"{k} {out[k]['median']:,.0f}" for k in host),
+    )
+    return out
+
+
+def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    missing = []
+    for mod in ("litdata", "webdataset"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod)
+    if missing:
+        return {"skipped": f"not installed on this machine: {', '.join(missing)}"}
+    return fp.section_peers(args, work)
+
+
+def section_smoke(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The new GPU paths give the right bytes: a CUDA-graphed transform equals eager, and the parallel
+    pin of DataLoader batches (0 and 2 workers) is pinned and equal to the dataset's images."""
+    from dlstore.gpu.graphs import CudaGraphed
+
+    out: dict[str, Any] = {}
+    light = lambda x: (x.float() / 255 - 0.5).flip(-1)  # noqa: E731
+    g = CudaGraphed(light)
+    x = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8, device="cuda")
+    out["graph_equals_eager"] = all(bool(torch.equal(g(x + i), light(x + i))) for i in range(3))
+    ds = CachedDataset(work / "ram128", check_source=False)
+    for workers in (0, 2):
+        loader = torch.utils.data.DataLoader(ds, batch_size=64, num_workers=workers, pin_memory=True)
+        xb, yb = next(iter(loader))
+        ref = torch.stack([ds[i][0] for i in range(64)])
+        out[f"pinned_batch_ok_w{workers}"] = bool(
+            xb.is_pinned() and torch.equal(xb, ref) and type(xb) is torch.Tensor
+        )
+    if not all(out.values()):
+        raise AssertionError(f"smoke checks failed: {out}")
+    return out
+
+
+SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
+    "data": section_data,
+    "smoke": section_smoke,
+    "reader": section_reader,
+    "resnet18": section_resnet18,
+    "zarr": section_zarr,
+    "convert": section_convert,
+    "dataloader": section_dataloader,
+    "peers": section_peers,
+}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--images", type=int, default=8192)
+    ap.add_argument("--sections", default="all")
+    ap.add_argument("--warmup", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--loader-batches", type=int, default=120)
+    ap.add_argument("--convert-seconds", type=float, default=32.0, help="aimed length of the long conversion")
+    ap.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-slow-"))
+    env = fp.environment()
+    env.update(commit=args.commit, command="python3 " + " ".join(sys.argv))
+    RESULTS["environment"] = env
+    RESULTS["protocol"] = {k: v for k, v in vars(args).items() if k not in ("out", "work")}
+    names = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
+    try:
+        run_sections(args, work, names, env)
+    finally:
+        for p in LONG_CACHE:
+            shutil.rmtree(p, ignore_errors=True)
+    print(f"{'target':96} {'measured':>11} {'base':>11} {'ratio':>6} {'goal':>7} met")
+    for t in fp.TARGETS:
+        print(
+            f"{t['name'][:96]:96} {t['measured']:>11,.0f} {t['ceiling_or_baseline']:>11,.0f} {t['ratio']:>6.3f} "
+            f"{t['goal']:>7g} {'yes' if t['met'] else 'NO'}"
+        )
+
+
+def run_sections(args: argparse.Namespace, work: Path, names: list[str], env: dict[str, Any]) -> None:
+    for name in names:
+        log(f"section {name}")
+        t0 = time.perf_counter()
+        try:
+            RESULTS[name] = SECTIONS[name](args, work)
+        except Exception as e:  # record and go on: other sections still count
+            RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            log(traceback.format_exc())
+        RESULTS.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
+        (args.out / "slowpaths.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+        (args.out / "targets.json").write_text(
+            json.dumps({"environment": env, "targets": fp.TARGETS}, indent=1, default=str)
+        )
+
+
+if __name__ == "__main__":
+    main()
