@@ -53,6 +53,7 @@ from dlstore.read.loaders import PinnedLoader, batch_dataloader, make_sampler, s
 from dlstore.spec import ImagePolicy  # noqa: E402
 
 RESULTS: dict[str, Any] = {}
+LABELS_TENSOR = __import__("dlstore.read.batch", fromlist=["labels_tensor"]).labels_tensor
 LONG_CACHE: list[Path] = []  # the long conversion's output, removed at exit
 CORES = len(os.sched_getaffinity(0))
 log, target = fp.log, fp.target
@@ -499,6 +500,17 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             path, b, num_workers=workers, order="random", pin_memory=pin, in_memory=in_memory
         )
 
+    def labels_by_fd(make: Callable[[], Any]) -> Callable[[], Any]:
+        """The same loader with labels sent as torch does by default (own shared-memory file): the A/B
+        of InlineTensor. Workers are forked after the patch, so they use it."""
+        from dlstore.read import batch as batchmod
+
+        def run() -> Any:
+            batchmod.labels_tensor = lambda labels: torch.from_numpy(np.ascontiguousarray(labels, np.int64))
+            return make()
+
+        return run
+
     makers: dict[str, Callable[[], Any]] = {
         "plain_w0": lambda: plain(0, False),
         "plain_w0_pin": lambda: plain(0, True),
@@ -507,9 +519,15 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"batch_w{k}": lambda: batched(k, False),
         f"batch_w{k}_pin": lambda: batched(k, True),
     }
+    if args.ab_labels:
+        makers[f"plain_w{k}_labels_fd"] = labels_by_fd(lambda: plain(k, False))
+        makers[f"plain_w{k}_pin_labels_fd"] = labels_by_fd(lambda: plain(k, True))
     names = list(makers)
     for r in range(args.repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            from dlstore.read import batch as batchmod
+
+            batchmod.labels_tensor = LABELS_TENSOR  # undo an A/B patch of the previous configuration
             try:
                 loader = makers[name]()
                 res = drain(loader, 8 if "w0" not in name else 3, args.loader_batches, image_bytes)
@@ -724,6 +742,7 @@ def main() -> None:
     ap.add_argument("--loader-batches", type=int, default=120)
     ap.add_argument("--convert-seconds", type=float, default=32.0, help="aimed length of the long conversion")
     ap.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
+    ap.add_argument("--ab-labels", action="store_true", help="also run the plain loaders with labels by fd")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-slow-"))

@@ -5,7 +5,7 @@ Where the bytes go with a plain ``DataLoader(CachedDataset(...))`` and these hel
 1. the worker gathers the batch's images from the cache straight into a shared-memory (B,H,W,C)
    block (the only copy in the worker; no per-sample tensor, no collate copy: ``BatchSamples`` is
    collated by handing that block over, see ``collate_batch_samples``);
-2. the block crosses to the main process as a file descriptor (no copy);
+2. the block crosses to the main process as a file descriptor (no copy), the labels inside the pickle;
 3. with ``pin_memory=True`` the DataLoader's pin thread calls ``ImageBatch.pin_memory``, which copies
    the block into pinned memory in several threads, each pre-faulting its part of the freshly mapped
    shared memory in one ``madvise`` (torch's own ``Tensor.pin_memory`` copies in one thread and takes
@@ -59,6 +59,31 @@ def _reduce_image_batch(t: ImageBatch) -> tuple[Any, ...]:
 
 
 ForkingPickler.register(ImageBatch, _reduce_image_batch)
+
+
+class InlineTensor(torch.Tensor):
+    """A small tensor (a batch's labels) sent to another process by value, inside the pickle: torch
+    would put it in a shared-memory file of its own and hand its descriptor over a socket, which
+    costs about as much per batch as the handover of the whole image block. Arrives as a plain tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
+def _rebuild_inline(array: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(array)
+
+
+def _reduce_inline(t: InlineTensor) -> tuple[Any, ...]:
+    return _rebuild_inline, (t.as_subclass(torch.Tensor).numpy().copy(),)
+
+
+ForkingPickler.register(InlineTensor, _reduce_inline)
+
+
+def labels_tensor(labels: np.ndarray) -> torch.Tensor:
+    """int64 labels as a tensor; in a DataLoader worker, one that travels by value (InlineTensor)."""
+    t = torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64))
+    return t.as_subclass(InlineTensor) if in_worker() else t
 
 
 def new_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
@@ -187,7 +212,7 @@ class BatchSamples(Sequence[Sample]):
 
     def collated(self) -> list[torch.Tensor]:
         """What default_collate makes of (image, int) tuples, without stacking: [images, labels]."""
-        return [self.images, torch.from_numpy(np.ascontiguousarray(self.labels, dtype=np.int64))]
+        return [self.images, labels_tensor(self.labels)]
 
 
 def collate_batch_samples(batch: Sequence[Any], *, collate_fn_map: dict[Any, Any] | None = None) -> Any:

@@ -28,7 +28,7 @@ import torch
 from dlstore.errors import DlstoreError
 from dlstore.formats.base import ChunkedReader
 from dlstore.machine import usable_cores
-from dlstore.read.batch import ImageBatch, in_worker, new_batch
+from dlstore.read.batch import ImageBatch, in_worker, labels_tensor, new_batch
 from dlstore.read.cache import Cache, open_cache
 from dlstore.read.sampler import ChunkSampler
 
@@ -417,7 +417,7 @@ class BatchDataset(torch.utils.data.Dataset):
         idx = storage_sorted(cache, indices)
         x = new_batch((len(idx), *cache.spec.shape), shared=in_worker())
         cache.read(idx, out=x.numpy())
-        return x.permute(0, 3, 1, 2).as_subclass(ImageBatch), torch.from_numpy(cache.labels[idx])
+        return x.permute(0, 3, 1, 2).as_subclass(ImageBatch), labels_tensor(cache.labels[idx])
 
 
 def batch_dataloader(

@@ -101,3 +101,17 @@ def test_batch_samples_is_a_sequence_of_samples(ram: Path) -> None:
     assert isinstance(s, BatchSamples) and len(s) == 3 and len(s[1:]) == 2
     img, lab = s[2]
     assert img.shape == (3, 16, 16) and isinstance(lab, int)
+
+
+def test_labels_travel_inline_and_arrive_plain() -> None:
+    from dlstore.read.batch import InlineTensor
+
+    y = torch.arange(5).as_subclass(InlineTensor)
+    back = pickle.loads(bytes(ForkingPickler.dumps(y)))
+    assert type(back) is torch.Tensor and back.tolist() == [0, 1, 2, 3, 4] and not back.is_shared()
+
+
+def test_worker_labels_are_plain_int64(ram: Path) -> None:
+    loader = DataLoader(CachedDataset(ram), batch_size=4, num_workers=1)
+    _, y = next(iter(loader))
+    assert type(y) is torch.Tensor and y.dtype == torch.int64
