@@ -350,13 +350,14 @@ def section_zarr(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["direct_decoder_available"] = direct is not None
     ceil: dict[str, float] = {}
     for threads in (1, CORES):
-        ceil[f"numcodecs_alloc_{threads}"] = decode_rate(
-            lambda r, o: nc.decode(r), raws, unit, shape, threads
-        )
+        if not (args.zarr_quick and threads == 1):
+            ceil[f"numcodecs_alloc_{threads}"] = decode_rate(
+                lambda r, o: nc.decode(r), raws, unit, shape, threads
+            )
         ceil[f"numcodecs_out_{threads}"] = decode_rate(
             lambda r, o: nc.decode(r, out=o), raws, unit, shape, threads
         )
-        if direct is not None:
+        if direct is not None and not args.zarr_quick:
             ceil[f"direct_{threads}"] = decode_rate(
                 lambda r, o: direct.decode(r, out=o), raws, unit, shape, threads
             )
@@ -373,10 +374,10 @@ def section_zarr(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             count += b
         return count / (time.perf_counter() - t0)
 
-    def reader(decoder: str) -> Callable[[], float]:
+    def reader(decoder: str, threads: int = CORES) -> Callable[[], float]:
         def run() -> float:
             cache = open_cache(work / "zarr256")  # cold unit cache each time
-            cache.reader.threads = CORES
+            cache.reader.threads = threads
             if decoder == "numcodecs":
                 cache.reader.decode = nc.decode
             return rate(cache, list(make_sampler(cache, "chunk", seed=0)))
@@ -389,8 +390,22 @@ def section_zarr(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "reader_numcodecs": reader("numcodecs"),
         "memmap_random": lambda: rate(memmap, full),
     }
+    if args.zarr_quick:  # the reader's scaling with its thread count instead of the decoder A/B
+        cfgs = {"reader_direct": reader("direct")}
+        cfgs.update({f"reader_direct_{t}_threads": reader("direct", t) for t in (4, 8)})
     out.update(fp.interleave(cfgs, args.repeats))
-    numcodecs_ceiling = max(ceil[f"numcodecs_alloc_{CORES}"], ceil[f"numcodecs_out_{CORES}"])
+    numcodecs_ceiling = max(
+        v for k, v in ceil.items() if k.startswith("numcodecs") and k.endswith(f"_{CORES}")
+    )
+    if args.zarr_quick:
+        target(
+            "zarr zstd-3 256px via ChunkSampler (dlstore reader) vs numcodecs all-core decode of the same chunks",
+            out["reader_direct"]["median"],
+            numcodecs_ceiling,
+            0.8,
+            ", ".join(f"{k} {v['median']:,.0f}" for k, v in out.items() if k.startswith("reader_direct_")),
+        )
+        return out
     target(
         "zarr zstd-3 256px via ChunkSampler (dlstore reader) vs numcodecs all-core decode of the same chunks",
         out["reader_direct"]["median"],
@@ -522,6 +537,8 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if args.ab_labels:
         makers[f"plain_w{k}_labels_fd"] = labels_by_fd(lambda: plain(k, False))
         makers[f"plain_w{k}_pin_labels_fd"] = labels_by_fd(lambda: plain(k, True))
+    if args.dl_configs:
+        makers = {n: m for n, m in makers.items() if n in args.dl_configs.split(",")}
     names = list(makers)
     for r in range(args.repeats):
         for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -547,6 +564,8 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         (f"plain_w{k}_pin", f"plain DataLoader(CachedDataset), {k} workers, pin_memory", 0.3),
         (f"batch_w{k}_pin", f"batch_dataloader, {k} workers, pin_memory", 0.3),
     ):
+        if name not in out:  # not among --dl-configs
+            continue
         target(
             f"DataLoader workers: {label}, MB/s vs {k}-thread memcpy",
             out[name]["median_bytes_s"] / 1e6,
@@ -554,6 +573,8 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             goal,
             f"{out[name]['median_img_s']:,.0f} img/s of {image_bytes:,} B",
         )
+    if "plain_w0" not in out or "plain_w0_pin" not in out:
+        return out
     target(
         "DataLoader workers: plain DataLoader(CachedDataset, shuffle=True), 0 workers, img/s",
         out["plain_w0"]["median_img_s"],
@@ -743,6 +764,8 @@ def main() -> None:
     ap.add_argument("--convert-seconds", type=float, default=32.0, help="aimed length of the long conversion")
     ap.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
     ap.add_argument("--ab-labels", action="store_true", help="also run the plain loaders with labels by fd")
+    ap.add_argument("--zarr-quick", action="store_true", help="zarr: ceilings and reader thread counts only")
+    ap.add_argument("--dl-configs", default="", help="DataLoader configurations to run (default: all)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-slow-"))
