@@ -308,8 +308,12 @@ def summarize_profile(raw: Path) -> dict[str, Any]:
         n = int(count)
         total += n
         frames = stack.split(";")
-        thread = frames[0].split(": ", 1)[-1] if frames[0].startswith("thread") else "?"
-        group = "reader threads" if thread.startswith("dlstore-read") else thread
+        procs = [f for f in frames if f.startswith("process ")]
+        threads = [f for f in frames if f.startswith("thread (")]
+        thread = threads[0].split(": ", 1)[-1] if threads else "?"
+        for prefix, name in (("dlstore-read", "reader threads"), ("dlstore-pin", "pin copy threads")):
+            thread = name if thread.startswith(prefix) else thread
+        group = ("worker " if len(procs) > 1 else "") + thread
         py = [f.split(" (")[0] for f in frames if ".py:" in f]
         leaf = frames[-1].split(" (")[0]
         key = f"{group}: {py[-1] if py else '-'}" + (
@@ -453,6 +457,26 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def profile_loader(make: Callable[[], Any], image_bytes: int, raw: Path, seconds: int = 3) -> dict[str, Any]:
+    """py-spy of this process and its DataLoader workers while the loader is drained."""
+    exe = py_spy()
+    if exe is None:
+        return {"error": "py-spy not found"}
+    loader = make()
+    drain(loader, 8, 8, image_bytes)  # workers up, pipeline full
+    cmd = [exe, "record", "--pid", str(os.getpid()), "--subprocesses", "--native", "--idle", "--threads"]
+    cmd += ["--rate", "200", "--duration", str(seconds), "--format", "raw", "--output", str(raw)]
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    t0 = time.perf_counter()
+    while spy.poll() is None and time.perf_counter() - t0 < seconds + 30:
+        drain(loader, 0, 20, image_bytes)
+    _, err = spy.communicate(timeout=60)
+    del loader
+    if not raw.is_file():
+        return {"error": f"py-spy rc {spy.returncode}: {err[-800:]}"}
+    return summarize_profile(raw)
+
+
 def drain(loader: Any, warmup: int, batches: int, image_bytes: int) -> dict[str, float]:
     """img/s of a DataLoader (host side: batches are not touched), with the CPU seconds per GB
     delivered in the main process (incl. its pin thread) and in the workers."""
@@ -554,6 +578,9 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 log(traceback.format_exc())
             runs.setdefault(name, []).append(res)
             log(f"  {name}: {res['img_s']:,.0f} img/s")
+    for name in args.dl_profile.split(",") if args.dl_profile else []:
+        out[f"profile_{name}"] = profile_loader(makers[name], image_bytes, args.out / f"pyspy_{name}.txt")
+        log(f"  profile {name}: {out[f'profile_{name}'].get('top', out[f'profile_{name}'])[:8]}")
     for name, rs in runs.items():
         med = float(np.median([r["img_s"] for r in rs]))
         out[name] = {"median_img_s": med, "median_bytes_s": med * image_bytes, "runs": rs}
@@ -766,6 +793,7 @@ def main() -> None:
     ap.add_argument("--ab-labels", action="store_true", help="also run the plain loaders with labels by fd")
     ap.add_argument("--zarr-quick", action="store_true", help="zarr: ceilings and reader thread counts only")
     ap.add_argument("--dl-configs", default="", help="DataLoader configurations to run (default: all)")
+    ap.add_argument("--dl-profile", default="", help="DataLoader configurations to profile with py-spy")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-slow-"))

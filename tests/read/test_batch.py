@@ -115,3 +115,18 @@ def test_worker_labels_are_plain_int64(ram: Path) -> None:
     loader = DataLoader(CachedDataset(ram), batch_size=4, num_workers=1)
     _, y = next(iter(loader))
     assert type(y) is torch.Tensor and y.dtype == torch.int64
+
+
+def test_worker_readers_share_the_cores(ram: Path) -> None:
+    import os
+
+    class Probe(CachedDataset):
+        def __getitems__(self, indices):  # type: ignore[no-untyped-def]
+            samples = super().__getitems__(indices)
+            samples.labels[:] = self.cache.reader.threads  # report this worker's reader threads
+            return samples
+
+    cores = len(os.sched_getaffinity(0))
+    loader = DataLoader(Probe(ram), batch_size=2, num_workers=2)
+    _, y = next(iter(loader))
+    assert set(y.tolist()) == {max(1, min(4, cores // 2))}
