@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from dlstore.errors import CacheReplacedError
-from dlstore.machine import check_loader_shared_memory
+from dlstore.machine import check_loader_shared_memory, usable_cores
 from dlstore.read.batch import BatchSamples, ImageBatch, in_worker, new_batch
 from dlstore.read.cache import Cache, check_staleness
 from dlstore.read.remote import spec_at
@@ -164,5 +164,5 @@ def share_cores_with_workers(cache: Cache) -> None:
     info = torch.utils.data.get_worker_info()
     if info is None:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     cache.reader.threads = max(1, min(cache.reader.threads, cores // max(1, info.num_workers)))
