@@ -191,10 +191,12 @@ class Staging:
         with open(self.journal / "done.jsonl", "a", encoding="utf-8") as f:
             f.write(lines)
             f.flush()
+            # Counted as soon as written: a re-run reads these lines even if Ctrl-C lands in the fsync
+            # (the units' data is already durable; only the journal's own flush is pending).
+            for k, bad, digests in units:
+                self.done[k] = bad
+                self.digests[k] = digests or []
             os.fsync(f.fileno())
-        for k, bad, digests in units:
-            self.done[k] = bad
-            self.digests[k] = digests or []
 
     def bad(self) -> list[dict[str, Any]]:
         return sorted((b for bad in self.done.values() for b in bad), key=lambda b: b["index"])
