@@ -47,10 +47,19 @@ class DirectZstd:
             ctx = self._local.ctx = _Context(self.lib)
         return int(ctx.ptr)
 
-    def decode(self, raw: Any, out: np.ndarray | None = None) -> np.ndarray:
-        if out is None or not out.flags.c_contiguous or not out.flags.writeable:
-            raise ValueError("DirectZstd.decode needs a writable C-contiguous out array")
+    def decode(self, raw: Any, out: np.ndarray | None = None) -> Any:
+        """Into ``out`` (its exact size); without ``out``, into a new uint8 array of the size the frame
+        declares (numcodecs' decoder where the frame does not declare it)."""
         src = np.frombuffer(raw, dtype=np.uint8)
+        if out is None:
+            size = self.lib.ZSTD_getFrameContentSize(src.ctypes.data, src.nbytes)
+            if size >= _CONTENTSIZE_ERROR:  # unknown or not a frame: numcodecs streams or reports it
+                from numcodecs.zstd import Zstd
+
+                return Zstd().decode(raw)
+            out = np.empty(size, np.uint8)
+        if not out.flags.c_contiguous or not out.flags.writeable:
+            raise ValueError("DirectZstd.decode needs a writable C-contiguous out array")
         n = self.lib.ZSTD_decompressDCtx(
             self.context(), out.ctypes.data, out.nbytes, src.ctypes.data, src.nbytes
         )
@@ -61,6 +70,7 @@ class DirectZstd:
         return out
 
 
+_CONTENTSIZE_ERROR = (1 << 64) - 2  # ZSTD_CONTENTSIZE_ERROR; ZSTD_CONTENTSIZE_UNKNOWN is one above
 _LOCK = threading.Lock()
 _CACHED: list[DirectZstd | None] = []
 
@@ -111,6 +121,8 @@ def _declare(lib: Any) -> None:
         ctypes.c_void_p,
         ctypes.c_size_t,
     ]
+    lib.ZSTD_getFrameContentSize.restype = ctypes.c_ulonglong
+    lib.ZSTD_getFrameContentSize.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     lib.ZSTD_isError.restype = ctypes.c_uint
     lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
     lib.ZSTD_getErrorName.restype = ctypes.c_char_p
