@@ -64,6 +64,44 @@ def gil_probe(work: Any, seconds: float = 1.0) -> float:
     return run(True) / run(False)
 
 
+def loader_rate(batches: Any, epochs: int = 3) -> float:
+    for _ in batches():  # warm
+        pass
+    torch.cuda.synchronize()
+    t0, count = time.perf_counter(), 0
+    for _ in range(epochs):
+        for x, _y in batches():
+            count += len(x)
+    torch.cuda.synchronize()
+    return count / (time.perf_counter() - t0)
+
+
+def variants(loader: DecodeLoader, cache: Any, dev: torch.device) -> dict[str, float]:
+    """The same batches through other arrangements of the same parts, to see which one serialises."""
+    from dlstore.read.gpu_decode import _Pipe
+
+    def main_thread_decode() -> Any:
+        order = [storage_sorted(cache, b) for b in torch.utils.data.BatchSampler(loader.sampler, BATCH, True)]
+
+        def read(i: Any) -> Any:
+            p, s = cache.read_payloads(i)
+            return i, p, s, as_tensors(p)
+
+        reads = _Pipe(iter(order), read, 2, "read")
+        try:
+            for i, p, s, t in reads:
+                imgs, _ = decode_on_device(cache, p, s, cache.positions[i], dev, t)
+                yield torch.stack(imgs), torch.from_numpy(cache.labels[i])
+        finally:
+            reads.close()
+
+    ra4 = DecodeLoader(cache, BATCH, device="cuda", read_ahead=4)
+    return {
+        "variant_read_ahead_4": loader_rate(lambda: iter(ra4)),
+        "variant_main_thread_decode": loader_rate(main_thread_decode),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
@@ -104,6 +142,7 @@ def main() -> None:
             count += len(x)
     torch.cuda.synchronize()
     out["decode_loader"] = count / (time.perf_counter() - t0)
+    out.update(variants(loader, cache, dev))
     out["sum_of_parts_prediction"] = 1 / (1 / out["read_payloads_loader_order"] + 1 / out["decode_on_device"])
     out["max_of_parts_prediction"] = min(out["read_payloads_loader_order"], out["decode_on_device"])
     out["environment"] = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "pid": os.getpid()}
