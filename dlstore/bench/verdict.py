@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, compose, prediction_error
-from dlstore.formats import in_memory_format
+from dlstore.formats import compressed_gpu_format, in_memory_format
 
 KNEE_FRACTION = 0.95
 COMPUTE_BOUND_FRACTION = 0.85
@@ -80,6 +80,7 @@ class Facts:
     cores: int = 1
     cache_bytes: dict[str, int] = field(default_factory=dict)
     mem_available: int | None = None
+    raw_cache_bytes: int | None = None  # what a raw RAM cache of this source would hold
     pin_default: bool = False
     apply: dict[str, str] = field(default_factory=dict)  # kind → how a user gets it (command or code)
     precision: str = "fp32"
@@ -414,14 +415,7 @@ def _bound_advice(
             )
         ]
     if b == "read":
-        return [
-            _advice(
-                f"Storage read limits {best['loader']} ({_fmt(ks.read_limit)} img/s cold): use fewer bytes per "
-                "image (a smaller --size, a compressed cache), a faster disk, or a RAM cache if it fits.",
-                f"dlstore convert {facts.source} DEST --format {in_memory_format()} --size {facts.size}",
-                None,
-            )
-        ]
+        return [read_advice(best, ks, facts)]
     if b == "transform" and facts.transform == "augment":
         return [
             _advice(
@@ -449,6 +443,35 @@ def _bound_advice(
             )
         ]
     return []
+
+
+def fits_in_memory(facts: Facts) -> bool | None:
+    """Whether a raw RAM cache of the source fits in the memory available now (None: unknown)."""
+    if facts.raw_cache_bytes is None or facts.mem_available is None:
+        return None
+    return facts.raw_cache_bytes <= facts.mem_available
+
+
+def read_advice(best: dict[str, Any], ks: KindStages, facts: Facts) -> dict[str, Any]:
+    """A RAM cache when it fits; otherwise a JPEG cache (about a tenth of the bytes) decoded on the GPU."""
+    what = f"Storage read limits {best['loader']} ({_fmt(ks.read_limit)} img/s cold)"
+    jpeg = compressed_gpu_format()
+    if fits_in_memory(facts) is False and jpeg is not None:
+        fmt, codec = jpeg
+        return _advice(
+            f"{what}, and a raw RAM cache would need {facts.raw_cache_bytes / 1e9:.1f} GB where "
+            f"{facts.mem_available / 1e9:.1f} GB is available: store JPEGs (about a tenth of the bytes) and "
+            "decode them on the GPU with dlstore.read.gpu_decode.DecodeLoader.",
+            f"dlstore convert {facts.source} DEST --format {fmt} --codec {codec} --resize shorter "
+            f"--size {facts.size}",
+            None,
+        )
+    return _advice(
+        f"{what}: use fewer bytes per image (a smaller --size, a compressed cache), a faster disk, or a RAM "
+        "cache if it fits.",
+        f"dlstore convert {facts.source} DEST --format {in_memory_format()} --size {facts.size}",
+        None,
+    )
 
 
 def _ms_of(run: dict[str, Any], limit: str) -> str:

@@ -122,6 +122,16 @@ def in_memory_format() -> str:
     return next(f.name for f in FORMATS.values() if f.traits.loads_into_ram)
 
 
+def compressed_gpu_format() -> tuple[str, str] | None:
+    """(format, codec) for a cache that stores each image as a JPEG, decoded on the GPU by DecodeLoader:
+    the choice when a raw cache does not fit in memory. None when no format registers such a codec."""
+    for f in FORMATS.values():
+        codecs = f.writer.codecs
+        if codecs is not None and JPEG.name in codecs.names():
+            return f.name, JPEG.name
+    return None
+
+
 @dataclass(frozen=True)
 class CliOption:
     """One writer option as the CLI offers it: every format's choices together, no default (each

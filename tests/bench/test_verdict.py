@@ -21,6 +21,7 @@ from dlstore.bench.verdict import (
     kind_summary,
     knee,
     rank,
+    read_advice,
     stalls,
 )
 
@@ -293,3 +294,17 @@ def test_stall_split_from_synthetic_cached_and_cold() -> None:
     s = stalls(stages, sweeps, cold, batch_size=50, warmup_steps=4)["raw"]
     assert s["synthetic_ms"] == pytest.approx(50.0) and s["cached_ms"] == pytest.approx(100.0)
     assert s["prep_stall_ms"] == pytest.approx(50.0) and s["fetch_stall_ms"] == pytest.approx(500.0)
+
+
+def test_read_bound_advice_weighs_a_raw_cache_against_available_memory() -> None:
+    ks = stages_of({0: 1}, {0: 1}, fed_ms=5, serial_ms=2, read_limit=900.0)
+    best = {"loader": "zarr"}
+    fits = read_advice(best, ks, facts(size=256, raw_cache_bytes=8 * 10**9, mem_available=20 * 10**9))
+    assert "--codec" not in fits["command"] and "RAM cache" in fits["text"]
+    unknown = read_advice(best, ks, facts(size=256, raw_cache_bytes=8 * 10**9))
+    assert unknown["command"] == fits["command"]
+    too_big = read_advice(best, ks, facts(size=256, raw_cache_bytes=190 * 10**9, mem_available=64 * 10**9))
+    assert "--codec jpeg --resize shorter --size 256" in too_big["command"]
+    assert (
+        "190.0 GB" in too_big["text"] and "64.0 GB" in too_big["text"] and "DecodeLoader" in too_big["text"]
+    )
