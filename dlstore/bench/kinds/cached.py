@@ -41,7 +41,6 @@ def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path | str:
 
 def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path | str, dict[str, Any]]:
     """Convert the source into a cache unless a matching one is there; return its path and what happened."""
-    from dlstore.build.conversion import convert
     from dlstore.errors import CacheNotFoundError, SpecError
     from dlstore.spec import read_spec
 
@@ -60,17 +59,24 @@ def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path | str, dict[str, An
     except (CacheNotFoundError, SpecError, FileNotFoundError, OSError):
         pass
     ctx.log(f"converting {ctx.source.description} → {fmt} cache at {dest} ({ctx.size}px)")
+    return dest, convert_into(ctx, dest, format=fmt)
+
+
+def convert_into(ctx: LoaderContext, dest: Path, **options: Any) -> dict[str, Any]:
+    """Convert the run's source into ``dest`` with ``options`` (format, codec, resize, …); what happened."""
+    from dlstore.build.conversion import convert
+
     dest.parent.mkdir(parents=True, exist_ok=True)
     result = convert(
         ctx.source,
         dest,
-        format=fmt,
         size=ctx.size,
         channels=ctx.channels,
         overwrite=dest.exists(),
         workers=ctx.config.convert_workers,
+        **options,
     )
-    return dest, {
+    return {
         "cache": str(dest),
         "reused": False,
         "convert_s": result.seconds,

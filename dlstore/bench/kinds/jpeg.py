@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader
+from dlstore.bench.kinds.cached import convert_into
 from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
 from dlstore.bench.transforms import device_transform
 
@@ -25,22 +26,18 @@ CPU = "JPEG cache (variable size), CachedDataset in DataLoader workers: Pillow d
 QUALITY = 90
 
 
-def payload_format() -> str:
-    """The first registered format that stores per-image payloads (a trait, not a name)."""
-    from dlstore.formats import FORMATS
-
-    return next(f.name for f in FORMATS.values() if f.ragged_ok)
-
-
 def ensure_jpeg_cache(ctx: LoaderContext) -> tuple[Path, dict[str, Any]]:
     """Convert the source once into a JPEG cache (shorter side = the run's size), keyed by the spec."""
-    from dlstore.build.conversion import convert
-    from dlstore.errors import CacheNotFoundError, SpecError
+    from dlstore.errors import CacheNotFoundError, DlstoreError, SpecError
+    from dlstore.formats import compressed_gpu_format
     from dlstore.spec import read_spec
 
-    fmt = payload_format()
+    found = compressed_gpu_format()
+    if found is None:
+        raise DlstoreError("no registered cache format takes the jpeg codec")
+    fmt, codec = found
     key = hashlib.sha256(
-        f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|shorter|jpeg{QUALITY}".encode()
+        f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|shorter|{codec}{QUALITY}".encode()
     ).hexdigest()
     dest = ctx.cache_root / f"jpeg-{fmt}-s{ctx.size}-c{ctx.channels}-{key[:12]}"
     try:
@@ -51,26 +48,8 @@ def ensure_jpeg_cache(ctx: LoaderContext) -> tuple[Path, dict[str, Any]]:
     ctx.log(
         f"converting {ctx.source.description} → JPEG q{QUALITY} {fmt} cache at {dest} (shorter {ctx.size}px)"
     )
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    result = convert(
-        ctx.source,
-        dest,
-        format=fmt,
-        size=ctx.size,
-        channels=ctx.channels,
-        resize="shorter",
-        codec="jpeg",
-        options={"quality": QUALITY},
-        overwrite=dest.exists(),
-        workers=ctx.config.convert_workers,
-    )
-    return dest, {
-        "cache": str(dest),
-        "reused": False,
-        "convert_s": result.seconds,
-        "convert_img_per_s": result.images_per_s,
-        "convert_workers": result.workers,
-    }
+    info = convert_into(ctx, dest, format=fmt, resize="shorter", codec=codec, options={"quality": QUALITY})
+    return dest, info
 
 
 def _files(path: Path) -> list[Path]:
