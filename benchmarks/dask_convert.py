@@ -1,6 +1,10 @@
 """Conversion rate: the built-in process pool vs Dask (``--scheduler``), by number of workers.
 
     python benchmarks/dask_convert.py --out OUTDIR [--images 1024] [--size 128] [--workers 1,2]
+        [--source DIR --copies K]
+
+``--source DIR`` converts an existing image folder (K hard-linked copies of each file with ``--copies``,
+so a long run needs no new images) instead of generating ``--images`` demo images.
 
 For each N: the built-in pool (``workers=N``), ``scheduler="local:N"`` (a LocalCluster started and
 stopped by the conversion, so its start-up is in the time), and a running LocalCluster of N workers
@@ -37,14 +41,34 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--format", default="npz")
     p.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--source", type=Path, default=None, help="an existing image folder (else the demo)")
+    p.add_argument("--copies", type=int, default=1, help="hard-linked copies of --source's files")
     return p.parse_args()
 
 
-def rate(src: Any, work: Path, args: argparse.Namespace, **kw: Any) -> float:
+def linked_copies(source: Path, dest: Path, copies: int) -> Path:
+    """``copies`` hard links of every image under new names, same classes."""
+    for cls in sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        (dest / cls.name).mkdir(parents=True)
+        for f in sorted(f for f in cls.iterdir() if f.is_file() and not f.name.startswith(".")):
+            for c in range(copies):
+                os.link(f, dest / cls.name / f"{c:03d}_{f.name}")
+    return dest
+
+
+def rate(src: Any, work: Path, args: argparse.Namespace, details: list[Any], name: str, **kw: Any) -> float:
     dest = work / "cache"
     shutil.rmtree(dest, ignore_errors=True)
     res = convert(src, dest, format=args.format, size=args.size, **kw)
-    return args.images / res.seconds
+    shutil.rmtree(dest, ignore_errors=True)
+    details.append({"config": name, "seconds": res.seconds, "stages": res.stages})
+    return len(src) / res.seconds
+
+
+def write(args: argparse.Namespace, doc: dict[str, Any]) -> None:
+    """After every run, so a run cut short by a time limit still leaves what it measured."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "dask_convert.json").write_text(json.dumps(doc, indent=1))
 
 
 def main() -> None:
@@ -53,8 +77,23 @@ def main() -> None:
     args = parse_args()
     counts = [int(n) for n in args.workers.split(",")]
     work = Path(tempfile.mkdtemp(prefix="dask-convert-"))
-    src = scan_folder(ensure_demo(work / "demo", n_images=args.images))
+    if args.source is None:
+        src = scan_folder(ensure_demo(work / "demo", n_images=args.images))
+    else:
+        src = scan_folder(linked_copies(args.source, work / "src", args.copies))
     runs: dict[str, list[float]] = {}
+    details: list[Any] = []
+    doc: dict[str, Any] = {
+        "what": f"convert {len(src)} images ({args.source or 'demo'}) → {args.format} {args.size}px, img/s",
+        "runs": runs,
+        "details": details,
+        "environment": {
+            "cores": len(os.sched_getaffinity(0)),
+            "python": platform.python_version(),
+            "distributed": __import__("distributed").__version__,
+            "command": "python3 " + " ".join(sys.argv),
+        },
+    }
     try:
         for n in counts:
             with LocalCluster(n_workers=n, threads_per_worker=1, dashboard_address=":0") as cluster:
@@ -66,22 +105,15 @@ def main() -> None:
                 for r in range(args.repeats):
                     names = list(configs)
                     for name in names[r % len(names) :] + names[: r % len(names)]:
-                        runs.setdefault(name, []).append(rate(src, work, args, **configs[name]))
+                        runs.setdefault(name, []).append(
+                            rate(src, work, args, details, name, **configs[name])
+                        )
+                        write(args, doc)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     medians = {k: float(np.median(v)) for k, v in runs.items()}
-    doc = {
-        "what": f"convert {args.images} demo images → {args.format} {args.size}px, img/s",
-        "runs": runs,
-        "median": medians,
-        "environment": {
-            "cores": len(os.sched_getaffinity(0)),
-            "python": platform.python_version(),
-            "distributed": __import__("distributed").__version__,
-        },
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "dask_convert.json").write_text(json.dumps(doc, indent=1))
+    doc["median"] = medians
+    write(args, doc)
     for n in counts:
         pool = medians[f"pool:{n}"]
         for name in (f"pool:{n}", f"dask local:{n} (incl. start)", f"dask running:{n}"):

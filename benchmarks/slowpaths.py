@@ -647,9 +647,10 @@ def linked_source(demo: Path, dest: Path, copies: int) -> Path:
 
 
 def section_convert(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    demo = work / "demo"
+    # The data section made the demo when it ran; ``--sections convert`` alone makes it here.
+    demo = ensure_demo(work / "demo", n_images=args.images)
     src = scan_folder(demo)
-    one, rates = one_core_rate(src)
+    one, rates = one_core_rate(src, n=args.one_core_images)
     out: dict[str, Any] = {"one_core_img_s": one, "one_core_rounds": rates, "cores": CORES}
     image_bytes = 256 * 256 * 3
     want = int(args.convert_seconds * CORES * one)
@@ -792,6 +793,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--loader-batches", type=int, default=120)
     ap.add_argument("--convert-seconds", type=float, default=32.0, help="aimed length of the long conversion")
+    ap.add_argument("--one-core-images", type=int, default=250, help="convert: images per one-core round")
     ap.add_argument("--commit", default="", help="the commit measured (the device copy has no .git)")
     ap.add_argument("--ab-labels", action="store_true", help="also run the plain loaders with labels by fd")
     ap.add_argument("--zarr-quick", action="store_true", help="zarr: ceilings and reader thread counts only")

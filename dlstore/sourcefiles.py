@@ -73,18 +73,20 @@ def scan_tree(root: Path) -> FolderScan:
     # A link back to the root or to a class folder would copy images into another class: never follow.
     blocked = {_inode(root)} | {_inode(root / c) for c in classes}
     for idx, cls in enumerate(classes):
-        for path in _walk_images(root / cls, errors, blocked):
+        # Plain strings and os.stat, not pathlib: three Path objects per file cost more than the stat
+        # itself on a large tree (about 60 µs of a 70 µs per-file scan on Python 3.12).
+        top = os.path.join(root, cls)
+        for rel in _walk_images(top, errors, blocked):
+            name = f"{cls}/{rel}"
             try:
-                st = path.stat()
+                st = os.stat(os.path.join(top, rel))
             except OSError as e:
-                errors.append((path.relative_to(root).as_posix(), f"cannot stat: {e.strerror}"))
+                errors.append((name, f"cannot stat: {e.strerror}"))
                 continue
             if not stat.S_ISREG(st.st_mode):  # a FIFO or device named .jpg would block or never end
-                errors.append(
-                    (path.relative_to(root).as_posix(), "not a regular file (FIFO, device or socket)")
-                )
+                errors.append((name, "not a regular file (FIFO, device or socket)"))
                 continue
-            names.append(path.relative_to(root).as_posix())
+            names.append(name)
             labels.append(idx)
             stats.append((st.st_size, st.st_mtime_ns))
     present = set(labels)
@@ -102,8 +104,9 @@ def _inode(path: Path) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
 
-def _walk_images(top: Path, errors: list[tuple[str, str]], blocked: set[tuple[int, int]]) -> list[Path]:
-    """ImageFolder's order (sorted os.walk, sorted names) with loop-safe link following."""
+def _walk_images(top: str, errors: list[tuple[str, str]], blocked: set[tuple[int, int]]) -> list[str]:
+    """Image paths relative to ``top`` ('/'-joined), in ImageFolder's order (sorted os.walk, sorted
+    names), with loop-safe link following."""
     seen: set[tuple[int, int]] = set()
     walked: list[tuple[str, list[str]]] = []
 
@@ -112,7 +115,7 @@ def _walk_images(top: Path, errors: list[tuple[str, str]], blocked: set[tuple[in
 
     for dirpath, dirnames, filenames in os.walk(top, followlinks=True, onerror=onerror):
         key = _inode(Path(dirpath))
-        if key in seen or (key in blocked and dirpath != str(top)):
+        if key in seen or (key in blocked and dirpath != top):
             dirnames[:] = []
             continue
         seen.add(key)
@@ -120,9 +123,10 @@ def _walk_images(top: Path, errors: list[tuple[str, str]], blocked: set[tuple[in
         walked.append((dirpath, filenames))
     out = []
     for dirpath, filenames in sorted(walked):
+        prefix = os.path.relpath(dirpath, top).replace(os.sep, "/") + "/" if dirpath != top else ""
         for name in sorted(filenames):
             if not name.startswith(".") and name.lower().endswith(IMAGE_EXTENSIONS):
-                out.append(Path(dirpath) / name)
+                out.append(prefix + name)
     return out
 
 

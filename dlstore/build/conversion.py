@@ -177,6 +177,7 @@ def convert(
         if isinstance(source, Source)
         else open_source(source, root=root, train=train, demo_images=demo_images)
     )
+    stages["setup_scan_s"] = time.perf_counter() - t0
     options = fmt.writer.parse_options(requested_options(codec, options, compress))
     writer = fmt.writer_for(options, policy.ragged)(Path(), len(src), policy.shape, options)
     order = storage_permutation(len(src), storage_order, seed)
@@ -192,6 +193,7 @@ def convert(
         "dlstore": __version__.split(".")[0],
     }
     warnings = [scan_warning(src)] if scan_errors(src) else []
+    stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
     if rerun and is_up_to_date(dest, Staging.normalised(plan), src):
         return published_result(dest, fmt.name, src, t0, writer.n_units, warnings, up_to_date=True)
     with Staging(dest, plan, discard_mismatch=overwrite, entries=src.entries()) as staging:
@@ -199,12 +201,15 @@ def convert(
             return published_result(dest, fmt.name, src, t0, writer.n_units, warnings)
         check_destination(dest, overwrite)
         writer.root = staging.path
+        t_create = time.perf_counter()
+        stages["setup_staging_s"] = t_create - t0 - stages["setup_scan_s"] - stages["setup_plan_s"]
         saved = None if staging.fresh else staging.writer_options()
         if saved is None:  # fresh, or killed before the layout was recorded (then no unit was written)
             writer.create()
             staging.save_writer_options(writer.options)
         else:
             writer.options = saved
+        stages["setup_create_s"] = time.perf_counter() - t_create
         warnings += preflight(writer, staging)
         for w in warnings:
             if log:
@@ -668,6 +673,7 @@ def finalize(
     order: np.ndarray,
     stages: dict[str, float] | None = None,
 ) -> CacheSpec:
+    t_start = time.perf_counter()
     root = staging.path
     inverse = np.empty_like(order)
     inverse[order] = np.arange(len(order))
@@ -679,6 +685,7 @@ def finalize(
     positions = inverse[good]  # dataset index → storage (setdiff1d would cost a 0.3 s lazy import)
     writer.finish(labels)
     writer.describe(format_attributes(src, policy, len(src) - len(bad)), positions)
+    t_meta = time.perf_counter()
     save_npy_durably(root / LABELS_FILE, narrow_index(labels))
     save_npy_durably(root / POSITIONS_FILE, narrow_index(positions))
     source_record(src, staging, writer, order).save(root / SOURCE_RECORD)
@@ -689,7 +696,12 @@ def finalize(
     t1 = time.perf_counter()
     checksums = checksum_tree(root, exclude=(MANIFEST,))
     if stages is not None:
-        stages.update(sync_tree_s=t1 - t0, checksums_s=time.perf_counter() - t1)
+        stages.update(
+            finalize_writer_s=t_meta - t_start,
+            finalize_metadata_s=t0 - t_meta,
+            sync_tree_s=t1 - t0,
+            checksums_s=time.perf_counter() - t1,
+        )
     spec = CacheSpec(
         format=fmt,
         n=len(src) - len(bad),

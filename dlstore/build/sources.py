@@ -52,9 +52,15 @@ class Source:
         return [[n, s, m, int(lab)] for n, (s, m), lab in zip(self.names, stats, self.labels)]
 
     def fingerprint(self) -> str:
-        # Relative names only, so a moved dataset root keeps its fingerprint.
+        # Relative names only, so a moved dataset root keeps its fingerprint. Kept once computed: a
+        # conversion asks three times (plan, format attributes, manifest), each a JSON dump of every row.
+        key = (len(self.names), len(self.stats))
+        cached = self.__dict__.get("_fingerprint")
+        if cached is not None and cached[0] == key:
+            return cached[1]
         h = hashlib.sha256(json.dumps(self.classes).encode())
         h.update(json.dumps(self.entries()).encode("utf-8", "surrogateescape"))
+        self.__dict__["_fingerprint"] = (key, h.hexdigest())
         return h.hexdigest()
 
     def info(self) -> dict[str, Any]:
