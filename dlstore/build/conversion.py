@@ -506,7 +506,7 @@ class BadBudget:
         self.n, self.max_bad, self.staging = n, max_bad, staging
         self.started = time.monotonic()  # reset when the units are handed out
         self.journal_s = 0.0
-        self.worker: dict[str, float] = {"decode": 0.0, "digest": 0.0, "write": 0.0}
+        self.worker: dict[str, float] = {"decode": 0.0, "digest": 0.0, "write": 0.0, "unit_other": 0.0}
         self.starts: list[float] = []
         self.ends: list[float] = []
 
@@ -516,8 +516,14 @@ class BadBudget:
         self.staging.record_many([(k, bad, digests) for k, bad, digests, _ in results])
         self.journal_s += time.perf_counter() - t0
         for *_, times in results:
-            for key in self.worker:
+            for key in ("decode", "digest", "write"):
                 self.worker[key] += times.get(key, 0.0)
+            # Inside the unit but none of the three (buffers, bookkeeping, signals): per-unit overhead;
+            # what is left of the workers' time after this is start-up and waiting between units.
+            spent = times["end"] - times["start"]
+            self.worker["unit_other"] += max(
+                0.0, spent - sum(times.get(k, 0.0) for k in ("decode", "digest", "write"))
+            )
             self.starts.append(times["start"])
             self.ends.append(times["end"])
         if any(bad for _, bad, _, _ in results):

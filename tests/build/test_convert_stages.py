@@ -9,7 +9,9 @@ import pytest
 from dlstore.build.conversion import convert
 from dlstore.read.cache import open_cache
 
-WORKER_KEYS = ("workers_decode_s", "workers_digest_s", "workers_write_s")
+WORKER_KEYS = ("workers_decode_s", "workers_digest_s", "workers_write_s", "workers_unit_other_s")
+SETUP_KEYS = ("setup_scan_s", "setup_plan_s", "setup_staging_s", "setup_create_s")
+FINALIZE_KEYS = ("finalize_writer_s", "finalize_metadata_s", "sync_tree_s", "checksums_s")
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -31,6 +33,10 @@ def test_stages_cover_the_phases(image_tree: Path, tmp_path: Path, workers: int)
     # Worker time is measured inside the run, and the phases inside the whole conversion.
     assert sum(st[k] for k in WORKER_KEYS) <= res.workers * st["run_s"] + 0.05
     assert st["setup_s"] + st["run_s"] + st["finalize_s"] + st["commit_s"] <= res.seconds + 0.05
+    # The fixed costs' parts add up to no more than the phase they split.
+    assert all(st[k] >= 0.0 for k in SETUP_KEYS + FINALIZE_KEYS)
+    assert sum(st[k] for k in SETUP_KEYS) <= st["setup_s"] + 1e-6
+    assert sum(st[k] for k in FINALIZE_KEYS) <= st["finalize_s"] + 1e-6
     assert len(open_cache(tmp_path / "c")) == res.n
 
 
