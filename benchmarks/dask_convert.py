@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--source", type=Path, default=None, help="an existing image folder (else the demo)")
     p.add_argument("--copies", type=int, default=1, help="hard-linked copies of --source's files")
+    p.add_argument("--dest-dir", type=Path, default=None, help="where the caches go (e.g. /dev/shm)")
     return p.parse_args()
 
 
@@ -57,7 +58,7 @@ def linked_copies(source: Path, dest: Path, copies: int) -> Path:
 
 
 def rate(src: Any, work: Path, args: argparse.Namespace, details: list[Any], name: str, **kw: Any) -> float:
-    dest = work / "cache"
+    dest = (args.dest_dir or work) / f"dask-convert-cache-{os.getpid()}"
     shutil.rmtree(dest, ignore_errors=True)
     res = convert(src, dest, format=args.format, size=args.size, **kw)
     shutil.rmtree(dest, ignore_errors=True)
