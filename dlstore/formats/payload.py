@@ -201,8 +201,13 @@ class PayloadReader(ChunkedReader):
 
     def decode(self, payload: Any, shape: Any, position: int) -> np.ndarray:
         """CPU decode of one payload; a failure names the image and its chunk."""
+        out = np.empty(tuple(int(s) for s in shape), np.uint8)
+        self.decode_into(payload, out, position)
+        return out
+
+    def decode_into(self, payload: Any, out: np.ndarray, position: int) -> None:
         try:
-            return self.image_codec.decode(payload, tuple(int(s) for s in shape))  # type: ignore[arg-type]
+            self.image_codec.decode_into(payload, out.shape, out)  # type: ignore[arg-type]
         except PayloadError as e:
             k = position // self.unit
             raise corrupt_at(
@@ -215,14 +220,37 @@ class PayloadReader(ChunkedReader):
         """(H, W, C) uint8 images at ``positions``, decoded in this reader's threads."""
         positions = np.asarray(positions, np.int64).reshape(-1)
         payloads, shapes = self.read_payloads(positions)
-        items = list(zip(payloads, shapes, positions.tolist()))
-        if len(items) > 1 and self.threads > 1 and self.image_codec.lossy:
-            return list(self._thread_pool().map(lambda it: self.decode(*it), items))
-        return [self.decode(*it) for it in items]
+        outs = [np.empty(s, np.uint8) for s in map(tuple, shapes.tolist())]
+        self._decode_all(payloads, outs, positions)
+        return outs
 
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
-        """Fixed-size caches only (the Cache refuses ragged ones before getting here)."""
-        for i, img in enumerate(self.read_images(positions)):
-            if img.shape != out.shape[1:]:
-                raise CacheCorruptError(f"{self.root}: image of shape {img.shape} in a {out.shape[1:]} cache")
-            out[i] = img
+        """Fixed-size caches only (the Cache refuses ragged ones before getting here): each image is
+        decoded straight into its row of ``out``, no intermediate array."""
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        payloads, shapes = self.read_payloads(positions)
+        bad = np.flatnonzero(np.any(shapes != np.asarray(out.shape[1:]), axis=1))
+        if len(bad):
+            raise CacheCorruptError(
+                f"{self.root}: image at storage position {int(positions[bad[0]])} has shape "
+                f"{tuple(shapes[bad[0]].tolist())} in a {out.shape[1:]} cache; rebuild the cache"
+            )
+        self._decode_all(payloads, list(out), positions)
+
+    def _decode_all(self, payloads: list[memoryview], outs: list[np.ndarray], positions: np.ndarray) -> None:
+        """Decode into ``outs``; with threads, each thread takes one contiguous slice of the batch (one
+        pool task per thread, not per image: the per-task hand-over needs the GIL, the decode does not)."""
+        n = len(outs)
+        todo = list(zip(payloads, outs, positions.tolist()))
+        if n > 1 and self.threads > 1 and self.image_codec.lossy:
+            parts = min(self.threads, n)
+            bounds = [n * i // parts for i in range(parts + 1)]
+
+            def work(i: int) -> None:
+                for payload, out, p in todo[bounds[i] : bounds[i + 1]]:
+                    self.decode_into(payload, out, p)
+
+            list(self._thread_pool().map(work, range(parts)))
+            return
+        for payload, out, p in todo:
+            self.decode_into(payload, out, p)

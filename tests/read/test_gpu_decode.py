@@ -24,9 +24,12 @@ def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return dest
 
 
-def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path) -> None:
+@pytest.mark.parametrize("decode_in", ["caller", "stream", "thread"])
+def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path, decode_in: str) -> None:
     crop = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(0))
-    loader = DecodeLoader(jpeg_cache, batch_size=5, transform=crop, device="cpu", drop_last=False)
+    loader = DecodeLoader(
+        jpeg_cache, batch_size=5, transform=crop, device="cpu", drop_last=False, decode_in=decode_in
+    )
     labels = []
     for images, batch_labels in loader:
         assert images.shape[1:] == (3, 16, 16) and images.dtype == torch.float32
@@ -39,6 +42,8 @@ def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path) -
 def test_ragged_cache_needs_a_transform(jpeg_cache: Path) -> None:
     with pytest.raises(ValueError, match="RaggedRandomResizedCrop"):
         DecodeLoader(jpeg_cache, batch_size=4, device="cpu")
+    with pytest.raises(ValueError, match="decode_in"):
+        DecodeLoader(jpeg_cache, batch_size=4, transform=lambda x: x, device="cpu", decode_in="gpu")
 
 
 def test_batched_decode_equals_cpu_decode_and_falls_back_per_image(
@@ -70,11 +75,14 @@ def test_batched_decode_equals_cpu_decode_and_falls_back_per_image(
     np.testing.assert_array_equal(out[2].permute(1, 2, 0).numpy(), cpu[2])
 
 
-def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path) -> None:
+@pytest.mark.parametrize("decode_in", ["caller", "stream", "thread"])
+def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path, decode_in: str) -> None:
     import threading
 
     crop = RaggedRandomResizedCrop(8)
-    loader = DecodeLoader(jpeg_cache, batch_size=2, transform=crop, device="cpu", read_ahead=1)
+    loader = DecodeLoader(
+        jpeg_cache, batch_size=2, transform=crop, device="cpu", read_ahead=1, decode_in=decode_in
+    )
     it = iter(loader)
     next(it)
     it.close()  # type: ignore[attr-defined]
