@@ -47,6 +47,7 @@ from dlstore.build.conversion import convert  # noqa: E402
 from dlstore.build.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
+from dlstore.read import slots  # noqa: E402
 from dlstore.read.cache import open_cache  # noqa: E402
 from dlstore.read.dataset import CachedDataset  # noqa: E402
 from dlstore.read.loaders import PinnedLoader, batch_dataloader, make_sampler, storage_sorted  # noqa: E402
@@ -77,6 +78,8 @@ def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ("zarr256", "zarr", 256, "zstd"),
         ("ram128", "ram", 128, None),
     ):
+        if name not in args.data_caches.split(","):
+            continue
         kw = {"codec": codec} if codec else {}
         res = convert(src, work / name, format=fmt, size=size, workers=CORES, overwrite=True, **kw)
         out["convert"][name] = {
@@ -477,9 +480,11 @@ def profile_loader(make: Callable[[], Any], image_bytes: int, raw: Path, seconds
     return summarize_profile(raw)
 
 
-def drain(loader: Any, warmup: int, batches: int, image_bytes: int) -> dict[str, float]:
-    """img/s of a DataLoader (host side: batches are not touched), with the CPU seconds per GB
-    delivered in the main process (incl. its pin thread) and in the workers."""
+def drain(loader: Any, warmup: int, batches: int, image_bytes: int, touch: bool = True) -> dict[str, float]:
+    """img/s of a DataLoader, with the CPU seconds per GB delivered in the main process (incl. its pin
+    thread) and in the workers, and the main thread's own CPU ms per batch. ``touch`` reads one byte
+    per 4 KiB page of each batch, as any consumer (``.cuda()``, a model) must: a batch in a freshly
+    mapped shared-memory file costs its page faults then, not when it is handed over."""
     it = iter(loader)
 
     def nxt() -> Any:
@@ -494,19 +499,26 @@ def drain(loader: Any, warmup: int, batches: int, image_bytes: int) -> dict[str,
         nxt()
     workers = [w.pid for w in getattr(it, "_workers", [])]
     main0, w0 = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(workers)
-    t0, n = time.perf_counter(), 0
+    t0, thread0, n = time.perf_counter(), time.thread_time(), 0
     for _ in range(batches):
         x, _ = nxt()
+        if touch:
+            t = x.as_subclass(torch.Tensor)
+            t.as_strided((t.numel() // 4096,), (4096,), t.storage_offset()).sum()
+            del t
         n += len(x)
+        del x  # the batch is released before the next is asked for, as in a training loop
     dt = time.perf_counter() - t0
+    thread_ms = (time.thread_time() - thread0) * 1e3 / batches
     main1, w1 = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(workers)
     gb = n * image_bytes / 1e9
     main_cpu = (main1.ru_utime - main0.ru_utime) + (main1.ru_stime - main0.ru_stime)
     return {
         "img_s": n / dt,
         "main_cpu_s_per_gb": main_cpu / gb,
+        "main_thread_cpu_ms_per_batch": thread_ms,
         "worker_cpu_s_per_gb": (w1 - w0) / gb,
-        "pinned": bool(x.is_pinned()),
+        "touched": touch,
     }
 
 
@@ -523,21 +535,52 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     image_bytes = ds.spec.image_bytes
     runs: dict[str, list[dict[str, float]]] = {}
 
+    # --dl-epoch-images: one shuffled pass over N draws (RandomSampler(num_samples=N), several
+    # permutations back to back) instead of shuffle=True's one epoch of len(ds), so a small cache
+    # still gives epochs as long as a real dataset's (an epoch end drains 16 x prefetch batches).
+    long_epoch = args.dl_epoch_images > len(ds)
+    out["epoch_images"] = args.dl_epoch_images if long_epoch else len(ds)
+
     def plain(workers: int, pin: bool) -> Any:
+        order: dict[str, Any] = {"shuffle": True}
+        if long_epoch:
+            order = {"sampler": torch.utils.data.RandomSampler(ds, num_samples=args.dl_epoch_images)}
         return torch.utils.data.DataLoader(
             ds,
             batch_size=b,
-            shuffle=True,
             num_workers=workers,
             pin_memory=pin,
             drop_last=True,
             persistent_workers=workers > 0,
+            **order,
         )
 
     def batched(workers: int, pin: bool) -> Any:
-        return batch_dataloader(
+        loader = batch_dataloader(
             path, b, num_workers=workers, order="random", pin_memory=pin, in_memory=in_memory
         )
+        if not long_epoch:
+            return loader
+        draws = torch.utils.data.RandomSampler(range(len(ds)), num_samples=args.dl_epoch_images)
+        batches = torch.utils.data.BatchSampler(draws, b, True)
+        return torch.utils.data.DataLoader(
+            loader.dataset,
+            sampler=batches,
+            batch_size=None,
+            num_workers=workers,
+            pin_memory=pin,
+            persistent_workers=workers > 0,
+        )
+
+    def without_slots(make: Callable[[], Any]) -> Callable[[], Any]:
+        """The same loader handing batches over as torch does (a new shared-memory file per batch):
+        the A/B of dlstore.read.slots. Workers fork at the first iter(), after the switch."""
+
+        def run() -> Any:
+            slots.enabled = False
+            return make()
+
+        return run
 
     def labels_by_fd(make: Callable[[], Any]) -> Callable[[], Any]:
         """The same loader with labels sent as torch does by default (own shared-memory file): the A/B
@@ -557,6 +600,8 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"plain_w{k}_pin": lambda: plain(k, True),
         f"batch_w{k}": lambda: batched(k, False),
         f"batch_w{k}_pin": lambda: batched(k, True),
+        f"plain_w{k}_noslots": without_slots(lambda: plain(k, False)),
+        f"plain_w{k}_pin_noslots": without_slots(lambda: plain(k, True)),
     }
     if args.ab_labels:
         makers[f"plain_w{k}_labels_fd"] = labels_by_fd(lambda: plain(k, False))
@@ -569,6 +614,7 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             from dlstore.read import batch as batchmod
 
             batchmod.labels_tensor = LABELS_TENSOR  # undo an A/B patch of the previous configuration
+            slots.enabled = True
             try:
                 loader = makers[name]()
                 res = drain(loader, 8 if "w0" not in name else 3, args.loader_batches, image_bytes)
@@ -598,7 +644,8 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             out[name]["median_bytes_s"] / 1e6,
             mc / 1e6,
             goal,
-            f"{out[name]['median_img_s']:,.0f} img/s of {image_bytes:,} B",
+            f"{out[name]['median_img_s']:,.0f} img/s of {image_bytes:,} B; main thread "
+            f"{np.median([r.get('main_thread_cpu_ms_per_batch', 0) for r in out[name]['runs']]):.2f} ms/batch",
         )
     if "plain_w0" not in out or "plain_w0_pin" not in out:
         return out
@@ -695,42 +742,62 @@ def section_convert(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def section_resnet18(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """ResNet-18 bf16 @112 bs512 from host memory vs the synthetic ceiling, and where the gap goes:
+    the same graphed augment on a batch already on the GPU (the ceiling with the augment's own GPU
+    time), PinnedLoader with 16 and 2 gather threads (the host threads' share of the one CPU thread
+    that launches the step), and a 2-worker DataLoader (batches in worker slots, pinned in the main
+    process)."""
+    from dlstore.gpu.graphs import CudaGraphed
+
     torch.backends.cudnn.benchmark = True
     batch, res = 512, 112
     step = fp.resnet_step("resnet18", 5)
     aug = GpuAugment(res, mean=fp.MEAN, std=fp.STD, out_dtype=torch.bfloat16, channels_last=True).cuda()
+    graphed = CudaGraphed(aug)
     cache = open_cache(work / "ram128", in_memory=True)
-    pinned = PinnedLoader(cache, batch_size=batch, device="cuda", order="random")
     pinned_graph = PinnedLoader(
         cache, batch_size=batch, device="cuda", order="random", transform=aug, cuda_graph=True
     )
+    cache2 = open_cache(work / "ram128", in_memory=True)
+    pinned_graph_2t = PinnedLoader(
+        cache2, batch_size=batch, device="cuda", order="random", transform=aug, cuda_graph=True
+    )
+    cache2.reader.threads = 2  # after PinnedLoader set it to all cores
     dl2 = batch_dataloader(
         work / "ram128", batch_size=batch, num_workers=2, order="random", prefetch_factor=4
     )
+    on_gpu = torch.from_numpy(cache.read(np.arange(batch))).cuda().permute(0, 3, 1, 2)
+    labels = torch.zeros(batch, dtype=torch.int64, device="cuda")
+
+    def resident_batches() -> Any:
+        while True:
+            yield graphed(on_gpu), labels
+
     w, s = args.warmup, args.steps
     cfgs = {
         "synthetic": lambda: fp.timed_steps(
             fp.synthetic((batch, 3, res, res), 5, torch.bfloat16, True), step, w, s, batch
         ),
-        "pinned_0_workers_eager_augment": lambda: fp.timed_steps(
-            fp.augmented(pinned, aug), step, w, s, batch
-        ),
+        "gpu_batch_graph_augment": lambda: fp.timed_steps(resident_batches, step, w, s, batch),
         "pinned_0_workers_graph_augment": lambda: fp.timed_steps(
             lambda: iter(pinned_graph), step, w, s, batch
         ),
-        "dataloader_2_workers_eager_augment": lambda: fp.timed_steps(
-            fp.augmented(fp._Reiter(dl2), aug), step, w, s, batch
+        "pinned_0_workers_graph_augment_2_threads": lambda: fp.timed_steps(
+            lambda: iter(pinned_graph_2t), step, w, s, batch
+        ),
+        "dataloader_2_workers_graph_augment": lambda: fp.timed_steps(
+            fp.augmented(fp._Reiter(dl2), graphed), step, w, s, batch
         ),
     }
     out = fp.interleave(cfgs, args.repeats)
-    host = [k for k in cfgs if k != "synthetic"]
+    host = [k for k in cfgs if k not in ("synthetic", "gpu_batch_graph_augment")]
     best = max(host, key=lambda k: out[k]["median"])
     target(
         f"resnet18 bf16 @112 bs512 from host memory (<=2 workers: {best}) vs synthetic",
         out[best]["median"],
         out["synthetic"]["median"],
         0.9,
-        ", ".join(f"{k} {out[k]['median']:,.0f}" for k in host),
+        ", ".join(f"{k} {out[k]['median']:,.0f}" for k in [*host, "gpu_batch_graph_augment"]),
     )
     return out
 
@@ -799,6 +866,8 @@ def main() -> None:
     ap.add_argument("--zarr-quick", action="store_true", help="zarr: ceilings and reader thread counts only")
     ap.add_argument("--dl-configs", default="", help="DataLoader configurations to run (default: all)")
     ap.add_argument("--dl-profile", default="", help="DataLoader configurations to profile with py-spy")
+    ap.add_argument("--dl-epoch-images", type=int, default=0, help="DataLoader draws per epoch (default: n)")
+    ap.add_argument("--data-caches", default="ram256,zarr256,ram128", help="caches the data section makes")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-slow-"))

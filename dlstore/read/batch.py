@@ -30,6 +30,7 @@ import torch
 from torch.utils.data._utils import collate as _collate
 
 from dlstore.machine import usable_cores
+from dlstore.read import slots
 
 _MADV_POPULATE_READ = 22
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -51,10 +52,16 @@ def _rebuild_image_batch(rebuild: Callable[..., torch.Tensor], args: tuple[Any, 
 
 
 def _reduce_image_batch(t: ImageBatch) -> tuple[Any, ...]:
-    """Across processes like any tensor (its storage by file descriptor), arriving as an ImageBatch."""
-    from torch.multiprocessing.reductions import reduce_tensor
+    """Across processes by its worker slot's key (see ``dlstore.read.slots``), else like any tensor
+    (its storage by file descriptor); arriving as an ImageBatch."""
+    plain = t.as_subclass(torch.Tensor)
+    slot = slots.slot_of(plain)
+    if slot is not None:
+        rebuild, args = slots.reduce_slot_tensor(plain, slot)
+    else:
+        from torch.multiprocessing.reductions import reduce_tensor
 
-    rebuild, args = reduce_tensor(t.as_subclass(torch.Tensor))
+        rebuild, args = reduce_tensor(plain)
     return _rebuild_image_batch, (rebuild, args)
 
 
@@ -87,12 +94,16 @@ def labels_tensor(labels: np.ndarray) -> torch.Tensor:
 
 
 def new_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
-    """An uninitialised uint8 tensor, allocated directly in shared memory when ``shared`` (a DataLoader
-    worker: the batch then crosses to the main process without a copy). ``share_memory_()`` on an
-    ordinary tensor would allocate twice and copy."""
+    """An uninitialised uint8 tensor, in shared memory when ``shared`` (a DataLoader worker: the batch
+    then crosses to the main process without a copy): in one of the worker's reused slots when one is
+    free (``dlstore.read.slots``), else in a new shared-memory file as torch would make it.
+    ``share_memory_()`` on an ordinary tensor would allocate twice and copy."""
     if not shared:
         return torch.empty(shape, dtype=torch.uint8)
     nbytes = int(np.prod(shape))
+    flat = slots.acquire(nbytes)
+    if flat is not None:
+        return flat.view(shape)
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
     if new_shared is None:  # an older torch: the copying way
         return torch.empty(shape, dtype=torch.uint8).share_memory_()

@@ -80,8 +80,14 @@ def test_image_batch_pickles_through_shared_memory() -> None:
     assert type(back) is ImageBatch and torch.equal(back.as_subclass(torch.Tensor), x.permute(0, 3, 1, 2))
 
 
-def test_new_batch_shared_is_in_shared_memory() -> None:
-    assert new_batch((2, 3), shared=True).is_shared() and not new_batch((2, 3), shared=False).is_shared()
+def test_new_batch_shared_is_in_a_slot_or_shared_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dlstore.read import slots
+
+    assert slots.slot_of(new_batch((2, 3), shared=True)) is not None  # memfd slots on Linux
+    assert not new_batch((2, 3), shared=False).is_shared()
+    monkeypatch.setattr(slots, "enabled", False)
+    x = new_batch((2, 3), shared=True)
+    assert x.is_shared() and slots.slot_of(x) is None
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 7, 3), (64, 64, 64, 3)])  # below and above the split size
