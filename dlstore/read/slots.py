@@ -23,6 +23,7 @@ import os
 import secrets
 import threading
 import weakref
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from multiprocessing import reduction
 from typing import Any
@@ -197,6 +198,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def mapped_slots() -> int:
-    """How many worker slots this process has mapped (for tests and diagnostics)."""
-    return len(_mapped)
+def mapped_slots(pids: Collection[int] | None = None) -> int:
+    """How many worker slots this process has mapped, of the workers ``pids`` or of all (for tests
+    and diagnostics)."""
+    return sum(1 for key in _mapped if pids is None or key[0] in pids)

@@ -1,0 +1,176 @@
+"""Reused shared-memory batch slots (dlstore.read.slots) under torch's DataLoader: the pixels are right,
+slots are reused and never overwritten while the main process holds them, DataLoader semantics hold
+(fork/spawn, persistent workers, epochs, worker errors), and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from dlstore import CachedDataset, convert
+from dlstore.read import slots
+from dlstore.read.loaders import batch_dataloader
+
+pytestmark = pytest.mark.skipif(not slots.supported(), reason="needs os.memfd_create (Linux)")
+
+
+@pytest.fixture(scope="module")
+def ram(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dest = tmp_path_factory.mktemp("slots") / "ram"
+    convert(image_tree, dest, format="ram", size=16, workers=1)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def reference(ram: Path) -> torch.Tensor:
+    ds = CachedDataset(ram)
+    return torch.stack([ds[i][0] for i in range(len(ds))])
+
+
+def _worker_pids(loader: DataLoader) -> set[int]:
+    return {w.pid for w in loader._iterator._workers}  # type: ignore[union-attr]
+
+
+def _epoch(loader: DataLoader, ref: torch.Tensor, batch: int) -> int:
+    seen = 0
+    for k, (x, _) in enumerate(loader):
+        assert torch.equal(x.as_subclass(torch.Tensor), ref[k * batch : k * batch + len(x)])
+        seen += len(x)
+    return seen
+
+
+@pytest.mark.parametrize("ctx", ["fork", "spawn"])
+def test_persistent_workers_reuse_their_slots_across_epochs(
+    ram: Path, reference: torch.Tensor, ctx: str
+) -> None:
+    ds = CachedDataset(ram)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=True, multiprocessing_context=ctx)
+    for _ in range(3):
+        assert _epoch(loader, reference, 4) == len(ds)
+    batches = 3 * len(loader)
+    new = slots.mapped_slots(_worker_pids(loader))
+    # each worker maps a slot per batch it has in flight (prefetch 2 + the one being consumed), not
+    # one per batch: without reuse this would be `batches`
+    assert 2 <= new <= 2 * 4 < batches
+
+
+def test_batches_kept_alive_are_never_overwritten(ram: Path, reference: torch.Tensor) -> None:
+    ds = CachedDataset(ram)
+    loader = DataLoader(ds, batch_size=2, num_workers=1, persistent_workers=True)
+    kept = [x for _ in range(3) for x, _ in loader]  # more batches than a worker has slots
+    assert len(kept) > slots.MAX_SLOTS
+    flat = torch.cat([x.as_subclass(torch.Tensor) for x in kept])
+    assert torch.equal(flat, torch.cat([reference] * 3))
+
+
+def test_a_view_of_a_batch_keeps_its_slot(ram: Path, reference: torch.Tensor) -> None:
+    loader = DataLoader(CachedDataset(ram), batch_size=4, num_workers=1, persistent_workers=True)
+    first = None
+    for x, _ in loader:
+        if first is None:
+            first = x[1:3]  # a view: the batch tensor itself is dropped
+    for _ in loader:  # a second epoch would overwrite a slot freed too early
+        pass
+    assert first is not None and torch.equal(first, reference[1:3])
+
+
+def test_new_workers_each_epoch_do_not_pile_up_mappings(ram: Path, reference: torch.Tensor) -> None:
+    ds = CachedDataset(ram)
+    loader = DataLoader(ds, batch_size=4, num_workers=2, persistent_workers=False)
+    counts = []
+    for _ in range(4):
+        assert _epoch(loader, reference, 4) == len(ds)
+        counts.append(slots.mapped_slots())
+    # the slots of the previous epoch's (exited) workers are unmapped when the next workers' arrive
+    assert max(counts[1:]) <= counts[0] + 2 * slots.MAX_SLOTS
+
+
+def test_batch_dataloader_uses_slots(ram: Path) -> None:
+    loader = batch_dataloader(ram, 4, num_workers=2, order="sequential", pin_memory=False)
+    n = sum(len(x) for _ in range(2) for x, _ in loader)
+    assert n == 2 * 4 * len(loader) and 2 <= slots.mapped_slots(_worker_pids(loader)) <= 8
+
+
+def test_worker_errors_still_reach_the_main_process(ram: Path) -> None:
+    class Failing(CachedDataset):
+        def __getitems__(self, indices):  # type: ignore[no-untyped-def]
+            if 5 in indices:
+                raise OSError(f"bad image at index 5 in {self.path}")
+            return super().__getitems__(indices)
+
+    loader = DataLoader(Failing(ram), batch_size=4, num_workers=2)
+    with pytest.raises(OSError, match="bad image at index 5"):
+        for _ in loader:
+            pass
+
+
+def test_a_batch_resent_from_the_main_process_is_a_copy(ram: Path, reference: torch.Tensor) -> None:
+    """A slot batch put on another multiprocessing queue (torch's own reduction) arrives intact."""
+    import multiprocessing as mp
+
+    x, _ = next(iter(DataLoader(CachedDataset(ram), batch_size=4, num_workers=1)))
+    q = mp.get_context("fork").SimpleQueue()
+    q.put(x)
+    back = q.get()
+    assert torch.equal(back.as_subclass(torch.Tensor), reference[:4])
+
+
+def test_unsent_slot_is_freed_when_the_worker_drops_it() -> None:
+    """A worker whose read raised after taking a slot must get the slot back, not leak it."""
+    pool_before = len(slots._worker_pool().slots)
+    for _ in range(3 * slots.MAX_SLOTS):
+        t = slots.acquire(4096)
+        assert t is not None
+        del t
+    assert len(slots._worker_pool().slots) - pool_before <= 1
+
+
+_CHILD = """
+import os, sys, time, torch
+from torch.utils.data import DataLoader
+from dlstore import CachedDataset
+if __name__ == "__main__":
+    loader = DataLoader(CachedDataset(sys.argv[1]), batch_size=4, num_workers=2, persistent_workers=True)
+    for epoch in range(1000):
+        for x, _ in loader:
+            maps = open("/proc/self/maps").read()
+            if epoch == 1:
+                # named shared memory still linked (mp's semaphores are unlinked at once: "deleted")
+                shm = [l for l in maps.splitlines() if "/dev/shm/" in l and "(deleted)" not in l]
+                memfd = [l for l in maps.splitlines() if "memfd:dlstore-batch" in l]
+                print(len(shm), len(memfd), flush=True)
+                time.sleep(60)
+"""
+
+
+def _shm_names() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def test_kill_leaves_no_shared_memory_behind(ram: Path, tmp_path: Path) -> None:
+    """Slots are memfd mappings (no name): a killed loader cannot leave files in /dev/shm."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(_CHILD))
+    before = _shm_names()
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(ram)], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+        shm_maps, memfd_maps = (int(v) for v in line.split())
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    assert memfd_maps >= 1 and shm_maps == 0  # batches live in anonymous memfd slots, nothing named
+    time.sleep(0.5)
+    leaked = {n for n in _shm_names() - before if n.startswith(("torch_", "dlstore", "psm_"))}
+    assert not leaked
