@@ -3,13 +3,15 @@
 Where the bytes go with a plain ``DataLoader(CachedDataset(...))`` and these helpers:
 
 1. the worker gathers the batch's images from the cache straight into a shared-memory (B,H,W,C)
-   block (the only copy in the worker; no per-sample tensor, no collate copy: ``BatchSamples`` is
-   collated by handing that block over, see ``collate_batch_samples``);
-2. the block crosses to the main process as a file descriptor (no copy), the labels inside the pickle;
+   block, one of the worker's reused slots (``dlstore.read.slots``) (the only copy in the worker; no
+   per-sample tensor, no collate copy: ``BatchSamples`` is collated by handing that block over, see
+   ``collate_batch_samples``);
+2. the block crosses to the main process as its slot's key (no copy; the slot, mapped there once,
+   is freed for the worker when the last tensor viewing it is released), the labels inside the pickle;
 3. with ``pin_memory=True`` the DataLoader's pin thread calls ``ImageBatch.pin_memory``, which copies
-   the block into pinned memory in several threads, each pre-faulting its part of the freshly mapped
-   shared memory in one ``madvise`` (torch's own ``Tensor.pin_memory`` copies in one thread and takes
-   one page fault per 4 KiB page of that mapping, which caps it near 2 GB/s).
+   the block into pinned memory in several threads, each pre-faulting its part of the shared memory
+   in one ``madvise`` (torch's own ``Tensor.pin_memory`` copies in one thread and, on a freshly mapped
+   block, takes one page fault per 4 KiB page, which caps it near 2 GB/s).
 
 Images are (B,C,H,W) uint8 with channels-last strides (the (B,H,W,C) block seen as CHW), which is what
 ``.cuda()`` and channels-last models take without another copy; call ``.contiguous()`` for NCHW.
