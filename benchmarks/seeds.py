@@ -51,6 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-train", type=int, default=60_000)
     p.add_argument("--workers", default="0,1,2,4,8,12,16", help="Worker sweep for raw (the seeds).")
     p.add_argument("--cached-workers", default="0,2,4,8", help="Worker sweep for the cached kinds.")
+    p.add_argument(
+        "--formats", default=None, help="Cached kinds to run (default: ram, npz, and zarr when installed)."
+    )
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--steps", type=int, default=100)
@@ -86,7 +89,7 @@ def cached_formats() -> tuple[str, ...]:
 
 def parts(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     raw_w, cached_w = parse_int_list(args.workers), parse_int_list(args.cached_workers)
-    cached = cached_formats()
+    cached = tuple(f for f in args.formats.split(",") if f) if args.formats else cached_formats()
     table = {
         "raw-light": {"formats": ("raw",), "transform": "light", "workers": raw_w},
         "raw-augment": {"formats": ("raw",), "transform": "augment", "workers": raw_w},

@@ -1,0 +1,435 @@
+#!/usr/bin/env python3
+"""Issue 12's remaining checks on the GPU machine in one call, measured vs predicted per run.
+
+Sections (``--sections``, in order of importance; one is skipped when its estimate would pass ``--budget-s``):
+
+- ``batches``: 2,048 JPEGs of 300×240, ResNet-18 @112, gpu-augment, at each ``--batches`` size: raw at
+  8 workers, ram at 0 and 4 workers, pinned and resident (the issue's kinds: raw, cached-with-workers,
+  pinned, resident);
+- ``decode``: the decode-heavy workload (raw, CPU augment at 224, ResNet-18, batch 64, 0 and 4 workers:
+  must be named transform-bound), then the 0-worker loop taken apart (``decode_parts``): the loader alone,
+  the loop, the loop synchronised after each step, the loader with the step's host time spent spinning or
+  sleeping, and the same with one intra-op thread, so the part the model misses at 0 workers is measured;
+- ``compute``: the compute-heavy workload (ram, ResNet-50 @224, batch 256, 4 workers: must be named compute);
+- ``seeds``: ``benchmarks/seeds.py``'s cached-light part (FashionMNIST-format IDX, SmallCNN, fp32, batch 256);
+- ``default``: ``dlstore bench --out …`` as a user runs it (wall time, goal ≤ 60 s).
+
+Writes ``OUT/bench_batches.json`` after every run (a run cut short still leaves what it measured) and prints
+one line per run (measured, predicted, error, bottleneck) plus a summary last.
+
+GPU machine, from the repository root::
+
+    python3 benchmarks/bench_batches.py --out "$OUT" --work /tmp/bb
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import make_jpegs, trim  # noqa: E402
+
+from dlstore.bench.protocol import BenchConfig  # noqa: E402
+
+SECTIONS = ("batches", "decode", "seeds", "compute", "default")
+# Seconds each part took on the H200 (earlier runs), to skip what would not fit in the budget.
+ESTIMATE_S = {"batch": 22.0, "decode": 36.0, "compute": 20.0, "seeds": 25.0, "default": 45.0}
+TOLERANCE = 0.20
+
+Log = Callable[[str], None]
+
+
+class Recorder:
+    """Keeps every result and rewrites the JSON after each one."""
+
+    def __init__(self, out: Path, args: argparse.Namespace) -> None:
+        self.path = out / "bench_batches.json"
+        self.doc: dict[str, Any] = {
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "runs": {},
+            "skipped": [],
+        }
+        self.t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def put(self, key: str, value: Any) -> None:
+        self.doc[key] = value
+        self.save()
+
+    def save(self) -> None:
+        self.doc["elapsed_s"] = self.elapsed()
+        self.path.write_text(json.dumps(self.doc, indent=1, default=str) + "\n")
+
+
+def bench(name: str, config: BenchConfig, rec: Recorder, log: Log) -> dict[str, Any]:
+    from dlstore.bench.run import run_bench
+
+    t0 = time.perf_counter()
+    doc = run_bench(config, log=lambda m: log(f"{name}: {m}"))
+    rec.doc["runs"][name] = {"wall_s": time.perf_counter() - t0, "doc": trim(doc)}
+    rec.save()
+    log(f"{name}: {time.perf_counter() - t0:.1f} s")
+    print("\n".join(rows(name, doc)), flush=True)  # as it goes: a run cut short still reports
+    return doc
+
+
+def rows(name: str, doc: dict[str, Any]) -> list[str]:
+    out = []
+    order = list(doc["loaders"])
+    for r in sorted(doc["runs"], key=lambda r: (order.index(r["loader"]), r["workers"], not r["pin_memory"])):
+        err = r.get("prediction_error")
+        flag = "" if err is None or abs(err) <= TOLERANCE else "  MISS"
+        out.append(
+            f"{name:<14} {doc['protocol']['batch_size']:>5} {r['loader']:<9} {r['workers']:>3} "
+            f"{'on' if r['pin_memory'] else 'off':>3} {r['img_per_s']:>9,.0f} {r['predicted_img_per_s'] or 0:>9,.0f} "
+            f"{'-' if err is None else f'{100 * err:+.0f}%':>6} {str(r['bottleneck']):<10}{flag}"
+        )
+    return out
+
+
+def batches_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
+    jpegs = make_jpegs(args.work / f"jpegs{args.images}", args.images)
+    log(f"{args.images} JPEGs ready")
+    common = dict(
+        source=str(jpegs),
+        size=32 if args.smoke else 112,
+        model="smallcnn" if args.smoke else "resnet18",
+        transform="gpu-augment",
+        cache=args.work / "caches",
+        cold=False,
+        repeats=1,
+        max_run_s=None,
+    )
+    for batch in args.batches:
+        if rec.elapsed() + ESTIMATE_S["batch"] > args.budget_s:
+            rec.doc["skipped"].append(f"batch {batch}")
+            continue
+        few = batch >= 256  # fewer, longer batches: the same span of time
+        steps, warmup = (6, 2) if few else (12, 4)
+        bench(
+            f"b{batch}-raw",
+            BenchConfig(
+                loaders=("raw",),
+                workers=(8,),
+                batch_size=batch,
+                steps=steps,
+                warmup=warmup,
+                pin_memory="on",
+                **common,
+            ),  # type: ignore[arg-type]
+            rec,
+            log,
+        )
+        bench(
+            f"b{batch}-cached",
+            BenchConfig(
+                loaders=("ram", "pinned", "resident"),
+                workers=(0, 4),
+                batch_size=batch,
+                steps=steps,
+                warmup=warmup,
+                **common,
+            ),  # type: ignore[arg-type]
+            rec,
+            log,
+        )
+
+
+def decode_config(args: argparse.Namespace, jpegs: Path, workers: tuple[int, ...]) -> BenchConfig:
+    return BenchConfig(
+        source=str(jpegs),
+        loaders=("raw",),
+        workers=workers,
+        size=32 if args.smoke else 224,
+        batch_size=16 if args.smoke else 64,
+        model="smallcnn" if args.smoke else "resnet18",
+        transform="augment",
+        steps=8,
+        warmup=2,
+        repeats=1,
+        cold=False,
+        cache=args.work / "caches",
+        max_run_s=None,
+    )
+
+
+def decode_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
+    jpegs = make_jpegs(args.work / "jpegs384", 384)
+    doc = bench("decode-heavy", decode_config(args, jpegs, (0, 4)), rec, log)
+    rec.doc.setdefault("verdicts", {})["decode-heavy"] = [r["bottleneck"] for r in doc["runs"]]
+    try:
+        rec.put("decode_parts", decode_parts(decode_config(args, jpegs, (0,)), log))
+    except Exception as e:  # a diagnostic: keep the rest of the round
+        rec.put("decode_parts", {"error": repr(e)})
+        log(f"decode_parts failed: {e!r}")
+    for line in decode_rows(rec.doc["decode_parts"]):
+        print(line, flush=True)
+
+
+def decode_parts(config: BenchConfig, log: Log) -> dict[str, Any]:
+    """The 0-worker decode-heavy loop taken apart: per batch, the time in ``next()`` (wall and the process's
+    CPU), the time in copy + step calls, and the period, for each variant (see the module doc)."""
+    import torch
+
+    from dlstore.bench.endtoend import feeder
+    from dlstore.bench.kinds import LoaderContext, prepare_loader
+    from dlstore.bench.kinds.base import default_size, source_channels
+    from dlstore.bench.models import configure_numerics
+    from dlstore.bench.run import bench_cache_root, make_step, resolve_config, resolve_device
+    from dlstore.bench.stages import BatchStream, batch_images
+    from dlstore.build.sources import open_source
+    from dlstore.machine import synchronize
+
+    device = resolve_device(config.device)
+    config = resolve_config(config, device)
+    assert config.precision is not None
+    configure_numerics(device, config.precision)
+    source = open_source(config.source, root=config.root, demo_images=config.demo_images or 256)
+    size = config.size or default_size(source)
+    ctx = LoaderContext(config, source, size, source_channels(source), device, bench_cache_root(), log)
+    p = prepare_loader("raw", ctx)
+    step = make_step(p, config, size, len(source.classes), device)
+    host_s = 0.012  # about the step's host time (ResNet-18 @224, batch 64, bf16: 11–14 ms measured)
+    threads = torch.get_num_threads()
+
+    def run(variant: str, pin: bool = True, n: int = 8, warm: int = 2) -> dict[str, Any]:
+        loader = p.loader(0, pin, config)
+        feed = feeder(p, device, pin)
+        stream = BatchStream(loader)
+        nxt = calls = 0.0
+        try:
+            for i in range(warm + n):
+                if i == warm:
+                    synchronize(device)
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    nxt = calls = 0.0
+                a = time.perf_counter()
+                batch = stream.next()
+                b = time.perf_counter()
+                nxt += b - a
+                batch_images(batch)
+                if variant.startswith("loop"):
+                    x, y = feed(batch)
+                    step(x, y)
+                    if variant == "loop_sync":
+                        synchronize(device)
+                elif variant == "alone_spin":
+                    end = time.perf_counter() + host_s
+                    while time.perf_counter() < end:
+                        pass
+                elif variant == "alone_sleep":
+                    time.sleep(host_s)
+                calls += time.perf_counter() - b
+            synchronize(device)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        finally:
+            stream.close()
+        return {
+            "next_ms": 1e3 * nxt / n,
+            "calls_ms": 1e3 * calls / n,
+            "period_ms": 1e3 * wall / n,
+            "cpu_cores": cpu / wall,
+            "img_per_s": n * config.batch_size / wall,  # type: ignore[operator]
+        }
+
+    out: dict[str, Any] = {"threads": threads, "host_s": host_s}
+    plan = [
+        ("alone", True),
+        ("loop", True),
+        ("loop_sync", True),
+        ("alone_spin", True),
+        ("alone_sleep", True),
+        ("loop", False),
+        ("alone", True),  # again: drift between the first and the last
+    ]
+    for variant, pin in plan:
+        key = f"{variant}{'' if pin else '_nopin'}"
+        key = key if key not in out else f"{key}_again"
+        out[key] = run(variant, pin)
+        log(f"decode_parts {key}: {out[key]}")
+    torch.set_num_threads(1)
+    try:
+        for variant in ("alone", "loop"):
+            out[f"{variant}_1thread"] = run(variant)
+            log(f"decode_parts {variant}_1thread: {out[f'{variant}_1thread']}")
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def decode_rows(parts: dict[str, Any]) -> list[str]:
+    if "error" in parts:
+        return [f"decode_parts: {parts['error']}"]
+    lines = [
+        f"{'decode 0-worker part':<22} {'next ms':>8} {'calls ms':>8} {'period ms':>9} {'cores':>6} {'img/s':>7}"
+    ]
+    for k, v in parts.items():
+        if isinstance(v, dict):
+            lines.append(
+                f"{k:<22} {v['next_ms']:>8.1f} {v['calls_ms']:>8.1f} {v['period_ms']:>9.1f} "
+                f"{v['cpu_cores']:>6.1f} {v['img_per_s']:>7,.0f}"
+            )
+    return lines
+
+
+def compute_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
+    jpegs = make_jpegs(args.work / "jpegs384", 384)
+    doc = bench(
+        "compute-heavy",
+        BenchConfig(
+            source=str(jpegs),
+            loaders=("ram",),
+            workers=(4,),
+            size=32 if args.smoke else 224,
+            batch_size=32 if args.smoke else 256,
+            model="smallcnn" if args.smoke else "resnet50",
+            steps=8,
+            warmup=2,
+            repeats=1,
+            transform="gpu-augment",
+            cold=False,
+            cache=args.work / "caches",
+            max_run_s=None,
+        ),
+        rec,
+        log,
+    )
+    rec.doc.setdefault("verdicts", {})["compute-heavy"] = [r["bottleneck"] for r in doc["runs"]]
+    rec.save()
+
+
+def seeds_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
+    """seeds.py's cached-light part as its own process (its own torch settings), smaller than the seeds' full
+    protocol so it fits the round: fewer steps, one repeat."""
+    out = args.out / "seeds"
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve().parent / "seeds.py"),
+        "--out", str(out),
+        "--work", str(args.work / "seeds"),
+        "--parts", "cached-light",
+        "--formats", "ram,npz",
+        "--cached-workers", "0,8",
+        "--n-train", str(args.seeds_images),
+        "--warmup", "10",
+        "--steps", "40",
+        "--repeats", "1",
+        "--budget-s", "60",
+    ]  # fmt: skip
+    if args.smoke:
+        cmd += ["--batch-size", "64", "--warmup", "2", "--steps", "4", "--cached-workers", "0,1"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    rec.put(
+        "seeds",
+        {"cmd": " ".join(cmd), "rc": proc.returncode, "wall_s": time.perf_counter() - t0, "table": proc.stdout,
+         "stderr": proc.stderr[-3000:]},
+    )  # fmt: skip
+    log(f"seeds: rc {proc.returncode}, {time.perf_counter() - t0:.0f} s")
+    print(proc.stdout, flush=True)
+
+
+def default_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
+    t0 = time.perf_counter()
+    work = args.work / "default-run"
+    work.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        ["dlstore", "bench", "--out", str(work / "out")],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=work,  # not the checkout: PYTHONPATH may hold "" (the cwd), whose dlstore/ lacks cli
+    )
+    wall = time.perf_counter() - t0
+    rec.put(
+        "default", {"wall_s": wall, "rc": proc.returncode, "text": proc.stdout, "stderr": proc.stderr[-3000:]}
+    )
+    (args.out / "default.txt").write_text(proc.stdout + f"\nwall {wall:.1f} s rc={proc.returncode}\n")
+    result = work / "out" / "result.json"
+    if result.is_file():
+        doc = json.loads(result.read_text())
+        rec.doc["runs"]["default"] = {"wall_s": wall, "doc": trim(doc)}
+        rec.save()
+        print("\n".join(rows("default", doc)), flush=True)
+    log(f"default: {wall:.1f} s rc={proc.returncode}")
+
+
+def summary(rec: Recorder) -> list[str]:
+    lines = [
+        f"{'run':<14} {'batch':>5} {'loader':<9} {'wk':>3} {'pin':>3} {'img/s':>9} {'predicted':>9} {'err':>6} bottleneck"
+    ]
+    errs = []
+    for name, res in rec.doc["runs"].items():
+        lines += rows(name, res["doc"])
+        errs += [r["prediction_error"] for r in res["doc"]["runs"] if r.get("prediction_error") is not None]
+    within = sum(abs(e) <= TOLERANCE for e in errs)
+    if errs:
+        lines.append(
+            f"within ±20%: {within}/{len(errs)} (errors {100 * min(errs):+.0f}% … {100 * max(errs):+.0f}%)"
+        )
+    if "default" in rec.doc:
+        lines.append(
+            f"default dlstore bench: {rec.doc['default']['wall_s']:.1f} s, rc {rec.doc['default']['rc']}"
+        )
+    if "verdicts" in rec.doc:
+        lines.append(f"verdicts: {rec.doc['verdicts']}")
+    if rec.doc["skipped"]:
+        lines.append(f"skipped (budget): {rec.doc['skipped']}")
+    lines.append(f"total {rec.elapsed():.0f} s")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--work", type=Path, default=Path("/tmp/dlstore-bench-batches"))
+    p.add_argument("--sections", default=",".join(SECTIONS))
+    p.add_argument("--batches", default="32,128,512", help="Batch sizes of the sweep.")
+    p.add_argument("--budget-s", type=float, default=140.0, help="Start no section that would end past this.")
+    p.add_argument("--seeds-images", type=int, default=30_000)
+    p.add_argument("--images", type=int, default=2048, help="JPEGs for the batch sweep.")
+    p.add_argument("--smoke", action="store_true", help="Tiny sizes and SmallCNN: a check on a CPU.")
+    args = p.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",") if b]
+    sections = [s for s in args.sections.split(",") if s]
+    unknown = set(sections) - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"unknown section(s) {sorted(unknown)}; choose from {SECTIONS}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    rec = Recorder(args.out, args)
+
+    def log(msg: str) -> None:
+        print(f"[{rec.elapsed():6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+    run = {"batches": batches_section, "decode": decode_section, "compute": compute_section,
+           "seeds": seeds_section, "default": default_section}  # fmt: skip
+    for s in SECTIONS:
+        if s not in sections:
+            continue
+        if s != "batches" and rec.elapsed() + ESTIMATE_S[s] > args.budget_s:
+            rec.doc["skipped"].append(s)
+            log(f"{s}: skipped, would pass the {args.budget_s:.0f} s budget")
+            continue
+        try:
+            run[s](args, rec, log)
+        except Exception as e:  # keep the other sections' results
+            rec.doc.setdefault("errors", {})[s] = repr(e)
+            log(f"{s} failed: {e!r}")
+    rec.save()
+    print("\n".join(summary(rec)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
