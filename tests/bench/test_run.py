@@ -245,3 +245,21 @@ def test_fast_path_kinds_are_measured(env: Path) -> None:
     # they use no worker processes, so they run once, at 0 workers
     assert sorted((r["loader"], r["workers"]) for r in doc["runs"]) == [("pinned", 0), ("resident", 0)]
     assert all(r["img_per_s"] > 0 for r in doc["runs"])
+
+
+def test_recorded_parts_replay_to_the_recorded_predictions(result: tuple[dict[str, Any], Path]) -> None:
+    """benchmarks/replay_predictions.py rebuilds each run's parts from the document alone: with the model
+    unchanged it must give back the predictions the run recorded (else replays of GPU runs mean nothing)."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "replay_predictions.py"
+    spec = importlib.util.spec_from_file_location("replay_predictions", script)
+    assert spec and spec.loader
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    doc, _ = result
+    rows = replay.replay(doc)
+    assert len(rows) == len(doc["runs"])
+    for row, run in zip(rows, doc["runs"]):
+        assert row["predicted"] == pytest.approx(run["predicted_img_per_s"], rel=1e-9)
+        assert row["bottleneck"] == run["bottleneck"]

@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""Replay recorded ``dlstore bench`` documents through the current prediction model (no measurement).
+
+Each document keeps the parts measured alone (``stages.<kind>.loader_alone``, ``fed_step``, rates) and every
+run's measured rate, so a model change can be checked against runs already made on the GPU machine. The
+measured rates are the recorded ones; only the predictions are recomputed. Reads ``bench_batches.json`` /
+``bench_gpu_*.json`` (documents under ``runs.<name>.doc`` or ``<name>.doc``) or a single ``result.json``.
+
+    python3 benchmarks/replay_predictions.py benchmarks/results/bench_batches_h200_roundA.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from dlstore.bench.predict import FedTiming, LoaderTiming, compose, prediction_error  # noqa: E402
+from dlstore.bench.verdict import Facts, KindStages, parts_of  # noqa: E402
+
+TOLERANCE = 0.20
+
+
+def documents(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    if "runs" in data and isinstance(data["runs"], list):
+        return {"result": data}
+    holder = data["runs"] if isinstance(data.get("runs"), dict) else data
+    return {k: v["doc"] for k, v in holder.items() if isinstance(v, dict) and "doc" in v}
+
+
+def kind_stages(entry: dict[str, Any]) -> KindStages:
+    loader = {}
+    for key, v in entry["loader_alone"].items():
+        w, pin = key.split("-")
+        loader[(int(w[1:]), pin == "pin")] = LoaderTiming(
+            v["period_s"], v["main_s"], v["cpu_s"], v["in_caller"], v.get("refill_s"), v.get("epoch_batches")
+        )
+    fed = {
+        name == "pinned": FedTiming(v["period_s"], v["serial_s"], v.get("device_s"))
+        for name, v in entry.get("fed_step", {}).items()
+        if "period_s" in v
+    }
+    cold = entry.get("read_basis", "").startswith("cold")
+    return KindStages(
+        read=entry.get("read"),
+        transform_by_workers={int(k): v for k, v in entry.get("transform_by_workers", {}).items()},
+        h2d_pinned=entry.get("h2d"),
+        h2d_pageable=entry.get("h2d_pageable"),
+        compute=entry.get("compute"),
+        loader=loader,
+        fed=fed,
+        read_limit=entry.get("read") if cold else None,
+    )
+
+
+def replay(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    env = doc.get("environment", {})
+    facts = Facts(
+        device="cuda" if env.get("gpu") else "cpu",
+        device_label="",
+        batch_size=doc["protocol"]["batch_size"],
+        warmup_steps=doc["protocol"].get("warmup", 0),
+        cores=env.get("cpu_usable") or 1,
+    )
+    stages = {k: kind_stages(v) for k, v in doc["stages"].items()}
+    out = []
+    for run in doc["runs"]:
+        parts = parts_of(run, stages[run["loader"]], facts)
+        pred = compose(parts) if parts else None
+        out.append(
+            {
+                "loader": run["loader"],
+                "workers": run["workers"],
+                "pin_memory": run["pin_memory"],
+                "batch": facts.batch_size,
+                "measured": run["img_per_s"],
+                "recorded_predicted": run.get("predicted_img_per_s"),
+                "recorded_error": run.get("prediction_error"),
+                "predicted": pred.img_per_s if pred else None,
+                "error": prediction_error(run["img_per_s"], pred.img_per_s) if pred else None,
+                "bottleneck": pred.bottleneck if pred else None,
+            }
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", type=Path)
+    p.add_argument("--json", type=Path, help="Write the replayed rows here.")
+    args = p.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    for f in args.files:
+        for name, doc in documents(json.loads(f.read_text())).items():
+            rows += [{"file": f.name, "run": name, **r} for r in replay(doc)]
+    print(
+        f"{'run':<16} {'batch':>5} {'loader':<9} {'wk':>3} {'pin':>3} {'img/s':>9} {'recorded':>9} {'err':>6} {'replayed':>9} {'err':>6} bottleneck"
+    )
+    for r in rows:
+        e0, e1 = r["recorded_error"], r["error"]
+        print(
+            f"{r['run']:<16} {r['batch']:>5} {r['loader']:<9} {r['workers']:>3} {'on' if r['pin_memory'] else 'off':>3} "
+            f"{r['measured']:>9,.0f} {r['recorded_predicted'] or 0:>9,.0f} {'-' if e0 is None else f'{100 * e0:+.0f}%':>6} "
+            f"{r['predicted'] or 0:>9,.0f} {'-' if e1 is None else f'{100 * e1:+.0f}%':>6} {r['bottleneck']}"
+        )
+    errs = [r["error"] for r in rows if r["error"] is not None]
+    if errs:
+        within = sum(abs(e) <= TOLERANCE for e in errs)
+        print(
+            f"replayed within ±20%: {within}/{len(errs)} ({100 * min(errs):+.0f}% … {100 * max(errs):+.0f}%)"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
