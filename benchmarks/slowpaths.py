@@ -314,7 +314,11 @@ def summarize_profile(raw: Path) -> dict[str, Any]:
         procs = [f for f in frames if f.startswith("process ")]
         threads = [f for f in frames if f.startswith("thread (")]
         thread = threads[0].split(": ", 1)[-1] if threads else "?"
-        for prefix, name in (("dlstore-read", "reader threads"), ("dlstore-pin", "pin copy threads")):
+        for prefix, name in (
+            ("dlstore-read", "reader threads"),
+            ("dlstore-ahead", "decode-ahead threads"),
+            ("dlstore-pin", "pin copy threads"),
+        ):
             thread = name if thread.startswith(prefix) else thread
         group = ("worker " if len(procs) > 1 else "") + thread
         py = [f.split(" (")[0] for f in frames if ".py:" in f]

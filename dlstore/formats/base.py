@@ -8,7 +8,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -128,6 +128,10 @@ class CacheReader(ABC):
         """Which of ``unit_files`` a read of these storage positions touches."""
         return []
 
+    def prefetch(self, positions: np.ndarray) -> None:
+        """Start preparing a later read of these storage positions in the background (chunked
+        formats decode their units ahead). Default: nothing to do."""
+
     def parallel(self, fn: Callable[[Any], None], items: list[Any], nbytes: int) -> None:
         """Run fn over items in this reader's threads when there is enough to copy to be worth it."""
         if len(items) > 1 and self.threads > 1 and nbytes >= (4 << 20):
@@ -180,6 +184,11 @@ class ChunkedReader(CacheReader):
         super().__init__(root, spec, in_memory, threads)
         self.unit = unit
         self._units = UnitCache(max(2, cache_bytes // max(1, unit * spec.image_bytes)))
+        # Units being decoded ahead (prefetch): unit -> its decode, and the pid that owns them.
+        self._ahead: dict[int, Future[np.ndarray]] = {}
+        self._ahead_lock = threading.Lock()
+        self._ahead_pid = os.getpid()
+        self._ahead_executor: ThreadPoolExecutor | None = None
 
     @property
     def max_units(self) -> int:
@@ -229,16 +238,85 @@ class ChunkedReader(CacheReader):
         self.parallel(copy, runs, out.nbytes)
 
     def unit_array(self, k: int) -> np.ndarray:
-        arr = self._units.lookup(k)
-        if arr is None:
-            arr = self.load_unit(k)
-            self.recycle(self._units.put(k, arr))
+        with self._ahead_lock:  # one look at both, so a unit finishing its decode ahead is not missed
+            self._forget_other_process()
+            arr = self._units.lookup(k)
+            ahead = self._ahead.get(k) if arr is None else None
+        if arr is not None:
+            return arr
+        if ahead is not None:  # decoding already, started by prefetch: wait for it (errors re-raise)
+            arr = ahead.result()
+            if self._units.lookup(k) is None:  # evicted meanwhile: keep it cached for this batch's copies
+                self.recycle(self._units.put(k, arr))
+            return arr
+        arr = self.load_unit(k)
+        self.recycle(self._units.put(k, arr))
         return arr
+
+    @property
+    def max_ahead(self) -> int:
+        """Units decoded ahead at most: half the unit cache, so a unit decoded for a later batch is
+        not evicted by the current batch's units before it is read."""
+        return max(1, self._units.max_units // 2)
+
+    def prefetch(self, positions: np.ndarray) -> None:
+        """Decode the units these positions need in this reader's threads, in the order given, while
+        the caller does something else (copies the current batch, trains): the read that needs them
+        then waits only for what is not done yet. A unit is decoded once, whether the read or the
+        prefetch gets to it first; a decode error is raised by the read that needs the unit."""
+        if self.threads < 1:
+            return
+        keys = np.asarray(positions, dtype=np.int64).reshape(-1) // self.unit
+        _, first = np.unique(keys, return_index=True)
+        with self._ahead_lock:
+            self._forget_other_process()
+            pool = self._ahead_pool()
+            for k in keys[np.sort(first)].tolist():  # the caller's order: the next read's units first
+                if len(self._ahead) >= self.max_ahead:
+                    break
+                if k in self._ahead or self._units.lookup(k) is not None:
+                    continue
+                self._ahead[k] = pool.submit(self._decode_ahead, k)
+
+    def _decode_ahead(self, k: int) -> np.ndarray:
+        try:
+            arr = self.load_unit(k)
+        except BaseException:
+            with self._ahead_lock:  # the read that needs it decodes it again and raises, naming it
+                self._ahead.pop(k, None)
+            raise
+        with self._ahead_lock:  # cached and no longer ahead, in one step (see unit_array)
+            evicted = self._units.put(k, arr)
+            self._ahead.pop(k, None)
+        self.recycle(evicted)
+        return arr
+
+    def _ahead_pool(self) -> ThreadPoolExecutor:
+        """Decodes ahead run in a pool of their own: queued behind them in the read's pool, the
+        current batch's copies would wait for every unit decoded ahead to start (caller holds the lock)."""
+        if self._ahead_executor is None:
+            self._ahead_executor = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-ahead")
+        return self._ahead_executor
+
+    def _forget_other_process(self) -> None:
+        """A forked child inherits the parent's futures but not the threads that complete them."""
+        if self._ahead_pid != os.getpid():
+            self._ahead, self._ahead_pid, self._ahead_executor = {}, os.getpid(), None
 
     def recycle(self, evicted: list[np.ndarray]) -> None:
         """Hook for readers that reuse the buffers of evicted units."""
 
     def close(self) -> None:
+        """Cancel the decodes not started, wait for the running ones, then drop every unit."""
+        with self._ahead_lock:
+            mine = self._ahead_pid == os.getpid()
+            ahead = list(self._ahead.values()) if mine else []
+            executor = self._ahead_executor if mine else None
+            self._ahead, self._ahead_executor = {}, None
+        for f in ahead:
+            f.cancel()
+        if executor is not None:
+            executor.shutdown(wait=True)  # the running decodes finish; their errors are nobody's
         self._units.clear()
         self.shutdown_threads()
 

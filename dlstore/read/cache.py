@@ -105,11 +105,14 @@ class Cache:
         return out
 
     def prefetch(self, indices: np.ndarray | list[int]) -> None:
-        """A remote cache starts downloading the units these indices need (in the background); a
-        local one has nothing to do. Errors surface in the read that needs the unit, not here."""
+        """Start preparing a later ``read`` of these indices in the background: a remote cache
+        downloads the units they need, a local chunked one (zarr, npz) decodes them in its reader's
+        threads, in the order given. Errors surface in the read that needs the unit, not here."""
+        pos = self.storage_positions(np.asarray(indices, dtype=np.int64).reshape(-1))
         if self.mirror is not None:
-            pos = self.storage_positions(np.asarray(indices, dtype=np.int64).reshape(-1))
             self.mirror.prefetch(self.reader.files_for(pos))
+        else:
+            self.reader.prefetch(pos)
 
     def read_images(self, indices: np.ndarray | list[int]) -> list[np.ndarray]:
         """(H, W, C) uint8 images in the order of ``indices``, of any sizes (every format and layout)."""

@@ -1,0 +1,221 @@
+"""zarr zstd-3 256 px random batches (ChunkSampler) through dlstore's reader vs numcodecs' decode of the
+same chunks, side by side in one run (issue 13's zarr row).
+
+    python benchmarks/zarr_readahead.py --out OUTDIR [--images 8192] [--repeats 3] [--work DIR]
+
+Ceilings: numcodecs ``Zstd.decode(raw, out=buf)`` of every chunk (bytes already in memory) in 1 and in
+all threads. Reader configurations (rotated over the repeats, cold unit cache each time, one epoch of
+256-image batches in ChunkSampler order): ``sync`` reads each batch with nothing decoded ahead;
+``aheadD`` calls ``cache.prefetch`` on the next D batches before each read (what PinnedLoader does with
+D=1). Also the per-chunk cost of the reader's own path on one thread (file read + checks + decode)
+against the bare decode. Writes OUTDIR/zarr_readahead.json; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from slowpaths import chunk_files, decode_rate, py_spy, summarize_profile  # noqa: E402
+
+from dlstore.build.conversion import convert  # noqa: E402
+from dlstore.build.sources import scan_folder  # noqa: E402
+from dlstore.datasets.demo import ensure_demo  # noqa: E402
+from dlstore.read.cache import open_cache  # noqa: E402
+from dlstore.read.loaders import make_sampler, storage_sorted  # noqa: E402
+
+CORES = len(os.sched_getaffinity(0))
+B = 256
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def reader_rate(root: Path, depth: int, threads: int, epochs: int = 1) -> float:
+    """img/s of whole batches read in ChunkSampler order, prefetching `depth` batches ahead."""
+    cache = open_cache(root)  # cold unit cache each time
+    cache.reader.threads = threads
+    order = list(make_sampler(cache, "chunk", seed=0))
+    batches = [storage_sorted(cache, order[i : i + B]) for i in range(0, len(order) - B + 1, B)]
+    buf = np.empty((B, *cache.spec.shape), np.uint8)
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        for i, idx in enumerate(batches):
+            if depth:
+                ahead = batches[i + 1 : i + 1 + depth]
+                if ahead:
+                    cache.prefetch(np.concatenate(ahead))
+            cache.read(idx, out=buf)
+    rate = epochs * len(batches) * B / (time.perf_counter() - t0)
+    cache.close()
+    return rate
+
+
+def parse_config(item: str) -> tuple[int, int]:
+    d, _, t = item.partition(":")
+    return int(d), CORES if t in ("", "C") else int(t)
+
+
+PROFILE_LOOP = """
+import sys, time
+sys.path[:0] = {paths!r}
+from zarr_readahead import reader_rate
+from pathlib import Path
+reader_rate(Path({root!r}), {depth}, {threads})
+print("ready", flush=True)
+t0 = time.perf_counter()
+while time.perf_counter() - t0 < 6:
+    reader_rate(Path({root!r}), {depth}, {threads})
+"""
+
+
+def profile(root: Path, depth: int, threads: int, out_dir: Path, work: Path) -> dict[str, Any]:
+    """py-spy (native frames, idle threads, 200 Hz, 3 s) of the reader loop in one configuration."""
+    exe = py_spy()
+    if exe is None:
+        return {"error": "py-spy not found"}
+    here = str(Path(__file__).resolve().parent)
+    script = work / "profile_loop.py"
+    paths = [here, str(Path(here).parent)]
+    script.write_text(PROFILE_LOOP.format(paths=paths, root=str(root), depth=depth, threads=threads))
+    raw = out_dir / f"pyspy_zarr_ahead{depth}_{threads}t.txt"
+    loop = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert loop.stdout is not None
+        if loop.stdout.readline().strip() != "ready":
+            return {"error": "the profiled loop did not start"}
+        cmd = [exe, "record", "--pid", str(loop.pid), "--native", "--idle", "--threads", "--rate", "200"]
+        cmd += ["--duration", "3", "--format", "raw", "--output", str(raw)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    finally:
+        loop.kill()
+        loop.wait()
+    if not raw.is_file():
+        return {"error": f"py-spy rc {proc.returncode}: {proc.stderr[-800:]}"}
+    return summarize_profile(raw)
+
+
+def per_chunk_cost(root: Path, raws: list[bytes], n: int = 200) -> dict[str, float]:
+    """µs per chunk on one thread: the reader's load_unit (open/read/close, header check, decode into a
+    pooled buffer) vs numcodecs' decode of the same bytes already in memory into one buffer."""
+    from numcodecs.zstd import Zstd
+
+    cache = open_cache(root)
+    reader: Any = cache.reader
+    n = min(n, len(raws))
+    out = np.empty((reader.unit, *cache.spec.shape), np.uint8)
+    nc = Zstd()
+    t0 = time.perf_counter()
+    for r in raws[:n]:
+        nc.decode(r, out=out)
+    bare = (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for k in range(n):
+        reader.recycle([reader.load_unit(k)])
+    path = (time.perf_counter() - t0) / n
+    cache.close()
+    return {
+        "bare_decode_us": bare * 1e6,
+        "reader_load_unit_us": path * 1e6,
+        "overhead_us": (path - bare) * 1e6,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=None)
+    ap.add_argument("--images", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--configs", default="0:C,1:C,2:C", help="depth:threads pairs (C = all cores)")
+    ap.add_argument("--profile", default="", help="depth:threads of one configuration to py-spy (3 s)")
+    ap.add_argument("--commit", default="")
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-zra-"))
+    res: dict[str, Any] = {"command": "python3 " + " ".join(sys.argv), "commit": args.commit, "cores": CORES}
+    try:
+        import numcodecs
+        import zarr
+
+        res["versions"] = {"python": sys.version.split()[0], "numpy": np.__version__}
+        res["versions"].update(zarr=zarr.__version__, numcodecs=numcodecs.__version__)
+    except ImportError:
+        pass
+    save = lambda: (args.out / "zarr_readahead.json").write_text(json.dumps(res, indent=1))  # noqa: E731
+
+    t0 = time.perf_counter()
+    demo = ensure_demo(work / "demo", n_images=args.images)
+    root = work / "zarr256"
+    if not (root / "images").exists():
+        convert(scan_folder(demo), root, format="zarr", size=256, workers=CORES, overwrite=True, codec="zstd")
+    res["data_s"] = time.perf_counter() - t0
+    log(f"data ready in {res['data_s']:.1f} s")
+
+    from numcodecs.zstd import Zstd
+
+    probe = open_cache(root)
+    unit, shape = probe.reader.unit, (probe.reader.unit, *probe.spec.shape)
+    probe.close()
+    raws = [f.read_bytes() for f in chunk_files(root)]
+    res.update(chunks=len(raws), unit_images=unit, chunk_bytes_mean=float(np.mean([len(r) for r in raws])))
+    nc = Zstd()
+    ceil = {
+        f"numcodecs_{t}_threads": decode_rate(lambda r, o: nc.decode(r, out=o), raws, unit, shape, t)
+        for t in sorted({1, CORES})
+    }
+    res["ceiling_img_s"] = ceil
+    log(f"ceilings {ceil}")
+    save()
+    res["per_chunk_1_thread"] = per_chunk_cost(root, raws)
+    log(f"per chunk {res['per_chunk_1_thread']}")
+    save()
+
+    cfgs: dict[str, tuple[int, int]] = {}
+    for item in args.configs.split(","):
+        d, t = parse_config(item)
+        cfgs[f"{'sync' if d == 0 else f'ahead{d}'}_{t}t"] = (d, t)
+    runs: dict[str, list[float]] = {k: [] for k in cfgs}
+    reader_rate(root, 0, CORES)  # warm: page cache, imports, threads
+    for _ in range(args.repeats):
+        for name, (d, t) in cfgs.items():
+            runs[name].append(reader_rate(root, d, t))
+            log(f"  {name}: {runs[name][-1]:,.0f} img/s")
+            res["reader_img_s"] = {
+                k: {"runs": v, "median": float(np.median(v))} for k, v in runs.items() if v
+            }
+            save()
+    if args.profile:
+        res["profile"] = profile(root, *parse_config(args.profile), args.out, work)
+        log(f"profile: {res['profile'].get('share', res['profile'])}")
+        save()
+    top = ceil[f"numcodecs_{CORES}_threads"]
+    res["ratio_to_ceiling"] = {k: v["median"] / top for k, v in res["reader_img_s"].items()}
+    save()
+    print(f"\nzarr zstd-3 256px, {CORES} cores, {len(raws)} chunks of {unit} images")
+    print(f"{'configuration':40} {'img/s':>10} {'ratio':>6}")
+    for k, v in ceil.items():
+        print(f"{k:40} {v:>10,.0f} {v / top:>6.3f}")
+    for k, v in res["reader_img_s"].items():
+        print(f"{'reader ' + k:40} {v['median']:>10,.0f} {v['median'] / top:>6.3f}")
+    pc = res["per_chunk_1_thread"]
+    print(
+        f"per chunk, 1 thread: bare decode {pc['bare_decode_us']:.0f} us, reader {pc['reader_load_unit_us']:.0f} us"
+    )
+
+
+if __name__ == "__main__":
+    main()
