@@ -185,7 +185,8 @@ class ChunkedReader(CacheReader):
         self.unit = unit
         self._units = UnitCache(max(2, cache_bytes // max(1, unit * spec.image_bytes)))
         # Units being decoded ahead (prefetch): unit -> its decode, and the pid that owns them.
-        self._ahead: dict[int, Future[np.ndarray]] = {}
+        self._ahead: OrderedDict[int, tuple[Future[np.ndarray], int]] = OrderedDict()
+        self._reads = 0  # read_into calls so far: how old a unit decoded ahead is
         self._ahead_lock = threading.Lock()
         self._ahead_pid = os.getpid()
         self._ahead_executor: ThreadPoolExecutor | None = None
@@ -217,6 +218,7 @@ class ChunkedReader(CacheReader):
         Ascending positions (what the dlstore loaders pass) copy each unit's rows into one contiguous
         slice of ``out``; any other order is sorted first and scattered back.
         """
+        self._reads += 1
         ascending = positions.size < 2 or bool(np.all(positions[1:] >= positions[:-1]))
         order = None if ascending else np.argsort(positions, kind="stable")
         sorted_pos = positions if order is None else positions[order]
@@ -238,58 +240,52 @@ class ChunkedReader(CacheReader):
         self.parallel(copy, runs, out.nbytes)
 
     def unit_array(self, k: int) -> np.ndarray:
-        with self._ahead_lock:  # one look at both, so a unit finishing its decode ahead is not missed
+        with self._ahead_lock:  # one look at both: a unit is either cached, decoding ahead, or neither
             self._forget_other_process()
             arr = self._units.lookup(k)
-            ahead = self._ahead.get(k) if arr is None else None
-        if arr is not None:
-            return arr
-        if ahead is not None:  # decoding already, started by prefetch: wait for it (errors re-raise)
-            arr = ahead.result()
-            if self._units.lookup(k) is None:  # evicted meanwhile: keep it cached for this batch's copies
-                self.recycle(self._units.put(k, arr))
-            return arr
-        arr = self.load_unit(k)
-        self.recycle(self._units.put(k, arr))
+            ahead = self._ahead.pop(k, None) if arr is None else None
+        if arr is None:
+            # decoded ahead (wait for it; its error, naming the chunk, is raised here) or decode now
+            arr = ahead[0].result() if ahead is not None else self.load_unit(k)
+            self.recycle(self._units.put(k, arr))
         return arr
 
     @property
     def max_ahead(self) -> int:
-        """Units decoded ahead at most: half the unit cache, so a unit decoded for a later batch is
-        not evicted by the current batch's units before it is read."""
+        """Units decoded ahead and not read yet, at most: half the unit cache (so up to 1.5 times
+        ``cache_bytes`` are held). They wait outside the cache until read, so they never evict the
+        units of the current sampler window, and the window's units never evict them."""
         return max(1, self._units.max_units // 2)
 
     def prefetch(self, positions: np.ndarray) -> None:
-        """Decode the units these positions need in this reader's threads, in the order given, while
-        the caller does something else (copies the current batch, trains): the read that needs them
-        then waits only for what is not done yet. A unit is decoded once, whether the read or the
-        prefetch gets to it first; a decode error is raised by the read that needs the unit."""
-        if self.threads < 1:
-            return
+        """Decode the units these positions need in threads of their own, in the order given, while
+        the caller does something else (copies the current batch, trains): the read that needs a unit
+        then waits only for what is not done yet. Each unit is decoded once, by whichever of the
+        prefetch and the read gets to it first; a decode error is raised by the read that needs it."""
         keys = np.asarray(positions, dtype=np.int64).reshape(-1) // self.unit
         _, first = np.unique(keys, return_index=True)
         with self._ahead_lock:
             self._forget_other_process()
+            self._drop_stale()
             pool = self._ahead_pool()
             for k in keys[np.sort(first)].tolist():  # the caller's order: the next read's units first
                 if len(self._ahead) >= self.max_ahead:
                     break
-                if k in self._ahead or self._units.lookup(k) is not None:
-                    continue
-                self._ahead[k] = pool.submit(self._decode_ahead, k)
+                if k not in self._ahead and self._units.lookup(k) is None:
+                    self._ahead[k] = (pool.submit(self.load_unit, k), self._reads)
 
-    def _decode_ahead(self, k: int) -> np.ndarray:
-        try:
-            arr = self.load_unit(k)
-        except BaseException:
-            with self._ahead_lock:  # the read that needs it decodes it again and raises, naming it
-                self._ahead.pop(k, None)
-            raise
-        with self._ahead_lock:  # cached and no longer ahead, in one step (see unit_array)
-            evicted = self._units.put(k, arr)
-            self._ahead.pop(k, None)
-        self.recycle(evicted)
-        return arr
+    def _drop_stale(self) -> None:
+        """Units decoded ahead that no read took within STALE_READS reads (the caller changed its
+        order, or the epoch ended): give their slots and buffers back (caller holds the lock)."""
+        stale = [
+            k for k, (f, tick) in self._ahead.items() if f.done() and self._reads - tick > self.STALE_READS
+        ]
+        for k in stale:
+            f, _ = self._ahead.pop(k)
+            if f.exception() is None:
+                self.recycle([f.result()])
+
+    STALE_READS = 16
 
     def _ahead_pool(self) -> ThreadPoolExecutor:
         """Decodes ahead run in a pool of their own: queued behind them in the read's pool, the
@@ -301,7 +297,7 @@ class ChunkedReader(CacheReader):
     def _forget_other_process(self) -> None:
         """A forked child inherits the parent's futures but not the threads that complete them."""
         if self._ahead_pid != os.getpid():
-            self._ahead, self._ahead_pid, self._ahead_executor = {}, os.getpid(), None
+            self._ahead, self._ahead_pid, self._ahead_executor = OrderedDict(), os.getpid(), None
 
     def recycle(self, evicted: list[np.ndarray]) -> None:
         """Hook for readers that reuse the buffers of evicted units."""
@@ -312,8 +308,8 @@ class ChunkedReader(CacheReader):
             mine = self._ahead_pid == os.getpid()
             ahead = list(self._ahead.values()) if mine else []
             executor = self._ahead_executor if mine else None
-            self._ahead, self._ahead_executor = {}, None
-        for f in ahead:
+            self._ahead, self._ahead_executor = OrderedDict(), None
+        for f, _ in ahead:
             f.cancel()
         if executor is not None:
             executor.shutdown(wait=True)  # the running decodes finish; their errors are nobody's
