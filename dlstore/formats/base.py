@@ -237,7 +237,20 @@ class ChunkedReader(CacheReader):
             else:
                 out[order[a:b]] = unit[local]
 
-        self.parallel(copy, runs, out.nbytes)
+        if len(runs) <= 1 or self.threads <= 1 or out.nbytes < (4 << 20):
+            for run in runs:
+                copy(run)
+            return
+        # One task per thread, each taking the next run from a shared iterator (atomic under the GIL),
+        # not one task per run: a 256-image batch has ~100 runs, and every task is a future and a few
+        # GIL hand-overs more for the decode threads to wait on.
+        shared = iter(runs)
+
+        def drain(_: int) -> None:
+            for run in shared:
+                copy(run)
+
+        list(self._thread_pool().map(drain, range(min(self.threads, len(runs)))))
 
     def unit_array(self, k: int) -> np.ndarray:
         with self._ahead_lock:  # one look at both: a unit is either cached, decoding ahead, or neither

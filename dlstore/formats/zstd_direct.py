@@ -63,13 +63,14 @@ class DirectZstd:
         n = self.lib.ZSTD_decompressDCtx(
             self.context(), out.ctypes.data, out.nbytes, src.ctypes.data, src.nbytes
         )
-        if self.lib.ZSTD_isError(n):
+        if n > _ERROR_LIMIT:  # ZSTD_isError without a second foreign call (each one drops the GIL)
             raise RuntimeError(f"zstd: {self.lib.ZSTD_getErrorName(n).decode(errors='replace')}")
         if n != out.nbytes:
             raise ValueError(f"zstd: decoded {n} bytes, expected {out.nbytes}")
         return out
 
 
+_ERROR_LIMIT = (1 << 64) - 120  # ERROR(maxCode) in zstd's error_private.h: larger return values are errors
 _CONTENTSIZE_ERROR = (1 << 64) - 2  # ZSTD_CONTENTSIZE_ERROR; ZSTD_CONTENTSIZE_UNKNOWN is one above
 _LOCK = threading.Lock()
 _CACHED: list[DirectZstd | None] = []
