@@ -44,45 +44,62 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def reader_rate(root: Path, depth: int, threads: int, epochs: int = 1) -> float:
-    """img/s of whole batches read in ChunkSampler order, prefetching `depth` batches ahead."""
+def reader_rate(
+    root: Path, depth: int, threads: int, processes: int = 0, epochs: int = 2
+) -> tuple[float, float]:
+    """(img/s over `epochs` epochs, seconds of the untimed first epoch) of whole batches read in
+    ChunkSampler order, prefetching `depth` batches ahead, decoding ahead in `processes` worker
+    processes (0: threads). The first epoch carries the start-up (threads, worker processes)."""
     cache = open_cache(root)  # cold unit cache each time
     cache.reader.threads = threads
+    cache.reader.processes = processes
     order = list(make_sampler(cache, "chunk", seed=0))
     batches = [storage_sorted(cache, order[i : i + B]) for i in range(0, len(order) - B + 1, B)]
     buf = np.empty((B, *cache.spec.shape), np.uint8)
-    t0 = time.perf_counter()
-    for _ in range(epochs):
+
+    def epoch() -> None:
+        cache.reader.clear_units()  # every unit decoded again: the last epoch's are not reused
         for i, idx in enumerate(batches):
             if depth:
                 ahead = batches[i + 1 : i + 1 + depth]
                 if ahead:
                     cache.prefetch(np.concatenate(ahead))
             cache.read(idx, out=buf)
-    rate = epochs * len(batches) * B / (time.perf_counter() - t0)
+
+    t0 = time.perf_counter()
+    epoch()
+    first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        epoch()
+    rate = epochs * len(batches) * B / max(1e-9, time.perf_counter() - t0)
     cache.close()
-    return rate
+    return rate, first
 
 
-def parse_config(item: str) -> tuple[int, int]:
-    d, _, t = item.partition(":")
-    return int(d), CORES if t in ("", "C") else int(t)
+def parse_config(item: str) -> tuple[int, int, int]:
+    """depth:threads[:processes], C = all cores."""
+    d, t, p = (item.split(":") + ["", ""])[:3]
+    return int(d), CORES if t in ("", "C") else int(t), 0 if p == "" else CORES if p == "C" else int(p)
+
+
+def config_name(d: int, t: int, p: int) -> str:
+    return f"{'sync' if d == 0 else f'ahead{d}'}_{t}t" + (f"_{p}proc" if p else "")
 
 
 PROFILE_LOOP = """
-import sys, time
+import sys
 sys.path[:0] = {paths!r}
-from zarr_readahead import reader_rate
 from pathlib import Path
-reader_rate(Path({root!r}), {depth}, {threads})
+from zarr_readahead import reader_rate
 print("ready", flush=True)
-t0 = time.perf_counter()
-while time.perf_counter() - t0 < 6:
-    reader_rate(Path({root!r}), {depth}, {threads})
+reader_rate(Path({root!r}), {depth}, {threads}, {processes}, epochs=1000)
 """
 
 
-def profile(root: Path, depth: int, threads: int, out_dir: Path, work: Path) -> dict[str, Any]:
+def profile(
+    root: Path, depth: int, threads: int, processes: int, out_dir: Path, work: Path
+) -> dict[str, Any]:
     """py-spy (native frames, idle threads, 200 Hz, 3 s) of the reader loop in one configuration."""
     exe = py_spy()
     if exe is None:
@@ -90,14 +107,17 @@ def profile(root: Path, depth: int, threads: int, out_dir: Path, work: Path) -> 
     here = str(Path(__file__).resolve().parent)
     script = work / "profile_loop.py"
     paths = [here, str(Path(here).parent)]
-    script.write_text(PROFILE_LOOP.format(paths=paths, root=str(root), depth=depth, threads=threads))
-    raw = out_dir / f"pyspy_zarr_ahead{depth}_{threads}t.txt"
+    code = PROFILE_LOOP.format(paths=paths, root=str(root), depth=depth, threads=threads, processes=processes)
+    script.write_text(code)
+    raw = out_dir / f"pyspy_zarr_{config_name(depth, threads, processes)}.txt"
     loop = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert loop.stdout is not None
         if loop.stdout.readline().strip() != "ready":
             return {"error": "the profiled loop did not start"}
+        time.sleep(1.5)  # past the start-up (threads, decode processes) and the first decodes
         cmd = [exe, "record", "--pid", str(loop.pid), "--native", "--idle", "--threads", "--rate", "200"]
+        cmd += ["--subprocesses"] if processes else []
         cmd += ["--duration", "3", "--format", "raw", "--output", str(raw)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     finally:
@@ -140,7 +160,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=None)
     ap.add_argument("--images", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--configs", default="0:C,1:C,2:C", help="depth:threads pairs (C = all cores)")
+    ap.add_argument("--configs", default="0:C,2:C,2:C:C", help="depth:threads[:processes] (C = all cores)")
+    ap.add_argument("--epochs", type=int, default=2, help="timed epochs per run, after an untimed one")
     ap.add_argument("--profile", default="", help="depth:threads of one configuration to py-spy (3 s)")
     ap.add_argument("--commit", default="")
     args = ap.parse_args()
@@ -184,18 +205,23 @@ def main() -> None:
     log(f"per chunk {res['per_chunk_1_thread']}")
     save()
 
-    cfgs: dict[str, tuple[int, int]] = {}
+    cfgs: dict[str, tuple[int, int, int]] = {}
     for item in args.configs.split(","):
-        d, t = parse_config(item)
-        cfgs[f"{'sync' if d == 0 else f'ahead{d}'}_{t}t"] = (d, t)
+        d, t, p = parse_config(item)
+        cfgs[config_name(d, t, p)] = (d, t, p)
     runs: dict[str, list[float]] = {k: [] for k in cfgs}
-    reader_rate(root, 0, CORES)  # warm: page cache, imports, threads
+    firsts: dict[str, list[float]] = {k: [] for k in cfgs}
+    reader_rate(root, 0, CORES, epochs=0)  # warm: page cache, imports
     for _ in range(args.repeats):
-        for name, (d, t) in cfgs.items():
-            runs[name].append(reader_rate(root, d, t))
-            log(f"  {name}: {runs[name][-1]:,.0f} img/s")
+        for name, (d, t, p) in cfgs.items():
+            rate, first = reader_rate(root, d, t, p, epochs=args.epochs)
+            runs[name].append(rate)
+            firsts[name].append(first)
+            log(f"  {name}: {rate:,.0f} img/s (first epoch, with start-up: {first:.2f} s)")
             res["reader_img_s"] = {
-                k: {"runs": v, "median": float(np.median(v))} for k, v in runs.items() if v
+                k: {"runs": v, "median": float(np.median(v)), "first_epoch_s": firsts[k]}
+                for k, v in runs.items()
+                if v
             }
             save()
     if args.profile:

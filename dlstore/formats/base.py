@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 import sys
 import threading
@@ -190,6 +191,10 @@ class ChunkedReader(CacheReader):
         self._ahead_lock = threading.Lock()
         self._ahead_pid = os.getpid()
         self._ahead_executor: ThreadPoolExecutor | None = None
+        # Decode ahead in this many worker processes instead of threads (0: threads). Each process
+        # has its own GIL; see dlstore.formats.unit_procs. Set by the one-process loaders.
+        self.processes = 0
+        self._procs: Any = None
 
     @property
     def max_units(self) -> int:
@@ -198,6 +203,11 @@ class ChunkedReader(CacheReader):
     @abstractmethod
     def load_unit(self, k: int) -> np.ndarray:
         """Decode unit k into (unit_len, H, W, C) uint8."""
+
+    def decode_unit_into(self, k: int, out: np.ndarray) -> None:
+        """Decode unit k into ``out`` (a decode process's shared-memory slot). Readers that can decode
+        in place override this; the default copies."""
+        out[...] = self.load_unit(k)
 
     @classmethod
     @abstractmethod
@@ -257,10 +267,16 @@ class ChunkedReader(CacheReader):
             self._forget_other_process()
             arr = self._units.lookup(k)
             ahead = self._ahead.pop(k, None) if arr is None else None
+        if arr is not None:
+            return arr
+        if ahead is not None:  # decoded ahead: wait for it
+            try:
+                arr = ahead[0].result()
+            except Exception:  # decoded again here: raises its error naming the chunk (or recovers
+                arr = None  # a unit whose decode process went away)
         if arr is None:
-            # decoded ahead (wait for it; its error, naming the chunk, is raised here) or decode now
-            arr = ahead[0].result() if ahead is not None else self.load_unit(k)
-            self.recycle(self._units.put(k, arr))
+            arr = self.load_unit(k)
+        self.recycle(self._units.put(k, arr))
         return arr
 
     @property
@@ -280,12 +296,30 @@ class ChunkedReader(CacheReader):
         with self._ahead_lock:
             self._forget_other_process()
             self._drop_stale()
-            pool = self._ahead_pool()
+            procs = self._decode_processes()
+            pool = self._ahead_pool() if procs is None else None
             for k in keys[np.sort(first)].tolist():  # the caller's order: the next read's units first
                 if len(self._ahead) >= self.max_ahead:
                     break
-                if k not in self._ahead and self._units.lookup(k) is None:
-                    self._ahead[k] = (pool.submit(self.load_unit, k), self._reads)
+                if k in self._ahead or self._units.lookup(k) is not None:
+                    continue
+                future = pool.submit(self.load_unit, k) if pool is not None else procs.submit(k)  # type: ignore[union-attr]
+                if future is None:  # every shared-memory slot still in use
+                    break
+                self._ahead[k] = (future, self._reads)
+
+    def _decode_processes(self) -> Any:
+        """The decode-ahead processes when ``processes`` > 0 and this process may start children (a
+        DataLoader worker may not: it decodes ahead in threads); None otherwise (caller holds the lock)."""
+        if self.processes <= 0 or mp.current_process().daemon:
+            return None
+        if self._procs is None:
+            from dlstore.formats.unit_procs import UnitProcesses, opener_for
+
+            slots = self._units.max_units + self.max_ahead + 2 * max(1, self.threads) + 4
+            shape = (self.unit, *self.spec.shape)
+            self._procs = UnitProcesses(opener_for(self), shape, self.processes, slots)
+        return self._procs
 
     def _drop_stale(self) -> None:
         """Units decoded ahead that no read took within STALE_READS reads (the caller changed its
@@ -311,9 +345,14 @@ class ChunkedReader(CacheReader):
         """A forked child inherits the parent's futures but not the threads that complete them."""
         if self._ahead_pid != os.getpid():
             self._ahead, self._ahead_pid, self._ahead_executor = OrderedDict(), os.getpid(), None
+            self._procs = None  # the parent's workers answer the parent only
 
     def recycle(self, evicted: list[np.ndarray]) -> None:
         """Hook for readers that reuse the buffers of evicted units."""
+
+    def clear_units(self) -> None:
+        """Forget every decoded unit (a benchmark's cold epoch); what is decoding ahead stays."""
+        self._units.clear()
 
     def close(self) -> None:
         """Cancel the decodes not started, wait for the running ones, then drop every unit."""
@@ -321,12 +360,16 @@ class ChunkedReader(CacheReader):
             mine = self._ahead_pid == os.getpid()
             ahead = list(self._ahead.values()) if mine else []
             executor = self._ahead_executor if mine else None
-            self._ahead, self._ahead_executor = OrderedDict(), None
+            procs = self._procs if mine else None
+            self._ahead, self._ahead_executor, self._procs = OrderedDict(), None, None
         for f, _ in ahead:
             f.cancel()
         if executor is not None:
             executor.shutdown(wait=True)  # the running decodes finish; their errors are nobody's
         self._units.clear()
+        del ahead
+        if procs is not None:  # after the unit arrays (views of its shared memory) are dropped
+            procs.close()
         self.shutdown_threads()
 
 

@@ -204,12 +204,25 @@ class ZarrReader(ChunkedReader):
         return chunk_path(Path(), k).as_posix()
 
     def load_unit(self, k: int) -> np.ndarray:
+        if self.decode is None:
+            path = chunk_path(self.root, k)
+            try:
+                return np.memmap(path, np.uint8, "r", shape=(self.unit, *self.spec.shape))
+            except FileNotFoundError:
+                raise CacheCorruptError(
+                    f"{path}: chunk {k} missing (zarr would read it as zeros); rebuild"
+                ) from None
+        out = self._buffers.take()
+        self.decode_unit_into(k, out)
+        return out
+
+    def decode_unit_into(self, k: int, out: np.ndarray) -> None:
         path = chunk_path(self.root, k)
         try:
             if self.decode is None:
-                return np.memmap(path, np.uint8, "r", shape=(self.unit, *self.spec.shape))
+                out[...] = np.fromfile(path, np.uint8).reshape(out.shape)
+                return
             raw = self._read_compressed(path)
-            out = self._buffers.take()
             if declared_size(raw) != out.nbytes:  # decoding into a reused buffer must fill all of it
                 raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
             self.decode(raw, out=out)  # type: ignore[call-arg]
@@ -219,7 +232,6 @@ class ZarrReader(ChunkedReader):
             ) from None
         except (OSError, RuntimeError, ValueError) as e:
             raise CacheCorruptError(f"{path}: chunk {k} does not decode ({e}); rebuild the cache") from None
-        return out
 
     def _read_compressed(self, path: Path) -> memoryview:
         """The chunk file's bytes in this thread's reused buffer. Three system calls, each one GIL
