@@ -22,8 +22,9 @@ from dlstore.durable import fsync_path
 from dlstore.errors import CacheCorruptError, SpecError
 from dlstore.formats.base import BufferPool, CacheWriter, ChunkedReader
 from dlstore.formats.codecs import quality_option
-from dlstore.formats.describe import Codec, CodecTable
+from dlstore.formats.describe import Codec, CodecTable, Option
 from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter
+from dlstore.formats.zarr_shards import ShardIndexes, Sharding, parse_sharding
 from dlstore.spec import CacheSpec
 
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
@@ -50,11 +51,32 @@ def chunk_path(root: Path, k: int) -> Path:
     return Path(root) / "images" / "c" / str(k) / "0" / "0" / "0"
 
 
+SHARD_OPTION = Option(
+    "shard_mb",
+    0,
+    "zarr: pixels per shard object in MB (zarr v3 sharding codec: the ~1 MB chunks inside one object, "
+    "read by byte range; for object stores, see README 'Scale'); 0 = one file per chunk.",
+    kind=float,
+    min=0,
+    max=4096,
+)
+
+
 class ZarrWriter(CacheWriter):
-    """One unit = one chunk of ≥ 1 MB; chunks are whole, so parallel writers never share one."""
+    """One unit = one chunk of ≥ 1 MB, or with ``shard_mb`` one shard of whole chunks; units are whole,
+    so parallel writers never share a file."""
 
     name = "zarr"
-    extra_options = (quality_option(),)
+    extra_options = (quality_option(), SHARD_OPTION)
+
+    def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
+        super().__init__(root, n, shape, options)
+        self.chunk_size = self.unit_size  # images per chunk; a shard (the unit) holds whole chunks
+        shard_bytes = int(float(self.options.get("shard_mb") or 0) * (1 << 20))
+        if shard_bytes:
+            chunks = max(1, shard_bytes // (self.chunk_size * self.image_bytes))
+            self.unit_size = self.chunk_size * min(chunks, max(1, -(-n // self.chunk_size)))
+
     codecs: ClassVar[CodecTable] = CodecTable(
         "zstd",
         Codec("zstd", "zstd level 3", 0.8, _zstd),
@@ -63,8 +85,12 @@ class ZarrWriter(CacheWriter):
     )
 
     def recorded_options(self) -> dict[str, Any]:
-        # --quality belongs to --codec jpeg, which the payload writer handles; pixels have none
-        return {k: v for k, v in super().recorded_options().items() if k != "quality"}
+        # --quality belongs to --codec jpeg, which the payload writer handles; pixels have none.
+        # shard_mb 0 is left out so an unsharded cache's manifest is what it was before the option.
+        out = {k: v for k, v in super().recorded_options().items() if k != "quality"}
+        if not out.get("shard_mb"):
+            out.pop("shard_mb", None)
+        return out
 
     @staticmethod
     def choose_unit_size(image_bytes: int) -> int:
@@ -74,10 +100,12 @@ class ZarrWriter(CacheWriter):
         import zarr
 
         group = zarr.open_group(self.root, mode="a", zarr_format=3)
+        sharded = self.unit_size != self.chunk_size or bool(self.options.get("shard_mb"))
         group.create_array(
             "images",
             shape=(self.n, *self.shape),
-            chunks=(self.unit_size, *self.shape),
+            chunks=(self.chunk_size, *self.shape),
+            shards=(self.unit_size, *self.shape) if sharded else None,
             dtype="uint8",
             compressors=self.codecs[self.options["codec"]].impl(),
             fill_value=0,
@@ -92,7 +120,7 @@ class ZarrWriter(CacheWriter):
 
         arr = zarr.open_array(self.root / "images", mode="r+", zarr_format=3)
         r = self.unit_range(k)
-        arr[r.start : r.stop] = images
+        arr[r.start : r.stop] = images  # a whole shard: zarr writes its object once, index included
         fsync_path(chunk_path(self.root, k))  # zarr does not fsync; the contract says durable
 
     def finish(self, labels: np.ndarray) -> None:
@@ -124,8 +152,10 @@ class ZarrWriter(CacheWriter):
 
 def parse_array_meta(
     path: Path, n: int, shape: tuple[int, int, int]
-) -> tuple[int, Callable[[bytes], Any] | None]:
-    """Validate ``images/zarr.json`` before any chunk is decoded; return (chunk length, decoder)."""
+) -> tuple[int, Callable[[bytes], Any] | None, Sharding | None]:
+    """Validate ``images/zarr.json`` before any chunk is decoded; return (chunk length, decoder,
+    sharding). For a sharded array the grid's chunk is the shard (one file) and the chunk length is
+    the inner chunk's."""
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
@@ -155,7 +185,14 @@ def parse_array_meta(
         raise SpecError(f"{path}: unsupported chunk key encoding {keys}")
     if meta.get("storage_transformers"):
         raise SpecError(f"{path}: storage transformers are not supported")
-    return chunk[0], _decoder(path, meta.get("codecs"))
+    codecs = meta.get("codecs")
+    if isinstance(codecs, list) and codecs and isinstance(codecs[0], dict):
+        if codecs[0].get("name") == "sharding_indexed":
+            if len(codecs) != 1:
+                raise SpecError(f"{path}: codecs after sharding_indexed are not supported ({codecs[1:]})")
+            sharding = parse_sharding(path, codecs[0], chunk[0], shape)
+            return sharding.chunk, _decoder(path, sharding.codecs), sharding
+    return chunk[0], _decoder(path, codecs), None
 
 
 def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any] | None:
@@ -191,8 +228,11 @@ class ZarrReader(ChunkedReader):
     """Groups a batch by chunk, decodes each chunk once (in threads), keeps recent chunks decoded."""
 
     def __init__(self, root: Path, spec: Any, in_memory: bool = False, cache_bytes: int = 256 << 20) -> None:
-        chunk, self.decode = parse_array_meta(Path(root) / "images" / "zarr.json", spec.n_stored, spec.shape)
+        chunk, self.decode, self.sharding = parse_array_meta(
+            Path(root) / "images" / "zarr.json", spec.n_stored, spec.shape
+        )
         super().__init__(root, spec, in_memory, unit=chunk, cache_bytes=cache_bytes)
+        self._indexes = ShardIndexes(self.sharding) if self.sharding is not None else None
         self._buffers = BufferPool((chunk, *spec.shape))
         self._scratch = threading.local()  # per-thread buffer for the compressed bytes
 
@@ -201,13 +241,19 @@ class ZarrReader(ChunkedReader):
 
     @classmethod
     def unit_file(cls, k: int) -> str:
+        """Chunk k's file, or shard k's (the manifest's ``unit_size`` is then the shard length)."""
         return chunk_path(Path(), k).as_posix()
+
+    def files_for(self, positions: np.ndarray) -> list[str]:
+        per_file = self.unit * (self.sharding.per_shard if self.sharding is not None else 1)
+        return [self.unit_file(int(k)) for k in np.unique(np.asarray(positions) // per_file)]
 
     def load_unit(self, k: int) -> np.ndarray:
         if self.decode is None:
-            path = chunk_path(self.root, k)
+            path, offset, length = self._where(k)
             try:
-                return np.memmap(path, np.uint8, "r", shape=(self.unit, *self.spec.shape))
+                rows = self.unit if length is None else length // self.spec.image_bytes
+                return np.memmap(path, np.uint8, "r", offset=offset, shape=(rows, *self.spec.shape))
             except FileNotFoundError:
                 raise CacheCorruptError(
                     f"{path}: chunk {k} missing (zarr would read it as zeros); rebuild"
@@ -216,16 +262,31 @@ class ZarrReader(ChunkedReader):
         self.decode_unit_into(k, out)
         return out
 
+    def _where(self, k: int) -> tuple[Path, int, int | None]:
+        """Chunk k's file; sharded: its shard file and the chunk's byte range (from the shard index)."""
+        if self._indexes is None:
+            return chunk_path(self.root, k), 0, None
+        per_shard = self._indexes.sharding.per_shard
+        path = chunk_path(self.root, k // per_shard)
+        try:
+            return (path, *self._indexes.chunk_range(path, k % per_shard))
+        except FileNotFoundError:
+            raise CacheCorruptError(f"{path}: shard of chunk {k} missing; rebuild the cache") from None
+        except OSError as e:
+            raise CacheCorruptError(f"{path}: shard index unreadable ({e}); rebuild the cache") from None
+
     def decode_unit_into(self, k: int, out: np.ndarray) -> None:
-        path = chunk_path(self.root, k)
+        path, offset, length = self._where(k)
         try:
             if self.decode is None:
-                out[...] = np.fromfile(path, np.uint8).reshape(out.shape)
+                out[...] = np.fromfile(path, np.uint8, count=out.size, offset=offset).reshape(out.shape)
                 return
-            raw = self._read_compressed(path)
+            raw = self._read_compressed(path, offset, length)
             if declared_size(raw) != out.nbytes:  # decoding into a reused buffer must fill all of it
                 raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
             self.decode(raw, out=out)  # type: ignore[call-arg]
+        except CacheCorruptError:
+            raise  # a damaged shard index already names its file
         except FileNotFoundError:
             raise CacheCorruptError(
                 f"{path}: chunk {k} missing (zarr would read it as zeros); rebuild"
@@ -233,15 +294,23 @@ class ZarrReader(ChunkedReader):
         except (OSError, RuntimeError, ValueError) as e:
             raise CacheCorruptError(f"{path}: chunk {k} does not decode ({e}); rebuild the cache") from None
 
-    def _read_compressed(self, path: Path) -> memoryview:
-        """The chunk file's bytes in this thread's reused buffer. Three system calls, each one GIL
-        release (``open()`` + ``fstat`` + ``readinto`` through a buffered file object take twice
-        that, and every GIL hand-over counts when many threads read chunks)."""
+    def _read_compressed(self, path: Path, offset: int = 0, length: int | None = None) -> memoryview:
+        """The chunk file's bytes (or ``length`` bytes at ``offset``: an inner chunk of a shard) in this
+        thread's reused buffer. Three system calls, each one GIL release (``open()`` + ``fstat`` +
+        ``readinto`` through a buffered file object take twice that, and every GIL hand-over counts
+        when many threads read chunks)."""
         buf = getattr(self._scratch, "buf", None)
         if buf is None:  # a zstd/blosc chunk is at most a little larger than its decoded bytes
             buf = self._scratch.buf = bytearray(self.unit * self.spec.image_bytes + (1 << 16))
         fd = os.open(path, os.O_RDONLY)
         try:
+            if length is not None:
+                if length > len(buf):
+                    buf = self._scratch.buf = bytearray(length)
+                n = os.preadv(fd, [memoryview(buf)[:length]], offset)
+                if n != length:
+                    raise ValueError(f"inner chunk at byte {offset} cut off ({n} of {length} bytes)")
+                return memoryview(buf)[:n]
             n = os.readv(fd, [buf])
             if n == len(buf):  # larger than any chunk we wrote: read the rest the slow way
                 rest = os.read(fd, os.fstat(fd).st_size)
@@ -290,6 +359,14 @@ class ZarrPayloadWriter(PayloadWriter):
     name = "zarr"
     codecs = ZarrWriter.codecs
     extra_options = ZarrWriter.extra_options
+
+    def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
+        if options.get("shard_mb"):
+            raise SpecError(
+                f"{root}: --shard-mb is for zarr pixel caches; a JPEG or variable-size (payload) zarr "
+                "cache is not sharded: leave --shard-mb out, or use --format npz for large objects"
+            )
+        super().__init__(root, n, shape, {k: v for k, v in options.items() if k != "shard_mb"})
 
     def compressors(self) -> list[Any]:
         return self.codec.impl() if self.unit_compressed and self.codec is not None else []

@@ -48,7 +48,7 @@ def test_the_name_check_finds_a_name_test(tmp_path: Path) -> None:
 
 
 def test_options_are_validated_and_defaults_filled() -> None:
-    assert get_format("zarr").writer.parse_options({}) == {"codec": "zstd", "quality": 90}
+    assert get_format("zarr").writer.parse_options({}) == {"codec": "zstd", "quality": 90, "shard_mb": 0.0}
     assert get_format("npz").writer.parse_options({"codec": "deflate"}) == {"codec": "deflate", "quality": 90}
     assert get_format("ram").writer.parse_options({}) == {}
     with pytest.raises(
