@@ -229,6 +229,12 @@ class _Producer:
 
 
 class _PinnedIter:
+    """Yields device batches, with the copy of the next batch already issued: its host-to-device copy
+    runs on the side stream while the caller's step for this one runs, instead of the caller's stream
+    waiting for it at the start of the next step (25 MB at 55 GB/s is 0.45 ms, 4 % of a ResNet-18 step)."""
+
+    _END = object()
+
     def __init__(
         self,
         cache: Cache,
@@ -241,27 +247,40 @@ class _PinnedIter:
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.producer = _Producer(cache, ring, list(batches))
+        self._ahead: Any = None  # (x, y, copy event) in flight, _END, or the producer's exception
 
     def __iter__(self) -> _PinnedIter:
         return self
 
     def __next__(self) -> Batch:
-        item = self.producer.ready.get()
-        if item is _Producer.DONE:
+        if self._ahead is None:
+            self._ahead = self._fetch()
+        current = self._ahead
+        if current is self._END:
             raise StopIteration
-        if isinstance(item, BaseException):
-            raise item
+        if isinstance(current, BaseException):
+            self._ahead = self._END
+            raise current
+        self._ahead = self._fetch()  # issue the next copy before this batch is used
+        x, y, done = current
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        x = x.permute(0, 3, 1, 2)
+        return (self.transform(x) if self.transform else x), y
+
+    def _fetch(self) -> Any:
+        item = self.producer.ready.get()
+        if item is _Producer.DONE or isinstance(item, BaseException):
+            return self._END if item is _Producer.DONE else item
         slot, n = item
         host_x, host_y = self.ring.images[slot][:n], self.ring.labels[slot][:n]
         if not self.cuda:
             x, y = host_x.clone(), host_y.clone()
             self.ring.release(slot, None)
-        else:
-            x, y = self._copy(host_x, host_y, slot)
-        x = x.permute(0, 3, 1, 2)
-        return (self.transform(x) if self.transform else x), y
+            return x, y, None
+        return self._copy(host_x, host_y, slot)
 
-    def _copy(self, host_x: torch.Tensor, host_y: torch.Tensor, slot: int) -> Batch:
+    def _copy(self, host_x: torch.Tensor, host_y: torch.Tensor, slot: int) -> tuple[Any, ...]:
         assert self.stream is not None
         main = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
@@ -269,11 +288,10 @@ class _PinnedIter:
             y = host_y.to(self.device, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        main.wait_stream(self.stream)
         x.record_stream(main)  # the allocator must not reuse x's memory before main is done with it
         y.record_stream(main)
         self.ring.release(slot, done)
-        return x, y
+        return x, y, done
 
     def close(self) -> None:
         self.producer.close()

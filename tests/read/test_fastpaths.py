@@ -84,6 +84,28 @@ def test_pinned_loader_with_slow_consumer(caches: dict[str, Path]) -> None:
     assert len(batches) == 97 // 8
 
 
+def test_pinned_loader_yields_the_batches_before_a_read_error_then_raises(caches: dict[str, Path]) -> None:
+    """The next batch is fetched ahead of the one returned: an error reading it must still come after
+    every batch read before it, and end the epoch."""
+    loader = PinnedLoader(caches["ram"], batch_size=8, device="cpu", order="sequential", num_buffers=2)
+    real, calls = loader.cache.read, []
+
+    def failing(indices, out=None):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("chunk 2 unreadable")
+        return real(indices, out=out)
+
+    loader.cache.read = failing  # type: ignore[method-assign]
+    it = iter(loader)
+    got = [next(it), next(it)]
+    with pytest.raises(OSError, match="chunk 2 unreadable"):
+        next(it)
+    with pytest.raises(StopIteration):
+        next(it)
+    check_epoch(got, caches["ram"], expect_all=False)
+
+
 def test_buffer_is_not_refilled_before_its_copy_finished() -> None:
     ring = BufferRing(1, (2, 1), pin=False)
 
