@@ -623,6 +623,7 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"plain_w{k}_pin": lambda: plain(k, True),
         f"batch_w{k}": lambda: batched(k, False),
         f"batch_w{k}_pin": lambda: batched(k, True),
+        "plain_w0_noslots": without_slots(lambda: plain(0, False)),
         f"plain_w{k}_noslots": without_slots(lambda: plain(k, False)),
         f"plain_w{k}_pin_noslots": without_slots(lambda: plain(k, True)),
     }

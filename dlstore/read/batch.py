@@ -96,16 +96,19 @@ def labels_tensor(labels: np.ndarray) -> torch.Tensor:
 
 
 def new_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
-    """An uninitialised uint8 tensor, in shared memory when ``shared`` (a DataLoader worker: the batch
-    then crosses to the main process without a copy): in one of the worker's reused slots when one is
-    free (``dlstore.read.slots``), else in a new shared-memory file as torch would make it.
+    """An uninitialised uint8 tensor in one of this process's reused slots when one is free
+    (``dlstore.read.slots``: in a DataLoader worker the batch then crosses to the main process
+    without a copy), else newly allocated: in a new shared-memory file as torch would make it when
+    ``shared`` (a worker), in ordinary memory otherwise.
     ``share_memory_()`` on an ordinary tensor would allocate twice and copy."""
-    if not shared:
-        return torch.empty(shape, dtype=torch.uint8)
     nbytes = int(np.prod(shape))
-    flat = slots.acquire(nbytes)
+    # A fresh 50 MB tensor is a fresh mmap: one page fault per 4 KiB while it is filled, and an munmap
+    # when freed; a reused slot is filled at memcpy speed (0 workers: 18k -> see RESULTS.md).
+    flat = slots.acquire(nbytes, slots.MAX_SLOTS if shared else slots.MAX_LOCAL_SLOTS)
     if flat is not None:
         return flat.view(shape)
+    if not shared:
+        return torch.empty(shape, dtype=torch.uint8)
     new_shared = getattr(torch.UntypedStorage, "_new_shared", None)
     if new_shared is None:  # an older torch: the copying way
         return torch.empty(shape, dtype=torch.uint8).share_memory_()

@@ -34,6 +34,7 @@ import torch
 _HEADER = mmap.PAGESIZE  # the flag byte, then the batch page-aligned
 _FREE, _HELD = 0, 1
 MAX_SLOTS = 8  # per worker; steady state needs prefetch_factor + the batches the main process holds
+MAX_LOCAL_SLOTS = 3  # in a process reading for itself (0 workers): this batch, the last, one spare
 # DLSTORE_SHM_SLOTS=0 hands batches over as torch does (benchmarks' A/B; forked workers inherit
 # a change of ``enabled`` made before they start).
 enabled = os.environ.get("DLSTORE_SHM_SLOTS", "1") != "0"
@@ -63,6 +64,7 @@ class _Pool:
     pid: int
     nonce: str = field(default_factory=lambda: secrets.token_hex(4))
     slots: list[_Slot] = field(default_factory=list)
+    created: int = 0  # slot keys are never reused within a pool
     by_address: dict[int, _Slot] = field(default_factory=dict)
 
 
@@ -86,22 +88,36 @@ def _new_slot(pool: _Pool, nbytes: int) -> _Slot:
     os.ftruncate(fd, _HEADER + nbytes)
     buf = mmap.mmap(fd, _HEADER + nbytes)
     whole = np.frombuffer(buf, dtype=np.uint8)
-    slot = _Slot((pool.pid, pool.nonce, len(pool.slots)), fd, nbytes, buf, whole[:1], whole[_HEADER:])
+    pool.created += 1
+    slot = _Slot((pool.pid, pool.nonce, pool.created), fd, nbytes, buf, whole[:1], whole[_HEADER:])
     pool.slots.append(slot)
     pool.by_address[slot.data.ctypes.data] = slot
     return slot
 
 
-def acquire(nbytes: int) -> torch.Tensor | None:
-    """A flat uint8 tensor of ``nbytes`` in a free slot of this worker's pool, or None when every
-    slot is held (or memfd is unavailable): the caller then allocates as torch does."""
+def _drop_a_free_slot(pool: _Pool) -> bool:
+    """Make room for a bigger batch (a larger batch size than before) in place of a free slot."""
+    free = next((s for s in pool.slots if s.flag[0] == _FREE), None)
+    if free is None:
+        return False
+    pool.slots.remove(free)
+    del pool.by_address[free.data.ctypes.data]
+    os.close(free.fd)  # its mapping goes with the last view of it
+    return True
+
+
+def acquire(nbytes: int, limit: int = MAX_SLOTS) -> torch.Tensor | None:
+    """A flat uint8 tensor of ``nbytes`` in a free slot of this process's pool (of at most ``limit``
+    slots), or None when every slot is held (or memfd is unavailable): the caller then allocates as
+    torch does. Used in the main process too (``limit`` small there: the pool lives as long as the
+    process), where it saves a fresh allocation's page faults on every batch."""
     if not supported() or nbytes == 0:
         return None
     with _lock:
         pool = _worker_pool()
         slot = next((s for s in pool.slots if s.flag[0] == _FREE and s.capacity >= nbytes), None)
         if slot is None:
-            if len(pool.slots) >= MAX_SLOTS:
+            if len(pool.slots) >= limit and not _drop_a_free_slot(pool):
                 return None
             slot = _new_slot(pool, nbytes)
         slot.flag[0] = _HELD

@@ -84,10 +84,24 @@ def test_new_batch_shared_is_in_a_slot_or_shared_memory(monkeypatch: pytest.Monk
     from dlstore.read import slots
 
     assert slots.slot_of(new_batch((2, 3), shared=True)) is not None  # memfd slots on Linux
-    assert not new_batch((2, 3), shared=False).is_shared()
     monkeypatch.setattr(slots, "enabled", False)
     x = new_batch((2, 3), shared=True)
     assert x.is_shared() and slots.slot_of(x) is None
+    assert not new_batch((2, 3), shared=False).is_shared()
+
+
+def test_new_batch_reuses_a_released_buffer_in_process() -> None:
+    """0 workers: a released batch's memory is reused, not a fresh (page-faulting) allocation."""
+    x = new_batch((4, 8, 8, 3), shared=False)
+    address = x.data_ptr()
+    kept = new_batch((4, 8, 8, 3), shared=False)  # x is still alive: another buffer
+    assert kept.data_ptr() != address
+    del x
+    assert new_batch((4, 8, 8, 3), shared=False).data_ptr() == address
+    held = [new_batch((4, 8, 8, 3), shared=False) for _ in range(8)]  # beyond the pool: allocated
+    assert len({t.data_ptr() for t in held}) == 8
+    bigger = new_batch((8, 8, 8, 3), shared=False)  # a larger batch than the slots: still served
+    assert bigger.shape == (8, 8, 8, 3)
 
 
 @pytest.mark.parametrize("shape", [(3, 5, 7, 3), (64, 64, 64, 3)])  # below and above the split size
