@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,7 +35,7 @@ from dlstore.build.conversion import convert  # noqa: E402
 from dlstore.build.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.read.cache import open_cache  # noqa: E402
-from dlstore.read.loaders import make_sampler, storage_sorted  # noqa: E402
+from dlstore.read.loaders import PinnedLoader, make_sampler, storage_sorted  # noqa: E402
 
 CORES = len(os.sched_getaffinity(0))
 B = 256
@@ -75,6 +76,29 @@ def reader_rate(
     rate = epochs * len(batches) * B / max(1e-9, time.perf_counter() - t0)
     cache.close()
     return rate, first
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def loader_rate(root: Path, processes: int, epochs: int = 2) -> dict[str, float]:
+    """PinnedLoader (batch 256, ChunkSampler order, images to the GPU) with `processes` decode
+    processes: img/s over `epochs` timed epochs after an untimed one (start-up)."""
+    loader = PinnedLoader(root, batch_size=B, device=DEVICE, order="chunk", decode_processes=processes)
+    t0 = time.perf_counter()
+    for _ in loader:
+        pass
+    first = time.perf_counter() - t0
+    n, t0 = 0, time.perf_counter()
+    for _ in range(epochs):
+        loader.cache.reader.clear_units()
+        for x, _y in loader:
+            n += len(x)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+    rate = n / (time.perf_counter() - t0)
+    loader.cache.close()
+    return {"img_s": rate, "first_epoch_s": first}
 
 
 def parse_config(item: str) -> tuple[int, int, int]:
@@ -161,6 +185,7 @@ def main() -> None:
     ap.add_argument("--images", type=int, default=8192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--configs", default="0:C,2:C,2:C:C", help="depth:threads[:processes] (C = all cores)")
+    ap.add_argument("--loader", default="", help="PinnedLoader runs: decode_processes values, e.g. 0,16")
     ap.add_argument("--epochs", type=int, default=2, help="timed epochs per run, after an untimed one")
     ap.add_argument("--profile", default="", help="depth:threads of one configuration to py-spy (3 s)")
     ap.add_argument("--commit", default="")
@@ -224,6 +249,12 @@ def main() -> None:
                 if v
             }
             save()
+    for procs in [int(x) for x in args.loader.split(",") if x != ""]:
+        res.setdefault("pinned_loader_img_s", {})[f"{procs}proc"] = loader_rate(root, procs)
+        log(
+            f"  PinnedLoader to {DEVICE}, decode_processes={procs}: {res['pinned_loader_img_s'][f'{procs}proc']}"
+        )
+        save()
     if args.profile:
         res["profile"] = profile(root, *parse_config(args.profile), args.out, work)
         log(f"profile: {res['profile'].get('share', res['profile'])}")
@@ -237,6 +268,8 @@ def main() -> None:
         print(f"{k:40} {v:>10,.0f} {v / top:>6.3f}")
     for k, v in res["reader_img_s"].items():
         print(f"{'reader ' + k:40} {v['median']:>10,.0f} {v['median'] / top:>6.3f}")
+    for k, v in res.get("pinned_loader_img_s", {}).items():
+        print(f"{'PinnedLoader to ' + DEVICE + ' ' + k:40} {v['img_s']:>10,.0f} {v['img_s'] / top:>6.3f}")
     pc = res["per_chunk_1_thread"]
     print(
         f"per chunk, 1 thread: bare decode {pc['bare_decode_us']:.0f} us, reader {pc['reader_load_unit_us']:.0f} us"

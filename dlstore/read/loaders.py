@@ -88,6 +88,9 @@ class PinnedLoader:
     ``transform`` (e.g. a ``GpuAugment``) is applied to each batch on the device; with
     ``cuda_graph=True`` it is replayed from a CUDA graph (``dlstore.gpu.graphs.CudaGraphed``) and the
     images it yields are overwritten by the next batch, as with ``ResidentLoader``.
+
+    A chunked cache (zarr, npz) decodes the chunks of the next two batches ahead, in the reader's
+    threads or, with ``decode_processes=N``, in N worker processes (``dlstore.formats.unit_procs``).
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class PinnedLoader:
         rank: int = 0,
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | Path | None = None,
+        decode_processes: int = 0,
     ) -> None:
         self.cache = (
             path
@@ -123,6 +127,8 @@ class PinnedLoader:
         self.sampler = make_sampler(self.cache, order, seed, window, num_replicas, rank)
         # The only process reading: let the reader's (blocking, not spinning) threads use every core.
         self.cache.reader.threads = max(self.cache.reader.threads, usable_cores())
+        if decode_processes and hasattr(self.cache.reader, "processes"):  # chunked readers decode ahead
+            self.cache.reader.processes = decode_processes  # in processes of their own (own GIL each)
         self.num_buffers = max(2, num_buffers)
         self.epoch = 0
         self._ring: BufferRing | None = None
@@ -181,6 +187,9 @@ def storage_sorted(cache: Cache, indices: list[int]) -> np.ndarray:
     return index[np.argsort(cache.positions[index], kind="stable")]
 
 
+PREFETCH_BATCHES = 2  # zarr 256 px: a batch of 256 can need ~100 new chunks, half the decode-ahead bound
+
+
 class _Producer:
     """The gather thread's state, kept apart from the iterator so an abandoned iterator can be
     collected (and close the producer) while the thread is still running."""
@@ -197,8 +206,9 @@ class _Producer:
     def run(self) -> None:
         try:
             for i, idx in enumerate(self.batches):
-                if i + 1 < len(self.batches):  # a remote cache downloads the next batch's units meanwhile
-                    self.cache.prefetch(self.batches[i + 1])
+                ahead = self.batches[i + 1 : i + 1 + PREFETCH_BATCHES]
+                if ahead:  # a remote cache downloads, a chunked one decodes, their units meanwhile
+                    self.cache.prefetch(np.concatenate([np.asarray(b, np.int64) for b in ahead]))
                 slot = self.ring.acquire()
                 if self.stop.is_set():
                     self.ring.release(slot, None)

@@ -74,6 +74,22 @@ def test_pinned_loader_matches_plain_reads(caches: dict[str, Path], fmt: str, or
         check_epoch(list(loader), caches[fmt], expect_all=True)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_pinned_loader_decoding_ahead_in_processes_matches_plain_reads(
+    caches: dict[str, Path], fmt: str
+) -> None:
+    loader = PinnedLoader(
+        caches[fmt], batch_size=10, device="cpu", drop_last=False, num_buffers=2, decode_processes=2
+    )
+    for _ in range(2):
+        check_epoch(list(loader), caches[fmt], expect_all=True)
+    reader = loader.cache.reader
+    procs = getattr(reader, "_procs", None)
+    assert (procs is not None) == hasattr(reader, "processes")  # chunked readers used them
+    loader.cache.close()
+    assert procs is None or all(p.poll() is not None for p in procs.procs)
+
+
 def test_pinned_loader_with_slow_consumer(caches: dict[str, Path]) -> None:
     loader = PinnedLoader(caches["zarr"], batch_size=8, device="cpu", num_buffers=2)
     batches = []
