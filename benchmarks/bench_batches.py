@@ -6,13 +6,13 @@ Sections (``--sections``, in order of importance; one is skipped when its estima
 - ``batches``: 2,048 JPEGs of 300×240, ResNet-18 @112, gpu-augment, at each ``--batches`` size: raw at
   8 workers, ram at 0 and 4 workers, pinned and resident (the issue's kinds: raw, cached-with-workers,
   pinned, resident);
+- ``default``: ``dlstore bench --out …`` as a user runs it (wall time, goal ≤ 60 s);
 - ``decode``: the decode-heavy workload (raw, CPU augment at 224, ResNet-18, batch 64, 0 and 4 workers:
-  must be named transform-bound), then the 0-worker loop taken apart (``decode_parts``): the loader alone,
-  the loop, the loop synchronised after each step, the loader with the step's host time spent spinning or
-  sleeping, and the same with one intra-op thread, so the part the model misses at 0 workers is measured;
-- ``compute``: the compute-heavy workload (ram, ResNet-50 @224, batch 256, 4 workers: must be named compute);
+  must be named transform-bound), then the 0-worker loop taken apart (``decode_parts``): the loader alone
+  and the loop, alternated (other variants: the loop synchronised after each step, the loader with the
+  step's host time spent spinning or sleeping), with the hypervisor's steal time;
 - ``seeds``: ``benchmarks/seeds.py``'s cached-light part (FashionMNIST-format IDX, SmallCNN, fp32, batch 256);
-- ``default``: ``dlstore bench --out …`` as a user runs it (wall time, goal ≤ 60 s).
+- ``compute``: the compute-heavy workload (ram, ResNet-50 @224, batch 256, 4 workers: must be named compute).
 
 Writes ``OUT/bench_batches.json`` after every run (a run cut short still leaves what it measured) and prints
 one line per run (measured, predicted, error, bottleneck) plus a summary last.
@@ -40,9 +40,9 @@ from bench_gpu import make_jpegs, trim  # noqa: E402
 
 from dlstore.bench.protocol import BenchConfig  # noqa: E402
 
-SECTIONS = ("batches", "decode", "seeds", "compute", "default")
+SECTIONS = ("batches", "default", "decode", "seeds", "compute")
 # Seconds each part took on the H200 (earlier runs), to skip what would not fit in the budget.
-ESTIMATE_S = {"batch": 22.0, "decode": 36.0, "compute": 20.0, "seeds": 25.0, "default": 45.0}
+ESTIMATE_S = {"batch": 20.0, "decode": 22.0, "compute": 17.0, "seeds": 16.0, "default": 45.0}
 TOLERANCE = 0.20
 
 Log = Callable[[str], None]
@@ -93,9 +93,17 @@ def rows(name: str, doc: dict[str, Any]) -> list[str]:
         out.append(
             f"{name:<14} {doc['protocol']['batch_size']:>5} {r['loader']:<9} {r['workers']:>3} "
             f"{'on' if r['pin_memory'] else 'off':>3} {r['img_per_s']:>9,.0f} {r['predicted_img_per_s'] or 0:>9,.0f} "
-            f"{'-' if err is None else f'{100 * err:+.0f}%':>6} {str(r['bottleneck']):<10}{flag}"
+            f"{'-' if err is None else f'{100 * err:+.0f}%':>6} {str(r['bottleneck']):<10} "
+            f"{host_ms(r)}{flag}"
         )
     return out
+
+
+def host_ms(run: dict[str, Any]) -> str:
+    """The main thread's copy + step calls per batch: measured in the loop / used by the model."""
+    b = run.get("budget_ms") or {}
+    meas, pred = (b.get("measured") or {}).get("host_ms"), (b.get("predicted") or {}).get("host_ms")
+    return "" if meas is None or pred is None else f"{meas:5.1f}/{pred:5.1f}"
 
 
 def batches_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
@@ -177,7 +185,9 @@ def decode_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
         print(line, flush=True)
 
 
-def decode_parts(config: BenchConfig, log: Log) -> dict[str, Any]:
+def decode_parts(
+    config: BenchConfig, log: Log, args_plan: tuple[str, ...] = ("alone", "loop") * 3
+) -> dict[str, Any]:
     """The 0-worker decode-heavy loop taken apart: per batch, the time in ``next()`` (wall and the process's
     CPU), the time in copy + step calls, and the period, for each variant (see the module doc)."""
     import torch
@@ -186,6 +196,7 @@ def decode_parts(config: BenchConfig, log: Log) -> dict[str, Any]:
     from dlstore.bench.kinds import LoaderContext, prepare_loader
     from dlstore.bench.kinds.base import default_size, source_channels
     from dlstore.bench.models import configure_numerics
+    from dlstore.bench.monitor import steal_s
     from dlstore.bench.run import bench_cache_root, make_step, resolve_config, resolve_device
     from dlstore.bench.stages import BatchStream, batch_images
     from dlstore.build.sources import open_source
@@ -212,7 +223,7 @@ def decode_parts(config: BenchConfig, log: Log) -> dict[str, Any]:
             for i in range(warm + n):
                 if i == warm:
                     synchronize(device)
-                    t0, c0 = time.perf_counter(), time.process_time()
+                    t0, c0, s0 = time.perf_counter(), time.process_time(), steal_s()
                     nxt = calls = 0.0
                 a = time.perf_counter()
                 batch = stream.next()
@@ -232,7 +243,7 @@ def decode_parts(config: BenchConfig, log: Log) -> dict[str, Any]:
                     time.sleep(host_s)
                 calls += time.perf_counter() - b
             synchronize(device)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            wall, cpu, s1 = time.perf_counter() - t0, time.process_time() - c0, steal_s()
         finally:
             stream.close()
         return {
@@ -241,30 +252,17 @@ def decode_parts(config: BenchConfig, log: Log) -> dict[str, Any]:
             "period_ms": 1e3 * wall / n,
             "cpu_cores": cpu / wall,
             "img_per_s": n * config.batch_size / wall,  # type: ignore[operator]
+            "steal_cores": None if s0 is None or s1 is None else (s1 - s0) / wall,
         }
 
     out: dict[str, Any] = {"threads": threads, "host_s": host_s}
-    plan = [
-        ("alone", True),
-        ("loop", True),
-        ("loop_sync", True),
-        ("alone_spin", True),
-        ("alone_sleep", True),
-        ("loop", False),
-        ("alone", True),  # again: drift between the first and the last
-    ]
-    for variant, pin in plan:
-        key = f"{variant}{'' if pin else '_nopin'}"
-        key = key if key not in out else f"{key}_again"
+    # Round A (2026-11-30) showed no loop-only slowdown (alone_spin/alone_sleep/loop_sync ≈ loop) but the
+    # loader alone drifting 112–136 ms within a minute: alternate the two to measure that spread.
+    plan = [(v, True) for v in args_plan]
+    for i, (variant, pin) in enumerate(plan):
+        key = f"{variant}{'' if pin else '_nopin'}_{i}"
         out[key] = run(variant, pin)
         log(f"decode_parts {key}: {out[key]}")
-    torch.set_num_threads(1)
-    try:
-        for variant in ("alone", "loop"):
-            out[f"{variant}_1thread"] = run(variant)
-            log(f"decode_parts {variant}_1thread: {out[f'{variant}_1thread']}")
-    finally:
-        torch.set_num_threads(threads)
     return out
 
 
@@ -278,7 +276,7 @@ def decode_rows(parts: dict[str, Any]) -> list[str]:
         if isinstance(v, dict):
             lines.append(
                 f"{k:<22} {v['next_ms']:>8.1f} {v['calls_ms']:>8.1f} {v['period_ms']:>9.1f} "
-                f"{v['cpu_cores']:>6.1f} {v['img_per_s']:>7,.0f}"
+                f"{v['cpu_cores']:>6.1f} {v['img_per_s']:>7,.0f} {v.get('steal_cores') or 0:.2f}"
             )
     return lines
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ def kind_stages(entry: dict[str, Any]) -> KindStages:
             v["period_s"], v["main_s"], v["cpu_s"], v["in_caller"], v.get("refill_s"), v.get("epoch_batches")
         )
     fed = {
-        name == "pinned": FedTiming(v["period_s"], v["serial_s"], v.get("device_s"))
+        name == "pinned": FedTiming(v["period_s"], v["serial_s"], v.get("device_s"), idle_serial(v))
         for name, v in entry.get("fed_step", {}).items()
         if "period_s" in v
     }
@@ -55,6 +56,14 @@ def kind_stages(entry: dict[str, Any]) -> KindStages:
         fed=fed,
         read_limit=entry.get("read") if cold else None,
     )
+
+
+def idle_serial(fed: dict[str, Any]) -> float | None:
+    """The idle-device serial cost: recorded, or (documents older than the field) the samples' median."""
+    if fed.get("idle_serial_s") is not None:
+        return fed["idle_serial_s"]
+    idle = [s["idle"]["serial_s"] for s in fed.get("samples", []) if s.get("idle")]
+    return statistics.median(idle) if idle else None
 
 
 def replay(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -26,6 +26,17 @@ def system_cpu() -> tuple[float, float] | None:
     return sum(fields) - idle, sum(fields)
 
 
+def steal_s() -> float | None:
+    """CPU seconds the hypervisor gave to other guests (all CPUs, /proc/stat's steal column): a sign that
+    timings on a virtual machine were taken on fewer cores than it shows."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return float(fields[8]) / _TICKS
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def process_cpu_s(pid: int) -> float | None:
     """utime + stime of one process in seconds."""
     try:
@@ -139,6 +150,7 @@ class ResourceMonitor:
         self.pids = [os.getpid(), *worker_pids]
         self.t0 = time.perf_counter()
         self.sys0 = system_cpu()
+        self.steal0 = steal_s()
         self.cpu0 = [process_cpu_s(p) for p in self.pids]
         if self.gpu:
             self.gpu.start()
@@ -151,6 +163,7 @@ class ResourceMonitor:
     def stop(self) -> dict[str, Any]:
         wall = time.perf_counter() - self.t0
         sys1 = system_cpu()
+        steal1 = steal_s()
         cpu1 = [process_cpu_s(p) for p in self.pids]
         used = [b - a for a, b in zip(self.cpu0, cpu1) if a is not None and b is not None]
         mems = [memory_kb(p) for p in self.pids[1:]]
@@ -163,6 +176,9 @@ class ResourceMonitor:
             # cores busy with other processes (other users, other jobs): a sign of noisy numbers
             "other_cpu_cores": None if busy is None or tree is None else max(0.0, busy - tree),
             "process_tree_cpu_cores": tree,
+            "steal_cores": None
+            if steal1 is None or self.steal0 is None or wall <= 0
+            else (steal1 - self.steal0) / wall,
             "main_cpu_cores": used[0] / wall if wall > 0 and used else None,
             "main_rss_mb": _mb(memory_kb(os.getpid())["rss_kb"]),
             "workers": len(mems),

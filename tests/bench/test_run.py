@@ -94,6 +94,10 @@ def test_json_has_the_keys_other_tools_rely_on(result: tuple[dict[str, Any], Pat
         assert set(r["limits_ms"]) >= {"producer", "main", "device", "cores"}
     for kind, stage in doc["stages"].items():
         assert stage["loader_alone"] and stage["fed_step"], kind
+        for fed in stage["fed_step"].values():  # the step fed through the real loop's code, too
+            loop = fed["samples"][0]["loop"]
+            assert loop["batches"] >= 1 and loop["host_s"] > 0 and loop["period_s"] >= loop["host_s"]
+            assert fed["samples"][0]["serial_s"] >= loop["host_s"]  # the serial cost covers the loop's
 
 
 def test_protocol_records_what_ran(result: tuple[dict[str, Any], Path]) -> None:

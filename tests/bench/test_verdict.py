@@ -79,6 +79,26 @@ def test_a_synchronising_step_is_serial_without_a_special_case() -> None:
     assert compose(parts(0, 3, 3, 5, 1)).period_s == pytest.approx(5 * MS)
 
 
+def test_a_device_that_idles_between_steps_costs_the_idle_launch() -> None:
+    # launching onto an idle device costs 3 ms where a busy one costs 2 (measured apart, FedTiming)
+    fed = FedTiming(5 * MS, 2 * MS, 5 * MS, idle_serial_s=3 * MS)
+    # 0 workers, 10 ms of loader work on the main thread: the device waits for the host every step
+    p = compose(LoopParts(100, 0, LoaderTiming(10 * MS, 10 * MS), fed))
+    assert p.period_s == pytest.approx(13 * MS) and p.serial_s == pytest.approx(3 * MS)
+    assert p.budget_ms(LoopParts(100, 0, LoaderTiming(10 * MS, 10 * MS), fed))["host_ms"] == pytest.approx(3)
+    # a slow producer with workers: the device idles too, and the main thread's 0.5 + 3 ms stay hidden
+    p = compose(LoopParts(100, 8, LoaderTiming(20 * MS, 0.5 * MS, in_caller=False), fed))
+    assert p.period_s == pytest.approx(20 * MS) and p.serial_s == pytest.approx(3 * MS)
+    # fast workers: the device never idles, the busy cost holds (period = the device's 5 ms)
+    p = compose(LoopParts(100, 8, LoaderTiming(1 * MS, 0.5 * MS, in_caller=False), fed))
+    assert p.period_s == pytest.approx(5 * MS) and p.serial_s == pytest.approx(2 * MS)
+    # within the margin of the device's period (noise decides): the busy cost holds
+    near = LoopParts(100, 0, LoaderTiming(0.4 * MS, 0.4 * MS), FedTiming(2.3 * MS, 2 * MS, 2.3 * MS, 3 * MS))
+    assert compose(near).serial_s == pytest.approx(2 * MS)
+    # not measured (a CPU run): the one serial cost
+    assert compose(parts(0, 10, 10, 5, 2)).period_s == pytest.approx(12 * MS)
+
+
 def test_short_epochs_pay_the_loader_refill_unoverlapped() -> None:
     # 3 batches per epoch; 4 workers: after a restart the first batch takes 20 ms, the other two are ready
     # at once (loader alone: 22 ms per epoch). The loop's main thread needs 15 ms per batch, so an epoch is
