@@ -1,7 +1,9 @@
 """Object sizes for a remote cache: requests and bytes per request in one epoch, against a local S3
-server (moto), for npz shards of several sizes and zarr's chunks.
+server (moto), for npz shards of several sizes, zarr's chunks, and zarr v3 sharded arrays (``--shard-mb``:
+chunks of ``--chunk-kb`` inside shard objects).
 
     python benchmarks/s3_objects.py --out OUTDIR [--images 2048] [--size 96] [--shard-mb 1,4,16,32]
+        [--zarr-shard-mb 4,16,32] [--chunk-kb 256,1024]
 
 For each layout: convert the same demo images to ``s3://bench/<layout>``, then read one epoch in
 ``ChunkSampler`` order (batches of 256) through ``open_cache(URL, cache_dir=<empty>)`` and count the
@@ -32,6 +34,7 @@ from dlstore.build.conversion import convert  # noqa: E402
 from dlstore.build.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.formats.npz import NpzWriter  # noqa: E402
+from dlstore.formats.zarr_cache import ZarrWriter  # noqa: E402
 from dlstore.read.cache import open_cache  # noqa: E402
 from dlstore.read.loaders import make_sampler  # noqa: E402
 from dlstore.read.stores import RemoteStore  # noqa: E402
@@ -45,8 +48,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--images", type=int, default=2048)
     p.add_argument("--size", type=int, default=96)
-    p.add_argument("--shard-mb", default="1,4,16,32")
+    p.add_argument("--shard-mb", default="1,4,16,32", help="npz shard sizes ('' for none)")
+    p.add_argument("--zarr-shard-mb", default="4,16,32", help="zarr shard sizes ('' for none)")
+    p.add_argument("--chunk-kb", default="256,1024", help="zarr chunk sizes inside the shards")
     return p.parse_args()
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def epoch(url: str, mirror: Path) -> dict[str, Any]:
@@ -55,29 +64,48 @@ def epoch(url: str, mirror: Path) -> dict[str, Any]:
     order = np.fromiter(iter(sampler), np.int64)
     out: dict[str, Any] = {}
     for name in ("cold", "warm"):
+        if name == "warm":  # a fresh reader (no decoded chunks kept) on the now-full local mirror
+            cache.close()
+            cache = open_cache(url, cache_dir=mirror)
         store = cache.mirror.store
         r0, b0, t0 = store.requests, store.bytes, time.perf_counter()
         for i in range(0, len(order), 256):
             cache.read(np.sort(order[i : i + 256]))
         gets, nbytes = store.requests - r0, store.bytes - b0
+        seconds = time.perf_counter() - t0
         out[name] = {
             "requests": gets,
             "bytes": nbytes,
             "bytes_per_request": nbytes / gets if gets else 0,
-            "seconds": time.perf_counter() - t0,
+            "seconds": seconds,
+            "images_per_s": len(order) / seconds,
         }
     return out
 
 
 def layout(
-    src: Any, args: argparse.Namespace, fmt: str, shard_mb: float | None, work: Path
+    src: Any,
+    args: argparse.Namespace,
+    fmt: str,
+    shard_mb: float | None,
+    work: Path,
+    chunk_kb: float | None = None,
 ) -> dict[str, Any]:
-    if shard_mb is not None:
-        images = max(1, int(shard_mb * 2**20 // (args.size * args.size * 3)))
+    image_bytes = args.size * args.size * 3
+    options: dict[str, Any] = {}
+    if fmt == "npz" and shard_mb is not None:
+        images = max(1, int(shard_mb * 2**20 // image_bytes))
         NpzWriter.choose_unit_size = staticmethod(lambda image_bytes: images)  # type: ignore[method-assign]
+    if fmt == "zarr":
+        chunk = max(1, int((chunk_kb or 1024) * 1024 // image_bytes))
+        ZarrWriter.choose_unit_size = staticmethod(lambda image_bytes: chunk)  # type: ignore[method-assign]
+        if shard_mb is not None:
+            options["shard_mb"] = shard_mb
     name = f"{fmt}-{shard_mb}mb" if shard_mb is not None else fmt
+    if chunk_kb is not None:
+        name += f"-{chunk_kb:g}kb"
     url = f"s3://bench/{name}"
-    convert(src, url, format=fmt, size=args.size, workers=2)
+    convert(src, url, format=fmt, size=args.size, workers=2, options=options)
     sizes = RemoteStore(url).sizes()
     doc = {"layout": name, "objects": len(sizes), "total_bytes": sum(sizes.values())}
     doc.update(epoch(url, work / f"mirror-{name}"))
@@ -96,8 +124,10 @@ def main() -> None:
     try:
         RemoteStore("s3://bench").fs.mkdir("bench")
         src = scan_folder(ensure_demo(work / "demo", n_images=args.images))
-        rows = [layout(src, args, "npz", float(mb), work) for mb in args.shard_mb.split(",")]
-        rows.append(layout(src, args, "zarr", None, work))
+        rows = [layout(src, args, "npz", mb, work) for mb in floats(args.shard_mb)]
+        rows.append(layout(src, args, "zarr", None, work, 1024))
+        for kb in floats(args.chunk_kb):
+            rows += [layout(src, args, "zarr", mb, work, kb) for mb in floats(args.zarr_shard_mb)]
     finally:
         server.stop()
     doc = {
@@ -106,11 +136,15 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "s3_objects.json").write_text(json.dumps(doc, indent=1))
-    print(f"{'layout':<14}{'objects':>8}{'cold GETs':>10}{'MB/GET':>8}{'cold s':>8}{'warm GETs':>10}")
+    print(
+        f"{'layout':<22}{'objects':>8}{'cold GETs':>10}{'MB/GET':>8}{'cold img/s':>11}"
+        f"{'warm GETs':>10}{'warm img/s':>11}"
+    )
     for r in rows:
         mb = r["cold"]["bytes_per_request"] / 2**20
         print(
-            f"{r['layout']:<14}{r['objects']:>8}{r['cold']['requests']:>10}{mb:>8.2f}{r['cold']['seconds']:>8.2f}{r['warm']['requests']:>10}"
+            f"{r['layout']:<22}{r['objects']:>8}{r['cold']['requests']:>10}{mb:>8.2f}"
+            f"{r['cold']['images_per_s']:>11.0f}{r['warm']['requests']:>10}{r['warm']['images_per_s']:>11.0f}"
         )
 
 

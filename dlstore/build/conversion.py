@@ -41,6 +41,14 @@ from dlstore.build.dask_engine import (
 from dlstore.build.rerun import is_up_to_date
 from dlstore.build.sources import Source, open_source
 from dlstore.build.staging import Staging
+from dlstore.build.store_units import (
+    StoreUnits,
+    convert_unit_to_store,
+    journal_sums,
+    journaled_sums,
+    strip_sums,
+    units_prefix,
+)
 from dlstore.checksums import checksum_tree
 from dlstore.durable import fsync_path, save_npy_durably, sync_tree, write_json_durably
 from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError, require_extra
@@ -118,6 +126,7 @@ def convert(
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
     log: Log | None = None,
+    unit_store: Any = None,
 ) -> ConvertResult:
     """Convert SOURCE (folder, ``torchvision:NAME``, ``demo`` or a Source) into a cache at DEST.
 
@@ -145,6 +154,8 @@ def convert(
     DEST may be a URL (``s3://bucket/prefix``; credentials from the environment or
     ``storage_options``): the cache is built in a local spool folder with all of the above, then
     published by the protocol in ``dlstore.build.publish`` (staging prefix, manifest last, resumable).
+    With ``scheduler`` as well, the workers write the units to the store themselves and only the small
+    files are spooled (``dlstore.build.store_units``; ``unit_store`` is that internal hand-over).
 
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
@@ -157,6 +168,10 @@ def convert(
 
         def build_locally(spool: Path) -> ConvertResult:
             local = {**given, "dest": spool, "storage_options": None, "overwrite": False}
+            if scheduler is not None:  # the workers write the units to the store, not to the spool
+                from dlstore.read.stores import RemoteStore
+
+                local["unit_store"] = RemoteStore(dest, storage_options)
             try:  # a spool built by an interrupted attempt with the same options is up to date
                 return convert(**local)
             except CacheExistsError:  # built with other options: replace it
@@ -210,6 +225,7 @@ def convert(
         else:
             writer.options = saved
         stages["setup_create_s"] = time.perf_counter() - t_create
+        store_units = units_on_store(unit_store, cluster is not None, writer, staging)
         warnings += preflight(writer, staging)
         for w in warnings:
             if log:
@@ -217,7 +233,7 @@ def convert(
         todo = [k for k in range(writer.n_units) if k not in staging.done]
         if progress:
             progress(sum(len(writer.unit_range(k)) for k in staging.done))
-        job = Job(src, policy, writer, strict, decode_timeout, order)
+        job = Job(src, policy, writer, strict, decode_timeout, order, store_units=store_units)
         budget = BadBudget(len(src), max_bad, staging)
         stages["setup_s"] = time.perf_counter() - t0
         if cluster is None:
@@ -233,7 +249,8 @@ def convert(
         try:
             with disk_full_as_error(writer, "finishing the cache (labels, checksums, manifest)"):
                 t_fin = time.perf_counter()
-                spec = finalize(src, policy, writer, fmt.name, staging, bad, order, stages)
+                remote_sums = journaled_sums(staging.journal, set(staging.done)) if store_units else None
+                spec = finalize(src, policy, writer, fmt.name, staging, bad, order, stages, remote_sums)
                 stages["finalize_s"] = time.perf_counter() - t_fin
                 staging.commit(overwrite)
                 stages["commit_s"] = time.perf_counter() - t_fin - stages["finalize_s"]
@@ -298,6 +315,16 @@ def scan_warning(src: Source) -> str:
         f"{len(errs)} file(s) or folder(s) in the source could not be listed and are not in the cache "
         f"(listed in skipped.json); first: {path}: {reason}"
     )
+
+
+def units_on_store(store: Any, on_dask: bool, writer: CacheWriter, staging: Staging) -> StoreUnits | None:
+    """Where Dask workers write the units of a URL destination, or None: units go to the spool (no
+    URL, no scheduler, or a writer whose units are not files of their own)."""
+    if store is None or not on_dask or not writer.units_are_own_files:
+        return None
+    units = StoreUnits(store, units_prefix(staging.plan))
+    units.capture(writer.root)
+    return units
 
 
 def plan_digest(plan: dict[str, Any]) -> str:
@@ -389,6 +416,7 @@ class Job:
     decode_timeout: float
     order: np.ndarray  # storage position s holds source sample order[s]
     hard_limit: bool = False  # in pool workers: a CPU-time backstop for decoders stuck inside C code
+    store_units: StoreUnits | None = None  # Dask tasks write the units to the object store
 
 
 _JOB: Job | None = None
@@ -556,7 +584,14 @@ def run_units(
     client: Any = None,
 ) -> None:
     try:
-        if client is not None:
+        if client is not None and job.store_units is not None:
+
+            def record(result: Any) -> None:
+                journal_sums(staging.journal, [result])  # the objects' digests first, then "done"
+                finish_unit(job, budget, progress, strip_sums(result))
+
+            run_on_dask(client, job, todo, convert_unit_to_store, record)
+        elif client is not None:
             run_on_dask(
                 client, job, todo, convert_job_unit, lambda result: finish_unit(job, budget, progress, result)
             )
@@ -678,6 +713,7 @@ def finalize(
     bad: list[dict[str, Any]],
     order: np.ndarray,
     stages: dict[str, float] | None = None,
+    remote_sums: dict[str, str] | None = None,
 ) -> CacheSpec:
     t_start = time.perf_counter()
     root = staging.path
@@ -701,6 +737,8 @@ def finalize(
     sync_tree(root)  # every data file durable before the manifest that declares the cache complete
     t1 = time.perf_counter()
     checksums = checksum_tree(root, exclude=(MANIFEST,))
+    if remote_sums is not None:  # units the workers wrote to the object store, digested there
+        checksums = dict(sorted({**checksums, **remote_sums}.items()))
     if stages is not None:
         stages.update(
             finalize_writer_s=t_meta - t_start,

@@ -13,6 +13,10 @@ The protocol (object stores have no rename, but a single PUT is atomic):
 4. The manifest is written last, in one PUT: the cache appears complete or not at all.
 5. The staging prefix is removed.
 
+Units that Dask workers wrote to the store themselves (``dlstore.build.store_units``) are already
+staged, under ``URL/.dlstore-staging/units-<plan>/``: the manifest lists them, the local folder does
+not hold them, and step 3 copies them from there like the rest.
+
 Readers open only a cache whose manifest exists, and check every object they download against the
 manifest's sha256 (``dlstore.read.remote``), so a truncated or half-copied object is never read.
 """
@@ -28,7 +32,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dlstore.errors import CacheExistsError
+from dlstore.build.store_units import units_prefix
+from dlstore.checksums import split_key
+from dlstore.errors import CacheCorruptError, CacheExistsError
 from dlstore.read.stores import RemoteStore
 from dlstore.spec import MANIFEST
 
@@ -58,10 +64,32 @@ def local_files(root: Path) -> dict[str, int]:
     }
 
 
+def staged_units(manifest: bytes, files: dict[str, int]) -> dict[str, str]:
+    """Files the manifest lists that are not in the local folder → their staged key on the store
+    (units written there by the workers)."""
+    doc = json.loads(manifest)
+    listed = {split_key(key)[0] for key in doc["checksums"]}
+    remote = sorted(listed - set(files) - {MANIFEST})
+    if not remote:
+        return {}
+    prefix = units_prefix(doc["source"]["plan"])
+    return {rel: f"{prefix}/{rel}" for rel in remote}
+
+
 def publish(root: Path, store: RemoteStore, overwrite: bool, log: Log | None = None) -> int:
     """Upload the complete cache at ``root`` to ``store`` by the protocol above; returns its bytes."""
     manifest = (root / MANIFEST).read_bytes()
     files = local_files(root)
+    units = staged_units(manifest, files)
+    unit_sizes: dict[str, int] = {}
+    if units:
+        unit_sizes = store.sizes(units_prefix(json.loads(manifest)["source"]["plan"]))
+        missing = [rel for rel in units if rel not in unit_sizes]
+        if missing:
+            raise CacheCorruptError(
+                f"{store.where(units[missing[0]])}: a unit the workers wrote is missing from the store "
+                f"({len(missing)} missing); re-run with --overwrite to rebuild"
+            )
     prefix = f"{STAGING}/{staging_id(manifest)}"
     staged = store.sizes(prefix)
     todo = [rel for rel, size in files.items() if staged.get(rel) != size]
@@ -74,11 +102,13 @@ def publish(root: Path, store: RemoteStore, overwrite: bool, log: Log | None = N
     if had_cache:
         store.delete([MANIFEST])  # the old generation stops opening before any of its objects change
     parallel(lambda rel: store.copy(f"{prefix}/{rel}", rel), list(files))
-    stale = [rel for rel in store.sizes() if not rel.startswith(f"{STAGING}/") and rel not in files]
+    parallel(lambda rel: store.copy(units[rel], rel), list(units))
+    keep = set(files) | set(units)
+    stale = [rel for rel in store.sizes() if not rel.startswith(f"{STAGING}/") and rel not in keep]
     store.delete([rel for rel in stale if rel != MANIFEST])
     store.put_bytes(manifest, MANIFEST)
-    store.delete(sorted(f"{prefix}/{rel}" for rel in files))
-    return sum(files.values()) + len(manifest)
+    store.delete(sorted(f"{prefix}/{rel}" for rel in files) + sorted(units.values()))
+    return sum(files.values()) + sum(unit_sizes[rel] for rel in units) + len(manifest)
 
 
 def parallel(fn: Callable[[str], None], items: list[str], threads: int = 16) -> None:

@@ -35,6 +35,9 @@ class CacheWriter(ABC):
     name: ClassVar[str]
     codecs: ClassVar[CodecTable | None] = None
     extra_options: ClassVar[tuple[Option, ...]] = ()
+    # Each unit is files of its own that nothing else writes or reads back (not a slab of a shared
+    # file, not re-read by ``finish``): a unit may be written elsewhere (a Dask worker) and moved.
+    units_are_own_files: ClassVar[bool] = False
 
     def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
         self.root, self.n, self.shape, self.options = Path(root), n, tuple(shape), dict(options)

@@ -27,6 +27,7 @@ def shard_name(k: int) -> str:
 class NpzWriter(CacheWriter):
     """One unit = one shard of about 32 MB of pixels, written to a temp name and renamed."""
 
+    units_are_own_files = True
     name = "npz"
     extra_options = (quality_option(),)
     codecs: ClassVar[CodecTable] = CodecTable(

@@ -66,6 +66,7 @@ class ZarrWriter(CacheWriter):
     """One unit = one chunk of ≥ 1 MB, or with ``shard_mb`` one shard of whole chunks; units are whole,
     so parallel writers never share a file."""
 
+    units_are_own_files = True
     name = "zarr"
     extra_options = (quality_option(), SHARD_OPTION)
 
