@@ -7,7 +7,8 @@ chunks of ``--chunk-kb`` inside shard objects).
 
 For each layout: convert the same demo images to ``s3://bench/<layout>``, then read one epoch in
 ``ChunkSampler`` order (batches of 256) through ``open_cache(URL, cache_dir=<empty>)`` and count the
-GET requests and bytes the store made (cold epoch), then a second epoch (warm: the local chunk cache).
+GET requests and bytes the store made (cold epoch), then a second epoch from a cache opened afresh on
+the same local chunk cache (warm: local disk and decode, no decoded chunk kept from the first epoch).
 Writes OUTDIR/s3_objects.json and prints a table. moto on localhost has none of S3's per-request
 latency (tens of ms to the first byte), so the request count, not the seconds, is the result to keep.
 """

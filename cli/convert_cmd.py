@@ -28,7 +28,8 @@ def writer_options(command: F) -> F:
             kind = click.FloatRange(opt.min, opt.max)
         else:
             kind = click.STRING
-        command = click.option(f"--{opt.name}", opt.name, type=kind, default=None, help=opt.help)(command)
+        flag = f"--{opt.name.replace('_', '-')}"  # shard_mb → --shard-mb
+        command = click.option(flag, opt.name, type=kind, default=None, help=opt.help)(command)
     return command
 
 

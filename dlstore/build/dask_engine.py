@@ -6,7 +6,8 @@ processes, ``tcp://HOST:PORT`` (or ``tls://``) uses a running scheduler whose wo
 DEST at the same paths. Each task is ``convert_unit``: it decodes and writes its unit into the staging
 directory itself, exactly as a pool worker does, and returns only the bad files and digests; the
 driver journals each finished unit, so resume, the bad-file budget, the atomic publish and the result
-are the built-in engine's.
+are the built-in engine's. With a URL destination the tasks write their units to the object store
+instead (``store_units.convert_unit_to_store``), so no worker needs the driver's spool folder.
 
 One difference: Dask runs tasks in worker threads, where SIGALRM cannot interrupt a decoder, so the
 per-file ``decode_timeout`` is not enforced on Dask workers (a truncated or malformed file still fails

@@ -48,12 +48,17 @@ class Option:
     min: float | None = None
     max: float | None = None
 
+    @property
+    def flag(self) -> str:
+        """The CLI flag: ``shard_mb`` → ``--shard-mb``."""
+        return "--" + self.name.replace("_", "-")
+
     def parse(self, value: Any, fmt: str) -> Any:
         """The validated value, or SpecError naming the format, the option, what is allowed."""
         if self.choices:
             if value not in self.choices:
                 raise SpecError(
-                    f"--{self.name} {value!r} is not available for the {fmt} format; "
+                    f"{self.flag} {value!r} is not available for the {fmt} format; "
                     f"choose one of {', '.join(self.choices)}"
                 )
             return value
@@ -61,11 +66,11 @@ class Option:
             parsed = self.kind(value)
         except (TypeError, ValueError):
             raise SpecError(
-                f"--{self.name} for the {fmt} format must be a {self.kind.__name__}, got {value!r}"
+                f"{self.flag} for the {fmt} format must be a {self.kind.__name__}, got {value!r}"
             ) from None
         if (self.min is not None and parsed < self.min) or (self.max is not None and parsed > self.max):
             raise SpecError(
-                f"--{self.name} for the {fmt} format must be in [{self.min}, {self.max}], got {value}"
+                f"{self.flag} for the {fmt} format must be in [{self.min}, {self.max}], got {value}"
             )
         return parsed
 
@@ -113,6 +118,7 @@ def parse_options(declared: tuple[Option, ...], given: Mapping[str, Any], fmt: s
     known = {o.name: o for o in declared}
     unknown = sorted(set(given) - set(known))
     if unknown:
-        takes = ", ".join(f"--{n}" for n in known) or "no options"
-        raise SpecError(f"the {fmt} format does not take --{unknown[0]}; it takes {takes}")
+        takes = ", ".join(o.flag for o in declared) or "no options"
+        flag = "--" + unknown[0].replace("_", "-")
+        raise SpecError(f"the {fmt} format does not take {flag}; it takes {takes}")
     return {o.name: o.parse(given.get(o.name, o.default), fmt) for o in declared}
