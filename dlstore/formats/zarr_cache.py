@@ -364,7 +364,7 @@ class ZarrPayloadWriter(PayloadWriter):
     def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
         if options.get("shard_mb"):
             raise SpecError(
-                f"{root}: --shard-mb is for zarr pixel caches; a JPEG or variable-size (payload) zarr "
+                "--shard-mb is for zarr pixel caches; a JPEG or variable-size (payload) zarr "
                 "cache is not sharded: leave --shard-mb out, or use --format npz for large objects"
             )
         super().__init__(root, n, shape, {k: v for k, v in options.items() if k != "shard_mb"})
