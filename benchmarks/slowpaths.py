@@ -564,12 +564,12 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     long_epoch = args.dl_epoch_images > len(ds)
     out["epoch_images"] = args.dl_epoch_images if long_epoch else len(ds)
 
-    def plain(workers: int, pin: bool) -> Any:
+    def plain(workers: int, pin: bool, dataset: Any = ds) -> Any:
         order: dict[str, Any] = {"shuffle": True}
         if long_epoch:
-            order = {"sampler": torch.utils.data.RandomSampler(ds, num_samples=args.dl_epoch_images)}
+            order = {"sampler": torch.utils.data.RandomSampler(dataset, num_samples=args.dl_epoch_images)}
         return torch.utils.data.DataLoader(
-            ds,
+            dataset,
             batch_size=b,
             num_workers=workers,
             pin_memory=pin,
@@ -624,6 +624,8 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"batch_w{k}": lambda: batched(k, False),
         f"batch_w{k}_pin": lambda: batched(k, True),
         "plain_w0_noslots": without_slots(lambda: plain(0, False)),
+        # the same file memory-mapped in each worker (in_memory=False) instead of loaded before the fork
+        f"plain_w{k}_mmap": lambda: plain(k, False, CachedDataset(path, check_source=False)),
         f"plain_w{k}_noslots": without_slots(lambda: plain(k, False)),
         f"plain_w{k}_pin_noslots": without_slots(lambda: plain(k, True)),
     }
