@@ -172,5 +172,7 @@ def test_kill_leaves_no_shared_memory_behind(ram: Path, tmp_path: Path) -> None:
         proc.wait(timeout=30)
     assert memfd_maps >= 1 and shm_maps == 0  # batches live in anonymous memfd slots, nothing named
     time.sleep(0.5)
-    leaked = {n for n in _shm_names() - before if n.startswith(("torch_", "dlstore", "psm_"))}
+    # names torch's file_system strategy or a named dlstore segment would leave (others' concurrent
+    # runs create their own psm_/sem. entries, so only these prefixes are ours to check)
+    leaked = {n for n in _shm_names() - before if n.startswith(("torch_", "dlstore"))}
     assert not leaked
