@@ -240,7 +240,7 @@ def section_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         sync()
         return passes * n / (time.perf_counter() - t0)
 
-    def loader_rate(path: str, transform: Any, epochs: int, decode_in: str = "caller") -> tuple[float, Any]:
+    def loader_rate(path: str, transform: Any, epochs: int, decode_in: str = "stream") -> tuple[float, Any]:
         loader = DecodeLoader(work / path, 256, transform=transform, device=DEV, decode_in=decode_in)
         for _ in loader:  # warm epoch: unit cache, allocator, cudnn
             pass
@@ -260,7 +260,7 @@ def section_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         rates["loader"].append(loader_rate("jpeg256", None, 2)[0])
     out["bare_decode_jpeg_batch256"] = rates["bare"]
     out["decode_loader_256px"] = rates["loader"]
-    for where in ("stream", "thread"):
+    for where in ("thread",):
         out[f"decode_loader_256px_{where}"] = loader_rate("jpeg256", None, 2, where)[0]
     rrc = RaggedRandomResizedCrop(224, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
         DEV
@@ -534,7 +534,7 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
     jpeg = {
         f"{name}_{where}": DecodeLoader(work / name, batch, transform=rrc, device=DEV, decode_in=where)
         for name in (("jpeg_short256", "jpeg_short128") if res <= 128 else ("jpeg_short256",))
-        for where in (("caller", "stream", "thread") if res > 128 else ("caller", "thread"))
+        for where in ("stream", "thread")
     }
     aug = GpuAugment(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(DEV)
     pinned = PinnedLoader(open_cache(work / "raw256", in_memory=True), batch, device=DEV, order="random")
@@ -595,7 +595,6 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
         where = {
             "thread": "decode in a side thread",
             "stream": "decode on a side stream",
-            "caller": "decode in the caller",
         }[key.split("_")[2]]
         target(
             f"jpeg: {label} bf16 @{res} bs{batch} from JPEG cache {storage} (GPU decode+RRC, 0 workers, "

@@ -37,7 +37,7 @@ from dlstore.read.cache import Cache, open_cache
 from dlstore.read.loaders import make_sampler, storage_sorted
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
-DECODE_IN = ("caller", "stream", "thread")
+DECODE_IN = ("stream", "thread")
 
 
 @dataclass
@@ -120,7 +120,7 @@ class DecodeLoader:
         window: int | None = None,
         read_ahead: int = 4,
         threads: int | None = None,
-        decode_in: str = "caller",
+        decode_in: str = "stream",
     ) -> None:
         self.cache = path if isinstance(path, Cache) else open_cache(path)
         if not hasattr(self.cache.reader, "read_payloads"):
@@ -141,10 +141,10 @@ class DecodeLoader:
         self.read_ahead = max(1, read_ahead)
         if decode_in not in DECODE_IN:
             raise ValueError(f"decode_in must be one of {', '.join(DECODE_IN)}, got {decode_in!r}")
-        # "caller": decode on the caller's current stream (after the queued training step's kernels);
-        # "stream": in the caller's thread on a side stream (the consumer's stream waits on an event);
-        # "thread": a second thread decodes and crops on a side stream, so the step's kernels and the
-        # next batch's decode can run at once. jpeg_cache.py measures the three side by side.
+        # "stream": decode and crop in the caller's thread on a side stream (the caller's stream waits
+        # on an event); "thread": a second thread does that, so the caller's next step is queued while
+        # the next batch decodes. Never on the caller's own stream: the crop would queue behind the
+        # training step, and nvJPEG's outputs could reuse memory that step still reads (see below).
         self.decode_in = decode_in
         self._stream: Any = None
         self.stats = DecodeStats()
@@ -159,22 +159,18 @@ class DecodeLoader:
             self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         batches = list(torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last))
-        # One thread reads batch i+1's bytes while this thread decodes and crops batch i on the current
-        # stream. Decoding here rather than in a second thread on a side stream measured faster on the
-        # H200 (30.4k vs 22.1k img/s, benchmarks/jpeg_loader_parts.py), and reading 4 batches ahead more
-        # so (29.5k vs 24.8k with 2): the decode's host work overlaps the previous step's kernels anyway.
+        # One thread reads batches ahead (4 measured faster than 2 on the H200: 29.5k vs 24.8k img/s,
+        # benchmarks/jpeg_loader_parts.py) while batch i is decoded and cropped on a side stream, in
+        # this thread ("stream") or in a second one ("thread").
         reads = _Pipe(iter(batches), self._read, self.read_ahead, "dlstore-read-ahead")
-        if self.decode_in != "thread":
-            caller = self.decode_in == "caller"
+        if self.decode_in == "stream":
             try:
                 for item in reads:
-                    yield self._handed_over(
-                        self._finish(*item) if caller else self._decode_on_side_stream(item)
-                    )
+                    yield self._handed_over(self._decode(item))
             finally:
                 reads.close()
             return
-        decoded = _Pipe(iter(reads), self._decode_on_side_stream, 1, "dlstore-decode")
+        decoded = _Pipe(iter(reads), self._decode, 1, "dlstore-decode")
         try:
             for item in decoded:
                 yield self._handed_over(item)
@@ -195,12 +191,17 @@ class DecodeLoader:
             t.record_stream(stream)
         return images, labels
 
-    def _decode_on_side_stream(self, item: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+    def _decode(self, item: tuple[Any, ...]) -> tuple[Any, Any, Any]:
         if self.device.type != "cuda":
             return (*self._finish(*item), None)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
+            # torchvision's nvJPEG writes its outputs on a stream of its own, unordered with the stream
+            # they are allocated on: memory freed on this stream (the previous batch's decoded images,
+            # read by the crop still queued here) could be handed out and overwritten before that crop
+            # runs. Waiting for this stream (only the previous crop, not the training step) prevents it.
+            self._stream.synchronize()
             images, labels = self._finish(*item)
             event = torch.cuda.Event()
             event.record(self._stream)

@@ -82,3 +82,30 @@ def test_decode_loader_on_cuda(jpeg_cache: Path) -> None:
         assert images.is_cuda and images.shape == (4, 3, 16, 16) and labels.is_cuda
         seen += len(images)
     assert seen == len(loader) * 4 and loader.stats.gpu_images == seen and loader.stats.cpu_fallbacks == 0
+
+
+@pytest.mark.parametrize("decode_in", ["stream", "thread"])
+def test_decode_loader_pixels_survive_a_slow_consumer(
+    image_tree: Path, tmp_path: Path, decode_in: str
+) -> None:
+    """nvJPEG writes on its own stream: while a slow crop of batch i is still queued, the decode of batch
+    i+1 must not reuse (overwrite) batch i's freed images. Each batch must equal its own decode."""
+    from dlstore.read.loaders import storage_sorted
+
+    convert(image_tree, tmp_path / "c", format=FORMAT, size=32, codec="jpeg", workers=2)
+    cache = open_cache(tmp_path / "c")
+
+    def slow_stack(images: list[torch.Tensor]) -> torch.Tensor:
+        torch.cuda._sleep(20_000_000)  # ~10 ms of GPU time queued before the images are read
+        return torch.stack(images)
+
+    batch = 4
+    loader = DecodeLoader(cache, batch, transform=slow_stack, order="sequential", decode_in=decode_in)
+    got = [x.clone() for x, _y in loader]
+    torch.cuda.synchronize()
+    dev = torch.device("cuda")
+    for k, x in enumerate(got):
+        index = storage_sorted(cache, list(range(k * batch, (k + 1) * batch)))
+        payloads, shapes = cache.read_payloads(index)
+        ref, _ = decode_on_device(cache, payloads, shapes, cache.positions[index], dev)
+        torch.testing.assert_close(x, torch.stack(ref), rtol=0, atol=0, msg=f"batch {k}")

@@ -24,7 +24,7 @@ def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return dest
 
 
-@pytest.mark.parametrize("decode_in", ["caller", "stream", "thread"])
+@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path, decode_in: str) -> None:
     crop = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(0))
     loader = DecodeLoader(
@@ -75,7 +75,7 @@ def test_batched_decode_equals_cpu_decode_and_falls_back_per_image(
     np.testing.assert_array_equal(out[2].permute(1, 2, 0).numpy(), cpu[2])
 
 
-@pytest.mark.parametrize("decode_in", ["caller", "stream", "thread"])
+@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path, decode_in: str) -> None:
     import threading
 
