@@ -240,7 +240,7 @@ def section_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         sync()
         return passes * n / (time.perf_counter() - t0)
 
-    def loader_rate(path: str, transform: Any, epochs: int, decode_in: str = "stream") -> tuple[float, Any]:
+    def loader_rate(path: str, transform: Any, epochs: int, decode_in: str = "thread") -> tuple[float, Any]:
         loader = DecodeLoader(work / path, 256, transform=transform, device=DEV, decode_in=decode_in)
         for _ in loader:  # warm epoch: unit cache, allocator, cudnn
             pass
@@ -260,7 +260,9 @@ def section_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         rates["loader"].append(loader_rate("jpeg256", None, 2)[0])
     out["bare_decode_jpeg_batch256"] = rates["bare"]
     out["decode_loader_256px"] = rates["loader"]
-    for where in ("thread",):
+    for name in ("jpeg_short256", "jpeg_short128"):  # what bounds ResNet-18 @112 (batch 512)
+        out[f"bare_decode_{name}_batch512"] = bare_rate(work / name, 512)
+    for where in ("stream",):
         out[f"decode_loader_256px_{where}"] = loader_rate("jpeg256", None, 2, where)[0]
     rrc = RaggedRandomResizedCrop(224, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
         DEV
@@ -277,6 +279,25 @@ def section_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     target("jpeg: GPU decode alone (DecodeLoader, 256px, img/s >= 30k)", loader_med, 1.0, 30000)
     target("jpeg: DecodeLoader vs bare batched decode_jpeg (same run)", loader_med, bare_med, 0.9)
     return out
+
+
+def bare_rate(path: Path, batch: int, passes: int = 2) -> float:
+    """Batched decode_jpeg alone on pre-read payloads of ``path`` (img/s)."""
+    from torchvision.io import decode_jpeg
+
+    cache = open_cache(path)
+    n = len(cache) // batch * batch
+    payloads, _ = cache.read_payloads(np.arange(n))
+    tensors = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads]
+    batches = [tensors[a : a + batch] for a in range(0, n, batch)]
+    decode_jpeg(batches[0], device=DEV)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(passes):
+        for b in batches:
+            decode_jpeg(b, device=DEV)
+    sync()
+    return passes * n / (time.perf_counter() - t0)
 
 
 def decode_breakdown(work: Path) -> dict[str, float]:
@@ -531,10 +552,24 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
     rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
         DEV
     )
+    torch_rrc = RaggedRandomResizedCrop(
+        res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True
+    ).to(DEV)
+    torch_rrc.fused = False  # the PyTorch gather instead of the fused Triton kernel
+    plan = (
+        [("jpeg_short256", "thread", rrc), ("jpeg_short128", "thread", rrc), ("jpeg_short128", "stream", rrc)]
+        if res <= 128
+        else [
+            ("jpeg_short256", "thread", rrc),
+            ("jpeg_short256", "stream", rrc),
+            ("jpeg_short256", "thread", torch_rrc),
+        ]
+    )
     jpeg = {
-        f"{name}_{where}": DecodeLoader(work / name, batch, transform=rrc, device=DEV, decode_in=where)
-        for name in (("jpeg_short256", "jpeg_short128") if res <= 128 else ("jpeg_short256",))
-        for where in ("stream", "thread")
+        f"{name}_{where}{'_torchcrop' if crop is torch_rrc else ''}": DecodeLoader(
+            work / name, batch, transform=crop, device=DEV, decode_in=where
+        )
+        for name, where, crop in plan
     }
     aug = GpuAugment(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(DEV)
     pinned = PinnedLoader(open_cache(work / "raw256", in_memory=True), batch, device=DEV, order="random")
@@ -545,15 +580,16 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
     folder = _ToGpu(imagefolder_loader(work, res, batch))
     decoded = predecoded(work / "jpeg_short256", batch)
 
-    def crop_only() -> Any:
+    def crop_only(crop: Any) -> Any:
         for imgs, labels in decoded:
-            yield rrc(imgs), labels
+            yield crop(imgs), labels
 
     def switch_1ms() -> float:
+        """Diagnostic: the GIL handed over every 1 ms instead of 5 (threads waiting on the GIL)."""
         old = sys.getswitchinterval()
         sys.setswitchinterval(0.001)
         try:
-            ld = jpeg["jpeg_short256_thread"]
+            ld = jpeg["jpeg_short128_thread" if res <= 128 else "jpeg_short256_thread"]
             return timed_steps(lambda: iter(ld), step, args.warmup, args.steps, batch)
         finally:
             sys.setswitchinterval(old)
@@ -568,13 +604,18 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
         },
         # diagnostic: batches decoded before the run, so only the crop runs with the model
         "jpeg_short256_predecoded_crop_only": lambda: timed_steps(
-            crop_only, step, args.warmup, args.steps, batch
+            lambda: crop_only(rrc), step, args.warmup, args.steps, batch
         ),
+        "jpeg_thread_switch_1ms": switch_1ms,
         "raw_ram_pinned_0_workers": lambda: timed_steps(augmented, step, args.warmup, args.steps, batch),
         f"imagefolder_{CORES}_workers": lambda: timed_steps(
             lambda: iter(folder), step, args.warmup, args.steps, batch
         ),
     }
+    if res > 128:
+        cfgs["jpeg_short256_predecoded_torchcrop_only"] = lambda: timed_steps(
+            lambda: crop_only(torch_rrc), step, args.warmup, args.steps, batch
+        )
     out: dict[str, list[float]] = {k: [] for k in cfgs}
     names = list(cfgs)
     for r in range(args.repeats):
@@ -592,6 +633,7 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
     goal = 0.97 if model == "resnet50" else 0.70
     for key in sorted(k for k in med if k.endswith("_gpu_decode_0_workers")):
         storage = "shorter-128" if "short128" in key else "shorter-256"
+        storage += ", PyTorch crop" if "torchcrop" in key else ""
         where = {
             "thread": "decode in a side thread",
             "stream": "decode on a side stream",

@@ -113,6 +113,7 @@ class CacheReader(ABC):
         self.threads = threads if threads is not None else min(4, usable_cores())
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
+        self._pool_size = 0
 
     @property
     def fork_safe(self) -> bool:
@@ -145,9 +146,13 @@ class CacheReader(ABC):
                 fn(item)
 
     def _thread_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pool_pid != os.getpid():  # threads do not survive a fork
+        # A new pool after a fork (threads do not survive it) or when ``threads`` was changed since
+        # (e.g. DecodeLoader sets it to the core count): the old one would cap the parallelism.
+        if self._pool is None or self._pool_pid != os.getpid() or self._pool_size != self.threads:
+            if self._pool is not None and self._pool_pid == os.getpid():
+                self._pool.shutdown(wait=False)
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-read")
-            self._pool_pid = os.getpid()
+            self._pool_pid, self._pool_size = os.getpid(), self.threads
         return self._pool
 
     def shutdown_threads(self) -> None:

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from dlstore.gpu import fused_crop
 from dlstore.gpu.augment import _CROP_ATTEMPTS, _channel_affine, _check_channels, _pair
 
 __all__ = ["RaggedCenterCrop", "RaggedRandomResizedCrop", "flat_batch", "sample_crop_boxes"]
@@ -119,6 +120,9 @@ class _RaggedCrop(torch.nn.Module):
             raise TypeError(f"out_dtype must be a floating dtype, got {out_dtype}")
         self.size = _pair(size)
         self.out_dtype, self.channels_last = out_dtype, channels_last
+        # On CUDA with Triton: one fused kernel (dlstore.gpu.fused_crop), ~10x less memory traffic than
+        # the PyTorch gather; set False to use the PyTorch path (the same pixels up to float rounding).
+        self.fused = True
         mul, add = _channel_affine(mean, std)
         self._mul: torch.Tensor
         self._add: torch.Tensor
@@ -140,9 +144,18 @@ class _RaggedCrop(torch.nn.Module):
         _check_channels(self._mul, channels)
         top, left, h, w, flip = self.boxes(heights, widths)
         sx, sy = crop_coords(top, left, h, w, flip, self.size)
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        if self.fused and fused_crop.available(flat.device):
+            out = torch.empty(
+                (len(images), channels, *self.size),
+                dtype=self.out_dtype,
+                device=flat.device,
+                memory_format=fmt,
+            )
+            mul, add = self._mul.expand(channels), self._add.expand(channels)
+            return fused_crop.fused_crop(flat, starts, heights, widths, channels, sx, sy, mul, add, out)
         out = bilinear_gather(flat, starts, heights, widths, channels, sx, sy)
         out = torch.addcmul(self._add.view(1, -1, 1, 1), out, self._mul.view(1, -1, 1, 1))
-        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         return out.to(dtype=self.out_dtype, memory_format=fmt)
 
 

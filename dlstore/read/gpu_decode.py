@@ -120,7 +120,7 @@ class DecodeLoader:
         window: int | None = None,
         read_ahead: int = 4,
         threads: int | None = None,
-        decode_in: str = "stream",
+        decode_in: str = "thread",
     ) -> None:
         self.cache = path if isinstance(path, Cache) else open_cache(path)
         if not hasattr(self.cache.reader, "read_payloads"):

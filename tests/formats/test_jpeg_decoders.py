@@ -78,3 +78,19 @@ def test_threaded_batch_decode_equals_one_by_one(decoder: str, tmp_path: Path, m
     single = np.stack([cache.read_images([i])[0] for i in idx])
     np.testing.assert_array_equal(batch, single)
     np.testing.assert_array_equal(np.stack(listed), single)
+
+
+def test_reader_pool_follows_a_changed_thread_count(tmp_path: Path) -> None:
+    """Setting ``reader.threads`` after the first read must widen the pool (it used to stay at 4)."""
+    from PIL import Image
+
+    for j in range(4):
+        (tmp_path / "src" / "c").mkdir(parents=True, exist_ok=True)
+        Image.fromarray(_photo_like((40, 40, 3), j)).save(tmp_path / "src" / "c" / f"{j}.png")
+    convert(tmp_path / "src", tmp_path / "c", format="npz", size=16, codec="jpeg", workers=1)
+    reader = open_cache(tmp_path / "c").reader
+    reader.threads = 2
+    assert reader._thread_pool()._max_workers == 2
+    reader.threads = 5
+    assert reader._thread_pool()._max_workers == 5
+    assert reader._thread_pool() is reader._thread_pool()  # reused while the count stays

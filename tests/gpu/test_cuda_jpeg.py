@@ -109,3 +109,27 @@ def test_decode_loader_pixels_survive_a_slow_consumer(
         payloads, shapes = cache.read_payloads(index)
         ref, _ = decode_on_device(cache, payloads, shapes, cache.positions[index], dev)
         torch.testing.assert_close(x, torch.stack(ref), rtol=0, atol=0, msg=f"batch {k}")
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_fused_crop_kernel_equals_the_pytorch_path(jpeg_cache: Path, channels_last: bool) -> None:
+    from dlstore.gpu import fused_crop
+
+    if not fused_crop.available(torch.device("cuda")):
+        pytest.skip("Triton is not installed")
+    images = [
+        torch.from_numpy(a).permute(2, 0, 1).cuda() for a in open_cache(jpeg_cache).read_images(range(12))
+    ]
+    outs = []
+    for fused in (False, True):
+        crop = RaggedRandomResizedCrop(
+            20,
+            mean=(0.5, 0.4, 0.3),
+            std=(0.2, 0.3, 0.25),
+            channels_last=channels_last,
+            generator=torch.Generator(device="cuda").manual_seed(3),
+        ).cuda()
+        crop.fused = fused
+        outs.append(crop(images))
+    assert outs[1].is_contiguous(memory_format=torch.channels_last) == channels_last
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-4)

@@ -1,0 +1,118 @@
+"""One Triton kernel for the ragged crop: bilinear gather + normalise + cast, written straight into the
+output batch (any memory format).
+
+The plain-PyTorch path (``ragged.bilinear_gather``) builds int64 index tensors of the whole output
+four times and lerps in separate kernels: ~3 GB of memory traffic per 256×224² batch, ~3 ms on an
+H200, which runs beside (and slows) the training step. This kernel reads the four neighbours of each
+output pixel and writes it once. Used on CUDA when Triton imports; the PyTorch path otherwise (and on
+CPU). Same sampling positions and the same lerp order as the PyTorch path (tests/gpu compare them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+try:  # Triton ships with torch's CUDA wheels; absent (or broken) elsewhere
+    import triton
+    import triton.language as tl
+except Exception:  # pragma: no cover - depends on the install
+    triton = None  # type: ignore[assignment]
+    tl = None  # type: ignore[assignment]
+
+BLOCK = 256
+
+
+def available(device: torch.device) -> bool:
+    """Whether the fused kernel can run on ``device``."""
+    return triton is not None and device.type == "cuda"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _crop_kernel(
+        flat,
+        starts,
+        heights,
+        widths,
+        sx,
+        sy,
+        mul,
+        add,
+        out,
+        out_h,
+        out_w,
+        s_b,
+        s_c,
+        s_h,
+        s_w,
+        C: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+    ) -> None:
+        b = tl.program_id(0)
+        p = tl.program_id(1) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        inside = p < out_h * out_w
+        y = p // out_w
+        x = p % out_w
+        start = tl.load(starts + b)
+        h = tl.load(heights + b)
+        w = tl.load(widths + b)
+        fx = tl.load(sx + b * out_w + x, mask=inside, other=0.0)
+        fy = tl.load(sy + b * out_h + y, mask=inside, other=0.0)
+        x0f = tl.floor(fx)
+        y0f = tl.floor(fy)
+        wx = fx - x0f
+        wy = fy - y0f
+        x0 = x0f.to(tl.int64)
+        y0 = y0f.to(tl.int64)
+        x1 = tl.minimum(x0 + 1, w - 1)
+        y1 = tl.minimum(y0 + 1, h - 1)
+        for c in tl.static_range(C):
+            base = start + c * h * w
+            v00 = tl.load(flat + base + y0 * w + x0, mask=inside, other=0).to(tl.float32)
+            v01 = tl.load(flat + base + y0 * w + x1, mask=inside, other=0).to(tl.float32)
+            v10 = tl.load(flat + base + y1 * w + x0, mask=inside, other=0).to(tl.float32)
+            v11 = tl.load(flat + base + y1 * w + x1, mask=inside, other=0).to(tl.float32)
+            top = v00 + wx * (v01 - v00)
+            bottom = v10 + wx * (v11 - v10)
+            v = top + wy * (bottom - top)
+            v = v * tl.load(mul + c) + tl.load(add + c)
+            dst = out + b * s_b + c * s_c + y * s_h + x * s_w
+            tl.store(dst, v.to(out.dtype.element_ty), mask=inside)
+
+
+def fused_crop(
+    flat: torch.Tensor,
+    starts: torch.Tensor,
+    heights: torch.Tensor,
+    widths: torch.Tensor,
+    channels: int,
+    sx: torch.Tensor,
+    sy: torch.Tensor,
+    mul: torch.Tensor,
+    add: torch.Tensor,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Fill ``out`` (B, C, out_h, out_w), any strides and floating dtype: ``bilinear_gather`` of the
+    flat batch at (sy, sx), times ``mul`` plus ``add`` per channel."""
+    b, c, out_h, out_w = out.shape
+    grid: Any = (b, triton.cdiv(out_h * out_w, BLOCK))
+    _crop_kernel[grid](
+        flat,
+        starts.contiguous(),
+        heights.contiguous(),
+        widths.contiguous(),
+        sx.float().contiguous(),
+        sy.float().contiguous(),
+        mul.float().reshape(-1).contiguous(),
+        add.float().reshape(-1).contiguous(),
+        out,
+        out_h,
+        out_w,
+        *out.stride(),
+        C=channels,
+        BLOCK_SIZE=BLOCK,
+    )
+    return out
