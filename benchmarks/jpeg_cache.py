@@ -646,7 +646,14 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
             goal,
             note=side,
         )
-    return {"runs": out, "median": med}
+    from dlstore.gpu import fused_crop
+
+    return {
+        "runs": out,
+        "median": med,
+        "fused_crop_available": fused_crop.available(torch.device(DEV)),
+        "fused_crop_failures": list(fused_crop._BROKEN),
+    }
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {

@@ -22,11 +22,28 @@ except Exception:  # pragma: no cover - depends on the install
     tl = None  # type: ignore[assignment]
 
 BLOCK = 256
+# Set when the kernel failed to build or launch once (e.g. no C compiler for Triton's launcher): the
+# PyTorch path is used from then on, with one warning.
+_BROKEN: list[str] = []
 
 
 def available(device: torch.device) -> bool:
     """Whether the fused kernel can run on ``device``."""
-    return triton is not None and device.type == "cuda"
+    return triton is not None and device.type == "cuda" and not _BROKEN
+
+
+def try_fused_crop(*args: Any) -> torch.Tensor | None:
+    """``fused_crop(*args)``, or None (and never again in this process) when Triton cannot run it."""
+    try:
+        return fused_crop(*args)
+    except Exception as e:  # compiler/driver problems surface here, at the first launch
+        import warnings
+
+        _BROKEN.append(f"{type(e).__name__}: {e}")
+        warnings.warn(
+            f"dlstore: the fused crop kernel failed ({_BROKEN[0]}); using the PyTorch path", stacklevel=2
+        )
+        return None
 
 
 if triton is not None:

@@ -153,7 +153,9 @@ class _RaggedCrop(torch.nn.Module):
                 memory_format=fmt,
             )
             mul, add = self._mul.expand(channels), self._add.expand(channels)
-            return fused_crop.fused_crop(flat, starts, heights, widths, channels, sx, sy, mul, add, out)
+            done = fused_crop.try_fused_crop(flat, starts, heights, widths, channels, sx, sy, mul, add, out)
+            if done is not None:
+                return done
         out = bilinear_gather(flat, starts, heights, widths, channels, sx, sy)
         out = torch.addcmul(self._add.view(1, -1, 1, 1), out, self._mul.view(1, -1, 1, 1))
         return out.to(dtype=self.out_dtype, memory_format=fmt)

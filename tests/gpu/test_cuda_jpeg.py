@@ -131,5 +131,6 @@ def test_fused_crop_kernel_equals_the_pytorch_path(jpeg_cache: Path, channels_la
         ).cuda()
         crop.fused = fused
         outs.append(crop(images))
+    assert not fused_crop._BROKEN, fused_crop._BROKEN  # it ran, not the fallback
     assert outs[1].is_contiguous(memory_format=torch.channels_last) == channels_last
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-4)
