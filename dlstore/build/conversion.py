@@ -592,8 +592,16 @@ def run_units(
 
             run_on_dask(client, job, todo, convert_unit_to_store, record)
         elif client is not None:
+            # A per-file time limit needs a process's main thread: the units then run in a decode
+            # process of each Dask worker (``dask_engine.unit_in_child``).
+            child = (_init_worker, convert_unit) if job.decode_timeout > 0 else None
             run_on_dask(
-                client, job, todo, convert_job_unit, lambda result: finish_unit(job, budget, progress, result)
+                client,
+                job,
+                todo,
+                convert_job_unit,
+                lambda result: finish_unit(job, budget, progress, result),
+                child,
             )
         elif n_workers <= 1:
             run_in_process(job, todo, budget, progress)

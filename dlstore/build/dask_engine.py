@@ -9,17 +9,26 @@ driver journals each finished unit, so resume, the bad-file budget, the atomic p
 are the built-in engine's. With a URL destination the tasks write their units to the object store
 instead (``store_units.convert_unit_to_store``), so no worker needs the driver's spool folder.
 
-One difference: Dask runs tasks in worker threads, where SIGALRM cannot interrupt a decoder, so the
-per-file ``decode_timeout`` is not enforced on Dask workers (a truncated or malformed file still fails
-fast and is skipped and reported as with the pool).
+The per-file ``decode_timeout``: Dask runs tasks in worker threads, where SIGALRM (the pool's way to
+interrupt a decoder) cannot be used. So each Dask worker runs its units in a decode process of its own
+(``unit_in_child``), started once per conversion and worker, whose main thread takes the pool worker's
+time limits: a file that hangs becomes a named bad file, and a decoder stuck inside C code ends that
+process (a clear error, resumable) instead of hanging the cluster. Pixels still never cross a pipe: the
+decode process writes its unit itself and returns only the bad files and digests.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import re
+import threading
+import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from dlstore.errors import ConvertError, require_extra
@@ -91,19 +100,113 @@ def run_on_dask(
     todo: list[int],
     unit: Callable[[Any, int], Any],
     record: Callable[[Any], None],
+    child: tuple[Callable[[Any], None], Callable[[int], Any]] | None = None,
 ) -> None:
     """Submit every unit, ``record`` each result in the driver as it finishes; on any error the
-    remaining tasks are cancelled (unfinished units are not journaled and are redone on resume)."""
+    remaining tasks are cancelled (unfinished units are not journaled and are redone on resume).
+
+    With ``child`` = (init, unit_by_index), each worker runs its units in a decode process of its own
+    (``unit_in_child``) where ``init(job)`` ran first; else ``unit(job, k)`` runs in the task thread."""
     from distributed import as_completed
 
     shared = client.scatter(job, broadcast=True)  # sent once per worker, not once per task
-    futures = [client.submit(unit, shared, k, key=f"dlstore-unit-{k}", pure=False) for k in todo]
+    task = (
+        unit
+        if child is None
+        else partial(unit_in_child, init=child[0], unit=child[1], token=uuid.uuid4().hex)
+    )
+    futures = [client.submit(task, shared, k, key=f"dlstore-unit-{k}", pure=False) for k in todo]
     try:
         for fut in as_completed(futures):
             record(fut.result())  # re-raises a task's error (e.g. --strict's ImageDecodeError) here
     except BaseException:
         client.cancel(futures)
         raise
+    finally:
+        if child is not None:
+            stop_children(client)
+
+
+# --- the decode process of each Dask worker -------------------------------------------------------
+
+_CHILD: dict[str, Any] = {}  # in a Dask worker: {"token": conversion, "pool": its decode process(es)}
+_CHILD_LOCK = threading.Lock()
+
+
+def unit_in_child(
+    job: Any, k: int, *, init: Callable[[Any], None], unit: Callable[[int], Any], token: str
+) -> Any:
+    """A Dask task: unit k, run by this worker's decode process for conversion ``token``. A process
+    that dies (a decoder that crashed, or spun past the CPU-time backstop) raises BrokenProcessPool,
+    which the driver reports as the pool's dead worker."""
+    pool = _child_pool(job, init, token)
+    try:
+        return pool.submit(unit, k).result()
+    except BrokenProcessPool:
+        close_child()
+        raise
+
+
+def _child_pool(job: Any, init: Callable[[Any], None], token: str) -> ProcessPoolExecutor:
+    with _CHILD_LOCK:
+        if _CHILD.get("token") != token:
+            close_child(locked=True)
+            import cloudpickle  # distributed's own dependency; pickles a Source class defined anywhere
+
+            # Not fork: a Dask worker is multi-threaded (its event loop, its comms).
+            ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
+            # Dask starts its workers as daemonic processes, which multiprocessing forbids to have
+            # children (a daemon is ended without joining them). Ours are ended by ``close_child``
+            # after each conversion, and exit by themselves when this worker's end of the pipe closes.
+            mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
+            pool = ProcessPoolExecutor(
+                _worker_threads(),
+                mp_context=ctx,
+                initializer=_load_job,
+                initargs=(init, cloudpickle.dumps(job)),
+            )
+            _CHILD.update(token=token, pool=pool)
+        return _CHILD["pool"]
+
+
+def _load_job(init: Callable[[Any], None], payload: bytes) -> None:
+    import cloudpickle
+
+    init(cloudpickle.loads(payload))
+
+
+def _worker_threads() -> int:
+    """One decode process per task thread of this worker."""
+    try:
+        from distributed import get_worker
+
+        return max(1, int(get_worker().state.nthreads))
+    except (ImportError, ValueError, AttributeError):
+        return 1
+
+
+def close_child(locked: bool = False) -> None:
+    """End this worker's decode processes now (a stuck decoder must not outlive its conversion)."""
+    if not locked:
+        with _CHILD_LOCK:
+            close_child(locked=True)
+        return
+    pool = _CHILD.pop("pool", None)
+    _CHILD.pop("token", None)
+    if pool is None:
+        return
+    for proc in list((getattr(pool, "_processes", None) or {}).values()):
+        proc.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def stop_children(client: Any) -> None:
+    """After a conversion: no decode process stays behind on any worker (best effort: a worker that
+    died or a cluster that is closing has none left to stop)."""
+    try:
+        client.run(close_child)
+    except Exception:  # noqa: BLE001 - clean-up only; the conversion's own outcome stands
+        pass
 
 
 def is_killed_worker(error: BaseException) -> bool:
