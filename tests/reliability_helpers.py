@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from dlstore.build.sources import FolderSource
 from dlstore.formats import FORMATS
 from dlstore.read.cache import open_cache
+from dlstore.spec import ImagePolicy
 
 FORMAT_NAMES = list(FORMATS)
 
@@ -53,3 +57,20 @@ def assert_same_cache(a: Path, b: Path) -> None:
     ia, la = read_all(a)
     ib, lb = read_all(b)
     assert np.array_equal(la, lb) and np.array_equal(ia, ib)
+
+
+@dataclasses.dataclass
+class HangingSource(FolderSource):
+    """A folder source whose decoding of the file ``hang`` sleeps 30 s (a decoder that hangs). At module
+    level, so that Dask workers and the processes they start can unpickle it by reference."""
+
+    hang: str = ""
+
+    @classmethod
+    def of(cls, src: FolderSource, hang: str) -> HangingSource:
+        return cls(**{f.name: getattr(src, f.name) for f in dataclasses.fields(src)}, hang=hang)
+
+    def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
+        if self.names[i] == self.hang:
+            time.sleep(30)
+        return super().decode(i, policy)

@@ -151,8 +151,6 @@ def _child_pool(job: Any, init: Callable[[Any], None], token: str) -> ProcessPoo
     with _CHILD_LOCK:
         if _CHILD.get("token") != token:
             close_child(locked=True)
-            import cloudpickle  # distributed's own dependency; pickles a Source class defined anywhere
-
             # Not fork: a Dask worker is multi-threaded (its event loop, its comms).
             ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
             if ctx.get_start_method() == "forkserver":
@@ -163,20 +161,10 @@ def _child_pool(job: Any, init: Callable[[Any], None], token: str) -> ProcessPoo
             # children (a daemon is ended without joining them). Ours are ended by ``close_child``
             # after each conversion, and exit by themselves when this worker's end of the pipe closes.
             mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-            pool = ProcessPoolExecutor(
-                _worker_threads(),
-                mp_context=ctx,
-                initializer=_load_job,
-                initargs=(init, cloudpickle.dumps(job)),
-            )
+            # The job goes to each decode process once, pickled as the pool's does under spawn.
+            pool = ProcessPoolExecutor(_worker_threads(), mp_context=ctx, initializer=init, initargs=(job,))
             _CHILD.update(token=token, pool=pool)
         return _CHILD["pool"]
-
-
-def _load_job(init: Callable[[Any], None], payload: bytes) -> None:
-    import cloudpickle
-
-    init(cloudpickle.loads(payload))
 
 
 def _worker_threads() -> int:

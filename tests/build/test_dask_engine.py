@@ -3,7 +3,6 @@ built-in pool, against a real ``distributed.LocalCluster`` of worker processes."
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import time
@@ -11,17 +10,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
-from reliability_helpers import FORMAT_NAMES, assert_same_cache, make_tree, small_units
+from reliability_helpers import FORMAT_NAMES, HangingSource, assert_same_cache, make_tree, small_units
 
 from dlstore.build.conversion import ConvertResult, convert
 from dlstore.build.dask_engine import SchedulerSpec, parse_scheduler
-from dlstore.build.sources import FolderSource, scan_folder
+from dlstore.build.sources import scan_folder
 from dlstore.cli import main
 from dlstore.errors import ConvertError, MissingExtraError
-from dlstore.spec import ImagePolicy, read_spec
+from dlstore.spec import read_spec
 
 distributed = pytest.importorskip("distributed")
 
@@ -87,25 +85,11 @@ def test_strict_on_dask_names_the_file(tree: Path, tmp_path: Path, cluster: str)
     assert not (tmp_path / "c").exists()
 
 
-def hanging_source(root: Path, hang: str) -> FolderSource:
-    """The folder as a Source whose decoding of ``hang`` never returns in time. Defined in a function
-    so that cloudpickle sends the class by value to the Dask workers (and on to their decode process)."""
-
-    class Hanging(FolderSource):
-        def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
-            if self.names[i] == hang:
-                time.sleep(30)
-            return super().decode(i, policy)
-
-    src = scan_folder(root)
-    return Hanging(**{f.name: getattr(src, f.name) for f in dataclasses.fields(src)})
-
-
 def test_a_hanging_decode_on_a_dask_worker_is_a_named_bad_file(tmp_path: Path, cluster: str) -> None:
     """Issue 11: Dask runs tasks in threads, where SIGALRM cannot interrupt a decoder; the units run in
     a decode process of each worker instead, so the per-file time-out holds as in the pool."""
     root = make_tree(tmp_path / "src", per_class=4)
-    src = hanging_source(root, "b/img002.jpg")
+    src = HangingSource.of(scan_folder(root), "b/img002.jpg")
     t0 = time.monotonic()
     result = conv(src, tmp_path / "c", scheduler=cluster, decode_timeout=0.5)  # type: ignore[arg-type]
     assert time.monotonic() - t0 < 25  # a hang guard, not a speed claim: without the limit it sleeps 30 s
