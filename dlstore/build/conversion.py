@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -672,7 +672,10 @@ def run_in_pool(
             pool.submit(convert_unit, k) for k in islice(queue, 4 * n_workers)
         }
         while pending:
-            finished, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            # FIRST_COMPLETED, not FIRST_EXCEPTION: without an error FIRST_EXCEPTION waits for the
+            # whole window, so workers idled at the end of every window until its slowest unit was
+            # done (a suspect for the worker time spent neither decoding nor writing).
+            finished, pending = wait(pending, return_when=FIRST_COMPLETED)
             results = [fut.result() for fut in finished]  # re-raises a worker's error here
             pending |= {pool.submit(convert_unit, k) for k in islice(queue, len(finished))}
             finish_units(job, budget, progress, results)

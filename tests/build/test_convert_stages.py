@@ -60,3 +60,42 @@ def test_many_units_with_a_bounded_window(
     res = convert(image_tree, tmp_path / "c", format="ram", size=16, workers=2)
     assert sorted(journaled) == list(range(res.n)) and res.n > 4 * 2
     assert len(open_cache(tmp_path / "c")) == res.n
+
+
+def test_the_pool_hands_out_units_without_waiting_for_the_whole_window(
+    image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unit 0 finishes only once every other unit is journaled (or after 20 s): a pool that waited for
+    its whole window of 4 units per worker before handing out more would journal unit 0 within the
+    first window instead of last."""
+    import time
+
+    import dlstore.build.conversion as conversion
+    from dlstore.formats.ram import RamWriter
+
+    monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 1))
+    dest = tmp_path / "c"
+    journal = dest.parent / f".{dest.name}.dlstore-journal" / "done.jsonl"
+    real = conversion.convert_job_unit
+
+    def unit_zero_last(job, k):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + 20
+        while k == 0 and time.monotonic() < deadline:
+            if journal.exists() and journal.read_text().count("\n") >= job.writer.n_units - 1:
+                break
+            time.sleep(0.01)
+        return real(job, k)
+
+    monkeypatch.setattr(conversion, "convert_job_unit", unit_zero_last)  # inherited by the forked workers
+    spy: list[int] = []
+    import dlstore.build.staging as staging_mod
+
+    record_many = staging_mod.Staging.record_many
+
+    def record(self, units):  # type: ignore[no-untyped-def]
+        spy.extend(k for k, _, _ in units)
+        record_many(self, units)
+
+    monkeypatch.setattr(staging_mod.Staging, "record_many", record)
+    res = convert(image_tree, dest, format="ram", size=16, workers=2)
+    assert res.n > 4 * 2 + 1 and spy[-1] == 0 and sorted(spy) == list(range(res.n))
