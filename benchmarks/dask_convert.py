@@ -43,6 +43,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--source", type=Path, default=None, help="an existing image folder (else the demo)")
     p.add_argument("--copies", type=int, default=1, help="hard-linked copies of --source's files")
+    p.add_argument(
+        "--configs", default="pool,local,running", help="which of pool / local (incl. start) / running to run"
+    )
     p.add_argument("--dest-dir", type=Path, default=None, help="where the caches go (e.g. /dev/shm)")
     return p.parse_args()
 
@@ -98,11 +101,12 @@ def main() -> None:
     try:
         for n in counts:
             with LocalCluster(n_workers=n, threads_per_worker=1, dashboard_address=":0") as cluster:
-                configs = {
-                    f"pool:{n}": {"workers": n},
-                    f"dask local:{n} (incl. start)": {"scheduler": f"local:{n}"},
-                    f"dask running:{n}": {"scheduler": cluster.scheduler_address},
+                every = {
+                    "pool": (f"pool:{n}", {"workers": n}),
+                    "local": (f"dask local:{n} (incl. start)", {"scheduler": f"local:{n}"}),
+                    "running": (f"dask running:{n}", {"scheduler": cluster.scheduler_address}),
                 }
+                configs = dict(every[c] for c in args.configs.split(","))
                 for r in range(args.repeats):
                     names = list(configs)
                     for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -116,9 +120,10 @@ def main() -> None:
     doc["median"] = medians
     write(args, doc)
     for n in counts:
-        pool = medians[f"pool:{n}"]
+        pool = medians.get(f"pool:{n}", float("nan"))
         for name in (f"pool:{n}", f"dask local:{n} (incl. start)", f"dask running:{n}"):
-            print(f"{name:<32}{medians[name]:>10,.0f} img/s  {medians[name] / pool:.2f}x pool")
+            if name in medians:
+                print(f"{name:<32}{medians[name]:>10,.0f} img/s  {medians[name] / pool:.2f}x pool")
 
 
 if __name__ == "__main__":

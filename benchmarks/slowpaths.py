@@ -705,6 +705,40 @@ def one_core_rate(src: Any, n: int = 250, rounds: int = 3) -> tuple[float, list[
     return float(np.median(rates)), rates
 
 
+_SCALING: dict[str, Any] = {}  # in each process of all_core_decode_rate: the source and the start barrier
+
+
+def _scaling_init(src: Any, barrier: Any) -> None:
+    _SCALING.update(src=src, barrier=barrier)
+
+
+def _scaling_task(idx: list[int]) -> tuple[float, float, int]:
+    src, policy = _SCALING["src"], ImagePolicy(size=256)
+    for i in idx[:10]:
+        src.decode(i, policy)
+    _SCALING["barrier"].wait(timeout=120)  # every process starts decoding together
+    t0 = time.monotonic()
+    for i in idx:
+        src.decode(i, policy)
+    return t0, time.monotonic(), len(idx)
+
+
+def all_core_decode_rate(src: Any, procs: int, n: int = 200) -> dict[str, Any]:
+    """Decode+resize alone (no conversion around it) in ``procs`` forked processes at once, each over
+    its own random draw of ``n`` images: what the cores deliver together, against which the one-core
+    rate x cores assumes perfect scaling (no shared turbo budget, caches or hyper-threads)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    rng = np.random.default_rng(1)
+    draws = [rng.choice(len(src), size=min(n, len(src)), replace=False).tolist() for _ in range(procs)]
+    with ctx.Pool(procs, initializer=_scaling_init, initargs=(src, ctx.Barrier(procs))) as pool:
+        spans = pool.map(_scaling_task, draws, chunksize=1)
+    wall = max(t1 for _, t1, _ in spans) - min(t0 for t0, _, _ in spans)
+    per_proc = [k / (t1 - t0) for t0, t1, k in spans]
+    return {"procs": procs, "img_s": sum(k for *_, k in spans) / wall, "per_process_img_s": per_proc}
+
+
 def linked_source(demo: Path, dest: Path, copies: int) -> Path:
     """A folder of `copies` hard links to every demo image (new names, same classes): a large source
     without generating more images."""
@@ -725,6 +759,12 @@ def section_convert(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     src = scan_folder(demo)
     one, rates = one_core_rate(src, n=args.one_core_images)
     out: dict[str, Any] = {"one_core_img_s": one, "one_core_rounds": rates, "cores": CORES}
+    out["decode_scaling"] = [all_core_decode_rate(src, p) for p in (1, CORES // 2, CORES)]
+    out["lscpu"] = (
+        subprocess.run(["lscpu"], capture_output=True, text=True).stdout if shutil.which("lscpu") else ""
+    )
+    for row in out["decode_scaling"]:
+        log(f"  decode+resize alone in {row['procs']} processes: {row['img_s']:,.0f} img/s")
     image_bytes = 256 * 256 * 3
     want = int(args.convert_seconds * CORES * one)
     shm = Path("/dev/shm")
@@ -764,7 +804,8 @@ def section_convert(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"{res.n:,} images to {base}; fixed costs {fixed:.1f} s (setup {st.get('setup_s', 0):.1f}, start-up "
         f"{st.get('startup_s', 0):.2f}, finalize {st.get('finalize_s', 0):.1f}, commit {st.get('commit_s', 0):.2f}); "
         f"without them {out['steady_img_s']:,.0f} img/s; decode+resize {out['one_core_ms_per_img']:.2f} ms/img "
-        f"on one core, {out['workers_decode_ms_per_img']:.2f} in the {CORES} workers",
+        f"on one core, {out['workers_decode_ms_per_img']:.2f} in the {CORES} workers; decode+resize alone in "
+        f"{CORES} processes at once {out['decode_scaling'][-1]['img_s']:,.0f} img/s",
     )
     return out
 

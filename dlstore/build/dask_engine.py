@@ -162,9 +162,36 @@ def _child_pool(job: Any, init: Callable[[Any], None], token: str) -> ProcessPoo
             # after each conversion, and exit by themselves when this worker's end of the pipe closes.
             mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
             # The job goes to each decode process once, pickled as the pool's does under spawn.
-            pool = ProcessPoolExecutor(_worker_threads(), mp_context=ctx, initializer=init, initargs=(job,))
+            pool = ProcessPoolExecutor(
+                _worker_threads(), mp_context=ctx, initializer=_start_decode_process, initargs=(init, job)
+            )
             _CHILD.update(token=token, pool=pool)
         return _CHILD["pool"]
+
+
+def _start_decode_process(init: Callable[[Any], None], job: Any) -> None:
+    _undo_dask_malloc_tuning()
+    init(job)
+
+
+def _undo_dask_malloc_tuning() -> None:
+    """Dask's nanny starts its workers with ``MALLOC_TRIM_THRESHOLD_=65536`` (to hand freed memory back
+    to the OS), which the decode processes inherit. Setting it also turns off glibc's adaptive mmap
+    threshold, so every large decode buffer becomes an mmap/munmap pair and its pages fault in again:
+    decoding ran 25-38% slower per image than in the pool (H200, 16 workers). Restore the adaptive
+    behaviour's ceiling (buffers up to 32 MB from the heap, trimmed above 64 MB) in these processes only."""
+    import os
+
+    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+    except (OSError, AttributeError):  # not glibc: nothing to undo
+        return
 
 
 def _worker_threads() -> int:
