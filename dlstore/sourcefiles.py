@@ -146,15 +146,28 @@ class SourceRecord:
 
     @classmethod
     def from_rows(cls, rows: list[list[Any]], sha256_hex: list[str]) -> SourceRecord:
-        digests = np.zeros((len(rows), DIGEST_BYTES), np.uint8)
+        return cls.from_columns(
+            [str(r[0]) for r in rows],
+            np.asarray([r[1] for r in rows], np.int64),
+            np.asarray([r[2] for r in rows], np.int64),
+            np.asarray([r[3] for r in rows], np.int32),
+            sha256_hex,
+        )
+
+    @classmethod
+    def from_columns(
+        cls, names: list[str], sizes: Any, mtimes_ns: Any, labels: Any, sha256_hex: list[str]
+    ) -> SourceRecord:
+        """What a conversion records: its columns as they are (no row per file in between)."""
+        digests = np.zeros((len(names), DIGEST_BYTES), np.uint8)
         for i, h in enumerate(sha256_hex):
             if h:
                 digests[i] = np.frombuffer(bytes.fromhex(h[: 2 * DIGEST_BYTES]), np.uint8)
         return cls(
-            names=[str(r[0]) for r in rows],
-            sizes=np.asarray([r[1] for r in rows], np.int64),
-            mtimes_ns=np.asarray([r[2] for r in rows], np.int64),
-            labels=np.asarray([r[3] for r in rows], np.int32),
+            names=list(names),
+            sizes=np.asarray(sizes, np.int64),
+            mtimes_ns=np.asarray(mtimes_ns, np.int64),
+            labels=np.asarray(labels, np.int32),
             digests=digests,
         )
 

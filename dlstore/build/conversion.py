@@ -211,7 +211,7 @@ def convert(
     stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
     if rerun and is_up_to_date(dest, Staging.normalised(plan), src):
         return published_result(dest, fmt.name, src, t0, writer.n_units, warnings, up_to_date=True)
-    with Staging(dest, plan, discard_mismatch=overwrite, entries=src.entries()) as staging:
+    with Staging(dest, plan, discard_mismatch=overwrite, entries=src.entries_json()) as staging:
         if staging.already_published:
             return published_result(dest, fmt.name, src, t0, writer.n_units, warnings)
         check_destination(dest, overwrite)
@@ -782,7 +782,8 @@ def source_record(src: Source, staging: Staging, writer: CacheWriter, order: np.
     for k, digests in staging.digests.items():
         for s, d in zip(writer.unit_range(k), digests):
             sha[int(order[s])] = d
-    return SourceRecord.from_rows(src.entries(), sha)
+    stats = np.asarray(src.stats, np.int64).reshape(-1, 2) if src.stats else np.zeros((len(src), 2), np.int64)
+    return SourceRecord.from_columns(src.names, stats[:, 0], stats[:, 1], src.labels, sha)
 
 
 def format_attributes(src: Source, policy: ImagePolicy, n: int) -> dict[str, Any]:

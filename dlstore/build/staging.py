@@ -37,7 +37,7 @@ class Staging:
         dest: Path,
         plan: dict[str, Any],
         discard_mismatch: bool = False,
-        entries: list[list[Any]] | None = None,
+        entries: list[list[Any]] | str | None = None,  # the source rows, or them as JSON text
     ) -> None:
         self.dest, self.plan, self.discard_mismatch = Path(dest), self.normalised(plan), discard_mismatch
         self.entries = entries
@@ -124,7 +124,8 @@ class Staging:
         self.path.mkdir()
         self.journal.mkdir()
         if self.entries is not None:
-            write_json_durably(self.journal / "entries.json", json.dumps(self.entries))
+            text = self.entries if isinstance(self.entries, str) else json.dumps(self.entries)
+            write_json_durably(self.journal / "entries.json", text)
         write_json_durably(self.journal / "plan.json", json.dumps(self.plan, sort_keys=True))
 
     def _first_changed_source(self, old_plan: dict[str, Any]) -> str:
@@ -133,7 +134,8 @@ class Staging:
         from dlstore.sourcefiles import first_difference
 
         old = self._read_json(self.journal / "entries.json")
-        diff = first_difference(old, self.entries) if isinstance(old, list) else None
+        new = json.loads(self.entries) if isinstance(self.entries, str) else self.entries
+        diff = first_difference(old, new) if isinstance(old, list) else None
         return f" (first changed source file: {diff})" if diff else ""
 
     def _finish_interrupted_commit(self, old_plan: dict[str, Any]) -> bool:
