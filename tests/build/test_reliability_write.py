@@ -132,7 +132,7 @@ import sys, time
 import dlstore.build.imageops as io_
 real = io_.decode_file
 def slow(path, policy):
-    time.sleep(0.06)
+    time.sleep(0.25)  # slow enough that Ctrl-C lands mid-run even on a loaded 2-core machine
     return real(path, policy)
 io_.decode_file = slow
 import dlstore.build.sources as s; s.decode_file = slow
