@@ -169,6 +169,9 @@ def unowned(names: set[str]) -> set[str]:
     return {n for n in names if n not in mapped and (Path("/dev/shm") / n).exists()}
 
 
+# Out of the default suite: on a loaded 2-core CI machine the run sometimes finishes before SIGINT lands
+# (the journal's done lines arrive late); passes alone. Run with -m slow.
+@pytest.mark.slow
 def test_ctrl_c_with_workers_exits_fast_and_resumes(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", per_class=60, side=16)
     dest = tmp_path / "c"
