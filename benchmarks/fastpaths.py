@@ -10,8 +10,6 @@ independent and recorded as it finishes, so a failure or time-out loses only tha
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import tempfile
 import time
@@ -26,44 +24,25 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import harness  # noqa: E402
+
 from dlstore.build.conversion import convert  # noqa: E402
 from dlstore.build.sources import open_source, scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.datasets.mnist_idx import write_fashion_mnist_like  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
-from dlstore.machine import cpu_model, usable_cores  # noqa: E402
+from dlstore.machine import usable_cores  # noqa: E402
 from dlstore.read.cache import open_cache  # noqa: E402
 from dlstore.read.loaders import PinnedLoader, ResidentLoader, batch_dataloader, make_sampler, storage_sorted  # noqa: E402
 from dlstore.spec import ImagePolicy  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 RESULTS: dict[str, Any] = {}
-TARGETS: list[dict[str, Any]] = []
+TARGETS = harness.Targets()
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def target(name: str, measured: float, base: float, goal: float, note: str = "") -> None:
-    ratio = measured / base if base else float("nan")
-    met = ratio >= goal if goal < 5 else measured >= goal
-    TARGETS.append(
-        {
-            "name": name,
-            "measured": round(measured, 1),
-            "ceiling_or_baseline": round(base, 1),
-            "ratio": round(ratio, 3),
-            "goal": goal,
-            "met": bool(met),
-            "note": note,
-        }
-    )
+log, sync = harness.log, harness.sync
+target = TARGETS.add
 
 
 # --- training loops --------------------------------------------------------------------------------
@@ -525,27 +504,7 @@ SECTIONS: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def environment() -> dict[str, Any]:
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cores": usable_cores(),
-        "argv": sys.argv,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-    }
-    try:
-        import torchvision
-        import zarr
-
-        env.update(torchvision=torchvision.__version__, zarr=zarr.__version__)
-    except ImportError as e:
-        env["import_error"] = str(e)
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-    env["cpu_model"] = cpu_model()
-    return env
+environment = harness.environment
 
 
 def main() -> None:
@@ -568,26 +527,9 @@ def main() -> None:
         "images": args.images,
         "order": "configurations rotated per repeat; median, min-max",
     }
-    names = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
-    for name in names:
-        log(f"section {name}")
-        t0 = time.perf_counter()
-        try:
-            RESULTS[name] = SECTIONS[name](args, work)
-        except Exception as e:  # record and go on: other sections still count
-            RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            log(traceback.format_exc())
-        RESULTS.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
-        (args.out / "fastpaths.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-        (args.out / "targets.json").write_text(
-            json.dumps({"environment": RESULTS["environment"], "targets": TARGETS}, indent=1)
-        )
-    print(f"{'target':78} {'measured':>12} {'base':>12} {'ratio':>7} {'goal':>9} met")
-    for t in TARGETS:
-        print(
-            f"{t['name'][:78]:78} {t['measured']:>12,.0f} {t['ceiling_or_baseline']:>12,.0f} {t['ratio']:>7.3f} "
-            f"{t['goal']:>9g} {'yes' if t['met'] else 'NO'}"
-        )
+    names = harness.section_names(args.sections, SECTIONS)
+    harness.run_sections(SECTIONS, names, args, work, RESULTS, TARGETS, "fastpaths.json")
+    print(TARGETS.table(78))
 
 
 if __name__ == "__main__":

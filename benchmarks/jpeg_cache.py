@@ -14,14 +14,11 @@ a table. Each section is recorded as it finishes; a failing section does not sto
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import platform
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import harness  # noqa: E402
 
 from dlstore.build.conversion import convert  # noqa: E402
 from dlstore.formats.codecs import get_codec  # noqa: E402
@@ -43,37 +42,14 @@ from dlstore.read.loaders import PinnedLoader  # noqa: E402
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
 RESULTS: dict[str, Any] = {}
-TARGETS: list[dict[str, Any]] = []
+TARGETS = harness.Targets()
 CORES = len(os.sched_getaffinity(0))
 # cpu only for a dry run of the script on a machine without a GPU (tiny sizes; the numbers mean nothing)
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def target(name: str, measured: float, base: float, goal: float, note: str = "", higher: bool = True) -> None:
-    """goal < 5: a ratio measured/base to reach; else an absolute rate. ``higher=False``: at most goal."""
-    ratio = measured / base if base else float("nan")
-    value = ratio if goal < 5 else measured
-    met = value >= goal if higher else value <= goal
-    TARGETS.append(
-        {
-            "name": name,
-            "measured": round(measured, 3),
-            "ceiling_or_baseline": round(base, 3),
-            "ratio": round(ratio, 4),
-            "goal": goal,
-            "met": bool(met),
-            "note": note,
-        }
-    )
+log, sync = harness.log, harness.sync
+target = TARGETS.add
 
 
 # --- data -------------------------------------------------------------------------------------------
@@ -666,29 +642,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
 }
 
 
-def environment() -> dict[str, Any]:
-    import torchvision
-
-    env = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "numpy": np.__version__,
-        "cores": CORES,
-        "argv": sys.argv,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "commit": os.environ.get("DLSTORE_COMMIT", "unknown"),
-    }
-    try:
-        import PIL
-        import skimage
-
-        env.update(pillow=PIL.__version__, skimage=skimage.__version__)
-    except ImportError as e:
-        env["import_error"] = str(e)
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-    return env
+environment = harness.environment
 
 
 def main() -> None:
@@ -713,26 +667,9 @@ def main() -> None:
         "repeats": args.repeats,
         "order": "training configurations rotated per repeat; median",
     }
-    names = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
-    for name in names:
-        log(f"section {name}")
-        t0 = time.perf_counter()
-        try:
-            RESULTS[name] = SECTIONS[name](args, work)
-        except Exception as e:
-            RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            log(traceback.format_exc())
-        RESULTS.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
-        (args.out / "jpeg_cache.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-        (args.out / "targets.json").write_text(
-            json.dumps({"environment": RESULTS["environment"], "targets": TARGETS}, indent=1)
-        )
-    print(f"{'target':130} {'measured':>12} {'base':>12} {'ratio':>7} {'goal':>8} met")
-    for t in TARGETS:
-        print(
-            f"{t['name'][:130]:130} {t['measured']:>12,.1f} {t['ceiling_or_baseline']:>12,.1f} {t['ratio']:>7.3f} "
-            f"{t['goal']:>8g} {'yes' if t['met'] else 'NO'}"
-        )
+    names = harness.section_names(args.sections, SECTIONS)
+    harness.run_sections(SECTIONS, names, args, work, RESULTS, TARGETS, "jpeg_cache.json")
+    print(TARGETS.table(130))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ Writes OUTDIR/slowpaths.json (every number) and OUTDIR/targets.json, then prints
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -42,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import fastpaths as fp  # noqa: E402
+import harness  # noqa: E402
 
 from dlstore.build.conversion import convert  # noqa: E402
 from dlstore.build.sources import scan_folder  # noqa: E402
@@ -943,38 +943,15 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-slow-"))
-    env = fp.environment()
-    env.update(commit=args.commit, command="python3 " + " ".join(sys.argv))
-    RESULTS["environment"] = env
+    RESULTS["environment"] = fp.environment(commit=args.commit)
     RESULTS["protocol"] = {k: v for k, v in vars(args).items() if k not in ("out", "work")}
-    names = list(SECTIONS) if args.sections == "all" else args.sections.split(",")
+    names = harness.section_names(args.sections, SECTIONS)
     try:
-        run_sections(args, work, names, env)
+        harness.run_sections(SECTIONS, names, args, work, RESULTS, fp.TARGETS, "slowpaths.json")
     finally:
         for p in LONG_CACHE:
             shutil.rmtree(p, ignore_errors=True)
-    print(f"{'target':96} {'measured':>11} {'base':>11} {'ratio':>6} {'goal':>7} met")
-    for t in fp.TARGETS:
-        print(
-            f"{t['name'][:96]:96} {t['measured']:>11,.0f} {t['ceiling_or_baseline']:>11,.0f} {t['ratio']:>6.3f} "
-            f"{t['goal']:>7g} {'yes' if t['met'] else 'NO'}"
-        )
-
-
-def run_sections(args: argparse.Namespace, work: Path, names: list[str], env: dict[str, Any]) -> None:
-    for name in names:
-        log(f"section {name}")
-        t0 = time.perf_counter()
-        try:
-            RESULTS[name] = SECTIONS[name](args, work)
-        except Exception as e:  # record and go on: other sections still count
-            RESULTS[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
-            log(traceback.format_exc())
-        RESULTS.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
-        (args.out / "slowpaths.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-        (args.out / "targets.json").write_text(
-            json.dumps({"environment": env, "targets": fp.TARGETS}, indent=1, default=str)
-        )
+    print(fp.TARGETS.table(96))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from harness import log  # noqa: E402
 from slowpaths import chunk_files, decode_rate, py_spy, summarize_profile  # noqa: E402
 
 from dlstore.build.conversion import convert  # noqa: E402
@@ -39,10 +40,6 @@ from dlstore.read.loaders import PinnedLoader, make_sampler, storage_sorted  # n
 
 CORES = len(os.sched_getaffinity(0))
 B = 256
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def reader_rate(

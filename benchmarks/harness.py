@@ -1,0 +1,126 @@
+"""What the benchmark scripts share: a log line, the environment record, target rows, the sections loop.
+
+A script keeps its own sections; this module records them the same way everywhere: every section's
+result (or its error, so one failing section does not lose the others) and its seconds in one JSON file,
+the targets in a ``targets.json`` next to it, and a short table of the targets printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlstore.machine import cpu_model, usable_cores
+
+Section = Callable[[argparse.Namespace, Path], dict[str, Any]]
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Targets(list[dict[str, Any]]):
+    """Target rows: a ratio to a ceiling measured in the same run (goal < 5) or an absolute rate."""
+
+    def add(
+        self, name: str, measured: float, base: float, goal: float, note: str = "", higher: bool = True
+    ) -> None:
+        """``higher=False``: the goal is an upper bound (bytes, error)."""
+        ratio = measured / base if base else float("nan")
+        value = ratio if goal < 5 else measured
+        met = value >= goal if higher else value <= goal
+        self.append(
+            {
+                "name": name,
+                "measured": round(measured, 3),
+                "ceiling_or_baseline": round(base, 3),
+                "ratio": round(ratio, 4),
+                "goal": goal,
+                "met": bool(met),
+                "note": note,
+            }
+        )
+
+    def table(self, width: int = 100) -> str:
+        lines = [f"{'target':{width}} {'measured':>12} {'base':>12} {'ratio':>7} {'goal':>9} met"]
+        for t in self:
+            lines.append(
+                f"{t['name'][:width]:{width}} {t['measured']:>12,.1f} {t['ceiling_or_baseline']:>12,.1f} "
+                f"{t['ratio']:>7.3f} {t['goal']:>9g} {'yes' if t['met'] else 'NO'}"
+            )
+        return "\n".join(lines)
+
+
+def environment(**extra: Any) -> dict[str, Any]:
+    """Machine, versions and command of this run; the commit from ``DLSTORE_COMMIT`` (device copies have
+    no .git) unless given."""
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
+        "cores": usable_cores(),
+        "argv": sys.argv,
+        "command": "python3 " + " ".join(sys.argv),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "commit": os.environ.get("DLSTORE_COMMIT", "unknown"),
+    }
+    for module in ("torchvision", "zarr", "PIL", "numcodecs", "simplejpeg", "skimage"):
+        try:
+            env[module.lower()] = __import__(module).__version__
+        except ImportError:
+            env[module.lower()] = None
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(0)
+    env.update({k: v for k, v in extra.items() if v})
+    return env
+
+
+def run_sections(
+    sections: dict[str, Section],
+    names: list[str],
+    args: argparse.Namespace,
+    work: Path,
+    results: dict[str, Any],
+    targets: Targets,
+    json_name: str,
+) -> None:
+    """Run the named sections in order, saving after each one (a later time-out keeps what is done)."""
+    for name in names:
+        log(f"section {name}")
+        t0 = time.perf_counter()
+        try:
+            results[name] = sections[name](args, work)
+        except Exception as e:  # record and go on: the other sections still count
+            results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            log(traceback.format_exc())
+        results.setdefault("section_seconds", {})[name] = time.perf_counter() - t0
+        (args.out / json_name).write_text(json.dumps(results, indent=1, default=str))
+        (args.out / "targets.json").write_text(
+            json.dumps({"environment": results.get("environment"), "targets": targets}, indent=1, default=str)
+        )
+
+
+def section_names(spec: str, sections: dict[str, Section]) -> list[str]:
+    names = list(sections) if spec == "all" else [s for s in spec.split(",") if s]
+    unknown = sorted(set(names) - set(sections))
+    if unknown:
+        raise SystemExit(f"unknown section(s) {unknown}; choose from {', '.join(sections)}")
+    return names
