@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import struct
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -70,24 +72,31 @@ class NpzReader(ChunkedReader):
         path = self.root / shard_name(k)
         count = min(self.unit, self.spec.n_stored - k * self.unit)
         expected = (count, *self.spec.shape)
-        try:
+        with shard_errors(path, k, self.root):
             arr = map_stored_member(path, "images.npy")
             if arr is None:
                 with np.load(path, allow_pickle=False) as z:
                     arr = z["images"]
-        except FileNotFoundError:
-            raise CacheCorruptError(
-                f"{path}: shard missing; run `dlstore verify {self.root}` and rebuild"
-            ) from None
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, struct.error) as e:
-            raise CacheCorruptError(
-                f"{path}: shard unreadable ({type(e).__name__}: {e}); rebuild the cache"
-            ) from None
         if arr.shape != expected or arr.dtype != np.uint8:
             raise CacheCorruptError(
                 f"{path}: holds {arr.dtype}{arr.shape}, expected uint8{expected}; rebuild"
             )
         return arr
+
+
+@contextmanager
+def shard_errors(path: Path, k: int, root: Path) -> Iterator[None]:
+    """Reading shard ``k``: a missing or unreadable file becomes a CacheCorruptError naming it and the fix."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CacheCorruptError(
+            f"{path}: shard {k} missing; run `dlstore verify {root}` and rebuild"
+        ) from None
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, struct.error) as e:
+        raise CacheCorruptError(
+            f"{path}: shard {k} unreadable ({type(e).__name__}: {e}); rebuild the cache"
+        ) from None
 
 
 def map_stored_member(path: Path, member: str) -> np.ndarray | None:
@@ -160,17 +169,9 @@ class NpzPayloadReader(PayloadReader):
 
     def load_payload_unit(self, k: int) -> PayloadUnit:
         path = self.unit_path(k)
-        try:
+        with shard_errors(path, k, self.root):
             data = map_stored_member(path, "data.npy")
             with np.load(path, allow_pickle=False) as z:
                 if data is None:
                     data = z["data"]
                 return PayloadUnit(data, z["offsets"], z["shapes"], z["crc"], z["error"])
-        except FileNotFoundError:
-            raise CacheCorruptError(
-                f"{path}: shard {k} missing; run `dlstore verify {self.root}` and rebuild"
-            ) from None
-        except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError, struct.error) as e:
-            raise CacheCorruptError(
-                f"{path}: shard {k} unreadable ({type(e).__name__}: {e}); rebuild the cache"
-            ) from None

@@ -212,7 +212,7 @@ def test_e1_object_array_payloads_fail_with_a_dlstore_error(caches: dict[str, Pa
     shutil.copytree(caches["npz"], cache)
     shard = sorted((cache / "shards").iterdir())[0]
     np.savez(shard, images=np.array([{"evil": 1}], dtype=object))
-    with pytest.raises(DlstoreError, match="shard unreadable"):
+    with pytest.raises(DlstoreError, match=r"shard \d+ unreadable"):
         open_cache(cache, check_source=False).read([0])
     np.save(cache / "labels.npy", np.array([1, "x"], dtype=object), allow_pickle=True)
     with pytest.raises(CacheCorruptError, match="labels.npy"):
