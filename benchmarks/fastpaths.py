@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -508,17 +507,8 @@ environment = harness.environment
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--images", type=int, default=8192)
-    ap.add_argument("--sections", default="all")
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--repeats", type=int, default=3)
-    args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-fast-"))
+    args = harness.parser(images=8192, warmup=30, steps=100, repeats=3).parse_args()
+    work = harness.work_dir(args, "dlstore-fast-")
     RESULTS["environment"] = environment()
     RESULTS["protocol"] = {
         "warmup": args.warmup,

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -116,6 +117,24 @@ def run_sections(
         (args.out / "targets.json").write_text(
             json.dumps({"environment": results.get("environment"), "targets": targets}, indent=1, default=str)
         )
+
+
+def parser(images: int, warmup: int, steps: int, repeats: int) -> argparse.ArgumentParser:
+    """The options every sectioned script takes; a script adds its own."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=None, help="where data and caches go (default: a temp dir)")
+    ap.add_argument("--images", type=int, default=images)
+    ap.add_argument("--sections", default="all", help="comma-separated section names, or all")
+    ap.add_argument("--warmup", type=int, default=warmup)
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    return ap
+
+
+def work_dir(args: argparse.Namespace, prefix: str) -> Path:
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args.work or Path(tempfile.mkdtemp(prefix=prefix))
 
 
 def section_names(spec: str, sections: dict[str, Section]) -> list[str]:

@@ -17,7 +17,6 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -646,19 +645,11 @@ environment = harness.environment
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--images", type=int, default=8192)
-    ap.add_argument("--sections", default="all")
-    ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap = harness.parser(images=8192, warmup=8, steps=30, repeats=2)
     ap.add_argument("--cpu-batches", type=int, default=40)
     ap.add_argument("--batch-div", type=int, default=1, help="smaller training batches (CPU dry runs)")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-jpeg-"))
+    work = harness.work_dir(args, "dlstore-jpeg-")
     RESULTS["environment"] = environment()
     RESULTS["protocol"] = {
         "images": args.images,

@@ -26,7 +26,6 @@ import resource
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -922,14 +921,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=None)
-    ap.add_argument("--images", type=int, default=8192)
-    ap.add_argument("--sections", default="all")
-    ap.add_argument("--warmup", type=int, default=30)
-    ap.add_argument("--steps", type=int, default=100)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap = harness.parser(images=8192, warmup=30, steps=100, repeats=2)
     ap.add_argument("--loader-batches", type=int, default=120)
     ap.add_argument("--convert-seconds", type=float, default=32.0, help="aimed length of the long conversion")
     ap.add_argument("--one-core-images", type=int, default=250, help="convert: images per one-core round")
@@ -941,8 +933,7 @@ def main() -> None:
     ap.add_argument("--dl-epoch-images", type=int, default=0, help="DataLoader draws per epoch (default: n)")
     ap.add_argument("--data-caches", default="ram256,zarr256,ram128", help="caches the data section makes")
     args = ap.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    work = args.work or Path(tempfile.mkdtemp(prefix="dlstore-slow-"))
+    work = harness.work_dir(args, "dlstore-slow-")
     RESULTS["environment"] = fp.environment(commit=args.commit)
     RESULTS["protocol"] = {k: v for k, v in vars(args).items() if k not in ("out", "work")}
     names = harness.section_names(args.sections, SECTIONS)
