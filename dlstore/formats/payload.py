@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import zlib
 from abc import abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -45,10 +45,24 @@ class PayloadUnit:
     crc: np.ndarray  # (n,) uint32
     error: np.ndarray  # (2,) float64
     ends: np.ndarray | None = None  # when payloads are not back to back: item j is offsets[j]:ends[j]
-    bad: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # items failing their CRC
+    checked: np.ndarray | None = None  # (n,) bool: items whose CRC has been checked and held
 
     def __len__(self) -> int:
         return len(self.shapes)
+
+    def first_failing_crc(self, items: np.ndarray) -> int | None:
+        """Check the CRC of each of ``items`` not checked before (once per item while the unit is
+        loaded: a random-access read of one image does not pay for the whole unit's CRCs, and a
+        unit read whole pays for each item once); the first that fails, or None."""
+        if self.checked is None:
+            self.checked = np.zeros(len(self), bool)
+        view = memoryview(self.data)
+        for j in items[~self.checked[items]].tolist():
+            end = self.offsets[j + 1] if self.ends is None else self.ends[j]
+            if zlib.crc32(view[int(self.offsets[j]) : int(end)]) != int(self.crc[j]):
+                return int(j)
+            self.checked[j] = True
+        return None
 
     def payload(self, j: int) -> memoryview:
         end = self.offsets[j + 1] if self.ends is None else self.ends[j]
@@ -147,23 +161,8 @@ class PayloadReader(ChunkedReader):
         if unit is None:
             unit = self.load_payload_unit(k)
             self.check_index(k, unit)
-            unit.bad = self.failing_crc(unit)
             self._units.put(k, unit)  # type: ignore[arg-type]
         return unit  # type: ignore[return-value]
-
-    @staticmethod
-    def failing_crc(unit: PayloadUnit) -> np.ndarray:
-        """Items of the unit whose payload fails its CRC-32, checked once when the unit is loaded (not
-        on every read: per read, each check hands the GIL over and back, which starved the reader
-        thread beside a training loop)."""
-        view = memoryview(unit.data)
-        ends = unit.offsets[1:] if unit.ends is None else unit.ends
-        bad = [
-            j
-            for j, (s, e, crc) in enumerate(zip(unit.offsets[:-1].tolist(), ends.tolist(), unit.crc.tolist()))
-            if j < len(unit) and zlib.crc32(view[s:e]) != crc
-        ]
-        return np.asarray(bad, np.int64)
 
     def check_index(self, k: int, unit: PayloadUnit) -> None:
         count = min(self.unit, self.spec.n_stored - k * self.unit)
@@ -200,8 +199,8 @@ class PayloadReader(ChunkedReader):
             view = memoryview(unit.data)
             dst = order[a:b]
             shapes[dst] = unit.shapes[local]
-            if unit.bad.size and np.isin(local, unit.bad).any():
-                j = int(local[np.isin(local, unit.bad)][0])
+            j = unit.first_failing_crc(local)
+            if j is not None:
                 p = k * self.unit + j
                 raise corrupt_at(
                     p,

@@ -159,6 +159,8 @@ def test_corrupt_jpeg_bytes_name_index_and_chunk_never_wrong_pixels(
     message = str(err.value)
     assert f"index {index}" in message and "chunk 0" in message and path.name in message
     np.testing.assert_array_equal(cache.read_images([index - 1])[0], good)  # neighbours still read
+    with pytest.raises(SampleReadError, match=f"index {index}"):  # and the bad one fails every time
+        cache.read_images([index])
 
 
 @pytest.mark.parametrize("fmt", PIXEL_ONLY_FORMATS)
