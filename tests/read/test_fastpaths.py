@@ -122,6 +122,33 @@ def test_pinned_loader_yields_the_batches_before_a_read_error_then_raises(caches
     check_epoch(got, caches["ram"], expect_all=False)
 
 
+def test_pinned_loader_returns_a_ready_batch_without_waiting_for_the_next(caches: dict[str, Path]) -> None:
+    """The copy ahead takes the next batch only when it is already gathered: the batch in hand must
+    come back while the gather of the next one is still held up (a blocking fetch would wait here)."""
+    loader = PinnedLoader(caches["ram"], batch_size=8, device="cpu", order="sequential", num_buffers=3)
+    real, calls, gate = loader.cache.read, [], threading.Event()
+
+    def held(indices, out=None):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) >= 2:  # every read after the first waits for the gate
+            assert gate.wait(30)
+        return real(indices, out=out)
+
+    loader.cache.read = held  # type: ignore[method-assign]
+    it = iter(loader)
+    got: list[tuple[torch.Tensor, torch.Tensor]] = []
+    first = threading.Thread(target=lambda: got.append(next(it)), daemon=True)
+    first.start()
+    first.join(10)
+    returned = not first.is_alive()
+    gate.set()
+    first.join(30)
+    assert returned, "the first batch waited for the second batch's gather"
+    got += list(it)
+    check_epoch(got, caches["ram"], expect_all=False)
+    assert len(got) == 97 // 8
+
+
 def test_buffer_is_not_refilled_before_its_copy_finished() -> None:
     ring = BufferRing(1, (2, 1), pin=False)
 
