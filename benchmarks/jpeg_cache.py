@@ -126,7 +126,10 @@ def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "jpeg_short128": {"format": "npz", "size": 128, "codec": "jpeg", "resize": "shorter"},
         "zarr_jpeg_short256": {"format": "zarr", "size": 256, "codec": "jpeg", "resize": "shorter"},
     }
+    wanted = set(args.caches.split(",")) if args.caches != "all" else set(caches)
     for name, kw in caches.items():
+        if name not in wanted:
+            continue
         r = convert(photos, work / name, workers=CORES, **kw)  # type: ignore[arg-type]
         out[name] = {"images_per_s": r.images_per_s, "seconds": r.seconds, "bytes_on_disk": r.bytes_on_disk}
         log(f"converted {name}: {r.images_per_s:,.0f} img/s")
@@ -631,6 +634,195 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
     }
 
 
+# --- issue 10 again: nvJPEG + CPU decoder processes, and DecodeLoader vs bare decode step by step ----------
+
+
+def loader_alone(loader: Any, epochs: int = 2) -> tuple[float, float]:
+    """img/s of iterating the loader (no model) after a warm epoch, and the mean seconds from iter() to
+    the first batch of an epoch."""
+    for _ in loader:
+        pass
+    sync()
+    t0, count, first = time.perf_counter(), 0, 0.0
+    for _ in range(epochs):
+        e0 = time.perf_counter()
+        for i, (x, _y) in enumerate(loader):
+            if i == 0:
+                sync()
+                first += time.perf_counter() - e0
+            count += len(x)
+    sync()
+    return count / (time.perf_counter() - t0), first / epochs
+
+
+def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """ResNet-18 bf16 @112 (batch 512) from the shorter-128 JPEG cache: nvJPEG alone vs each batch split
+    between nvJPEG and ``--cpu-decoders`` CPU worker processes (balanced by measured rates, or fixed
+    shares), with and without the model."""
+    torch.backends.cudnn.benchmark = True
+    batch, res, path = 512 // args.batch_div, 112, work / "jpeg_short128"
+    step = resnet_step("resnet18", 10)
+    x = (
+        torch.randn(batch, 3, res, res, device=DEV)
+        .to(torch.bfloat16)
+        .contiguous(memory_format=torch.channels_last)
+    )
+    y = torch.randint(0, 10, (batch,), device=DEV)
+
+    def synthetic() -> Any:
+        while True:
+            yield x, y
+
+    rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
+        DEV
+    )
+    n = args.cpu_decoders
+    shares: list[float | None] = [None, *(float(v) for v in args.shares.split(",") if v), 1.0]
+    loaders: dict[str, DecodeLoader] = {"nvjpeg_only": DecodeLoader(path, batch, transform=rrc, device=DEV)}
+    for share in shares:
+        name = f"cpu{n}_{'auto' if share is None else share}"
+        loaders[name] = DecodeLoader(path, batch, transform=rrc, device=DEV, cpu_decoders=n, cpu_share=share)
+        if DEV == "cpu":  # dry run: exercise the split with torchvision's CPU decode as the "GPU" side
+            loaders[name].gpu = True
+    out: dict[str, Any] = {"cpu_decoders": n, "alone": {}, "first_batch_s": {}}
+    for name, ld in loaders.items():
+        rate, first = loader_alone(ld)
+        out["alone"][name], out["first_batch_s"][name] = rate, first
+        log(
+            f"hybrid alone {name}: {rate:,.0f} img/s (share now {ld.share:.2f}, first batch {first * 1e3:.0f} ms)"
+        )
+    cfgs: dict[str, Callable[[], float]] = {
+        "synthetic": lambda: timed_steps(synthetic, step, args.warmup, args.steps, batch),
+        **{
+            name: (lambda ld=ld: timed_steps(lambda: iter(ld), step, args.warmup, args.steps, batch))
+            for name, ld in loaders.items()
+        },
+    }
+    runs: dict[str, list[float]] = {k: [] for k in cfgs}
+    names = list(cfgs)
+    for r in range(args.repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            runs[name].append(cfgs[name]())
+            log(f"hybrid resnet18@112 {name}: {runs[name][-1]:,.0f} img/s")
+    med = {k: float(np.median(v)) for k, v in runs.items()}
+    out.update(
+        runs=runs,
+        median=med,
+        auto_share={k: ld.share for k, ld in loaders.items()},
+        stats={k: vars(ld.stats) for k, ld in loaders.items()},
+        pinned={k: bool(ld.cpu and ld.cpu.pinned) for k, ld in loaders.items()},
+    )
+    for ld in loaders.values():
+        ld.close()
+    ceiling = med["synthetic"]
+    auto = f"cpu{n}_auto"
+    best = max((k for k in med if k.startswith("cpu")), key=lambda k: med[k])
+    note = f"nvJPEG alone {med['nvjpeg_only']:,.0f} img/s; auto share ended at {out['auto_share'][auto]:.2f}"
+    target(
+        f"jpeg: ResNet-18 bf16 @112 bs512 from JPEG cache shorter-128, nvJPEG + {n} CPU decoders (auto split) vs synthetic",
+        med[auto],
+        ceiling,
+        0.70,
+        note=note,
+    )
+    target(
+        f"jpeg: ResNet-18 bf16 @112 bs512 from JPEG cache shorter-128, best split ({best}) vs synthetic",
+        med[best],
+        ceiling,
+        0.70,
+        note=note,
+    )
+    target(
+        "jpeg: ResNet-18 bf16 @112 bs512 from JPEG cache shorter-128, nvJPEG only (side thread) vs synthetic",
+        med["nvjpeg_only"],
+        ceiling,
+        0.70,
+    )
+    return out
+
+
+def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """DecodeLoader vs bare batched decode_jpeg (256² cache, batch 256), one difference at a time:
+    (a) bare on copies, sequential batches; (b) the loader's batches (chunk-aware order, payload views
+    into the units, read before timing); (c) b on a side stream; (d) c plus the loader's per-batch work
+    (wait for the stream, stack, labels, event); (e) the loader decoding in the caller's thread;
+    (f) the loader's default (a second thread)."""
+    from torchvision.io import decode_jpeg
+
+    from dlstore.read.gpu_decode import as_tensors
+    from dlstore.read.loaders import make_sampler, storage_sorted
+
+    cache = open_cache(work / "jpeg256")
+    cache.reader.threads = CORES
+    n, bs = len(cache) // 256 * 256, 256
+    payloads, _ = cache.read_payloads(np.arange(n))
+    copies = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in payloads]
+    seq = [copies[a : a + bs] for a in range(0, n, bs)]
+    sampler = make_sampler(cache, "auto", 0)
+    order = list(torch.utils.data.BatchSampler(sampler, bs, True))
+    views, labels = [], []
+    for b in order:
+        index = storage_sorted(cache, b)
+        p, _s = cache.read_payloads(index)
+        views.append(as_tensors(p))
+        labels.append(cache.labels[index])
+    dev = torch.device(DEV)
+    side = torch.cuda.Stream(dev) if DEV == "cuda" else None
+
+    def timed(fn: Callable[[int], Any], count: int, passes: int = 2) -> float:
+        fn(0)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(passes):
+            for i in range(count):
+                fn(i)
+        sync()
+        return passes * count * bs / (time.perf_counter() - t0)
+
+    def on_side(i: int) -> Any:
+        if side is None:
+            return decode_jpeg(views[i], device=DEV)
+        with torch.cuda.stream(side):
+            return decode_jpeg(views[i], device=DEV)
+
+    def loader_work(i: int) -> Any:
+        if side is None:
+            return torch.stack(decode_jpeg(views[i], device=DEV))
+        with torch.cuda.stream(side):
+            side.synchronize()
+            batch = torch.stack(decode_jpeg(views[i], device=DEV))
+            lab = torch.from_numpy(labels[i]).to(dev, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(side)
+        torch.cuda.current_stream(dev).wait_event(ev)
+        return batch, lab
+
+    steps: dict[str, Callable[[], float]] = {
+        "a_bare_copies_sequential": lambda: timed(lambda i: decode_jpeg(seq[i], device=DEV), len(seq)),
+        "b_bare_loader_batches_views": lambda: timed(lambda i: decode_jpeg(views[i], device=DEV), len(views)),
+        "c_b_on_side_stream": lambda: timed(on_side, len(views)),
+        "d_c_plus_loader_per_batch_work": lambda: timed(loader_work, len(views)),
+        "e_loader_caller_thread": lambda: loader_alone(
+            DecodeLoader(cache, bs, device=DEV, decode_in="stream"), 2
+        )[0],
+        "f_loader_second_thread": lambda: loader_alone(DecodeLoader(cache, bs, device=DEV), 2)[0],
+    }
+    out: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(args.repeats):
+        for k, fn in steps.items():
+            out[k].append(fn())
+            log(f"ladder {k}: {out[k][-1]:,.0f} img/s")
+    med = {k: float(np.median(v)) for k, v in out.items()}
+    target(
+        "jpeg: DecodeLoader (second thread) vs bare batched decode_jpeg, ladder run",
+        med["f_loader_second_thread"],
+        med["a_bare_copies_sequential"],
+        0.9,
+        note=", ".join(f"{k} {v:,.0f}" for k, v in med.items()),
+    )
+    return {"runs": out, "median": med}
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "data": section_data,
     "bytes": section_bytes,
@@ -638,6 +830,8 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "cpu_decode": section_cpu_decode,
     "resnet50": lambda a, w: section_train(a, w, "resnet50", 224, 256 // a.batch_div),
     "resnet18": lambda a, w: section_train(a, w, "resnet18", 112, 512 // a.batch_div),
+    "hybrid": section_hybrid,
+    "ladder": section_ladder,
 }
 
 
@@ -648,6 +842,9 @@ def main() -> None:
     ap = harness.parser(images=8192, warmup=8, steps=30, repeats=2)
     ap.add_argument("--cpu-batches", type=int, default=40)
     ap.add_argument("--batch-div", type=int, default=1, help="smaller training batches (CPU dry runs)")
+    ap.add_argument("--caches", default="all", help="data section: which caches to build (comma list)")
+    ap.add_argument("--cpu-decoders", type=int, default=max(1, CORES - 4), help="hybrid section's workers")
+    ap.add_argument("--shares", default="0.25,0.5,0.75", help="hybrid section: fixed CPU shares tried")
     args = ap.parse_args()
     work = harness.work_dir(args, "dlstore-jpeg-")
     RESULTS["environment"] = environment()

@@ -5,7 +5,10 @@ A background thread reads batch i+1's payloads (grouped by chunk, chunks loaded 
 each payload's CRC checked) while the iterating thread decodes batch i: JPEG caches in one batched nvJPEG
 call (torchvision ``decode_jpeg(list, device="cuda")``), anything else (raw payloads, or no GPU) on the
 CPU in the reader's threads. An image nvJPEG refuses is decoded on the CPU instead and counted in
-``stats.cpu_fallbacks``. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
+``stats.cpu_fallbacks``. With ``cpu_decoders=N`` each JPEG batch is split: its first part is decoded by
+N worker processes on the CPU (``dlstore.read.cpu_decode``; started when the first epoch starts) while
+nvJPEG decodes the rest, both feeding the same crop; ``cpu_share`` fixes the CPU's fraction, or (None)
+it follows the two sides' measured rates so that they take about as long per batch. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
 decoded (C, H_i, W_i) uint8 tensors into one batch::
 
     from dlstore.gpu import RaggedRandomResizedCrop
@@ -24,6 +27,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,10 +38,14 @@ import numpy as np
 import torch
 
 from dlstore.read.cache import Cache, open_cache
+from dlstore.read.cpu_decode import CpuDecoders, CpuShare
 from dlstore.read.loaders import make_sampler, storage_sorted
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
 DECODE_IN = ("stream", "thread")
+# cpu_share=None: the CPU decoders' fraction stays in [MIN, MAX] (each side keeps being measured) and
+# moves AUTO_STEP of the way to the balanced split after each batch.
+MIN_AUTO_SHARE, MAX_AUTO_SHARE, AUTO_STEP = 0.05, 0.95, 0.3
 
 
 @dataclass
@@ -47,6 +55,7 @@ class DecodeStats:
     gpu_images: int = 0
     cpu_images: int = 0
     cpu_fallbacks: int = 0
+    cpu_share: float = 0.0  # the CPU decoders' fraction of the last batch (cpu_decoders > 0)
 
 
 def as_tensors(payloads: list[memoryview]) -> list[torch.Tensor]:
@@ -121,6 +130,8 @@ class DecodeLoader:
         read_ahead: int = 4,
         threads: int | None = None,
         decode_in: str = "thread",
+        cpu_decoders: int = 0,
+        cpu_share: float | None = None,
     ) -> None:
         self.cache = path if isinstance(path, Cache) else open_cache(path)
         if not hasattr(self.cache.reader, "read_payloads"):
@@ -149,6 +160,12 @@ class DecodeLoader:
         self._stream: Any = None
         self.stats = DecodeStats()
         self.epoch = 0
+        if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
+            raise ValueError(f"cpu_share is the CPU decoders' fraction of a batch, 0..1; got {cpu_share}")
+        # Split each JPEG batch between nvJPEG and CPU worker processes (None: balanced by their rates).
+        self.cpu_decoders, self.fixed_share = max(0, cpu_decoders), cpu_share
+        self.share = 0.5 if cpu_share is None else cpu_share
+        self.cpu: CpuDecoders | None = None
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -159,6 +176,8 @@ class DecodeLoader:
             self.sampler.set_epoch(self.epoch)
         self.epoch += 1
         batches = list(torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last))
+        if self.gpu and self.cpu_decoders and self.cpu is None:
+            self.cpu = self._start_cpu_decoders()
         # One thread reads batches ahead (4 measured faster than 2 on the H200: 29.5k vs 24.8k img/s,
         # benchmarks/jpeg_loader_parts.py) while batch i is decoded and cropped on a side stream, in
         # this thread ("stream") or in a second one ("thread").
@@ -169,6 +188,7 @@ class DecodeLoader:
                     yield self._handed_over(self._decode(item))
             finally:
                 reads.close()
+                self._reclaim()
             return
         decoded = _Pipe(iter(reads), self._decode, 1, "dlstore-decode")
         try:
@@ -178,6 +198,12 @@ class DecodeLoader:
             reads.stop.set()  # both first: the decode thread may be waiting on the read queue
             decoded.close()
             reads.close()
+            self._reclaim()
+
+    def _reclaim(self) -> None:
+        """CPU-decode slots of batches read ahead but never decoded (an epoch left early) are free again."""
+        if self.cpu is not None:
+            self.cpu.reclaim()
 
     def _handed_over(self, item: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch, safe to use on the caller's current stream (made on a side stream: wait for it)."""
@@ -207,30 +233,122 @@ class DecodeLoader:
             event.record(self._stream)
         return images, labels, event
 
+    def close(self) -> None:
+        """Stop the CPU decode workers (if any); iterating again starts new ones."""
+        if self.cpu is not None:
+            self.cpu.close()
+            self.cpu = None
+
+    def _start_cpu_decoders(self) -> CpuDecoders:
+        """Workers and slots for the CPU share: a slot holds the largest share of one batch, each image
+        up to twice the cache's nominal size (a batch of larger ones sends fewer to the CPU)."""
+        codec = self.cache.reader.image_codec  # type: ignore[attr-defined]
+        h, w, c = self.cache.spec.shape
+        most = self.fixed_share if self.fixed_share is not None else MAX_AUTO_SHARE
+        per_image = 2 * int(h) * int(w) * int(c)
+        slot_bytes = max(1 << 16, int(np.ceil(most * self.batch_size)) * per_image * 5 // 4)
+        return CpuDecoders(
+            codec.name,
+            codec.quality,
+            self.cpu_decoders,
+            slots=self.read_ahead + 2,
+            slot_bytes=slot_bytes,
+            pin=self.device.type == "cuda",
+        )
+
     def _read(self, batch: list[int]) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
         index = storage_sorted(self.cache, batch)
         labels = self.cache.labels[index]
         if not self.gpu:
             return index, self.cache.read_images(index), None, labels
         payloads, shapes = self.cache.read_payloads(index)
-        return index, (payloads, as_tensors(payloads)), shapes, labels
+        share = self._submit_cpu_share(payloads, shapes)
+        first = share.count if share is not None else 0
+        return index, (payloads, as_tensors(payloads[first:]), share), shapes, labels
+
+    def _submit_cpu_share(self, payloads: list[memoryview], shapes: np.ndarray) -> CpuShare | None:
+        """The batch's first images to the CPU decoders (as many as the share says and a slot holds)."""
+        count = int(round(self.share * len(payloads))) if self.cpu is not None else 0
+        if self.cpu is None or count == 0:
+            return None
+        slot = self.cpu.acquire()
+        count = self.cpu.fits(payloads, shapes, count)
+        if count == 0:
+            self.cpu.release(slot)
+            return None
+        return self.cpu.submit(slot, payloads[:count], shapes[:count])
 
     def _finish(
         self, index: np.ndarray, data: Any, shapes: np.ndarray | None, labels: np.ndarray
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gpu:
             positions = self.cache.positions[index]
-            payloads, tensors = data
-            images, fallbacks = decode_on_device(
-                self.cache, payloads, shapes, positions, self.device, tensors
-            )  # type: ignore[arg-type]
+            payloads, tensors, share = data
+            first = share.count if share is not None else 0
+            images: list[torch.Tensor] = []
+            fallbacks, gpu_seconds = 0, 0.0
+            if first < len(payloads):
+                t0 = time.perf_counter()
+                images, fallbacks = decode_on_device(
+                    self.cache, payloads[first:], shapes[first:], positions[first:], self.device, tensors
+                )  # type: ignore[arg-type]
+                gpu_seconds = time.perf_counter() - t0
             self.stats.gpu_images += len(images) - fallbacks
             self.stats.cpu_fallbacks += fallbacks
+            if share is not None:
+                cpu_images, cpu_seconds = self._cpu_share_on_device(share, payloads, positions)
+                self._balance(share.count, cpu_seconds, len(images), gpu_seconds)
+                images = cpu_images + images
         else:
             images = [torch.from_numpy(a).permute(2, 0, 1).to(self.device, non_blocking=True) for a in data]
             self.stats.cpu_images += len(images)
         batch = self.transform(images) if self.transform is not None else torch.stack(images)
         return batch, torch.from_numpy(labels).to(self.device, non_blocking=True)
+
+    def _cpu_share_on_device(
+        self, share: CpuShare, payloads: list[memoryview], positions: np.ndarray
+    ) -> tuple[list[torch.Tensor], float]:
+        """The CPU share's images on the device (one copy of the slot), and the workers' decode time.
+        A run the workers failed is decoded here, so a corrupt image raises the reader's error."""
+        assert self.cpu is not None
+        seconds, failed = share.wait()
+        block = self.cpu.block
+        for first, stop in failed:
+            for i in range(first, stop):
+                h, w, c = share.shapes[i].tolist()
+                hwc = self.cache.reader.decode(payloads[i], (h, w, c), int(positions[i]))  # type: ignore[attr-defined]
+                start = share.out_start + int(share.offsets[i])
+                block[start : start + h * w * c].reshape(c, h, w)[...] = hwc.transpose(2, 0, 1)
+        region = torch.from_numpy(block[share.out_start : share.out_start + share.out_bytes])
+        if self.device.type == "cuda":
+            flat = region.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()  # the slot is written again only after this copy
+            self.cpu.release(share.slot, event)
+        else:
+            flat = region.clone()
+            self.cpu.release(share.slot)
+        self.stats.cpu_images += share.count
+        images = [
+            flat[o : o + h * w * c].view(c, h, w)
+            for o, (h, w, c) in zip(share.offsets.tolist(), share.shapes.tolist())
+        ]
+        return images, seconds
+
+    def _balance(self, cpu_count: int, cpu_seconds: float, gpu_count: int, gpu_seconds: float) -> None:
+        """Without a fixed ``cpu_share``: move toward the split at which both sides take as long per
+        batch, from their measured rates (the workers' decode time, nvJPEG's wall time)."""
+        self.stats.cpu_share = cpu_count / max(1, cpu_count + gpu_count)
+        if self.fixed_share is not None or cpu_seconds <= 0:
+            return
+        cpu_rate = cpu_count / cpu_seconds
+        if gpu_count == 0 or gpu_seconds <= 0:  # all went to the CPU: probe the GPU side again
+            target = MAX_AUTO_SHARE
+        else:
+            gpu_rate = gpu_count / gpu_seconds
+            target = cpu_rate / (cpu_rate + gpu_rate)
+        target = min(MAX_AUTO_SHARE, max(MIN_AUTO_SHARE, target))
+        self.share += AUTO_STEP * (target - self.share)
 
 
 class _Pipe:

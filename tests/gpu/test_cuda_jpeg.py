@@ -134,3 +134,45 @@ def test_fused_crop_kernel_equals_the_pytorch_path(jpeg_cache: Path, channels_la
     assert not fused_crop._BROKEN, fused_crop._BROKEN  # it ran, not the fallback
     assert outs[1].is_contiguous(memory_format=torch.channels_last) == channels_last
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("decode_in", ["stream", "thread"])
+def test_split_decode_on_cuda_equals_each_sides_own_decode(
+    image_tree: Path, tmp_path: Path, decode_in: str
+) -> None:
+    """cpu_decoders: each batch's first half is decoded by CPU processes (pinned slots, one copy), the
+    rest by nvJPEG; behind a slow consumer (slots reused while copies and crops are queued) every image
+    must equal its own CPU or nvJPEG decode."""
+    from dlstore.read.loaders import storage_sorted
+
+    convert(image_tree, tmp_path / "c", format=FORMAT, size=32, codec="jpeg", workers=2)
+    cache = open_cache(tmp_path / "c")
+
+    def slow_stack(images: list[torch.Tensor]) -> torch.Tensor:
+        torch.cuda._sleep(20_000_000)
+        return torch.stack(images)
+
+    batch = 4
+    loader = DecodeLoader(
+        cache,
+        batch,
+        transform=slow_stack,
+        order="sequential",
+        decode_in=decode_in,
+        cpu_decoders=2,
+        cpu_share=0.5,
+        read_ahead=1,
+    )
+    try:
+        got = [x.clone() for x, _y in loader]
+        assert loader.cpu is not None and loader.cpu.pinned
+    finally:
+        loader.close()
+    torch.cuda.synchronize()
+    dev = torch.device("cuda")
+    for k, x in enumerate(got):
+        index = storage_sorted(cache, list(range(k * batch, (k + 1) * batch)))
+        payloads, shapes = cache.read_payloads(index)
+        gpu, _ = decode_on_device(cache, payloads[2:], shapes[2:], cache.positions[index[2:]], dev)
+        cpu = [torch.from_numpy(a).permute(2, 0, 1).to(dev) for a in cache.read_images(index[:2])]
+        torch.testing.assert_close(x, torch.stack(cpu + gpu), rtol=0, atol=0, msg=f"batch {k}")

@@ -88,3 +88,133 @@ def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path, decode_
     it.close()  # type: ignore[attr-defined]
     # a join that had timed out would leave them alive
     assert not [t for t in threading.enumerate() if t.name in ("dlstore-read-ahead", "dlstore-decode")]
+
+
+# --- a batch split between nvJPEG and CPU decode processes (cpu_decoders) ---------------------------
+# Without a GPU, the "GPU" side is torchvision's CPU decode_jpeg through the same decode_on_device call
+# (``loader.gpu`` forced on); the CPU side is the real worker processes.
+
+
+def _split_loader(cache_path: Path, share: float | None, **kw: object) -> DecodeLoader:
+    loader = DecodeLoader(
+        cache_path,
+        batch_size=4,
+        transform=lambda images: images,  # type: ignore[arg-type,return-value]
+        device="cpu",
+        order="sequential",
+        drop_last=False,
+        cpu_decoders=2,
+        cpu_share=share,
+        **kw,  # type: ignore[arg-type]
+    )
+    loader.gpu = True
+    return loader
+
+
+def _check_split_epoch(loader: DecodeLoader, cache_path: Path, share: float) -> int:
+    """Every batch: its first round(share * n) images equal the CPU decode, the rest the single-path
+    (decode_on_device) decode, each with its own label. Returns the CPU-decoded count."""
+    from dlstore.read.loaders import storage_sorted
+
+    cache = open_cache(cache_path)
+    cpu_count, seen = 0, 0
+    for images, labels in loader:
+        index = storage_sorted(cache, list(range(seen, seen + len(images))))
+        seen += len(images)
+        first = int(round(share * len(index)))
+        payloads, shapes = cache.read_payloads(index)
+        single, _ = decode_on_device(cache, payloads, shapes, cache.positions[index], torch.device("cpu"))
+        cpu = cache.read_images(index)
+        for i, img in enumerate(images):
+            want = torch.from_numpy(cpu[i]).permute(2, 0, 1) if i < first else single[i]
+            assert torch.equal(img, want), (seen, i)
+        assert labels.tolist() == cache.labels[index].tolist()
+        cpu_count += first
+    assert seen == len(cache)
+    return cpu_count
+
+
+@pytest.mark.parametrize("decode_in", ["stream", "thread"])
+def test_split_batches_equal_the_single_path_decodes(
+    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dlstore.read.gpu_decode as gd
+
+    real, sent = gd.decode_on_device, []
+
+    def spy(cache, payloads, *args, **kw):  # type: ignore[no-untyped-def]
+        sent.append(len(payloads))  # what the "GPU" side was given
+        return real(cache, payloads, *args, **kw)
+
+    monkeypatch.setattr(gd, "decode_on_device", spy)
+    loader = _split_loader(jpeg_cache, 0.5, decode_in=decode_in)
+    try:
+        cpu_count = _check_split_epoch(loader, jpeg_cache, 0.5)
+        n = len(open_cache(jpeg_cache))
+        assert cpu_count > 0 and loader.stats.cpu_images == cpu_count
+        assert loader.stats.gpu_images == n - cpu_count == sum(sent)
+        assert sent == [b - round(0.5 * b) for b in [4] * (n // 4) + ([n % 4] if n % 4 else [])]
+    finally:
+        loader.close()
+
+
+def test_a_run_whose_worker_died_is_decoded_in_the_loader(jpeg_cache: Path) -> None:
+    loader = _split_loader(jpeg_cache, 1.0)
+    try:
+        next(iter(loader))  # workers started
+        assert loader.cpu is not None
+        for proc in loader.cpu.procs:
+            proc.kill()
+            proc.wait()
+        assert _check_split_epoch(loader, jpeg_cache, 1.0) == len(open_cache(jpeg_cache))
+    finally:
+        loader.close()
+
+
+def test_abandoned_epochs_give_their_slots_back(jpeg_cache: Path) -> None:
+    import threading
+
+    loader = _split_loader(jpeg_cache, 0.5, read_ahead=1)
+    try:
+        for _ in range(4):  # more abandoned epochs than slots: a leaked slot would block the reads
+            it = iter(loader)
+            next(it)
+            it.close()  # type: ignore[attr-defined]
+        done = threading.Event()
+
+        def epoch() -> None:
+            _check_split_epoch(loader, jpeg_cache, 0.5)
+            done.set()
+
+        t = threading.Thread(target=epoch, daemon=True)
+        t.start()
+        t.join(60)
+        assert done.is_set(), "the epoch after abandoned ones did not finish (slots not given back)"
+    finally:
+        loader.close()
+
+
+def test_auto_share_follows_the_measured_rates(jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import dlstore.read.gpu_decode as gd
+
+    real = gd.decode_on_device
+
+    def slow_gpu(*args, **kw):  # type: ignore[no-untyped-def]
+        time.sleep(0.05)  # far slower than the workers: the CPU's share should grow to its cap
+        return real(*args, **kw)
+
+    monkeypatch.setattr(gd, "decode_on_device", slow_gpu)
+    loader = _split_loader(jpeg_cache, None)
+    try:
+        assert loader.share == 0.5
+        for _ in range(3):
+            for _batch in loader:
+                pass
+        assert loader.share > 0.8 and loader.share <= gd.MAX_AUTO_SHARE
+        assert loader.stats.cpu_images > loader.stats.gpu_images
+    finally:
+        loader.close()
+    with pytest.raises(ValueError, match="cpu_share"):
+        DecodeLoader(jpeg_cache, batch_size=4, transform=lambda x: x, device="cpu", cpu_share=1.5)

@@ -1,0 +1,309 @@
+"""JPEG payloads decoded on the CPU in worker processes, into slots of one shared-memory block.
+
+``DecodeLoader(cpu_decoders=N)`` splits each batch: part goes to nvJPEG on the GPU, part to N of these
+workers (simplejpeg, or Pillow without it), so that both finish a batch at about the same time. The
+reading thread writes the CPU share's payloads into a slot's input area; each worker decodes its
+contiguous run of them and writes every image as planar (C, H, W) uint8 into the slot's output area,
+back to back, so the GPU gets the whole share in one host-to-device copy (from pinned memory when the
+block could be registered with CUDA) and the ragged crop reads it like nvJPEG's planar outputs.
+
+Workers are fresh interpreters (as ``dlstore.formats.unit_procs``: no multiprocessing spawn/fork of
+the user's process), import no torch, and answer each run with its decode time, which the loader uses
+to balance the split. A run a worker fails (or loses by dying) is decoded again in the loader's
+thread, where a corrupt payload becomes the reader's error naming the image.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import queue
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+
+_REQ = struct.Struct("<qq")  # run id, images (then an int64 (n, 6) table)
+_ANS = struct.Struct("<qqq")  # run id, decode nanoseconds, error message length (then the message)
+COLUMNS = 6  # per image: input start, input end, output start, H, W, C
+
+
+def _worker(conn: Connection) -> None:
+    """Decode the runs asked for until the pipe closes; the first message (JSON) names the block and
+    the codec."""
+    from dlstore.formats.codecs import get_codec
+    from dlstore.formats.unit_procs import _untrack
+
+    hello = json.loads(conn.recv_bytes())
+    codec = get_codec(hello["codec"], int(hello["quality"]))
+    shm = shared_memory.SharedMemory(name=hello["shm"])
+    _untrack(shm)
+    block = np.ndarray((hello["size"],), np.uint8, buffer=shm.buf)
+    scratch = np.empty(0, np.uint8)
+    try:
+        while True:
+            try:
+                msg = conn.recv_bytes()
+            except (EOFError, OSError):
+                break
+            run, n = _REQ.unpack_from(msg)
+            table = np.frombuffer(msg, np.int64, n * COLUMNS, _REQ.size).reshape(n, COLUMNS)
+            t0 = time.perf_counter_ns()
+            try:
+                scratch = decode_table(codec, block, table, scratch)
+                conn.send_bytes(_ANS.pack(run, time.perf_counter_ns() - t0, 0))
+            except Exception as e:  # the loader decodes the run again itself, naming the image
+                err = f"{type(e).__name__}: {e}".encode(errors="replace")[:4000]
+                conn.send_bytes(_ANS.pack(run, 0, len(err)) + err)
+        del block
+    finally:
+        shm.close()
+
+
+def decode_table(codec: Any, block: np.ndarray, table: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """Decode each row's payload ``block[start:end]`` to (H, W, C) in ``scratch`` (grown as needed and
+    returned), then write it planar (C, H, W) at its output offset."""
+    for start, end, out, h, w, c in table.tolist():
+        if scratch.size < h * w * c:
+            scratch = np.empty(h * w * c, np.uint8)
+        hwc = scratch[: h * w * c].reshape(h, w, c)
+        codec.decode_into(block[start:end], (h, w, c), hwc)
+        np.copyto(block[out : out + h * w * c].reshape(c, h, w), hwc.transpose(2, 0, 1))
+    return scratch
+
+
+@dataclass
+class CpuShare:
+    """One batch's CPU share in flight: images ``0..count`` of the batch, decoded into ``slot``."""
+
+    slot: int
+    count: int
+    out_start: int  # the slot's output area: [out_start, out_start + out_bytes) of the block
+    out_bytes: int
+    shapes: np.ndarray  # (count, 3) H, W, C
+    offsets: np.ndarray  # (count,) each image's output offset within the output area
+    runs: list[tuple[int, int, Future[int]]]  # (first, stop, decode ns) per worker run
+
+    def wait(self) -> tuple[float, list[tuple[int, int]]]:
+        """Seconds the slowest run took to decode, and the (first, stop) runs that failed."""
+        slowest, failed = 0, []
+        for first, stop, fut in self.runs:
+            try:
+                slowest = max(slowest, fut.result())
+            except Exception:
+                failed.append((first, stop))
+        return slowest / 1e9, failed
+
+
+class CpuDecoders:
+    """``processes`` decode workers over ``slots`` slots of ``slot_bytes`` each (a quarter input, the
+    rest output); ``pin=True`` registers the block with CUDA so copies from it are asynchronous DMA."""
+
+    def __init__(
+        self, codec: str, quality: int, processes: int, slots: int, slot_bytes: int, pin: bool = False
+    ) -> None:
+        self.slot_bytes = int(slot_bytes) // 64 * 64
+        self.in_bytes = self.slot_bytes // 4
+        self.size = slots * self.slot_bytes
+        self.shm = shared_memory.SharedMemory(create=True, size=max(1, self.size))
+        self.block = np.ndarray((self.size,), np.uint8, buffer=self.shm.buf)
+        self.pinned = _register(self.block) if pin else False
+        self._free: queue.Queue[tuple[int, Any]] = queue.Queue()
+        for s in range(slots):
+            self._free.put((s, None))
+        self._held: dict[int, CpuShare | None] = {}  # acquired slots (and their share once submitted)
+        self._lock = threading.Lock()
+        self._pending: dict[int, tuple[Future[int], int]] = {}  # run -> (future, worker)
+        self._ids = itertools.count()
+        hello = json.dumps({"shm": self.shm.name, "size": self.size, "codec": codec, "quality": quality})
+        self.conns: list[Connection] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for _ in range(max(1, processes)):
+            conn, proc = _start_worker()
+            conn.send_bytes(hello.encode())
+            self.conns.append(conn)
+            self.procs.append(proc)
+        self._next = itertools.cycle(range(len(self.conns)))
+        self._closed = False
+        self._collector = threading.Thread(target=self._collect, daemon=True, name="dlstore-cpu-decode")
+        self._collector.start()
+        self._finalizer = weakref.finalize(
+            self, _shutdown, self.shm, self.conns, self.procs, self.block.ctypes.data if self.pinned else 0
+        )
+
+    @property
+    def processes(self) -> int:
+        return len(self.conns)
+
+    def acquire(self) -> int:
+        """A free slot, once the copy that last read it has finished (its CUDA event, if any)."""
+        slot, event = self._free.get()
+        if event is not None:
+            event.synchronize()
+        with self._lock:
+            self._held[slot] = None
+        return slot
+
+    def release(self, slot: int, event: Any = None) -> None:
+        """The slot may be reused once ``event`` (a CUDA event after the copy out of it) completes."""
+        with self._lock:
+            self._held.pop(slot, None)
+        self._free.put((slot, event))
+
+    def reclaim(self) -> None:
+        """Free the slots of shares nobody will consume (an epoch left early), once their workers are
+        done writing them. Only while no other thread uses these decoders."""
+        with self._lock:
+            held = list(self._held.items())
+        for slot, share in held:
+            if share is not None:
+                share.wait()
+            self.release(slot)
+
+    def fits(self, payloads: list[memoryview], shapes: np.ndarray, count: int) -> int:
+        """How many of the first ``count`` images fit a slot (input and output areas)."""
+        sizes = np.fromiter((len(p) for p in payloads[:count]), np.int64, count)
+        pixels = np.prod(shapes[:count].astype(np.int64), axis=1)
+        ok = (np.cumsum(sizes) <= self.in_bytes) & (np.cumsum(pixels) <= self.slot_bytes - self.in_bytes)
+        return int(np.argmin(ok)) if not ok.all() else count
+
+    def submit(self, slot: int, payloads: list[memoryview], shapes: np.ndarray) -> CpuShare:
+        """Decode ``payloads`` (all of which fit, see ``fits``) into ``slot``, split over the workers."""
+        count = len(payloads)
+        shapes = np.asarray(shapes, np.int64).reshape(-1, 3)
+        base = slot * self.slot_bytes
+        sizes = np.fromiter((len(p) for p in payloads), np.int64, count)
+        in_ends = base + np.cumsum(sizes)
+        joined = b"".join(payloads)
+        self.block[base : base + len(joined)] = np.frombuffer(joined, np.uint8)
+        pixels = np.prod(shapes, axis=1)
+        offsets = np.concatenate(([0], np.cumsum(pixels)[:-1])).astype(np.int64)
+        out_start = base + self.in_bytes
+        table = np.empty((count, COLUMNS), np.int64)
+        table[:, 0], table[:, 1] = in_ends - sizes, in_ends
+        table[:, 2] = out_start + offsets
+        table[:, 3:] = shapes
+        parts = min(self.processes, count)
+        bounds = [count * i // parts for i in range(parts + 1)]
+        runs = [(a, b, self._send(table[a:b])) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        share = CpuShare(slot, count, out_start, int(pixels.sum()), shapes, offsets, runs)
+        with self._lock:
+            self._held[slot] = share
+        return share
+
+    def _send(self, table: np.ndarray) -> Future[int]:
+        future: Future[int] = Future()
+        with self._lock:
+            run, worker = next(self._ids), next(self._next)
+            if self._closed:
+                future.set_exception(RuntimeError("the CPU decoders are closed"))
+                return future
+            self._pending[run] = (future, worker)
+            try:
+                self.conns[worker].send_bytes(_REQ.pack(run, len(table)) + table.tobytes())
+            except OSError as e:  # the worker is gone: the loader decodes the run itself
+                del self._pending[run]
+                future.set_exception(e)
+        return future
+
+    def _collect(self) -> None:
+        live = list(self.conns)
+        while live:
+            try:
+                ready = wait(live)
+            except (OSError, ValueError):  # close() closed the pipes under us
+                return
+            for conn in ready:
+                try:
+                    msg = conn.recv_bytes()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    live.remove(conn)  # type: ignore[arg-type]
+                    self._fail_worker(self.conns.index(conn))  # type: ignore[arg-type]
+                    continue
+                run, ns, n = _ANS.unpack_from(msg)
+                with self._lock:
+                    future, _ = self._pending.pop(run)
+                if n:
+                    future.set_exception(RuntimeError(msg[_ANS.size :].decode(errors="replace")))
+                else:
+                    future.set_result(ns)
+
+    def _fail_worker(self, worker: int) -> None:
+        with self._lock:
+            lost = [r for r, (_, w) in self._pending.items() if w == worker]
+            futures = [self._pending.pop(r)[0] for r in lost]
+        for f in futures:
+            f.set_exception(RuntimeError("its decode process exited"))
+
+    def close(self) -> None:
+        """Stop the workers, unregister and free the shared memory."""
+        with self._lock:
+            self._closed = True
+        self.block = np.zeros(0, np.uint8)  # drop the view, so the block can be unmapped
+        self._finalizer()
+        self._collector.join(5)
+
+
+def _register(block: np.ndarray) -> bool:
+    """Page-lock the block for CUDA (asynchronous copies); False where CUDA refuses or is absent."""
+    import torch
+
+    if not torch.cuda.is_available() or block.size == 0:
+        return False
+    return int(torch.cuda.cudart().cudaHostRegister(block.ctypes.data, block.nbytes, 0)) == 0
+
+
+def _start_worker() -> tuple[Connection, subprocess.Popen[bytes]]:
+    from dlstore.formats.unit_procs import _child_env
+
+    here, there = socket.socketpair()
+    cmd = [sys.executable, "-c", "from dlstore.read.cpu_decode import main; main()", str(there.fileno())]
+    proc = subprocess.Popen(cmd, pass_fds=[there.fileno()], env=_child_env(), close_fds=True)
+    there.close()
+    conn = Connection(os.dup(here.fileno()))
+    here.close()
+    return conn, proc
+
+
+def _shutdown(
+    shm: shared_memory.SharedMemory,
+    conns: list[Connection],
+    procs: list[Any],
+    pinned: int,
+) -> None:
+    for conn in conns:
+        conn.close()
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    if pinned:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(pinned)
+    try:
+        shm.close()
+    except BufferError:  # an array over the block is still alive; the name goes anyway
+        pass
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def main() -> None:
+    """Worker entry: ``python -c '...main()' FD`` (see CpuDecoders)."""
+    _worker(Connection(int(sys.argv[1])))
