@@ -154,6 +154,8 @@ def section_bytes(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     idx = np.arange(n)
     out: dict[str, Any] = {"raw_bytes_per_image": raw.spec.image_bytes}
     for name in ("jpeg256", "jpeg_short256", "jpeg_short128", "zarr_jpeg_short256"):
+        if not (work / name).exists():  # not built this run (--caches)
+            continue
         c = open_cache(work / name)
         out[name] = {
             "payload_bytes_per_image": payload_bytes(c) / len(c),
@@ -534,20 +536,29 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
         res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True
     ).to(DEV)
     torch_rrc.fused = False  # the PyTorch gather instead of the fused Triton kernel
-    plan = (
-        [("jpeg_short256", "thread", rrc), ("jpeg_short128", "thread", rrc), ("jpeg_short128", "stream", rrc)]
+    storage = "jpeg_short128" if res <= 128 else "jpeg_short256"
+    plan: list[tuple[str, str, Any, int]] = (
+        [
+            ("jpeg_short256", "thread", rrc, 0),
+            ("jpeg_short128", "thread", rrc, 0),
+            ("jpeg_short128", "stream", rrc, 0),
+        ]
         if res <= 128
         else [
-            ("jpeg_short256", "thread", rrc),
-            ("jpeg_short256", "stream", rrc),
-            ("jpeg_short256", "thread", torch_rrc),
+            ("jpeg_short256", "thread", rrc, 0),
+            ("jpeg_short256", "stream", rrc, 0),
+            ("jpeg_short256", "thread", torch_rrc, 0),
         ]
     )
+    if args.lean:  # round D: the default loader only, beside the split with CPU decoders
+        plan = [(storage, "thread", rrc, 0)]
+    if args.cpu_decoders:
+        plan.append((storage, "thread", rrc, args.cpu_decoders))
     jpeg = {
-        f"{name}_{where}{'_torchcrop' if crop is torch_rrc else ''}": DecodeLoader(
-            work / name, batch, transform=crop, device=DEV, decode_in=where
+        f"{name}_{where}{'_torchcrop' if crop is torch_rrc else ''}{f'_cpu{cpus}' if cpus else ''}": DecodeLoader(
+            work / name, batch, transform=crop, device=DEV, decode_in=where, cpu_decoders=cpus
         )
-        for name, where, crop in plan
+        for name, where, crop, cpus in plan
     }
     aug = GpuAugment(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(DEV)
     pinned = PinnedLoader(open_cache(work / "raw256", in_memory=True), batch, device=DEV, order="random")
@@ -555,8 +566,8 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
     def augmented() -> Any:
         return ((aug(a), b) for a, b in pinned)
 
-    folder = _ToGpu(imagefolder_loader(work, res, batch))
-    decoded = predecoded(work / "jpeg_short256", batch)
+    folder = None if args.lean else _ToGpu(imagefolder_loader(work, res, batch))
+    decoded = [] if args.lean else predecoded(work / "jpeg_short256", batch)
 
     def crop_only(crop: Any) -> Any:
         for imgs, labels in decoded:
@@ -580,17 +591,18 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
             )
             for name, ld in jpeg.items()
         },
-        # diagnostic: batches decoded before the run, so only the crop runs with the model
-        "jpeg_short256_predecoded_crop_only": lambda: timed_steps(
-            lambda: crop_only(rrc), step, args.warmup, args.steps, batch
-        ),
-        "jpeg_thread_switch_1ms": switch_1ms,
         "raw_ram_pinned_0_workers": lambda: timed_steps(augmented, step, args.warmup, args.steps, batch),
-        f"imagefolder_{CORES}_workers": lambda: timed_steps(
-            lambda: iter(folder), step, args.warmup, args.steps, batch
-        ),
     }
-    if res > 128:
+    if not args.lean:
+        # diagnostic: batches decoded before the run, so only the crop runs with the model
+        cfgs["jpeg_short256_predecoded_crop_only"] = lambda: timed_steps(
+            lambda: crop_only(rrc), step, args.warmup, args.steps, batch
+        )
+        cfgs["jpeg_thread_switch_1ms"] = switch_1ms
+        cfgs[f"imagefolder_{CORES}_workers"] = lambda: timed_steps(
+            lambda: iter(folder), step, args.warmup, args.steps, batch
+        )
+    if res > 128 and not args.lean:
         cfgs["jpeg_short256_predecoded_torchcrop_only"] = lambda: timed_steps(
             lambda: crop_only(torch_rrc), step, args.warmup, args.steps, batch
         )
@@ -604,8 +616,8 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
     ceiling = med["synthetic"]
     side = (
         f"raw ram {med['raw_ram_pinned_0_workers']:,.0f}, ImageFolder x{CORES} "
-        f"{med[f'imagefolder_{CORES}_workers']:,.0f}, pre-decoded + crop only "
-        f"{med['jpeg_short256_predecoded_crop_only']:,.0f} img/s"
+        f"{med.get(f'imagefolder_{CORES}_workers', float('nan')):,.0f}, pre-decoded + crop only "
+        f"{med.get('jpeg_short256_predecoded_crop_only', float('nan')):,.0f} img/s"
     )
     label = "ResNet-50" if model == "resnet50" else "ResNet-18"
     goal = 0.97 if model == "resnet50" else 0.70
@@ -616,9 +628,11 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
             "thread": "decode in a side thread",
             "stream": "decode on a side stream",
         }[key.split("_")[2]]
+        how = "GPU decode+RRC, 0 workers, "
+        if "_cpu" in key:  # the batch split between nvJPEG and CPU decode processes
+            how = f"nvJPEG + {args.cpu_decoders} CPU decoders, auto split, RRC, "
         target(
-            f"jpeg: {label} bf16 @{res} bs{batch} from JPEG cache {storage} (GPU decode+RRC, 0 workers, "
-            f"{where}) vs synthetic",
+            f"jpeg: {label} bf16 @{res} bs{batch} from JPEG cache {storage} ({how}{where}) vs synthetic",
             med[key],
             ceiling,
             goal,
@@ -626,9 +640,12 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
         )
     from dlstore.gpu import fused_crop
 
+    for ld in jpeg.values():
+        ld.close()
     return {
         "runs": out,
         "median": med,
+        "cpu_share": {k: ld.share for k, ld in jpeg.items() if ld.cpu_decoders},
         "fused_crop_available": fused_crop.available(torch.device(DEV)),
         "fused_crop_failures": list(fused_crop._BROKEN),
     }
@@ -845,6 +862,7 @@ def main() -> None:
     ap.add_argument("--caches", default="all", help="data section: which caches to build (comma list)")
     ap.add_argument("--cpu-decoders", type=int, default=max(1, CORES - 4), help="hybrid section's workers")
     ap.add_argument("--shares", default="0.25,0.5,0.75", help="hybrid section: fixed CPU shares tried")
+    ap.add_argument("--lean", action="store_true", help="resnet sections: the default loaders only")
     args = ap.parse_args()
     work = harness.work_dir(args, "dlstore-jpeg-")
     RESULTS["environment"] = environment()
