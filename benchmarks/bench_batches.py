@@ -6,6 +6,8 @@ Sections (``--sections``, in order of importance; one is skipped when its estima
 - ``batches``: 2,048 JPEGs of 300×240, ResNet-18 @112, gpu-augment, at each ``--batches`` size: raw at
   8 workers, ram at 0 and 4 workers, pinned and resident (the issue's kinds: raw, cached-with-workers,
   pinned, resident);
+- ``noise``: ``step_noise.py`` at the largest batch size: how far the fed step's mean moves between
+  windows of 8–64 steps (what bounds a prediction from parts measured alone), with the collector's pauses;
 - ``default``: ``dlstore bench --out …`` as a user runs it (wall time, goal ≤ 60 s);
 - ``decode``: the decode-heavy workload (raw, CPU augment at 224, ResNet-18, batch 64, 0 and 4 workers:
   must be named transform-bound), then the 0-worker loop taken apart (``decode_parts``): the loader alone
@@ -40,9 +42,9 @@ from bench_gpu import make_jpegs, trim  # noqa: E402
 
 from dlstore.bench.protocol import BenchConfig  # noqa: E402
 
-SECTIONS = ("batches", "default", "decode", "seeds", "compute")
+SECTIONS = ("batches", "noise", "default", "decode", "seeds", "compute")
 # Seconds each part took on the H200 (earlier runs), to skip what would not fit in the budget.
-ESTIMATE_S = {"batch": 20.0, "decode": 22.0, "compute": 17.0, "seeds": 16.0, "default": 45.0}
+ESTIMATE_S = {"batch": 20.0, "noise": 12.0, "decode": 22.0, "compute": 17.0, "seeds": 16.0, "default": 60.0}
 TOLERANCE = 0.20
 
 Log = Callable[[str], None]
@@ -118,27 +120,29 @@ def batches_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
         cold=False,
         repeats=1,
         max_run_s=None,
+        fed_s=args.fed_s,
     )
     for batch in args.batches:
         if rec.elapsed() + ESTIMATE_S["batch"] > args.budget_s:
             rec.doc["skipped"].append(f"batch {batch}")
             continue
-        few = batch >= 256  # fewer, longer batches: the same span of time
-        steps, warmup = (6, 2) if few else (12, 4)
-        bench(
-            f"b{batch}-raw",
-            BenchConfig(
-                loaders=("raw",),
-                workers=(8,),
-                batch_size=batch,
-                steps=steps,
-                warmup=warmup,
-                pin_memory="on",
-                **common,
-            ),  # type: ignore[arg-type]
-            rec,
-            log,
-        )
+        # ≥ 24 steps of a ~13 ms step: windows of 8–12 steps moved ±25% between runs (round B)
+        steps, warmup = (24, 4) if batch >= 256 else (32, 4)
+        if batch in args.raw_batches:
+            bench(
+                f"b{batch}-raw",
+                BenchConfig(
+                    loaders=("raw",),
+                    workers=(8,),
+                    batch_size=batch,
+                    steps=steps,
+                    warmup=warmup,
+                    pin_memory="on",
+                    **common,
+                ),  # type: ignore[arg-type]
+                rec,
+                log,
+            )
         bench(
             f"b{batch}-cached",
             BenchConfig(
@@ -169,6 +173,8 @@ def decode_config(args: argparse.Namespace, jpegs: Path, workers: tuple[int, ...
         cold=False,
         cache=args.work / "caches",
         max_run_s=None,
+        stage_steps=12,
+        fed_s=args.fed_s,
     )
 
 
@@ -176,8 +182,11 @@ def decode_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
     jpegs = make_jpegs(args.work / "jpegs384", 384)
     doc = bench("decode-heavy", decode_config(args, jpegs, (0, 4)), rec, log)
     rec.doc.setdefault("verdicts", {})["decode-heavy"] = [r["bottleneck"] for r in doc["runs"]]
+    if not args.decode_parts:
+        return
     try:
-        rec.put("decode_parts", decode_parts(decode_config(args, jpegs, (0,)), log))
+        plan = ("alone", "loop") * args.decode_parts
+        rec.put("decode_parts", decode_parts(decode_config(args, jpegs, (0,)), log, plan))
     except Exception as e:  # a diagnostic: keep the rest of the round
         rec.put("decode_parts", {"error": repr(e)})
         log(f"decode_parts failed: {e!r}")
@@ -363,6 +372,21 @@ def default_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
     log(f"default: {wall:.1f} s rc={proc.returncode}")
 
 
+def noise_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
+    import step_noise
+
+    out = args.out / "noise"
+    argv = ["--out", str(out), "--batches", str(max(args.batches)), "--steps", str(args.noise_steps)]
+    if args.smoke:
+        argv += ["--model", "smallcnn", "--size", "32"]
+    step_noise.main(argv)
+    doc = json.loads((out / "step_noise.json").read_text())
+    rec.put(
+        "noise", {k: {kk: vv for kk, vv in v.items() if kk != "periods_ms"} for k, v in doc["runs"].items()}
+    )
+    log("noise: done")
+
+
 def summary(rec: Recorder) -> list[str]:
     lines = [
         f"{'run':<14} {'batch':>5} {'loader':<9} {'wk':>3} {'pin':>3} {'img/s':>9} {'predicted':>9} {'err':>6} bottleneck"
@@ -397,9 +421,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=140.0, help="Start no section that would end past this.")
     p.add_argument("--seeds-images", type=int, default=30_000)
     p.add_argument("--images", type=int, default=2048, help="JPEGs for the batch sweep.")
+    p.add_argument(
+        "--raw-batches", default=None, help="Batch sizes with a raw run (default: all of --batches)."
+    )
+    p.add_argument(
+        "--fed-s", type=float, default=0.4, help="Seconds each fed-step loop is timed (BenchConfig.fed_s)."
+    )
+    p.add_argument(
+        "--decode-parts", type=int, default=3, help="Alone/loop pairs of the 0-worker decode loop."
+    )
+    p.add_argument("--noise-steps", type=int, default=250)
     p.add_argument("--smoke", action="store_true", help="Tiny sizes and SmallCNN: a check on a CPU.")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.raw_batches = (
+        args.batches if args.raw_batches is None else [int(b) for b in args.raw_batches.split(",") if b]
+    )
     sections = [s for s in args.sections.split(",") if s]
     unknown = set(sections) - set(SECTIONS)
     if unknown:
@@ -410,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{rec.elapsed():6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    run = {"batches": batches_section, "decode": decode_section, "compute": compute_section,
+    run = {"batches": batches_section, "noise": noise_section, "decode": decode_section, "compute": compute_section,
            "seeds": seeds_section, "default": default_section}  # fmt: skip
     for s in SECTIONS:
         if s not in sections:

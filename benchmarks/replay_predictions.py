@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dlstore.bench.predict import FedTiming, LoaderTiming, compose, prediction_error  # noqa: E402
+from dlstore.bench.predict import FedTiming, LoaderTiming, compose, fed_timing, prediction_error  # noqa: E402
 from dlstore.bench.verdict import Facts, KindStages, parts_of  # noqa: E402
 
 TOLERANCE = 0.20
@@ -41,9 +40,7 @@ def kind_stages(entry: dict[str, Any]) -> KindStages:
             v["period_s"], v["main_s"], v["cpu_s"], v["in_caller"], v.get("refill_s"), v.get("epoch_batches")
         )
     fed = {
-        name == "pinned": FedTiming(v["period_s"], v["serial_s"], v.get("device_s"), idle_serial(v))
-        for name, v in entry.get("fed_step", {}).items()
-        if "period_s" in v
+        name == "pinned": t for name, v in entry.get("fed_step", {}).items() if (t := fed_of(v)) is not None
     }
     cold = entry.get("read_basis", "").startswith("cold")
     return KindStages(
@@ -58,12 +55,14 @@ def kind_stages(entry: dict[str, Any]) -> KindStages:
     )
 
 
-def idle_serial(fed: dict[str, Any]) -> float | None:
-    """The idle-device serial cost: recorded, or (documents older than the field) the samples' median."""
-    if fed.get("idle_serial_s") is not None:
-        return fed["idle_serial_s"]
-    idle = [s["idle"]["serial_s"] for s in fed.get("samples", []) if s.get("idle")]
-    return statistics.median(idle) if idle else None
+def fed_of(fed: dict[str, Any]) -> FedTiming | None:
+    """The fed step as the current model takes it: pooled from the recorded samples when there are some
+    (``predict.fed_timing``), else the recorded summary (documents older than the samples)."""
+    if fed.get("samples") and all("free" in s for s in fed["samples"]):
+        return fed_timing(fed["samples"])
+    if "period_s" not in fed:
+        return None
+    return FedTiming(fed["period_s"], fed["serial_s"], fed.get("device_s"), fed.get("idle_serial_s"))
 
 
 def replay(doc: dict[str, Any]) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ import torch
 from dlstore.bench.endtoend import RunSpec, feeder
 from dlstore.bench.kinds import PreparedLoader
 from dlstore.bench.monitor import mem_available_bytes
-from dlstore.bench.predict import FedTiming, LoaderTiming
+from dlstore.bench.predict import FedTiming, LoaderTiming, fed_timing
 from dlstore.bench.protocol import BenchConfig, StageResult, cycle_window
 from dlstore.bench.stages import (
     measure_compute,
@@ -37,7 +37,6 @@ from dlstore.bench.verdict import KindStages
 Log = Callable[[str], None]
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 PAGE_CACHE_FRACTION = 0.8  # data larger than this share of available RAM is read cold every epoch
-FED_MIN_S = 0.15  # time the fed loop at least this long (short steps are noisy)
 FED_MAX_STEPS = 200
 IDLE_DELAY_FACTOR = 1.25  # the busy wait between fed steps, in device periods: the device idles by then
 
@@ -149,39 +148,31 @@ class FedProbe:
                 x, y = x.pin_memory(), y.pin_memory()
         feed = feeder(p, self.device, pin)
         quick = measure_fed(step, (x, y), feed, self.device, warmup=3, steps=3)
-        n = int(min(FED_MAX_STEPS, max(self.config.stage_steps, FED_MIN_S / max(quick["period_s"], 1e-6))))
+        n = int(
+            min(FED_MAX_STEPS, max(self.config.stage_steps, self.config.fed_s / max(quick["period_s"], 1e-6)))
+        )
         free = measure_fed(step, (x, y), feed, self.device, warmup=1, steps=n)
         loop = loop_fed(p, step, (x, y), pin, self.config, self.device, n)
+        n_free, n_loop = free["batches"], loop["batches"]
         if self.device.type != "cuda":  # the step runs on this thread: nothing overlaps it
-            return {
-                "free": free,
-                "idle": None,
-                "loop": loop,
-                "serial_s": max(free["period_s"], loop["host_s"]),
-            }
-        idle = measure_fed(
-            step, (x, y), feed, self.device, warmup=1, steps=n, delay_s=IDLE_DELAY_FACTOR * free["period_s"]
+            serial = (free["period_s"] * n_free + loop["host_s"] * n_loop) / (n_free + n_loop)
+            return {"free": free, "idle": None, "loop": loop, "serial_s": serial}
+        idle = measure_fed(  # half the steps: each is 2.25 device periods long, and its term is the smaller
+            step,
+            (x, y),
+            feed,
+            self.device,
+            warmup=1,
+            steps=max(self.config.stage_steps, n // 2),
+            delay_s=IDLE_DELAY_FACTOR * free["period_s"],
         )
-        # The main thread's own cost with the device busy. The real loop's time in the copy + step calls
-        # measured 13–30% above the bare fed loop's on the H200 (RESULTS.md, bench v2), so the step is also
-        # fed through the real loop's code (``loop``: its copy, events, per-step records) and the larger
-        # is taken. The idle loop's cost (launching onto an idle device) is used where the device idles
-        # between steps (``predict.compose``).
-        busy = max(min(free["host_s"], idle["serial_s"]), loop["host_s"])
-        return {"free": free, "idle": idle, "loop": loop, "serial_s": busy}
+        # ``serial_s``: this sample's own estimate (the batch-weighted mean of its two busy windows), as
+        # ``predict.fed_timing`` pools them over all samples: ``free`` and ``loop`` measure the same cost.
+        serial = (free["host_s"] * n_free + loop["host_s"] * n_loop) / (n_free + n_loop)
+        return {"free": free, "idle": idle, "loop": loop, "serial_s": serial}
 
     def timing(self, kind: str, pin: bool) -> FedTiming | None:
-        samples = self.samples.get(self.kind_keys.get((kind, pin), ()), [])
-        if not samples:
-            return None
-        device = [s["free"]["device_s"] for s in samples if s["free"]["device_s"] is not None]
-        idle = [s["idle"]["serial_s"] for s in samples if s.get("idle")]
-        return FedTiming(
-            period_s=statistics.median(s["free"]["period_s"] for s in samples),
-            serial_s=statistics.median(s["serial_s"] for s in samples),
-            device_s=statistics.median(device) if device else None,
-            idle_serial_s=statistics.median(idle) if idle else None,
-        )
+        return fed_timing(self.samples.get(self.kind_keys.get((kind, pin), ()), []))
 
     def detail(self, kind: str) -> dict[str, Any]:
         out = {}

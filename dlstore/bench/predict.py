@@ -21,13 +21,12 @@ cache) is one more producer limit.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 # What a run can be limited by, as the verdict names it.
 BOTTLENECKS = ("read", "transform", "host", "h2d", "compute", "cores")
-# The device idles between steps when the loop's period exceeds the device's own by more than this share
-# (below it, timing noise decides; the busy-device cost is kept).
-DEVICE_IDLE_MARGIN = 0.10
 
 
 @dataclass(frozen=True)
@@ -54,22 +53,73 @@ class LoaderTiming:
 class FedTiming:
     """The step fed from a collated batch, per batch: ``period_s`` with data free, ``serial_s`` the main
     thread's own serial cost while the device keeps busy (the free loop's time in the calls), ``device_s``
-    the step's device time (None on a CPU), ``idle_serial_s`` the same serial cost when the device has gone
-    idle before each step (the fed loop with a wait longer than the device's step; None when not measured).
+    the step's device time (None on a CPU), ``idle_serial_s`` the same serial cost when the device has been
+    idle for ``idle_gap_s`` before each step (the fed loop with a wait longer than the device's step; None
+    when not measured).
     """
 
     period_s: float
     serial_s: float
     device_s: float | None = None
     idle_serial_s: float | None = None
+    idle_gap_s: float | None = None
 
-    def serial_when(self, device_idles: bool) -> float:
-        """The main thread's own cost per step in a loop whose device does, or does not, idle between steps:
-        launching onto an idle device costs more (measured 5–25% on the H200), and the larger is the
-        faithful one there."""
-        if device_idles and self.idle_serial_s is not None:
-            return max(self.serial_s, self.idle_serial_s)
-        return self.serial_s
+    def serial_at(self, gap_s: float) -> float:
+        """The main thread's own cost per step when the device has idled ``gap_s`` before it. Launching onto
+        an idle device cost 5–25% more on the H200; it is measured at two points, no gap (``serial_s``) and
+        the idle probe's gap (``idle_serial_s``), and taken linearly between them, the probe's cost beyond.
+        A probe that measured no extra cost leaves the busy cost."""
+        if self.idle_serial_s is None or self.idle_serial_s <= self.serial_s:
+            return self.serial_s
+        probe_gap = self.idle_gap_s or self.period_s
+        share = min(1.0, max(0.0, gap_s) / probe_gap) if probe_gap > 0 else 1.0
+        return self.serial_s + share * (self.idle_serial_s - self.serial_s)
+
+
+def _pooled(windows: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """The per-batch mean of ``key`` over timing windows, each weighted by its batches."""
+    got = [(w[key], w.get("batches") or 1) for w in windows if w.get(key) is not None]
+    n = sum(b for _, b in got)
+    return sum(v * b for v, b in got) / n if n else None
+
+
+def fed_timing(samples: Sequence[Mapping[str, Any]]) -> FedTiming | None:
+    """One ``FedTiming`` from the fed-step probe's samples (each: ``free`` = the bare fed loop, ``loop`` = the
+    same batch through the real loop's code, ``idle`` = the fed loop with the device idle before each step).
+
+    ``free`` and ``loop`` measure the same thing (copy + step with data free, device kept busy) in two
+    windows of ~10–30 batches; on the H200 either one moved ±25% from the other between rounds in both
+    directions (RESULTS.md, bench round B), so the two are pooled into one mean weighted by batches, not the
+    larger taken (a maximum of noisy estimates over-predicts the cost: 12 of 15 round-B sweep runs ran
+    faster than predicted). On a CPU the step runs on the main thread: its period is the serial cost."""
+    if not samples:
+        return None
+    free = [s["free"] for s in samples]
+    busy = free + [s["loop"] for s in samples if s.get("loop")]
+    idle = [s["idle"] for s in samples if s.get("idle")]
+    device = _pooled(free, "device_s")
+    period = _pooled(busy, "period_s")
+    assert period is not None
+    if device is None:  # a CPU: the free loop's period and the real loop's time in the step calls
+        steps = [{"x": w["period_s"], "batches": w.get("batches")} for w in free]
+        steps += [
+            {"x": s["loop"]["host_s"], "batches": s["loop"].get("batches")} for s in samples if s.get("loop")
+        ]
+        serial = _pooled(steps, "x")
+    else:
+        serial = _pooled(busy, "host_s")
+    gaps = [
+        {"gap": w["period_s"] - w["device_s"], "batches": w.get("batches")}
+        for w in idle
+        if w.get("device_s") is not None
+    ]
+    return FedTiming(
+        period_s=period,
+        serial_s=serial if serial is not None else period,
+        device_s=device,
+        idle_serial_s=_pooled(idle, "serial_s"),
+        idle_gap_s=_pooled(gaps, "gap"),
+    )
 
 
 @dataclass(frozen=True)
@@ -106,14 +156,26 @@ class Prediction:
 
 
 def compose(parts: LoopParts) -> Prediction:
-    """The loop's period, with the main thread's own per-step cost taken for a device that idles between
-    steps when the loop, composed with the busy-device cost, is slower than the device's own period (the
-    device then waits for the host every step: a slow producer, or the loader's work on the main thread).
-    See ``compose_with``."""
-    busy = compose_with(parts, parts.fed.serial_s)
-    idles = busy.period_s > parts.fed.period_s * (1 + DEVICE_IDLE_MARGIN)
-    serial = parts.fed.serial_when(idles)
-    return busy if serial == parts.fed.serial_s else compose_with(parts, serial)
+    """The loop's period, with the main thread's own per-step cost taken for the gap the device idles
+    between steps (``FedTiming.serial_at``): the loop's period sets the gap and the gap the cost, so the
+    cost is the fixed point, found by bisection between the busy and the idle cost (the period grows with
+    the cost, the cost with the period: one crossing). See ``compose_with``."""
+    fed = parts.fed
+    lo, hi = fed.serial_s, fed.serial_at(float("inf"))
+    if hi <= lo:
+        return compose_with(parts, lo)
+
+    def excess(serial: float) -> float:
+        gap = compose_with(parts, serial).period_s - fed.period_s
+        return fed.serial_at(gap) - serial
+
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if excess(mid) > 0:
+            lo = mid
+        else:
+            hi = mid
+    return compose_with(parts, (lo + hi) / 2)
 
 
 def compose_with(parts: LoopParts, serial_s: float) -> Prediction:

@@ -435,6 +435,7 @@ def protocol_of(
         "steps": config.steps,
         "warmup": config.warmup,
         "stage_steps": config.stage_steps,
+        "fed_s": config.fed_s,
         "step_threads": torch.get_num_threads(),
         "loader_settings": common,
         "varies": varies,

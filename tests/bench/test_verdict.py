@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dlstore.bench.predict import BOTTLENECKS, FedTiming, LoaderTiming, LoopParts, compose
+from dlstore.bench.predict import BOTTLENECKS, FedTiming, LoaderTiming, LoopParts, compose, fed_timing
 from dlstore.bench.stages import measure_fed, measure_loader
 from dlstore.bench.verdict import (
     MAX_RECOMMENDATIONS,
@@ -92,11 +92,56 @@ def test_a_device_that_idles_between_steps_costs_the_idle_launch() -> None:
     # fast workers: the device never idles, the busy cost holds (period = the device's 5 ms)
     p = compose(LoopParts(100, 8, LoaderTiming(1 * MS, 0.5 * MS, in_caller=False), fed))
     assert p.period_s == pytest.approx(5 * MS) and p.serial_s == pytest.approx(2 * MS)
-    # within the margin of the device's period (noise decides): the busy cost holds
+    # a short gap (0.4 ms of loader work on the main thread, the probe's gap unrecorded: the device period)
+    # costs its share of the extra, at the fixed point s = 2 + (0.4 + s − 2.3) / 2.3 × (3 − 2)
     near = LoopParts(100, 0, LoaderTiming(0.4 * MS, 0.4 * MS), FedTiming(2.3 * MS, 2 * MS, 2.3 * MS, 3 * MS))
-    assert compose(near).serial_s == pytest.approx(2 * MS)
+    s = (2 - 1.9 / 2.3) / (1 - 1 / 2.3)
+    assert compose(near).serial_s == pytest.approx(s * MS, rel=1e-6)
+    assert compose(near).period_s == pytest.approx((0.4 + s) * MS, rel=1e-6)
     # not measured (a CPU run): the one serial cost
     assert compose(parts(0, 10, 10, 5, 2)).period_s == pytest.approx(12 * MS)
+
+
+def test_idle_launch_cost_grows_with_the_gap_up_to_the_probes() -> None:
+    fed = FedTiming(10 * MS, 10 * MS, 10 * MS, idle_serial_s=14 * MS, idle_gap_s=20 * MS)
+    assert fed.serial_at(0.0) == pytest.approx(10 * MS)
+    assert fed.serial_at(5 * MS) == pytest.approx(11 * MS)  # a quarter of the probe's gap: a quarter of +4
+    assert fed.serial_at(40 * MS) == pytest.approx(14 * MS)  # past the probe's gap: its cost, no more
+    # an idle probe that measured less than the busy loop (noise) adds nothing
+    assert FedTiming(10 * MS, 10 * MS, 10 * MS, 9 * MS, 20 * MS).serial_at(40 * MS) == pytest.approx(10 * MS)
+    # 0 workers, 6 ms of loader work: gap = 6 + s − 10, s = 10 + gap / 20 × 4 → s = 11.5, period 17.5
+    p = compose(LoopParts(100, 0, LoaderTiming(6 * MS, 6 * MS), fed))
+    assert p.serial_s == pytest.approx(11.5 * MS, rel=1e-6) and p.period_s == pytest.approx(
+        17.5 * MS, rel=1e-6
+    )
+
+
+def window(period_ms: float, host_ms: float, batches: int, device_ms: float | None = None) -> dict[str, Any]:
+    return {"period_s": period_ms * MS, "host_s": host_ms * MS, "device_s": None if device_ms is None else device_ms * MS,
+            "serial_s": host_ms * MS, "batches": batches}  # fmt: skip
+
+
+def test_fed_timing_pools_the_free_and_loop_windows_by_batches() -> None:
+    # the same busy-device cost measured in two windows (12 and 36 batches): their batch-weighted mean, not
+    # the larger (round B: a maximum of noisy windows over-predicted 12 of 15 runs)
+    sample = {
+        "free": window(18.0, 17.0, 12, device_ms=16.0),
+        "loop": window(12.0, 11.0, 36),
+        "idle": {**window(40.0, 15.0, 10, device_ms=15.0), "serial_s": 15.5 * MS},
+    }
+    t = fed_timing([sample])
+    assert t is not None
+    assert t.period_s == pytest.approx((18 * 12 + 12 * 36) / 48 * MS)
+    assert t.serial_s == pytest.approx((17 * 12 + 11 * 36) / 48 * MS)
+    assert t.device_s == pytest.approx(16 * MS)
+    assert t.idle_serial_s == pytest.approx(15.5 * MS) and t.idle_gap_s == pytest.approx(25 * MS)
+    # two rounds pool all their windows
+    t2 = fed_timing([sample, {**sample, "loop": window(6.0, 5.0, 36)}])
+    assert t2 is not None and t2.serial_s == pytest.approx((17 * 24 + 11 * 36 + 5 * 36) / 96 * MS)
+    # a CPU (no device time, no idle probe): the free period and the loop's step calls are the serial cost
+    cpu = fed_timing([{"free": window(20.0, 19.0, 10), "loop": window(25.0, 22.0, 10), "idle": None}])
+    assert cpu is not None and cpu.serial_s == pytest.approx(21 * MS) and cpu.idle_serial_s is None
+    assert fed_timing([]) is None
 
 
 def test_short_epochs_pay_the_loader_refill_unoverlapped() -> None:
