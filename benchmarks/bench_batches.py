@@ -61,6 +61,9 @@ class Recorder:
             "skipped": [],
         }
         self.t0 = time.perf_counter()
+        import harness
+
+        self.environment = harness.environment()
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
@@ -72,6 +75,10 @@ class Recorder:
     def save(self) -> None:
         self.doc["elapsed_s"] = self.elapsed()
         self.path.write_text(json.dumps(self.doc, indent=1, default=str) + "\n")
+        (self.path.parent / "targets.json").write_text(
+            json.dumps({"environment": self.environment, "targets": targets(self.doc)}, indent=1, default=str)
+            + "\n"
+        )
 
 
 def bench(name: str, config: BenchConfig, rec: Recorder, log: Log) -> dict[str, Any]:
@@ -338,10 +345,12 @@ def seeds_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
         cmd += ["--batch-size", "64", "--warmup", "2", "--steps", "4", "--cached-workers", "0,1"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    seeds_json = out / "seeds.json"
+    rows = json.loads(seeds_json.read_text()).get("table", []) if seeds_json.is_file() else []
     rec.put(
         "seeds",
         {"cmd": " ".join(cmd), "rc": proc.returncode, "wall_s": time.perf_counter() - t0, "table": proc.stdout,
-         "stderr": proc.stderr[-3000:]},
+         "rows": rows, "stderr": proc.stderr[-3000:]},
     )  # fmt: skip
     log(f"seeds: rc {proc.returncode}, {time.perf_counter() - t0:.0f} s")
     print(proc.stdout, flush=True)
@@ -387,6 +396,43 @@ def noise_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
     log("noise: done")
 
 
+def prediction_errors(doc: dict[str, Any]) -> dict[str, list[float]]:
+    """Every run's (measured − predicted) / predicted, per group: the ResNet runs (sweep, decode-heavy,
+    compute-heavy), the seeds' runs, the default run's."""
+    groups: dict[str, list[float]] = {"resnet": [], "seeds": [], "default": []}
+    for name, res in doc["runs"].items():
+        errs = [r["prediction_error"] for r in res["doc"]["runs"] if r.get("prediction_error") is not None]
+        groups["default" if name == "default" else "resnet"] += errs
+    for row in (doc.get("seeds") or {}).get("rows", []):
+        if row.get("predicted"):
+            groups["seeds"].append((row["img_per_s"] - row["predicted"]) / row["predicted"])
+    return groups
+
+
+def targets(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 12's goals as target rows (benchmarks/harness.py): the share of runs predicted within ±20%
+    (goal: all) per group, and the default run's wall time (goal ≤ 60 s)."""
+    import harness
+
+    t = harness.Targets()
+    what = {"resnet": "ResNet runs (batch sweep, decode-heavy, compute-heavy)", "seeds": "seeds cached-light runs",
+            "default": "default `dlstore bench` runs"}  # fmt: skip
+    for group, errs in prediction_errors(doc).items():
+        if errs:
+            within = sum(abs(e) <= TOLERANCE for e in errs)
+            t.add(
+                f"bench: {what[group]} predicted within ±20% (share of runs)",
+                within,
+                len(errs),
+                1.0,
+                f"errors {100 * min(errs):+.0f}% … {100 * max(errs):+.0f}%",
+            )
+    if "default" in doc:
+        t.add("bench: default `dlstore bench` wall time (s; goal ≤ 60 s)", doc["default"]["wall_s"], 60.0, 1.0,
+              f"rc {doc['default']['rc']}", higher=False)  # fmt: skip
+    return list(t)
+
+
 def summary(rec: Recorder) -> list[str]:
     lines = [
         f"{'run':<14} {'batch':>5} {'loader':<9} {'wk':>3} {'pin':>3} {'img/s':>9} {'predicted':>9} {'err':>6} bottleneck"
@@ -403,6 +449,12 @@ def summary(rec: Recorder) -> list[str]:
     if "default" in rec.doc:
         lines.append(
             f"default dlstore bench: {rec.doc['default']['wall_s']:.1f} s, rc {rec.doc['default']['rc']}"
+        )
+    seeds = prediction_errors(rec.doc)["seeds"]
+    if seeds:
+        lines.append(
+            f"seeds within ±20%: {sum(abs(e) <= TOLERANCE for e in seeds)}/{len(seeds)} "
+            f"(errors {100 * min(seeds):+.0f}% … {100 * max(seeds):+.0f}%)"
         )
     if "verdicts" in rec.doc:
         lines.append(f"verdicts: {rec.doc['verdicts']}")
