@@ -119,6 +119,19 @@ def run_sections(
         )
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds used so far by these processes (gone ones count 0)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
 def parser(images: int, warmup: int, steps: int, repeats: int) -> argparse.ArgumentParser:
     """The options every sectioned script takes; a script adds its own."""
     ap = argparse.ArgumentParser()

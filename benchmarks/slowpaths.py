@@ -470,16 +470,7 @@ def memcpy_rate(threads: int, nbytes: int = 1 << 30) -> float:
     return best
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
+cpu_seconds = harness.cpu_seconds
 
 
 def profile_loader(make: Callable[[], Any], image_bytes: int, raw: Path, seconds: int = 3) -> dict[str, Any]:
