@@ -132,6 +132,42 @@ def cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+_ALL_CORES: dict[str, Any] = {}
+
+
+def _all_cores_task(draw: list[int]) -> tuple[float, float, int]:
+    work, barrier = _ALL_CORES["work"], _ALL_CORES["barrier"]
+    for i in draw[:10]:  # warm: imports, caches, allocator
+        work(i)
+    barrier.wait(timeout=120)  # every process starts together
+    t0 = time.monotonic()
+    for i in draw:
+        work(i)
+    return t0, time.monotonic(), len(draw)
+
+
+def all_cores_rate(
+    work: Callable[[int], Any], n_items: int, procs: int, per_proc: int = 300
+) -> dict[str, Any]:
+    """``work(i)`` alone in ``procs`` forked processes at once, each over its own random draw of items:
+    what the cores deliver together. Against it, the one-core rate x cores assumes perfect scaling (no
+    shared caches, memory bandwidth, turbo budget or hyper-threads)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    rng = np.random.default_rng(1)
+    draws = [rng.choice(n_items, size=min(per_proc, n_items), replace=False).tolist() for _ in range(procs)]
+    _ALL_CORES.update(work=work, barrier=ctx.Barrier(procs))
+    try:
+        with ctx.Pool(procs) as pool:
+            spans = pool.map(_all_cores_task, draws, chunksize=1)
+    finally:
+        _ALL_CORES.clear()
+    wall = max(t1 for _, t1, _ in spans) - min(t0 for t0, _, _ in spans)
+    rates = [k / (t1 - t0) for t0, t1, k in spans]
+    return {"procs": procs, "img_s": sum(k for *_, k in spans) / wall, "per_process_img_s": rates}
+
+
 def parser(images: int, warmup: int, steps: int, repeats: int) -> argparse.ArgumentParser:
     """The options every sectioned script takes; a script adds its own."""
     ap = argparse.ArgumentParser()

@@ -425,6 +425,8 @@ def section_cpu_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         r: dict[str, Any] = {"one_core": _one_core(codec, items[:1024], dec)}
         for t in (4, 8, CORES):
             r[f"threads_{t}"] = _threads_rate(cache, sel, t)
+        alone = harness.all_cores_rate(lambda i: codec.decode(*items[i]), len(items), CORES)
+        r[f"decode_alone_{CORES}_processes"] = alone["img_s"]
         busy = _workers_rate(work, args.cpu_batches)
         r[f"dataloader_{CORES}_workers"] = busy.pop("img_s")
         r[f"dataloader_{CORES}_workers_cpu"] = busy
@@ -441,6 +443,14 @@ def section_cpu_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         note=f"one core {r['one_core']:,.0f} img/s; {CORES} threads in one process {r[f'threads_{CORES}']:,.0f}; "
         f"Pillow one core {out['pillow']['one_core']:,.0f}, {CORES} workers "
         f"{out['pillow'][f'dataloader_{CORES}_workers']:,.0f}",
+    )
+    target(
+        f"jpeg: CPU decode ({best}), CachedDataset + {CORES} DataLoader workers vs {best} decode alone in "
+        f"{CORES} processes",
+        r[f"dataloader_{CORES}_workers"],
+        r[f"decode_alone_{CORES}_processes"],
+        0.85,
+        note="the ceiling the cores reach together: decode alone (no loader) in as many processes",
     )
     target(
         f"jpeg: CPU decode ({best}), {CORES} threads in one process vs cores x one-core {best}",
