@@ -43,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--source", type=Path, default=None, help="an existing image folder (else the demo)")
     p.add_argument("--copies", type=int, default=1, help="hard-linked copies of --source's files")
+    p.add_argument("--per-class", type=int, default=0, help="only the first K files of each class (0: all)")
     p.add_argument(
         "--configs", default="pool,local,running", help="which of pool / local (incl. start) / running to run"
     )
@@ -50,11 +51,13 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def linked_copies(source: Path, dest: Path, copies: int) -> Path:
-    """``copies`` hard links of every image under new names, same classes."""
+def linked_copies(source: Path, dest: Path, copies: int, per_class: int = 0) -> Path:
+    """``copies`` hard links of every image (or the first ``per_class`` of each class) under new
+    names, same classes."""
     for cls in sorted(p for p in source.iterdir() if p.is_dir() and not p.name.startswith(".")):
         (dest / cls.name).mkdir(parents=True)
-        for f in sorted(f for f in cls.iterdir() if f.is_file() and not f.name.startswith(".")):
+        files = sorted(f for f in cls.iterdir() if f.is_file() and not f.name.startswith("."))
+        for f in files[: per_class or None]:
             for c in range(copies):
                 os.link(f, dest / cls.name / f"{c:03d}_{f.name}")
     return dest
@@ -84,7 +87,7 @@ def main() -> None:
     if args.source is None:
         src = scan_folder(ensure_demo(work / "demo", n_images=args.images))
     else:
-        src = scan_folder(linked_copies(args.source, work / "src", args.copies))
+        src = scan_folder(linked_copies(args.source, work / "src", args.copies, args.per_class))
     runs: dict[str, list[float]] = {}
     details: list[Any] = []
     doc: dict[str, Any] = {
@@ -119,11 +122,21 @@ def main() -> None:
     medians = {k: float(np.median(v)) for k, v in runs.items()}
     doc["median"] = medians
     write(args, doc)
+    n_img = len(src)
     for n in counts:
         pool = medians.get(f"pool:{n}", float("nan"))
         for name in (f"pool:{n}", f"dask local:{n} (incl. start)", f"dask running:{n}"):
             if name in medians:
-                print(f"{name:<32}{medians[name]:>10,.0f} img/s  {medians[name] / pool:.2f}x pool")
+                st = [d["stages"] for d in details if d["config"] == name]
+                decode = np.median([1e3 * s.get("workers_decode_s", 0) / n_img for s in st])
+                start = np.median([s.get("startup_s", 0) for s in st])
+                idle = np.median(
+                    [s.get("workers_other_or_idle_s", 0) / max(1e-9, n * s["run_s"]) for s in st]
+                )
+                print(
+                    f"{name:<32}{medians[name]:>10,.0f} img/s  {medians[name] / pool:.2f}x pool  "
+                    f"start-up {start:.2f} s  decode {decode:.2f} ms/img  idle {idle:.0%}"
+                )
 
 
 if __name__ == "__main__":

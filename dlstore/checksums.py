@@ -61,8 +61,14 @@ def checksum_tree(root: Path, exclude: tuple[str, ...]) -> dict[str, str]:
     files = sorted(
         p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in exclude
     )
-    keys = keys_for(root, files)
-    with ThreadPoolExecutor(max(1, min(16, usable_cores()))) as ex:
+    return checksum_keys(root, keys_for(root, files))
+
+
+def checksum_keys(root: Path, keys: list[str]) -> dict[str, str]:
+    """{key: sha256} for the given keys, in parallel threads."""
+    if not keys:
+        return {}
+    with ThreadPoolExecutor(max(1, min(16, usable_cores(), len(keys)))) as ex:
         return dict(zip(keys, ex.map(lambda k: digest_key(root, k), keys)))
 
 

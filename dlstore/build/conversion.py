@@ -32,8 +32,8 @@ import numpy as np
 
 from dlstore._version import __version__
 from dlstore.build.dask_engine import (
+    EarlyClient,
     count_workers,
-    dask_client,
     is_killed_worker,
     parse_scheduler,
     run_on_dask,
@@ -49,7 +49,7 @@ from dlstore.build.store_units import (
     strip_sums,
     units_prefix,
 )
-from dlstore.checksums import checksum_tree
+from dlstore.checksums import checksum_keys, checksum_tree, split_key
 from dlstore.durable import fsync_path, save_npy_durably, sync_tree, write_json_durably
 from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError, require_extra
 from dlstore.formats import DEFAULT_FORMAT, get_format
@@ -183,82 +183,94 @@ def convert(
     cluster = parse_scheduler(scheduler) if scheduler is not None else None
     if cluster is not None:
         require_extra("distributed", "dask", "--scheduler")
-    pending = Staging.pending(dest)
-    rerun = not pending and not overwrite and (dest / MANIFEST).is_file()
-    if not pending and not rerun:
-        check_destination(dest, overwrite)
-    src = (
-        source
-        if isinstance(source, Source)
-        else open_source(source, root=root, train=train, demo_images=demo_images)
-    )
-    stages["setup_scan_s"] = time.perf_counter() - t0
-    options = fmt.writer.parse_options(requested_options(codec, options, compress))
-    writer = fmt.writer_for(options, policy.ragged)(Path(), len(src), policy.shape, options)
-    order = storage_permutation(len(src), storage_order, seed)
-    plan = {
-        "storage_order": storage_order,
-        "seed": seed,
-        "format": fmt.name,
-        "policy": asdict(policy),
-        "options": options,
-        "n": len(src),
-        "unit_size": writer.unit_size,
-        "fingerprint": src.fingerprint(),
-        "dlstore": __version__.split(".")[0],
-    }
-    warnings = [scan_warning(src)] if scan_errors(src) else []
-    stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
-    if rerun and is_up_to_date(dest, Staging.normalised(plan), src):
-        return published_result(dest, fmt.name, src, t0, writer.n_units, warnings, up_to_date=True)
-    with Staging(dest, plan, discard_mismatch=overwrite, entries=src.entries_json()) as staging:
-        if staging.already_published:
-            return published_result(dest, fmt.name, src, t0, writer.n_units, warnings)
-        check_destination(dest, overwrite)
-        writer.root = staging.path
-        t_create = time.perf_counter()
-        stages["setup_staging_s"] = t_create - t0 - stages["setup_scan_s"] - stages["setup_plan_s"]
-        saved = None if staging.fresh else staging.writer_options()
-        if saved is None:  # fresh, or killed before the layout was recorded (then no unit was written)
-            writer.create()
-            staging.save_writer_options(writer.options)
-        else:
-            writer.options = saved
-        stages["setup_create_s"] = time.perf_counter() - t_create
-        store_units = units_on_store(unit_store, cluster is not None, writer, staging)
-        warnings += preflight(writer, staging)
-        for w in warnings:
-            if log:
-                log(w)
-        todo = [k for k in range(writer.n_units) if k not in staging.done]
-        if progress:
-            progress(sum(len(writer.unit_range(k)) for k in staging.done))
-        job = Job(src, policy, writer, strict, decode_timeout, order, store_units=store_units)
-        budget = BadBudget(len(src), max_bad, staging)
-        stages["setup_s"] = time.perf_counter() - t0
-        if cluster is None:
-            n_workers = resolve_workers(workers, len(todo))
-            run_units(job, todo, n_workers, staging, budget, progress)
-        else:
-            with dask_client(cluster) as client:
+    # A local cluster starts in the background while the source is scanned and the plan staged
+    # (a LocalCluster of 16 takes seconds); a re-run that may be up to date starts none yet.
+    rerun_maybe = not Staging.pending(dest) and not overwrite and (dest / MANIFEST).is_file()
+    early = EarlyClient(cluster, start=not rerun_maybe) if cluster is not None else None
+    try:
+        pending = Staging.pending(dest)
+        rerun = not pending and not overwrite and (dest / MANIFEST).is_file()
+        if not pending and not rerun:
+            check_destination(dest, overwrite)
+        src = (
+            source
+            if isinstance(source, Source)
+            else open_source(source, root=root, train=train, demo_images=demo_images)
+        )
+        stages["setup_scan_s"] = time.perf_counter() - t0
+        options = fmt.writer.parse_options(requested_options(codec, options, compress))
+        writer = fmt.writer_for(options, policy.ragged)(Path(), len(src), policy.shape, options)
+        order = storage_permutation(len(src), storage_order, seed)
+        plan = {
+            "storage_order": storage_order,
+            "seed": seed,
+            "format": fmt.name,
+            "policy": asdict(policy),
+            "options": options,
+            "n": len(src),
+            "unit_size": writer.unit_size,
+            "fingerprint": src.fingerprint(),
+            "dlstore": __version__.split(".")[0],
+        }
+        warnings = [scan_warning(src)] if scan_errors(src) else []
+        stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
+        if rerun and is_up_to_date(dest, Staging.normalised(plan), src):
+            return published_result(dest, fmt.name, src, t0, writer.n_units, warnings, up_to_date=True)
+        with Staging(dest, plan, discard_mismatch=overwrite, entries=src.entries_json()) as staging:
+            if staging.already_published:
+                return published_result(dest, fmt.name, src, t0, writer.n_units, warnings)
+            check_destination(dest, overwrite)
+            writer.root = staging.path
+            t_create = time.perf_counter()
+            stages["setup_staging_s"] = t_create - t0 - stages["setup_scan_s"] - stages["setup_plan_s"]
+            saved = None if staging.fresh else staging.writer_options()
+            if saved is None:  # fresh, or killed before the layout was recorded (then no unit was written)
+                writer.create()
+                staging.save_writer_options(writer.options)
+            else:
+                writer.options = saved
+            stages["setup_create_s"] = time.perf_counter() - t_create
+            store_units = units_on_store(unit_store, cluster is not None, writer, staging)
+            warnings += preflight(writer, staging)
+            for w in warnings:
+                if log:
+                    log(w)
+            todo = [k for k in range(writer.n_units) if k not in staging.done]
+            if progress:
+                progress(sum(len(writer.unit_range(k)) for k in staging.done))
+            job = Job(src, policy, writer, strict, decode_timeout, order, store_units=store_units)
+            budget = BadBudget(len(src), max_bad, staging)
+            stages["setup_s"] = time.perf_counter() - t0
+            if cluster is None:
+                n_workers = resolve_workers(workers, len(todo))
+                run_units(job, todo, n_workers, staging, budget, progress)
+            else:
+                assert early is not None
+                t_wait = time.perf_counter()
+                client = early.client()
+                stages["dask_start_wait_s"] = time.perf_counter() - t_wait
                 n_workers = count_workers(client)
                 run_units(job, todo, n_workers, staging, budget, progress, client)
-        stages.update(budget.stages(n_workers))
-        bad = staging.bad()
-        check_bad_fraction(bad, len(src), max_bad)
-        try:
-            with disk_full_as_error(writer, "finishing the cache (labels, checksums, manifest)"):
-                t_fin = time.perf_counter()
-                remote_sums = journaled_sums(staging.journal, set(staging.done)) if store_units else None
-                spec = finalize(src, policy, writer, fmt.name, staging, bad, order, stages, remote_sums)
-                stages["finalize_s"] = time.perf_counter() - t_fin
-                staging.commit(overwrite)
-                stages["commit_s"] = time.perf_counter() - t_fin - stages["finalize_s"]
-        except KeyboardInterrupt:
-            raise ConvertError(
-                f"interrupted: {done_images(writer, staging)} of {writer.n} done (while finishing); "
-                "re-run the same command to resume"
-            ) from None
+                early.close()  # the cluster stops before finishing, as it always did
+            stages.update(budget.stages(n_workers))
+            bad = staging.bad()
+            check_bad_fraction(bad, len(src), max_bad)
+            try:
+                with disk_full_as_error(writer, "finishing the cache (labels, checksums, manifest)"):
+                    t_fin = time.perf_counter()
+                    remote_sums = journaled_sums(staging.journal, set(staging.done)) if store_units else None
+                    spec = finalize(src, policy, writer, fmt.name, staging, bad, order, stages, remote_sums)
+                    stages["finalize_s"] = time.perf_counter() - t_fin
+                    staging.commit(overwrite)
+                    stages["commit_s"] = time.perf_counter() - t_fin - stages["finalize_s"]
+            except KeyboardInterrupt:
+                raise ConvertError(
+                    f"interrupted: {done_images(writer, staging)} of {writer.n} done (while finishing); "
+                    "re-run the same command to resume"
+                ) from None
+    finally:
+        if early is not None:
+            early.close()
     seconds = time.perf_counter() - t0
     converted = sum(len(writer.unit_range(k)) for k in todo)
     return ConvertResult(
@@ -486,8 +498,9 @@ def decode_one(job: Job, i: int, times: dict[str, float] | None = None) -> tuple
         ) from None
 
 
-# (unit, undecodable images, file digests, timings: decode/digest/write seconds, start/end stamps)
-UnitResult = tuple[int, list[dict[str, Any]], list[str], dict[str, float]]
+# (unit, undecodable images, file digests, timings: decode/digest/write/checksum seconds, start/end
+# stamps, checksums of the unit's own bytes in the cache: {manifest key: sha256})
+UnitResult = tuple[int, list[dict[str, Any]], list[str], dict[str, float], dict[str, str]]
 
 
 def convert_unit(k: int) -> UnitResult:
@@ -523,8 +536,10 @@ def convert_job_unit(job: Job, k: int) -> UnitResult:
     with disk_full_as_error(job.writer, f"writing unit {k}"):
         t0 = time.perf_counter()
         job.writer.write_unit(k, out)  # durable when it returns: the journal may record it
-        times.update(write=time.perf_counter() - t0, end=time.monotonic())
-    return k, bad, digests, times
+        t1 = time.perf_counter()
+    sums = job.writer.unit_checksums(k, out)
+    times.update(write=t1 - t0, checksum=time.perf_counter() - t1, end=time.monotonic())
+    return k, bad, digests, times, sums
 
 
 class BadBudget:
@@ -534,27 +549,34 @@ class BadBudget:
         self.n, self.max_bad, self.staging = n, max_bad, staging
         self.started = time.monotonic()  # reset when the units are handed out
         self.journal_s = 0.0
-        self.worker: dict[str, float] = {"decode": 0.0, "digest": 0.0, "write": 0.0, "unit_other": 0.0}
+        self.worker: dict[str, float] = {
+            "decode": 0.0,
+            "digest": 0.0,
+            "write": 0.0,
+            "checksum": 0.0,
+            "unit_other": 0.0,
+        }
         self.starts: list[float] = []
         self.ends: list[float] = []
 
     def record(self, results: list[UnitResult]) -> None:
         """Journal finished units, with one fsync for all of them."""
         t0 = time.perf_counter()
-        self.staging.record_many([(k, bad, digests) for k, bad, digests, _ in results])
+        self.staging.record_many(
+            [(k, bad, digests) for k, bad, digests, _, _ in results], {r[0]: r[4] for r in results if r[4]}
+        )
         self.journal_s += time.perf_counter() - t0
-        for *_, times in results:
-            for key in ("decode", "digest", "write"):
+        kinds = ("decode", "digest", "write", "checksum")
+        for *_, times, _ in results:
+            for key in kinds:
                 self.worker[key] += times.get(key, 0.0)
-            # Inside the unit but none of the three (buffers, bookkeeping, signals): per-unit overhead;
+            # Inside the unit but none of the four (buffers, bookkeeping, signals): per-unit overhead;
             # what is left of the workers' time after this is start-up and waiting between units.
             spent = times["end"] - times["start"]
-            self.worker["unit_other"] += max(
-                0.0, spent - sum(times.get(k, 0.0) for k in ("decode", "digest", "write"))
-            )
+            self.worker["unit_other"] += max(0.0, spent - sum(times.get(k, 0.0) for k in kinds))
             self.starts.append(times["start"])
             self.ends.append(times["end"])
-        if any(bad for _, bad, _, _ in results):
+        if any(r[1] for r in results):
             check_bad_fraction(self.staging.bad(), self.n, self.max_bad, final=False)
 
     def stages(self, n_workers: int) -> dict[str, float]:
@@ -747,7 +769,7 @@ def finalize(
     t0 = time.perf_counter()
     sync_tree(root)  # every data file durable before the manifest that declares the cache complete
     t1 = time.perf_counter()
-    checksums = checksum_tree(root, exclude=(MANIFEST,))
+    checksums = cache_checksums(root, writer, staging)
     if remote_sums is not None:  # units the workers wrote to the object store, digested there
         checksums = dict(sorted({**checksums, **remote_sums}.items()))
     if stages is not None:
@@ -773,6 +795,19 @@ def finalize(
     fsync_path(root)
     write_json_durably(root / MANIFEST, spec.to_json())
     return spec
+
+
+def cache_checksums(root: Path, writer: CacheWriter, staging: Staging) -> dict[str, str]:
+    """Every file's checksums for the manifest. Files the writer checksums unit by unit get the keys
+    of its units, digested by the workers as they wrote them (read here only for a unit journaled
+    without them, e.g. by an older version); every other file is digested here."""
+    unit_keys = [key for k in range(writer.n_units) for key in writer.unit_checksum_keys(k)]
+    covered = tuple(sorted({split_key(key)[0] for key in unit_keys}))
+    known = {key: d for sums in staging.unit_sums.values() for key, d in sums.items()}
+    out = checksum_tree(root, exclude=(MANIFEST, *covered))
+    computed = checksum_keys(root, [key for key in unit_keys if key not in known])
+    out.update({key: known.get(key) or computed[key] for key in unit_keys})
+    return out
 
 
 def source_record(src: Source, staging: Staging, writer: CacheWriter, order: np.ndarray) -> SourceRecord:

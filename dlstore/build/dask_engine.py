@@ -23,10 +23,9 @@ import multiprocessing as mp
 import re
 import threading
 import uuid
-from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -64,30 +63,72 @@ def parse_scheduler(text: str) -> SchedulerSpec:
     )
 
 
-@contextmanager
-def dask_client(spec: SchedulerSpec) -> Iterator[Any]:
-    """A connected ``distributed.Client``; a local cluster lives only as long as the conversion."""
+def open_client(spec: SchedulerSpec) -> tuple[Any, Any]:
+    """A connected ``distributed.Client`` and the local cluster it runs on (None for an address).
+    Not entered as context managers: ``Client.__enter__`` makes it the thread's current client, and
+    ``EarlyClient`` opens it in one thread and closes it in another."""
     require_extra("distributed", "dask", "--scheduler")
     from distributed import Client, LocalCluster
 
     if spec.address is not None:
         try:
-            client = Client(spec.address, timeout="20s")
+            return Client(spec.address, timeout="20s"), None
         except OSError as e:
             raise ConvertError(
                 f"--scheduler {spec.address}: cannot connect ({e}); is the scheduler running?"
             ) from None
-        with client:
-            yield client
-        return
     cluster = LocalCluster(
         n_workers=spec.local_workers,
         threads_per_worker=1,  # decoding is CPU-bound and holds the GIL part of the time: processes
         processes=True,
         dashboard_address=":0",  # a free port: never collide with a running dashboard
     )
-    with cluster, Client(cluster) as client:
-        yield client
+    try:
+        return Client(cluster), cluster
+    except BaseException:
+        cluster.close()
+        raise
+
+
+class EarlyClient:
+    """``open_client(spec)`` in a background thread from the conversion's start, so a local cluster
+    boots (seconds for 16 worker processes) while the driver scans the source and stages the plan;
+    ``client()`` waits for it, ``close()`` (idempotent) disconnects and stops a local cluster (a
+    cluster given by address keeps running). With ``start=False`` nothing starts before ``client()``."""
+
+    def __init__(self, spec: SchedulerSpec, start: bool = True) -> None:
+        self._spec = spec
+        self._pool: ThreadPoolExecutor | None = None
+        self._future: Future[tuple[Any, Any]] | None = None
+        if start:
+            self._start()
+
+    def _start(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlstore-dask-start")
+        self._future = self._pool.submit(open_client, self._spec)
+
+    def client(self) -> Any:
+        if self._future is None:
+            self._start()
+        assert self._future is not None
+        return self._future.result()[0]  # a failed start (no scheduler there) raises its error here
+
+    def close(self) -> None:
+        if self._future is None:
+            return
+        future, self._future = self._future, None
+        try:
+            client, cluster = future.result()  # a start under way finishes first: nothing left behind
+        except BaseException:  # noqa: BLE001 - it failed to start: nothing to stop
+            return
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+        try:
+            client.close()
+        finally:
+            if cluster is not None:
+                cluster.close()
 
 
 def count_workers(client: Any) -> int:

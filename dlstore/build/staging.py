@@ -47,6 +47,9 @@ class Staging:
         self.lock_path = parent / f".{name}.dlstore-lock"
         self.done: dict[int, list[dict[str, Any]]] = {}
         self.digests: dict[int, list[str]] = {}  # sha256 of each source file, per unit, storage order
+        # Checksums of the cache's own bytes that a worker computed as it wrote the unit (checksum
+        # key -> sha256), so finishing does not read those bytes again.
+        self.unit_sums: dict[int, dict[str, str]] = {}
         self.fresh = True
         self.already_published = False  # a previous run of this plan was killed after publishing DEST
         self._lock_fd: int | None = None
@@ -169,6 +172,7 @@ class Staging:
                 continue  # the last line of a killed run may be partial; its unit is redone
             done[int(rec["unit"])] = rec["bad"]
             self.digests[int(rec["unit"])] = list(rec.get("sha256", []))
+            self.unit_sums[int(rec["unit"])] = dict(rec.get("checksums", {}))
         return done
 
     def save_writer_options(self, options: dict[str, Any]) -> None:
@@ -183,12 +187,19 @@ class Staging:
         """Journal a unit as done, after its data is durable (the writer fsyncs)."""
         self.record_many([(unit, bad, digests or [])])
 
-    def record_many(self, units: list[tuple[int, list[dict[str, Any]], list[str]]]) -> None:
-        """Journal several durable units with one fsync (lines, so a torn last line is ignored)."""
+    def record_many(
+        self,
+        units: list[tuple[int, list[dict[str, Any]], list[str]]],
+        sums: dict[int, dict[str, str]] | None = None,
+    ) -> None:
+        """Journal several durable units with one fsync (lines, so a torn last line is ignored);
+        ``sums``: unit -> the checksums of its bytes in the cache, where the worker computed them."""
         if not units:
             return
+        sums = sums or {}
         lines = "".join(
-            json.dumps({"unit": k, "bad": bad, "sha256": digests or []}) + "\n" for k, bad, digests in units
+            json.dumps({"unit": k, "bad": bad, "sha256": digests or [], "checksums": sums.get(k, {})}) + "\n"
+            for k, bad, digests in units
         )
         with open(self.journal / "done.jsonl", "a", encoding="utf-8") as f:
             f.write(lines)
@@ -198,6 +209,7 @@ class Staging:
             for k, bad, digests in units:
                 self.done[k] = bad
                 self.digests[k] = digests or []
+                self.unit_sums[k] = sums.get(k, {})
             os.fsync(f.fileno())
 
     def bad(self) -> list[dict[str, Any]]:

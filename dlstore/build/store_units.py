@@ -64,7 +64,7 @@ def units_prefix(plan: dict[str, Any]) -> str:
 
 def convert_unit_to_store(job: Any, k: int) -> Any:
     """A Dask task: ``convert_job_unit`` in a private folder, the unit's files uploaded, then removed.
-    Returns the usual unit result with a fifth item: {checksum key: sha256} of the uploaded files."""
+    Returns the usual unit result with a sixth item: {checksum key: sha256} of the uploaded files."""
     from dlstore.build.conversion import convert_job_unit
 
     units: StoreUnits = job.store_units
@@ -88,12 +88,12 @@ def convert_unit_to_store(job: Any, k: int) -> Any:
         sums = {key: digest_key(tmp, key) for key in keys_for(tmp, written)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return (*result, sums)
+    return (*result, sums)  # result's own unit checksums are {}: its units are files of their own
 
 
 def journal_sums(journal: Path, results: list[Any]) -> None:
     """Before the units are journaled as done: their objects' checksums, durably."""
-    lines = "".join(json.dumps({"unit": r[0], "checksums": r[4]}) + "\n" for r in results)
+    lines = "".join(json.dumps({"unit": r[0], "checksums": r[5]}) + "\n" for r in results)
     with open(journal / SUMS, "a", encoding="utf-8") as f:
         f.write(lines)
         f.flush()
@@ -118,4 +118,5 @@ def journaled_sums(journal: Path, done: set[int]) -> dict[str, str]:
 
 
 def strip_sums(result: Any) -> Any:
-    return result[:4]
+    """The unit result without the objects' checksums (journaled apart by ``journal_sums``)."""
+    return result[:5]

@@ -88,6 +88,18 @@ class CacheWriter(ABC):
         """Store unit k durably (fsync of every file it wrote) before returning: the converter
         journals the unit as done as soon as this returns."""
 
+    def unit_checksum_keys(self, k: int) -> list[str]:
+        """The manifest's checksum keys (``name`` or ``name@offset+length``) that cover exactly unit
+        k's bytes, when the writer can digest them as it writes (``unit_checksums``); the files they
+        name are then checksummed unit by unit, every byte of them in some unit's keys. Default: none
+        (the converter digests the finished files)."""
+        return []
+
+    def unit_checksums(self, k: int, images: np.ndarray) -> dict[str, str]:
+        """In the worker, after ``write_unit(k, images)``: sha256 of each of ``unit_checksum_keys(k)``,
+        computed from what was just written (no second read of the cache)."""
+        return {}
+
     def finish(self, labels: np.ndarray) -> None:
         """Main process, after every unit: anything global (labels copies, final flush)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import ClassVar
@@ -44,6 +45,28 @@ class RamWriter(CacheWriter):
             os.fdatasync(fd)
         finally:
             os.close(fd)
+
+    def unit_checksum_keys(self, k: int) -> list[str]:
+        start, stop = self._unit_span(k)
+        return [f"{IMAGES_FILE}@{start}+{stop - start}"]
+
+    def unit_checksums(self, k: int, images: np.ndarray) -> dict[str, str]:
+        # Hashing the slab while it is still in this worker's memory spares the main process a
+        # second pass over the whole file after the last unit (3.4 s of a 66 s run on the H200).
+        h = hashlib.sha256()
+        if k == 0:  # unit 0's range starts at the file's start: the .npy header ``create`` wrote
+            fd = os.open(self.path, os.O_RDONLY)
+            try:
+                h.update(os.pread(fd, self.options["header_bytes"], 0))
+            finally:
+                os.close(fd)
+        h.update(memoryview(np.ascontiguousarray(images, dtype=np.uint8)).cast("B"))
+        return {self.unit_checksum_keys(k)[0]: h.hexdigest()}
+
+    def _unit_span(self, k: int) -> tuple[int, int]:
+        """Unit k's bytes in images.npy; unit 0 also holds the header, so the units tile the file."""
+        header, r = self.options["header_bytes"], self.unit_range(k)
+        return (0 if k == 0 else header + r.start * self.image_bytes), header + r.stop * self.image_bytes
 
     def recorded_options(self) -> dict[str, object]:
         return {"unit_size": self.unit_size}

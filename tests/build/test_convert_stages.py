@@ -9,7 +9,13 @@ import pytest
 from dlstore.build.conversion import convert
 from dlstore.read.cache import open_cache
 
-WORKER_KEYS = ("workers_decode_s", "workers_digest_s", "workers_write_s", "workers_unit_other_s")
+WORKER_KEYS = (
+    "workers_decode_s",
+    "workers_digest_s",
+    "workers_write_s",
+    "workers_checksum_s",
+    "workers_unit_other_s",
+)
 SETUP_KEYS = ("setup_scan_s", "setup_plan_s", "setup_staging_s", "setup_create_s")
 FINALIZE_KEYS = ("finalize_writer_s", "finalize_metadata_s", "sync_tree_s", "checksums_s")
 
@@ -52,9 +58,9 @@ def test_many_units_with_a_bounded_window(
 
     real = staging_mod.Staging.record_many
 
-    def spy(self, units):  # type: ignore[no-untyped-def]
+    def spy(self, units, sums=None):  # type: ignore[no-untyped-def]
         journaled.extend(k for k, _, _ in units)
-        real(self, units)
+        real(self, units, sums)
 
     monkeypatch.setattr(staging_mod.Staging, "record_many", spy)
     res = convert(image_tree, tmp_path / "c", format="ram", size=16, workers=2)
@@ -92,10 +98,73 @@ def test_the_pool_hands_out_units_without_waiting_for_the_whole_window(
 
     record_many = staging_mod.Staging.record_many
 
-    def record(self, units):  # type: ignore[no-untyped-def]
+    def record(self, units, sums=None):  # type: ignore[no-untyped-def]
         spy.extend(k for k, _, _ in units)
-        record_many(self, units)
+        record_many(self, units, sums)
 
     monkeypatch.setattr(staging_mod.Staging, "record_many", record)
     res = convert(image_tree, dest, format="ram", size=16, workers=2)
     assert res.n > 4 * 2 + 1 and spy[-1] == 0 and sorted(spy) == list(range(res.n))
+
+
+def _unit_ranges(checksums: dict[str, str], name: str) -> list[tuple[int, int]]:
+    from dlstore.checksums import split_key
+
+    spans = [split_key(k)[1:] for k in checksums if split_key(k)[0] == name]
+    return sorted((offset, int(length or 0)) for offset, length in spans)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_workers_checksum_their_units_as_they_write_them(
+    image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """A writer that digests its units (ram: one range per slab) spares finalize a second read of the
+    pixels; the ranges tile the file and match its bytes."""
+    import dlstore.build.conversion as conversion
+    from dlstore.build.verification import verify
+    from dlstore.checksums import mismatches
+    from dlstore.formats.ram import RamWriter
+    from dlstore.spec import read_spec
+
+    monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 3))
+    asked: list[str] = []
+    real = conversion.checksum_keys
+    monkeypatch.setattr(
+        conversion, "checksum_keys", lambda root, keys: asked.extend(keys) or real(root, keys)
+    )
+    dest = tmp_path / "c"
+    res = convert(image_tree, dest, format="ram", size=16, workers=workers)
+    spec = read_spec(dest)
+    images = "images.npy"
+    ranges = _unit_ranges(spec.checksums, images)
+    assert len(ranges) == -(-res.n // 3) and ranges[0][0] == 0
+    assert all(a + la == b for (a, la), (b, _) in zip(ranges, ranges[1:]))  # contiguous, no overlap
+    assert ranges[-1][0] + ranges[-1][1] == (dest / images).stat().st_size
+    assert asked == []  # finalize read none of them: the workers' digests were used
+    assert mismatches(dest, spec.checksums) == []
+    assert res.stages["workers_checksum_s"] > 0
+    assert verify(dest).ok
+    with open(dest / images, "r+b") as f:  # one flipped byte inside the last unit is caught
+        f.seek(-5, 2)
+        byte = f.read(1)
+        f.seek(-5, 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert not verify(dest).ok
+
+
+def test_units_journaled_without_their_checksums_are_digested_at_the_end(
+    image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A journal written by a version whose workers did not digest units (or a writer that returned
+    nothing) still gets a complete, correct manifest: finalize reads those ranges itself."""
+    from dlstore.checksums import mismatches
+    from dlstore.formats.ram import RamWriter
+    from dlstore.spec import read_spec
+
+    monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 3))
+    monkeypatch.setattr(RamWriter, "unit_checksums", lambda self, k, images: {})
+    dest = tmp_path / "c"
+    res = convert(image_tree, dest, format="ram", size=16, workers=2)
+    spec = read_spec(dest)
+    assert len(_unit_ranges(spec.checksums, "images.npy")) == -(-res.n // 3)
+    assert mismatches(dest, spec.checksums) == []
