@@ -515,7 +515,8 @@ def convert_job_unit(job: Job, k: int) -> UnitResult:
     r = job.writer.unit_range(k)
     # Variable-size images (resize "shorter") go to the writer as a list; a skipped one as a 1x1 black
     # placeholder that no dataset index maps to.
-    out: Any = [] if job.policy.ragged else np.zeros((len(r), *job.policy.shape), np.uint8)
+    # Every row is assigned below (a skipped image gets zeros), so the buffer needs no clearing.
+    out: Any = [] if job.policy.ragged else np.empty((len(r), *job.policy.shape), np.uint8)
     bad: list[dict[str, Any]] = []
     digests: list[str] = []
     for j, s in enumerate(r):

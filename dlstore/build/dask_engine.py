@@ -77,12 +77,18 @@ def open_client(spec: SchedulerSpec) -> tuple[Any, Any]:
             raise ConvertError(
                 f"--scheduler {spec.address}: cannot connect ({e}); is the scheduler running?"
             ) from None
-    cluster = LocalCluster(
-        n_workers=spec.local_workers,
-        threads_per_worker=1,  # decoding is CPU-bound and holds the GIL part of the time: processes
-        processes=True,
-        dashboard_address=":0",  # a free port: never collide with a running dashboard
-    )
+    import dask
+
+    # Our own cluster's workers only wait for their decode processes: the statistical profiler
+    # (a thread per worker waking every 10 ms to walk every stack) would only take CPU from them.
+    # The nanny hands this setting to the workers it starts.
+    with dask.config.set({"distributed.worker.profile.enabled": False}):
+        cluster = LocalCluster(
+            n_workers=spec.local_workers,
+            threads_per_worker=1,  # decoding is CPU-bound and holds the GIL part of the time: processes
+            processes=True,
+            dashboard_address=":0",  # a free port: never collide with a running dashboard
+        )
     try:
         return Client(cluster), cluster
     except BaseException:
