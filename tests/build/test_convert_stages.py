@@ -114,19 +114,21 @@ def _unit_ranges(checksums: dict[str, str], name: str) -> list[tuple[int, int]]:
     return sorted((offset, int(length or 0)) for offset, length in spans)
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize(("workers", "range_bytes"), [(1, 64 << 20), (2, 64 << 20), (2, 1000)])
 def test_workers_checksum_their_units_as_they_write_them(
-    image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+    image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int, range_bytes: int
 ) -> None:
-    """A writer that digests its units (ram: one range per slab) spares finalize a second read of the
-    pixels; the ranges tile the file and match its bytes."""
+    """A writer that digests its units (ram: one range per slab, cut at RANGE_BYTES) spares finalize
+    a second read of the pixels; the ranges tile the file and match its bytes."""
     import dlstore.build.conversion as conversion
+    import dlstore.checksums as checksums
     from dlstore.build.verification import verify
     from dlstore.checksums import mismatches
     from dlstore.formats.ram import RamWriter
     from dlstore.spec import read_spec
 
     monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 3))
+    monkeypatch.setattr(checksums, "RANGE_BYTES", range_bytes)  # forked workers inherit it
     asked: list[str] = []
     real = conversion.checksum_keys
     monkeypatch.setattr(
@@ -137,7 +139,11 @@ def test_workers_checksum_their_units_as_they_write_them(
     spec = read_spec(dest)
     images = "images.npy"
     ranges = _unit_ranges(spec.checksums, images)
-    assert len(ranges) == -(-res.n // 3) and ranges[0][0] == 0
+    units = -(-res.n // 3)
+    assert (len(ranges) == units if range_bytes > 3 * 16 * 16 * 3 + 200 else len(ranges) > units) and ranges[
+        0
+    ][0] == 0
+    assert max(length for _, length in ranges) <= range_bytes
     assert all(a + la == b for (a, la), (b, _) in zip(ranges, ranges[1:]))  # contiguous, no overlap
     assert ranges[-1][0] + ranges[-1][1] == (dest / images).stat().st_size
     assert asked == []  # finalize read none of them: the workers' digests were used
