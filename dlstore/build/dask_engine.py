@@ -20,6 +20,7 @@ decode process writes its unit itself and returns only the bad files and digests
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import re
 import threading
 import uuid
@@ -92,6 +93,9 @@ def open_client(spec: SchedulerSpec) -> tuple[Any, Any]:
             threads_per_worker=1,  # decoding is CPU-bound and holds the GIL part of the time: processes
             processes=True,
             dashboard_address=":0",  # a free port: never collide with a running dashboard
+            # A fork server keeps the environment it started with (an earlier conversion's): the
+            # nanny sets the caller's current one (credentials for s3://...) in each new worker.
+            env=dict(os.environ),
         )
     try:
         return Client(cluster), cluster
@@ -257,8 +261,6 @@ def _undo_dask_malloc_tuning() -> None:
     (on a dev VM that variable alone made one-process decoding 10-30% slower; on the H200 the decode
     processes took 26-43% longer per image than the pool's workers). Restore the adaptive behaviour's
     ceiling (buffers up to 32 MB from the heap, trimmed above 64 MB) in these processes only."""
-    import os
-
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
         return
     try:

@@ -150,3 +150,27 @@ def test_without_the_extra_the_message_names_it(
     )
     with pytest.raises(MissingExtraError, match=r"pip install 'dlstore\[dask\]'"):
         conv(tree, tmp_path / "c", scheduler="local:1")
+
+
+def test_a_local_cluster_sees_the_environment_of_its_start() -> None:
+    """Local workers come from a fork server started by the process's first conversion; each new
+    cluster's workers still see the caller's environment as it is now (e.g. credentials set in
+    between). In a fresh process, so that the fork server is surely the first conversion's."""
+    import subprocess
+    import sys
+
+    code = """if True:
+        import os
+        from dlstore.build.dask_engine import EarlyClient, SchedulerSpec
+        if __name__ == "__main__":
+            for value in ("first", "second"):
+                os.environ["DLSTORE_TEST_ENV"] = value
+                early = EarlyClient(SchedulerSpec(local_workers=1))
+                try:
+                    # a lambda: a bound os.environ.get would carry the caller's environ along
+                    print(*early.client().run(lambda: os.environ.get("DLSTORE_TEST_ENV")).values())
+                finally:
+                    early.close()
+    """
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["first", "second"], out.stderr[-2000:]
