@@ -71,7 +71,8 @@ class FedTiming:
         A probe that measured no extra cost leaves the busy cost."""
         if self.idle_serial_s is None or self.idle_serial_s <= self.serial_s:
             return self.serial_s
-        probe_gap = self.idle_gap_s or self.period_s
+        # the probe's gap as measured; unrecorded (older documents) or not positive: one device period
+        probe_gap = self.idle_gap_s if self.idle_gap_s and self.idle_gap_s > 0 else self.period_s
         share = min(1.0, max(0.0, gap_s) / probe_gap) if probe_gap > 0 else 1.0
         return self.serial_s + share * (self.idle_serial_s - self.serial_s)
 
