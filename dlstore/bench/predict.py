@@ -186,7 +186,8 @@ def compose_with(parts: LoopParts, serial_s: float) -> Prediction:
     drains: the next epoch's first batch takes ``refill`` from the restart, and nothing else runs meanwhile,
     since the restart waits for the loop to consume the last batch. An epoch of E batches then takes
     ``refill + max(E × consumer, (E − 1) × steady + consumer)``, with ``consumer`` the per-batch limit of the
-    main thread, the device and the cores; with long epochs this tends to the plain pipeline."""
+    main thread and the device, and at least E × the cores term (all the epoch's CPU work over the usable
+    cores); with long epochs this tends to the plain pipeline."""
     main = parts.loader.main_s + serial_s
     terms: dict[str, float] = {
         "producer": parts.loader.period_s,
@@ -203,14 +204,18 @@ def compose_with(parts: LoopParts, serial_s: float) -> Prediction:
     else:
         e = parts.loader.epoch_batches or 1
         r, steady = refill
-        consumers = {k: v for k, v in terms.items() if k != "producer"}
+        # The cores bound is on the whole epoch's CPU work (the refill is where the workers burn theirs), not
+        # one more per-batch stage after the refill: counted there it charged the workers' CPU twice.
+        consumers = {k: v for k, v in terms.items() if k not in ("producer", "cores")}
         limit = max(consumers, key=lambda k: consumers[k])
         consumer = consumers[limit]
         epoch = r + max(e * consumer, (e - 1) * steady + consumer)
+        if e * terms["cores"] > epoch:
+            epoch, limit = e * terms["cores"], "cores"
         # the loader's share: time per batch the loop waits on it, not overlapped with anything
-        terms["producer"] = (epoch - e * consumer) / e
-        period = consumer + terms["producer"]
-        if terms["producer"] > consumer:
+        terms["producer"] = max(0.0, epoch / e - consumer)
+        period = epoch / e
+        if limit != "cores" and terms["producer"] > consumer:
             limit = "producer"
     return Prediction(
         period,

@@ -160,6 +160,18 @@ def test_short_epochs_pay_the_loader_refill_unoverlapped() -> None:
     assert compose(LoopParts(100, 4, long, FedTiming(13 * MS, 14.7 * MS))).period_s == pytest.approx(15 * MS)
 
 
+def test_worker_cpu_is_not_charged_again_after_the_refill() -> None:
+    # 8 batches per epoch, the first after a 150 ms refill (loader alone: 152 ms per epoch), workers burn 140 ms
+    # CPU per batch. On 16 cores that CPU fits inside the refill: epoch = 150 + max(8 × 3.5, 7 × 2/7 + 3.5) =
+    # 178 ms, not 150 + 8 × (140 + 3.4) / 16 (the workers' CPU counted once in the refill, again per batch)
+    loader = LoaderTiming(19 * MS, 0.1 * MS, 140 * MS, in_caller=False, refill_s=150 * MS, epoch_batches=8)
+    p = compose(LoopParts(64, 8, loader, FedTiming(2.8 * MS, 3.4 * MS), cores=16))
+    assert p.period_s == pytest.approx(178 * MS / 8) and p.bottleneck == "transform"
+    # on 2 cores the epoch's CPU (8 × (140 + 3.4) ms over 2 cores) is the bound
+    p = compose(LoopParts(64, 8, loader, FedTiming(2.8 * MS, 3.4 * MS), cores=2))
+    assert p.period_s == pytest.approx(143.4 * MS / 2) and p.bottleneck == "cores"
+
+
 def test_cores_limit_when_workers_and_main_thread_need_more_than_there_are() -> None:
     # 2 cores; workers burn 30 ms CPU per batch, the main thread 4: (30 + 4) / 2 = 17 ms > the 10 ms period
     p = compose(parts(4, loader_ms=10, main_ms=1, fed_ms=4, serial_ms=4, cpu_ms=30, cores=2))
