@@ -70,7 +70,7 @@ class HangingSource(FolderSource):
     def of(cls, src: FolderSource, hang: str) -> HangingSource:
         return cls(**{f.name: getattr(src, f.name) for f in dataclasses.fields(src)}, hang=hang)
 
-    def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
+    def decode(self, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
         if self.names[i] == self.hang:
             time.sleep(30)
-        return super().decode(i, policy)
+        return super().decode(i, policy, data)

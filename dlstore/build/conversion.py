@@ -484,12 +484,10 @@ def decode_one(job: Job, i: int, times: dict[str, float] | None = None) -> tuple
     try:
         with time_limit(job.decode_timeout, job.hard_limit):
             t0 = time.perf_counter()
-            image = job.src.decode(i, job.policy)
-            t1 = time.perf_counter()
-            digest = job.src.digest(i)
+            image, digest, hashed = job.src.decode_and_digest(i, job.policy)
             if times is not None:
-                times["decode"] += t1 - t0
-                times["digest"] += time.perf_counter() - t1
+                times["decode"] += time.perf_counter() - t0 - hashed
+                times["digest"] += hashed
             return image, digest
     except DecodeTimeout:
         raise ImageDecodeError(

@@ -12,10 +12,13 @@ only error left is the narrower low-pass of DCT scaling (measured in benchmarks/
 
 from __future__ import annotations
 
+import io
 import struct
 import warnings
 import zlib
+from contextlib import nullcontext
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from PIL import Image, ImageOps
@@ -57,15 +60,16 @@ _ALPHA_MODES = {"RGBA", "LA", "PA", "La", "RGBa"}
 _SIXTEEN_BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 
 
-def decode_file(path: Path | str, policy: ImagePolicy) -> np.ndarray:
-    """Decode one image file into a (size, size, channels) uint8 array, or raise ImageDecodeError."""
+def decode_file(path: Path | str, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
+    """Decode one image file into a (size, size, channels) uint8 array, or raise ImageDecodeError.
+    ``data``: the file's bytes, when the caller has read them already (errors still name ``path``)."""
     try:
         with warnings.catch_warnings():
             # Pillow only warns between 1x and 2x its pixel limit; a cache build treats both as bombs.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path, formats=ALLOWED_FORMATS) as img:
+            with Image.open(path if data is None else io.BytesIO(data), formats=ALLOWED_FORMATS) as img:
                 if img.format == "PNG":
-                    check_png_chunks(path)
+                    check_png_chunks(path if data is None else io.BytesIO(data))
                 if policy.decode == "fast" and img.format == "JPEG" and draft_scale(img.size, policy) > 1:
                     return decode_drafted(img, policy)
                 img.load()
@@ -77,10 +81,10 @@ def decode_file(path: Path | str, policy: ImagePolicy) -> np.ndarray:
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
-def check_png_chunks(path: Path | str) -> None:
+def check_png_chunks(path: Path | str | BinaryIO) -> None:
     """Pillow skips the CRC of IDAT chunks and does not need IEND, so a corrupted or cut-off PNG can
     decode to damaged pixels silently; walk the chunks (streamed, bounded memory) and refuse it."""
-    with open(path, "rb") as f:
+    with open(path, "rb") if isinstance(path, (str, Path)) else nullcontext(path) as f:
         if f.read(8) != _PNG_SIGNATURE:
             raise SyntaxError("not a PNG signature")
         while True:

@@ -370,10 +370,10 @@ def test_c11_per_file_timeout_skips_a_hanging_file(tmp_path: Path, monkeypatch: 
     src = make_tree(tmp_path / "src", per_class=4)
     real = sources.decode_file
 
-    def hang_on_one(path: Path, policy: ImagePolicy) -> np.ndarray:
+    def hang_on_one(path: Path, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
         if path.name == "img002.jpg" and path.parent.name == "b":
             time.sleep(30)
-        return real(path, policy)
+        return real(path, policy, data)
 
     monkeypatch.setattr(sources, "decode_file", hang_on_one)
     t0 = time.monotonic()
@@ -391,10 +391,10 @@ def test_c11_worker_killed_by_a_crashing_decoder_is_reported(
     src = make_tree(tmp_path / "src", per_class=4)
     real = sources.decode_file
 
-    def crash(path: Path, policy: ImagePolicy) -> np.ndarray:
+    def crash(path: Path, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
         if path.name == "img001.png":
             os.kill(os.getpid(), 9)
-        return real(path, policy)
+        return real(path, policy, data)
 
     monkeypatch.setattr(sources, "decode_file", crash)
     small_units(monkeypatch, 2)

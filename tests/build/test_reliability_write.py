@@ -134,9 +134,9 @@ import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 import dlstore.build.imageops as io_
 real = io_.decode_file
-def slow(path, policy):
+def slow(path, policy, data=None):
     time.sleep(0.25)  # slow enough that Ctrl-C lands mid-run even on a loaded 2-core machine
-    return real(path, policy)
+    return real(path, policy, data)
 io_.decode_file = slow
 import dlstore.build.sources as s; s.decode_file = slow
 from dlstore.cli import main
