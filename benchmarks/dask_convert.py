@@ -28,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import harness  # noqa: E402
+
 from dlstore.build.conversion import convert  # noqa: E402
 from dlstore.build.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
@@ -123,6 +125,25 @@ def main() -> None:
     doc["median"] = medians
     write(args, doc)
     n_img = len(src)
+    targets = harness.Targets()
+    for n in counts:
+        pool = medians.get(f"pool:{n}", 0.0)
+        for name, what in (
+            (f"dask local:{n} (incl. start)", "--scheduler local"),
+            (f"dask running:{n}", "a running cluster"),
+        ):
+            if name in medians and pool:
+                targets.add(
+                    f"Dask convert ({what}:{n}, ram {args.size}px, {n_img:,} images) vs the built-in pool at {n} workers",
+                    medians[name],
+                    pool,
+                    0.9,
+                    f"{args.repeats} round(s), median img/s; start-up and decode per image in dask_convert.json",
+                )
+    env = harness.environment(distributed=__import__("distributed").__version__)
+    (args.out / "targets.json").write_text(
+        json.dumps({"environment": env, "targets": targets}, indent=1, default=str)
+    )
     for n in counts:
         pool = medians.get(f"pool:{n}", float("nan"))
         for name in (f"pool:{n}", f"dask local:{n} (incl. start)", f"dask running:{n}"):
@@ -137,6 +158,7 @@ def main() -> None:
                     f"{name:<32}{medians[name]:>10,.0f} img/s  {medians[name] / pool:.2f}x pool  "
                     f"start-up {start:.2f} s  decode {decode:.2f} ms/img  idle {idle:.0%}"
                 )
+    print(targets.table())
 
 
 if __name__ == "__main__":
