@@ -55,23 +55,75 @@ def reader_rate(
     batches = [storage_sorted(cache, order[i : i + B]) for i in range(0, len(order) - B + 1, B)]
     buf = np.empty((B, *cache.spec.shape), np.uint8)
 
+    stages = {"prefetch_s": 0.0, "read_s": 0.0}
+
     def epoch() -> None:
         cache.reader.clear_units()  # every unit decoded again: the last epoch's are not reused
         for i, idx in enumerate(batches):
+            t0 = time.perf_counter()
             if depth:
                 ahead = batches[i + 1 : i + 1 + depth]
                 if ahead:
                     cache.prefetch(np.concatenate(ahead))
+            t1 = time.perf_counter()
             cache.read(idx, out=buf)
+            stages["prefetch_s"] += t1 - t0
+            stages["read_s"] += time.perf_counter() - t1
 
     t0 = time.perf_counter()
     epoch()
     first = time.perf_counter() - t0
+    stages.update(prefetch_s=0.0, read_s=0.0)
     t0 = time.perf_counter()
     for _ in range(epochs):
         epoch()
     rate = epochs * len(batches) * B / max(1e-9, time.perf_counter() - t0)
     cache.close()
+    LAST_STAGES.clear()
+    LAST_STAGES.update(stages)
+    return rate, first
+
+
+def run_config(root: Path, depth: int, threads: int, processes: int, epochs: int) -> tuple[float, float]:
+    if depth < 0:
+        return batches_rate(root, processes, depth == -2, epochs=epochs)
+    return reader_rate(root, depth, threads, processes, epochs=epochs)
+
+
+LAST_STAGES: dict[str, float] = {}  # seconds per stage of the last run's timed epochs
+
+
+def batches_rate(root: Path, processes: int, copy: bool, epochs: int = 2) -> tuple[float, float]:
+    """Like reader_rate, through ``Cache.read_batches``: `processes` workers decode each chunk once
+    and copy its images straight into the batches (shared memory). With `copy`, each batch is also
+    copied into one buffer of the caller (what a caller keeping the batch would pay)."""
+    cache = open_cache(root)
+    order = list(make_sampler(cache, "chunk", seed=0))
+    batches = [storage_sorted(cache, order[i : i + B]) for i in range(0, len(order) - B + 1, B)]
+    buf = np.empty((B, *cache.spec.shape), np.uint8)
+    waits = {"wait_s": 0.0, "copy_s": 0.0}
+
+    def epoch() -> None:
+        t0 = time.perf_counter()
+        for x in cache.read_batches(batches, processes=processes):
+            t1 = time.perf_counter()
+            waits["wait_s"] += t1 - t0
+            if copy:
+                np.copyto(buf, x)
+            t0 = time.perf_counter()
+            waits["copy_s"] += t0 - t1
+
+    t0 = time.perf_counter()
+    epoch()
+    first = time.perf_counter() - t0
+    waits.update(wait_s=0.0, copy_s=0.0)
+    t0 = time.perf_counter()
+    for _ in range(epochs):
+        epoch()
+    rate = epochs * len(batches) * B / max(1e-9, time.perf_counter() - t0)
+    cache.close()
+    LAST_STAGES.clear()
+    LAST_STAGES.update(waits)
     return rate, first
 
 
@@ -99,12 +151,18 @@ def loader_rate(root: Path, processes: int, epochs: int = 2) -> dict[str, float]
 
 
 def parse_config(item: str) -> tuple[int, int, int]:
-    """depth:threads[:processes], C = all cores."""
+    """depth:threads[:processes], C = all cores; ``B:P`` = read_batches with P processes (``Bc:P``:
+    and a copy of each batch), coded as depth -1 (-2), threads 0."""
+    if item.startswith("B"):
+        p = item.split(":")[1]
+        return -2 if item.startswith("Bc") else -1, 0, CORES if p == "C" else int(p)
     d, t, p = (item.split(":") + ["", ""])[:3]
     return int(d), CORES if t in ("", "C") else int(t), 0 if p == "" else CORES if p == "C" else int(p)
 
 
 def config_name(d: int, t: int, p: int) -> str:
+    if d < 0:
+        return f"batches_{p}proc" + ("_copy" if d == -2 else "")
     return f"{'sync' if d == 0 else f'ahead{d}'}_{t}t" + (f"_{p}proc" if p else "")
 
 
@@ -112,9 +170,9 @@ PROFILE_LOOP = """
 import sys
 sys.path[:0] = {paths!r}
 from pathlib import Path
-from zarr_readahead import reader_rate
+from zarr_readahead import run_config
 print("ready", flush=True)
-reader_rate(Path({root!r}), {depth}, {threads}, {processes}, epochs=1000)
+run_config(Path({root!r}), {depth}, {threads}, {processes}, epochs=1000)
 """
 
 
@@ -228,20 +286,33 @@ def main() -> None:
     save()
 
     cfgs: dict[str, tuple[int, int, int]] = {}
+    no_prefault: set[str] = set()  # configurations ending in "!": shared memory not prefaulted
     for item in args.configs.split(","):
-        d, t, p = parse_config(item)
-        cfgs[config_name(d, t, p)] = (d, t, p)
+        d, t, p = parse_config(item.rstrip("!"))
+        name = config_name(d, t, p) + ("_nofault" if item.endswith("!") else "")
+        cfgs[name] = (d, t, p)
+        if item.endswith("!"):
+            no_prefault.add(name)
     runs: dict[str, list[float]] = {k: [] for k in cfgs}
     firsts: dict[str, list[float]] = {k: [] for k in cfgs}
+    stages: dict[str, list[dict[str, float]]] = {}
     reader_rate(root, 0, CORES, epochs=0)  # warm: page cache, imports
     for _ in range(args.repeats):
         for name, (d, t, p) in cfgs.items():
-            rate, first = reader_rate(root, d, t, p, epochs=args.epochs)
+            os.environ["DLSTORE_PREFAULT"] = "0" if name in no_prefault else "1"  # read by the workers too
+            rate, first = run_config(root, d, t, p, epochs=args.epochs)
+            os.environ.pop("DLSTORE_PREFAULT")
             runs[name].append(rate)
             firsts[name].append(first)
-            log(f"  {name}: {rate:,.0f} img/s (first epoch, with start-up: {first:.2f} s)")
+            stages.setdefault(name, []).append(dict(LAST_STAGES))
+            log(f"  {name}: {rate:,.0f} img/s (first epoch, with start-up: {first:.2f} s) {LAST_STAGES}")
             res["reader_img_s"] = {
-                k: {"runs": v, "median": float(np.median(v)), "first_epoch_s": firsts[k]}
+                k: {
+                    "runs": v,
+                    "median": float(np.median(v)),
+                    "first_epoch_s": firsts[k],
+                    "stages_s": stages[k],
+                }
                 for k, v in runs.items()
                 if v
             }

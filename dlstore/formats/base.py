@@ -8,7 +8,7 @@ import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -215,6 +215,8 @@ class ChunkedReader(CacheReader):
         # has its own GIL; see dlstore.formats.unit_procs. Set by the one-process loaders.
         self.processes = 0
         self._procs: Any = None
+        self._batch_procs: Any = None  # BatchProcesses of decode_batches, with the pid that owns them
+        self._batch_procs_pid = -1
 
     @property
     def max_units(self) -> int:
@@ -298,6 +300,28 @@ class ChunkedReader(CacheReader):
             arr = self.load_unit(k)
         self.recycle(self._units.put(k, arr))
         return arr
+
+    def decode_batches(self, batches: list[np.ndarray], processes: int) -> Iterator[np.ndarray]:
+        """Each batch of storage positions (rows in the order given), decoded by ``processes`` worker
+        processes straight into a ring of shared-memory batch slots (``dlstore.formats.batch_procs``):
+        each yielded array is valid until the next one is asked for. The workers stay for later epochs."""
+        procs = self._batch_processes(max((len(b) for b in batches), default=1), processes)
+        return procs.epoch(batches, self)
+
+    def _batch_processes(self, batch: int, processes: int) -> Any:
+        from dlstore.formats.batch_procs import BatchProcesses, ring_slots
+        from dlstore.formats.unit_procs import opener_for
+
+        procs = self._batch_procs if self._batch_procs_pid == os.getpid() else None
+        if procs is not None and (procs.batch < batch or len(procs.conns) != processes):
+            procs.close()
+            procs = None
+        if procs is None:
+            unit_shape = (self.unit, *self.spec.shape)
+            slots = ring_slots(batch * self.spec.image_bytes)
+            procs = BatchProcesses(opener_for(self), unit_shape, processes, slots, batch)
+            self._batch_procs, self._batch_procs_pid = procs, os.getpid()
+        return procs
 
     @property
     def max_ahead(self) -> int:
@@ -390,6 +414,9 @@ class ChunkedReader(CacheReader):
         del ahead
         if procs is not None:  # after the unit arrays (views of its shared memory) are dropped
             procs.close()
+        if self._batch_procs is not None and self._batch_procs_pid == os.getpid():
+            self._batch_procs.close()
+        self._batch_procs = None
         self.shutdown_threads()
 
 

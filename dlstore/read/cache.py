@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -113,6 +114,38 @@ class Cache:
             self.mirror.prefetch(self.reader.files_for(pos))
         else:
             self.reader.prefetch(pos)
+
+    def read_batches(
+        self, batches: list[np.ndarray] | list[list[int]], processes: int = 0
+    ) -> Iterator[np.ndarray]:
+        """Each batch of indices as ``read`` returns it, in order. With ``processes`` > 0 and a local
+        chunked cache (zarr, npz), worker processes decode every chunk once and copy its images
+        straight into the batches in shared memory: each array is then valid only until the next one
+        is asked for (copy it to keep it). Otherwise each batch is a fresh ``read``."""
+        readers_batches = getattr(self.reader, "decode_batches", None)
+        if (
+            processes <= 0
+            or readers_batches is None
+            or self.mirror is not None
+            or mp.current_process().daemon
+        ):
+            for idx in batches:
+                yield self.read(idx)
+            return
+        flat = [np.asarray(b, dtype=np.int64).reshape(-1) for b in batches]
+        stream = readers_batches([self.storage_positions(b) for b in flat], processes)
+        taken = 0  # batches handed out: an error names the indices of the next one
+        try:
+            for images in stream:
+                if self.traits.opens_files_per_read:
+                    self.check_generation()
+                taken += 1
+                yield images
+        except DlstoreError as e:
+            where = f"indices {_short(flat[min(taken, len(flat) - 1)])}"
+            raise SampleReadError(f"reading dataset {where} from {self.location}: {e}") from e
+        finally:
+            stream.close()  # type: ignore[attr-defined]
 
     def read_images(self, indices: np.ndarray | list[int]) -> list[np.ndarray]:
         """(H, W, C) uint8 images in the order of ``indices``, of any sizes (every format and layout)."""
