@@ -84,8 +84,8 @@ def test_pinned_loader_decoding_ahead_in_processes_matches_plain_reads(
     for _ in range(2):
         check_epoch(list(loader), caches[fmt], expect_all=True)
     reader = loader.cache.reader
-    procs = getattr(reader, "_procs", None)
-    assert (procs is not None) == hasattr(reader, "processes")  # chunked readers used them
+    procs = getattr(reader, "_batch_procs", None)
+    assert (procs is not None) == hasattr(reader, "decode_batches")  # chunked readers used them
     loader.cache.close()
     assert procs is None or all(p.poll() is not None for p in procs.procs)
 
