@@ -225,11 +225,17 @@ def per_chunk_cost(root: Path, raws: list[bytes], n: int = 200) -> dict[str, flo
     for k in range(n):
         reader.recycle([reader.load_unit(k)])
     path = (time.perf_counter() - t0) / n
+    reader.map_chunks = True  # what a decode worker does: decode from a mapping of the chunk file
+    t0 = time.perf_counter()
+    for k in range(n):
+        reader.decode_unit_into(k, out)
+    mapped = (time.perf_counter() - t0) / n
     cache.close()
     return {
         "bare_decode_us": bare * 1e6,
         "reader_load_unit_us": path * 1e6,
         "overhead_us": (path - bare) * 1e6,
+        "reader_mapped_decode_us": mapped * 1e6,
     }
 
 
@@ -286,22 +292,23 @@ def main() -> None:
     save()
 
     cfgs: dict[str, tuple[int, int, int]] = {}
-    no_prefault: set[str] = set()  # configurations ending in "!": shared memory not prefaulted
+    # Suffixes: "!" shared memory not prefaulted; "~" decode workers read chunk files (not mapped).
+    switches: dict[str, dict[str, str]] = {}
     for item in args.configs.split(","):
-        d, t, p = parse_config(item.rstrip("!"))
-        name = config_name(d, t, p) + ("_nofault" if item.endswith("!") else "")
+        d, t, p = parse_config(item.rstrip("!~"))
+        flags = item[len(item.rstrip("!~")) :]
+        name = config_name(d, t, p) + ("_nofault" if "!" in flags else "") + ("_read" if "~" in flags else "")
         cfgs[name] = (d, t, p)
-        if item.endswith("!"):
-            no_prefault.add(name)
+        switches[name] = {"DLSTORE_PREFAULT": "0" if "!" in flags else "1"}
+        switches[name]["DLSTORE_MAP_CHUNKS"] = "0" if "~" in flags else "1"
     runs: dict[str, list[float]] = {k: [] for k in cfgs}
     firsts: dict[str, list[float]] = {k: [] for k in cfgs}
     stages: dict[str, list[dict[str, float]]] = {}
     reader_rate(root, 0, CORES, epochs=0)  # warm: page cache, imports
     for _ in range(args.repeats):
         for name, (d, t, p) in cfgs.items():
-            os.environ["DLSTORE_PREFAULT"] = "0" if name in no_prefault else "1"  # read by the workers too
+            os.environ.update(switches[name])  # read by the decode workers too
             rate, first = run_config(root, d, t, p, epochs=args.epochs)
-            os.environ.pop("DLSTORE_PREFAULT")
             runs[name].append(rate)
             firsts[name].append(first)
             stages.setdefault(name, []).append(dict(LAST_STAGES))
@@ -340,7 +347,8 @@ def main() -> None:
         print(f"{'PinnedLoader to ' + DEVICE + ' ' + k:40} {v['img_s']:>10,.0f} {v['img_s'] / top:>6.3f}")
     pc = res["per_chunk_1_thread"]
     print(
-        f"per chunk, 1 thread: bare decode {pc['bare_decode_us']:.0f} us, reader {pc['reader_load_unit_us']:.0f} us"
+        f"per chunk, 1 thread: bare decode {pc['bare_decode_us']:.0f} us, reader {pc['reader_load_unit_us']:.0f} us, "
+        f"mapped {pc['reader_mapped_decode_us']:.0f} us"
     )
 
 

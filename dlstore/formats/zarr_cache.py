@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import threading
 import warnings
@@ -236,6 +237,11 @@ class ZarrReader(ChunkedReader):
         self._indexes = ShardIndexes(self.sharding) if self.sharding is not None else None
         self._buffers = BufferPool((chunk, *spec.shape))
         self._scratch = threading.local()  # per-thread buffer for the compressed bytes
+        # Decode a whole-file chunk straight from a read-only mapping of the file instead of reading
+        # its bytes into a buffer first: saves a copy out of the page cache (on the H200 the read path
+        # cost 419 us per 1.1 MB chunk on top of a 1,567 us decode). For processes with one thread
+        # (decode workers): in a threaded reader every munmap interrupts the other threads.
+        self.map_chunks = False
 
     def recycle(self, evicted: list[np.ndarray]) -> None:
         self._buffers.give(evicted)
@@ -282,6 +288,9 @@ class ZarrReader(ChunkedReader):
             if self.decode is None:
                 out[...] = np.fromfile(path, np.uint8, count=out.size, offset=offset).reshape(out.shape)
                 return
+            if self.map_chunks and length is None:
+                self._decode_mapped(path, out)
+                return
             raw = self._read_compressed(path, offset, length)
             if declared_size(raw) != out.nbytes:  # decoding into a reused buffer must fill all of it
                 raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
@@ -294,6 +303,25 @@ class ZarrReader(ChunkedReader):
             ) from None
         except (OSError, RuntimeError, ValueError) as e:
             raise CacheCorruptError(f"{path}: chunk {k} does not decode ({e}); rebuild the cache") from None
+
+    def _decode_mapped(self, path: Path, out: np.ndarray) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:  # MAP_POPULATE: the file's pages mapped in one call, not one fault per 4 KiB
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapped = mmap.mmap(fd, os.fstat(fd).st_size, flags=flags, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        raw = memoryview(mapped)
+        try:
+            if declared_size(raw) != out.nbytes:
+                raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
+            self.decode(raw, out=out)  # type: ignore[call-arg]
+        finally:
+            try:
+                raw.release()
+                mapped.close()
+            except BufferError:  # a decoder still holds a view: the mapping goes with it
+                pass
 
     def _read_compressed(self, path: Path, offset: int = 0, length: int | None = None) -> memoryview:
         """The chunk file's bytes (or ``length`` bytes at ``offset``: an inner chunk of a shard) in this
