@@ -8,10 +8,11 @@ Where the bytes go with a plain ``DataLoader(CachedDataset(...))`` and these hel
    ``collate_batch_samples``);
 2. the block crosses to the main process as its slot's key (no copy; the slot, mapped there once,
    is freed for the worker when the last tensor viewing it is released), the labels inside the pickle;
-3. with ``pin_memory=True`` the DataLoader's pin thread calls ``ImageBatch.pin_memory``, which copies
-   the block into pinned memory in several threads, each pre-faulting its part of the shared memory
-   in one ``madvise`` (torch's own ``Tensor.pin_memory`` copies in one thread and, on a freshly mapped
-   block, takes one page fault per 4 KiB page, which caps it near 2 GB/s).
+3. with ``pin_memory=True`` the DataLoader's pin thread calls ``ImageBatch.pin_memory``: a batch in a
+   worker slot is pinned in place (the slot is page-locked for CUDA once, ``slots.pin_in_place``; no
+   copy); any other batch is copied into pinned memory in several threads, each pre-faulting its part
+   of the shared memory in one ``madvise`` (torch's own ``Tensor.pin_memory`` copies in one thread
+   and, on a freshly mapped block, takes one page fault per 4 KiB page, which caps it near 2 GB/s).
 
 Images are (B,C,H,W) uint8 with channels-last strides (the (B,H,W,C) block seen as CHW), which is what
 ``.cuda()`` and channels-last models take without another copy; call ``.contiguous()`` for NCHW.
@@ -46,7 +47,10 @@ class ImageBatch(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def pin_memory(self, device: Any = None) -> torch.Tensor:  # type: ignore[override]
-        return pin_parallel(self.as_subclass(torch.Tensor))
+        plain = self.as_subclass(torch.Tensor)
+        if slots.pin_in_place(plain):  # a worker slot page-locked once: no copy at all
+            return plain
+        return pin_parallel(plain)
 
 
 def _rebuild_image_batch(rebuild: Callable[..., torch.Tensor], args: tuple[Any, ...]) -> torch.Tensor:

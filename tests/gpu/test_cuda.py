@@ -127,3 +127,40 @@ def test_image_batch_pins_in_parallel(cache_dir: Path) -> None:
         x, y = next(iter(loader))
         assert type(x) is torch.Tensor and x.is_pinned() and y.is_pinned()
         assert torch.equal(x, torch.stack([ds[i][0] for i in range(100)]))
+
+
+def copies_read_from_pinned_slots(cache_dir: Path, batches: int = 30) -> tuple[int, int]:
+    """(batches whose device copy differs from what the host batch held, batches checked): a 2-worker
+    DataLoader with pin_memory=True, each batch copied with ``.cuda(non_blocking=True)`` behind ~10 ms
+    of queued GPU work and dropped at once, so the workers would refill its slot before the device
+    reads it if a page-locked slot went back on release."""
+    from torch.utils.data import DataLoader
+
+    from dlstore import CachedDataset
+
+    ds = CachedDataset(cache_dir)
+    ref = torch.stack([ds[i][0] for i in range(len(ds))]).cuda()
+    loader = DataLoader(
+        ds, batch_size=16, shuffle=True, num_workers=2, pin_memory=True, persistent_workers=True
+    )
+    copied: list[tuple[torch.Tensor, list[int]]] = []
+    while len(copied) < batches:
+        for x, _ in loader:
+            expect = ids(x)  # what the host batch holds now, before its copy runs
+            torch.cuda._sleep(20_000_000)  # the copy waits behind this on the stream
+            copied.append((x.cuda(non_blocking=True), expect))
+            del x  # released while its copy is still queued
+            if len(copied) == batches:
+                break
+    torch.cuda.synchronize()
+    bad = sum(not torch.equal(d, ref[expect]) for d, expect in copied)
+    return bad, len(copied)
+
+
+def test_batches_pinned_in_place_are_not_refilled_before_the_device_read_them(cache_dir: Path) -> None:
+    from dlstore.read import slots
+
+    before = slots.stats["registered"]
+    bad, n = copies_read_from_pinned_slots(cache_dir)
+    assert slots.stats["registered"] > before  # the batches were pinned in place (no copy)
+    assert bad == 0, f"{bad} of {n} device batches were overwritten before their copy"

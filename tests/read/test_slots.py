@@ -176,3 +176,90 @@ def test_kill_leaves_no_shared_memory_behind(ram: Path, tmp_path: Path) -> None:
     # runs create their own psm_/sem. entries, so only these prefixes are ours to check)
     leaked = {n for n in _shm_names() - before if n.startswith(("torch_", "dlstore"))}
     assert not leaked
+
+
+class _FakeCudart:
+    """cudaHostRegister/Unregister as calls recorded (the CPU machine has no CUDA)."""
+
+    def __init__(self) -> None:
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, address: int, size: int, flags: int) -> int:  # noqa: N802
+        self.registered.append(address)
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        self.unregistered.append(address)
+        return 0
+
+
+class _FakeEvent:
+    """A CUDA event whose completion the test decides."""
+
+    done = False
+
+    def record(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return _FakeEvent.done
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCudart:
+    rt = _FakeCudart()
+    monkeypatch.setattr(slots, "_cudart", lambda: rt)
+    monkeypatch.setattr(slots, "pin_in_place_enabled", True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(_FakeEvent, "done", False)
+    return rt
+
+
+def test_pinning_a_worker_batch_locks_its_slot_once_and_copies_nothing(
+    ram: Path, reference: torch.Tensor, fake_cuda: _FakeCudart
+) -> None:
+    loader = DataLoader(CachedDataset(ram), batch_size=4, num_workers=1, persistent_workers=True)
+    for _ in range(3):
+        for k, (x, _) in enumerate(loader):
+            pinned = x.pin_memory()
+            assert pinned.data_ptr() == x.data_ptr()  # in place: no copy
+            assert torch.equal(pinned, reference[k * 4 : k * 4 + len(x)])
+            _FakeEvent.done = True  # the device read it at once
+    # each slot the worker used was registered once, not once per batch
+    assert 1 <= len(fake_cuda.registered) == len(set(fake_cuda.registered)) <= slots.MAX_SLOTS
+    assert len(fake_cuda.registered) < 3 * len(loader)
+
+
+def test_a_pinned_slot_goes_back_only_after_the_device_read_it(ram: Path, fake_cuda: _FakeCudart) -> None:
+    loader = DataLoader(CachedDataset(ram), batch_size=4, num_workers=1, persistent_workers=True)
+    it = iter(loader)
+    x, _ = next(it)
+    pinned = x.pin_memory()
+    mapped = slots._by_address[pinned.untyped_storage().data_ptr()]
+    assert mapped.registered
+    del x, pinned  # released while the device copy (the fake event) is still pending
+    slots.reclaim()
+    assert mapped.flag[0] != 0 and mapped.fenced  # the worker may not refill it yet
+    _FakeEvent.done = True
+    slots.reclaim()
+    assert mapped.flag[0] == 0 and not mapped.fenced
+    del it, loader
+
+
+def test_slots_of_exited_workers_are_unlocked_before_unmapping(ram: Path, fake_cuda: _FakeCudart) -> None:
+    _FakeEvent.done = True
+    ds = CachedDataset(ram)
+    loader = DataLoader(ds, batch_size=4, num_workers=1)  # new workers each epoch
+    first_epoch: set[int] = set()
+    for epoch in range(2):
+        for x, _ in loader:
+            x.pin_memory()
+        if epoch == 0:
+            first_epoch = set(fake_cuda.registered)
+    third = next(iter(loader))  # the third epoch's first new slot forgets the exited workers' slots
+    assert first_epoch
+    # every slot of the first epoch's (exited) worker was unlocked before its mapping went
+    assert first_epoch <= set(fake_cuda.unregistered)
+    del x, third
