@@ -917,6 +917,11 @@ def section_resnet18(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cache2, batch_size=batch, device="cuda", order="random", transform=aug, cuda_graph=True
     )
     cache2.reader.threads = 2  # after PinnedLoader set it to all cores
+    cache1 = open_cache(work / "ram128", in_memory=True)
+    pinned_graph_1t = PinnedLoader(
+        cache1, batch_size=batch, device="cuda", order="random", transform=aug, cuda_graph=True
+    )
+    cache1.reader.threads = 1  # the gather in the gather thread itself: no pool hand-offs of the GIL
     dl2 = batch_dataloader(
         work / "ram128", batch_size=batch, num_workers=2, order="random", prefetch_factor=4
     )
@@ -966,6 +971,9 @@ def section_resnet18(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ),
         "dataloader_2_workers_graph_augment": lambda: fp.timed_steps(
             fp.augmented(fp._Reiter(dl2), graphed), step, w, s, batch
+        ),
+        "pinned_0_workers_graph_augment_1_thread": lambda: fp.timed_steps(
+            lambda: iter(pinned_graph_1t), step, w, s, batch
         ),
         "pinned_0_workers_graph_augment_2_threads_no_copy_ahead": without_copy_ahead(
             lambda: fp.timed_steps(lambda: iter(pinned_graph_2t), step, w, s, batch)
