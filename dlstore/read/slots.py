@@ -243,6 +243,7 @@ def mapped_slots(pids: Collection[int] | None = None) -> int:
 
 # --- pinning in place (the main process, pin_memory=True) --------------------------------------------
 
+_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device, not one context
 _fenced: list[tuple[_Mapped, Any]] = []  # released page-locked slots and the event each waits for
 _fenced_lock = threading.Lock()
 stats = {"registered": 0, "register_s": 0.0, "register_failed": 0}  # diagnostics for benchmarks
@@ -270,7 +271,7 @@ def pin_in_place(t: torch.Tensor) -> bool:
 
 def _register(m: _Mapped) -> bool:
     t0 = time.perf_counter()
-    err = _cudart().cudaHostRegister(m.address, m.size, 0)
+    err = _cudart().cudaHostRegister(m.address, m.size, _REGISTER_PORTABLE)
     if int(getattr(err, "value", err)) != 0:  # e.g. a limit on locked memory: copy as before
         stats["register_failed"] += 1
         return False
