@@ -218,6 +218,7 @@ def _rebuild_slot_tensor(
 
 def _forget_dead_workers() -> None:
     """Unmap the slots of workers that exited (new workers each epoch without persistent_workers)."""
+    reclaim()  # a page-locked slot released at the end of the last epoch may be fenced still
     for key in [k for k, m in _mapped.items() if m.live == 0 and not m.fenced and not _alive(k[0])]:
         m = _mapped.pop(key)
         del _by_address[m.data.ctypes.data]
