@@ -228,8 +228,9 @@ class ChunkedReader(CacheReader):
 
     def decode_unit_into(self, k: int, out: np.ndarray) -> None:
         """Decode unit k into ``out`` (a decode process's shared-memory slot). Readers that can decode
-        in place override this; the default copies."""
-        out[...] = self.load_unit(k)
+        in place override this; the default copies (a short last unit fills the first rows)."""
+        arr = self.load_unit(k)
+        out[: len(arr)] = arr
 
     @classmethod
     @abstractmethod

@@ -14,6 +14,7 @@ from dlstore import convert, open_cache
 from dlstore.build.sources import ArraySource
 from dlstore.errors import SampleReadError
 from dlstore.formats.batch_procs import plan_jobs
+from dlstore.formats.npz import NpzWriter
 from dlstore.formats.zarr_cache import ZarrWriter
 from dlstore.read.loaders import PinnedLoader, make_sampler
 
@@ -38,6 +39,40 @@ def zarr_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         m.setattr(ZarrWriter, "choose_unit_size", staticmethod(lambda image_bytes: UNIT))
         convert(src, dest, format="zarr", size=16, resize="stretch", workers=1)
     return dest
+
+
+@pytest.fixture(scope="module")
+def npz_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """300 random images in shards of 7: the last shard holds 6."""
+    rng = np.random.default_rng(6)
+    n = 300
+    src = ArraySource(
+        description="t",
+        classes=("a", "b"),
+        names=[str(i) for i in range(n)],
+        labels=rng.integers(0, 2, n),
+        kind="test",
+        data=rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8),
+    )
+    dest = tmp_path_factory.mktemp("batches") / "npz"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(NpzWriter, "choose_unit_size", staticmethod(lambda image_bytes: UNIT))
+        convert(src, dest, format="npz", size=8, resize="stretch", workers=1)
+    return dest
+
+
+def test_a_short_last_shard_is_decoded_by_the_workers_too(npz_cache: Path) -> None:
+    batches = index_batches(npz_cache, "chunk")
+    cache = open_cache(npz_cache)
+    assert cache.reader.unit == UNIT and cache.spec.n_stored % UNIT == 6
+    expected = [cache.read(b) for b in batches]
+    calls: list[int] = []
+    load = cache.reader.load_unit
+    cache.reader.load_unit = lambda k: (calls.append(k), load(k))[1]  # type: ignore[method-assign]
+    got = [x.copy() for x in cache.read_batches(batches, processes=2)]
+    assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+    assert calls == []  # no unit failed in a worker and was decoded here instead
+    cache.close()
 
 
 def index_batches(root: Path, order: str, size: int = 32) -> list[np.ndarray]:
