@@ -153,9 +153,9 @@ def test_without_the_extra_the_message_names_it(
 
 
 def test_a_local_cluster_sees_the_environment_of_its_start() -> None:
-    """Local workers come from a fork server started by the process's first conversion; each new
-    cluster's workers still see the caller's environment as it is now (e.g. credentials set in
-    between). In a fresh process, so that the fork server is surely the first conversion's."""
+    """Each new local cluster's workers see the caller's environment as it is now (e.g. credentials
+    set between two conversions), which workers forked from a long-lived fork server would not. In a
+    fresh process, so that no earlier test started any server."""
     import subprocess
     import sys
 
