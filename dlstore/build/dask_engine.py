@@ -80,13 +80,22 @@ def open_client(spec: SchedulerSpec) -> tuple[Any, Any]:
             ) from None
     import dask
 
-    # Our own cluster's workers only wait for their decode processes: the statistical profiler
-    # (a thread per worker waking every 10 ms to walk every stack) would only take CPU from them;
-    # the nanny hands this setting to the workers it starts. (Workers forked from a fork server
-    # started slower on the H200's 16 cores, 3.3 s against about 2.3 s spawned: its one process
-    # imports distributed and every package it knows before the first fork, spawned workers import
-    # in parallel; and a fork server keeps the environment of its start.)
-    with dask.config.set({"distributed.worker.profile.enabled": False}):
+    # Our own cluster's workers only wait for their decode processes, on every core: what would
+    # only take CPU from those (16 workers' statistical profilers walking every stack each 10 ms,
+    # event-loop health ticks every 20 ms, system and memory monitors several times a second, in
+    # 16 workers, 16 nannies and the scheduler) is off or slowed; the nanny hands these settings
+    # to the workers it starts. (Round C on the H200: Dask's decode processes took 7 % longer per
+    # image than the pool's workers on a default running cluster, 5 % with profiling off.)
+    # Workers are spawned: from a fork server the 16-worker cluster started slower there (3.3 s
+    # against about 2.3 s): its one process imports distributed and every package it knows before
+    # the first fork, while spawned workers import in parallel.
+    quiet = {
+        "distributed.worker.profile.enabled": False,
+        "distributed.admin.tick.interval": "500ms",
+        "distributed.admin.system-monitor.interval": "2s",
+        "distributed.worker.memory.monitor-interval": "1s",
+    }
+    with dask.config.set(quiet):
         cluster = LocalCluster(
             n_workers=spec.local_workers,
             threads_per_worker=1,  # decoding is CPU-bound and holds the GIL part of the time: processes
