@@ -19,7 +19,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dlstore.bench.predict import FedTiming, LoaderTiming, compose, fed_timing, prediction_error  # noqa: E402
+from dlstore.bench.parts import loader_timing_of  # noqa: E402
+from dlstore.bench.predict import FedTiming, compose, fed_timing, prediction_error  # noqa: E402
 from dlstore.bench.verdict import Facts, KindStages, parts_of  # noqa: E402
 
 TOLERANCE = 0.20
@@ -36,9 +37,7 @@ def kind_stages(entry: dict[str, Any]) -> KindStages:
     loader = {}
     for key, v in entry["loader_alone"].items():
         w, pin = key.split("-")
-        loader[(int(w[1:]), pin == "pin")] = LoaderTiming(
-            v["period_s"], v["main_s"], v["cpu_s"], v["in_caller"], v.get("refill_s"), v.get("epoch_batches")
-        )
+        loader[(int(w[1:]), pin == "pin")] = loader_timing_of(v)
     fed = {
         name == "pinned": t for name, v in entry.get("fed_step", {}).items() if (t := fed_of(v)) is not None
     }

@@ -40,6 +40,9 @@ class LoaderTiming:
     in_caller: bool = True  # the loader works in next() on the main thread (a DataLoader with 0 workers)
     refill_s: float | None = None  # a restart's first batch (epoch end: drain, refill), when measured
     epoch_batches: int | None = None
+    # the main thread's copy + step calls per batch (a fixed batch) while this loader runs beside them: the
+    # step's own cost under the loader's threads and workers; None when not measured
+    beside_serial_s: float | None = None
 
     def epoch_refill(self) -> tuple[float, float] | None:
         """(refill, steady period): an epoch of E batches takes refill + (E − 1) × steady, loader alone."""
@@ -162,6 +165,9 @@ def compose(parts: LoopParts) -> Prediction:
     cost is the fixed point, found by bisection between the busy and the idle cost (the period grows with
     the cost, the cost with the period: one crossing). See ``compose_with``."""
     fed = parts.fed
+    if parts.loader.beside_serial_s is not None:
+        # measured in the loop's own pacing beside this loader (any idle gap included): no idle correction
+        return compose_with(parts, parts.loader.beside_serial_s)
     lo, hi = fed.serial_s, fed.serial_at(float("inf"))
     if hi <= lo:
         return compose_with(parts, lo)

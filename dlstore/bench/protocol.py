@@ -82,8 +82,9 @@ class BenchConfig:
     max_run_s: float | None = 1.0
     cold: bool = True  # a cold-cache run per loader kind at the largest worker count
     stage_steps: int = 10  # timed batches for the transform / h2d / compute stages
-    # Seconds each fed-step loop is timed for, per round (pooled over rounds: 2 repeats time it twice). A
-    # launch-bound step's 0.15 s windows moved ±25% on the H200; longer windows cost the default run time.
+    # Seconds the fed step is timed for per round (pooled over rounds), and the step beside each loader (at
+    # least stage_steps batches). A launch-bound step's windows of ~10 steps moved ±10–25% on the H200;
+    # longer windows cost the default run time.
     fed_s: float = 0.15
     read_max_bytes: int = 256 << 20
     convert_workers: int | None = None

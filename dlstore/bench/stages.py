@@ -257,9 +257,15 @@ def measure_loader(
     device: torch.device,
     max_s: float | None = None,
     cycle: int = 1,
+    beside: Callable[[], float] | None = None,
+    beside_s: float = 0.0,
 ) -> dict[str, Any]:
     """The loader alone (no copy, no step), over ``warmup`` then ``steps`` batches (whole cycles, see
     ``cycle_window``): its period per batch, the main thread's own share of it, and the CPU it burns.
+
+    ``beside``: then, on the same running loader, one call per batch (the step fed a fixed batch, returning
+    its seconds in the calls) for at least ``steps`` batches and ``beside_s`` seconds: the main thread's own
+    cost per step while this loader's threads and workers run beside it (``beside_serial_s``).
 
     The main thread's share is wall time in ``next()`` when the loader works in the caller (a DataLoader
     with 0 workers: decode, collate, pin all happen there), else the thread's CPU time in ``next()``
@@ -294,6 +300,7 @@ def measure_loader(
         synchronize(device)
         seconds = time.perf_counter() - t1
         cpu1 = [process_cpu_s(p) for p in pids]
+        beside_times = _beside(stream, beside, steps, beside_s, device) if beside is not None else []
     finally:
         stream.close()
     cpu = sum(b - a for a, b in zip(cpu0, cpu1) if a is not None and b is not None)
@@ -309,7 +316,33 @@ def measure_loader(
         "batches": done,
         "startup_s": startup,
         "processes": len(pids),
+        "beside_serial_s": statistics.fmean(beside_times) if beside_times else None,
+        "beside_batches": len(beside_times),
     }
+
+
+BESIDE_WARMUP = 3  # the step's first calls (cudnn autotuning on a new shape) are not its cost
+BESIDE_MAX = 200
+
+
+def _beside(
+    stream: BatchStream, work: Callable[[], float], steps: int, seconds: float, device: torch.device
+) -> list[float]:
+    """``work``'s seconds after each of the loader's next batches (the batch itself dropped)."""
+    times: list[float] = []
+    t0 = time.perf_counter()
+    for i in range(BESIDE_WARMUP + BESIDE_MAX):
+        if i >= BESIDE_WARMUP + steps and time.perf_counter() - t0 >= seconds:
+            break
+        if i == BESIDE_WARMUP:
+            synchronize(device)
+            t0 = time.perf_counter()
+        stream.next()
+        took = work()
+        if i >= BESIDE_WARMUP:
+            times.append(took)
+    synchronize(device)
+    return times
 
 
 def measure_fed(

@@ -268,6 +268,33 @@ def test_measured_fakes_name_the_bottleneck(
         assert p.loader.main_s < 0.5 * p.loader.period_s
 
 
+def test_the_step_beside_a_running_loader_is_timed_per_batch() -> None:
+    loader = DataLoader(SleepyDataset(48, 0.0005), batch_size=8, num_workers=0)
+    calls: list[float] = []
+
+    def work() -> float:  # a step of known cost: 3 ms, returned as its seconds in the calls
+        a = time.perf_counter()
+        time.sleep(0.003)
+        calls.append(time.perf_counter() - a)
+        return calls[-1]
+
+    out = measure_loader(loader, warmup=1, steps=4, device=CPU, beside=work, beside_s=0.0)
+    assert out["beside_batches"] == 4 and len(calls) == 4 + 3  # three warm-up calls not counted
+    assert out["beside_serial_s"] == pytest.approx(sum(calls[3:]) / 4)
+    assert out["beside_serial_s"] >= 0.003
+    assert measure_loader(loader, warmup=1, steps=4, device=CPU)["beside_serial_s"] is None
+
+
+def test_the_step_measured_beside_the_loader_replaces_the_fed_cost() -> None:
+    # alone the step's calls take 10 ms; beside this loader (its threads take the GIL) 13 ms: the loop's
+    # main thread needs 0.2 + 13 ms per batch, and no idle-launch correction is added on top
+    fed = FedTiming(10 * MS, 10 * MS, 10 * MS, idle_serial_s=14 * MS, idle_gap_s=20 * MS)
+    loader = LoaderTiming(2 * MS, 0.2 * MS, in_caller=False, beside_serial_s=13 * MS)
+    p = compose(LoopParts(100, 4, loader, fed))
+    assert p.period_s == pytest.approx(13.2 * MS) and p.serial_s == pytest.approx(13 * MS)
+    assert p.bottleneck == "host"
+
+
 def test_fed_step_with_a_delay_measures_the_serial_cost() -> None:
     out = measure_fed(
         sleepy_step(0.003), (torch.zeros(2), torch.zeros(2)), lambda b: b, CPU, 1, 4, delay_s=0.002
