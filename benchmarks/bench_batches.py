@@ -48,7 +48,6 @@ ESTIMATE_S = {
     "batch": 15.0,
     "raw": 12.0,
     "noise": 12.0,
-    "decode": 22.0,
     "compute": 17.0,
     "seeds": 16.0,
     "default": 60.0,
