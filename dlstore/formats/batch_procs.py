@@ -17,18 +17,12 @@ when its batch is taken, so the error names the chunk as a plain read would.
 from __future__ import annotations
 
 import importlib
-import json
 import os
-import signal
-import socket
 import struct
-import subprocess
-import sys
 import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from multiprocessing import shared_memory
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -36,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from dlstore.formats.base import group_runs
-from dlstore.formats.unit_procs import _child_env, _untrack, populate
+from dlstore.formats.unit_procs import populate
+from dlstore.formats.workers import Workers, attach, shutdown, worker_connection
 from dlstore.spec import read_spec
 
 _JOB = struct.Struct("<qqq")  # job id, unit, rows (then rows x (slot, row, local) int64)
@@ -46,11 +41,8 @@ IN_FLIGHT = 3  # jobs queued per worker: enough to hide the round trip, few enou
 
 def _worker(conn: Connection) -> None:
     """Decode the units asked for and copy their rows into the ring until the pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; we exit when its pipe closes
-    hello = json.loads(conn.recv_bytes())
+    hello, shm = attach(conn)
     cls = getattr(importlib.import_module(hello["module"]), hello["reader"])
-    shm = shared_memory.SharedMemory(name=hello["shm"])
-    _untrack(shm)
     try:
         ring = np.ndarray(tuple(hello["ring"]), np.uint8, buffer=shm.buf)
         reader = cls(Path(hello["root"]), read_spec(Path(hello["root"])))
@@ -149,23 +141,23 @@ class BatchProcesses:
     ) -> None:
         self.unit_shape, self.batch = tuple(unit_shape), batch
         self.shape = (ring, batch, *unit_shape[1:])
-        self.shm = shared_memory.SharedMemory(create=True, size=max(1, int(np.prod(self.shape))))
+        cls, root = opener
+        hello = {"ring": self.shape, "unit": self.unit_shape}
+        hello.update(module=cls.__module__, reader=cls.__qualname__, root=str(root))
+        workers = Workers(__name__, processes, int(np.prod(self.shape)), hello)
+        self.shm, self.conns, self.procs = workers.shm, workers.conns, workers.procs
         self.ring = np.ndarray(self.shape, np.uint8, buffer=self.shm.buf)
-        populate(self.ring)  # the pages exist before the workers map them (each then populates its own)
+        populate(self.ring)  # this process's mapping (each worker populates its own)
         self._cond = threading.Condition()
         self._epoch: _Epoch | None = None
         self._ids = 0
-        cls, root = opener
-        hello = {"shm": self.shm.name, "ring": self.shape, "unit": self.unit_shape}
-        hello.update(module=cls.__module__, reader=cls.__qualname__, root=str(root))
-        self.conns, self.procs = _start(processes, json.dumps(hello).encode())
         self._in_flight = [0] * processes
         self._owner: dict[int, int] = {}  # job id -> worker
         self._alive = [True] * processes
         self._collector = threading.Thread(target=self._collect, daemon=True, name="dlstore-batch-procs")
         self._collector.start()
         # Workers and the shared memory go with the interpreter even when close() is never called.
-        self._finalizer = weakref.finalize(self, _shutdown, self.shm, self.conns, self.procs)
+        self._finalizer = weakref.finalize(self, shutdown, self.shm, self.conns, self.procs)
 
     @property
     def slots(self) -> int:
@@ -298,46 +290,9 @@ class BatchProcesses:
         self._collector.join(5)
 
 
-def _start(processes: int, hello: bytes) -> tuple[list[Connection], list[subprocess.Popen[bytes]]]:
-    """Fresh interpreters (see unit_procs for why not multiprocessing), started in parallel."""
-    conns, procs = [], []
-    cmd = [sys.executable, "-c", "from dlstore.formats.batch_procs import main; main()"]
-    for _ in range(processes):
-        here, there = socket.socketpair()
-        proc = subprocess.Popen(
-            [*cmd, str(there.fileno())], pass_fds=[there.fileno()], env=_child_env(), close_fds=True
-        )
-        there.close()
-        conn = Connection(os.dup(here.fileno()))
-        here.close()
-        conn.send_bytes(hello)
-        conns.append(conn)
-        procs.append(proc)
-    return conns, procs
-
-
-def _shutdown(shm: shared_memory.SharedMemory, conns: list[Connection], procs: list[Any]) -> None:
-    for conn in conns:
-        conn.close()
-    for p in procs:
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    try:
-        shm.close()
-    except BufferError:  # a batch view still in use keeps the mapping; the name goes anyway
-        pass
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
-
-
 def main() -> None:
-    """Worker entry: ``python -c '...main()' FD`` (see BatchProcesses)."""
-    _worker(Connection(int(sys.argv[1])))
+    """Worker entry (see ``dlstore.formats.workers``)."""
+    _worker(worker_connection())
 
 
 def ring_slots(batch_bytes: int, budget: int = 768 << 20, lo: int = 6, hi: int = 24) -> int:

@@ -15,17 +15,13 @@ from __future__ import annotations
 import ctypes
 import importlib
 import itertools
-import json
 import mmap
 import os
-import socket
 import struct
 import subprocess
-import sys
 import threading
 import weakref
 from concurrent.futures import Future
-from multiprocessing import shared_memory
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
@@ -33,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from dlstore.errors import CacheCorruptError
+from dlstore.formats.workers import Workers, attach, shutdown, worker_connection
 from dlstore.spec import read_spec
 
 _REQ = struct.Struct("<qq")  # unit, slot
@@ -40,13 +37,11 @@ _ANS = struct.Struct("<qqq")  # unit, slot, error message length (then the messa
 
 
 def _worker(conn: Connection) -> None:
-    """Decode the units asked for into their slots until the pipe closes. The first message (JSON)
-    says which block and which reader: shared-memory name, slots shape, reader class, cache root."""
-    hello = json.loads(conn.recv_bytes())
+    """Decode the units asked for into their slots until the pipe closes. The hello says which block
+    and which reader: slots shape, reader class, cache root."""
+    hello, shm = attach(conn)
     cls = getattr(importlib.import_module(hello["module"]), hello["reader"])
     root, shape = Path(hello["root"]), tuple(hello["shape"])
-    shm = shared_memory.SharedMemory(name=hello["shm"])
-    _untrack(shm)
     try:
         slots = np.ndarray(shape, np.uint8, buffer=shm.buf)
         populate(slots)
@@ -67,18 +62,6 @@ def _worker(conn: Connection) -> None:
         shm.close()
 
 
-def _untrack(shm: shared_memory.SharedMemory) -> None:
-    """Python < 3.13 registers an attached block with the resource tracker, which would unlink it
-    when this worker exits; only the creating process owns it."""
-    if sys.version_info < (3, 13):
-        from multiprocessing import resource_tracker
-
-        try:
-            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:  # the tracker is best effort; the block is unlinked by its owner anyway
-            pass
-
-
 class UnitProcesses:
     """``processes`` workers and ``slots`` unit-sized slots; ``submit(k)`` returns a Future of the
     slot's array, or None when every slot is still referenced (by the unit cache, a copy, a future)."""
@@ -87,49 +70,24 @@ class UnitProcesses:
         self, opener: tuple[Any, ...], unit_shape: tuple[int, ...], processes: int, slots: int
     ) -> None:
         self.shape = (slots, *unit_shape)
-        nbytes = int(np.prod(self.shape))
-        self.shm = shared_memory.SharedMemory(create=True, size=max(1, nbytes))
+        cls, root = opener
+        hello = {"shape": self.shape, "module": cls.__module__, "reader": cls.__qualname__, "root": str(root)}
+        workers = Workers(__name__, processes, int(np.prod(self.shape)), hello)
+        self.shm, self.conns, self.procs = workers.shm, workers.conns, workers.procs
         self.slots = np.ndarray(self.shape, np.uint8, buffer=self.shm.buf)
-        populate(self.slots)  # the pages exist before the workers map them
+        populate(self.slots)
         # The array last handed out per slot, weakly: the slot is free again once nobody holds it
         # (the unit cache, a copy in flight, a future).
         self._handed: list[weakref.ref[np.ndarray] | None] = [None] * slots
         self._busy = [False] * slots  # submitted and not answered yet
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[int, Future[np.ndarray], int]] = {}  # slot -> (unit, future, worker)
-        self.conns: list[Connection] = []
-        self.procs: list[subprocess.Popen[bytes]] = []
-        cls, root = opener
-        hello = json.dumps(
-            {
-                "shm": self.shm.name,
-                "shape": self.shape,
-                "module": cls.__module__,
-                "reader": cls.__qualname__,
-                "root": str(root),
-            }
-        ).encode()
-        for _ in range(processes):
-            here, there = socket.socketpair()
-            # A fresh interpreter, not multiprocessing's spawn/forkserver: those re-run the user's main
-            # module in the child (scripts without a __main__ guard would recurse), and fork would
-            # copy the reader's threads' locks.
-            cmd = [sys.executable, "-c", "import sys; from dlstore.formats.unit_procs import main; main()"]
-            proc = subprocess.Popen(
-                [*cmd, str(there.fileno())], pass_fds=[there.fileno()], env=_child_env(), close_fds=True
-            )
-            there.close()
-            conn = Connection(os.dup(here.fileno()))
-            here.close()
-            conn.send_bytes(hello)
-            self.conns.append(conn)
-            self.procs.append(proc)
         self._next = itertools.cycle(range(processes))
         self._closed = False
         self._collector = threading.Thread(target=self._collect, daemon=True, name="dlstore-unit-procs")
         self._collector.start()
         # Workers and the shared memory go with the interpreter even when close() is never called.
-        self._finalizer = weakref.finalize(self, _shutdown, self.shm, self.conns, self.procs)
+        self._finalizer = weakref.finalize(self, shutdown, self.shm, self.conns, self.procs)
 
     def submit(self, k: int) -> Future[np.ndarray] | None:
         with self._lock:
@@ -214,33 +172,6 @@ class UnitProcesses:
         self._collector.join(5)
 
 
-def _shutdown(shm: shared_memory.SharedMemory, conns: list[Connection], procs: list[Any]) -> None:
-    for conn in conns:
-        conn.close()
-    for p in procs:
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    try:
-        shm.close()
-    except BufferError:  # a unit array still in use keeps the mapping; the name goes anyway
-        pass
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
-
-
-def _child_env() -> dict[str, str]:
-    """The child imports dlstore from wherever this process did (a source tree on sys.path too)."""
-    env = dict(os.environ)
-    here = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
-    return env
-
-
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 
 
@@ -261,8 +192,8 @@ def populate(arr: np.ndarray) -> None:
 
 
 def main() -> None:
-    """Worker entry: ``python -c '...main()' FD`` (see UnitProcesses)."""
-    _worker(Connection(int(sys.argv[1])))
+    """Worker entry (see ``dlstore.formats.workers``)."""
+    _worker(worker_connection())
 
 
 def opener_for(reader: Any) -> tuple[type, Path]:

@@ -16,23 +16,19 @@ thread, where a corrupt payload becomes the reader's error naming the image.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 import queue
-import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
+
+from dlstore.formats.workers import Workers, attach, shutdown, worker_connection
 
 _REQ = struct.Struct("<qq")  # run id, images (then an int64 (n, 6) table)
 _ANS = struct.Struct("<qqq")  # run id, decode nanoseconds, error message length (then the message)
@@ -43,12 +39,9 @@ def _worker(conn: Connection) -> None:
     """Decode the runs asked for until the pipe closes; the first message (JSON) names the block and
     the codec."""
     from dlstore.formats.codecs import get_codec
-    from dlstore.formats.unit_procs import _untrack
 
-    hello = json.loads(conn.recv_bytes())
+    hello, shm = attach(conn)
     codec = get_codec(hello["codec"], int(hello["quality"]))
-    shm = shared_memory.SharedMemory(name=hello["shm"])
-    _untrack(shm)
     block = np.ndarray((hello["size"],), np.uint8, buffer=shm.buf)
     scratch = np.empty(0, np.uint8)
     try:
@@ -116,7 +109,9 @@ class CpuDecoders:
         self.slot_bytes = int(slot_bytes) // 64 * 64
         self.in_bytes = self.slot_bytes // 4
         self.size = slots * self.slot_bytes
-        self.shm = shared_memory.SharedMemory(create=True, size=max(1, self.size))
+        hello = {"size": self.size, "codec": codec, "quality": quality}
+        workers = Workers(__name__, processes, self.size, hello)
+        self.shm, self.conns, self.procs = workers.shm, workers.conns, workers.procs
         self.block = np.ndarray((self.size,), np.uint8, buffer=self.shm.buf)
         self.pinned = _register(self.block) if pin else False
         self._free: queue.Queue[tuple[int, Any]] = queue.Queue()
@@ -126,20 +121,12 @@ class CpuDecoders:
         self._lock = threading.Lock()
         self._pending: dict[int, tuple[Future[int], int]] = {}  # run -> (future, worker)
         self._ids = itertools.count()
-        hello = json.dumps({"shm": self.shm.name, "size": self.size, "codec": codec, "quality": quality})
-        self.conns: list[Connection] = []
-        self.procs: list[subprocess.Popen[bytes]] = []
-        for _ in range(max(1, processes)):
-            conn, proc = _start_worker()
-            conn.send_bytes(hello.encode())
-            self.conns.append(conn)
-            self.procs.append(proc)
         self._next = itertools.cycle(range(len(self.conns)))
         self._closed = False
         self._collector = threading.Thread(target=self._collect, daemon=True, name="dlstore-cpu-decode")
         self._collector.start()
         self._finalizer = weakref.finalize(
-            self, _shutdown, self.shm, self.conns, self.procs, self.block.ctypes.data if self.pinned else 0
+            self, shutdown, self.shm, self.conns, self.procs, self.block.ctypes.data if self.pinned else 0
         )
 
     @property
@@ -264,46 +251,6 @@ def _register(block: np.ndarray) -> bool:
     return int(torch.cuda.cudart().cudaHostRegister(block.ctypes.data, block.nbytes, 0)) == 0
 
 
-def _start_worker() -> tuple[Connection, subprocess.Popen[bytes]]:
-    from dlstore.formats.unit_procs import _child_env
-
-    here, there = socket.socketpair()
-    cmd = [sys.executable, "-c", "from dlstore.read.cpu_decode import main; main()", str(there.fileno())]
-    proc = subprocess.Popen(cmd, pass_fds=[there.fileno()], env=_child_env(), close_fds=True)
-    there.close()
-    conn = Connection(os.dup(here.fileno()))
-    here.close()
-    return conn, proc
-
-
-def _shutdown(
-    shm: shared_memory.SharedMemory,
-    conns: list[Connection],
-    procs: list[Any],
-    pinned: int,
-) -> None:
-    for conn in conns:
-        conn.close()
-    for p in procs:
-        try:
-            p.wait(5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    if pinned:
-        import torch
-
-        torch.cuda.cudart().cudaHostUnregister(pinned)
-    try:
-        shm.close()
-    except BufferError:  # an array over the block is still alive; the name goes anyway
-        pass
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
-
-
 def main() -> None:
-    """Worker entry: ``python -c '...main()' FD`` (see CpuDecoders)."""
-    _worker(Connection(int(sys.argv[1])))
+    """Worker entry (see ``dlstore.formats.workers``)."""
+    _worker(worker_connection())

@@ -1,0 +1,153 @@
+"""Worker interpreters that share one block of memory with the process that starts them.
+
+The plumbing under ``unit_procs`` (units decoded ahead), ``batch_procs`` (batches decoded straight into a
+ring) and ``dlstore.read.cpu_decode`` (the CPU share of a JPEG batch): each has its own protocol on top.
+
+- Workers are fresh interpreters (``python -c "from MODULE import main; main()" FD``), not
+  multiprocessing's: spawn and forkserver re-run the user's main module in the child (a script without
+  a ``__main__`` guard would recurse), and fork would copy the parent's threads' locks.
+- One socket per worker; the first message is a JSON hello naming the block, answered by one byte once
+  the worker has mapped it. The parent then unlinks the block's name: the memory lives on in the mappings,
+  and nothing is left in /dev/shm even when every process is killed with -9.
+- Workers ignore Ctrl-C (the parent handles it) and exit when their socket closes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing import shared_memory
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import Any
+
+from dlstore.errors import DlstoreError
+
+_ATTACHED = b"A"
+START_TIMEOUT_S = 120.0  # a loaded machine starting 16 interpreters that import numpy
+
+
+class Workers:
+    """``processes`` workers running ``module.main()`` over a new block of ``nbytes`` shared memory."""
+
+    def __init__(self, module: str, processes: int, nbytes: int, hello: dict[str, Any]) -> None:
+        self.shm = shared_memory.SharedMemory(create=True, size=max(1, int(nbytes)))
+        self.conns: list[Connection] = []
+        self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            message = json.dumps({**hello, "shm": self.shm.name}).encode()
+            for _ in range(max(1, processes)):
+                conn, proc = _start(module)
+                self.conns.append(conn)
+                self.procs.append(proc)
+                conn.send_bytes(message)
+            self._await_attached(module)
+        except BaseException:
+            shutdown(self.shm, self.conns, self.procs)
+            raise
+        self.shm.unlink()  # every worker has it mapped; the name is not needed any more
+
+    def _await_attached(self, module: str) -> None:
+        waiting = list(self.conns)
+        while waiting:
+            ready = wait(waiting, timeout=START_TIMEOUT_S)
+            if not ready:
+                raise DlstoreError(
+                    f"{module}: {len(waiting)} worker process(es) did not start within "
+                    f"{START_TIMEOUT_S:.0f} s; the machine may be overloaded"
+                )
+            for conn in ready:
+                i = self.conns.index(conn)  # type: ignore[arg-type]
+                try:
+                    ok = conn.recv_bytes() == _ATTACHED  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    ok = False
+                if not ok:
+                    raise DlstoreError(
+                        f"{module}: a worker process exited while starting (exit code "
+                        f"{_exit_code(self.procs[i])}); run `python -c 'import {module}'` to see why"
+                    )
+                waiting.remove(conn)  # type: ignore[arg-type]
+
+
+def attach(conn: Connection) -> tuple[dict[str, Any], shared_memory.SharedMemory]:
+    """In a worker: read the hello, map the block, say so. Returns the hello and the block."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's; we exit when its socket closes
+    hello = json.loads(conn.recv_bytes())
+    shm = shared_memory.SharedMemory(name=hello["shm"])
+    _untrack(shm)
+    conn.send_bytes(_ATTACHED)
+    return hello, shm
+
+
+def worker_connection() -> Connection:
+    """In a worker's ``main()``: the socket to the parent, passed as the first argument."""
+    return Connection(int(sys.argv[1]))
+
+
+def shutdown(
+    shm: shared_memory.SharedMemory, conns: list[Connection], procs: list[Any], pinned: int = 0
+) -> None:
+    """Close the sockets (each worker finishes its current task and exits), reap the workers, drop CUDA's
+    registration of the block (``pinned``: its address) and the parent's mapping."""
+    for conn in conns:
+        conn.close()
+    for p in procs:
+        try:
+            p.wait(5)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    if pinned:
+        import torch
+
+        torch.cuda.cudart().cudaHostUnregister(pinned)
+    try:
+        shm.close()
+    except BufferError:  # an array over the block is still alive; it keeps the mapping until it goes
+        pass
+    try:
+        shm.unlink()  # only when starting failed: after a good start the name is gone already
+    except FileNotFoundError:
+        pass
+
+
+def _start(module: str) -> tuple[Connection, subprocess.Popen[bytes]]:
+    here, there = socket.socketpair()
+    cmd = [sys.executable, "-c", f"from {module} import main; main()", str(there.fileno())]
+    proc = subprocess.Popen(cmd, pass_fds=[there.fileno()], env=_child_env(), close_fds=True)
+    there.close()
+    conn = Connection(os.dup(here.fileno()))
+    here.close()
+    return conn, proc
+
+
+def _exit_code(proc: subprocess.Popen[bytes]) -> str:
+    try:
+        return str(proc.wait(2))
+    except subprocess.TimeoutExpired:
+        return "none yet: it closed its socket"
+
+
+def _child_env() -> dict[str, str]:
+    """The child imports dlstore from wherever this process did (a source tree on sys.path too)."""
+    env = dict(os.environ)
+    here = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def _untrack(shm: shared_memory.SharedMemory) -> None:
+    """Python < 3.13 registers an attached block with the resource tracker, which would unlink it
+    when this worker exits; only the creating process owns it."""
+    if sys.version_info < (3, 13):
+        from multiprocessing import resource_tracker
+
+        try:
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        except Exception:  # the tracker is best effort; the block is unlinked by its owner anyway
+            pass
