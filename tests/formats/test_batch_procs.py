@@ -176,3 +176,60 @@ def test_pinned_loader_with_decode_processes_yields_the_same_batches(zarr_cache:
     plain.cache.close()
     procs.cache.close()
     assert all(p.poll() is not None for p in workers)
+
+
+READ_FOREVER = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job may start with SIGINT ignored
+from dlstore import open_cache
+from dlstore.read.loaders import make_sampler, storage_sorted
+cache = open_cache(sys.argv[1])
+order = list(make_sampler(cache, "chunk", seed=0))
+batches = [storage_sorted(cache, order[i : i + 16]) for i in range(0, len(order), 16)]
+print(cache.reader.spec.n, flush=True)
+while True:
+    for _ in cache.read_batches(batches, processes=2):
+        print("batch", flush=True)
+"""
+
+
+def test_ctrl_c_while_reading_stops_the_reader_and_its_workers(zarr_cache: Path, tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "read_forever.py"
+    script.write_text(READ_FOREVER)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(zarr_cache)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: Ctrl-C reaches the reader and its workers
+    )
+    assert proc.stdout is not None
+    proc.stdout.readline()
+    assert proc.stdout.readline().strip() == "batch"  # the workers are up and answering
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)  # a hang guard, not a speed claim
+    assert proc.returncode != 0 and "KeyboardInterrupt" in err
+    assert err.count("KeyboardInterrupt") == 1, err  # the reader's; the workers ignore Ctrl-C
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _group_alive(proc.pid):
+        time.sleep(0.05)
+    assert _group_alive(proc.pid) == []
+
+
+def _group_alive(pgid: int) -> list[int]:
+    alive = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                alive.append(int(d.name))
+    return alive
