@@ -10,8 +10,10 @@ Sections, in this order (each recorded as it finishes, so a failure or time-out 
               none / lz4 / zstd-1 / zstd-3 on the same chunks
   dataloader  16-thread and 1-thread memcpy; torch DataLoader(CachedDataset) and batch_dataloader at 0
               and all-core workers, with and without pin_memory, and the CPU seconds per GB of each side
-  convert     one-core decode+resize; a ≥ 30 s all-core conversion (the demo files hard-linked many
-              times) with ConvertResult.stages, the fixed costs apart
+  convert     one-core decode+resize; decode+resize alone in 1, cores/2 and all-core processes with the CPU
+              topology; a ≥ 30 s all-core conversion (the demo files hard-linked many times) with
+              ConvertResult.stages, the fixed costs apart
+  convert_dask  with --convert-dask SCHED: the same long source through Dask (issue 11), vs the pool run
   resnet18    ResNet-18 bf16 @112 from host memory (≤ 2 workers; eager or CUDA-graphed augment)
   peers       LitData / WebDataset (fastpaths.py's section), when installed
 
@@ -61,6 +63,7 @@ from dlstore.spec import ImagePolicy  # noqa: E402
 RESULTS: dict[str, Any] = {}
 LABELS_TENSOR = __import__("dlstore.read.batch", fromlist=["labels_tensor"]).labels_tensor
 LONG_CACHE: list[Path] = []  # the long conversion's output, removed at exit
+LONG_SOURCE: dict[str, Any] = {}  # the long conversion's source and result, for convert_dask
 CORES = len(os.sched_getaffinity(0))
 log, target = fp.log, fp.target
 
@@ -926,13 +929,26 @@ def section_convert(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"once); cores x one-core assumes {CORES} independent cores: {out['cpu'].get('physical_cores')} "
         f"physical cores here, {out['cpu'].get('lscpu', {}).get('Thread(s) per core', '?')} thread(s) per core",
     )
-    if args.convert_dask:  # issue 11: the same long source through Dask, right after the pool
+    if args.convert_dask:  # the convert_dask section converts the same source next
+        LONG_SOURCE.update(src=long_src, base=base, pool=res, dest=dest)
+    else:
+        shutil.rmtree(long_src, ignore_errors=True)
+    return out
+
+
+def section_convert_dask(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Issue 11: the convert section's long source again, through ``--convert-dask`` (a section of its
+    own, so that the convert section's results are written before it starts)."""
+    if not args.convert_dask or not LONG_SOURCE:
+        return {"skipped": "needs --convert-dask and the convert section before it"}
+    long_src, dest = LONG_SOURCE["src"], LONG_SOURCE["dest"]
+    try:
         if args.sections != "all" and "dataloader" not in args.sections.split(","):
             shutil.rmtree(dest, ignore_errors=True)  # no section reads it: room for Dask's copy
             LONG_CACHE.remove(dest)
-        out["dask"] = dask_on_long_source(args.convert_dask, long_src, base, res)
-    shutil.rmtree(long_src, ignore_errors=True)
-    return out
+        return dask_on_long_source(args.convert_dask, long_src, LONG_SOURCE["base"], LONG_SOURCE["pool"])
+    finally:
+        shutil.rmtree(long_src, ignore_errors=True)
 
 
 # --- ResNet-18 from host memory -------------------------------------------------------------------------
@@ -1082,6 +1098,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "resnet18": section_resnet18,
     "zarr": section_zarr,
     "convert": section_convert,
+    "convert_dask": section_convert_dask,
     "dataloader": section_dataloader,
     "peers": section_peers,
 }
@@ -1110,7 +1127,7 @@ def main() -> None:
     try:
         harness.run_sections(SECTIONS, names, args, work, RESULTS, fp.TARGETS, "slowpaths.json")
     finally:
-        for p in LONG_CACHE:
+        for p in [*LONG_CACHE, *([LONG_SOURCE["src"]] if LONG_SOURCE else [])]:
             shutil.rmtree(p, ignore_errors=True)
     print(fp.TARGETS.table(96))
 
