@@ -791,7 +791,8 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     (a) bare on copies, sequential batches; (b) the loader's batches (chunk-aware order, payload views
     into the units, read before timing); (c) b on a side stream; (d) c plus the loader's per-batch work
     (wait for the stream, stack, labels, event); (e) the loader decoding in the caller's thread;
-    (f) the loader's default (a second thread)."""
+    (f) the loader's default (a second thread); b2: b from one pinned buffer per batch; g: f with one
+    read thread."""
     from torchvision.io import decode_jpeg
 
     from dlstore.read.gpu_decode import as_tensors
@@ -813,6 +814,11 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         labels.append(cache.labels[index])
     dev = torch.device(DEV)
     side = torch.cuda.Stream(dev) if DEV == "cuda" else None
+    pinned = []  # each batch's payloads back to back in one page-locked buffer, sliced per image
+    for v in views:
+        buf = torch.cat(v).pin_memory() if DEV == "cuda" else torch.cat(v)
+        ends = np.cumsum([len(t) for t in v]).tolist()
+        pinned.append([buf[a:b] for a, b in zip([0, *ends[:-1]], ends)])
 
     def timed(fn: Callable[[int], Any], count: int, passes: int = 2) -> float:
         fn(0)
@@ -845,12 +851,17 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     steps: dict[str, Callable[[], float]] = {
         "a_bare_copies_sequential": lambda: timed(lambda i: decode_jpeg(seq[i], device=DEV), len(seq)),
         "b_bare_loader_batches_views": lambda: timed(lambda i: decode_jpeg(views[i], device=DEV), len(views)),
+        "b2_bare_loader_batches_pinned": lambda: timed(
+            lambda i: decode_jpeg(pinned[i], device=DEV), len(views)
+        ),
         "c_b_on_side_stream": lambda: timed(on_side, len(views)),
         "d_c_plus_loader_per_batch_work": lambda: timed(loader_work, len(views)),
         "e_loader_caller_thread": lambda: loader_alone(
             DecodeLoader(cache, bs, device=DEV, decode_in="stream"), 2
         )[0],
         "f_loader_second_thread": lambda: loader_alone(DecodeLoader(cache, bs, device=DEV), 2)[0],
+        # f with one read thread (no pool threads contending for the GIL with the decode thread)
+        "g_f_one_read_thread": lambda: loader_alone(DecodeLoader(cache, bs, device=DEV, threads=1), 2)[0],
     }
     out: dict[str, list[float]] = {k: [] for k in steps}
     for _ in range(args.repeats):
