@@ -580,8 +580,8 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
     )
     if args.lean:  # round D: the default loader only, beside the split with CPU decoders
         plan = [(storage, "thread", rrc, 0)]
-    if args.cpu_decoders:
-        plan.append((storage, "thread", rrc, args.cpu_decoders))
+    if decoder_counts(args):
+        plan.append((storage, "thread", rrc, decoder_counts(args)[0]))
     jpeg = {
         f"{name}_{where}{'_torchcrop' if crop is torch_rrc else ''}{f'_cpu{cpus}' if cpus else ''}": DecodeLoader(
             work / name, batch, transform=crop, device=DEV, decode_in=where, cpu_decoders=cpus
@@ -658,7 +658,7 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
         }[key.split("_")[2]]
         how = "GPU decode+RRC, 0 workers, "
         if "_cpu" in key:  # the batch split between nvJPEG and CPU decode processes
-            how = f"nvJPEG + {args.cpu_decoders} CPU decoders, auto split, RRC, "
+            how = f"nvJPEG + {decoder_counts(args)[0]} CPU decoders, auto split, RRC, "
         target(
             f"jpeg: {label} bf16 @{res} bs{batch} from JPEG cache {storage} ({how}{where}) vs synthetic",
             med[key],
@@ -700,10 +700,15 @@ def loader_alone(loader: Any, epochs: int = 2) -> tuple[float, float]:
     return count / (time.perf_counter() - t0), first / epochs
 
 
+def decoder_counts(args: argparse.Namespace) -> list[int]:
+    """--cpu-decoders as a list of process counts (empty: none)."""
+    return [int(v) for v in str(args.cpu_decoders).split(",") if v and int(v) > 0]
+
+
 def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """ResNet-18 bf16 @112 (batch 512) from the shorter-128 JPEG cache: nvJPEG alone vs each batch split
-    between nvJPEG and ``--cpu-decoders`` CPU worker processes (balanced by measured rates, or fixed
-    shares), with and without the model."""
+    between nvJPEG and ``--cpu-decoders`` CPU worker processes (the automatic split, fixed shares, all on
+    the CPU), with and without the model."""
     torch.backends.cudnn.benchmark = True
     batch, res, path = 512 // args.batch_div, 112, work / "jpeg_short128"
     step = resnet_step("resnet18", 10)
@@ -721,15 +726,17 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
         DEV
     )
-    n = args.cpu_decoders
+    counts = decoder_counts(args)
+    n = counts[0]  # the fixed shares and the auto target row use the first count
     shares: list[float | None] = [None, *(float(v) for v in args.shares.split(",") if v), 1.0]
+    plan = [(n, share) for share in shares] + [(m, share) for m in counts[1:] for share in (None, 1.0)]
     loaders: dict[str, DecodeLoader] = {"nvjpeg_only": DecodeLoader(path, batch, transform=rrc, device=DEV)}
-    for share in shares:
-        name = f"cpu{n}_{'auto' if share is None else share}"
-        loaders[name] = DecodeLoader(path, batch, transform=rrc, device=DEV, cpu_decoders=n, cpu_share=share)
+    for m, share in plan:
+        name = f"cpu{m}_{'auto' if share is None else share}"
+        loaders[name] = DecodeLoader(path, batch, transform=rrc, device=DEV, cpu_decoders=m, cpu_share=share)
         if DEV == "cpu":  # dry run: exercise the split with torchvision's CPU decode as the "GPU" side
             loaders[name].gpu = True
-    out: dict[str, Any] = {"cpu_decoders": n, "alone": {}, "first_batch_s": {}}
+    out: dict[str, Any] = {"cpu_decoders": counts, "alone": {}, "first_batch_s": {}}
     for name, ld in loaders.items():
         rate, first = loader_alone(ld)
         out["alone"][name], out["first_batch_s"][name] = rate, first
@@ -899,7 +906,11 @@ def main() -> None:
     ap.add_argument("--cpu-batches", type=int, default=40)
     ap.add_argument("--batch-div", type=int, default=1, help="smaller training batches (CPU dry runs)")
     ap.add_argument("--caches", default="all", help="data section: which caches to build (comma list)")
-    ap.add_argument("--cpu-decoders", type=int, default=max(1, CORES - 4), help="hybrid section's workers")
+    ap.add_argument(
+        "--cpu-decoders",
+        default=str(max(1, CORES - 4)),
+        help="CPU decode processes beside nvJPEG: a comma list (hybrid tries each; the first elsewhere); 0: none",
+    )
     ap.add_argument("--shares", default="0.25,0.5,0.75", help="hybrid section: fixed CPU shares tried")
     ap.add_argument("--lean", action="store_true", help="resnet sections: the default loaders only")
     args = ap.parse_args()

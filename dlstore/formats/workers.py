@@ -95,13 +95,15 @@ def shutdown(
     """Close the sockets (each worker finishes its current task and exits), reap the workers, drop CUDA's
     registration of the block (``pinned``: its address) and the parent's mapping."""
     for conn in conns:
-        conn.close()
+        _hang_up(conn)
     for p in procs:
         try:
             p.wait(5)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    for conn in conns:
+        conn.close()
     if pinned:
         import torch
 
@@ -113,6 +115,16 @@ def shutdown(
     try:
         shm.unlink()  # only when starting failed: after a good start the name is gone already
     except FileNotFoundError:
+        pass
+
+
+def _hang_up(conn: Connection) -> None:
+    """Shut the socket down before closing it: a collector thread waiting on it wakes at once (closing
+    the descriptor alone does not wake it, so its owner's join waited out its timeout, 5 s per pool on
+    the H200) and the worker sees EOF."""
+    try:
+        socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed, or never connected
         pass
 
 

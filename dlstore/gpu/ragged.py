@@ -20,13 +20,29 @@ clamped to each crop, so the pixels equal torchvision's ``resized_crop(..., anti
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from dlstore.gpu import fused_crop
 from dlstore.gpu.augment import _CROP_ATTEMPTS, _channel_affine, _check_channels, _pair
 
-__all__ = ["RaggedCenterCrop", "RaggedRandomResizedCrop", "flat_batch", "sample_crop_boxes"]
+__all__ = ["FlatImages", "RaggedCenterCrop", "RaggedRandomResizedCrop", "flat_batch", "sample_crop_boxes"]
+
+
+@dataclass
+class FlatImages:
+    """A batch of (C, H_i, W_i) uint8 images already back to back in one flat buffer (as ``flat_batch``
+    makes it): a loader that decodes into one buffer hands it over without per-image tensors."""
+
+    flat: torch.Tensor  # uint8, 1-D
+    starts: torch.Tensor  # (B,) int64, on the flat buffer's device
+    heights: torch.Tensor
+    widths: torch.Tensor
+    channels: int
+
+    def __len__(self) -> int:
+        return len(self.starts)
 
 
 def flat_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -135,12 +151,18 @@ class _RaggedCrop(torch.nn.Module):
         """(top, left, height, width, flip) per image."""
         raise NotImplementedError
 
-    def forward(self, images: list[torch.Tensor]) -> torch.Tensor:
-        """A list of uint8 (C, H_i, W_i) tensors (or one (B, C, H, W) batch) → (B, C, *size)."""
+    takes_flat = True  # forward accepts FlatImages (DecodeLoader hands them over when it can)
+
+    def forward(self, images: list[torch.Tensor] | FlatImages) -> torch.Tensor:
+        """A list of uint8 (C, H_i, W_i) tensors (or one (B, C, H, W) batch, or FlatImages) → (B, C, *size)."""
         if isinstance(images, torch.Tensor):
             images = list(images.unbind(0))
-        flat, starts, heights, widths = flat_batch(images)
-        channels = images[0].shape[0]
+        if isinstance(images, FlatImages):
+            flat, starts, heights, widths = images.flat, images.starts, images.heights, images.widths
+            channels = images.channels
+        else:
+            flat, starts, heights, widths = flat_batch(images)
+            channels = images[0].shape[0]
         _check_channels(self._mul, channels)
         top, left, h, w, flip = self.boxes(heights, widths)
         sx, sy = crop_coords(top, left, h, w, flip, self.size)

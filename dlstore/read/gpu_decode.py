@@ -7,8 +7,9 @@ call (torchvision ``decode_jpeg(list, device="cuda")``), anything else (raw payl
 CPU in the reader's threads. An image nvJPEG refuses is decoded on the CPU instead and counted in
 ``stats.cpu_fallbacks``. With ``cpu_decoders=N`` each JPEG batch is split: its first part is decoded by
 N worker processes on the CPU (``dlstore.read.cpu_decode``; started when the first epoch starts) while
-nvJPEG decodes the rest, both feeding the same crop; ``cpu_share`` fixes the CPU's fraction, or (None)
-it follows the two sides' measured rates so that they take about as long per batch. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
+nvJPEG decodes the rest, both feeding the same crop (as one flat buffer when the transform takes
+``FlatImages``); ``cpu_share`` fixes the CPU's fraction, or (None) it grows while the CPU's results are
+ready when the batch needs them and shrinks when this loader had to wait for them. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
 decoded (C, H_i, W_i) uint8 tensors into one batch::
 
     from dlstore.gpu import RaggedRandomResizedCrop
@@ -32,20 +33,24 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from dlstore.read.cache import Cache, open_cache
 from dlstore.read.cpu_decode import CpuDecoders, CpuShare
+
+if TYPE_CHECKING:
+    from dlstore.gpu.ragged import FlatImages
 from dlstore.read.loaders import make_sampler, storage_sorted
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
 DECODE_IN = ("stream", "thread")
-# cpu_share=None: the CPU decoders' fraction stays in [MIN, MAX] (each side keeps being measured) and
-# moves AUTO_STEP of the way to the balanced split after each batch.
-MIN_AUTO_SHARE, MAX_AUTO_SHARE, AUTO_STEP = 0.05, 0.95, 0.3
+# cpu_share=None: the CPU decoders' fraction starts at 0.5, moves AUTO_STEP of the way to 1 after a
+# batch whose CPU share was ready in time (waited at most WAIT_TOLERANCE of the batch period), and
+# shrinks in proportion to the wait otherwise; never below MIN_AUTO_SHARE. Slots hold MAX_AUTO_SHARE.
+MIN_AUTO_SHARE, MAX_AUTO_SHARE, AUTO_STEP, WAIT_TOLERANCE = 0.05, 1.0, 0.1, 0.02
 
 
 @dataclass
@@ -166,6 +171,7 @@ class DecodeLoader:
         self.cpu_decoders, self.fixed_share = max(0, cpu_decoders), cpu_share
         self.share = 0.5 if cpu_share is None else cpu_share
         self.cpu: CpuDecoders | None = None
+        self._last_batch: float | None = None
 
     def __len__(self) -> int:
         n = len(self.sampler)
@@ -286,19 +292,22 @@ class DecodeLoader:
             payloads, tensors, share = data
             first = share.count if share is not None else 0
             images: list[torch.Tensor] = []
-            fallbacks, gpu_seconds = 0, 0.0
+            fallbacks = 0
             if first < len(payloads):
-                t0 = time.perf_counter()
                 images, fallbacks = decode_on_device(
                     self.cache, payloads[first:], shapes[first:], positions[first:], self.device, tensors
                 )  # type: ignore[arg-type]
-                gpu_seconds = time.perf_counter() - t0
             self.stats.gpu_images += len(images) - fallbacks
             self.stats.cpu_fallbacks += fallbacks
             if share is not None:
-                cpu_images, cpu_seconds = self._cpu_share_on_device(share, payloads, positions)
-                self._balance(share.count, cpu_seconds, len(images), gpu_seconds)
-                images = cpu_images + images
+                flat, waited = self._cpu_share_on_device(share, payloads, positions)
+                self._balance(share.count, len(images), waited)
+                if getattr(self.transform, "takes_flat", False):  # no per-image tensors, no cat of them
+                    flat_images = self._flat_images(flat, share, images, shapes[first:])
+                    return self.transform(flat_images), torch.from_numpy(labels).to(  # type: ignore[misc]
+                        self.device, non_blocking=True
+                    )
+                images = _views(flat, share.offsets, share.shapes) + images
         else:
             images = [torch.from_numpy(a).permute(2, 0, 1).to(self.device, non_blocking=True) for a in data]
             self.stats.cpu_images += len(images)
@@ -307,11 +316,14 @@ class DecodeLoader:
 
     def _cpu_share_on_device(
         self, share: CpuShare, payloads: list[memoryview], positions: np.ndarray
-    ) -> tuple[list[torch.Tensor], float]:
-        """The CPU share's images on the device (one copy of the slot), and the workers' decode time.
-        A run the workers failed is decoded here, so a corrupt image raises the reader's error."""
+    ) -> tuple[torch.Tensor, float]:
+        """The CPU share's images on the device, planar and back to back (one copy of the slot), and the
+        seconds this thread waited for the workers. A run they failed is decoded here, so a corrupt
+        image raises the reader's error."""
         assert self.cpu is not None
-        seconds, failed = share.wait()
+        t0 = time.perf_counter()
+        _seconds, failed = share.wait()
+        waited = time.perf_counter() - t0
         block = self.cpu.block
         for first, stop in failed:
             for i in range(first, stop):
@@ -329,26 +341,41 @@ class DecodeLoader:
             flat = region.clone()
             self.cpu.release(share.slot)
         self.stats.cpu_images += share.count
-        images = [
-            flat[o : o + h * w * c].view(c, h, w)
-            for o, (h, w, c) in zip(share.offsets.tolist(), share.shapes.tolist())
-        ]
-        return images, seconds
+        return flat, waited
 
-    def _balance(self, cpu_count: int, cpu_seconds: float, gpu_count: int, gpu_seconds: float) -> None:
-        """Without a fixed ``cpu_share``: move toward the split at which both sides take as long per
-        batch, from their measured rates (the workers' decode time, nvJPEG's wall time)."""
+    def _flat_images(
+        self, cpu_flat: torch.Tensor, share: CpuShare, gpu_images: list[torch.Tensor], gpu_shapes: np.ndarray
+    ) -> FlatImages:
+        """The CPU share's flat buffer (already back to back, planar) followed by nvJPEG's images."""
+        from dlstore.gpu.ragged import FlatImages
+
+        flat = torch.cat([cpu_flat, *(img.reshape(-1) for img in gpu_images)]) if gpu_images else cpu_flat
+        hwc = np.concatenate([share.shapes, np.asarray(gpu_shapes, np.int64).reshape(-1, 3)])
+        sizes = np.prod(hwc, axis=1)
+        meta = np.stack([np.concatenate(([0], np.cumsum(sizes)[:-1])), hwc[:, 0], hwc[:, 1]]).astype(np.int64)
+        meta_t = torch.from_numpy(meta).to(self.device, non_blocking=True)
+        return FlatImages(flat, meta_t[0], meta_t[1], meta_t[2], int(hwc[0, 2]))
+
+    def _balance(self, cpu_count: int, gpu_count: int, waited: float) -> None:
+        """Without a fixed ``cpu_share``: the nvJPEG share is decoded in this thread, on the batch's path;
+        the CPU share was decoded in other processes while earlier batches were used. So the CPU takes
+        more while its results are ready when needed, and less, in proportion, when this thread waited
+        for them (``waited`` seconds of the time since the previous batch)."""
         self.stats.cpu_share = cpu_count / max(1, cpu_count + gpu_count)
-        if self.fixed_share is not None or cpu_seconds <= 0:
-            return
-        cpu_rate = cpu_count / cpu_seconds
-        if gpu_count == 0 or gpu_seconds <= 0:  # all went to the CPU: probe the GPU side again
-            target = MAX_AUTO_SHARE
-        else:
-            gpu_rate = gpu_count / gpu_seconds
-            target = cpu_rate / (cpu_rate + gpu_rate)
-        target = min(MAX_AUTO_SHARE, max(MIN_AUTO_SHARE, target))
-        self.share += AUTO_STEP * (target - self.share)
+        now, last = time.perf_counter(), self._last_batch
+        self._last_batch = now
+        if self.fixed_share is None and last is not None and now > last:
+            period = now - last
+            if waited > WAIT_TOLERANCE * period:  # the CPU side is behind
+                self.share *= max(0.5, 1.0 - waited / period)
+            else:
+                self.share += AUTO_STEP * (1.0 - self.share)
+            self.share = min(1.0, max(MIN_AUTO_SHARE, self.share))
+
+
+def _views(flat: torch.Tensor, offsets: np.ndarray, shapes: np.ndarray) -> list[torch.Tensor]:
+    """(C, H, W) views of planar images back to back in ``flat``."""
+    return [flat[o : o + h * w * c].view(c, h, w) for o, (h, w, c) in zip(offsets.tolist(), shapes.tolist())]
 
 
 class _Pipe:

@@ -176,3 +176,28 @@ def test_split_decode_on_cuda_equals_each_sides_own_decode(
         gpu, _ = decode_on_device(cache, payloads[2:], shapes[2:], cache.positions[index[2:]], dev)
         cpu = [torch.from_numpy(a).permute(2, 0, 1).to(dev) for a in cache.read_images(index[:2])]
         torch.testing.assert_close(x, torch.stack(cpu + gpu), rtol=0, atol=0, msg=f"batch {k}")
+
+
+def test_split_decode_into_the_fused_crop_equals_the_crop_of_the_list(
+    image_tree: Path, tmp_path: Path
+) -> None:
+    """With a crop that takes FlatImages, the CPU share reaches the (fused) crop as one flat buffer:
+    the crops equal the same-seeded crop of the CPU-decoded + nvJPEG-decoded list."""
+    from dlstore.read.loaders import storage_sorted
+
+    convert(image_tree, tmp_path / "c", format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2)
+    cache = open_cache(tmp_path / "c")
+    dev = torch.device("cuda")
+    crop = RaggedRandomResizedCrop(16, generator=torch.Generator(dev).manual_seed(1)).cuda()
+    ref_crop = RaggedRandomResizedCrop(16, generator=torch.Generator(dev).manual_seed(1)).cuda()
+    loader = DecodeLoader(cache, 4, transform=crop, order="sequential", cpu_decoders=2, cpu_share=0.5)
+    try:
+        got = [x.clone() for x, _y in loader]
+    finally:
+        loader.close()
+    for k, x in enumerate(got):
+        index = storage_sorted(cache, list(range(k * 4, (k + 1) * 4)))
+        payloads, shapes = cache.read_payloads(index)
+        gpu, _ = decode_on_device(cache, payloads[2:], shapes[2:], cache.positions[index[2:]], dev)
+        cpu = [torch.from_numpy(a).permute(2, 0, 1).to(dev) for a in cache.read_images(index[:2])]
+        torch.testing.assert_close(x, ref_crop(cpu + gpu), rtol=0, atol=1e-6, msg=f"batch {k}")

@@ -134,3 +134,15 @@ def test_bad_inputs_are_refused() -> None:
         RaggedRandomResizedCrop(8)([torch.zeros(3, 4, 4)])
     with pytest.raises(ValueError, match="empty"):
         RaggedRandomResizedCrop(8)([])
+
+
+def test_flat_images_crop_like_the_list_they_came_from() -> None:
+    """A loader may hand the crop one flat buffer (FlatImages) instead of a list: same boxes, same pixels."""
+    from dlstore.gpu.ragged import FlatImages
+
+    images = [_image(40, 60, 0), _image(70, 33, 1), _image(25, 25, 2)]
+    flat, starts, heights, widths = flat_batch(images)
+    a = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(3))
+    b = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(3))
+    assert a.takes_flat
+    torch.testing.assert_close(a(FlatImages(flat, starts, heights, widths, 3)), b(images), rtol=0, atol=0)

@@ -216,5 +216,60 @@ def test_auto_share_follows_the_measured_rates(jpeg_cache: Path, monkeypatch: py
         assert loader.stats.cpu_images > loader.stats.gpu_images
     finally:
         loader.close()
+    monkeypatch.setattr(gd, "decode_on_device", real)
+    from dlstore.read.cpu_decode import CpuShare
+
+    real_wait = CpuShare.wait
+
+    def late_cpu(self):  # type: ignore[no-untyped-def]
+        time.sleep(0.05)  # the loader waits for every CPU share: its fraction should shrink
+        return real_wait(self)
+
+    monkeypatch.setattr(CpuShare, "wait", late_cpu)
+    loader = _split_loader(jpeg_cache, None)
+    try:
+        for _ in range(2):
+            for _batch in loader:
+                pass
+        assert loader.share < 0.3
+    finally:
+        loader.close()
     with pytest.raises(ValueError, match="cpu_share"):
         DecodeLoader(jpeg_cache, batch_size=4, transform=lambda x: x, device="cpu", cpu_share=1.5)
+
+
+def test_split_batches_reach_a_flat_taking_crop_as_one_buffer(jpeg_cache: Path) -> None:
+    """RaggedRandomResizedCrop takes FlatImages: the split loader hands it the CPU share's buffer (plus
+    nvJPEG's images) without per-image tensors; the crops equal the same crop of the image list."""
+    from dlstore.read.loaders import storage_sorted
+
+    cache = open_cache(jpeg_cache)
+    crop = RaggedRandomResizedCrop(8, generator=torch.Generator().manual_seed(5))
+    ref_crop = RaggedRandomResizedCrop(8, generator=torch.Generator().manual_seed(5))
+    from dlstore.gpu.ragged import FlatImages
+
+    kinds = []
+    forward = crop.forward
+
+    def spy(images):  # type: ignore[no-untyped-def]
+        kinds.append(type(images))
+        return forward(images)
+
+    crop.forward = spy  # type: ignore[method-assign]
+    loader = _split_loader(jpeg_cache, 0.5)
+    loader.transform = crop
+    seen = 0
+    try:
+        for x, _y in loader:
+            index = storage_sorted(cache, list(range(seen, seen + len(x))))
+            seen += len(x)
+            first = int(round(0.5 * len(index)))
+            payloads, shapes = cache.read_payloads(index)
+            gpu, _ = decode_on_device(
+                cache, payloads[first:], shapes[first:], cache.positions[index[first:]], torch.device("cpu")
+            )
+            cpu = [torch.from_numpy(a).permute(2, 0, 1) for a in cache.read_images(index[:first])]
+            torch.testing.assert_close(x, ref_crop(cpu + gpu), rtol=0, atol=0)
+    finally:
+        loader.close()
+    assert seen == len(cache) and kinds and set(kinds) == {FlatImages}
