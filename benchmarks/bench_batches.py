@@ -88,12 +88,15 @@ class Recorder:
         )
 
 
-def bench(name: str, config: BenchConfig, rec: Recorder, log: Log) -> dict[str, Any]:
+def bench(
+    name: str, config: BenchConfig, rec: Recorder, log: Log, keep_steps: bool = False
+) -> dict[str, Any]:
+    """One ``run_bench`` call recorded under ``name``; ``keep_steps`` keeps each repeat's per-step records."""
     from dlstore.bench.run import run_bench
 
     t0 = time.perf_counter()
     doc = run_bench(config, log=lambda m: log(f"{name}: {m}"))
-    rec.doc["runs"][name] = {"wall_s": time.perf_counter() - t0, "doc": trim(doc)}
+    rec.doc["runs"][name] = {"wall_s": time.perf_counter() - t0, "doc": doc if keep_steps else trim(doc)}
     rec.save()
     log(f"{name}: {time.perf_counter() - t0:.1f} s")
     print("\n".join(rows(name, doc)), flush=True)  # as it goes: a run cut short still reports
@@ -184,21 +187,22 @@ def decode_config(args: argparse.Namespace, jpegs: Path, workers: tuple[int, ...
         batch_size=16 if args.smoke else 64,
         model="smallcnn" if args.smoke else "resnet18",
         transform="augment",
-        steps=8,
+        steps=args.decode_steps,
         warmup=2,
-        repeats=1,
+        repeats=args.decode_repeats,
         cold=False,
         cache=args.work / "caches",
         max_run_s=None,
-        stage_steps=12,
+        stage_steps=args.decode_stage_steps,
         fed_s=args.fed_s,
     )
 
 
 def decode_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
     jpegs = make_jpegs(args.work / "jpegs384", 384)
-    doc = bench("decode-heavy", decode_config(args, jpegs, (0, 4)), rec, log)
+    doc = bench("decode-heavy", decode_config(args, jpegs, (0, 4)), rec, log, keep_steps=True)
     rec.doc.setdefault("verdicts", {})["decode-heavy"] = [r["bottleneck"] for r in doc["runs"]]
+    print("\n".join(decode_diagnostics(doc)), flush=True)
     if not args.decode_parts:
         return
     try:
@@ -209,6 +213,63 @@ def decode_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
         log(f"decode_parts failed: {e!r}")
     for line in decode_rows(rec.doc["decode_parts"]):
         print(line, flush=True)
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+def _epochs_ms(steps: dict[str, list[Any]]) -> list[float]:
+    """Whole epochs inside the timed steps: the host time from an epoch's first next() to the next one's."""
+    ph, ep, t = steps["phase"], steps["epoch"], steps["t_s"]
+    starts = [t[i] for i in range(1, len(ep)) if ep[i] != ep[i - 1] and ph[i] == "timed"]
+    if ph and ph[0] == "timed":  # no warm-up: the run's first step starts an epoch
+        starts.insert(0, t[0])
+    return [1e3 * (b - a) for a, b in zip(starts, starts[1:])]
+
+
+def decode_diagnostics(doc: dict[str, Any]) -> list[str]:
+    """Where a decode-heavy prediction goes wrong, per run and repeat: the loader's cost per batch in the
+    parts phase (alone; in next() between fed steps), right before the run (probe) and in the run; the step's
+    host time beside the loader vs in the run; CPU seconds per batch (the same work: a change is a slower or
+    faster machine); a fixed single-core reference (``cpu_reference_s``); whole-epoch times with workers."""
+    lines = ["decode diagnostics (ms per batch unless said; ref = cpu_reference_s in ms)"]
+    stage = doc["stages"]["raw"]["loader_alone"]
+    for r in doc["runs"]:
+        key = f"w{r['workers']}-{'pin' if r['pin_memory'] else 'nopin'}"
+        a = stage.get(key, {})
+        ref_a = 1e3 * (a.get("cpu_ref_s") or float("nan"))
+        bn = 1e3 * (a.get("beside_next_s") or float("nan"))
+        bs = 1e3 * (a.get("beside_serial_s") or float("nan"))
+        e = a.get("epoch_batches") or 0
+        head = (
+            f"{key}: parts: alone next {1e3 * a.get('main_s', float('nan')):.1f} period {1e3 * a.get('period_s', 0):.1f}"
+            f" (epoch {e * 1e3 * a.get('period_s', 0):.0f}, refill {1e3 * (a.get('refill_s') or 0):.0f}),"
+            f" cpu/batch {1e3 * a.get('cpu_s', 0):.0f}, beside: next {bn:.1f} step {bs:.1f}, ref {ref_a:.2f};"
+            f" predicted {r['predicted_img_per_s'] or 0:,.0f} measured {r['img_per_s']:,.0f} (median of {r['repeats']})"
+        )
+        lines.append(head)
+        for raw in r.get("raw", []):
+            st = raw["steps"]
+            timed = [i for i, ph in enumerate(st["phase"]) if ph == "timed"]
+            wait = _mean([1e3 * st["wait_s"][i] for i in timed])
+            step = _mean([1e3 * st["step_s"][i] for i in timed])
+            res = raw.get("resources") or {}
+            period = 1e3 * raw["timed_s"] / max(1, len(timed))
+            cpu = (res.get("process_tree_cpu_cores") or 0) * period
+            probe = raw.get("loader_probe") or {}
+            pr = (
+                f" probe {1e3 * probe['main_s']:.1f} ({probe['batches']} b, ref {1e3 * probe['cpu_ref_s']:.2f},"
+                f" cpu/batch {1e3 * probe['cpu_s']:.0f})"
+                if probe
+                else ""
+            )
+            lines.append(
+                f"  repeat {raw['repeat']} pos {raw['position']}: {raw['img_per_s']:,.0f} img/s, period {period:.1f},"
+                f" next {wait:.1f}, step {step:.1f}, cpu/batch {cpu:.0f}, ref {1e3 * (raw.get('cpu_ref_s') or 0):.2f},"
+                f" epochs {[round(x) for x in _epochs_ms(st)]}{pr}"
+            )
+    return lines
 
 
 def decode_parts(
@@ -468,6 +529,8 @@ def summary(rec: Recorder) -> list[str]:
         )
     if "verdicts" in rec.doc:
         lines.append(f"verdicts: {rec.doc['verdicts']}")
+    if "decode-heavy" in rec.doc["runs"]:
+        lines += decode_diagnostics(rec.doc["runs"]["decode-heavy"]["doc"])
     if rec.doc["skipped"]:
         lines.append(f"skipped (budget): {rec.doc['skipped']}")
     lines.append(f"total {rec.elapsed():.0f} s")
@@ -492,6 +555,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--decode-parts", type=int, default=3, help="Alone/loop pairs of the 0-worker decode loop."
     )
+    p.add_argument("--decode-repeats", type=int, default=1, help="Repeats of the decode-heavy runs.")
+    p.add_argument("--decode-steps", type=int, default=8, help="Timed steps of a decode-heavy run (min).")
+    p.add_argument("--decode-stage-steps", type=int, default=12, help="Batches of its loader-alone parts.")
     p.add_argument("--noise-steps", type=int, default=250)
     p.add_argument("--smoke", action="store_true", help="Tiny sizes and SmallCNN: a check on a CPU.")
     args = p.parse_args(argv)
@@ -513,7 +579,12 @@ def main(argv: list[str] | None = None) -> int:
            "seeds": seeds_section, "default": default_section}  # fmt: skip
     for s in sections:  # in the order given: a round's cap cuts the last ones
         # decode-heavy: ~14 s for its runs, ~3 s per alone/loop pair taken apart after them (H200)
-        estimate = 14.0 + 3.0 * args.decode_parts if s == "decode" else ESTIMATE_S.get(s, 0.0)
+        # and ~9 s per extra repeat
+        estimate = (
+            14.0 + 9.0 * (args.decode_repeats - 1) + 3.0 * args.decode_parts
+            if s == "decode"
+            else ESTIMATE_S.get(s, 0.0)
+        )
         if s != "batches" and rec.elapsed() + estimate > args.budget_s:
             rec.doc["skipped"].append(s)
             log(f"{s}: skipped, would pass the {args.budget_s:.0f} s budget")

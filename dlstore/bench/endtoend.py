@@ -29,10 +29,18 @@ from dlstore.bench.protocol import (
     cycle_window,
     summarize_waits,
 )
-from dlstore.bench.stages import BatchStream, batch_images, evict_files
+from dlstore.bench.stages import (
+    BatchStream,
+    batch_images,
+    cpu_reference_s,
+    evict_files,
+    probe_loader,
+    works_in_caller,
+)
 from dlstore.machine import synchronize
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
+PROBE_MIN_BATCHES = 6  # a 0-worker loader's probe before its run: at least this many batches and fed_s
 
 
 @dataclass(frozen=True)
@@ -116,6 +124,8 @@ def run_once(
     fresh = spec.cold and prepared.fresh_for_cold
     loader = prepared.loader(spec.workers, spec.pin_memory, config, fresh=fresh)
     result.loader_settings = loader_settings(loader)
+    if works_in_caller(loader) and not spec.cold:
+        result.loader_probe = probe_loader(loader, PROBE_MIN_BATCHES, config.fed_s)
     n_batches = len(loader) if hasattr(loader, "__len__") else config.steps  # type: ignore[arg-type]
     warm, timed, cycle = cycle_window(n_batches, spec.workers, config.warmup, config.steps)
     n_steps = warm + (0 if spec.cold else timed)
@@ -134,6 +144,7 @@ def run_once(
         for i in range(n_steps):
             if i == warm and not spec.cold:
                 synchronize(device)
+                result.cpu_ref_s = cpu_reference_s()
                 monitor.start(stream.worker_pids())  # before the clock: it may start nvidia-smi
                 t_timed = time.perf_counter()
                 result.warmup_s = t_timed - t0
@@ -229,8 +240,20 @@ def aggregate(results: Sequence[RunResult]) -> dict[str, Any]:
         "loader_settings": r0.loader_settings,
         "measured_ms": statistics_ms(results),
         "resources": results[-1].resources,
+        "loader_probe": pool_probes(results),
+        "cpu_ref_ms": [None if r.cpu_ref_s is None else 1e3 * r.cpu_ref_s for r in results],
         "raw": [r.to_dict() for r in results],
     }
+
+
+def pool_probes(results: Sequence[RunResult]) -> dict[str, Any] | None:
+    """The loader probes taken before each repeat, pooled per batch (weighted by batches), with each one."""
+    probes = [r.loader_probe for r in results if r.loader_probe]
+    n = sum(p["batches"] for p in probes)
+    if not n:
+        return None
+    pooled = {k: sum(p[k] * p["batches"] for p in probes) / n for k in ("period_s", "main_s", "cpu_s")}
+    return {**pooled, "batches": n, "samples": probes}
 
 
 def statistics_ms(results: Sequence[RunResult]) -> dict[str, float | None]:

@@ -1,7 +1,8 @@
 """The parts the prediction is composed from, each measured alone for every loader kind (see ``predict``):
 
 - storage read, cold and warm (a per-epoch limit only when the data cannot stay in the page cache);
-- the loader alone at each (workers, pin_memory) the sweep runs: its period, the main thread's share, its CPU;
+- the loader alone at each (workers, pin_memory) the sweep runs: its period, the main thread's share, its CPU
+  (a loader working in the caller is timed alone once more right before each of its runs, ``run_once``);
   then, on the same running loader, the step fed a fixed batch after each of its batches: the main thread's
   own cost per step beside that loader (its pin or gather threads and workers contend with the launches:
   +20–55% on the H200 for a launch-bound ResNet-18, round C), the one part that cannot be measured alone;

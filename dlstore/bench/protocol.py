@@ -153,6 +153,9 @@ class RunResult:
     loader_settings: dict[str, Any] = field(default_factory=dict)  # read back from the loader that ran
     resources: dict[str, Any] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
+    # a loader working in the caller, timed alone right before this run (``stages.probe_loader``); else None
+    loader_probe: dict[str, Any] | None = None
+    cpu_ref_s: float | None = None  # ``stages.cpu_reference_s`` right before the timed steps
 
     def timed(self) -> list[StepRecord]:
         return [s for s in self.steps if s.phase in ("timed", "cold")]

@@ -272,7 +272,7 @@ def measure_loader(
     (receiving a batch from a worker, unpickling it): waiting for workers costs the main thread nothing."""
     from dlstore.bench.monitor import process_cpu_s
 
-    in_caller = getattr(loader, "num_workers", None) == 0
+    in_caller = works_in_caller(loader)
     t0 = time.perf_counter()
     stream = BatchStream(loader)
     try:
@@ -280,6 +280,7 @@ def measure_loader(
             stream.next()
         startup = time.perf_counter() - t0
         synchronize(device)
+        cpu_ref = cpu_reference_s()
         pids = [os.getpid(), *stream.worker_pids()]
         cpu0 = [process_cpu_s(p) for p in pids]
         wall_next = cpu_next = 0.0
@@ -300,7 +301,7 @@ def measure_loader(
         synchronize(device)
         seconds = time.perf_counter() - t1
         cpu1 = [process_cpu_s(p) for p in pids]
-        beside_times = _beside(stream, beside, steps, beside_s, device) if beside is not None else []
+        beside_times, beside_next = _beside(stream, beside, steps, beside_s, device) if beside else ([], [])
     finally:
         stream.close()
     cpu = sum(b - a for a, b in zip(cpu0, cpu1) if a is not None and b is not None)
@@ -318,7 +319,64 @@ def measure_loader(
         "processes": len(pids),
         "beside_serial_s": statistics.fmean(beside_times) if beside_times else None,
         "beside_batches": len(beside_times),
+        # diagnostics: next() between those steps (the loader's cost interleaved with the step) and the
+        # machine's single-core speed when the loader was timed (``cpu_reference_s``)
+        "beside_next_s": statistics.fmean(beside_next) if beside_next else None,
+        "cpu_ref_s": cpu_ref,
     }
+
+
+def works_in_caller(loader: Iterable) -> bool:
+    """The loader does its work in ``next()`` on the main thread (a DataLoader with 0 workers)."""
+    return getattr(loader, "num_workers", None) == 0
+
+
+def probe_loader(loader: Iterable, min_batches: int, min_s: float, warmup: int = 1) -> dict[str, Any]:
+    """A loader working in the caller, alone, right before a run of the loop on the same loader: per batch its
+    wall time in ``next()`` and the process's CPU, over at least ``min_batches`` and ``min_s``.
+
+    Why again when ``measure_loader`` timed it among the parts: on the H200 every 0-worker raw run's
+    ``next()`` took 7–46% longer in the run than the same loader timed in the parts phase seconds earlier
+    (7 of 7 runs, rounds A–D), with the CPU seconds per batch up by as much (the same work, a slower
+    machine), while the loader alone and the loop timed back to back agreed within 1% (round A). The main
+    thread's share is the whole serial half of a 0-worker loop, so it is timed where the run will be."""
+    cpu_ref = cpu_reference_s()
+    stream = BatchStream(loader)
+    pid = os.getpid()
+    try:
+        for _ in range(warmup):
+            stream.next()
+        from dlstore.bench.monitor import process_cpu_s
+
+        c0, t0, done = process_cpu_s(pid), time.perf_counter(), 0
+        while done < min_batches or time.perf_counter() - t0 < min_s:
+            stream.next()
+            done += 1
+        seconds = time.perf_counter() - t0
+        c1 = process_cpu_s(pid)
+    finally:
+        stream.close()
+    return {
+        "period_s": seconds / done,
+        "main_s": seconds / done,
+        "cpu_s": (c1 - c0) / done if c0 is not None and c1 is not None else 0.0,
+        "batches": done,
+        "cpu_ref_s": cpu_ref,
+    }
+
+
+CPU_REFERENCE_N = 100_000
+
+
+def cpu_reference_s(n: int = CPU_REFERENCE_N) -> float:
+    """Seconds of a fixed single-threaded Python loop (~5 ms): the machine's speed for the main thread's kind
+    of work at that moment, recorded next to each timing so a drift of the whole machine between a part and
+    the run it predicts shows as a drift of this number too (a diagnostic; the model does not use it)."""
+    a = time.perf_counter()
+    acc = 0
+    for i in range(n):
+        acc += i * i
+    return time.perf_counter() - a
 
 
 BESIDE_WARMUP = 3  # the step's first calls (cudnn autotuning on a new shape) are not its cost
@@ -327,9 +385,11 @@ BESIDE_MAX = 200
 
 def _beside(
     stream: BatchStream, work: Callable[[], float], steps: int, seconds: float, device: torch.device
-) -> list[float]:
-    """``work``'s seconds after each of the loader's next batches (the batch itself dropped)."""
+) -> tuple[list[float], list[float]]:
+    """``work``'s seconds after each of the loader's next batches (the batch itself dropped), and the
+    seconds in each of those ``next()`` calls."""
     times: list[float] = []
+    nexts: list[float] = []
     t0 = time.perf_counter()
     for i in range(BESIDE_WARMUP + BESIDE_MAX):
         if i >= BESIDE_WARMUP + steps and time.perf_counter() - t0 >= seconds:
@@ -337,12 +397,15 @@ def _beside(
         if i == BESIDE_WARMUP:
             synchronize(device)
             t0 = time.perf_counter()
+        a = time.perf_counter()
         stream.next()
+        took_next = time.perf_counter() - a
         took = work()
         if i >= BESIDE_WARMUP:
             times.append(took)
+            nexts.append(took_next)
     synchronize(device)
-    return times
+    return times, nexts
 
 
 def measure_fed(

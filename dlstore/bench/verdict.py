@@ -9,7 +9,7 @@ stage); fetch stall = t(cold) − t(warm) over the same warm-up phase.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, compose, prediction_error
@@ -93,6 +93,11 @@ def parts_of(run: dict[str, Any], ks: KindStages, facts: Facts) -> LoopParts | N
     fed = ks.fed_at(run["pin_memory"], facts.batch_size)
     if loader is None or fed is None:
         return None
+    probe = run.get("loader_probe")
+    if probe and loader.in_caller:
+        # the loader alone timed right before each repeat of this run (``stages.probe_loader``): the serial
+        # half of a 0-worker loop, where the run found the machine, instead of seconds earlier
+        loader = replace(loader, period_s=probe["period_s"], main_s=probe["main_s"], cpu_s=probe["cpu_s"])
     return LoopParts(
         batch=facts.batch_size,
         workers=run["workers"],

@@ -62,6 +62,23 @@ def test_every_kind_and_worker_count_ran(result: tuple[dict[str, Any], Path]) ->
     assert set(doc["cold"]) == {"raw", "ram", "npz", "zarr"}
 
 
+def test_zero_worker_runs_are_predicted_from_the_loader_probed_before_them(
+    result: tuple[dict[str, Any], Path],
+) -> None:
+    # a loader working in next() is timed alone again right before its run; the prediction's producer and
+    # main-thread terms use that probe, not the parts-phase timing (worker runs have no probe)
+    doc, _ = result
+    for r in doc["runs"]:
+        probe = r["loader_probe"]
+        if r["workers"] > 0:
+            assert probe is None
+            continue
+        assert probe["batches"] >= 6 and probe["main_s"] > 0
+        assert [s["batches"] for s in probe["samples"]] == [probe["batches"]]
+        assert r["limits_ms"]["producer"] == pytest.approx(1e3 * probe["period_s"])
+        assert all(ms is not None and ms > 0 for ms in r["cpu_ref_ms"])
+
+
 def test_json_has_the_keys_other_tools_rely_on(result: tuple[dict[str, Any], Path]) -> None:
     doc, out = result
     assert {

@@ -11,13 +11,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from dlstore.bench.endtoend import pool_probes
 from dlstore.bench.predict import BOTTLENECKS, FedTiming, LoaderTiming, LoopParts, compose, fed_timing
-from dlstore.bench.stages import measure_fed, measure_loader
+from dlstore.bench.protocol import RunResult
+from dlstore.bench.stages import measure_fed, measure_loader, probe_loader
 from dlstore.bench.verdict import (
     MAX_RECOMMENDATIONS,
     Facts,
     KindStages,
     analyse,
+    annotate_runs,
     kind_summary,
     knee,
     rank,
@@ -293,6 +296,44 @@ def test_the_step_measured_beside_the_loader_replaces_the_fed_cost() -> None:
     p = compose(LoopParts(100, 4, loader, fed))
     assert p.period_s == pytest.approx(13.2 * MS) and p.serial_s == pytest.approx(13 * MS)
     assert p.bottleneck == "host"
+
+
+def test_the_loader_probed_before_a_zero_worker_run_replaces_its_parts_timing() -> None:
+    # parts phase: 100 ms per batch in next(); probed right before the run: 150 ms. The 0-worker run's main
+    # thread needs 150 + 10 ms; the 4-worker run keeps its loader-alone timing (a probe there is ignored)
+    ks = KindStages(
+        loader={
+            (0, True): LoaderTiming(100 * MS, 100 * MS, 1.6, in_caller=True),
+            (4, True): LoaderTiming(50 * MS, 0.3 * MS, 0.2, in_caller=False),
+        },
+        fed={True: FedTiming(10 * MS, 10 * MS)},
+    )
+    probe = {"period_s": 0.15, "main_s": 0.15, "cpu_s": 2.4, "batches": 6}
+    runs = [{**run("raw", 0, 600, pin=True), "loader_probe": probe}, {**run("raw", 4, 1900, pin=True)}]
+    runs[1]["loader_probe"] = probe
+    annotate_runs({"raw": ks}, runs, facts(cores=16))
+    assert runs[0]["limits_ms"]["main"] == pytest.approx(160) and runs[0]["bottleneck"] == "transform"
+    assert runs[0]["predicted_img_per_s"] == pytest.approx(100 / 0.160)
+    assert runs[1]["limits_ms"]["producer"] == pytest.approx(50)
+
+
+def test_a_loader_probe_times_next_alone_over_enough_batches_and_seconds() -> None:
+    loader = DataLoader(SleepyDataset(64, 0.001), batch_size=4, num_workers=0)
+    out = probe_loader(loader, min_batches=3, min_s=0.05)
+    assert out["batches"] >= 3 and out["batches"] * out["period_s"] >= 0.05
+    assert out["main_s"] == out["period_s"] >= 4 * 0.001  # four sleeping images per batch
+    assert out["cpu_s"] >= 0 and out["cpu_ref_s"] > 0
+
+
+def test_probes_pool_per_batch_over_repeats() -> None:
+    a, b = RunResult("raw", 0, True, 0, 0), RunResult("raw", 0, True, 1, 0)
+    a.loader_probe = {"period_s": 0.1, "main_s": 0.1, "cpu_s": 1.0, "batches": 6}
+    b.loader_probe = {"period_s": 0.2, "main_s": 0.2, "cpu_s": 2.0, "batches": 2}
+    pooled = pool_probes([a, b])
+    assert pooled is not None and pooled["batches"] == 8
+    assert pooled["period_s"] == pytest.approx((6 * 0.1 + 2 * 0.2) / 8)
+    assert pooled["cpu_s"] == pytest.approx((6 * 1.0 + 2 * 2.0) / 8) and len(pooled["samples"]) == 2
+    assert pool_probes([RunResult("raw", 4, True, 0, 0)]) is None
 
 
 def test_fed_step_with_a_delay_measures_the_serial_cost() -> None:
