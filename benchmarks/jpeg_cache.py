@@ -793,13 +793,61 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
+class UngatedLoader(DecodeLoader):
+    """Round D's DecodeLoader: the read-ahead thread reads whenever its queue has room (no token per
+    decode call), for the side-by-side comparison in the ladder."""
+
+    def _read_gate(self) -> Any:
+        return None
+
+
+def busy_python(seconds: float) -> None:
+    """Hold the GIL in pure Python for about ``seconds`` (a training loop's launch work, say)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def timed_loader(loader: DecodeLoader, epochs: int, busy: float = 0.0) -> dict[str, float]:
+    """img/s of ``epochs`` epochs after a warm one, the first-batch latency, and per batch (ms): wall
+    time, time inside the device decode call, reading, the decode thread waiting for a read. ``busy``:
+    the consumer holds the GIL that long per batch."""
+    for _ in loader:
+        pass
+    sync()
+    before = dict(vars(loader.stats))
+    t0, count, first = time.perf_counter(), 0, 0.0
+    for _ in range(epochs):
+        e0 = time.perf_counter()
+        for i, (x, _y) in enumerate(loader):
+            if i == 0:
+                first += time.perf_counter() - e0
+            if busy:
+                busy_python(busy)
+            count += len(x)
+    sync()
+    wall = time.perf_counter() - t0
+    st = {k: v - before[k] for k, v in vars(loader.stats).items() if isinstance(v, int | float)}
+    n = max(1, st["batches"])
+    return {
+        "img_s": count / wall,
+        "first_batch_ms": 1e3 * first / epochs,
+        "wall_ms": 1e3 * wall / n,
+        "decode_call_ms": 1e3 * st["decode_seconds"] / n,
+        "read_ms": 1e3 * st["read_seconds"] / n,
+        "read_wait_ms": 1e3 * st["read_wait_seconds"] / n,
+    }
+
+
 def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """DecodeLoader vs bare batched decode_jpeg (256² cache, batch 256), one difference at a time:
-    (a) bare on copies, sequential batches; (b) the loader's batches (chunk-aware order, payload views
-    into the units, read before timing); (c) b on a side stream; (d) c plus the loader's per-batch work
-    (wait for the stream, stack, labels, event); (e) the loader decoding in the caller's thread;
-    (f) the loader's default (a second thread); b2: b from one pinned buffer per batch; g: f with one
-    read thread."""
+    """DecodeLoader vs bare batched decode_jpeg (256² cache, batch 256), repeated with the order rotated:
+    (a) bare on copies, sequential batches (the target's base); (d) the loader's batches (chunk-aware
+    order, payload views, read before timing) on a side stream with the loader's per-batch work; (f) the
+    loader (decode in a second thread, reads gated to the decode calls); (f0) round D's loader (reads
+    whenever the queue has room); (e) f decoding in the caller's thread; *_si: with the interpreter's
+    switch interval 0.5 ms instead of 5 ms (if the gap is GIL hand-overs, it shrinks); *_busy: the
+    consumer holds the GIL 2 ms per batch (a training loop's Python). Loader rows record where the
+    time went per batch (decode call, read, waiting for reads)."""
     from torchvision.io import decode_jpeg
 
     from dlstore.read.gpu_decode import as_tensors
@@ -821,27 +869,18 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         labels.append(cache.labels[index])
     dev = torch.device(DEV)
     side = torch.cuda.Stream(dev) if DEV == "cuda" else None
-    pinned = []  # each batch's payloads back to back in one page-locked buffer, sliced per image
-    for v in views:
-        buf = torch.cat(v).pin_memory() if DEV == "cuda" else torch.cat(v)
-        ends = np.cumsum([len(t) for t in v]).tolist()
-        pinned.append([buf[a:b] for a, b in zip([0, *ends[:-1]], ends)])
+    epochs = 2
 
-    def timed(fn: Callable[[int], Any], count: int, passes: int = 2) -> float:
+    def timed(fn: Callable[[int], Any], count: int) -> dict[str, float]:
         fn(0)
         sync()
         t0 = time.perf_counter()
-        for _ in range(passes):
+        for _ in range(epochs):
             for i in range(count):
                 fn(i)
         sync()
-        return passes * count * bs / (time.perf_counter() - t0)
-
-    def on_side(i: int) -> Any:
-        if side is None:
-            return decode_jpeg(views[i], device=DEV)
-        with torch.cuda.stream(side):
-            return decode_jpeg(views[i], device=DEV)
+        wall = time.perf_counter() - t0
+        return {"img_s": epochs * count * bs / wall, "wall_ms": 1e3 * wall / (epochs * count)}
 
     def loader_work(i: int) -> Any:
         if side is None:
@@ -855,35 +894,66 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         torch.cuda.current_stream(dev).wait_event(ev)
         return batch, lab
 
-    steps: dict[str, Callable[[], float]] = {
-        "a_bare_copies_sequential": lambda: timed(lambda i: decode_jpeg(seq[i], device=DEV), len(seq)),
-        "b_bare_loader_batches_views": lambda: timed(lambda i: decode_jpeg(views[i], device=DEV), len(views)),
-        "b2_bare_loader_batches_pinned": lambda: timed(
-            lambda i: decode_jpeg(pinned[i], device=DEV), len(views)
-        ),
-        "c_b_on_side_stream": lambda: timed(on_side, len(views)),
-        "d_c_plus_loader_per_batch_work": lambda: timed(loader_work, len(views)),
-        "e_loader_caller_thread": lambda: loader_alone(
-            DecodeLoader(cache, bs, device=DEV, decode_in="stream"), 2
-        )[0],
-        "f_loader_second_thread": lambda: loader_alone(DecodeLoader(cache, bs, device=DEV), 2)[0],
-        # f with one read thread (no pool threads contending for the GIL with the decode thread)
-        "g_f_one_read_thread": lambda: loader_alone(DecodeLoader(cache, bs, device=DEV, threads=1), 2)[0],
+    loaders = {
+        "f": DecodeLoader(cache, bs, device=DEV),
+        "f0": UngatedLoader(cache, bs, device=DEV),
+        "e": DecodeLoader(cache, bs, device=DEV, decode_in="stream"),
     }
-    out: dict[str, list[float]] = {k: [] for k in steps}
-    for _ in range(args.repeats):
-        for k, fn in steps.items():
-            out[k].append(fn())
-            log(f"ladder {k}: {out[k][-1]:,.0f} img/s")
-    med = {k: float(np.median(v)) for k, v in out.items()}
+    if DEV == "cpu":  # dry run: torchvision's CPU decode stands in for nvJPEG
+        for ld in loaders.values():
+            ld.gpu = True
+
+    def with_switch(fn: Callable[[], dict[str, float]]) -> dict[str, float]:
+        old = sys.getswitchinterval()
+        sys.setswitchinterval(0.0005)
+        try:
+            return fn()
+        finally:
+            sys.setswitchinterval(old)
+
+    steps: dict[str, Callable[[], dict[str, float]]] = {
+        "a_bare_copies_sequential": lambda: timed(lambda i: decode_jpeg(seq[i], device=DEV), len(seq)),
+        "d_bare_plus_loader_per_batch_work": lambda: timed(loader_work, len(views)),
+        "f_loader_second_thread": lambda: timed_loader(loaders["f"], epochs),
+        "f0_round_d_loader_ungated": lambda: timed_loader(loaders["f0"], epochs),
+        "e_loader_caller_thread": lambda: timed_loader(loaders["e"], epochs),
+        "f0_si": lambda: with_switch(lambda: timed_loader(loaders["f0"], epochs)),
+        "f_busy": lambda: timed_loader(loaders["f"], epochs, busy=0.002),
+        "f_busy_si": lambda: with_switch(lambda: timed_loader(loaders["f"], epochs, busy=0.002)),
+    }
+    out: dict[str, list[dict[str, float]]] = {k: [] for k in steps}
+    names = list(steps)
+    for r in range(args.repeats):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            out[k].append(steps[k]())
+            row = out[k][-1]
+            log(f"ladder {k}: " + ", ".join(f"{m} {v:,.2f}" for m, v in row.items()))
+    med = {k: {m: float(np.median([row[m] for row in rows])) for m in rows[0]} for k, rows in out.items()}
+    paired = [
+        f["img_s"] / a["img_s"]
+        for f, a in zip(out["f_loader_second_thread"], out["a_bare_copies_sequential"])
+    ]
+    bare, f, f0 = (
+        med[k]["img_s"]
+        for k in ("a_bare_copies_sequential", "f_loader_second_thread", "f0_round_d_loader_ungated")
+    )
     target(
         "jpeg: DecodeLoader (second thread) vs bare batched decode_jpeg, ladder run",
-        med["f_loader_second_thread"],
-        med["a_bare_copies_sequential"],
+        f,
+        bare,
         0.9,
-        note=", ".join(f"{k} {v:,.0f}" for k, v in med.items()),
+        note=f"paired ratios (same repeat) median {np.median(paired):.3f}; round D's loader (ungated) {f0 / bare:.3f}; "
+        + ", ".join(f"{k} {v['img_s']:,.0f}" for k, v in med.items()),
     )
-    return {"runs": out, "median": med}
+    print(
+        f"{'ladder step (median of ' + str(args.repeats) + ')':38} "
+        + " ".join(f"{m:>14}" for m in med[names[-1]])
+    )
+    for k, row in med.items():
+        print(f"{k:38} " + " ".join(f"{row.get(m, float('nan')):14.2f}" for m in med[names[-1]]))
+    for ld in loaders.values():
+        ld.close()
+    return {"runs": out, "median": med, "paired_f_over_a": paired, "images": n, "batch": bs, "epochs": epochs}
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {

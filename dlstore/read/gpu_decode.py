@@ -25,6 +25,7 @@ decoded (C, H_i, W_i) uint8 tensors into one batch::
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -61,6 +62,12 @@ class DecodeStats:
     cpu_images: int = 0
     cpu_fallbacks: int = 0
     cpu_share: float = 0.0  # the CPU decoders' fraction of the last batch (cpu_decoders > 0)
+    # Where the time went (seconds, summed over batches): reading payloads (read-ahead thread), inside
+    # the batched device decode call, and the decoding thread waiting for a read batch (read-bound).
+    batches: int = 0
+    read_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    read_wait_seconds: float = 0.0
 
 
 def as_tensors(payloads: list[memoryview]) -> list[torch.Tensor]:
@@ -77,10 +84,12 @@ def decode_on_device(
     positions: np.ndarray,
     device: torch.device,
     data: list[torch.Tensor] | None = None,
+    launching: Callable[[], None] | None = None,
 ) -> tuple[list[torch.Tensor], int]:
     """Batched nvJPEG decode of JPEG payloads (``data``: the same as tensors, if made already); images
     it refuses (or decodes to another shape) are decoded on the CPU instead. Returns the (C, H, W) uint8
-    tensors on ``device`` and the fallback count."""
+    tensors on ``device`` and the fallback count. ``launching`` is called just before the batched call
+    (which runs without the GIL)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     channels = int(shapes[0][2]) if len(shapes) else 3
@@ -89,6 +98,8 @@ def decode_on_device(
     # Quiet: torchvision ≥ 0.29 deprecates its decoders (TorchCodec's replacement needs a newer torch).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        if launching is not None:
+            launching()
         try:
             out: list[torch.Tensor | None] = list(decode_jpeg(data, mode=mode, device=device))
         except RuntimeError:  # one bad image fails the whole batched call: retry one by one
@@ -187,16 +198,18 @@ class DecodeLoader:
         # One thread reads batches ahead (4 measured faster than 2 on the H200: 29.5k vs 24.8k img/s,
         # benchmarks/jpeg_loader_parts.py) while batch i is decoded and cropped on a side stream, in
         # this thread ("stream") or in a second one ("thread").
-        reads = _Pipe(iter(batches), self._read, self.read_ahead, "dlstore-read-ahead")
+        gate = self._read_gate()
+        reads = _Pipe(iter(batches), self._read, self.read_ahead, "dlstore-read-ahead", gate)
+        decode = functools.partial(self._decode, gate=gate)
         if self.decode_in == "stream":
             try:
                 for item in reads:
-                    yield self._handed_over(self._decode(item))
+                    yield self._handed_over(decode(item))
             finally:
                 reads.close()
-                self._reclaim()
+                self._epoch_done(reads)
             return
-        decoded = _Pipe(iter(reads), self._decode, 1, "dlstore-decode")
+        decoded = _Pipe(iter(reads), decode, 1, "dlstore-decode")
         try:
             for item in decoded:
                 yield self._handed_over(item)
@@ -204,7 +217,19 @@ class DecodeLoader:
             reads.stop.set()  # both first: the decode thread may be waiting on the read queue
             decoded.close()
             reads.close()
-            self._reclaim()
+            self._epoch_done(reads)
+
+    def _read_gate(self) -> threading.Semaphore | None:
+        """Read-ahead tokens: one is given back as each batch's decode call starts, so in steady state
+        the read-ahead thread reads while that call runs without the GIL. Read whenever the queue had
+        room (the previous design), it ran while the decoding thread held or wanted the GIL, and each
+        time that thread came back from a C call it could wait for the reader's Python (up to the
+        interpreter's 5 ms switch interval); see benchmarks/RESULTS.md, issue 10 round E."""
+        return threading.Semaphore(self.read_ahead)
+
+    def _epoch_done(self, reads: _Pipe) -> None:
+        self.stats.read_wait_seconds += reads.waited
+        self._reclaim()
 
     def _reclaim(self) -> None:
         """CPU-decode slots of batches read ahead but never decoded (an epoch left early) are free again."""
@@ -223,9 +248,17 @@ class DecodeLoader:
             t.record_stream(stream)
         return images, labels
 
-    def _decode(self, item: tuple[Any, ...]) -> tuple[Any, Any, Any]:
+    def _decode(self, item: tuple[Any, ...], gate: threading.Semaphore | None = None) -> tuple[Any, Any, Any]:
+        launching = _Once(gate.release if gate is not None else None)
+        try:
+            return self._decode_batch(item, launching)
+        finally:
+            launching()  # a batch with no device decode call gives its token back here
+
+    def _decode_batch(self, item: tuple[Any, ...], launching: Callable[[], None]) -> tuple[Any, Any, Any]:
+        self.stats.batches += 1
         if self.device.type != "cuda":
-            return (*self._finish(*item), None)
+            return (*self._finish(*item, launching), None)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
@@ -234,7 +267,7 @@ class DecodeLoader:
             # read by the crop still queued here) could be handed out and overwritten before that crop
             # runs. Waiting for this stream (only the previous crop, not the training step) prevents it.
             self._stream.synchronize()
-            images, labels = self._finish(*item)
+            images, labels = self._finish(*item, launching)
             event = torch.cuda.Event()
             event.record(self._stream)
         return images, labels, event
@@ -263,6 +296,13 @@ class DecodeLoader:
         )
 
     def _read(self, batch: list[int]) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
+        t0 = time.perf_counter()
+        try:
+            return self._read_batch(batch)
+        finally:
+            self.stats.read_seconds += time.perf_counter() - t0
+
+    def _read_batch(self, batch: list[int]) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
         index = storage_sorted(self.cache, batch)
         labels = self.cache.labels[index]
         if not self.gpu:
@@ -285,7 +325,12 @@ class DecodeLoader:
         return self.cpu.submit(slot, payloads[:count], shapes[:count])
 
     def _finish(
-        self, index: np.ndarray, data: Any, shapes: np.ndarray | None, labels: np.ndarray
+        self,
+        index: np.ndarray,
+        data: Any,
+        shapes: np.ndarray | None,
+        labels: np.ndarray,
+        launching: Callable[[], None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gpu:
             positions = self.cache.positions[index]
@@ -294,9 +339,18 @@ class DecodeLoader:
             images: list[torch.Tensor] = []
             fallbacks = 0
             if first < len(payloads):
+                t0 = time.perf_counter()
                 images, fallbacks = decode_on_device(
-                    self.cache, payloads[first:], shapes[first:], positions[first:], self.device, tensors
-                )  # type: ignore[arg-type]
+                    self.cache,
+                    payloads[first:],
+                    shapes[first:],  # type: ignore[index]
+                    positions[first:],
+                    self.device,
+                    tensors,
+                    launching=launching,
+                )
+                self.stats.decode_seconds += time.perf_counter() - t0
+            launching()  # all on the CPU decoders: no device call to wait for
             self.stats.gpu_images += len(images) - fallbacks
             self.stats.cpu_fallbacks += fallbacks
             if share is not None:
@@ -308,7 +362,8 @@ class DecodeLoader:
                         self.device, non_blocking=True
                     )
                 images = _views(flat, share.offsets, share.shapes) + images
-        else:
+        else:  # decoded by the read-ahead thread's pool already
+            launching()
             images = [torch.from_numpy(a).permute(2, 0, 1).to(self.device, non_blocking=True) for a in data]
             self.stats.cpu_images += len(images)
         batch = self.transform(images) if self.transform is not None else torch.stack(images)
@@ -383,22 +438,37 @@ class _Pipe:
 
     DONE = object()
 
-    def __init__(self, source: Iterator[Any], fn: Callable[[Any], Any], depth: int, name: str) -> None:
-        self.source, self.fn = source, fn
+    def __init__(
+        self,
+        source: Iterator[Any],
+        fn: Callable[[Any], Any],
+        depth: int,
+        name: str,
+        gate: threading.Semaphore | None = None,
+    ) -> None:
+        self.source, self.fn, self.gate = source, fn, gate
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, depth))
         self.stop = threading.Event()
+        self.waited = 0.0  # seconds the consumer waited for items
         self.thread = threading.Thread(target=self._run, daemon=True, name=name)
         self.thread.start()
 
     def _run(self) -> None:
         try:
             for item in self.source:
-                if self.stop.is_set():
+                if not self._pass_gate() or self.stop.is_set():
                     return
                 self._put(self.fn(item))
         except BaseException as e:  # surfaced in the consumer's thread
             self._put(_Failed(e))
         self._put(self.DONE)
+
+    def _pass_gate(self) -> bool:
+        """Wait for a token (if gated); False once stopped."""
+        while self.gate is not None and not self.gate.acquire(timeout=0.1):
+            if self.stop.is_set():
+                return False
+        return True
 
     def _put(self, item: Any) -> None:
         while not self.stop.is_set():
@@ -410,12 +480,15 @@ class _Pipe:
 
     def __iter__(self) -> Iterator[Any]:
         while True:
+            t0 = time.perf_counter()
             try:
                 item = self.queue.get(timeout=0.1)
             except queue.Empty:
                 if self.stop.is_set():
                     return
                 continue
+            finally:
+                self.waited += time.perf_counter() - t0
             if item is self.DONE:
                 return
             if isinstance(item, _Failed):
@@ -425,6 +498,18 @@ class _Pipe:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(timeout=5)
+
+
+class _Once:
+    """Calls ``fn`` (if any) the first time it is called, never again."""
+
+    def __init__(self, fn: Callable[[], Any] | None) -> None:
+        self.fn = fn
+
+    def __call__(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
 
 
 @dataclass

@@ -90,6 +90,50 @@ def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path, decode_
     assert not [t for t in threading.enumerate() if t.name in ("dlstore-read-ahead", "dlstore-decode")]
 
 
+@pytest.mark.parametrize("decode_in", ["stream", "thread"])
+def test_reads_ahead_happen_while_a_decode_call_runs(
+    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In steady state a batch is read only once the decode call of the batch read_ahead before it has
+    started (so the reader's Python runs while that call is outside the GIL): before decode k starts,
+    at most read_ahead + k batches were read. The stats say where the time went."""
+    import time
+
+    import dlstore.read.gpu_decode as gd
+
+    real, reads, at_launch = gd.decode_on_device, [0], []
+
+    def slow_decode(*args, launching=None, **kw):  # type: ignore[no-untyped-def]
+        at_launch.append(reads[0])
+
+        def launch() -> None:
+            if launching is not None:
+                launching()
+
+        out = real(*args, launching=launch, **kw)
+        time.sleep(0.02)  # a slow device call: an ungated reader would run further ahead meanwhile
+        return out
+
+    monkeypatch.setattr(gd, "decode_on_device", slow_decode)
+    loader = DecodeLoader(
+        jpeg_cache, batch_size=2, transform=lambda x: x, device="cpu", read_ahead=2, decode_in=decode_in
+    )  # type: ignore[arg-type,return-value]
+    loader.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
+    read = loader._read
+
+    def counted(batch: list[int]) -> object:
+        out = read(batch)
+        reads[0] += 1
+        return out
+
+    loader._read = counted  # type: ignore[method-assign]
+    batches = sum(1 for _ in loader)
+    assert batches == len(loader) == len(at_launch) > 4
+    assert all(n <= loader.read_ahead + k for k, n in enumerate(at_launch)), at_launch
+    assert loader.stats.batches == batches
+    assert loader.stats.decode_seconds >= 0.02 * batches and loader.stats.read_seconds > 0
+
+
 # --- a batch split between nvJPEG and CPU decode processes (cpu_decoders) ---------------------------
 # Without a GPU, the "GPU" side is torchvision's CPU decode_jpeg through the same decode_on_device call
 # (``loader.gpu`` forced on); the CPU side is the real worker processes.
@@ -202,8 +246,9 @@ def test_auto_share_follows_the_measured_rates(jpeg_cache: Path, monkeypatch: py
     real = gd.decode_on_device
 
     def slow_gpu(*args, **kw):  # type: ignore[no-untyped-def]
-        time.sleep(0.05)  # far slower than the workers: the CPU's share should grow to its cap
-        return real(*args, **kw)
+        out = real(*args, **kw)
+        time.sleep(0.05)  # far slower than the workers (inside the call, as on a GPU): the share grows
+        return out
 
     monkeypatch.setattr(gd, "decode_on_device", slow_gpu)
     loader = _split_loader(jpeg_cache, None)
