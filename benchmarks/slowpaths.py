@@ -502,11 +502,14 @@ def profile_loader(make: Callable[[], Any], image_bytes: int, raw: Path, seconds
     return summarize_profile(raw)
 
 
-def drain(loader: Any, warmup: int, batches: int, image_bytes: int, touch: bool = True) -> dict[str, float]:
+def drain(loader: Any, warmup: int, batches: int, image_bytes: int, touch: bool = True) -> dict[str, Any]:
     """img/s of a DataLoader, with the CPU seconds per GB delivered in the main process (incl. its pin
     thread) and in the workers, and the main thread's own CPU ms per batch. ``touch`` reads one byte
     per 4 KiB page of each batch, as any consumer (``.cuda()``, a model) must: a batch in a freshly
-    mapped shared-memory file costs its page faults then, not when it is handed over."""
+    mapped shared-memory file costs its page faults then, not when it is handed over. ``diagnostics``
+    say where the time went: page faults in each process, batches in a worker slot vs torch's own
+    hand-over, the main thread's wait vs its own work per batch, the rate's spread over the window."""
+    start = time.perf_counter()
     it = iter(loader)
 
     def nxt() -> Any:
@@ -517,25 +520,61 @@ def drain(loader: Any, warmup: int, batches: int, image_bytes: int, touch: bool 
             it = iter(loader)
             return next(it)
 
-    for _ in range(warmup):
+    first_batch_s = None
+    for i in range(warmup):
         nxt()
+        if i == 0:
+            first_batch_s = time.perf_counter() - start
+    warmup_s = time.perf_counter() - start  # workers' start and the slots' first fills are paid here
     workers = [w.pid for w in getattr(it, "_workers", [])]
     reg0 = dict(slots.stats)
+    vm0, procs0, mapped0 = vmstat(), proc_counters(workers), slots.mapped_slots(workers)
     main0, w0 = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(workers)
     t0, thread0, n = time.perf_counter(), time.thread_time(), 0
+    marks, waits, cpu_next, touch_s, in_slot = [t0], [], [], [], 0
     for _ in range(batches):
+        a, ca = time.perf_counter(), time.thread_time()
         x, _ = nxt()
+        b, cb = time.perf_counter(), time.thread_time()
+        waits.append(b - a)
+        cpu_next.append(cb - ca)
+        t = x.as_subclass(torch.Tensor)
+        in_slot += slots._by_address.get(t.untyped_storage().data_ptr()) is not None
         if touch:
-            t = x.as_subclass(torch.Tensor)
             t.as_strided((t.numel() // 4096,), (4096,), t.storage_offset()).sum()
-            del t
+        del t
+        touch_s.append(time.perf_counter() - b)
         n += len(x)
         del x  # the batch is released before the next is asked for, as in a training loop
+        marks.append(time.perf_counter())
     dt = time.perf_counter() - t0
     thread_ms = (time.thread_time() - thread0) * 1e3 / batches
     main1, w1 = resource.getrusage(resource.RUSAGE_SELF), cpu_seconds(workers)
+    vm1, procs1 = vmstat(), proc_counters(workers)
     gb = n * image_bytes / 1e9
     main_cpu = (main1.ru_utime - main0.ru_utime) + (main1.ru_stime - main0.ru_stime)
+    per_batch = n / batches
+    windows = np.array_split(np.arange(batches), min(5, batches))
+    window_img_s = [len(w) * per_batch / (marks[w[-1] + 1] - marks[w[0]]) for w in windows if len(w)]
+    diagnostics = {
+        "first_batch_s": first_batch_s,
+        "warmup_s": warmup_s,
+        "batches": batches,
+        "batches_in_slot": in_slot,  # the rest came by torch's own shared-memory hand-over
+        "main_minflt_per_batch": (main1.ru_minflt - main0.ru_minflt) / batches,
+        "main_majflt": main1.ru_majflt - main0.ru_majflt,
+        "main_nivcsw": main1.ru_nivcsw - main0.ru_nivcsw,
+        "worker_minflt_per_batch": (procs1["minflt"] - procs0["minflt"]) / batches,
+        "worker_ctxsw_per_batch": {k: (procs1[k] - procs0[k]) / batches for k in ("vol", "nonvol")},
+        "worker_busy_fraction": (w1 - w0) / max(1, len(workers)) / dt if workers else None,
+        "vmstat": {k: v - vm0.get(k, 0) for k, v in vm1.items() if v != vm0.get(k, 0)},
+        "wait_ms": percentiles(waits),
+        "next_cpu_ms": percentiles(cpu_next),
+        "touch_ms": percentiles(touch_s),
+        "window_img_s": window_img_s,
+        "mapped_slots": slots.mapped_slots(workers),
+        "slots_mapped_in_window": slots.mapped_slots(workers) - mapped0,  # first uses inside the window
+    }
     return {
         "img_s": n / dt,
         "main_cpu_s_per_gb": main_cpu / gb,
@@ -546,11 +585,48 @@ def drain(loader: Any, warmup: int, batches: int, image_bytes: int, touch: bool 
         "slots_registered_timed": slots.stats["registered"] - reg0["registered"],
         "register_s_timed": slots.stats["register_s"] - reg0["register_s"],
         "slots_registered_total": slots.stats["registered"],
+        "diagnostics": diagnostics,
+    }
+
+
+def vmstat() -> dict[str, int]:
+    """Machine-wide /proc/vmstat counters (faults, NUMA balancing, migration, compaction, THP)."""
+    try:
+        rows = (line.split() for line in Path("/proc/vmstat").read_text().splitlines())
+        return {k: int(v) for k, v in rows}
+    except (OSError, ValueError):
+        return {}
+
+
+def proc_counters(pids: list[int]) -> dict[str, int]:
+    """Minor faults and context switches of these processes, summed (gone ones count 0)."""
+    out = {"minflt": 0, "vol": 0, "nonvol": 0}
+    for pid in pids:
+        try:
+            out["minflt"] += int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[7])
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches"):
+                    out["vol"] += int(line.split()[1])
+                elif line.startswith("nonvoluntary_ctxt_switches"):
+                    out["nonvol"] += int(line.split()[1])
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def percentiles(seconds: list[float]) -> dict[str, float]:
+    """Median, p90, max and mean in ms."""
+    ms = np.asarray(seconds) * 1e3
+    return {
+        "p50": float(np.median(ms)),
+        "p90": float(np.percentile(ms, 90)),
+        "max": float(ms.max()),
+        "mean": float(ms.mean()),
     }
 
 
 def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    b, k = 256, CORES
+    b, k = 256, args.dl_workers or CORES
     out: dict[str, Any] = {"memcpy_bytes_s": {1: memcpy_rate(1), k: memcpy_rate(k)}}
     log(f"  memcpy: {out['memcpy_bytes_s']}")
     # A short epoch (8,192 images = 32 batches) would be dominated by its start and end with 16 workers:
@@ -609,6 +685,16 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         return run
 
+    def cold_slots(make: Callable[[], Any]) -> Callable[[], Any]:
+        """The same loader with each worker's slots made one at a time as batches need them, filled
+        page fault by page fault (DLSTORE_SHM_WARM=0, round D's code): the A/B of warm slot pools."""
+
+        def run() -> Any:
+            slots.warm_enabled = False
+            return make()
+
+        return run
+
     def pin_by_copy(make: Callable[[], Any]) -> Callable[[], Any]:
         """The same loader pinning each batch by a copy into fresh pinned memory (8 threads) instead of
         page-locking the worker slots once: the A/B of slots.pin_in_place (a main-process switch)."""
@@ -644,6 +730,10 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         f"plain_w{k}_pin_noslots": without_slots(lambda: plain(k, True)),
         f"plain_w{k}_pin_copy": pin_by_copy(lambda: plain(k, True)),
         f"batch_w{k}_pin_copy": pin_by_copy(lambda: batched(k, True)),
+        f"plain_w{k}_cold": cold_slots(lambda: plain(k, False)),
+        f"batch_w{k}_cold": cold_slots(lambda: batched(k, False)),
+        f"plain_w{k}_pin_cold": cold_slots(lambda: plain(k, True)),
+        f"batch_w{k}_pin_cold": cold_slots(lambda: batched(k, True)),
     }
     if args.ab_labels:
         makers[f"plain_w{k}_labels_fd"] = labels_by_fd(lambda: plain(k, False))
@@ -656,7 +746,7 @@ def section_dataloader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             from dlstore.read import batch as batchmod
 
             batchmod.labels_tensor = LABELS_TENSOR  # undo an A/B patch of the previous configuration
-            slots.enabled = slots.pin_in_place_enabled = True
+            slots.enabled = slots.pin_in_place_enabled = slots.warm_enabled = True
             try:
                 loader = makers[name]()
                 res = drain(
@@ -1117,6 +1207,7 @@ def main() -> None:
     ap.add_argument("--dl-profile", default="", help="DataLoader configurations to profile with py-spy")
     ap.add_argument("--r18-configs", default="", help="resnet18 configurations to run (default: all)")
     ap.add_argument("--dl-warmup", type=int, default=8, help="DataLoader batches before timing (workers)")
+    ap.add_argument("--dl-workers", type=int, default=0, help="DataLoader workers (default: all cores)")
     ap.add_argument("--dl-epoch-images", type=int, default=0, help="DataLoader draws per epoch (default: n)")
     ap.add_argument("--data-caches", default="ram256,zarr256,ram128", help="caches the data section makes")
     args = ap.parse_args()

@@ -22,10 +22,20 @@ goes back to its worker only once the device has read it: its release records a 
 releasing thread's current stream (where ``images.cuda(non_blocking=True)`` ran, in a training loop
 that drops the batch where it copied it), and the slot is freed when that event has completed.
 ``DLSTORE_PIN_IN_PLACE=0`` copies into pinned memory instead (the benchmark's A/B).
+
+A pool is made whole on its first batch (``WARM_SLOTS``, each populated in one ``madvise`` rather than
+12,800 page faults) and the main process maps all of them, populated too, when that batch arrives.
+Made on demand, a worker's third slot appeared only when the main process still held the batch
+before last as the worker started its next one, a race it lost at random, hundreds of batches in
+(16 workers on 2 cores: 8 of 16 still had 2 slots after 60 batches, the last one got its third at
+batch ~290), and each late slot cost a page-fault-bound 50 MB first fill in the worker and a
+descriptor hand-shake and first-touch faults in the main thread, in the middle of training.
+``DLSTORE_SHM_WARM=0`` makes slots one at a time, unpopulated, as before (the benchmark's A/B).
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -44,10 +54,17 @@ _HEADER = mmap.PAGESIZE  # the flag byte, then the batch page-aligned
 _FREE, _HELD = 0, 1
 MAX_SLOTS = 8  # per worker; steady state needs prefetch_factor + the batches the main process holds
 MAX_LOCAL_SLOTS = 3  # in a process reading for itself (0 workers): this batch, the last, one spare
+# Made together on a pool's first batch: what a worker needs in steady state under a plain
+# ``for images, labels in loader`` loop: DataLoader's default prefetch_factor (2), the batch being
+# consumed, and the previous one, which the loop variable holds until next() returns. A loader that
+# holds more makes the rest on demand (up to MAX_SLOTS), as before.
+WARM_SLOTS = 4
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14; elsewhere pages fault as used
 # DLSTORE_SHM_SLOTS=0 hands batches over as torch does (benchmarks' A/B; forked workers inherit
 # a change of ``enabled`` made before they start).
 enabled = os.environ.get("DLSTORE_SHM_SLOTS", "1") != "0"
 pin_in_place_enabled = os.environ.get("DLSTORE_PIN_IN_PLACE", "1") != "0"
+warm_enabled = os.environ.get("DLSTORE_SHM_WARM", "1") != "0"
 
 
 @dataclass
@@ -62,6 +79,7 @@ class _Slot:
     data: np.ndarray
     use: int = 0  # incremented on each acquire: a finalizer of an earlier use must not free a later one
     sent_use: int = -1  # the use whose batch went to the main process (ownership passed there)
+    fd_sent: bool = False  # its descriptor went to the main process (with the first batch of the pool)
 
     def release_unsent(self, use: int) -> None:
         """The worker's view of this use died: free the slot unless its batch was sent."""
@@ -93,11 +111,34 @@ def _worker_pool() -> _Pool:
     return _pool
 
 
+_libc: Any = None
+
+
+def populate(whole: np.ndarray, write: bool) -> bool:
+    """Map every page of a slot's mapping in one ``madvise(MADV_POPULATE_WRITE|READ)``: in the
+    process that fills it, allocates its pages at once instead of one fault per 4 KiB while the first
+    batch is gathered; in one that reads it, maps the pages the other process made. False where the
+    kernel (< 5.14) or libc cannot: the pages then fault in as they are first used, as before."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc or whole.nbytes == 0:
+        return False
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    return int(_libc.madvise(whole.ctypes.data, whole.nbytes, advice)) == 0  # mmap: page-aligned
+
+
 def _new_slot(pool: _Pool, nbytes: int) -> _Slot:
     fd = os.memfd_create("dlstore-batch", os.MFD_CLOEXEC)
     os.ftruncate(fd, _HEADER + nbytes)
     buf = mmap.mmap(fd, _HEADER + nbytes)
     whole = np.frombuffer(buf, dtype=np.uint8)
+    if warm_enabled:
+        populate(whole, write=True)
     pool.created += 1
     slot = _Slot((pool.pid, pool.nonce, pool.created), fd, nbytes, buf, whole[:1], whole[_HEADER:])
     pool.slots.append(slot)
@@ -130,6 +171,9 @@ def acquire(nbytes: int, limit: int = MAX_SLOTS) -> torch.Tensor | None:
             if len(pool.slots) >= limit and not _drop_a_free_slot(pool):
                 return None
             slot = _new_slot(pool, nbytes)
+            if warm_enabled and len(pool.slots) == 1:  # the pool's first batch: make the rest now
+                for _ in range(min(limit, WARM_SLOTS) - 1):
+                    _new_slot(pool, nbytes)
         slot.flag[0] = _HELD
         slot.use += 1
     view = slot.data[:nbytes]  # a new ndarray per use: its finalizer frees the slot if never sent
@@ -146,13 +190,18 @@ def slot_of(t: torch.Tensor) -> _Slot | None:
 
 
 def reduce_slot_tensor(t: torch.Tensor, slot: _Slot) -> tuple[Any, tuple[Any, ...]]:
-    """Pickle ``t`` as (slot key, geometry); with the slot's descriptor only the first time."""
-    fd = None
-    if slot.sent_use < 0:
-        fd = reduction.DupFd(slot.fd)  # through the worker's resource sharer, as torch does
-    slot.sent_use = slot.use
+    """Pickle ``t`` as (slot key, geometry), with the descriptors of the pool's slots not sent yet
+    (all of a warm pool with its first batch; a slot made later with its own first batch)."""
+    with _lock:  # runs in the worker's queue feeder thread while its main thread may add slots
+        pool = _worker_pool()
+        unsent = [s for s in pool.slots if not s.fd_sent]
+        # through the worker's resource sharer, as torch does
+        new = tuple((s.key, reduction.DupFd(s.fd), s.capacity) for s in unsent)
+        for s in unsent:
+            s.fd_sent = True
+        slot.sent_use = slot.use
     geometry = (t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-    return _rebuild_slot_tensor, (slot.key, fd, slot.capacity, geometry)
+    return _rebuild_slot_tensor, (slot.key, new, geometry)
 
 
 # --- the main process's side ------------------------------------------------------------------------
@@ -164,6 +213,8 @@ class _Mapped:
     def __init__(self, fd: int, capacity: int) -> None:
         self.buf = mmap.mmap(fd, _HEADER + capacity)
         whole = np.frombuffer(self.buf, dtype=np.uint8)
+        if warm_enabled:  # now, with the pool's first batch, not at the first touch of each slot
+            populate(whole, write=False)
         self.flag, self.data = whole[:1], whole[_HEADER:]
         self.address, self.size = whole.ctypes.data, whole.nbytes
         self.live = 0
@@ -194,16 +245,19 @@ _by_address: dict[int, _Mapped] = {}  # each mapped slot by the address of its b
 
 
 def _rebuild_slot_tensor(
-    key: tuple[int, str, int], fd: Any, capacity: int, geometry: tuple[int, tuple[int, ...], tuple[int, ...]]
+    key: tuple[int, str, int],
+    new: tuple[tuple[tuple[int, str, int], Any, int], ...],
+    geometry: tuple[int, tuple[int, ...], tuple[int, ...]],
 ) -> torch.Tensor:
     with _mapped_lock:
-        if fd is not None:
+        for new_key, fd, capacity in new:
             raw = fd.detach()
             try:
-                _mapped[key] = _Mapped(raw, capacity)
-                _by_address[_mapped[key].data.ctypes.data] = _mapped[key]
+                _mapped[new_key] = _Mapped(raw, capacity)
+                _by_address[_mapped[new_key].data.ctypes.data] = _mapped[new_key]
             finally:
                 os.close(raw)  # the mapping keeps the memory
+        if new:
             _forget_dead_workers()
         mapped = _mapped.get(key)
     if mapped is None:

@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
@@ -131,7 +132,70 @@ def test_unsent_slot_is_freed_when_the_worker_drops_it() -> None:
         t = slots.acquire(4096)
         assert t is not None
         del t
-    assert len(slots._worker_pool().slots) - pool_before <= 1
+    # an empty pool is made whole (WARM_SLOTS) on its first acquire; after that no slot is added
+    assert len(slots._worker_pool().slots) <= max(pool_before + 1, slots.WARM_SLOTS)
+
+
+def _resident_bytes(t: torch.Tensor) -> int:
+    """Rss of the mapping holding ``t`` (from /proc/self/smaps): its pages that are mapped now."""
+    address, rss, inside = t.data_ptr(), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Rss:":
+            rss = int(line.split()[1]) * 1024
+    return rss
+
+
+def _fresh_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty pool in this process, as a newly started worker has."""
+    monkeypatch.setattr(slots, "_pool", slots._Pool(os.getpid()))
+
+
+def test_a_pool_is_made_whole_and_populated_on_its_first_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not _populate_supported():
+        pytest.skip("kernel without MADV_POPULATE_WRITE (< 5.14): slots fault in as used")
+    _fresh_pool(monkeypatch)
+    size = 64 * 4096
+    t = slots.acquire(size)
+    assert t is not None and len(slots._pool.slots) == slots.WARM_SLOTS  # type: ignore[union-attr]
+    # every page allocated in one madvise, before the batch is written (made on demand: Rss 0 here)
+    assert _resident_bytes(t) >= size
+    others = [s for s in slots._pool.slots if s.flag[0] == 0]  # type: ignore[union-attr]
+    assert len(others) == slots.WARM_SLOTS - 1
+
+
+def _populate_supported() -> bool:
+    import mmap
+
+    probe = np.frombuffer(mmap.mmap(-1, 4096), dtype=np.uint8)
+    return slots.populate(probe, write=True)
+
+
+def test_slots_still_work_where_populate_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An old kernel refuses MADV_POPULATE_*: the slot is still made, its pages fault in as used."""
+    _fresh_pool(monkeypatch)
+    monkeypatch.setattr(slots, "_libc", False)
+    t = slots.acquire(8 * 4096)
+    assert t is not None and _resident_bytes(t) <= 4096  # the flag's page only, written by acquire
+    t.fill_(7)
+    assert int(t.sum()) == 7 * 8 * 4096
+
+
+def test_the_main_process_maps_a_workers_whole_pool_with_its_first_batch(ram: Path) -> None:
+    loader = DataLoader(CachedDataset(ram), batch_size=4, num_workers=1, persistent_workers=True)
+    it = iter(loader)
+    next(it)
+    # made on demand, the main process would map one slot here and the others at random later
+    assert slots.mapped_slots(_worker_pids(loader)) == slots.WARM_SLOTS
+    seen = 0
+    for _ in range(2):
+        for images, _ in loader:  # holds the previous batch while the next is fetched
+            seen += len(images)
+    assert seen == 2 * len(loader.dataset)  # type: ignore[arg-type]
+    assert slots.mapped_slots(_worker_pids(loader)) == slots.WARM_SLOTS  # none made on demand
 
 
 _CHILD = """
