@@ -303,6 +303,8 @@ def test_a_pinned_slot_goes_back_only_after_the_device_read_it(ram: Path, fake_c
     pinned = x.pin_memory()
     mapped = slots._by_address[pinned.untyped_storage().data_ptr()]
     assert mapped.registered
+    # no worker left to take the slot again as soon as it is free: its flag says who holds it
+    it._shutdown_workers()  # type: ignore[attr-defined]
     del x, pinned  # released while the device copy (the fake event) is still pending
     slots.reclaim()
     assert mapped.flag[0] != 0 and mapped.fenced  # the worker may not refill it yet
