@@ -64,8 +64,25 @@ def row(name: str, run: dict[str, Any]) -> list[str]:
     ]
 
 
+def summary(result: dict[str, Any]) -> list[str]:
+    """Per configuration: the runs, their median and the median against the all-core memcpy."""
+    dl = result.get("dataloader", {})
+    memcpy = max(dl.get("memcpy_bytes_s", {"0": 0}).values())
+    lines = [
+        f"{'config':>22}  {'runs img/s':>30}  {'median':>9}  {'GB/s':>5}  vs memcpy ({memcpy / 1e9:.1f} GB/s)"
+    ]
+    for name, entry in dl.items():
+        if isinstance(entry, dict) and "runs" in entry:
+            runs = " / ".join(f"{r.get('img_s', 0) / 1e3:.0f}k" for r in entry["runs"])
+            gb = entry["median_bytes_s"] / 1e9
+            ratio = f"{gb * 1e9 / memcpy:.3f}" if memcpy and "w0" not in name else "-"
+            lines.append(f"{name:>22}  {runs:>30}  {entry['median_img_s']:>9,.0f}  {gb:>5.1f}  {ratio}")
+    return lines
+
+
 def main(path: Path) -> None:
     result = json.loads(path.read_text())
+    print(path)
     print("  ".join(title.rjust(width) for title, width in COLUMNS))
     for r in rows(result):
         print("  ".join(cell.rjust(width) for cell, (_, width) in zip(r, COLUMNS)))
@@ -84,6 +101,7 @@ def main(path: Path) -> None:
         "compact_stall",
     )
     print("vmstat over all timed windows:", {k: sum(v.get(k, 0) for v in vm) for k in keys})
+    print("\n".join(summary(result)))
 
 
 if __name__ == "__main__":
