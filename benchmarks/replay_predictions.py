@@ -64,7 +64,26 @@ def fed_of(fed: dict[str, Any]) -> FedTiming | None:
     return FedTiming(fed["period_s"], fed["serial_s"], fed.get("device_s"), fed.get("idle_serial_s"))
 
 
-def replay(doc: dict[str, Any]) -> list[dict[str, Any]]:
+IN_CALLER = ("probe", "parts", "beside")
+
+
+def with_in_caller(run: dict[str, Any], doc: dict[str, Any], basis: str) -> dict[str, Any]:
+    """The run as the model would see it with a 0-worker loader's cost taken from ``basis``: ``probe`` (timed
+    alone right before each repeat, the model's choice: as recorded), ``parts`` (the parts phase, the model
+    before it), ``beside`` (``next()`` between fed steps in the parts phase: the cost under interleaving)."""
+    if basis == "probe" or run["workers"] != 0:
+        return run
+    if basis == "parts":
+        return {**run, "loader_probe": None}
+    key = f"w0-{'pin' if run['pin_memory'] else 'nopin'}"
+    alone = doc["stages"][run["loader"]]["loader_alone"].get(key, {})
+    nxt = alone.get("beside_next_s")
+    if nxt is None:
+        return {**run, "loader_probe": None}
+    return {**run, "loader_probe": {"period_s": nxt, "main_s": nxt, "cpu_s": alone["cpu_s"], "batches": 1}}
+
+
+def replay(doc: dict[str, Any], in_caller: str = "probe") -> list[dict[str, Any]]:
     env = doc.get("environment", {})
     facts = Facts(
         device="cuda" if env.get("gpu") else "cpu",
@@ -75,7 +94,8 @@ def replay(doc: dict[str, Any]) -> list[dict[str, Any]]:
     )
     stages = {k: kind_stages(v) for k, v in doc["stages"].items()}
     out = []
-    for run in doc["runs"]:
+    for recorded in doc["runs"]:
+        run = with_in_caller(recorded, doc, in_caller)
         parts = parts_of(run, stages[run["loader"]], facts)
         pred = compose(parts) if parts else None
         out.append(
@@ -99,11 +119,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--json", type=Path, help="Write the replayed rows here.")
+    p.add_argument(
+        "--in-caller",
+        choices=IN_CALLER,
+        default="probe",
+        help="A 0-worker loader's cost: see with_in_caller.",
+    )
     args = p.parse_args(argv)
     rows: list[dict[str, Any]] = []
     for f in args.files:
         for name, doc in documents(json.loads(f.read_text())).items():
-            rows += [{"file": f.name, "run": name, **r} for r in replay(doc)]
+            rows += [{"file": f.name, "run": name, **r} for r in replay(doc, args.in_caller)]
     print(
         f"{'run':<16} {'batch':>5} {'loader':<9} {'wk':>3} {'pin':>3} {'img/s':>9} {'recorded':>9} {'err':>6} {'replayed':>9} {'err':>6} bottleneck"
     )
