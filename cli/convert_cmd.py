@@ -123,7 +123,7 @@ def writer_options(command: F) -> F:
     "--scheduler",
     default=None,
     metavar="local[:N]|tcp://HOST:PORT",
-    help="Run the units as Dask tasks: a local cluster of N processes, or a running scheduler "
+    help="Run the units as Dask tasks: a local cluster where N processes decode, or a running scheduler "
     "whose workers see SOURCE and DEST (needs dlstore[dask]).",
 )
 @storage_options_option()

@@ -34,6 +34,7 @@ from dlstore._version import __version__
 from dlstore.build.dask_engine import (
     EarlyClient,
     count_workers,
+    dask_timeline,
     is_killed_worker,
     parse_scheduler,
     run_on_dask,
@@ -160,7 +161,7 @@ def convert(
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
     given = dict(locals())  # exactly the arguments: a URL DEST re-runs this with a local spool folder
-    t0 = time.perf_counter()
+    t0, t0_mono = time.perf_counter(), time.monotonic()
     stages: dict[str, float] = {}
     dest = parse_store_path(dest)
     if isinstance(dest, str):
@@ -244,15 +245,19 @@ def convert(
             if cluster is None:
                 n_workers = resolve_workers(workers, len(todo))
                 run_units(job, todo, n_workers, staging, budget, progress)
+                stages.update(budget.stages(n_workers))
             else:
                 assert early is not None
                 t_wait = time.perf_counter()
                 client = early.client()
                 stages["dask_start_wait_s"] = time.perf_counter() - t_wait
                 n_workers = count_workers(client)
-                run_units(job, todo, n_workers, staging, budget, progress, client)
+                run_units(job, todo, n_workers, staging, budget, progress, client, early.stamps)
+                stages.update(budget.stages(n_workers))
+                t_close = time.perf_counter()
                 early.close()  # the cluster stops before finishing, as it always did
-            stages.update(budget.stages(n_workers))
+                stages["dask_close_s"] = time.perf_counter() - t_close
+                stages.update(dask_timeline(early.stamps, t0_mono))
             bad = staging.bad()
             check_bad_fraction(bad, len(src), max_bad)
             try:
@@ -509,7 +514,14 @@ def convert_unit(k: int) -> UnitResult:
 
 def convert_job_unit(job: Job, k: int) -> UnitResult:
     """``convert_unit`` with the job passed in: a Dask task (the job is scattered once per worker)."""
-    times = {"start": time.monotonic(), "decode": 0.0, "digest": 0.0}
+    # "slot": the thread's system-wide id (a pool worker's or decode process's pid), to see each
+    # worker's share of the units and when it started and ended.
+    times = {
+        "start": time.monotonic(),
+        "decode": 0.0,
+        "digest": 0.0,
+        "slot": float(threading.get_native_id()),
+    }
     r = job.writer.unit_range(k)
     # Variable-size images (resize "shorter") go to the writer as a list; a skipped one as a 1x1 black
     # placeholder that no dataset index maps to.
@@ -557,6 +569,7 @@ class BadBudget:
         }
         self.starts: list[float] = []
         self.ends: list[float] = []
+        self.slots: dict[float, list[float]] = {}  # slot → [units, its first start, its last end]
 
     def record(self, results: list[UnitResult]) -> None:
         """Journal finished units, with one fsync for all of them."""
@@ -575,6 +588,9 @@ class BadBudget:
             self.worker["unit_other"] += max(0.0, spent - sum(times.get(k, 0.0) for k in kinds))
             self.starts.append(times["start"])
             self.ends.append(times["end"])
+            slot = self.slots.setdefault(times.get("slot", -1.0), [0.0, times["start"], times["end"]])
+            slot[0] += 1
+            slot[1], slot[2] = min(slot[1], times["start"]), max(slot[2], times["end"])
         if any(r[1] for r in results):
             check_bad_fraction(self.staging.bad(), self.n, self.max_bad, final=False)
 
@@ -592,7 +608,25 @@ class BadBudget:
         }
         out.update({f"workers_{k}_s": v for k, v in self.worker.items()})
         out["workers_other_or_idle_s"] = max(0.0, n_workers * run - sum(self.worker.values()))
+        out.update(self.slot_spread())
         return out
+
+    def slot_spread(self) -> dict[str, float]:
+        """How evenly the units went round (a slot: one worker process or decode process): units per
+        slot, and the spread of the slots' first starts (start-up) and last ends (the tail), in
+        seconds after the units were handed out."""
+        if not self.slots:
+            return {}
+        units, firsts, lasts = zip(*self.slots.values(), strict=True)
+        return {
+            "slots": float(len(self.slots)),
+            "units_per_slot_min": min(units),
+            "units_per_slot_max": max(units),
+            "slot_first_start_min_s": min(firsts) - self.started,
+            "slot_first_start_max_s": max(firsts) - self.started,
+            "slot_last_end_min_s": min(lasts) - self.started,
+            "slot_last_end_max_s": max(lasts) - self.started,
+        }
 
 
 def run_units(
@@ -603,7 +637,10 @@ def run_units(
     budget: BadBudget,
     progress: Progress | None,
     client: Any = None,
+    stamps: dict[str, float] | None = None,
 ) -> None:
+    if client is not None:
+        budget.started = time.monotonic()  # the units are handed out now (the cluster is up)
     try:
         if client is not None and job.store_units is not None:
 
@@ -611,7 +648,7 @@ def run_units(
                 journal_sums(staging.journal, [result])  # the objects' digests first, then "done"
                 finish_unit(job, budget, progress, strip_sums(result))
 
-            run_on_dask(client, job, todo, convert_unit_to_store, record)
+            run_on_dask(client, job, todo, convert_unit_to_store, record, stamps=stamps)
         elif client is not None:
             # A per-file time limit needs a process's main thread: the units then run in a decode
             # process of each Dask worker (``dask_engine.unit_in_child``).
@@ -623,6 +660,7 @@ def run_units(
                 convert_job_unit,
                 lambda result: finish_unit(job, budget, progress, result),
                 child,
+                stamps,
             )
         elif n_workers <= 1:
             run_in_process(job, todo, budget, progress)

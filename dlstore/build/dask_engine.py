@@ -1,8 +1,9 @@
 """Running a conversion's units as Dask tasks (``convert(..., scheduler=)``, ``--scheduler``).
 
 The built-in engine is the process pool in ``conversion.py``; this one hands the same units to a
-``distributed`` cluster: ``local`` / ``local:N`` starts a ``LocalCluster`` of N single-threaded worker
-processes, ``tcp://HOST:PORT`` (or ``tls://``) uses a running scheduler whose workers see SOURCE and
+``distributed`` cluster: ``local`` / ``local:N`` starts a cluster of N task threads on this machine
+(``start_local_cluster``: Dask's ``SubprocessCluster``, worker processes of up to 4 threads, each thread
+with its decode process, so N processes decode), ``tcp://HOST:PORT`` (or ``tls://``) uses a running scheduler whose workers see SOURCE and
 DEST at the same paths. Each task is ``convert_unit``: it decodes and writes its unit into the staging
 directory itself, exactly as a pool worker does, and returns only the bad files and digests; the
 driver journals each finished unit, so resume, the bad-file budget, the atomic publish and the result
@@ -11,7 +12,7 @@ instead (``store_units.convert_unit_to_store``), so no worker needs the driver's
 
 The per-file ``decode_timeout``: Dask runs tasks in worker threads, where SIGALRM (the pool's way to
 interrupt a decoder) cannot be used. So each Dask worker runs its units in a decode process of its own
-(``unit_in_child``), started once per conversion and worker, whose main thread takes the pool worker's
+(``unit_in_child``; one per task thread), started once per conversion and worker, whose main thread takes the pool worker's
 time limits: a file that hangs becomes a named bad file, and a decoder stuck inside C code ends that
 process (a clear error, resumable) instead of hanging the cluster. Pixels still never cross a pipe: the
 decode process writes its unit itself and returns only the bad files and digests.
@@ -23,12 +24,14 @@ import multiprocessing as mp
 import os
 import re
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from functools import partial
+from itertools import islice
 from typing import Any
 
 from dlstore.errors import ConvertError, require_extra
@@ -64,60 +67,105 @@ def parse_scheduler(text: str) -> SchedulerSpec:
     )
 
 
-def open_client(spec: SchedulerSpec) -> tuple[Any, Any]:
+# Our own cluster's workers only wait for their decode processes, on every core: what would only
+# take CPU from those (each worker's statistical profiler walking every stack each 10 ms, event-loop
+# health ticks every 20 ms, system and memory monitors several times a second) is off or slowed.
+# (Round C on the H200: Dask's decode processes took 7 % longer per image than the pool's workers on a
+# default running cluster, 5 % with profiling off.)
+QUIET_CONFIG = {
+    "distributed.worker.profile.enabled": False,
+    "distributed.admin.tick.interval": "500ms",
+    "distributed.admin.system-monitor.interval": "2s",
+    "distributed.worker.memory.monitor-interval": "1s",
+}
+LOCAL_THREADS_PER_WORKER = 4  # local:16 = 4 worker processes of 4 task threads (see local_layout)
+WORKER_CLASS = "dlstore.build.dask_worker.ConversionWorker"
+
+
+def local_layout(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> tuple[int, int]:
+    """(worker processes, task threads each) for ``local:N``: N task threads in all, each with a
+    decode process of its own, in as few worker processes as hold at most ``most_threads`` each
+    (the worker count divides N, so every worker gets the same number of threads).
+
+    Fewer, larger worker processes: every task thread only waits on its decode process, so more
+    worker processes would only add interpreters to start, scheduler connections and event loops.
+    """
+    first = -(-slots // max(1, most_threads))
+    workers = next(w for w in range(first, slots + 1) if slots % w == 0)
+    return workers, slots // workers
+
+
+def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> Any:
+    """The cluster of ``local:N`` (also for benchmarks that want it running beforehand): Dask's
+    ``SubprocessCluster``, a scheduler and worker processes started as ``python -m dask spec``
+    subprocesses. Not ``LocalCluster``: its workers are started by multiprocessing's spawn, which
+    re-imports the caller's ``__main__`` script in every worker (a training or benchmark script that
+    imports torch made each of 16 workers import torch: 8 s before the cluster was up on the H200,
+    and again in every decode process). The scheduler in its own process also leaves the driver's
+    interpreter to the scan and the journal. No nanny: our decode processes already isolate the
+    decoders (a crash kills a decode process, not the worker), and closing the cluster kills its
+    processes at once. ``cluster.close()`` stops it; ``cluster.scheduler_address`` is its address."""
+    from distributed.deploy.subprocess import SubprocessCluster
+
+    workers, threads = local_layout(slots, most_threads)
+    return SubprocessCluster(
+        n_workers=workers,
+        threads_per_worker=threads,
+        worker_class=WORKER_CLASS,
+        dashboard_address=None,  # no web server to import and start
+        worker_kwargs={"memory_limit": 0},  # the workers hold no data; no memory monitor
+    )
+
+
+def open_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> tuple[Any, Any]:
     """A connected ``distributed.Client`` and the local cluster it runs on (None for an address).
     Not entered as context managers: ``Client.__enter__`` makes it the thread's current client, and
-    ``EarlyClient`` opens it in one thread and closes it in another."""
+    ``EarlyClient`` opens it in one thread and closes it in another. ``stamps`` receives
+    ``time.monotonic()`` at each step (cluster up, client connected, workers registered)."""
     require_extra("distributed", "dask", "--scheduler")
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     if spec.address is not None:
         try:
-            return Client(spec.address, timeout="20s"), None
+            client = Client(spec.address, timeout="20s")
         except OSError as e:
             raise ConvertError(
                 f"--scheduler {spec.address}: cannot connect ({e}); is the scheduler running?"
             ) from None
-    import dask
-
-    # Our own cluster's workers only wait for their decode processes, on every core: what would
-    # only take CPU from those (16 workers' statistical profilers walking every stack each 10 ms,
-    # event-loop health ticks every 20 ms, system and memory monitors several times a second, in
-    # 16 workers, 16 nannies and the scheduler) is off or slowed; the nanny hands these settings
-    # to the workers it starts. (Round C on the H200: Dask's decode processes took 7 % longer per
-    # image than the pool's workers on a default running cluster, 5 % with profiling off.)
-    # Workers are spawned: from a fork server the 16-worker cluster started slower there (3.3 s
-    # against about 2.3 s): its one process imports distributed and every package it knows before
-    # the first fork, while spawned workers import in parallel.
-    quiet = {
-        "distributed.worker.profile.enabled": False,
-        "distributed.admin.tick.interval": "500ms",
-        "distributed.admin.system-monitor.interval": "2s",
-        "distributed.worker.memory.monitor-interval": "1s",
-    }
-    with dask.config.set(quiet):
-        cluster = LocalCluster(
-            n_workers=spec.local_workers,
-            threads_per_worker=1,  # decoding is CPU-bound and holds the GIL part of the time: processes
-            processes=True,
-            dashboard_address=":0",  # a free port: never collide with a running dashboard
-        )
+        _stamp(stamps, "client")
+        return client, None
+    assert spec.local_workers is not None
+    cluster = start_local_cluster(spec.local_workers)
+    _stamp(stamps, "cluster")
     try:
-        return Client(cluster), cluster
+        client = Client(cluster)
+        _stamp(stamps, "client")
+        # SubprocessCluster returns once the worker processes are launched: wait until they have
+        # all registered, or the first units would all go to the first worker up.
+        client.wait_for_workers(len(cluster.workers), timeout=120)
+        _stamp(stamps, "workers")
+        return client, cluster
     except BaseException:
         cluster.close()
         raise
 
 
-def open_warm_client(spec: SchedulerSpec) -> tuple[Any, Any]:
+def _stamp(stamps: dict[str, float] | None, name: str) -> None:
+    if stamps is not None:
+        stamps[name] = time.monotonic()
+
+
+def open_warm_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> tuple[Any, Any]:
     """``open_client``, then each worker starts its decode processes' fork server (importing the
     converter takes about 0.5 s) before any unit is handed out: with ``EarlyClient`` this happens
-    while the driver is still scanning the source."""
-    client, cluster = open_client(spec)
+    while the driver is still scanning the source. (Our own cluster's workers start it as they start;
+    a running cluster's workers start it here.)"""
+    client, cluster = open_client(spec, stamps)
     try:
         client.run(warm_decode_forkserver)
     except Exception:  # noqa: BLE001 - only a head start: the first unit starts it otherwise
         pass
+    _stamp(stamps, "warm")
     return client, cluster
 
 
@@ -144,12 +192,14 @@ class EarlyClient:
         self._spec = spec
         self._pool: ThreadPoolExecutor | None = None
         self._future: Future[tuple[Any, Any]] | None = None
+        self.stamps: dict[str, float] = {}  # time.monotonic() of each start step (see open_client)
         if start:
             self._start()
 
     def _start(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlstore-dask-start")
-        self._future = self._pool.submit(open_warm_client, self._spec)
+        self.stamps["start"] = time.monotonic()
+        self._future = self._pool.submit(open_warm_client, self._spec, self.stamps)
 
     def client(self) -> Any:
         if self._future is None:
@@ -175,8 +225,22 @@ class EarlyClient:
                 cluster.close()
 
 
+def dask_timeline(stamps: dict[str, float], t0: float) -> dict[str, float]:
+    """The start steps of a Dask conversion, in seconds after ``t0`` (the conversion's start, from
+    ``time.monotonic()``): cluster thread started, cluster up (scheduler running, workers launched),
+    client connected, all workers registered, decode fork servers started, job on the workers, first
+    units submitted."""
+    steps = ("start", "cluster", "client", "workers", "warm", "scattered", "submitted")
+    return {f"dask_{name}_at_s": stamps[name] - t0 for name in steps if name in stamps}
+
+
 def count_workers(client: Any) -> int:
-    return len(client.scheduler_info().get("workers", {}))
+    """Task threads in the cluster (each runs one unit at a time): the conversion's parallelism."""
+    workers = client.scheduler_info().get("workers", {}).values()
+    return sum(int(w.get("nthreads", 1)) for w in workers)
+
+
+SUBMITTED_PER_THREAD = 4  # units handed to the scheduler ahead of the cluster's task threads
 
 
 def run_on_dask(
@@ -186,26 +250,48 @@ def run_on_dask(
     unit: Callable[[Any, int], Any],
     record: Callable[[Any], None],
     child: tuple[Callable[[Any], None], Callable[[int], Any]] | None = None,
+    stamps: dict[str, float] | None = None,
 ) -> None:
-    """Submit every unit, ``record`` each result in the driver as it finishes; on any error the
+    """Run every unit as a task, ``record`` each result in the driver as it finishes; on any error the
     remaining tasks are cancelled (unfinished units are not journaled and are redone on resume).
 
     With ``child`` = (init, unit_by_index), each worker runs its units in a decode process of its own
-    (``unit_in_child``) where ``init(job)`` ran first; else ``unit(job, k)`` runs in the task thread."""
+    (``unit_in_child``) where ``init(job)`` ran first; else ``unit(job, k)`` runs in the task thread.
+
+    Units go out in a bounded window (``SUBMITTED_PER_THREAD`` per task thread), refilled by one
+    ``client.map`` per batch of finished units: one graph message per batch instead of one per unit
+    (2,341 single ``submit`` calls kept the driver busy before the first unit ran), and a conversion of
+    millions of images never holds millions of tasks in the scheduler. ``stamps`` receives
+    ``time.monotonic()`` after the job is on the workers and after the first window is submitted."""
     from distributed import as_completed
 
+    token = uuid.uuid4().hex  # keys of their own: two conversions may share one cluster
     shared = client.scatter(job, broadcast=True)  # sent once per worker, not once per task
-    task = (
-        unit
-        if child is None
-        else partial(unit_in_child, init=child[0], unit=child[1], token=uuid.uuid4().hex)
-    )
-    futures = [client.submit(task, shared, k, key=f"dlstore-unit-{k}", pure=False) for k in todo]
+    _stamp(stamps, "scattered")
+    task = unit if child is None else partial(unit_in_child, init=child[0], unit=child[1], token=token)
+    queue = iter(todo)
+    pending: set[Any] = set()
+
+    def submit(count: int) -> list[Any]:
+        ks = list(islice(queue, count))
+        if not ks:
+            return []
+        futures = client.map(
+            task, [shared] * len(ks), ks, key=[f"dlstore-unit-{token}-{k}" for k in ks], pure=False
+        )
+        pending.update(futures)
+        return list(futures)
+
+    window = as_completed(submit(SUBMITTED_PER_THREAD * max(1, count_workers(client))))
+    _stamp(stamps, "submitted")
     try:
-        for fut in as_completed(futures):
-            record(fut.result())  # re-raises a task's error (e.g. --strict's ImageDecodeError) here
+        for batch in window.batches():
+            pending.difference_update(batch)
+            window.update(submit(len(batch)))
+            for fut in batch:
+                record(fut.result())  # re-raises a task's error (e.g. --strict's ImageDecodeError) here
     except BaseException:
-        client.cancel(futures)
+        client.cancel(list(pending))
         raise
     finally:
         if child is not None:

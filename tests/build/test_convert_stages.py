@@ -8,6 +8,7 @@ import pytest
 
 from dlstore.build.conversion import convert
 from dlstore.read.cache import open_cache
+from dlstore.spec import read_spec
 
 WORKER_KEYS = (
     "workers_decode_s",
@@ -44,6 +45,18 @@ def test_stages_cover_the_phases(image_tree: Path, tmp_path: Path, workers: int)
     assert sum(st[k] for k in SETUP_KEYS) <= st["setup_s"] + 1e-6
     assert sum(st[k] for k in FINALIZE_KEYS) <= st["finalize_s"] + 1e-6
     assert len(open_cache(tmp_path / "c")) == res.n
+    assert_slot_spread(
+        st, res.workers, -(-res.n // int(read_spec(tmp_path / "c").format_options["unit_size"]))
+    )
+
+
+def assert_slot_spread(st: dict[str, float], workers: int, units: int) -> None:
+    """Units per worker (slot) and when the slots started and ended, consistent with the run."""
+    assert 1 <= st["slots"] <= workers
+    assert st["units_per_slot_min"] * st["slots"] <= units <= st["units_per_slot_max"] * st["slots"]
+    assert 0 <= st["slot_first_start_min_s"] <= st["slot_first_start_max_s"] <= st["slot_last_end_max_s"]
+    assert st["slot_first_start_min_s"] == pytest.approx(st["startup_s"])
+    assert st["slot_last_end_min_s"] <= st["slot_last_end_max_s"] <= st["run_s"]
 
 
 def test_many_units_with_a_bounded_window(

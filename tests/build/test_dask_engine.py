@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from reliability_helpers import FORMAT_NAMES, HangingSource, assert_same_cache, make_tree, small_units
 
 from dlstore.build.conversion import ConvertResult, convert
-from dlstore.build.dask_engine import SchedulerSpec, parse_scheduler
+from dlstore.build.dask_engine import SchedulerSpec, local_layout, parse_scheduler
 from dlstore.build.sources import scan_folder
 from dlstore.cli import main
 from dlstore.errors import ConvertError, MissingExtraError
@@ -109,6 +109,58 @@ def test_a_hanging_decode_on_a_dask_worker_is_a_named_bad_file(tmp_path: Path, c
 def test_local_n_starts_its_own_cluster(tree: Path, tmp_path: Path) -> None:
     result = conv(tree, tmp_path / "c", scheduler="local:1")
     assert result.workers == 1 and result.n == 23
+    st = result.stages  # the start steps, in order, within the wait for the cluster
+    steps = [st[f"dask_{s}_at_s"] for s in ("start", "cluster", "client", "workers", "warm", "scattered")]
+    assert steps == sorted(steps) and steps[-1] <= result.seconds and st["dask_close_s"] >= 0
+
+
+@pytest.mark.parametrize(
+    ("slots", "layout"), [(1, (1, 1)), (2, (1, 2)), (4, (1, 4)), (6, (2, 3)), (16, (4, 4)), (5, (5, 1))]
+)
+def test_local_layout_puts_n_threads_in_few_equal_workers(slots: int, layout: tuple[int, int]) -> None:
+    assert local_layout(slots) == layout
+
+
+def test_more_units_than_the_submission_window(
+    tree: Path, tmp_path: Path, cluster: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """25 units of one image, 8 submitted ahead (4 per task thread): the window refills until every
+    unit is done, each once, and the cache is the pool's."""
+    small_units(monkeypatch, 1)
+    dask = conv(tree, tmp_path / "dask", scheduler=cluster)
+    conv(tree, tmp_path / "local")
+    assert read_spec(tmp_path / "dask").checksums == read_spec(tmp_path / "local").checksums
+    st = dask.stages
+    assert st["units_per_slot_min"] * st["slots"] <= 25 <= st["units_per_slot_max"] * st["slots"]
+
+
+def test_local_cluster_workers_do_not_import_the_callers_main(tree: Path, tmp_path: Path) -> None:
+    """multiprocessing's spawn (``LocalCluster``'s workers, and a fork server's children) runs the
+    caller's ``__main__`` script again in every process it starts: a script that imports torch made
+    each of 16 workers and 16 decode processes import it. The ``local:N`` cluster's processes do not:
+    the script below runs once, in the driver only."""
+    import subprocess
+    import sys
+
+    marks = tmp_path / "marks"
+    script = tmp_path / "convert_script.py"
+    script.write_text(
+        "import os, sys\n"
+        f"with open({str(marks)!r}, 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+        "from dlstore.build.conversion import convert\n"
+        "if __name__ == '__main__':\n"
+        "    r = convert(sys.argv[1], sys.argv[2], format='npz', size=8, scheduler='local:2')\n"
+        "    print(r.n, r.workers)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, str(script), str(tree), str(tmp_path / "c")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.stdout.split() == ["23", "2"], out.stderr[-2000:]
+    assert len(marks.read_text().split()) == 1  # the driver; not the 2 workers nor their decode processes
 
 
 def test_cli_json_is_the_same_document(tree: Path, tmp_path: Path, cluster: str) -> None:
