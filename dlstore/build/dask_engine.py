@@ -96,25 +96,43 @@ def local_layout(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> tu
 
 
 def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> Any:
-    """The cluster of ``local:N`` (also for benchmarks that want it running beforehand): Dask's
-    ``SubprocessCluster``, a scheduler and worker processes started as ``python -m dask spec``
-    subprocesses. Not ``LocalCluster``: its workers are started by multiprocessing's spawn, which
-    re-imports the caller's ``__main__`` script in every worker (a training or benchmark script that
-    imports torch made each of 16 workers import torch: 8 s before the cluster was up on the H200,
-    and again in every decode process). The scheduler in its own process also leaves the driver's
-    interpreter to the scan and the journal. No nanny: our decode processes already isolate the
-    decoders (a crash kills a decode process, not the worker), and closing the cluster kills its
-    processes at once. ``cluster.close()`` stops it; ``cluster.scheduler_address`` is its address."""
-    from distributed.deploy.subprocess import SubprocessCluster
+    """The cluster of ``local:N`` (also for benchmarks that want it running beforehand): a scheduler in
+    this process and worker processes started as ``python -m dask spec`` subprocesses (Dask's
+    ``SpecCluster`` with the ``SubprocessWorker`` of its ``SubprocessCluster``). Not ``LocalCluster``:
+    its workers are started by multiprocessing's spawn, which re-imports the caller's ``__main__``
+    script in every worker (a training or benchmark script that imports torch made each of 16 workers
+    import torch: 8 s before the cluster was up on the H200, and again in every decode process). The
+    scheduler stays in this process (a scheduler subprocess would start first and alone, about a
+    second more). No nanny: our decode processes already isolate the decoders (a crash kills a decode
+    process, not the worker), and closing the cluster kills its processes at once.
+    ``cluster.close()`` stops it; ``cluster.scheduler_address`` is its address."""
+    import dask
+    from distributed import Scheduler, SpecCluster
+    from distributed.deploy.subprocess import SubprocessWorker
 
     workers, threads = local_layout(slots, most_threads)
-    return SubprocessCluster(
-        n_workers=workers,
-        threads_per_worker=threads,
-        worker_class=WORKER_CLASS,
-        dashboard_address=None,  # no web server to import and start
-        worker_kwargs={"memory_limit": 0},  # the workers hold no data; no memory monitor
-    )
+    worker = {
+        "cls": SubprocessWorker,
+        "options": {
+            "worker_class": WORKER_CLASS,
+            # the workers hold no data: no memory limit, no memory monitor
+            "worker_kwargs": {"host": "127.0.0.1", "nthreads": threads, "memory_limit": 0},
+        },
+    }
+    scheduler = {
+        "cls": Scheduler,
+        "options": {"host": "127.0.0.1", "port": 0, "dashboard": False, "dashboard_address": None},
+    }
+    # The scheduler's ticks quieted as the workers' (they set their own). Worker saturation 1.5: a
+    # worker of 4 threads then holds 2 queued units instead of 1 (Dask's 1.1 rounds 4.4 up to 5), so
+    # two threads finishing together both start their next unit without a round trip to the scheduler.
+    with dask.config.set({**QUIET_CONFIG, "distributed.scheduler.worker-saturation": 1.5}):
+        return SpecCluster(
+            workers=dict.fromkeys(range(workers), worker),
+            scheduler=scheduler,
+            worker=worker,
+            name="dlstore-local",
+        )
 
 
 def open_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> tuple[Any, Any]:
