@@ -50,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", default="1,2", help="comma-separated worker counts")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--source", type=Path, default=None, help="an existing image folder (else the demo)")
-    p.add_argument("--copies", type=int, default=1, help="hard-linked copies of --source's files")
+    p.add_argument("--copies", type=int, default=1, help="hard-linked copies of the source's files")
     p.add_argument("--per-class", type=int, default=0, help="only the first K files of each class (0: all)")
     p.add_argument(
         "--configs", default="pool,local,running", help="which of pool / local (incl. start) / running to run"
@@ -171,11 +171,11 @@ def start_sweep(layouts: str, doc: dict[str, Any], args: argparse.Namespace) -> 
 
 
 def fits(args: argparse.Namespace, runs: dict[str, list[float]], n_img: int, extra: float = 0.0) -> bool:
-    """Whether another run fits in --budget-s: the pool's time x 1.6 (+ ``extra``), or 60 s unknown."""
+    """Whether another run fits in --budget-s: the pool's time x 1.4 (+ ``extra``), or 60 s unknown."""
     if not args.budget_s:
         return True
     pools = [v for k, vs in runs.items() if k.startswith("pool") for v in vs]
-    need = 1.6 * n_img / max(pools) + extra if pools else 60.0
+    need = 1.4 * n_img / max(pools) + extra if pools else 60.0
     return time.monotonic() - T_START + need < args.budget_s
 
 
@@ -183,10 +183,16 @@ def main() -> None:
     args = parse_args()
     counts = [int(n) for n in args.workers.split(",")]
     work = Path(tempfile.mkdtemp(prefix="dask-convert-"))
-    if args.source is None:
-        src = scan_folder(ensure_demo(work / "demo", n_images=args.images))
+    t0 = time.monotonic()
+    base = args.source or ensure_demo(work / "demo", n_images=args.images)
+    t_demo = time.monotonic() - t0
+    if args.source is None and args.copies <= 1 and not args.per_class:
+        src = scan_folder(base)
     else:
-        src = scan_folder(linked_copies(args.source, work / "src", args.copies, args.per_class))
+        src = scan_folder(linked_copies(base, work / "src", args.copies, args.per_class))
+    harness.log(
+        f"source: {len(src)} images (demo {t_demo:.1f} s, links {time.monotonic() - t0 - t_demo:.1f} s)"
+    )
     runs: dict[str, list[float]] = {}
     details: list[Any] = []
     doc: dict[str, Any] = {

@@ -23,6 +23,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import re
+import sys
 import threading
 import time
 import uuid
@@ -80,6 +81,7 @@ QUIET_CONFIG = {
 }
 LOCAL_THREADS_PER_WORKER = 4  # local:16 = 4 worker processes of 4 task threads (see local_layout)
 WORKER_CLASS = "dlstore.build.dask_worker.ConversionWorker"
+WORKERS_START_S = 60
 
 
 def local_layout(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> tuple[int, int]:
@@ -160,7 +162,13 @@ def open_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> 
         _stamp(stamps, "client")
         # SubprocessCluster returns once the worker processes are launched: wait until they have
         # all registered, or the first units would all go to the first worker up.
-        client.wait_for_workers(len(cluster.workers), timeout=120)
+        try:
+            client.wait_for_workers(len(cluster.workers), timeout=WORKERS_START_S)
+        except TimeoutError:
+            raise ConvertError(
+                f"--scheduler {spec.describe()}: the Dask workers did not start within {WORKERS_START_S} s "
+                f"(`{sys.executable} -m dask spec` must run {WORKER_CLASS}); try a running cluster's address"
+            ) from None
         _stamp(stamps, "workers")
         return client, cluster
     except BaseException:
