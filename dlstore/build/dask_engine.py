@@ -20,6 +20,7 @@ decode process writes its unit itself and returns only the bad files and digests
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import re
@@ -118,7 +119,12 @@ def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER
         "options": {
             "worker_class": WORKER_CLASS,
             # the workers hold no data: no memory limit, no memory monitor
-            "worker_kwargs": {"host": "127.0.0.1", "nthreads": threads, "memory_limit": 0},
+            "worker_kwargs": {
+                "host": "127.0.0.1",
+                "nthreads": threads,
+                "memory_limit": 0,
+                "silence_logs": logging.WARN,  # as LocalCluster: no INFO lines on the user's terminal
+            },
         },
     }
     scheduler = {
@@ -134,6 +140,7 @@ def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER
             scheduler=scheduler,
             worker=worker,
             name="dlstore-local",
+            silence_logs=logging.WARN,
         )
 
 
