@@ -139,16 +139,23 @@ def decode_process_ready() -> float:
 
 def start_sweep(layouts: str, doc: dict[str, Any], args: argparse.Namespace) -> None:
     """Cluster starts alone (no conversion): WxT = W worker processes of T threads, up to every worker
-    registered and able to fork a decode process."""
+    registered and able to fork a decode process; lcWxT: the same with ``LocalCluster`` (nannies,
+    workers spawned by multiprocessing: they and their decode processes re-import this script)."""
     from distributed import Client
 
     for layout in filter(None, layouts.split(",")):
         if args.budget_s and time.monotonic() - T_START > args.budget_s - 10:
             doc.setdefault("start_sweep", []).append({"layout": layout, "skipped": "budget"})
             continue
-        w, t = (int(x) for x in layout.split("x"))
+        old = layout.startswith("lc")  # the LocalCluster (nanny, spawn) that local:N started before
+        w, t = (int(x) for x in layout.removeprefix("lc").split("x"))
         t0 = time.monotonic()
-        cluster = start_local_cluster(w * t, most_threads=t)
+        if old:
+            from distributed import LocalCluster
+
+            cluster = LocalCluster(n_workers=w, threads_per_worker=t, processes=True, dashboard_address=":0")
+        else:
+            cluster = start_local_cluster(w * t, most_threads=t)
         t_up = time.monotonic() - t0
         with Client(cluster) as client:
             client.wait_for_workers(w, timeout=120)
@@ -289,7 +296,8 @@ def report(
     )
     for d in details:
         st, n = d["stages"], d["workers"]
-        pool = medians.get(f"pool:{n}", float("nan"))
+        asked = d["config"].split(":")[1].split(" ")[0]  # the N of "pool:N", "dask local:N (incl. start)"
+        pool = medians.get(f"pool:{asked}", float("nan"))
         print(
             f"{d['config']:<28}{n_img / d['seconds']:>8,.0f}{n_img / d['seconds'] / pool:>7.3f}{d['seconds']:>8.2f}"
             f"{st.get('setup_s', 0):>6.2f}{st.get('dask_start_wait_s', 0):>6.2f}{st.get('startup_s', 0):>6.2f}"
