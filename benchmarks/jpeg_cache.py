@@ -339,6 +339,24 @@ def _one_core(
     return best
 
 
+def _dataset_one_core(work: Path, n: int, decoder: str, rounds: int = 3) -> float:
+    """CachedDataset.__getitems__ (batches of 256, shuffled, one reader thread) in this process: against
+    the bare one-core decode of the same payloads, the per-image cost of the dataset path."""
+    os.environ["DLSTORE_JPEG_DECODER"] = decoder
+    ds = CachedDataset(work / "jpeg256", check_source=False)
+    ds.cache.reader.threads = 1
+    perm = np.random.default_rng(0).permutation(n)
+    batches = [perm[a : a + 256].tolist() for a in range(0, n - 255, 256)]
+    ds.__getitems__(batches[0])
+    best = 0.0
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for b in batches:
+            ds.__getitems__(b)
+        best = max(best, len(batches) * 256 / (time.perf_counter() - t0))
+    return best
+
+
 def _threads_rate(cache: Any, sel: np.ndarray, threads: int) -> float:
     """reader.read (batches of 256 decoded into one array, threads over slices of the batch)."""
     cache.reader.threads = threads
@@ -399,11 +417,13 @@ def section_cpu_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     payloads, shapes = cache.read_payloads(sel)
     items = [(bytes(p), tuple(int(v) for v in s)) for p, s in zip(payloads, shapes)]
     out: dict[str, Any] = {}
-    decoders = ["pillow"]
+    wanted = args.cpu_decode_with.split(",")
+    decoders = ["pillow"] if "pillow" in wanted else []
     try:
         import simplejpeg
 
-        decoders.append("simplejpeg")
+        if "simplejpeg" in wanted:
+            decoders.append("simplejpeg")
         out["simplejpeg_version"] = simplejpeg.__version__
     except ImportError as e:
         out["simplejpeg_error"] = str(e)
@@ -413,7 +433,7 @@ def section_cpu_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out["pyturbojpeg"] = "importable"
     except Exception as e:
         out["pyturbojpeg"] = f"{type(e).__name__}: {e}"
-    if "simplejpeg" in decoders:
+    if "simplejpeg" in decoders and "pillow" in decoders:
         diffs = []
         for p, s in items[:256]:
             os.environ["DLSTORE_JPEG_DECODER"] = "pillow"
@@ -423,9 +443,13 @@ def section_cpu_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out["simplejpeg_vs_pillow_mean_abs_max"] = max(diffs)
     for dec in decoders:
         r: dict[str, Any] = {"one_core": _one_core(codec, items[:1024], dec)}
+        r["dataset_one_core"] = _dataset_one_core(work, min(1024, len(items)), dec)
         for t in (4, 8, CORES):
             r[f"threads_{t}"] = _threads_rate(cache, sel, t)
-        alone = harness.all_cores_rate(lambda i: codec.decode(*items[i]), len(items), CORES)
+        # as many images per process as the DataLoader measurement decodes per worker (round D: 300
+        # each, ~0.15 s, against 30 batches of 256 over 16 workers: both windows short)
+        per_proc = max(300, args.cpu_batches * 256 // CORES)
+        alone = harness.all_cores_rate(lambda i: codec.decode(*items[i]), len(items), CORES, per_proc)
         r[f"decode_alone_{CORES}_processes"] = alone["img_s"]
         busy = _workers_rate(work, args.cpu_batches)
         r[f"dataloader_{CORES}_workers"] = busy.pop("img_s")
@@ -440,9 +464,13 @@ def section_cpu_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         r[f"dataloader_{CORES}_workers"],
         CORES * r["one_core"],
         0.85,
-        note=f"one core {r['one_core']:,.0f} img/s; {CORES} threads in one process {r[f'threads_{CORES}']:,.0f}; "
-        f"Pillow one core {out['pillow']['one_core']:,.0f}, {CORES} workers "
-        f"{out['pillow'][f'dataloader_{CORES}_workers']:,.0f}",
+        note=f"one core {r['one_core']:,.0f} img/s; {CORES} threads in one process {r[f'threads_{CORES}']:,.0f}"
+        + (
+            f"; Pillow one core {out['pillow']['one_core']:,.0f}, {CORES} workers "
+            f"{out['pillow'][f'dataloader_{CORES}_workers']:,.0f}"
+            if "pillow" in out
+            else ""
+        ),
     )
     target(
         f"jpeg: CPU decode ({best}), CachedDataset + {CORES} DataLoader workers vs {best} decode alone in "
@@ -451,6 +479,13 @@ def section_cpu_decode(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         r[f"decode_alone_{CORES}_processes"],
         0.85,
         note="the ceiling the cores reach together: decode alone (no loader) in as many processes",
+    )
+    target(
+        f"jpeg: CPU decode ({best}), CachedDataset.__getitems__ one core vs bare one-core {best} (diagnostic)",
+        r["dataset_one_core"],
+        r["one_core"],
+        0.85,
+        note="the dataset path's per-image cost over the decode itself, same payloads, one process",
     )
     target(
         f"jpeg: CPU decode ({best}), {CORES} threads in one process vs cores x one-core {best}",
@@ -974,6 +1009,9 @@ environment = harness.environment
 def main() -> None:
     ap = harness.parser(images=8192, warmup=8, steps=30, repeats=2)
     ap.add_argument("--cpu-batches", type=int, default=40)
+    ap.add_argument(
+        "--cpu-decode-with", default="pillow,simplejpeg", help="cpu_decode section: decoders tried"
+    )
     ap.add_argument("--batch-div", type=int, default=1, help="smaller training batches (CPU dry runs)")
     ap.add_argument("--caches", default="all", help="data section: which caches to build (comma list)")
     ap.add_argument(
