@@ -20,7 +20,6 @@ Images are (B,C,H,W) uint8 with channels-last strides (the (B,H,W,C) block seen 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +34,6 @@ from torch.utils.data._utils import collate as _collate
 from dlstore.machine import usable_cores
 from dlstore.read import slots
 
-_MADV_POPULATE_READ = 22
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PIN_SPLIT_BYTES = 4 << 20  # below this a single copy is as fast as several
 
@@ -128,7 +126,6 @@ def in_worker() -> bool:
 _pool: ThreadPoolExecutor | None = None
 _pool_pid = -1
 _pool_lock = threading.Lock()
-_libc: Any = None
 
 
 def _threads() -> int:
@@ -147,18 +144,11 @@ def _copy_pool() -> ThreadPoolExecutor:
 def prefault(arr: np.ndarray) -> None:
     """Map every page of ``arr`` in one ``madvise(MADV_POPULATE_READ)`` (Linux ≥ 5.14) instead of one
     fault per page; a no-op where unsupported (the copy then faults as usual)."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _libc = False
-    if not _libc or arr.nbytes == 0:
+    if arr.nbytes == 0:
         return
     addr = arr.ctypes.data
     start = addr - addr % _PAGE
-    _libc.madvise(start, arr.nbytes + (addr - start), _MADV_POPULATE_READ)
+    slots.madvise_populate(start, arr.nbytes + (addr - start))
 
 
 def pin_parallel(src: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,12 @@ def populate(whole: np.ndarray, write: bool) -> bool:
     process that fills it, allocates its pages at once instead of one fault per 4 KiB while the first
     batch is gathered; in one that reads it, maps the pages the other process made. False where the
     kernel (< 5.14) or libc cannot: the pages then fault in as they are first used, as before."""
+    return madvise_populate(whole.ctypes.data, whole.nbytes, write)  # an mmap: page-aligned
+
+
+def madvise_populate(address: int, nbytes: int, write: bool = False) -> bool:
+    """``madvise(MADV_POPULATE_WRITE|READ)`` over ``nbytes`` from the page-aligned ``address``; False
+    where unsupported (Linux < 5.14, no libc), and the pages then fault in as they are first used."""
     global _libc
     if _libc is None:
         try:
@@ -126,10 +132,10 @@ def populate(whole: np.ndarray, write: bool) -> bool:
             _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         except (OSError, AttributeError):
             _libc = False
-    if not _libc or whole.nbytes == 0:
+    if not _libc or nbytes == 0:
         return False
     advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-    return int(_libc.madvise(whole.ctypes.data, whole.nbytes, advice)) == 0  # mmap: page-aligned
+    return int(_libc.madvise(address, nbytes, advice)) == 0
 
 
 def _new_slot(pool: _Pool, nbytes: int) -> _Slot:
