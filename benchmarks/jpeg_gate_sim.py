@@ -17,22 +17,11 @@ import time
 from typing import Any
 
 import torch
+from jpeg_cache import UngatedLoader
+from jpeg_cache import busy_python as busy
 
 import dlstore.read.gpu_decode as gd
 from dlstore.read.gpu_decode import DecodeLoader
-
-
-class UngatedLoader(DecodeLoader):
-    """Round D's loader: reads whenever the read-ahead queue has room."""
-
-    def _read_gate(self) -> Any:
-        return None
-
-
-def busy(seconds: float) -> None:
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
 
 
 def run(cache: str, cls: type[DecodeLoader], mode: str, read_gil: float, decode: float, epochs: int) -> float:
