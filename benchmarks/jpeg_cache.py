@@ -764,13 +764,20 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     counts = decoder_counts(args)
     n = counts[0]  # the fixed shares and the auto target row use the first count
     shares: list[float | None] = [None, *(float(v) for v in args.shares.split(",") if v), 1.0]
-    plan = [(n, share) for share in shares] + [(m, share) for m in counts[1:] for share in (None, 1.0)]
+    plan: list[tuple[Any, ...]] = [(n, share) for share in shares]
+    plan += [(m, share) for m in counts[1:] for share in (None, 1.0)]
     loaders: dict[str, DecodeLoader] = {"nvjpeg_only": DecodeLoader(path, batch, transform=rrc, device=DEV)}
-    for m, share in plan:
-        name = f"cpu{m}_{'auto' if share is None else share}"
-        loaders[name] = DecodeLoader(path, batch, transform=rrc, device=DEV, cpu_decoders=m, cpu_share=share)
+    if args.hybrid_gated:  # side by side: the same splits with the read-ahead gated to the decode calls
+        plan += [(n, None, "gated"), (n, 1.0, "gated")]
+    for m, share, *kind in plan:
+        name = f"cpu{m}_{'auto' if share is None else share}" + "".join(f"_{k}" for k in kind)
+        cls = GatedLoader if kind else DecodeLoader
+        loaders[name] = cls(path, batch, transform=rrc, device=DEV, cpu_decoders=m, cpu_share=share)
         if DEV == "cpu":  # dry run: exercise the split with torchvision's CPU decode as the "GPU" side
             loaders[name].gpu = True
+    if args.hybrid_loaders != "all":  # e.g. one configuration under a profiler
+        keep = set(args.hybrid_loaders.split(","))
+        loaders = {k: v for k, v in loaders.items() if k in keep}
     out: dict[str, Any] = {"cpu_decoders": counts, "alone": {}, "first_batch_s": {}}
     for name, ld in loaders.items():
         rate, first = loader_alone(ld)
@@ -803,8 +810,12 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ld.close()
     ceiling = med["synthetic"]
     auto = f"cpu{n}_auto"
+    if not {auto, "nvjpeg_only"} <= set(med):  # --hybrid-loaders left them out: no target rows
+        return out
     best = max((k for k in med if k.startswith("cpu")), key=lambda k: med[k])
     note = f"nvJPEG alone {med['nvjpeg_only']:,.0f} img/s; auto share ended at {out['auto_share'][auto]:.2f}"
+    for k in (k for k in med if k.endswith("_gated")):
+        note += f"; {k} {med[k] / ceiling:.3f} vs ungated {med[k[: -len('_gated')]] / ceiling:.3f}"
     target(
         f"jpeg: ResNet-18 bf16 @112 bs512 from JPEG cache shorter-128, nvJPEG + {n} CPU decoders (auto split) vs synthetic",
         med[auto],
@@ -834,6 +845,16 @@ class UngatedLoader(DecodeLoader):
 
     def _read_gate(self) -> Any:
         return None
+
+
+class GatedLoader(DecodeLoader):
+    """The read-ahead gated to the decode calls even with CPU decoders (DecodeLoader gates only
+    without them), for the side-by-side comparison in the hybrid section."""
+
+    def _read_gate(self) -> Any:
+        import threading
+
+        return threading.Semaphore(self.read_ahead)
 
 
 def busy_python(seconds: float) -> None:
@@ -929,10 +950,16 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         torch.cuda.current_stream(dev).wait_event(ev)
         return batch, lab
 
+    n_cpu = decoder_counts(args)[:1]
     loaders = {
         "f": DecodeLoader(cache, bs, device=DEV),
         "f0": UngatedLoader(cache, bs, device=DEV),
         "e": DecodeLoader(cache, bs, device=DEV, decode_in="stream"),
+        **{
+            f"h{m}_{s}": DecodeLoader(cache, bs, device=DEV, cpu_decoders=m, cpu_share=v)
+            for m in n_cpu
+            for s, v in (("auto", None), ("1.0", 1.0))
+        },
     }
     if DEV == "cpu":  # dry run: torchvision's CPU decode stands in for nvJPEG
         for ld in loaders.values():
@@ -955,7 +982,15 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "f0_si": lambda: with_switch(lambda: timed_loader(loaders["f0"], epochs)),
         "f_busy": lambda: timed_loader(loaders["f"], epochs, busy=0.002),
         "f_busy_si": lambda: with_switch(lambda: timed_loader(loaders["f"], epochs, busy=0.002)),
+        **{
+            f"h_cpu{k[1:]}": (lambda k=k: timed_loader(loaders[k], epochs))
+            for k in loaders
+            if k.startswith("h")
+        },
     }
+    if args.ladder != "all":  # fewer variants, more repeats (the bare rate itself moves ±20% between repeats)
+        keep = {"a_bare_copies_sequential", "f_loader_second_thread", *args.ladder.split(",")}
+        steps = {k: v for k, v in steps.items() if k in keep}
     out: dict[str, list[dict[str, float]]] = {k: [] for k in steps}
     names = list(steps)
     for r in range(args.repeats):
@@ -964,22 +999,29 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             row = out[k][-1]
             log(f"ladder {k}: " + ", ".join(f"{m} {v:,.2f}" for m, v in row.items()))
     med = {k: {m: float(np.median([row[m] for row in rows])) for m in rows[0]} for k, rows in out.items()}
-    paired = [
-        f["img_s"] / a["img_s"]
-        for f, a in zip(out["f_loader_second_thread"], out["a_bare_copies_sequential"])
-    ]
-    bare, f, f0 = (
-        med[k]["img_s"]
-        for k in ("a_bare_copies_sequential", "f_loader_second_thread", "f0_round_d_loader_ungated")
-    )
+
+    def paired(k: str) -> list[float]:
+        return [r["img_s"] / a["img_s"] for r, a in zip(out[k], out["a_bare_copies_sequential"])]
+
+    bare, f = (med[k]["img_s"] for k in ("a_bare_copies_sequential", "f_loader_second_thread"))
     target(
         "jpeg: DecodeLoader (second thread) vs bare batched decode_jpeg, ladder run",
         f,
         bare,
         0.9,
-        note=f"paired ratios (same repeat) median {np.median(paired):.3f}; round D's loader (ungated) {f0 / bare:.3f}; "
+        note=f"paired ratios (same repeat) median {np.median(paired('f_loader_second_thread')):.3f}; "
         + ", ".join(f"{k} {v['img_s']:,.0f}" for k, v in med.items()),
     )
+    target("jpeg: DecodeLoader nvJPEG only, decode alone at 256 px (img/s)", f, 30000, 30000)
+    for k in (k for k in med if k.startswith("h_cpu")):
+        m, share = k[5:].split("_")
+        target(
+            f"jpeg: DecodeLoader nvJPEG + {m} CPU decoders ({share} share), decode alone at 256 px (img/s)",
+            med[k]["img_s"],
+            30000,
+            30000,
+            note=f"vs bare batched decode_jpeg in the same repeats: median paired ratio {np.median(paired(k)):.3f}",
+        )
     print(
         f"{'ladder step (median of ' + str(args.repeats) + ')':38} "
         + " ".join(f"{m:>14}" for m in med[names[-1]])
@@ -988,7 +1030,8 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         print(f"{k:38} " + " ".join(f"{row.get(m, float('nan')):14.2f}" for m in med[names[-1]]))
     for ld in loaders.values():
         ld.close()
-    return {"runs": out, "median": med, "paired_f_over_a": paired, "images": n, "batch": bs, "epochs": epochs}
+    pairs = {k: paired(k) for k in out if k != "a_bare_copies_sequential"}
+    return {"runs": out, "median": med, "paired_over_bare": pairs, "images": n, "batch": bs, "epochs": epochs}
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
@@ -1021,6 +1064,17 @@ def main() -> None:
     )
     ap.add_argument("--shares", default="0.25,0.5,0.75", help="hybrid section: fixed CPU shares tried")
     ap.add_argument("--lean", action="store_true", help="resnet sections: the default loaders only")
+    ap.add_argument(
+        "--hybrid-gated",
+        action="store_true",
+        help="hybrid section: also the splits with the read-ahead gated",
+    )
+    ap.add_argument("--hybrid-loaders", default="all", help="hybrid section: only these loaders (comma list)")
+    ap.add_argument(
+        "--ladder",
+        default="all",
+        help="ladder section: variants besides bare and f (comma list; all: every one)",
+    )
     args = ap.parse_args()
     work = harness.work_dir(args, "dlstore-jpeg-")
     RESULTS["environment"] = environment()
