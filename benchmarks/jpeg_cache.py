@@ -792,6 +792,16 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             for name, ld in loaders.items()
         },
     }
+    if args.hybrid_diagnostics:  # what slows the step beside the loader: busy CPU decoders, or the crop
+        decoded = predecoded(path, batch)
+        cfgs["synthetic_cpu_busy"] = lambda: with_busy_decoders(
+            path, n, batch, lambda: timed_steps(synthetic, step, args.warmup, args.steps, batch)
+        )
+        cfgs["crop_only"] = lambda: timed_steps(
+            lambda: ((rrc(imgs), y) for imgs, y in decoded), step, args.warmup, args.steps, batch
+        )
+        one = _payload_items(path, 512)
+        out["one_core_simplejpeg_img_s"] = _one_core(get_codec("jpeg", 90), one, "simplejpeg")
     runs: dict[str, list[float]] = {k: [] for k in cfgs}
     names = list(cfgs)
     for r in range(args.repeats):
@@ -804,6 +814,11 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         median=med,
         auto_share={k: ld.share for k, ld in loaders.items()},
         stats={k: vars(ld.stats) for k, ld in loaders.items()},
+        cpu_worker_us_per_image={
+            k: 1e6 * ld.stats.cpu_busy_seconds / ld.stats.cpu_images
+            for k, ld in loaders.items()
+            if ld.stats.cpu_images
+        },
         pinned={k: bool(ld.cpu and ld.cpu.pinned) for k, ld in loaders.items()},
     )
     for ld in loaders.values():
@@ -837,6 +852,47 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         0.70,
     )
     return out
+
+
+def _payload_items(path: Path, n: int) -> list[tuple[bytes, tuple[int, int, int]]]:
+    """The first ``n`` payloads of a JPEG cache with their (H, W, C) shapes."""
+    cache = open_cache(path)
+    payloads, shapes = cache.read_payloads(np.arange(min(n, len(cache))))
+    return [(bytes(p), tuple(int(v) for v in sh)) for p, sh in zip(payloads, shapes.tolist())]  # type: ignore[misc]
+
+
+def with_busy_decoders(path: Path, processes: int, batch: int, fn: Callable[[], float]) -> float:
+    """``fn()`` while ``processes`` CPU decode workers decode one batch of the cache over and over (the
+    CPU load of DecodeLoader's CPU share, without its GPU work): how much that load alone slows the step."""
+    import threading
+
+    from dlstore.read.cpu_decode import CpuDecoders
+
+    items = _payload_items(path, batch)
+    payloads = [memoryview(p) for p, _ in items]
+    shapes = np.asarray([s for _, s in items], np.int64)
+    per = int(np.prod(shapes, axis=1).sum())
+    slot = max(per * 4 // 3, sum(map(len, payloads)) * 4) + (1 << 16)  # a quarter input, the rest output
+    dec = CpuDecoders("jpeg", 90, processes, slots=2, slot_bytes=slot)
+    stop = threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            slot = dec.acquire()
+            try:
+                dec.submit(slot, payloads, shapes).wait()
+            finally:
+                dec.release(slot)
+
+    th = threading.Thread(target=load, daemon=True)
+    th.start()
+    try:
+        time.sleep(0.2)
+        return fn()
+    finally:
+        stop.set()
+        th.join(10)
+        dec.close()
 
 
 class UngatedLoader(DecodeLoader):
@@ -892,6 +948,7 @@ def timed_loader(loader: DecodeLoader, epochs: int, busy: float = 0.0) -> dict[s
         "decode_call_ms": 1e3 * st["decode_seconds"] / n,
         "read_ms": 1e3 * st["read_seconds"] / n,
         "read_wait_ms": 1e3 * st["read_wait_seconds"] / n,
+        "cpu_worker_us_per_image": 1e6 * st["cpu_busy_seconds"] / max(1, st["cpu_images"]),
     }
 
 
@@ -1068,6 +1125,11 @@ def main() -> None:
         "--hybrid-gated",
         action="store_true",
         help="hybrid section: also the splits with the read-ahead gated",
+    )
+    ap.add_argument(
+        "--hybrid-diagnostics",
+        action="store_true",
+        help="hybrid section: also the step beside busy CPU decoders only, and beside the crop only",
     )
     ap.add_argument("--hybrid-loaders", default="all", help="hybrid section: only these loaders (comma list)")
     ap.add_argument(

@@ -88,15 +88,17 @@ class CpuShare:
     offsets: np.ndarray  # (count,) each image's output offset within the output area
     runs: list[tuple[int, int, Future[int]]]  # (first, stop, decode ns) per worker run
 
-    def wait(self) -> tuple[float, list[tuple[int, int]]]:
-        """Seconds the slowest run took to decode, and the (first, stop) runs that failed."""
-        slowest, failed = 0, []
+    def wait(self) -> tuple[float, float, list[tuple[int, int]]]:
+        """Seconds the slowest run took to decode, the runs' decode seconds summed (the workers' busy
+        time), and the (first, stop) runs that failed."""
+        slowest, total, failed = 0, 0, []
         for first, stop, fut in self.runs:
             try:
-                slowest = max(slowest, fut.result())
+                ns = fut.result()
+                slowest, total = max(slowest, ns), total + ns
             except Exception:
                 failed.append((first, stop))
-        return slowest / 1e9, failed
+        return slowest / 1e9, total / 1e9, failed
 
 
 class CpuDecoders:

@@ -68,6 +68,9 @@ class DecodeStats:
     read_seconds: float = 0.0
     decode_seconds: float = 0.0
     read_wait_seconds: float = 0.0
+    # The CPU decode workers' own time decoding this loader's images (summed over workers): over
+    # cpu_images, their per-image cost in place, to compare with one core decoding alone.
+    cpu_busy_seconds: float = 0.0
 
 
 def as_tensors(payloads: list[memoryview]) -> list[torch.Tensor]:
@@ -385,8 +388,9 @@ class DecodeLoader:
         image raises the reader's error."""
         assert self.cpu is not None
         t0 = time.perf_counter()
-        _seconds, failed = share.wait()
+        _slowest, busy, failed = share.wait()
         waited = time.perf_counter() - t0
+        self.stats.cpu_busy_seconds += busy
         block = self.cpu.block
         for first, stop in failed:
             for i in range(first, stop):
