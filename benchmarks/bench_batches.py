@@ -17,7 +17,9 @@ Sections (``--sections``, run in the order given; one is skipped when its estima
 - ``compute``: the compute-heavy workload (ram, ResNet-50 @224, batch 256, 4 workers: must be named compute).
 
 Writes ``OUT/bench_batches.json`` after every run (a run cut short still leaves what it measured) and prints
-one line per run (measured, predicted, error, bottleneck) plus a summary last.
+one line per run (measured, predicted, error, bottleneck) plus a summary last, with every run's error under
+the old and the new bases of the model side by side (``replay_predictions.VARIANTS``: the same runs, so a
+fix and the behaviour before it are compared on one machine state).
 
 GPU machine, from the repository root::
 
@@ -167,7 +169,7 @@ def batches_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
             f"b{batch}-cached",
             BenchConfig(
                 loaders=("ram", "pinned", "resident"),
-                workers=(0, 4),
+                workers=args.cached_workers,
                 batch_size=batch,
                 steps=steps,
                 warmup=warmup,
@@ -200,7 +202,7 @@ def decode_config(args: argparse.Namespace, jpegs: Path, workers: tuple[int, ...
 
 def decode_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
     jpegs = make_jpegs(args.work / "jpegs384", 384)
-    doc = bench("decode-heavy", decode_config(args, jpegs, (0, 4)), rec, log, keep_steps=True)
+    doc = bench("decode-heavy", decode_config(args, jpegs, args.decode_workers), rec, log, keep_steps=True)
     rec.doc.setdefault("verdicts", {})["decode-heavy"] = [r["bottleneck"] for r in doc["runs"]]
     print("\n".join(decode_diagnostics(doc)), flush=True)
     if not args.decode_parts:
@@ -257,19 +259,32 @@ def decode_diagnostics(doc: dict[str, Any]) -> list[str]:
             res = raw.get("resources") or {}
             period = 1e3 * raw["timed_s"] / max(1, len(timed))
             cpu = (res.get("process_tree_cpu_cores") or 0) * period
-            probe = raw.get("loader_probe") or {}
-            pr = (
-                f" probe {1e3 * probe['main_s']:.1f} ({probe['batches']} b, ref {1e3 * probe['cpu_ref_s']:.2f},"
-                f" cpu/batch {1e3 * probe['cpu_s']:.0f})"
-                if probe
-                else ""
-            )
+            pr = "".join(probe_text(raw.get(k)) for k in ("loader_probe", "loader_probe_after"))
             lines.append(
                 f"  repeat {raw['repeat']} pos {raw['position']}: {raw['img_per_s']:,.0f} img/s, period {period:.1f},"
                 f" next {wait:.1f}, step {step:.1f}, cpu/batch {cpu:.0f}, ref {1e3 * (raw.get('cpu_ref_s') or 0):.2f},"
                 f" epochs {[round(x) for x in _epochs_ms(st)]}{pr}"
             )
     return lines
+
+
+def probe_text(probe: dict[str, Any] | None) -> str:
+    """One probe of a decode-heavy repeat: next() alone (each batch), the step beside the loader, refs."""
+    if not probe:
+        return ""
+    alone = (
+        f" alone {1e3 * probe['main_s']:.1f} [{' '.join(f'{1e3 * x:.0f}' for x in probe.get('next_s', []))}]"
+        f" cpu/batch {1e3 * probe['cpu_s']:.0f}"
+        if "main_s" in probe
+        else ""
+    )
+    beside = (
+        f" beside next {1e3 * probe['beside_next_s']:.1f} step {1e3 * probe['beside_serial_s']:.1f}"
+        if "beside_serial_s" in probe
+        else ""
+    )
+    refs = f"ref {1e3 * probe['cpu_ref_s']:.2f}->{1e3 * probe.get('cpu_ref_after_s', float('nan')):.2f}"
+    return f"\n    probe {probe.get('when', 'before')}:{alone}{beside} {refs}"
 
 
 def decode_parts(
@@ -531,9 +546,87 @@ def summary(rec: Recorder) -> list[str]:
         lines.append(f"verdicts: {rec.doc['verdicts']}")
     if "decode-heavy" in rec.doc["runs"]:
         lines += decode_diagnostics(rec.doc["runs"]["decode-heavy"]["doc"])
+    lines += variants_table(rec)
     if rec.doc["skipped"]:
         lines.append(f"skipped (budget): {rec.doc['skipped']}")
     lines.append(f"total {rec.elapsed():.0f} s")
+    return lines
+
+
+def model_variants(rec: Recorder) -> dict[str, list[dict[str, Any]]]:
+    """Every run's error under the old and the new bases of the model (``replay_predictions.VARIANTS``), from
+    the same measurements, and the main thread's step calls per batch: in the run, beside the loader in the
+    parts phase, beside it right before / after the run (the probes)."""
+    import replay_predictions
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for name, res in rec.doc["runs"].items():
+        doc = res["doc"]
+        rows_ = replay_predictions.variant_errors(doc)
+        for row, run in zip(rows_, doc["runs"]):
+            key = f"w{run['workers']}-{'pin' if run['pin_memory'] else 'nopin'}"
+            alone = doc["stages"][run["loader"]]["loader_alone"].get(key, {})
+            samples = (run.get("loader_probe") or {}).get("samples", [])
+            row["host_ms"] = {
+                "run": ((run.get("measured_ms") or {}).get("host_ms")),
+                "parts": 1e3 * alone["beside_serial_s"] if alone.get("beside_serial_s") else None,
+                **{
+                    w: [
+                        1e3 * p["beside_serial_s"]
+                        for p in samples
+                        if p.get("when") == w and "beside_serial_s" in p
+                    ]
+                    for w in ("before", "after")
+                },
+            }
+            row["next_ms"] = {
+                "run": (run.get("measured_ms") or {}).get("wait_ms"),
+                "parts": 1e3 * alone["main_s"] if run["workers"] == 0 and "main_s" in alone else None,
+                **{
+                    w: [1e3 * p["main_s"] for p in samples if p.get("when") == w and "main_s" in p]
+                    for w in ("before", "after")
+                },
+            }
+        out[name] = rows_
+    return out
+
+
+def variants_table(rec: Recorder) -> list[str]:
+    """The old and new model side by side on this round's runs (errors in %), and how many within ±20%."""
+    try:
+        variants = model_variants(rec)
+    except Exception as e:  # a diagnostic: never lose the summary
+        return [f"model variants failed: {e!r}"]
+    rec.put("model_variants", variants)
+    import replay_predictions
+
+    names = list(replay_predictions.VARIANTS)
+    lines = [
+        "model variants (same runs; errors): "
+        + "; ".join(f"{n} = {d}" for n, d in replay_predictions.VARIANTS.items())
+    ]
+    lines.append(
+        f"{'run':<14} {'loader':<9} {'wk':>3} {'pin':>3} "
+        + " ".join(f"{n:>13}" for n in names)
+        + "  host ms run/parts/before/after"
+    )
+    count = {n: [0, 0] for n in names}
+    for name, rows_ in variants.items():
+        for r in rows_:
+            errs = r["errors"]
+            for n in names:
+                if errs[n] is not None:
+                    count[n][0] += abs(errs[n]) <= TOLERANCE
+                    count[n][1] += 1
+            h = r["host_ms"]
+            fmt = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+            host = f"{fmt(h['run'])}/{fmt(h['parts'])}/{','.join(fmt(v) for v in h['before']) or '-'}/{','.join(fmt(v) for v in h['after']) or '-'}"
+            lines.append(
+                f"{name:<14} {r['loader']:<9} {r['workers']:>3} {'on' if r['pin_memory'] else 'off':>3} "
+                + " ".join(f"{'-' if errs[n] is None else f'{100 * errs[n]:+.0f}%':>13}" for n in names)
+                + f"  {host}"
+            )
+    lines.append("within ±20%: " + ", ".join(f"{n} {c[0]}/{c[1]}" for n, c in count.items()))
     return lines
 
 
@@ -558,10 +651,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-repeats", type=int, default=1, help="Repeats of the decode-heavy runs.")
     p.add_argument("--decode-steps", type=int, default=8, help="Timed steps of a decode-heavy run (min).")
     p.add_argument("--decode-stage-steps", type=int, default=12, help="Batches of its loader-alone parts.")
+    p.add_argument("--decode-workers", default="0,4", help="Worker counts of the decode-heavy runs.")
+    p.add_argument(
+        "--cached-workers", default="0,4", help="Worker counts of the ram runs of the batch sweep."
+    )
     p.add_argument("--noise-steps", type=int, default=250)
     p.add_argument("--smoke", action="store_true", help="Tiny sizes and SmallCNN: a check on a CPU.")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
+    args.decode_workers = tuple(int(w) for w in args.decode_workers.split(",") if w)
+    args.cached_workers = tuple(int(w) for w in args.cached_workers.split(",") if w)
     args.raw_batches = (
         args.batches if args.raw_batches is None else [int(b) for b in args.raw_batches.split(",") if b]
     )

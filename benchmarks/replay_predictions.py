@@ -19,6 +19,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from dlstore.bench.endtoend import pool_probe_dicts  # noqa: E402
 from dlstore.bench.parts import loader_timing_of  # noqa: E402
 from dlstore.bench.predict import FedTiming, compose, fed_timing, prediction_error  # noqa: E402
 from dlstore.bench.verdict import Facts, KindStages, parts_of  # noqa: E402
@@ -64,7 +65,7 @@ def fed_of(fed: dict[str, Any]) -> FedTiming | None:
     return FedTiming(fed["period_s"], fed["serial_s"], fed.get("device_s"), fed.get("idle_serial_s"))
 
 
-IN_CALLER = ("probe", "parts", "beside")
+IN_CALLER = ("probe", "parts", "beside", "before", "before-beside", "interleaved")
 
 
 def with_in_caller(run: dict[str, Any], doc: dict[str, Any], basis: str) -> dict[str, Any]:
@@ -75,12 +76,59 @@ def with_in_caller(run: dict[str, Any], doc: dict[str, Any], basis: str) -> dict
         return run
     if basis == "parts":
         return {**run, "loader_probe": None}
+    if basis in ("before", "before-beside"):
+        return {**run, "loader_probe": probes_before(run, keep_beside=basis == "before-beside")}
+    if basis == "interleaved":
+        return {**run, "loader_probe": probes_interleaved(run)}
     key = f"w0-{'pin' if run['pin_memory'] else 'nopin'}"
     alone = doc["stages"][run["loader"]]["loader_alone"].get(key, {})
     nxt = alone.get("beside_next_s")
     if nxt is None:
         return {**run, "loader_probe": None}
     return {**run, "loader_probe": {"period_s": nxt, "main_s": nxt, "cpu_s": alone["cpu_s"], "batches": 1}}
+
+
+def probes_before(run: dict[str, Any], keep_beside: bool) -> dict[str, Any] | None:
+    """The run's probes taken before each repeat only, pooled: ``keep_beside`` False is round F's model (the
+    loader alone before the run; the step's cost beside the loader from the parts phase)."""
+    samples = (run.get("loader_probe") or {}).get("samples", [])
+    probes = [p for p in samples if p.get("when", "before") == "before"]  # older documents: before only
+    if not keep_beside:
+        probes = [{k: v for k, v in p.items() if not k.startswith("beside")} for p in probes]
+    return pool_probe_dicts(probes)
+
+
+def probes_interleaved(run: dict[str, Any]) -> dict[str, Any] | None:
+    """The probes around the run with the producer taken from ``next()`` between the fixed-batch steps
+    (``beside_next_s``: the loader interleaved with the step, as the loop interleaves it) instead of alone;
+    a diagnostic basis, not the model's."""
+    pooled = (run.get("loader_probe") or {}).copy()
+    beside = [p for p in pooled.get("samples", []) if p.get("beside_batches") and "beside_next_s" in p]
+    if "main_s" not in pooled or not beside:
+        return pooled or None
+    n = sum(p["beside_batches"] for p in beside)
+    nxt = sum(p["beside_next_s"] * p["beside_batches"] for p in beside) / n
+    return {**pooled, "period_s": nxt, "main_s": nxt}
+
+
+VARIANTS = {
+    "parts": "every part from the parts phase (round D's model)",
+    "before": "0-worker loader alone right before each repeat, the step's cost from the parts phase (round F)",
+    "before-beside": "both parts right before each repeat (no probe after)",
+    "probe": "both parts before and after each repeat, pooled (the model as recorded)",
+    "interleaved": "as probe, the 0-worker producer from next() between the probes' fixed-batch steps",
+}
+
+
+def variant_errors(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each run's prediction error under each ``VARIANTS`` basis, from the same document (the same run)."""
+    by_basis = {basis: replay(doc, basis) for basis in VARIANTS}
+    rows = []
+    for i, base in enumerate(by_basis["probe"]):
+        errors = {basis: rows_[i]["error"] for basis, rows_ in by_basis.items()}
+        keep = ("loader", "workers", "pin_memory", "batch", "measured")
+        rows.append({**{k: base[k] for k in keep}, "errors": errors})
+    return rows
 
 
 def replay(doc: dict[str, Any], in_caller: str = "probe") -> list[dict[str, Any]]:

@@ -40,7 +40,9 @@ from dlstore.bench.stages import (
 from dlstore.machine import synchronize
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
-PROBE_MIN_BATCHES = 6  # a 0-worker loader's probe before its run: at least this many batches and fed_s
+# A loader without worker processes is probed right before and right after each run (``probe_around``):
+# each pass at least this many batches and half of fed_s, so each term gets 2 passes and fed_s per repeat
+PROBE_MIN_BATCHES = 3
 
 
 @dataclass(frozen=True)
@@ -124,12 +126,13 @@ def run_once(
     fresh = spec.cold and prepared.fresh_for_cold
     loader = prepared.loader(spec.workers, spec.pin_memory, config, fresh=fresh)
     result.loader_settings = loader_settings(loader)
-    if works_in_caller(loader) and not spec.cold:
-        result.loader_probe = probe_loader(loader, PROBE_MIN_BATCHES, config.fed_s)
+    feed = feeder(prepared, device, spec.pin_memory)
+    probed = spec.workers == 0 and not spec.cold
+    if probed:
+        result.loader_probe = probe_around(loader, feed, step, config, device, after=False)
     n_batches = len(loader) if hasattr(loader, "__len__") else config.steps  # type: ignore[arg-type]
     warm, timed, cycle = cycle_window(n_batches, spec.workers, config.warmup, config.steps)
     n_steps = warm + (0 if spec.cold else timed)
-    feed = feeder(prepared, device, spec.pin_memory)
     events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
     # No nvidia-smi sampling while timing: its NVML queries contend with kernel launches (a launch-bound step
     # ran slower in the loop than alone). The device's busy share comes from the CUDA events instead.
@@ -195,7 +198,40 @@ def run_once(
         if ref is not None:
             rec.device_start_s = ref.elapsed_time(ev[0]) / 1e3
             rec.device_end_s = ref.elapsed_time(ev[1]) / 1e3
+    if probed:
+        result.loader_probe_after = probe_around(loader, feed, step, config, device, after=True)
     return result
+
+
+def probe_around(
+    loader: Any,
+    feed: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
+    step: Step,
+    config: BenchConfig,
+    device: torch.device,
+    after: bool,
+) -> dict[str, Any]:
+    """The parts the model takes from next to a run of a loader without worker processes (no pool to start,
+    so a probe is cheap): a loader working in the caller alone (the serial producer), and the step's copy +
+    calls on a fixed batch beside the loader (the main thread's cost under its threads). Before the run in
+    that order, after it in the mirrored one (``stages.probe_loader``)."""
+
+    def work(batch: Any) -> float:
+        a = time.perf_counter()
+        x, y = feed(batch)
+        step(x, y)
+        return time.perf_counter() - a
+
+    out = probe_loader(
+        loader,
+        PROBE_MIN_BATCHES,
+        config.fed_s / 2,
+        device,
+        beside=work,
+        alone=works_in_caller(loader),
+        beside_first=after,
+    )
+    return {**out, "when": "after" if after else "before"}
 
 
 def _reference_event(device: torch.device) -> Any:
@@ -247,13 +283,28 @@ def aggregate(results: Sequence[RunResult]) -> dict[str, Any]:
 
 
 def pool_probes(results: Sequence[RunResult]) -> dict[str, Any] | None:
-    """The loader probes taken before each repeat, pooled per batch (weighted by batches), with each one."""
-    probes = [r.loader_probe for r in results if r.loader_probe]
-    n = sum(p["batches"] for p in probes)
-    if not n:
+    """The probes taken before and after each repeat (``probe_around``), pooled (``pool_probe_dicts``)."""
+    return pool_probe_dicts([p for r in results for p in (r.loader_probe, r.loader_probe_after) if p])
+
+
+def pool_probe_dicts(probes: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """Probes pooled per batch (weighted by batches): the loader alone (``period_s``, ``main_s``, ``cpu_s``
+    over ``batches``; absent when no probe timed it alone) and the step beside it (``beside_serial_s`` over
+    ``beside_batches``; absent when none timed it), with each probe in ``samples``; None without probes."""
+    if not probes:
         return None
-    pooled = {k: sum(p[k] * p["batches"] for p in probes) / n for k in ("period_s", "main_s", "cpu_s")}
-    return {**pooled, "batches": n, "samples": probes}
+    out: dict[str, Any] = {"samples": list(probes)}
+    alone = [p for p in probes if p.get("batches")]
+    n = sum(p["batches"] for p in alone)
+    if n:
+        out.update({k: sum(p[k] * p["batches"] for p in alone) / n for k in ("period_s", "main_s", "cpu_s")})
+        out["batches"] = n
+    beside = [p for p in probes if p.get("beside_batches")]
+    m = sum(p["beside_batches"] for p in beside)
+    if m:
+        out["beside_serial_s"] = sum(p["beside_serial_s"] * p["beside_batches"] for p in beside) / m
+        out["beside_batches"] = m
+    return out
 
 
 def statistics_ms(results: Sequence[RunResult]) -> dict[str, float | None]:

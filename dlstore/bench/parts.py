@@ -2,10 +2,13 @@
 
 - storage read, cold and warm (a per-epoch limit only when the data cannot stay in the page cache);
 - the loader alone at each (workers, pin_memory) the sweep runs: its period, the main thread's share, its CPU
-  (a loader working in the caller is timed alone once more right before each of its runs, ``run_once``);
   then, on the same running loader, the step fed a fixed batch after each of its batches: the main thread's
   own cost per step beside that loader (its pin or gather threads and workers contend with the launches:
-  +20–55% on the H200 for a launch-bound ResNet-18, round C), the one part that cannot be measured alone;
+  +20–55% on the H200 for a launch-bound ResNet-18, round C), the one part that cannot be measured alone.
+  A loader without worker processes (0-worker DataLoader, pinned, resident) is timed again right before and
+  right after each of its runs (``endtoend.probe_around``: alone when it works in the caller, and beside the
+  step), and the model takes those probes: the machine's speed moved by up to ±30% between the parts phase
+  and the runs seconds later (rounds A–F);
 - the host→device copy, pinned and pageable, and the step on synthetic on-device batches (the ceiling);
 - the step fed from an already-collated batch through the loop's own copy with data free (the device's
   period). Re-measured once per round, like the ceiling, so each is pooled over the same span of time as the

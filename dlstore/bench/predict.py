@@ -4,8 +4,8 @@ A training loop is ``for x, y in loader: copy; step``. Three things work on each
 
 - the **producer**: DataLoader workers (or a loader's own thread) making batches, measured as a loader-only
   loop (``loader.period_s`` per batch); a loader that works in the caller (0 workers) is timed alone again
-  right before each of its runs (``stages.probe_loader``), since its cost is the whole serial half of the
-  loop and moved with the machine between the parts phase and the runs (H200, 7 of 7 raw runs +7…+46%);
+  right before and after each of its runs (``endtoend.probe_around``), since its cost is the whole serial
+  half of the loop and moved with the machine between the parts phase and the runs (H200, rounds A–F);
 - the **main thread**: its share of the loader's work (all of it with 0 workers: decode, collate, pin run
   in ``next()``; with workers only the hand-over) plus its own per-step work: the Python loop, the copy
   call, the kernel launches and any synchronisation the step does. That last part is measured by feeding

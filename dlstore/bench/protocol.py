@@ -153,8 +153,10 @@ class RunResult:
     loader_settings: dict[str, Any] = field(default_factory=dict)  # read back from the loader that ran
     resources: dict[str, Any] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
-    # a loader working in the caller, timed alone right before this run (``stages.probe_loader``); else None
+    # a loader without worker processes, probed right before / right after this run (``endtoend.probe_around``:
+    # alone when it works in the caller, and the step beside it); else None
     loader_probe: dict[str, Any] | None = None
+    loader_probe_after: dict[str, Any] | None = None
     cpu_ref_s: float | None = None  # ``stages.cpu_reference_s`` right before the timed steps
 
     def timed(self) -> list[StepRecord]:

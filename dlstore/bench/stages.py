@@ -331,37 +331,72 @@ def works_in_caller(loader: Iterable) -> bool:
     return getattr(loader, "num_workers", None) == 0
 
 
-def probe_loader(loader: Iterable, min_batches: int, min_s: float, warmup: int = 1) -> dict[str, Any]:
-    """A loader working in the caller, alone, right before a run of the loop on the same loader: per batch its
-    wall time in ``next()`` and the process's CPU, over at least ``min_batches`` and ``min_s``.
+def probe_loader(
+    loader: Iterable,
+    min_batches: int,
+    min_s: float,
+    device: torch.device,
+    beside: Callable[[Any], float] | None = None,
+    alone: bool = True,
+    beside_first: bool = False,
+) -> dict[str, Any]:
+    """A loader without worker processes, right next to a run of the loop on the same loader: ``alone``,
+    per batch its wall time in ``next()`` and the process's CPU; ``beside``, the main thread's copy + step
+    calls on a fixed batch (the loader's first, ``beside(batch)`` returns its seconds) after each of the
+    loader's batches. Each pass covers at least ``min_batches`` and ``min_s``. ``beside_first`` runs the
+    passes in the other order, so a probe after the run mirrors the one before it (A B | run | B A: a drift
+    that is linear in time weighs both parts alike).
 
-    Why again when ``measure_loader`` timed it among the parts: on the H200 every 0-worker raw run's
-    ``next()`` took 7–46% longer in the run than the same loader timed in the parts phase seconds earlier
-    (7 of 7 runs, rounds A–D), with the CPU seconds per batch up by as much (the same work, a slower
-    machine), while the loader alone and the loop timed back to back agreed within 1% (round A). The main
-    thread's share is the whole serial half of a 0-worker loop, so it is timed where the run will be."""
-    cpu_ref = cpu_reference_s()
+    Why next to the run when the parts phase timed both: on the H200 the same 0-worker loader's ``next()``
+    moved by 7–46% between the parts phase and its run (rounds A–F, with the CPU seconds per batch: the same
+    work, a slower or faster machine), and the step's calls beside a loader by up to 30% (round E, resident
+    at batch 512: 15.5 ms in the parts phase, 11.9 ms in its run), seconds apart. Timing both right before
+    and right after each run brackets the run in time; it never uses the run's own rate."""
     stream = BatchStream(loader)
-    pid = os.getpid()
+    out: dict[str, Any] = {
+        "cpu_ref_s": cpu_reference_s(),
+        "order": "beside-alone" if beside_first else "alone-beside",
+    }
     try:
-        for _ in range(warmup):
-            stream.next()
-        from dlstore.bench.monitor import process_cpu_s
-
-        c0, t0, done = process_cpu_s(pid), time.perf_counter(), 0
-        while done < min_batches or time.perf_counter() - t0 < min_s:
-            stream.next()
-            done += 1
-        seconds = time.perf_counter() - t0
-        c1 = process_cpu_s(pid)
+        first = stream.next()  # warm-up; kept as the beside pass's fixed batch
+        passes = [p for p in ("alone", "beside") if (p == "alone" and alone) or (p == "beside" and beside)]
+        for name in reversed(passes) if beside_first else passes:
+            if name == "alone":
+                out.update(_probe_alone(stream, min_batches, min_s))
+            else:
+                assert beside is not None
+                times, nexts = _beside(stream, lambda: beside(first), min_batches, min_s, device, warmup=1)
+                out.update(
+                    beside_serial_s=statistics.fmean(times),
+                    beside_batches=len(times),
+                    beside_next_s=statistics.fmean(nexts),
+                )
     finally:
         stream.close()
+    out["cpu_ref_after_s"] = cpu_reference_s()
+    return out
+
+
+def _probe_alone(stream: BatchStream, min_batches: int, min_s: float) -> dict[str, Any]:
+    """``next()`` alone: period per batch (wall in the caller), process CPU per batch, each batch's time."""
+    from dlstore.bench.monitor import process_cpu_s
+
+    pid = os.getpid()
+    nexts: list[float] = []
+    c0, t0 = process_cpu_s(pid), time.perf_counter()
+    while len(nexts) < min_batches or time.perf_counter() - t0 < min_s:
+        a = time.perf_counter()
+        stream.next()
+        nexts.append(time.perf_counter() - a)
+    seconds = time.perf_counter() - t0
+    c1 = process_cpu_s(pid)
+    done = len(nexts)
     return {
         "period_s": seconds / done,
         "main_s": seconds / done,
         "cpu_s": (c1 - c0) / done if c0 is not None and c1 is not None else 0.0,
         "batches": done,
-        "cpu_ref_s": cpu_ref,
+        "next_s": nexts,  # diagnostics: drift within the probe
     }
 
 
@@ -384,24 +419,29 @@ BESIDE_MAX = 200
 
 
 def _beside(
-    stream: BatchStream, work: Callable[[], float], steps: int, seconds: float, device: torch.device
+    stream: BatchStream,
+    work: Callable[[], float],
+    steps: int,
+    seconds: float,
+    device: torch.device,
+    warmup: int = BESIDE_WARMUP,
 ) -> tuple[list[float], list[float]]:
     """``work``'s seconds after each of the loader's next batches (the batch itself dropped), and the
     seconds in each of those ``next()`` calls."""
     times: list[float] = []
     nexts: list[float] = []
     t0 = time.perf_counter()
-    for i in range(BESIDE_WARMUP + BESIDE_MAX):
-        if i >= BESIDE_WARMUP + steps and time.perf_counter() - t0 >= seconds:
+    for i in range(warmup + BESIDE_MAX):
+        if i >= warmup + steps and time.perf_counter() - t0 >= seconds:
             break
-        if i == BESIDE_WARMUP:
+        if i == warmup:
             synchronize(device)
             t0 = time.perf_counter()
         a = time.perf_counter()
         stream.next()
         took_next = time.perf_counter() - a
         took = work()
-        if i >= BESIDE_WARMUP:
+        if i >= warmup:
             times.append(took)
             nexts.append(took_next)
     synchronize(device)

@@ -93,11 +93,14 @@ def parts_of(run: dict[str, Any], ks: KindStages, facts: Facts) -> LoopParts | N
     fed = ks.fed_at(run["pin_memory"], facts.batch_size)
     if loader is None or fed is None:
         return None
-    probe = run.get("loader_probe")
-    if probe and loader.in_caller:
-        # the loader alone timed right before each repeat of this run (``stages.probe_loader``): the serial
-        # half of a 0-worker loop, where the run found the machine, instead of seconds earlier
+    probe = run.get("loader_probe") or {}
+    if loader.in_caller and probe.get("batches"):
+        # the loader alone timed right before and after each repeat of this run (``endtoend.probe_around``):
+        # the serial half of a 0-worker loop, where the run found the machine, instead of seconds earlier
         loader = replace(loader, period_s=probe["period_s"], main_s=probe["main_s"], cpu_s=probe["cpu_s"])
+    if probe.get("beside_serial_s") is not None:
+        # the step's calls beside this loader, timed around the run too (a loader without worker processes)
+        loader = replace(loader, beside_serial_s=probe["beside_serial_s"])
     return LoopParts(
         batch=facts.batch_size,
         workers=run["workers"],

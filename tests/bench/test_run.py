@@ -62,20 +62,25 @@ def test_every_kind_and_worker_count_ran(result: tuple[dict[str, Any], Path]) ->
     assert set(doc["cold"]) == {"raw", "ram", "npz", "zarr"}
 
 
-def test_zero_worker_runs_are_predicted_from_the_loader_probed_before_them(
+def test_zero_worker_runs_are_predicted_from_the_loader_probed_around_them(
     result: tuple[dict[str, Any], Path],
 ) -> None:
-    # a loader working in next() is timed alone again right before its run; the prediction's producer and
-    # main-thread terms use that probe, not the parts-phase timing (worker runs have no probe)
+    # a loader working in next() is timed alone and beside the step right before and right after its run;
+    # the prediction's producer and main-thread terms use those probes, not the parts-phase timing (worker
+    # runs have no probe)
     doc, _ = result
     for r in doc["runs"]:
         probe = r["loader_probe"]
         if r["workers"] > 0:
             assert probe is None
             continue
+        assert [s["when"] for s in probe["samples"]] == ["before", "after"]
         assert probe["batches"] >= 6 and probe["main_s"] > 0
-        assert [s["batches"] for s in probe["samples"]] == [probe["batches"]]
+        assert sum(s["batches"] for s in probe["samples"]) == probe["batches"]
+        assert probe["beside_batches"] >= 6 and probe["beside_serial_s"] > 0
         assert r["limits_ms"]["producer"] == pytest.approx(1e3 * probe["period_s"])
+        serial = r["budget_ms"]["predicted"]["host_ms"]
+        assert serial == pytest.approx(1e3 * probe["beside_serial_s"])
         assert all(ms is not None and ms > 0 for ms in r["cpu_ref_ms"])
 
 
@@ -271,6 +276,12 @@ def test_fast_path_kinds_are_measured(env: Path) -> None:
     # they use no worker processes, so they run once, at 0 workers
     assert sorted((r["loader"], r["workers"]) for r in doc["runs"]) == [("pinned", 0), ("resident", 0)]
     assert all(r["img_per_s"] > 0 for r in doc["runs"])
+    # no worker processes: the step is probed beside each around its run (not alone: no work in next()),
+    # and the model's host term is that probe
+    for r in doc["runs"]:
+        probe = r["loader_probe"]
+        assert [s["when"] for s in probe["samples"]] == ["before", "after"] and "period_s" not in probe
+        assert r["budget_ms"]["predicted"]["host_ms"] == pytest.approx(1e3 * probe["beside_serial_s"])
 
 
 def test_recorded_parts_replay_to_the_recorded_predictions(result: tuple[dict[str, Any], Path]) -> None:
@@ -289,3 +300,28 @@ def test_recorded_parts_replay_to_the_recorded_predictions(result: tuple[dict[st
     for row, run in zip(rows, doc["runs"]):
         assert row["predicted"] == pytest.approx(run["predicted_img_per_s"], rel=1e-9)
         assert row["bottleneck"] == run["bottleneck"]
+
+
+def test_model_variants_replay_the_old_and_new_bases_from_one_run(
+    result: tuple[dict[str, Any], Path],
+) -> None:
+    """bench_batches.py prints the old model (parts phase; probe before only) next to the new one (probes
+    before and after) on the same runs: the new basis gives back the recorded prediction, and runs with
+    workers (no probes) predict the same under every basis."""
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "replay_predictions.py"
+    spec = importlib.util.spec_from_file_location("replay_predictions", script)
+    assert spec and spec.loader
+    replay = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(replay)
+    doc, _ = result
+    for row, run in zip(replay.variant_errors(doc), doc["runs"]):
+        errors = row["errors"]
+        assert set(errors) == set(replay.VARIANTS)
+        assert errors["probe"] == pytest.approx(run["prediction_error"], rel=1e-9)
+        if run["workers"] > 0:
+            assert len({round(e, 12) for e in errors.values()}) == 1
+        else:  # the before-only pool is the before sample alone
+            before = replay.probes_before(run, keep_beside=True)
+            assert before["samples"] == [s for s in run["loader_probe"]["samples"] if s["when"] == "before"]

@@ -298,8 +298,8 @@ def test_the_step_measured_beside_the_loader_replaces_the_fed_cost() -> None:
     assert p.bottleneck == "host"
 
 
-def test_the_loader_probed_before_a_zero_worker_run_replaces_its_parts_timing() -> None:
-    # parts phase: 100 ms per batch in next(); probed right before the run: 150 ms. The 0-worker run's main
+def test_the_loader_probed_around_a_zero_worker_run_replaces_its_parts_timing() -> None:
+    # parts phase: 100 ms per batch in next(); probed around the run: 150 ms. The 0-worker run's main
     # thread needs 150 + 10 ms; the 4-worker run keeps its loader-alone timing (a probe there is ignored)
     ks = KindStages(
         loader={
@@ -317,22 +317,65 @@ def test_the_loader_probed_before_a_zero_worker_run_replaces_its_parts_timing() 
     assert runs[1]["limits_ms"]["producer"] == pytest.approx(50)
 
 
-def test_a_loader_probe_times_next_alone_over_enough_batches_and_seconds() -> None:
+def test_the_step_probed_beside_a_loader_replaces_the_parts_phase_cost() -> None:
+    # a resident loader (no worker processes, not in the caller): 15.5 ms of step calls beside it in the parts
+    # phase, 12 ms in the probes around its run (round E's case). The host term is the probes' 12 ms, and the
+    # producer keeps the parts phase (a probe without an alone pass does not touch it)
+    ks = KindStages(
+        loader={(0, True): LoaderTiming(1 * MS, 0.1 * MS, in_caller=False, beside_serial_s=15.5 * MS)},
+        fed={True: FedTiming(11 * MS, 11 * MS)},
+    )
+    probe = {"beside_serial_s": 12 * MS, "beside_batches": 8}
+    runs = [{**run("resident", 0, 40000, pin=True), "loader_probe": probe}]
+    annotate_runs({"resident": ks}, runs, facts(cores=16))
+    assert runs[0]["limits_ms"]["main"] == pytest.approx(12.1)
+    assert runs[0]["limits_ms"]["producer"] == pytest.approx(1)
+    runs[0]["loader_probe"] = None  # the model before: the parts phase
+    annotate_runs({"resident": ks}, runs, facts(cores=16))
+    assert runs[0]["limits_ms"]["main"] == pytest.approx(15.6)
+
+
+def test_a_loader_probe_times_next_alone_and_the_step_beside_over_enough_batches_and_seconds() -> None:
     loader = DataLoader(SleepyDataset(64, 0.001), batch_size=4, num_workers=0)
-    out = probe_loader(loader, min_batches=3, min_s=0.05)
+    seen: list[int] = []
+
+    def step(batch: Any) -> float:  # 2 ms of "step" on the loader's first batch, every time
+        seen.append(int(batch[0].shape[0]))
+        time.sleep(0.002)
+        return 0.002
+
+    out = probe_loader(loader, min_batches=3, min_s=0.05, device=CPU, beside=step)
     assert out["batches"] >= 3 and out["batches"] * out["period_s"] >= 0.05
     assert out["main_s"] == out["period_s"] >= 4 * 0.001  # four sleeping images per batch
-    assert out["cpu_s"] >= 0 and out["cpu_ref_s"] > 0
+    assert len(out["next_s"]) == out["batches"] and min(out["next_s"]) >= 4 * 0.001
+    assert out["cpu_s"] >= 0 and out["cpu_ref_s"] > 0 and out["cpu_ref_after_s"] > 0
+    # the beside pass: ≥ 3 timed steps after one warm-up, each after a next() of ≥ 4 ms, its cost the step's
+    assert out["beside_batches"] >= 3 and len(seen) == out["beside_batches"] + 1 and set(seen) == {4}
+    assert out["beside_serial_s"] == pytest.approx(0.002) and out["beside_next_s"] >= 4 * 0.001
+    assert out["order"] == "alone-beside"
+    # the mirrored order after a run; a loader not working in the caller gets the beside pass only
+    after = probe_loader(
+        loader, min_batches=3, min_s=0.0, device=CPU, beside=step, alone=False, beside_first=True
+    )
+    assert "main_s" not in after and after["beside_batches"] == 3 and after["order"] == "beside-alone"
 
 
-def test_probes_pool_per_batch_over_repeats() -> None:
+def test_probes_pool_per_batch_over_repeats_before_and_after() -> None:
     a, b = RunResult("raw", 0, True, 0, 0), RunResult("raw", 0, True, 1, 0)
-    a.loader_probe = {"period_s": 0.1, "main_s": 0.1, "cpu_s": 1.0, "batches": 6}
-    b.loader_probe = {"period_s": 0.2, "main_s": 0.2, "cpu_s": 2.0, "batches": 2}
+    a.loader_probe = {"period_s": 0.1, "main_s": 0.1, "cpu_s": 1.0, "batches": 6, "when": "before"}
+    a.loader_probe_after = {"period_s": 0.3, "main_s": 0.3, "cpu_s": 3.0, "batches": 2, "when": "after",
+                            "beside_serial_s": 0.02, "beside_batches": 4}  # fmt: skip
+    b.loader_probe = {"period_s": 0.2, "main_s": 0.2, "cpu_s": 2.0, "batches": 2, "beside_serial_s": 0.01,
+                      "beside_batches": 4}  # fmt: skip
     pooled = pool_probes([a, b])
-    assert pooled is not None and pooled["batches"] == 8
-    assert pooled["period_s"] == pytest.approx((6 * 0.1 + 2 * 0.2) / 8)
-    assert pooled["cpu_s"] == pytest.approx((6 * 1.0 + 2 * 2.0) / 8) and len(pooled["samples"]) == 2
+    assert pooled is not None and pooled["batches"] == 10 and len(pooled["samples"]) == 3
+    assert pooled["period_s"] == pytest.approx((6 * 0.1 + 2 * 0.3 + 2 * 0.2) / 10)
+    assert pooled["cpu_s"] == pytest.approx((6 * 1.0 + 2 * 3.0 + 2 * 2.0) / 10)
+    assert pooled["beside_serial_s"] == pytest.approx(0.015) and pooled["beside_batches"] == 8
+    only_beside = RunResult("resident", 0, True, 0, 0)
+    only_beside.loader_probe = {"beside_serial_s": 0.01, "beside_batches": 4}
+    pooled = pool_probes([only_beside])
+    assert pooled is not None and "period_s" not in pooled and pooled["beside_serial_s"] == 0.01
     assert pool_probes([RunResult("raw", 4, True, 0, 0)]) is None
 
 
