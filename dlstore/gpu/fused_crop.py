@@ -22,6 +22,7 @@ except Exception:  # pragma: no cover - depends on the install
     tl = None  # type: ignore[assignment]
 
 BLOCK = 256
+PARAMS = 8  # columns of the per-image parameter rows (ragged.PARAM_COLUMNS)
 # Set when the kernel failed to build or launch once (e.g. no C compiler for Triton's launcher): the
 # PyTorch path is used from then on, with one warning.
 _BROKEN: list[str] = []
@@ -51,11 +52,7 @@ if triton is not None:
     @triton.jit
     def _crop_kernel(
         flat,
-        starts,
-        heights,
-        widths,
-        sx,
-        sy,
+        params,
         mul,
         add,
         out,
@@ -73,11 +70,21 @@ if triton is not None:
         inside = p < out_h * out_w
         y = p // out_w
         x = p % out_w
-        start = tl.load(starts + b)
-        h = tl.load(heights + b)
-        w = tl.load(widths + b)
-        fx = tl.load(sx + b * out_w + x, mask=inside, other=0.0)
-        fy = tl.load(sy + b * out_h + y, mask=inside, other=0.0)
+        row = params + b * 8  # PARAMS columns (a literal: Triton kernels read no Python globals)
+        start = tl.load(row)
+        h = tl.load(row + 1)
+        w = tl.load(row + 2)
+        top = tl.load(row + 3)
+        left = tl.load(row + 4)
+        crop_h = tl.load(row + 5)
+        crop_w = tl.load(row + 6)
+        flip = tl.load(row + 7)
+        # ragged.crop_coords, per pixel: the same float32 operations in the same order
+        xs = tl.where(flip != 0, out_w - 1 - x, x).to(tl.float32)
+        fx = left.to(tl.float32) + (xs + 0.5) * (crop_w.to(tl.float32) / out_w) - 0.5
+        fy = top.to(tl.float32) + (y.to(tl.float32) + 0.5) * (crop_h.to(tl.float32) / out_h) - 0.5
+        fx = tl.minimum(tl.maximum(fx, left.to(tl.float32)), (left + crop_w - 1).to(tl.float32))
+        fy = tl.minimum(tl.maximum(fy, top.to(tl.float32)), (top + crop_h - 1).to(tl.float32))
         x0f = tl.floor(fx)
         y0f = tl.floor(fy)
         wx = fx - x0f
@@ -92,9 +99,9 @@ if triton is not None:
             v01 = tl.load(flat + base + y0 * w + x1, mask=inside, other=0).to(tl.float32)
             v10 = tl.load(flat + base + y1 * w + x0, mask=inside, other=0).to(tl.float32)
             v11 = tl.load(flat + base + y1 * w + x1, mask=inside, other=0).to(tl.float32)
-            top = v00 + wx * (v01 - v00)
-            bottom = v10 + wx * (v11 - v10)
-            v = top + wy * (bottom - top)
+            top_row = v00 + wx * (v01 - v00)
+            bottom_row = v10 + wx * (v11 - v10)
+            v = top_row + wy * (bottom_row - top_row)
             v = v * tl.load(mul + c) + tl.load(add + c)
             dst = out + b * s_b + c * s_c + y * s_h + x * s_w
             tl.store(dst, v.to(out.dtype.element_ty), mask=inside)
@@ -102,27 +109,21 @@ if triton is not None:
 
 def fused_crop(
     flat: torch.Tensor,
-    starts: torch.Tensor,
-    heights: torch.Tensor,
-    widths: torch.Tensor,
+    params: torch.Tensor,
     channels: int,
-    sx: torch.Tensor,
-    sy: torch.Tensor,
     mul: torch.Tensor,
     add: torch.Tensor,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Fill ``out`` (B, C, out_h, out_w), any strides and floating dtype: ``bilinear_gather`` of the
-    flat batch at (sy, sx), times ``mul`` plus ``add`` per channel."""
+    """Fill ``out`` (B, C, out_h, out_w), any strides and floating dtype: the crop of each image of the
+    flat batch described by its row of ``params`` (B, 8) int64 (``ragged.PARAM_COLUMNS``), sampled at
+    ``ragged.crop_coords``'s positions as ``bilinear_gather`` does, times ``mul`` plus ``add`` per channel.
+    One launch: the sampling positions are computed in the kernel."""
     b, c, out_h, out_w = out.shape
     grid: Any = (b, triton.cdiv(out_h * out_w, BLOCK))
     _crop_kernel[grid](
         flat,
-        starts.contiguous(),
-        heights.contiguous(),
-        widths.contiguous(),
-        sx.float().contiguous(),
-        sy.float().contiguous(),
+        params.contiguous(),
         mul.float().reshape(-1).contiguous(),
         add.float().reshape(-1).contiguous(),
         out,
@@ -131,5 +132,6 @@ def fused_crop(
         *out.stride(),
         C=channels,
         BLOCK_SIZE=BLOCK,
+        enable_fp_fusion=False,  # no fused multiply-add: the positions round as the PyTorch path's
     )
     return out

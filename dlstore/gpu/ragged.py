@@ -22,12 +22,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dlstore.gpu import fused_crop
 from dlstore.gpu.augment import _CROP_ATTEMPTS, _channel_affine, _check_channels, _pair
 
-__all__ = ["FlatImages", "RaggedCenterCrop", "RaggedRandomResizedCrop", "flat_batch", "sample_crop_boxes"]
+__all__ = [
+    "PARAM_COLUMNS",
+    "FlatImages",
+    "RaggedCenterCrop",
+    "RaggedRandomResizedCrop",
+    "flat_batch",
+    "sample_crop_boxes",
+]
 
 
 @dataclass
@@ -40,27 +48,40 @@ class FlatImages:
     heights: torch.Tensor
     widths: torch.Tensor
     channels: int
+    # The same (starts, heights, widths) as a (3, B) int64 array on the host, when the loader knows them
+    # there: the crop then draws its boxes on the host and sends them in one copy (see _RaggedCrop).
+    host: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
 
 
+# Per-image crop parameters, one int64 row each, as the crop kernels read them.
+PARAM_COLUMNS = ("start", "height", "width", "top", "left", "crop_h", "crop_w", "flip")
+
+
 def flat_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The uint8 (C, H_i, W_i) images back to back in one flat buffer (one ``cat``: no per-image copy
     launches, no padding), with each image's start, height and width as (B,) int64 tensors."""
+    flat, host = _flat_host(images)
+    meta = torch.from_numpy(host).to(flat.device, non_blocking=True)
+    return flat, meta[0], meta[1], meta[2]
+
+
+def _flat_host(images: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+    """``flat_batch``'s buffer, and (starts, heights, widths) as a (3, B) int64 array on the host."""
     if not images:
         raise ValueError("empty batch")
     c = images[0].shape[0]
     for img in images:
         if img.dtype != torch.uint8 or img.ndim != 3 or img.shape[0] != c:
             raise ValueError(f"expected uint8 (C={c}, H, W) tensors, got {img.dtype}{tuple(img.shape)}")
-    dev = images[0].device
     flat = torch.cat([img.reshape(-1) for img in images])
-    sizes = torch.tensor([[img.shape[1], img.shape[2]] for img in images], dtype=torch.int64)
-    starts = torch.zeros(len(images), dtype=torch.int64)
-    starts[1:] = torch.cumsum(sizes[:, 0] * sizes[:, 1] * c, 0)[:-1]
-    sizes, starts = sizes.to(dev, non_blocking=True), starts.to(dev, non_blocking=True)
-    return flat, starts, sizes[:, 0], sizes[:, 1]
+    host = np.empty((3, len(images)), np.int64)
+    host[1:] = np.asarray([img.shape[1:] for img in images], np.int64).T
+    sizes = host[1] * host[2] * c
+    host[0, 0], host[0, 1:] = 0, np.cumsum(sizes)[:-1]
+    return flat, host
 
 
 def sample_crop_boxes(
@@ -152,35 +173,57 @@ class _RaggedCrop(torch.nn.Module):
         raise NotImplementedError
 
     takes_flat = True  # forward accepts FlatImages (DecodeLoader hands them over when it can)
+    # Whether boxes may be drawn on the host (where the image sizes are known): then the whole batch's
+    # parameters reach the device in one small copy instead of ~50 tiny kernels launched per batch.
+    samples_on_host = True
 
     def forward(self, images: list[torch.Tensor] | FlatImages) -> torch.Tensor:
         """A list of uint8 (C, H_i, W_i) tensors (or one (B, C, H, W) batch, or FlatImages) → (B, C, *size)."""
         if isinstance(images, torch.Tensor):
             images = list(images.unbind(0))
         if isinstance(images, FlatImages):
-            flat, starts, heights, widths = images.flat, images.starts, images.heights, images.widths
-            channels = images.channels
+            flat, channels, host = images.flat, images.channels, images.host
+            meta = (images.starts, images.heights, images.widths)
         else:
-            flat, starts, heights, widths = flat_batch(images)
-            channels = images[0].shape[0]
+            flat, host = _flat_host(images)
+            channels, meta = images[0].shape[0], None
         _check_channels(self._mul, channels)
-        top, left, h, w, flip = self.boxes(heights, widths)
-        sx, sy = crop_coords(top, left, h, w, flip, self.size)
+        params = self.params(flat.device, host, meta)
         fmt = torch.channels_last if self.channels_last else torch.contiguous_format
         if self.fused and fused_crop.available(flat.device):
             out = torch.empty(
-                (len(images), channels, *self.size),
+                (len(params), channels, *self.size),
                 dtype=self.out_dtype,
                 device=flat.device,
                 memory_format=fmt,
             )
             mul, add = self._mul.expand(channels), self._add.expand(channels)
-            done = fused_crop.try_fused_crop(flat, starts, heights, widths, channels, sx, sy, mul, add, out)
+            done = fused_crop.try_fused_crop(flat, params, channels, mul, add, out)
             if done is not None:
                 return done
+        starts, heights, widths, top, left, h, w, flip = params.unbind(1)
+        sx, sy = crop_coords(top, left, h, w, flip.bool(), self.size)
         out = bilinear_gather(flat, starts, heights, widths, channels, sx, sy)
         out = torch.addcmul(self._add.view(1, -1, 1, 1), out, self._mul.view(1, -1, 1, 1))
         return out.to(dtype=self.out_dtype, memory_format=fmt)
+
+    def params(
+        self,
+        device: torch.device,
+        host: np.ndarray | None,
+        meta: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """(B, 8) int64 rows of ``PARAM_COLUMNS`` on ``device``: drawn on the host when the sizes are
+        known there (``host``) and ``samples_on_host``, else on the device from ``meta``."""
+        if host is not None and self.samples_on_host:
+            starts, heights, widths = (torch.from_numpy(v) for v in host)
+        elif meta is not None:
+            starts, heights, widths = meta
+        else:
+            starts, heights, widths = (torch.from_numpy(v).to(device, non_blocking=True) for v in host)  # type: ignore[union-attr]
+        top, left, h, w, flip = self.boxes(heights, widths)
+        params = torch.stack([starts, heights, widths, top, left, h, w, flip.to(torch.int64)], dim=1)
+        return params.to(device, non_blocking=True)
 
 
 def crop_coords(
@@ -241,7 +284,8 @@ class RaggedRandomResizedCrop(_RaggedCrop):
 
     Args: ``size``, ``scale``, ``ratio`` as torchvision's; ``hflip_p`` flip probability; ``mean``/``std``
     in [0, 1] units (else the output is scaled to [0, 1]); ``out_dtype``; ``channels_last``;
-    ``generator`` on the device of the images (None: the device's default).
+    ``generator``: None or a CPU generator draws the boxes on the host (one small copy per batch), a
+    generator on the images' device draws them there.
     """
 
     def __init__(
@@ -260,6 +304,9 @@ class RaggedRandomResizedCrop(_RaggedCrop):
         if not (0 < scale[0] <= scale[1] and 0 < ratio[0] <= ratio[1]):
             raise ValueError(f"need 0 < min <= max for scale {scale} and ratio {ratio}")
         self.scale, self.ratio, self.hflip_p, self.generator = scale, ratio, hflip_p, generator
+        # A device generator draws on the device (its random stream is the caller's); otherwise the
+        # host's (default or given CPU) generator draws where the sizes are known.
+        self.samples_on_host = generator is None or generator.device.type == "cpu"
 
     def boxes(
         self, heights: torch.Tensor, widths: torch.Tensor

@@ -421,7 +421,7 @@ class DecodeLoader:
         sizes = np.prod(hwc, axis=1)
         meta = np.stack([np.concatenate(([0], np.cumsum(sizes)[:-1])), hwc[:, 0], hwc[:, 1]]).astype(np.int64)
         meta_t = torch.from_numpy(meta).to(self.device, non_blocking=True)
-        return FlatImages(flat, meta_t[0], meta_t[1], meta_t[2], int(hwc[0, 2]))
+        return FlatImages(flat, meta_t[0], meta_t[1], meta_t[2], int(hwc[0, 2]), host=meta)
 
     def _balance(self, cpu_count: int, gpu_count: int, waited: float) -> None:
         """Without a fixed ``cpu_share``: the nvJPEG share is decoded in this thread, on the batch's path;

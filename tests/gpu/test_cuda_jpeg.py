@@ -111,8 +111,11 @@ def test_decode_loader_pixels_survive_a_slow_consumer(
         torch.testing.assert_close(x, torch.stack(ref), rtol=0, atol=0, msg=f"batch {k}")
 
 
+@pytest.mark.parametrize("gen_device", ["cuda", "cpu"])  # boxes drawn on the device / on the host
 @pytest.mark.parametrize("channels_last", [False, True])
-def test_fused_crop_kernel_equals_the_pytorch_path(jpeg_cache: Path, channels_last: bool) -> None:
+def test_fused_crop_kernel_equals_the_pytorch_path(
+    jpeg_cache: Path, channels_last: bool, gen_device: str
+) -> None:
     from dlstore.gpu import fused_crop
 
     if not fused_crop.available(torch.device("cuda")):
@@ -127,8 +130,9 @@ def test_fused_crop_kernel_equals_the_pytorch_path(jpeg_cache: Path, channels_la
             mean=(0.5, 0.4, 0.3),
             std=(0.2, 0.3, 0.25),
             channels_last=channels_last,
-            generator=torch.Generator(device="cuda").manual_seed(3),
+            generator=torch.Generator(device=gen_device).manual_seed(3),
         ).cuda()
+        assert crop.samples_on_host == (gen_device == "cpu")
         crop.fused = fused
         outs.append(crop(images))
     assert not fused_crop._BROKEN, fused_crop._BROKEN  # it ran, not the fallback

@@ -146,3 +146,32 @@ def test_flat_images_crop_like_the_list_they_came_from() -> None:
     b = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(3))
     assert a.takes_flat
     torch.testing.assert_close(a(FlatImages(flat, starts, heights, widths, 3)), b(images), rtol=0, atol=0)
+    # with the sizes on the host too (as DecodeLoader hands them over): the same draw, the same pixels
+    host = torch.stack([starts, heights, widths]).numpy()
+    c = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(3))
+    d = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(
+        c(FlatImages(flat, starts, heights, widths, 3, host=host)), d(images), rtol=0, atol=0
+    )
+
+
+def test_crop_params_rows_hold_the_boxes_drawn_for_each_image() -> None:
+    """The (B, 8) parameter rows the kernels read: each image's place in the flat buffer and size, and a
+    box inside it (the same draw as ``boxes`` with the same generator)."""
+    from dlstore.gpu.ragged import PARAM_COLUMNS, _flat_host
+
+    images = [_image(40 + 5 * i, 70 - 3 * i, i) for i in range(6)]
+    flat, host = _flat_host(images)
+    crop = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(5))
+    rows = crop.params(flat.device, host, None)
+    assert rows.shape == (6, len(PARAM_COLUMNS)) and rows.dtype == torch.int64
+    col = {k: rows[:, i] for i, k in enumerate(PARAM_COLUMNS)}
+    sizes = [img.shape[1] * img.shape[2] * 3 for img in images]
+    assert col["start"].tolist() == np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+    assert col["height"].tolist() == [img.shape[1] for img in images]
+    assert col["width"].tolist() == [img.shape[2] for img in images]
+    assert bool(((col["top"] >= 0) & (col["top"] + col["crop_h"] <= col["height"])).all())
+    assert bool(((col["left"] >= 0) & (col["left"] + col["crop_w"] <= col["width"])).all())
+    ref = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(5))
+    top, left, h, w, flip = ref.boxes(col["height"], col["width"])
+    assert torch.equal(torch.stack([top, left, h, w, flip.long()], 1), rows[:, 3:])
