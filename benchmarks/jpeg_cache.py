@@ -775,6 +775,17 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         loaders[name] = cls(path, batch, transform=rrc, device=DEV, cpu_decoders=m, cpu_share=share)
         if DEV == "cpu":  # dry run: exercise the split with torchvision's CPU decode as the "GPU" side
             loaders[name].gpu = True
+    if args.hybrid_device_boxes:  # side by side: the crop drawing its boxes on the device (before 087ed1d)
+        dev_rrc = RaggedRandomResizedCrop(
+            res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True
+        ).to(DEV)
+        dev_rrc.samples_on_host = False
+        name = f"cpu{n}_1.0_devboxes"
+        loaders[name] = DecodeLoader(
+            path, batch, transform=dev_rrc, device=DEV, cpu_decoders=n, cpu_share=1.0
+        )
+        if DEV == "cpu":
+            loaders[name].gpu = True
     if args.hybrid_loaders != "all":  # e.g. one configuration under a profiler
         keep = set(args.hybrid_loaders.split(","))
         loaders = {k: v for k, v in loaders.items() if k in keep}
@@ -800,6 +811,10 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         cfgs["crop_only"] = lambda: timed_steps(
             lambda: ((rrc(imgs), y) for imgs, y in decoded), step, args.warmup, args.steps, batch
         )
+        if args.hybrid_device_boxes:
+            cfgs["crop_only_devboxes"] = lambda: timed_steps(
+                lambda: ((dev_rrc(imgs), y) for imgs, y in decoded), step, args.warmup, args.steps, batch
+            )
         one = _payload_items(path, 512)
         out["one_core_simplejpeg_img_s"] = _one_core(get_codec("jpeg", 90), one, "simplejpeg")
     runs: dict[str, list[float]] = {k: [] for k in cfgs}
@@ -1130,6 +1145,11 @@ def main() -> None:
         "--hybrid-diagnostics",
         action="store_true",
         help="hybrid section: also the step beside busy CPU decoders only, and beside the crop only",
+    )
+    ap.add_argument(
+        "--hybrid-device-boxes",
+        action="store_true",
+        help="hybrid section: also the crop drawing its boxes on the device (the design before 087ed1d)",
     )
     ap.add_argument("--hybrid-loaders", default="all", help="hybrid section: only these loaders (comma list)")
     ap.add_argument(
