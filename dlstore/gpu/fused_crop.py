@@ -79,7 +79,8 @@ if triton is not None:
         crop_h = tl.load(row + 5)
         crop_w = tl.load(row + 6)
         flip = tl.load(row + 7)
-        # ragged.crop_coords, per pixel: the same float32 operations in the same order
+        # ragged.crop_coords, per pixel: the same float32 operations in the same order (up to fused
+        # multiply-adds: positions may differ in the last bit, pixels by ~1e-3 levels)
         xs = tl.where(flip != 0, out_w - 1 - x, x).to(tl.float32)
         fx = left.to(tl.float32) + (xs + 0.5) * (crop_w.to(tl.float32) / out_w) - 0.5
         fy = top.to(tl.float32) + (y.to(tl.float32) + 0.5) * (crop_h.to(tl.float32) / out_h) - 0.5
@@ -132,6 +133,5 @@ def fused_crop(
         *out.stride(),
         C=channels,
         BLOCK_SIZE=BLOCK,
-        enable_fp_fusion=False,  # no fused multiply-add: the positions round as the PyTorch path's
     )
     return out

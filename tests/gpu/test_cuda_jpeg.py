@@ -118,8 +118,9 @@ def test_fused_crop_kernel_equals_the_pytorch_path(
 ) -> None:
     from dlstore.gpu import fused_crop
 
-    if not fused_crop.available(torch.device("cuda")):
+    if fused_crop.triton is None:
         pytest.skip("Triton is not installed")
+    assert not fused_crop._BROKEN, fused_crop._BROKEN  # an earlier launch in this process failed
     images = [
         torch.from_numpy(a).permute(2, 0, 1).cuda() for a in open_cache(jpeg_cache).read_images(range(12))
     ]
