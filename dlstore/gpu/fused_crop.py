@@ -52,7 +52,7 @@ if triton is not None:
     @triton.jit
     def _crop_kernel(
         flat,
-        params,
+        rows,  # not "params": Triton's generated argument binder has a dict of that name (3.6/3.7)
         mul,
         add,
         out,
@@ -70,7 +70,7 @@ if triton is not None:
         inside = p < out_h * out_w
         y = p // out_w
         x = p % out_w
-        row = params + b * 8  # PARAMS columns (a literal: Triton kernels read no Python globals)
+        row = rows + b * 8  # PARAMS columns (a literal: Triton kernels read no Python globals)
         start = tl.load(row)
         h = tl.load(row + 1)
         w = tl.load(row + 2)
