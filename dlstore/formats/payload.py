@@ -46,6 +46,7 @@ class PayloadUnit:
     error: np.ndarray  # (2,) float64
     ends: np.ndarray | None = None  # when payloads are not back to back: item j is offsets[j]:ends[j]
     checked: np.ndarray | None = None  # (n,) bool: items whose CRC has been checked and held
+    source: tuple[str, int] | None = None  # data is this file's bytes from this offset (see file_source)
 
     def __len__(self) -> int:
         return len(self.shapes)
@@ -64,9 +65,51 @@ class PayloadUnit:
             self.checked[j] = True
         return None
 
+    def file_source(self) -> tuple[str, int] | None:
+        """(path, offset) when ``data`` is a file's bytes as stored there (a memory map of it, or a
+        format's plain read), so another process can read payloads from the file; None otherwise."""
+        if isinstance(self.data, np.memmap) and self.data.filename:
+            return str(self.data.filename), int(self.data.offset)
+        return self.source
+
     def payload(self, j: int) -> memoryview:
         end = self.offsets[j + 1] if self.ends is None else self.ends[j]
         return memoryview(self.data)[int(self.offsets[j]) : int(end)]
+
+
+@dataclass
+class PayloadExtents:
+    """Where a batch's payloads lie, without touching their bytes: the units' data buffers and, per
+    image, which buffer, its byte range there, its CRC-32 and its (H, W, C) shape. A decoder in another
+    process reads them from the unit's file itself where the unit has one (``sources``), or gets them
+    copied by ``copy_into`` (one slice per image), and checks each CRC itself: the reading process spends
+    no per-image Python on them."""
+
+    buffers: list[memoryview]
+    sources: list[tuple[str, int] | None]  # per buffer: (file, offset of the buffer's byte 0) or None
+    buffer: np.ndarray  # (B,) int64 index into buffers
+    starts: np.ndarray  # (B,) int64
+    ends: np.ndarray  # (B,) int64
+    crc: np.ndarray  # (B,) int64 (the stored uint32)
+    shapes: np.ndarray  # (B, 3) int64
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return self.ends - self.starts
+
+    def copy_into(self, out: memoryview, rows: np.ndarray) -> np.ndarray:
+        """The payloads of ``rows`` back to back into ``out`` (a writable byte buffer they fit); returns
+        each one's start in ``out``."""
+        sizes = self.sizes[rows]
+        at = np.zeros(len(rows), np.int64)
+        np.cumsum(sizes[:-1], out=at[1:])
+        rows = zip(self.buffer[rows].tolist(), self.starts[rows].tolist(), self.ends[rows].tolist())
+        for d, (b, s, e) in zip(at.tolist(), rows):
+            out[d : d + e - s] = self.buffers[b][s:e]
+        return at
 
 
 def payload_codec(options: dict[str, Any]) -> ImageCodec:
@@ -213,6 +256,39 @@ class PayloadReader(ChunkedReader):
 
         self.parallel(fetch, runs, sum(1 for _ in runs) << 22)
         return payloads, shapes
+
+    def payload_extents(self, positions: np.ndarray) -> PayloadExtents:
+        """Where the payloads of the images at ``positions`` lie (in that order), their CRCs unchecked
+        (the decoder that gets the bytes checks them). Vectorised per unit; only units not loaded yet
+        are loaded, in this reader's threads."""
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        order = np.argsort(positions, kind="stable")
+        sorted_pos = positions[order]
+        runs = group_runs(sorted_pos // self.unit)
+        missing = [k for k in dict.fromkeys(k for k, _, _ in runs) if self._units.lookup(k) is None]
+        self.parallel(self.payload_unit, missing, len(missing) << 22)
+        n = len(positions)
+        out = PayloadExtents(
+            [],
+            [],
+            np.empty(n, np.int64),
+            np.empty(n, np.int64),
+            np.empty(n, np.int64),
+            np.empty(n, np.int64),
+            np.empty((n, 3), np.int64),
+        )
+        for k, a, b in runs:
+            unit = self.payload_unit(k)
+            local = sorted_pos[a:b] - k * self.unit
+            dst = order[a:b]
+            out.buffer[dst] = len(out.buffers)
+            out.buffers.append(memoryview(unit.data).cast("B"))
+            out.sources.append(unit.file_source())
+            out.starts[dst] = unit.offsets[local]
+            out.ends[dst] = unit.offsets[local + 1] if unit.ends is None else unit.ends[local]
+            out.crc[dst] = unit.crc[local]
+            out.shapes[dst] = unit.shapes[local]
+        return out
 
     def decode(self, payload: Any, shape: Any, position: int) -> np.ndarray:
         """CPU decode of one payload; a failure names the image and its chunk."""

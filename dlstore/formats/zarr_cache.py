@@ -496,7 +496,8 @@ class ZarrPayloadReader(PayloadReader):
             raise CacheCorruptError(f"{e.filename}: chunk {k} missing; rebuild the cache") from None
         except (OSError, RuntimeError, ValueError) as e:
             raise CacheCorruptError(f"{path}: chunk {k} does not decode ({e}); rebuild the cache") from None
-        return PayloadUnit(data, offsets, shapes, crc, np.zeros(2), ends)
+        source = (str(path), 0) if self.decompress is None else None  # the chunk file as stored
+        return PayloadUnit(data, offsets, shapes, crc, np.zeros(2), ends, source=source)
 
 
 def parse_vlen_chunk(buf: memoryview) -> tuple[memoryview, np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ import multiprocessing as mp
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -21,6 +21,9 @@ from dlstore.formats import get_format
 from dlstore.read.remote import open_mirror
 from dlstore.read.stores import parse_store_path
 from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
+
+if TYPE_CHECKING:
+    from dlstore.formats.payload import PayloadExtents
 
 T = TypeVar("T")
 
@@ -157,6 +160,16 @@ class Cache:
         """Encoded payloads (CRC-checked) and (B, 3) shapes, for a decoder elsewhere (the GPU); payload
         layouts only (``reader.gpu_jpeg`` says whether nvJPEG can decode them)."""
         return self._read_payload_layout(indices, self.reader.read_payloads)  # type: ignore[attr-defined]
+
+    def payload_extents(self, indices: np.ndarray | list[int]) -> PayloadExtents:
+        """Where the payloads of ``indices`` lie (see ``PayloadExtents``), for a decoder in another process
+        that copies and CRC-checks them; payload layouts only. A remote cache's local copies of its units
+        may be evicted once read, so its payloads are copied from this process's buffers, never re-read
+        from those files by another process."""
+        extents = self._read_payload_layout(indices, self.reader.payload_extents)  # type: ignore[attr-defined]
+        if self.mirror is not None:
+            extents.sources = [None] * len(extents.sources)
+        return extents
 
     def _read_payload_layout(self, indices: np.ndarray | list[int], read: Callable[[np.ndarray], T]) -> T:
         index = np.asarray(indices, dtype=np.int64).reshape(-1)

@@ -7,32 +7,51 @@ contiguous run of them and writes every image as planar (C, H, W) uint8 into the
 back to back, so the GPU gets the whole share in one host-to-device copy (from pinned memory when the
 block could be registered with CUDA) and the ragged crop reads it like nvJPEG's planar outputs.
 
+The loader's process touches no payload bytes where it can help it (its GIL is the training loop's too):
+it locates the share's payloads with ``PayloadExtents`` (numpy over the units' indexes) and sends each
+worker rows of (where, CRC, shape). A payload of a unit stored as a file (npz shard, zarr chunk, local)
+is read by the worker from that file (memory-mapped, kept open); any other is copied into the slot's
+input area first, one slice per image. Each worker checks the CRC-32 of every payload it decodes.
+
 Workers are fresh interpreters (as ``dlstore.formats.unit_procs``: no multiprocessing spawn/fork of
 the user's process), import no torch, and answer each run with its decode time, which the loader uses
 to balance the split. A run a worker fails (or loses by dying) is decoded again in the loader's
-thread, where a corrupt payload becomes the reader's error naming the image.
+thread, where a corrupt payload (a CRC that does not match, bytes that do not decode) becomes the
+reader's error naming the image and its chunk.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import mmap
+import os
 import queue
 import struct
 import threading
 import time
 import weakref
+import zlib
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from dlstore.formats.workers import Workers, attach, shutdown, worker_connection
 
-_REQ = struct.Struct("<qq")  # run id, images (then an int64 (n, 6) table)
+if TYPE_CHECKING:
+    from dlstore.formats.payload import PayloadExtents
+
+_REQ = struct.Struct("<qq")  # run id, images (then an int64 (n, COLUMNS) table, then file paths)
 _ANS = struct.Struct("<qqq")  # run id, decode nanoseconds, error message length (then the message)
-COLUMNS = 6  # per image: input start, input end, output start, H, W, C
+# per image: input start, input end, output start, H, W, C, the payload's CRC-32 (-1: checked already),
+# and where the input range is: -1 the block, i >= 0 the i-th file path sent with the run
+COLUMNS = 8
+MAX_OPEN_FILES = 64  # memory maps a worker keeps open (an LRU of unit files)
 
 
 def _worker(conn: Connection) -> None:
@@ -44,6 +63,7 @@ def _worker(conn: Connection) -> None:
     codec = get_codec(hello["codec"], int(hello["quality"]))
     block = np.ndarray((hello["size"],), np.uint8, buffer=shm.buf)
     scratch = np.empty(0, np.uint8)
+    files = MappedFiles(MAX_OPEN_FILES)
     try:
         while True:
             try:
@@ -52,26 +72,73 @@ def _worker(conn: Connection) -> None:
                 break
             run, n = _REQ.unpack_from(msg)
             table = np.frombuffer(msg, np.int64, n * COLUMNS, _REQ.size).reshape(n, COLUMNS)
+            names = msg[_REQ.size + table.nbytes :]
+            paths = [os.fsdecode(p) for p in names.split(b"\0")] if names else []
             t0 = time.perf_counter_ns()
             try:
-                scratch = decode_table(codec, block, table, scratch)
+                source = functools.partial(files.get_nth, paths)
+                scratch = decode_table(codec, block, table, scratch, source)
                 conn.send_bytes(_ANS.pack(run, time.perf_counter_ns() - t0, 0))
             except Exception as e:  # the loader decodes the run again itself, naming the image
                 err = f"{type(e).__name__}: {e}".encode(errors="replace")[:4000]
                 conn.send_bytes(_ANS.pack(run, 0, len(err)) + err)
         del block
     finally:
+        files.clear()
         shm.close()
 
 
-def decode_table(codec: Any, block: np.ndarray, table: np.ndarray, scratch: np.ndarray) -> np.ndarray:
-    """Decode each row's payload ``block[start:end]`` to (H, W, C) in ``scratch`` (grown as needed and
-    returned), then write it planar (C, H, W) at its output offset."""
-    for start, end, out, h, w, c in table.tolist():
+class MappedFiles:
+    """Read-only memory maps of the most recently used files (a worker's unit files), as uint8 arrays."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self._maps: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def get(self, path: str) -> np.ndarray:
+        arr = self._maps.get(path)
+        if arr is None:
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                arr = (
+                    np.frombuffer(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), np.uint8)
+                    if size
+                    else np.empty(0, np.uint8)
+                )
+            self._maps[path] = arr
+            while len(self._maps) > self.keep:
+                self._maps.popitem(last=False)  # unmapped once the array goes
+        self._maps.move_to_end(path)
+        return arr
+
+    def get_nth(self, paths: list[str], i: int) -> np.ndarray:
+        return self.get(paths[i])
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+
+def decode_table(
+    codec: Any,
+    block: np.ndarray,
+    table: np.ndarray,
+    scratch: np.ndarray,
+    file: Callable[[int], np.ndarray] | None = None,
+) -> np.ndarray:
+    """Check each row's payload (``block[start:end]``, or ``file(i)[start:end]``) against its CRC,
+    decode it to (H, W, C) in ``scratch`` (grown as needed and returned), then write it planar
+    (C, H, W) at its output offset in ``block``."""
+    for row, (start, end, out, h, w, c, crc, where) in enumerate(table.tolist()):
+        src = block if where < 0 or file is None else file(where)
+        if end > len(src) or start > end:
+            raise ValueError(f"row {row}: bytes {start}:{end} beyond the {len(src)} bytes of its source")
+        payload = src[start:end]
+        if crc >= 0 and zlib.crc32(payload) != crc:
+            raise ValueError(f"row {row}: the payload fails its CRC check")
         if scratch.size < h * w * c:
             scratch = np.empty(h * w * c, np.uint8)
         hwc = scratch[: h * w * c].reshape(h, w, c)
-        codec.decode_into(block[start:end], (h, w, c), hwc)
+        codec.decode_into(payload, (h, w, c), hwc)
         np.copyto(block[out : out + h * w * c].reshape(c, h, w), hwc.transpose(2, 0, 1))
     return scratch
 
@@ -160,38 +227,67 @@ class CpuDecoders:
                 share.wait()
             self.release(slot)
 
-    def fits(self, payloads: list[memoryview], shapes: np.ndarray, count: int) -> int:
-        """How many of the first ``count`` images fit a slot (input and output areas)."""
-        sizes = np.fromiter((len(p) for p in payloads[:count]), np.int64, count)
-        pixels = np.prod(shapes[:count].astype(np.int64), axis=1)
-        ok = (np.cumsum(sizes) <= self.in_bytes) & (np.cumsum(pixels) <= self.slot_bytes - self.in_bytes)
+    def fits(self, sizes: np.ndarray, shapes: np.ndarray, count: int) -> int:
+        """How many of the first ``count`` images (payload ``sizes``, (H, W, C) ``shapes``) fit a slot's
+        input and output areas."""
+        pixels = np.prod(np.asarray(shapes[:count], np.int64), axis=1)
+        ok = (np.cumsum(sizes[:count]) <= self.in_bytes) & (
+            np.cumsum(pixels) <= self.slot_bytes - self.in_bytes
+        )
         return int(np.argmin(ok)) if not ok.all() else count
 
-    def submit(self, slot: int, payloads: list[memoryview], shapes: np.ndarray) -> CpuShare:
-        """Decode ``payloads`` (all of which fit, see ``fits``) into ``slot``, split over the workers."""
-        count = len(payloads)
-        shapes = np.asarray(shapes, np.int64).reshape(-1, 3)
-        base = slot * self.slot_bytes
-        sizes = np.fromiter((len(p) for p in payloads), np.int64, count)
-        in_ends = base + np.cumsum(sizes)
-        joined = b"".join(payloads)
-        self.block[base : base + len(joined)] = np.frombuffer(joined, np.uint8)
-        pixels = np.prod(shapes, axis=1)
-        offsets = np.concatenate(([0], np.cumsum(pixels)[:-1])).astype(np.int64)
-        out_start = base + self.in_bytes
+    @staticmethod
+    def input_bytes(extents: PayloadExtents) -> np.ndarray:
+        """Bytes each payload takes in a slot's input area: none for those the workers read from their
+        unit's file."""
+        from_file = np.array([s is not None for s in extents.sources], bool)
+        return np.where(from_file[extents.buffer], 0, extents.sizes)
+
+    def submit(self, slot: int, extents: PayloadExtents, count: int) -> CpuShare:
+        """Decode the first ``count`` payloads of ``extents`` (which fit, see ``fits``) into ``slot``,
+        split over the workers, which read those of file-backed units from the files, find the others
+        copied into the slot's input area, and check every CRC."""
+        paths: list[str] = []
+        where = np.full(len(extents.buffers), -1, np.int64)
+        shift = np.zeros(len(extents.buffers), np.int64)
+        for b, source in enumerate(extents.sources):
+            if source is not None:
+                where[b], shift[b] = len(paths), source[1]
+                paths.append(source[0])
+        buffer = extents.buffer[:count]
         table = np.empty((count, COLUMNS), np.int64)
-        table[:, 0], table[:, 1] = in_ends - sizes, in_ends
+        table[:, 0] = extents.starts[:count] + shift[buffer]
+        table[:, 7] = where[buffer]
+        copied = np.flatnonzero(table[:, 7] < 0)
+        if copied.size:
+            base = slot * self.slot_bytes
+            area = memoryview(self.block)[base : base + self.in_bytes]
+            table[copied, 0] = base + extents.copy_into(area, copied)
+        table[:, 1] = table[:, 0] + extents.sizes[:count]
+        table[:, 3:6] = extents.shapes[:count]
+        table[:, 6] = extents.crc[:count]
+        return self.dispatch(slot, table, paths)
+
+    def dispatch(self, slot: int, table: np.ndarray, paths: list[str] | None = None) -> CpuShare:
+        """Send the rows of ``table`` (inputs in ``slot`` or in the files ``paths``; output offsets are
+        filled in here, back to back in the slot's output area) to the workers in contiguous runs."""
+        count = len(table)
+        shapes = table[:, 3:6].copy()
+        pixels = np.prod(shapes, axis=1)
+        offsets = np.zeros(count, np.int64)
+        np.cumsum(pixels[:-1], out=offsets[1:])
+        out_start = slot * self.slot_bytes + self.in_bytes
         table[:, 2] = out_start + offsets
-        table[:, 3:] = shapes
         parts = min(self.processes, count)
         bounds = [count * i // parts for i in range(parts + 1)]
-        runs = [(a, b, self._send(table[a:b])) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+        names = b"\0".join(os.fsencode(p) for p in paths or [])
+        runs = [(a, b, self._send(table[a:b], names)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         share = CpuShare(slot, count, out_start, int(pixels.sum()), shapes, offsets, runs)
         with self._lock:
             self._held[slot] = share
         return share
 
-    def _send(self, table: np.ndarray) -> Future[int]:
+    def _send(self, table: np.ndarray, names: bytes = b"") -> Future[int]:
         future: Future[int] = Future()
         with self._lock:
             run, worker = next(self._ids), next(self._next)
@@ -200,7 +296,7 @@ class CpuDecoders:
                 return future
             self._pending[run] = (future, worker)
             try:
-                self.conns[worker].send_bytes(_REQ.pack(run, len(table)) + table.tobytes())
+                self.conns[worker].send_bytes(_REQ.pack(run, len(table)) + table.tobytes() + names)
             except OSError as e:  # the worker is gone: the loader decodes the run itself
                 del self._pending[run]
                 future.set_exception(e)

@@ -61,6 +61,7 @@ class DecodeStats:
     gpu_images: int = 0
     cpu_images: int = 0
     cpu_fallbacks: int = 0
+    cpu_redecoded: int = 0  # CPU-share images decoded in the loader because their worker run failed
     cpu_share: float = 0.0  # the CPU decoders' fraction of the last batch (cpu_decoders > 0)
     # Where the time went (seconds, summed over batches): reading payloads (read-ahead thread), inside
     # the batched device decode call, and the decoding thread waiting for a read batch (read-bound).
@@ -314,26 +315,35 @@ class DecodeLoader:
             self.stats.read_seconds += time.perf_counter() - t0
 
     def _read_batch(self, batch: list[int]) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
+        """The batch's dataset indices in storage order, (the device share's payloads, the same as
+        tensors, the CPU share in flight), the device share's shapes, the labels."""
         index = storage_sorted(self.cache, batch)
         labels = self.cache.labels[index]
         if not self.gpu:
             return index, self.cache.read_images(index), None, labels
-        payloads, shapes = self.cache.read_payloads(index)
-        share = self._submit_cpu_share(payloads, shapes)
+        share = self._submit_cpu_share(index)
         first = share.count if share is not None else 0
-        return index, (payloads, as_tensors(payloads[first:]), share), shapes, labels
+        payloads, shapes = (
+            ([], np.empty((0, 3), np.int64))
+            if first == len(index)
+            else self.cache.read_payloads(index[first:])
+        )
+        return index, (payloads, as_tensors(payloads), share), shapes, labels
 
-    def _submit_cpu_share(self, payloads: list[memoryview], shapes: np.ndarray) -> CpuShare | None:
-        """The batch's first images to the CPU decoders (as many as the share says and a slot holds)."""
-        count = int(round(self.share * len(payloads))) if self.cpu is not None else 0
+    def _submit_cpu_share(self, index: np.ndarray) -> CpuShare | None:
+        """The batch's first images to the CPU decoders (as many as the share says and a slot holds).
+        Only where their payloads lie is looked up here (numpy over the units' indexes): the workers
+        read the bytes from the unit files (or find them copied into the slot) and check the CRCs."""
+        count = int(round(self.share * len(index))) if self.cpu is not None else 0
         if self.cpu is None or count == 0:
             return None
+        extents = self.cache.payload_extents(index[:count])
         slot = self.cpu.acquire()
-        count = self.cpu.fits(payloads, shapes, count)
+        count = self.cpu.fits(self.cpu.input_bytes(extents), extents.shapes, count)
         if count == 0:
             self.cpu.release(slot)
             return None
-        return self.cpu.submit(slot, payloads[:count], shapes[:count])
+        return self.cpu.submit(slot, extents, count)
 
     def _finish(
         self,
@@ -349,12 +359,12 @@ class DecodeLoader:
             first = share.count if share is not None else 0
             images: list[torch.Tensor] = []
             fallbacks = 0
-            if first < len(payloads):
+            if payloads:
                 t0 = time.perf_counter()
                 images, fallbacks = decode_on_device(
                     self.cache,
-                    payloads[first:],
-                    shapes[first:],  # type: ignore[index]
+                    payloads,
+                    shapes,  # type: ignore[arg-type]
                     positions[first:],
                     self.device,
                     tensors,
@@ -365,10 +375,10 @@ class DecodeLoader:
             self.stats.gpu_images += len(images) - fallbacks
             self.stats.cpu_fallbacks += fallbacks
             if share is not None:
-                flat, waited = self._cpu_share_on_device(share, payloads, positions)
+                flat, waited = self._cpu_share_on_device(share, index)
                 self._balance(share.count, len(images), waited)
                 if getattr(self.transform, "takes_flat", False):  # no per-image tensors, no cat of them
-                    flat_images = self._flat_images(flat, share, images, shapes[first:])
+                    flat_images = self._flat_images(flat, share, images, shapes)
                     return self.transform(flat_images), torch.from_numpy(labels).to(  # type: ignore[misc]
                         self.device, non_blocking=True
                     )
@@ -380,12 +390,10 @@ class DecodeLoader:
         batch = self.transform(images) if self.transform is not None else torch.stack(images)
         return batch, torch.from_numpy(labels).to(self.device, non_blocking=True)
 
-    def _cpu_share_on_device(
-        self, share: CpuShare, payloads: list[memoryview], positions: np.ndarray
-    ) -> tuple[torch.Tensor, float]:
+    def _cpu_share_on_device(self, share: CpuShare, index: np.ndarray) -> tuple[torch.Tensor, float]:
         """The CPU share's images on the device, planar and back to back (one copy of the slot), and the
-        seconds this thread waited for the workers. A run they failed is decoded here, so a corrupt
-        image raises the reader's error."""
+        seconds this thread waited for the workers. A run they failed is read (CRC-checked) and decoded
+        here, so a corrupt image raises the reader's error naming its dataset index and chunk."""
         assert self.cpu is not None
         t0 = time.perf_counter()
         _slowest, busy, failed = share.wait()
@@ -393,9 +401,12 @@ class DecodeLoader:
         self.stats.cpu_busy_seconds += busy
         block = self.cpu.block
         for first, stop in failed:
+            self.stats.cpu_redecoded += stop - first
+            payloads, _shapes = self.cache.read_payloads(index[first:stop])
+            positions = self.cache.positions[index[first:stop]]
             for i in range(first, stop):
                 h, w, c = share.shapes[i].tolist()
-                hwc = self.cache.reader.decode(payloads[i], (h, w, c), int(positions[i]))  # type: ignore[attr-defined]
+                hwc = self.cache.reader.decode(payloads[i - first], (h, w, c), int(positions[i - first]))  # type: ignore[attr-defined]
                 start = share.out_start + int(share.offsets[i])
                 block[start : start + h * w * c].reshape(c, h, w)[...] = hwc.transpose(2, 0, 1)
         region = torch.from_numpy(block[share.out_start : share.out_start + share.out_bytes])
