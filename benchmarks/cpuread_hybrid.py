@@ -29,6 +29,7 @@ import json
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -51,6 +52,8 @@ from dlstore.read.gpu_decode import DecodeLoader, as_tensors  # noqa: E402
 from dlstore.read.loaders import storage_sorted  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
+START = time.perf_counter()
+RESULT: dict[str, Any] = {}
 CORES = len(os.sched_getaffinity(0))
 log, sync = harness.log, harness.sync
 
@@ -273,8 +276,20 @@ def with_model(
     loader: Measured | None, step: Callable[..., None], args: argparse.Namespace, batch: int, synth: Any
 ) -> dict[str, Any]:
     if loader is None:
+        main_thread = f"/proc/self/task/{threading.get_native_id()}/schedstat"
+        (run0, wait0), t0 = schedstat(main_thread), time.perf_counter()
         rate, _ = trained(synth, step, args.warmup, args.steps, batch)
-        return {"img_s": rate}
+        (run1, wait1), steps = schedstat(main_thread), args.warmup + args.steps
+        return {
+            "img_s": rate,
+            "wall_ms": (time.perf_counter() - t0) / steps * 1e3,
+            "threads": {
+                "MainThread": {
+                    "cpu_ms": (run1 - run0) / steps * 1e3,
+                    "runq_ms": (wait1 - wait0) / steps * 1e3,
+                }
+            },
+        }
     probe = Probe(loader)
     t0 = time.perf_counter()
     rate, waited = trained(lambda: iter(loader), step, args.warmup, args.steps, batch)
@@ -368,30 +383,38 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 ld = cls(cache, batch, transform=rrc, device=DEV, cpu_decoders=m, cpu_share=fixed)
                 ld.gpu = True  # a CPU dry run: torchvision's CPU decode stands in for nvJPEG
                 loaders[f"{read}_cpu{m}_{share}"] = ld
-    out: dict[str, Any] = {
-        "data": data,
-        "batch": batch,
-        "batches_per_epoch": len(next(iter(loaders.values()))),
-    }
+    out = RESULT
+    out.update(data=data, batch=batch, batches_per_epoch=len(next(iter(loaders.values()))))
     out["alone"] = {}
     for name, ld in loaders.items():
         out["alone"][name] = alone(ld, args.alone_epochs)
         log(f"alone {name}: {out['alone'][name]['img_s']:,.0f} img/s")
     names = ["synthetic", *loaders]
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in names}
+    out["runs"] = runs
     for r in range(args.repeats):
+        t0 = time.perf_counter()
         for name in names[r % len(names) :] + names[: r % len(names)]:
             runs[name].append(with_model(loaders.get(name), step, args, batch, synthetic))
             log(f"resnet18@112 {name}: {runs[name][-1]['img_s']:,.0f} img/s")
-    out["runs"] = runs
-    out["median_img_s"] = {k: float(np.median([v["img_s"] for v in vs])) for k, vs in runs.items()}
-    out["stats"] = {k: vars(ld.stats) for k, ld in loaders.items()}
-    out["pinned"] = {k: bool(ld.cpu and ld.cpu.pinned) for k, ld in loaders.items()}
+        out["median_img_s"] = {k: float(np.median([v["img_s"] for v in vs])) for k, vs in runs.items()}
+        out["stats"] = {k: vars(ld.stats) for k, ld in loaders.items()}
+        out["pinned"] = {k: bool(ld.cpu and ld.cpu.pinned) for k, ld in loaders.items()}
+        save(out)  # a run cut short by its time limit keeps the repeats done
+        spent = time.perf_counter() - START
+        if args.deadline_s and spent + 1.2 * (time.perf_counter() - t0) + 8 > args.deadline_s:
+            log(f"stopping after {r + 1} repeats: {spent:.0f} s spent of --deadline-s {args.deadline_s}")
+            break
     for ld in loaders.values():
         ld.close()
     out["corrupt_payload"] = check_corrupt_is_named(cache, work, 2)
     log(f"corrupt payload through the workers: {out['corrupt_payload']}")
     return out
+
+
+def save(out: dict[str, Any]) -> None:
+    out["seconds"] = time.perf_counter() - START
+    Path(out["out_dir"], "cpuread_hybrid.json").write_text(json.dumps(out, indent=1, default=str))
 
 
 def median_of(rows: list[dict[str, Any]], key: str, sub: str | None = None) -> float:
@@ -419,6 +442,11 @@ def table(out: dict[str, Any]) -> str:
             f" {median_of(rows, 'process_cpu_ms'):8.2f} {median_of(rows, 'next_wait_ms'):9.2f}"
             f" {median_of(rows, 'dlstore-cpu-decode', 'cpu_ms'):8.2f} {median_of(rows, 'decode_procs', 'cpu_ms'):11.2f}"
         )
+    synth = out["runs"]["synthetic"]
+    lines.append(
+        f"synthetic: main thread CPU {median_of(synth, 'MainThread', 'cpu_ms'):.2f} ms per step, "
+        f"run queue {median_of(synth, 'MainThread', 'runq_ms'):.2f}, wall {median_of(synth, 'wall_ms'):.2f}"
+    )
     lines.append(
         "(ms per batch, medians over repeats: loader threads' CPU, main = training thread, proc = the whole"
     )
@@ -440,19 +468,19 @@ def main() -> None:
     ap.add_argument("--cpu-decoders", default="12")
     ap.add_argument("--shares", default="auto,1.0")
     ap.add_argument("--batch-div", type=int, default=1, help="smaller batches (CPU dry runs)")
+    ap.add_argument("--deadline-s", type=float, default=0, help="fewer repeats to end before this (0: all)")
     args = ap.parse_args()
     work = args.work or Path(os.environ.get("TMPDIR", "/tmp")) / "dlstore-cpuread"
     work.mkdir(parents=True, exist_ok=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    result = {
-        "environment": harness.environment(),
-        "protocol": vars(args) | {"out": str(args.out), "work": str(work)},
-    }
-    t0 = time.perf_counter()
-    result.update(run(args, work))
-    result["seconds"] = time.perf_counter() - t0
-    (args.out / "cpuread_hybrid.json").write_text(json.dumps(result, indent=1, default=str))
-    print(table(result))
+    RESULT.update(
+        environment=harness.environment(),
+        protocol=vars(args) | {"out": str(args.out), "work": str(work)},
+        out_dir=str(args.out),
+    )
+    run(args, work)
+    save(RESULT)
+    print(table(RESULT))
 
 
 if __name__ == "__main__":
