@@ -3,7 +3,7 @@
     python benchmarks/cpuread_hybrid.py --out OUTDIR [--images 8192] [--steps 60] [--repeats 5]
 
 Side by side in one process (configurations rotated per repeat, median): the synthetic-data ceiling, and
-``DecodeLoader(cpu_decoders=N)`` with the automatic split and all on the CPU, each with
+``DecodeLoader(cpu_decoders=N)`` with the automatic split and all on the CPU (``--configs``), each with
 
 - ``views``: the previous read path, kept here for the comparison: every payload of the batch becomes a
   memoryview in the loading process (CRC checked there, per image), the CPU share is sized with a
@@ -12,7 +12,9 @@ Side by side in one process (configurations rotated per repeat, median): the syn
   byte ranges come from the units' indexes with numpy, the decode workers read the payloads from the
   units' files (memory-mapped) and check the CRCs: this process touches no per-image bytes;
 - ``copy``: the current one with the bytes copied into the slot by this process, one slice per image
-  (what it does for units that are not files, e.g. a remote cache's).
+  (what it does for units that are not files, e.g. a remote cache's);
+- ``files`` with ``:R``: each batch's CPU share split into R runs instead of one per process (fewer
+  messages to and from the workers per batch; the batches read ahead keep the others busy).
 
 Diagnostics per configuration (so a result can be explained): CPU seconds per batch of the loader's
 read-ahead and decode threads (``time.thread_time``), of the training (main) thread, the collector and
@@ -61,10 +63,17 @@ log, sync = harness.log, harness.sync
 class Measured(DecodeLoader):
     """DecodeLoader with the CPU time of its read-ahead and decode threads summed per call."""
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
+    def __init__(self, *args: Any, runs: int = 0, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.read_cpu = self.decode_cpu = 0.0
         self.reads = self.decodes = 0
+        self.runs = runs
+
+    def _start_cpu_decoders(self) -> Any:
+        cpu = super()._start_cpu_decoders()
+        if self.runs:  # fewer runs (messages) per batch than decode processes
+            cpu.runs = self.runs
+        return cpu
 
     def _read(self, batch: list[int]) -> Any:
         t0 = time.thread_time()
@@ -376,13 +385,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         DEV
     )
     loaders: dict[str, Measured] = {}
-    for m in [int(v) for v in args.cpu_decoders.split(",")]:
-        for share in args.shares.split(","):
-            for read, cls in READS.items():
-                fixed = None if share == "auto" else float(share)
-                ld = cls(cache, batch, transform=rrc, device=DEV, cpu_decoders=m, cpu_share=fixed)
-                ld.gpu = True  # a CPU dry run: torchvision's CPU decode stands in for nvJPEG
-                loaders[f"{read}_cpu{m}_{share}"] = ld
+    m = args.cpu_decoders
+    for config in args.configs.split(","):
+        read, share, *runs = config.split(":")
+        fixed = None if share == "auto" else float(share)
+        kw = {"runs": int(runs[0])} if runs else {}
+        ld = READS[read](cache, batch, transform=rrc, device=DEV, cpu_decoders=m, cpu_share=fixed, **kw)
+        ld.gpu = True  # a CPU dry run: torchvision's CPU decode stands in for nvJPEG
+        loaders[f"{read}_cpu{m}_{share}" + (f"_r{runs[0]}" if runs else "")] = ld
     out = RESULT
     out.update(data=data, batch=batch, batches_per_epoch=len(next(iter(loaders.values()))))
     out["alone"] = {}
@@ -465,8 +475,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--alone-epochs", type=int, default=2)
-    ap.add_argument("--cpu-decoders", default="12")
-    ap.add_argument("--shares", default="auto,1.0")
+    ap.add_argument("--cpu-decoders", type=int, default=12)
+    ap.add_argument(
+        "--configs",
+        default="views:auto,views:1.0,files:auto,files:1.0,copy:1.0,files:auto:4,files:1.0:4",
+        help="read path (views|copy|files):share (auto or a fraction)[:runs a batch is split into]",
+    )
     ap.add_argument("--batch-div", type=int, default=1, help="smaller batches (CPU dry runs)")
     ap.add_argument("--deadline-s", type=float, default=0, help="fewer repeats to end before this (0: all)")
     args = ap.parse_args()

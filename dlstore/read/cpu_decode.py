@@ -183,6 +183,10 @@ class CpuDecoders:
         self.shm, self.conns, self.procs = workers.shm, workers.conns, workers.procs
         self.block = np.ndarray((self.size,), np.uint8, buffer=self.shm.buf)
         self.pinned = _register(self.block) if pin else False
+        # Runs a share is split into, each to the next worker in turn. Fewer than the processes means
+        # fewer messages (and Python in this process) per batch; the batches read ahead keep the other
+        # workers busy, at the cost of each share taking longer to decode.
+        self.runs = len(self.conns)
         self._free: queue.Queue[tuple[int, Any]] = queue.Queue()
         for s in range(slots):
             self._free.put((s, None))
@@ -278,7 +282,7 @@ class CpuDecoders:
         np.cumsum(pixels[:-1], out=offsets[1:])
         out_start = slot * self.slot_bytes + self.in_bytes
         table[:, 2] = out_start + offsets
-        parts = min(self.processes, count)
+        parts = min(self.runs, count)
         bounds = [count * i // parts for i in range(parts + 1)]
         names = b"\0".join(os.fsencode(p) for p in paths or [])
         runs = [(a, b, self._send(table[a:b], names)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
