@@ -435,18 +435,26 @@ def median_of(rows: list[dict[str, Any]], key: str, sub: str | None = None) -> f
 
 
 def table(out: dict[str, Any]) -> str:
-    ceiling = out["median_img_s"]["synthetic"]
-    cols = "config                 alone    model  of_ceil  read_cpu dec_cpu main_cpu main_runq proc_cpu next_wait coll_cpu workers_cpu"
-    lines = [
-        f"batch {out['batch']}, {out['batches_per_epoch']} batches an epoch; synthetic {ceiling:,.0f} img/s",
-        cols,
-    ]
-    for name, rows in out["runs"].items():
-        if name == "synthetic":
-            continue
-        med = out["median_img_s"][name]
+    lines = [f"batch {out['batch']}, {out['batches_per_epoch']} batches an epoch"]
+    lines.append("loader alone     img/s  read_cpu  dec_cpu  coll_cpu  read_wall  (ms per batch)")
+    for name, row in out["alone"].items():
+        coll = row["threads"].get("dlstore-cpu-decode", {}).get("cpu_ms", float("nan"))
         lines.append(
-            f"{name:20} {out['alone'][name]['img_s']:8,.0f} {med:8,.0f} {med / ceiling:8.3f}"
+            f"{name:20} {row['img_s']:8,.0f} {row['read_thread_cpu_ms']:8.2f} {row['decode_thread_cpu_ms']:8.2f}"
+            f" {coll:9.2f} {row['read_wall_ms']:10.2f}"
+        )
+    med = out.get("median_img_s", {})
+    if "synthetic" not in med:
+        return "\n".join(lines)
+    ceiling = med["synthetic"]
+    lines.append(
+        "with the model       img/s  of_ceil  read_cpu dec_cpu main_cpu main_runq proc_cpu next_wait coll_cpu workers_cpu"
+    )
+    for name, rows in out["runs"].items():
+        if name == "synthetic" or not rows:
+            continue
+        lines.append(
+            f"{name:20} {med[name]:8,.0f} {med[name] / ceiling:8.3f}"
             f" {median_of(rows, 'read_thread_cpu_ms'):9.2f} {median_of(rows, 'decode_thread_cpu_ms'):7.2f}"
             f" {median_of(rows, 'MainThread', 'cpu_ms'):8.2f} {median_of(rows, 'MainThread', 'runq_ms'):9.2f}"
             f" {median_of(rows, 'process_cpu_ms'):8.2f} {median_of(rows, 'next_wait_ms'):9.2f}"
@@ -454,14 +462,14 @@ def table(out: dict[str, Any]) -> str:
         )
     synth = out["runs"]["synthetic"]
     lines.append(
-        f"synthetic: main thread CPU {median_of(synth, 'MainThread', 'cpu_ms'):.2f} ms per step, "
+        f"synthetic {ceiling:,.0f} img/s: main thread CPU {median_of(synth, 'MainThread', 'cpu_ms'):.2f} ms per step, "
         f"run queue {median_of(synth, 'MainThread', 'runq_ms'):.2f}, wall {median_of(synth, 'wall_ms'):.2f}"
     )
     lines.append(
-        "(ms per batch, medians over repeats: loader threads' CPU, main = training thread, proc = the whole"
+        "(ms per batch, medians over repeats: loader threads' CPU, main = training thread, proc = the"
     )
     lines.append(
-        " process, next_wait = main thread waiting for the next batch, workers = all decode processes)"
+        " whole process, next_wait = main thread waiting for the next batch, workers = all decode processes)"
     )
     return "\n".join(lines)
 
