@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,11 +61,19 @@ class FlatImages:
 PARAM_COLUMNS = ("start", "height", "width", "top", "left", "crop_h", "crop_w", "flip")
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device`` without making this thread wait: through (cached) pinned
+    memory on CUDA, since a copy from pageable memory may wait for the stream's queued work first."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def flat_batch(images: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The uint8 (C, H_i, W_i) images back to back in one flat buffer (one ``cat``: no per-image copy
     launches, no padding), with each image's start, height and width as (B,) int64 tensors."""
     flat, host = _flat_host(images)
-    meta = torch.from_numpy(host).to(flat.device, non_blocking=True)
+    meta = to_device(torch.from_numpy(host), flat.device)
     return flat, meta[0], meta[1], meta[2]
 
 
@@ -103,9 +112,9 @@ def sample_crop_boxes(
 
     log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
     target = area * (scale[0] + (scale[1] - scale[0]) * rand(b, _CROP_ATTEMPTS))
-    aspect = torch.exp(log_lo + (log_hi - log_lo) * rand(b, _CROP_ATTEMPTS))
-    w_c = torch.round(torch.sqrt(target * aspect)).long()
-    h_c = torch.round(torch.sqrt(target / aspect)).long()
+    aspect = _exp(log_lo + (log_hi - log_lo) * rand(b, _CROP_ATTEMPTS))
+    w_c = _round(_sqrt(target * aspect)).long()
+    h_c = _round(_sqrt(target / aspect)).long()
     valid = (w_c > 0) & (w_c <= widths.unsqueeze(1)) & (h_c > 0) & (h_c <= heights.unsqueeze(1))
     first = valid.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first valid attempt
     any_valid = valid.any(dim=1)
@@ -128,9 +137,25 @@ def _fallback_boxes(
     hf, wf = heights.to(torch.float64), widths.to(torch.float64)
     in_ratio = wf / hf
     lo, hi = min(ratio), max(ratio)
-    w = torch.where(in_ratio > hi, torch.round(hf * hi).long(), widths)
-    h = torch.where(in_ratio < lo, torch.round(wf / lo).long(), heights)
+    w = torch.where(in_ratio > hi, _round(hf * hi).long(), widths)
+    h = torch.where(in_ratio < lo, _round(wf / lo).long(), heights)
     return (heights - h) // 2, (widths - w) // 2, h, w
+
+
+def _host_fast(torch_fn: Any, numpy_fn: Any) -> Any:
+    """``torch_fn``, computed by ``numpy_fn`` for CPU tensors: torch's float64 exp/sqrt/round on the
+    CPU took ~1 µs per element (11 ms for a batch of 512 boxes; numpy: ~0.1 ms). Both are correctly
+    rounded for sqrt and round half to even; exp may differ in the last bit."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(numpy_fn(x.numpy())) if x.device.type == "cpu" else torch_fn(x)
+
+    return fn
+
+
+_exp, _sqrt, _round = (
+    _host_fast(t, n) for t, n in ((torch.exp, np.exp), (torch.sqrt, np.sqrt), (torch.round, np.round))
+)
 
 
 def center_boxes(
@@ -220,10 +245,10 @@ class _RaggedCrop(torch.nn.Module):
         elif meta is not None:
             starts, heights, widths = meta
         else:
-            starts, heights, widths = (torch.from_numpy(v).to(device, non_blocking=True) for v in host)  # type: ignore[union-attr]
+            starts, heights, widths = to_device(torch.from_numpy(host), device)  # type: ignore[arg-type]
         top, left, h, w, flip = self.boxes(heights, widths)
         params = torch.stack([starts, heights, widths, top, left, h, w, flip.to(torch.int64)], dim=1)
-        return params.to(device, non_blocking=True)
+        return to_device(params, device)
 
 
 def crop_coords(

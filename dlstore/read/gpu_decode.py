@@ -353,6 +353,8 @@ class DecodeLoader:
         labels: np.ndarray,
         launching: Callable[[], None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        from dlstore.gpu.ragged import to_device  # here: dlstore.gpu imports Triton, which takes a while
+
         if self.gpu:
             positions = self.cache.positions[index]
             payloads, tensors, share = data
@@ -379,16 +381,14 @@ class DecodeLoader:
                 self._balance(share.count, len(images), waited)
                 if getattr(self.transform, "takes_flat", False):  # no per-image tensors, no cat of them
                     flat_images = self._flat_images(flat, share, images, shapes)
-                    return self.transform(flat_images), torch.from_numpy(labels).to(  # type: ignore[misc]
-                        self.device, non_blocking=True
-                    )
+                    return self.transform(flat_images), to_device(torch.from_numpy(labels), self.device)  # type: ignore[misc]
                 images = _views(flat, share.offsets, share.shapes) + images
         else:  # decoded by the read-ahead thread's pool already
             launching()
             images = [torch.from_numpy(a).permute(2, 0, 1).to(self.device, non_blocking=True) for a in data]
             self.stats.cpu_images += len(images)
         batch = self.transform(images) if self.transform is not None else torch.stack(images)
-        return batch, torch.from_numpy(labels).to(self.device, non_blocking=True)
+        return batch, to_device(torch.from_numpy(labels), self.device)
 
     def _cpu_share_on_device(self, share: CpuShare, index: np.ndarray) -> tuple[torch.Tensor, float]:
         """The CPU share's images on the device, planar and back to back (one copy of the slot), and the
@@ -425,13 +425,13 @@ class DecodeLoader:
         self, cpu_flat: torch.Tensor, share: CpuShare, gpu_images: list[torch.Tensor], gpu_shapes: np.ndarray
     ) -> FlatImages:
         """The CPU share's flat buffer (already back to back, planar) followed by nvJPEG's images."""
-        from dlstore.gpu.ragged import FlatImages
+        from dlstore.gpu.ragged import FlatImages, to_device
 
         flat = torch.cat([cpu_flat, *(img.reshape(-1) for img in gpu_images)]) if gpu_images else cpu_flat
         hwc = np.concatenate([share.shapes, np.asarray(gpu_shapes, np.int64).reshape(-1, 3)])
         sizes = np.prod(hwc, axis=1)
         meta = np.stack([np.concatenate(([0], np.cumsum(sizes)[:-1])), hwc[:, 0], hwc[:, 1]]).astype(np.int64)
-        meta_t = torch.from_numpy(meta).to(self.device, non_blocking=True)
+        meta_t = to_device(torch.from_numpy(meta), self.device)
         return FlatImages(flat, meta_t[0], meta_t[1], meta_t[2], int(hwc[0, 2]), host=meta)
 
     def _balance(self, cpu_count: int, gpu_count: int, waited: float) -> None:
