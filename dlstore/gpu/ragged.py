@@ -64,7 +64,7 @@ PARAM_COLUMNS = ("start", "height", "width", "top", "left", "crop_h", "crop_w", 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A small host tensor on ``device`` without making this thread wait: through (cached) pinned
     memory on CUDA, since a copy from pageable memory may wait for the stream's queued work first."""
-    if device.type != "cuda":
+    if device.type != "cuda" or t.device.type != "cpu":  # nothing to pin (or on the device already)
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 

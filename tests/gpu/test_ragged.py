@@ -175,3 +175,14 @@ def test_crop_params_rows_hold_the_boxes_drawn_for_each_image() -> None:
     ref = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(5))
     top, left, h, w, flip = ref.boxes(col["height"], col["width"])
     assert torch.equal(torch.stack([top, left, h, w, flip.long()], 1), rows[:, 3:])
+
+
+def test_to_device_moves_host_and_device_tensors() -> None:
+    """Crop rows drawn on the host or already on the device (a device generator) both arrive."""
+    from dlstore.gpu.ragged import to_device
+
+    t = torch.arange(6)
+    assert torch.equal(to_device(t, torch.device("cpu")), t)
+    if torch.cuda.is_available():
+        on_gpu = to_device(t, torch.device("cuda"))
+        assert on_gpu.is_cuda and torch.equal(to_device(on_gpu, torch.device("cuda")).cpu(), t)
