@@ -143,7 +143,9 @@ def batches_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
     )
     for batch in args.batches:
         if (
-            rec.elapsed() + ESTIMATE_S["batch"] + ESTIMATE_S["raw"] * (batch in args.raw_batches)
+            rec.elapsed()
+            + ESTIMATE_S["batch"] * (1.0 if any(args.cached_workers) else 0.65)  # no worker pools: ~10 s
+            + ESTIMATE_S["raw"] * (batch in args.raw_batches)
             > args.budget_s
         ):
             rec.doc["skipped"].append(f"batch {batch}")
