@@ -883,21 +883,21 @@ def with_busy_decoders(path: Path, processes: int, batch: int, fn: Callable[[], 
 
     from dlstore.read.cpu_decode import CpuDecoders
 
-    items = _payload_items(path, batch)
-    payloads = [memoryview(p) for p, _ in items]
-    shapes = np.asarray([s for _, s in items], np.int64)
-    per = int(np.prod(shapes, axis=1).sum())
-    slot = max(per * 4 // 3, sum(map(len, payloads)) * 4) + (1 << 16)  # a quarter input, the rest output
+    cache = open_cache(path)
+    extents = cache.payload_extents(np.arange(min(batch, len(cache))))
+    count = len(extents.buffer)
+    pixels = int(np.prod(extents.shapes, axis=1).sum())
+    slot = max(pixels * 4 // 3, int(CpuDecoders.input_bytes(extents).sum()) * 4) + (1 << 16)
     dec = CpuDecoders("jpeg", 90, processes, slots=2, slot_bytes=slot)
     stop = threading.Event()
 
     def load() -> None:
         while not stop.is_set():
-            slot = dec.acquire()
+            s = dec.acquire()
             try:
-                dec.submit(slot, payloads, shapes).wait()
+                dec.submit(s, extents, count).wait()
             finally:
-                dec.release(slot)
+                dec.release(s)
 
     th = threading.Thread(target=load, daemon=True)
     th.start()

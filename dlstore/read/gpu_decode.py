@@ -8,8 +8,8 @@ CPU in the reader's threads. An image nvJPEG refuses is decoded on the CPU inste
 ``stats.cpu_fallbacks``. With ``cpu_decoders=N`` each JPEG batch is split: its first part is decoded by
 N worker processes on the CPU (``dlstore.read.cpu_decode``; started when the first epoch starts) while
 nvJPEG decodes the rest, both feeding the same crop (as one flat buffer when the transform takes
-``FlatImages``); ``cpu_share`` fixes the CPU's fraction, or (None) it grows while the CPU's results are
-ready when the batch needs them and shrinks when this loader had to wait for them. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
+``FlatImages``); ``cpu_share`` fixes the CPU's fraction, or (None) the CPU takes what its workers
+decode in one batch period at the rate they show in place, nvJPEG the rest. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
 decoded (C, H_i, W_i) uint8 tensors into one batch::
 
     from dlstore.gpu import RaggedRandomResizedCrop
@@ -48,10 +48,14 @@ from dlstore.read.loaders import make_sampler, storage_sorted
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
 DECODE_IN = ("stream", "thread")
-# cpu_share=None: the CPU decoders' fraction starts at 0.5, moves AUTO_STEP of the way to 1 after a
-# batch whose CPU share was ready in time (waited at most WAIT_TOLERANCE of the batch period), and
-# shrinks in proportion to the wait otherwise; never below MIN_AUTO_SHARE. Slots hold MAX_AUTO_SHARE.
-MIN_AUTO_SHARE, MAX_AUTO_SHARE, AUTO_STEP, WAIT_TOLERANCE = 0.05, 1.0, 0.1, 0.02
+# cpu_share=None: after a batch whose CPU share was ready in time (this loader waited at most
+# WAIT_TOLERANCE of the batch period), the CPU decoders' fraction moves AUTO_STEP of the way to what
+# they can decode in one batch period (AUTO_MARGIN of it) at the rate they showed in place (the
+# workers' decode seconds per image, all workers in parallel); after a batch it waited for, it shrinks
+# in proportion to the wait. nvJPEG decodes the rest, on the batch's path. Never below MIN_AUTO_SHARE;
+# slots hold MAX_AUTO_SHARE. (Growing by a fixed step instead left nvJPEG ~20% of each batch where the
+# CPU alone was faster: the CPU share is decoded ahead, nvJPEG's in the batch's own time; round G7.)
+MIN_AUTO_SHARE, MAX_AUTO_SHARE, AUTO_STEP, AUTO_MARGIN, WAIT_TOLERANCE = 0.05, 1.0, 0.3, 0.85, 0.05
 
 
 @dataclass
@@ -377,8 +381,8 @@ class DecodeLoader:
             self.stats.gpu_images += len(images) - fallbacks
             self.stats.cpu_fallbacks += fallbacks
             if share is not None:
-                flat, waited = self._cpu_share_on_device(share, index)
-                self._balance(share.count, len(images), waited)
+                flat, waited, busy = self._cpu_share_on_device(share, index)
+                self._balance(share.count, len(images), waited, busy)
                 if getattr(self.transform, "takes_flat", False):  # no per-image tensors, no cat of them
                     flat_images = self._flat_images(flat, share, images, shapes)
                     return self.transform(flat_images), to_device(torch.from_numpy(labels), self.device)  # type: ignore[misc]
@@ -390,9 +394,9 @@ class DecodeLoader:
         batch = self.transform(images) if self.transform is not None else torch.stack(images)
         return batch, to_device(torch.from_numpy(labels), self.device)
 
-    def _cpu_share_on_device(self, share: CpuShare, index: np.ndarray) -> tuple[torch.Tensor, float]:
-        """The CPU share's images on the device, planar and back to back (one copy of the slot), and the
-        seconds this thread waited for the workers. A run they failed is read (CRC-checked) and decoded
+    def _cpu_share_on_device(self, share: CpuShare, index: np.ndarray) -> tuple[torch.Tensor, float, float]:
+        """The CPU share's images on the device, planar and back to back (one copy of the slot), the
+        seconds this thread waited for the workers and the seconds they spent decoding it. A run they failed is read (CRC-checked) and decoded
         here, so a corrupt image raises the reader's error naming its dataset index and chunk."""
         assert self.cpu is not None
         t0 = time.perf_counter()
@@ -419,7 +423,7 @@ class DecodeLoader:
             flat = region.clone()
             self.cpu.release(share.slot)
         self.stats.cpu_images += share.count
-        return flat, waited
+        return flat, waited, busy
 
     def _flat_images(
         self, cpu_flat: torch.Tensor, share: CpuShare, gpu_images: list[torch.Tensor], gpu_shapes: np.ndarray
@@ -434,21 +438,39 @@ class DecodeLoader:
         meta_t = to_device(torch.from_numpy(meta), self.device)
         return FlatImages(flat, meta_t[0], meta_t[1], meta_t[2], int(hwc[0, 2]), host=meta)
 
-    def _balance(self, cpu_count: int, gpu_count: int, waited: float) -> None:
+    def _balance(self, cpu_count: int, gpu_count: int, waited: float, busy: float) -> None:
         """Without a fixed ``cpu_share``: the nvJPEG share is decoded in this thread, on the batch's path;
-        the CPU share was decoded in other processes while earlier batches were used. So the CPU takes
-        more while its results are ready when needed, and less, in proportion, when this thread waited
-        for them (``waited`` seconds of the time since the previous batch)."""
+        the CPU share was decoded in other processes while earlier batches were used, so it costs this
+        thread nothing while it is ready in time. The CPU therefore takes what its workers can decode in
+        one batch period (at their in-place seconds per image, ``busy`` / ``cpu_count``), the period
+        without the ``waited`` seconds this thread spent waiting for them; nvJPEG the rest."""
         self.stats.cpu_share = cpu_count / max(1, cpu_count + gpu_count)
         now, last = time.perf_counter(), self._last_batch
         self._last_batch = now
-        if self.fixed_share is None and last is not None and now > last:
-            period = now - last
-            if waited > WAIT_TOLERANCE * period:  # the CPU side is behind
-                self.share *= max(0.5, 1.0 - waited / period)
-            else:
-                self.share += AUTO_STEP * (1.0 - self.share)
-            self.share = min(1.0, max(MIN_AUTO_SHARE, self.share))
+        if self.fixed_share is not None or last is None or now <= last or busy <= 0 or self.cpu is None:
+            return
+        self.share = auto_share(
+            self.share,
+            now - last,
+            waited,
+            busy / max(1, cpu_count),
+            self.cpu.processes,
+            cpu_count + gpu_count,
+        )
+
+
+def auto_share(
+    share: float, period: float, waited: float, per_image: float, workers: int, batch: int
+) -> float:
+    """The CPU decoders' next fraction (see AUTO_STEP): after a batch ``period`` seconds long, of which
+    the loader ``waited`` for their results, with ``per_image`` seconds of one worker's decode time per
+    image (``workers`` in parallel) and ``batch`` images per batch."""
+    if waited > WAIT_TOLERANCE * period:  # behind: they could not keep up
+        share *= max(0.5, 1.0 - waited / period)
+    else:
+        target = min(MAX_AUTO_SHARE, AUTO_MARGIN * workers * period / per_image / max(1, batch))
+        share += AUTO_STEP * (target - share)
+    return min(MAX_AUTO_SHARE, max(MIN_AUTO_SHARE, share))
 
 
 def _views(flat: torch.Tensor, offsets: np.ndarray, shapes: np.ndarray) -> list[torch.Tensor]:

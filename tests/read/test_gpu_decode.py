@@ -318,3 +318,22 @@ def test_split_batches_reach_a_flat_taking_crop_as_one_buffer(jpeg_cache: Path) 
     finally:
         loader.close()
     assert seen == len(cache) and kinds and set(kinds) == {FlatImages}
+
+
+def test_auto_share_takes_what_the_workers_decode_in_a_period() -> None:
+    """The rule with fake timings: workers that keep up take the whole batch, slow ones their capacity
+    (nvJPEG the rest), and a batch the loader waited for shrinks the CPU's fraction."""
+    from dlstore.read.gpu_decode import AUTO_MARGIN, MAX_AUTO_SHARE, MIN_AUTO_SHARE, auto_share
+
+    def settle(per_image: float, share: float = 0.5) -> float:
+        for _ in range(60):
+            share = auto_share(share, period=0.010, waited=0.0, per_image=per_image, workers=12, batch=512)
+        return share
+
+    assert settle(100e-6) > MAX_AUTO_SHARE - 1e-3  # 12 workers decode 1,200 images in 10 ms: all of it
+    slow = settle(1e-3)  # 120 images in a period: that much (with the margin), nvJPEG the rest
+    assert abs(slow - AUTO_MARGIN * 120 / 512) < 0.01
+    assert auto_share(0.8, period=0.010, waited=0.004, per_image=100e-6, workers=12, batch=512) < 0.8 * 0.61
+    assert (
+        auto_share(0.06, period=0.010, waited=0.009, per_image=1e-3, workers=12, batch=512) == MIN_AUTO_SHARE
+    )
