@@ -27,6 +27,7 @@ import itertools
 import mmap
 import os
 import queue
+import selectors
 import struct
 import threading
 import time
@@ -36,7 +37,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -307,26 +308,41 @@ class CpuDecoders:
         return future
 
     def _collect(self) -> None:
-        live = list(self.conns)
-        while live:
-            try:
-                ready = wait(live)
-            except (OSError, ValueError):  # close() closed the pipes under us
-                return
-            for conn in ready:
+        """Answers of every worker, as they come. One poll set for the pipes' lifetime: building one per
+        wake-up (``multiprocessing.connection.wait``) registered every worker's pipe again for each
+        answer, Python in this process (its GIL) that grew with workers x answers per batch."""
+        selector = (
+            selectors.PollSelector() if hasattr(selectors, "PollSelector") else selectors.SelectSelector()
+        )
+        with selector:
+            for i, conn in enumerate(self.conns):
+                selector.register(conn.fileno(), selectors.EVENT_READ, i)
+            live = len(self.conns)
+            while live:
                 try:
-                    msg = conn.recv_bytes()  # type: ignore[union-attr]
-                except (EOFError, OSError):
-                    live.remove(conn)  # type: ignore[arg-type]
-                    self._fail_worker(self.conns.index(conn))  # type: ignore[arg-type]
-                    continue
-                run, ns, n = _ANS.unpack_from(msg)
-                with self._lock:
-                    future, _ = self._pending.pop(run)
-                if n:
-                    future.set_exception(RuntimeError(msg[_ANS.size :].decode(errors="replace")))
-                else:
-                    future.set_result(ns)
+                    ready = selector.select()
+                except (OSError, ValueError):  # close() closed the pipes under us
+                    return
+                for key, _events in ready:
+                    if not self._answer(self.conns[key.data]):
+                        selector.unregister(key.fd)
+                        live -= 1
+                        self._fail_worker(key.data)
+
+    def _answer(self, conn: Connection) -> bool:
+        """Settle the run one answer is for; False when the worker is gone (its pipe closed)."""
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return False
+        run, ns, n = _ANS.unpack_from(msg)
+        with self._lock:
+            future, _ = self._pending.pop(run)
+        if n:
+            future.set_exception(RuntimeError(msg[_ANS.size :].decode(errors="replace")))
+        else:
+            future.set_result(ns)
+        return True
 
     def _fail_worker(self, worker: int) -> None:
         with self._lock:
