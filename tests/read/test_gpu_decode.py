@@ -251,7 +251,7 @@ def test_auto_share_follows_the_measured_rates(jpeg_cache: Path, monkeypatch: py
         return out
 
     monkeypatch.setattr(gd, "decode_on_device", slow_gpu)
-    loader = _split_loader(jpeg_cache, None)
+    loader = _split_loader(jpeg_cache, None, read_ahead=1)  # 2 batches per epoch fill the pipeline
     try:
         assert loader.share == 0.5
         for _ in range(3):
@@ -271,7 +271,14 @@ def test_auto_share_follows_the_measured_rates(jpeg_cache: Path, monkeypatch: py
         return real_wait(self)
 
     monkeypatch.setattr(CpuShare, "wait", late_cpu)
-    loader = _split_loader(jpeg_cache, None)
+    loader = _split_loader(jpeg_cache, None, read_ahead=len(open_cache(jpeg_cache)))
+    try:  # every batch of the epoch was handed over at its start: late ones are the pipeline filling
+        for _batch in loader:
+            pass
+        assert loader.share == 0.5
+    finally:
+        loader.close()
+    loader = _split_loader(jpeg_cache, None, read_ahead=1)
     try:
         for _ in range(2):
             for _batch in loader:
