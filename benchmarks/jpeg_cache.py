@@ -517,6 +517,28 @@ def resnet_step(name: str, classes: int) -> Callable[[torch.Tensor, torch.Tensor
     return step
 
 
+def training_setup(
+    model: str, res: int, batch: int
+) -> tuple[Callable[[torch.Tensor, torch.Tensor], None], Callable[[], Any], RaggedRandomResizedCrop]:
+    """The model's bf16 step, a synthetic-data source (one device batch, again and again: the ceiling)
+    and the GPU RandomResizedCrop to ``res`` (normalised, bf16, channels-last) the loaders use."""
+    torch.backends.cudnn.benchmark = True
+    step = resnet_step(model, 10)
+    x = (
+        torch.randn(batch, 3, res, res, device=DEV)
+        .to(torch.bfloat16)
+        .contiguous(memory_format=torch.channels_last)
+    )
+    y = torch.randint(0, 10, (batch,), device=DEV)
+
+    def synthetic() -> Any:
+        while True:
+            yield x, y
+
+    rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True)
+    return step, synthetic, rrc.to(DEV)
+
+
 def timed_steps(
     batches: Callable[[], Any], step: Callable[..., None], warmup: int, steps: int, batch: int
 ) -> float:
@@ -579,22 +601,7 @@ def imagefolder_loader(work: Path, res: int, batch: int) -> Any:
 
 
 def section_train(args: argparse.Namespace, work: Path, model: str, res: int, batch: int) -> dict[str, Any]:
-    torch.backends.cudnn.benchmark = True
-    step = resnet_step(model, 10)
-    x = (
-        torch.randn(batch, 3, res, res, device=DEV)
-        .to(torch.bfloat16)
-        .contiguous(memory_format=torch.channels_last)
-    )
-    y = torch.randint(0, 10, (batch,), device=DEV)
-
-    def synthetic() -> Any:
-        while True:
-            yield x, y
-
-    rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
-        DEV
-    )
+    step, synthetic, rrc = training_setup(model, res, batch)
     torch_rrc = RaggedRandomResizedCrop(
         res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True
     ).to(DEV)
@@ -744,23 +751,8 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """ResNet-18 bf16 @112 (batch 512) from the shorter-128 JPEG cache: nvJPEG alone vs each batch split
     between nvJPEG and ``--cpu-decoders`` CPU worker processes (the automatic split, fixed shares, all on
     the CPU), with and without the model."""
-    torch.backends.cudnn.benchmark = True
     batch, res, path = 512 // args.batch_div, 112, work / "jpeg_short128"
-    step = resnet_step("resnet18", 10)
-    x = (
-        torch.randn(batch, 3, res, res, device=DEV)
-        .to(torch.bfloat16)
-        .contiguous(memory_format=torch.channels_last)
-    )
-    y = torch.randint(0, 10, (batch,), device=DEV)
-
-    def synthetic() -> Any:
-        while True:
-            yield x, y
-
-    rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
-        DEV
-    )
+    step, synthetic, rrc = training_setup("resnet18", res, batch)
     counts = decoder_counts(args)
     n = counts[0]  # the fixed shares and the auto target row use the first count
     shares: list[float | None] = [None, *(float(v) for v in args.shares.split(",") if v), 1.0]
