@@ -189,3 +189,36 @@ def test_a_worker_checks_crcs_and_reads_files(tmp_path: Path) -> None:
     table[1, 1] = 10**9
     with pytest.raises(ValueError, match="beyond"):
         decode_table(codec, block, table, np.empty(0, np.uint8), lambda i: files.get(str(tmp_path / "f")))
+
+
+def test_fewer_runs_than_processes_decode_the_same_epoch(jpeg_cache: Path) -> None:
+    """``CpuDecoders.runs`` < processes: each share goes to fewer workers in turn; same pixels, each once."""
+    loader = _loader(jpeg_cache, share=1.0)
+    try:
+        it = iter(loader)
+        next(it)  # the decoders start with the first epoch
+        it.close()  # type: ignore[attr-defined]  # and its read-ahead stops before _send is counted
+        assert loader.cpu is not None
+        loader.cpu.runs = 1
+        sent: list[int] = []
+        real = loader.cpu._send
+
+        def counting(table: Any, names: bytes = b"") -> Any:
+            sent.append(len(table))
+            return real(table, names)
+
+        loader.cpu._send = counting  # type: ignore[method-assign]
+        assert _epoch_equals_cpu_decode(loader, jpeg_cache) == len(open_cache(jpeg_cache))
+        assert sent and len(sent) == len(loader) and loader.stats.cpu_redecoded == 0
+    finally:
+        loader.close()
+
+
+def test_the_worker_module_imports_no_torch() -> None:
+    """Decode workers are fresh interpreters that import this module: no torch (seconds and GBs each)."""
+    import subprocess
+    import sys
+
+    probe = "import sys; from dlstore.read.cpu_decode import main; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
