@@ -14,7 +14,9 @@ Side by side in one process (configurations rotated per repeat, median): the syn
 - ``copy``: the current one with the bytes copied into the slot by this process, one slice per image
   (what it does for units that are not files, e.g. a remote cache's);
 - ``files`` with ``:R``: each batch's CPU share split into R runs instead of one per process (fewer
-  messages to and from the workers per batch; the batches read ahead keep the others busy).
+  messages to and from the workers per batch; the batches read ahead keep the others busy);
+- ``:affN``: the decode processes kept off the first N cores (``sched_setaffinity``), which the scheduler
+  then leaves to the training process (round G: busy decoders beside the step cost it 14%).
 
 Diagnostics per configuration (so a result can be explained): CPU seconds per batch of the loader's
 read-ahead and decode threads (``time.thread_time``), of the training (main) thread, the collector and
@@ -63,16 +65,22 @@ log, sync = harness.log, harness.sync
 class Measured(DecodeLoader):
     """DecodeLoader with the CPU time of its read-ahead and decode threads summed per call."""
 
-    def __init__(self, *args: Any, runs: int = 0, **kw: Any) -> None:
+    def __init__(self, *args: Any, runs: int = 0, reserve: int = 0, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.read_cpu = self.decode_cpu = 0.0
         self.reads = self.decodes = 0
-        self.runs = runs
+        self.runs, self.reserve = runs, reserve
+        self.affinity: list[int] = []
 
     def _start_cpu_decoders(self) -> Any:
         cpu = super()._start_cpu_decoders()
         if self.runs:  # fewer runs (messages) per batch than decode processes
             cpu.runs = self.runs
+        if self.reserve:  # the decode processes kept off the first cores, left to this process
+            cores = sorted(os.sched_getaffinity(0))
+            self.affinity = cores[self.reserve :] or cores  # (a dry run on fewer cores: all of them)
+            for p in cpu.procs:
+                os.sched_setaffinity(p.pid, self.affinity)
         return cpu
 
     def _read(self, batch: list[int]) -> Any:
@@ -387,18 +395,21 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     loaders: dict[str, Measured] = {}
     m = args.cpu_decoders
     for config in args.configs.split(","):
-        read, share, *runs = config.split(":")
+        read, share, *extra = config.split(":")
         fixed = None if share == "auto" else float(share)
-        kw = {"runs": int(runs[0])} if runs else {}
+        kw = {"reserve" if e.startswith("aff") else "runs": int(e.removeprefix("aff")) for e in extra}
         ld = READS[read](cache, batch, transform=rrc, device=DEV, cpu_decoders=m, cpu_share=fixed, **kw)
         ld.gpu = True  # a CPU dry run: torchvision's CPU decode stands in for nvJPEG
-        loaders[f"{read}_cpu{m}_{share}" + (f"_r{runs[0]}" if runs else "")] = ld
+        loaders[
+            f"{read}_cpu{m}_{share}" + "".join(f"_{e}" if e.startswith("aff") else f"_r{e}" for e in extra)
+        ] = ld
     out = RESULT
     out.update(data=data, batch=batch, batches_per_epoch=len(next(iter(loaders.values()))))
     out["alone"] = {}
     for name, ld in loaders.items():
         out["alone"][name] = alone(ld, args.alone_epochs)
         log(f"alone {name}: {out['alone'][name]['img_s']:,.0f} img/s")
+    out["decoder_cores"] = {k: ld.affinity for k, ld in loaders.items() if ld.affinity}
     names = ["synthetic", *loaders]
     runs: dict[str, list[dict[str, Any]]] = {k: [] for k in names}
     out["runs"] = runs
@@ -486,8 +497,9 @@ def main() -> None:
     ap.add_argument("--cpu-decoders", type=int, default=12)
     ap.add_argument(
         "--configs",
-        default="views:auto,views:1.0,files:auto,files:1.0,copy:1.0,files:auto:4,files:1.0:4",
-        help="read path (views|copy|files):share (auto or a fraction)[:runs a batch is split into]",
+        default="views:auto,views:1.0,files:auto,files:1.0,copy:1.0,files:1.0:4,files:auto:aff4,files:1.0:aff4",
+        help="read path (views|copy|files):share (auto or a fraction)[:R runs a batch is split into]"
+        "[:affN decode processes kept off the first N cores]",
     )
     ap.add_argument("--batch-div", type=int, default=1, help="smaller batches (CPU dry runs)")
     ap.add_argument("--deadline-s", type=float, default=0, help="fewer repeats to end before this (0: all)")
