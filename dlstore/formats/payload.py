@@ -9,6 +9,7 @@ corrupt byte is an error naming the image and its unit, never wrong pixels.
 
 from __future__ import annotations
 
+import mmap
 import zlib
 from abc import abstractmethod
 from dataclasses import dataclass
@@ -68,8 +69,10 @@ class PayloadUnit:
     def file_source(self) -> tuple[str, int] | None:
         """(path, offset) when ``data`` is a file's bytes as stored there (a memory map of it, or a
         format's plain read), so another process can read payloads from the file; None otherwise."""
-        if isinstance(self.data, np.memmap) and self.data.filename:
-            return str(self.data.filename), int(self.data.offset)
+        data = self.data
+        # only a whole map: a slice of one keeps the map's offset, not its own
+        if isinstance(data, np.memmap) and data.filename and isinstance(data.base, mmap.mmap):
+            return str(data.filename), int(data.offset)
         return self.source
 
     def payload(self, j: int) -> memoryview:

@@ -222,3 +222,20 @@ def test_the_worker_module_imports_no_torch() -> None:
     probe = "import sys; from dlstore.read.cpu_decode import main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_only_a_whole_memory_map_names_its_file(tmp_path: Path) -> None:
+    """A unit whose data is a slice of a map would give the map's offset, not the slice's: no file then."""
+    from dlstore.formats.payload import PayloadUnit
+
+    np.arange(100, dtype=np.uint8).tofile(tmp_path / "m")
+    whole = np.memmap(tmp_path / "m", np.uint8, "r", offset=10, shape=(50,))
+
+    def unit(data: Any) -> PayloadUnit:
+        return PayloadUnit(
+            data, np.array([0, 1]), np.ones((1, 3), np.int32), np.zeros(1, np.uint32), np.zeros(2)
+        )
+
+    assert unit(whole).file_source() == (str(tmp_path / "m"), 10)
+    assert unit(whole[5:]).file_source() is None
+    assert unit(np.zeros(5, np.uint8)).file_source() is None
