@@ -629,6 +629,17 @@ def variants_table(rec: Recorder) -> list[str]:
                 + f"  {host}"
             )
     lines.append("within ±20%: " + ", ".join(f"{n} {c[0]}/{c[1]}" for n, c in count.items()))
+    probe_s = {
+        name: sum(
+            p.get("wall_s", 0.0)
+            for r in res["doc"]["runs"]
+            for p in (r.get("loader_probe") or {}).get("samples", [])
+        )
+        for name, res in rec.doc["runs"].items()
+    }
+    lines.append(
+        "seconds in the probes around runs: " + ", ".join(f"{k} {v:.1f}" for k, v in probe_s.items())
+    )
     return lines
 
 

@@ -352,6 +352,7 @@ def probe_loader(
     work, a slower or faster machine), and the step's calls beside a loader by up to 30% (round E, resident
     at batch 512: 15.5 ms in the parts phase, 11.9 ms in its run), seconds apart. Timing both right before
     and right after each run brackets the run in time; it never uses the run's own rate."""
+    t0 = time.perf_counter()
     stream = BatchStream(loader)
     out: dict[str, Any] = {
         "cpu_ref_s": cpu_reference_s(),
@@ -374,6 +375,7 @@ def probe_loader(
     finally:
         stream.close()
     out["cpu_ref_after_s"] = cpu_reference_s()
+    out["wall_s"] = time.perf_counter() - t0  # what the probe adds to the bench's time
     return out
 
 

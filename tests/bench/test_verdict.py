@@ -352,7 +352,7 @@ def test_a_loader_probe_times_next_alone_and_the_step_beside_over_enough_batches
     # the beside pass: ≥ 3 timed steps after one warm-up, each after a next() of ≥ 4 ms, its cost the step's
     assert out["beside_batches"] >= 3 and len(seen) == out["beside_batches"] + 1 and set(seen) == {4}
     assert out["beside_serial_s"] == pytest.approx(0.002) and out["beside_next_s"] >= 4 * 0.001
-    assert out["order"] == "alone-beside"
+    assert out["order"] == "alone-beside" and out["wall_s"] >= (out["batches"] + 1) * 4 * 0.001
     # the mirrored order after a run; a loader not working in the caller gets the beside pass only
     after = probe_loader(
         loader, min_batches=3, min_s=0.0, device=CPU, beside=step, alone=False, beside_first=True
