@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from decode_helpers import cpu_split_loader
 
 from dlstore import convert, open_cache
 from dlstore.errors import CacheCorruptError, SampleReadError
@@ -24,21 +25,6 @@ def jpeg_cache(
     dest = tmp_path_factory.mktemp("cpu-read") / request.param
     convert(image_tree, dest, format=request.param, size=24, resize="shorter", codec="jpeg", workers=2)
     return dest
-
-
-def _loader(path: Path, share: float = 1.0, batch: int = 8) -> DecodeLoader:
-    loader = DecodeLoader(
-        path,
-        batch_size=batch,
-        transform=lambda images: images,  # type: ignore[arg-type,return-value]
-        device="cpu",
-        order="random",
-        drop_last=False,
-        cpu_decoders=2,
-        cpu_share=share,
-    )
-    loader.gpu = True  # no GPU here: torchvision's CPU decode stands in for nvJPEG (see test_gpu_decode)
-    return loader
 
 
 def _epoch_equals_cpu_decode(loader: DecodeLoader, path: Path) -> int:
@@ -98,7 +84,7 @@ def test_split_epoch_equals_cpu_decode_from_files_or_copied(
         return out
 
     monkeypatch.setattr(cache_module.Cache, "payload_extents", extents)
-    loader = _loader(jpeg_cache, share=1.0)
+    loader = cpu_split_loader(jpeg_cache, 1.0, batch=8, order="random")
     try:
         assert _epoch_equals_cpu_decode(loader, jpeg_cache) == len(open_cache(jpeg_cache))
         assert loader.stats.cpu_images == len(open_cache(jpeg_cache)) and loader.stats.cpu_redecoded == 0
@@ -149,7 +135,7 @@ def test_a_corrupt_payload_read_by_a_worker_is_the_named_error(
     shutil.copytree(jpeg_cache, bad)
     index = 9
     k, unit_file = _corrupt(bad, index)
-    loader = _loader(bad, share=1.0)
+    loader = cpu_split_loader(bad, 1.0, batch=8, order="random")
     try:
         with pytest.raises(SampleReadError) as err:
             for _ in loader:
@@ -193,7 +179,7 @@ def test_a_worker_checks_crcs_and_reads_files(tmp_path: Path) -> None:
 
 def test_fewer_runs_than_processes_decode_the_same_epoch(jpeg_cache: Path) -> None:
     """``CpuDecoders.runs`` < processes: each share goes to fewer workers in turn; same pixels, each once."""
-    loader = _loader(jpeg_cache, share=1.0)
+    loader = cpu_split_loader(jpeg_cache, 1.0, batch=8, order="random")
     try:
         it = iter(loader)
         next(it)  # the decoders start with the first epoch

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision.io
+from decode_helpers import cpu_split_loader
 
 from dlstore import convert, open_cache
 from dlstore.formats import FORMATS
@@ -139,22 +140,6 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
 # (``loader.gpu`` forced on); the CPU side is the real worker processes.
 
 
-def _split_loader(cache_path: Path, share: float | None, **kw: object) -> DecodeLoader:
-    loader = DecodeLoader(
-        cache_path,
-        batch_size=4,
-        transform=lambda images: images,  # type: ignore[arg-type,return-value]
-        device="cpu",
-        order="sequential",
-        drop_last=False,
-        cpu_decoders=2,
-        cpu_share=share,
-        **kw,  # type: ignore[arg-type]
-    )
-    loader.gpu = True
-    return loader
-
-
 def _check_split_epoch(loader: DecodeLoader, cache_path: Path, share: float) -> int:
     """Every batch: its first round(share * n) images equal the CPU decode, the rest the single-path
     (decode_on_device) decode, each with its own label. Returns the CPU-decoded count."""
@@ -191,7 +176,7 @@ def test_split_batches_equal_the_single_path_decodes(
         return real(cache, payloads, *args, **kw)
 
     monkeypatch.setattr(gd, "decode_on_device", spy)
-    loader = _split_loader(jpeg_cache, 0.5, decode_in=decode_in)
+    loader = cpu_split_loader(jpeg_cache, 0.5, decode_in=decode_in)
     try:
         cpu_count = _check_split_epoch(loader, jpeg_cache, 0.5)
         n = len(open_cache(jpeg_cache))
@@ -203,7 +188,7 @@ def test_split_batches_equal_the_single_path_decodes(
 
 
 def test_a_run_whose_worker_died_is_decoded_in_the_loader(jpeg_cache: Path) -> None:
-    loader = _split_loader(jpeg_cache, 1.0)
+    loader = cpu_split_loader(jpeg_cache, 1.0)
     try:
         next(iter(loader))  # workers started
         assert loader.cpu is not None
@@ -218,7 +203,7 @@ def test_a_run_whose_worker_died_is_decoded_in_the_loader(jpeg_cache: Path) -> N
 def test_abandoned_epochs_give_their_slots_back(jpeg_cache: Path) -> None:
     import threading
 
-    loader = _split_loader(jpeg_cache, 0.5, read_ahead=1)
+    loader = cpu_split_loader(jpeg_cache, 0.5, read_ahead=1)
     try:
         for _ in range(4):  # more abandoned epochs than slots: a leaked slot would block the reads
             it = iter(loader)
@@ -251,7 +236,7 @@ def test_auto_share_follows_the_measured_rates(jpeg_cache: Path, monkeypatch: py
         return out
 
     monkeypatch.setattr(gd, "decode_on_device", slow_gpu)
-    loader = _split_loader(jpeg_cache, None, read_ahead=1)  # 2 batches per epoch fill the pipeline
+    loader = cpu_split_loader(jpeg_cache, None, read_ahead=1)  # 2 batches per epoch fill the pipeline
     try:
         assert loader.share == 0.5
         for _ in range(3):
@@ -271,14 +256,14 @@ def test_auto_share_follows_the_measured_rates(jpeg_cache: Path, monkeypatch: py
         return real_wait(self)
 
     monkeypatch.setattr(CpuShare, "wait", late_cpu)
-    loader = _split_loader(jpeg_cache, None, read_ahead=len(open_cache(jpeg_cache)))
+    loader = cpu_split_loader(jpeg_cache, None, read_ahead=len(open_cache(jpeg_cache)))
     try:  # every batch of the epoch was handed over at its start: late ones are the pipeline filling
         for _batch in loader:
             pass
         assert loader.share == 0.5
     finally:
         loader.close()
-    loader = _split_loader(jpeg_cache, None, read_ahead=1)
+    loader = cpu_split_loader(jpeg_cache, None, read_ahead=1)
     try:
         for _ in range(2):
             for _batch in loader:
@@ -308,7 +293,7 @@ def test_split_batches_reach_a_flat_taking_crop_as_one_buffer(jpeg_cache: Path) 
         return forward(images)
 
     crop.forward = spy  # type: ignore[method-assign]
-    loader = _split_loader(jpeg_cache, 0.5)
+    loader = cpu_split_loader(jpeg_cache, 0.5)
     loader.transform = crop
     seen = 0
     try:
