@@ -239,7 +239,7 @@ def test_auto_share_follows_the_measured_rates(jpeg_cache: Path, monkeypatch: py
     loader = cpu_split_loader(jpeg_cache, None, read_ahead=1)  # 2 batches per epoch fill the pipeline
     try:
         assert loader.share == 0.5
-        for _ in range(3):
+        for _ in range(6):  # a few epochs: a loaded machine's late shares shrink it now and then
             for _batch in loader:
                 pass
         assert loader.share > 0.8 and loader.share <= gd.MAX_AUTO_SHARE
