@@ -70,7 +70,7 @@ if triton is not None:
         inside = p < out_h * out_w
         y = p // out_w
         x = p % out_w
-        row = rows + b * 8  # PARAMS columns (a literal: Triton kernels read no Python globals)
+        row = rows + b * 8  # len(ragged.PARAM_COLUMNS): a literal, Triton kernels read no Python globals
         start = tl.load(row)
         h = tl.load(row + 1)
         w = tl.load(row + 2)

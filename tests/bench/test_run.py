@@ -284,9 +284,8 @@ def test_fast_path_kinds_are_measured(env: Path) -> None:
         assert r["budget_ms"]["predicted"]["host_ms"] == pytest.approx(1e3 * probe["beside_serial_s"])
 
 
-def test_recorded_parts_replay_to_the_recorded_predictions(result: tuple[dict[str, Any], Path]) -> None:
-    """benchmarks/replay_predictions.py rebuilds each run's parts from the document alone: with the model
-    unchanged it must give back the predictions the run recorded (else replays of GPU runs mean nothing)."""
+def _replay_module() -> Any:
+    """benchmarks/replay_predictions.py, loaded as a module (benchmarks/ is not a package)."""
     import importlib.util
 
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "replay_predictions.py"
@@ -294,6 +293,13 @@ def test_recorded_parts_replay_to_the_recorded_predictions(result: tuple[dict[st
     assert spec and spec.loader
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
+    return replay
+
+
+def test_recorded_parts_replay_to_the_recorded_predictions(result: tuple[dict[str, Any], Path]) -> None:
+    """benchmarks/replay_predictions.py rebuilds each run's parts from the document alone: with the model
+    unchanged it must give back the predictions the run recorded (else replays of GPU runs mean nothing)."""
+    replay = _replay_module()
     doc, _ = result
     rows = replay.replay(doc)
     assert len(rows) == len(doc["runs"])
@@ -308,13 +314,7 @@ def test_model_variants_replay_the_old_and_new_bases_from_one_run(
     """bench_batches.py prints the old model (parts phase; probe before only) next to the new one (probes
     before and after) on the same runs: the new basis gives back the recorded prediction, and runs with
     workers (no probes) predict the same under every basis."""
-    import importlib.util
-
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "replay_predictions.py"
-    spec = importlib.util.spec_from_file_location("replay_predictions", script)
-    assert spec and spec.loader
-    replay = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay)
+    replay = _replay_module()
     doc, _ = result
     for row, run in zip(replay.variant_errors(doc), doc["runs"]):
         errors = row["errors"]
