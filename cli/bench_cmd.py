@@ -277,8 +277,14 @@ def bench_cmd(
         click.echo(f"[bench] {msg}", file=stderr())
 
     doc = run_bench(config, log=log)
-    log(f"wrote {', '.join(str(v) for k, v in doc.get('outputs', {}).items() if k != 'csv_rows')}")
+    if not doc.get("outputs_error"):
+        log(f"wrote {', '.join(str(v) for k, v in doc.get('outputs', {}).items() if k != 'csv_rows')}")
     if as_json:
         emit_json(doc)
-        return
-    click.echo(render_text(doc))
+    else:
+        click.echo(render_text(doc))
+    if doc.get("outputs_error"):
+        raise click.ClickException(
+            f"the results above were not all written under --out ({doc['outputs_error']}); "
+            "free space there or choose another --out, and run again"
+        )

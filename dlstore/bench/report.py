@@ -92,6 +92,22 @@ def environment(device: torch.device) -> dict[str, Any]:
 # --- files --------------------------------------------------------------------------------------------
 
 
+def check_out_dir(out: Path) -> None:
+    """Create ``out`` and write a probe file there before anything is measured: a folder that cannot
+    take the outputs fails now, not after the runs."""
+    from dlstore.errors import DlstoreError
+
+    probe = out / f".dlstore-write-check-{os.getpid()}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise DlstoreError(
+            f"--out {out}: cannot write there ({e.strerror}); choose a writable folder with free space"
+        ) from None
+
+
 def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
     """result.json, steps.csv and plots.png (when matplotlib is installed) under ``out``."""
     out.mkdir(parents=True, exist_ok=True)

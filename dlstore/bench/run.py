@@ -58,7 +58,7 @@ from dlstore.bench.protocol import (
     StageResult,
     default_worker_counts,
 )
-from dlstore.bench.report import environment, finite, profile_configuration, write_outputs
+from dlstore.bench.report import check_out_dir, environment, finite, profile_configuration, write_outputs
 from dlstore.bench.stages import BatchStream, device_label
 from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse
 from dlstore.build.sources import open_source
@@ -92,6 +92,8 @@ def check_config(config: BenchConfig) -> None:
             raise DlstoreError(f"{name} must be at least 1, got {getattr(config, name)}")
     if config.pin_memory not in ("auto", "on", "off", "both"):
         raise DlstoreError(f"pin_memory must be auto, on, off or both, got {config.pin_memory!r}")
+    if config.out is not None:
+        check_out_dir(Path(config.out))
 
 
 def run_bench(config: BenchConfig, log: Log | None = None) -> dict[str, Any]:
@@ -208,7 +210,11 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     }
     doc = finite(doc)
     if config.out is not None:
-        write_outputs(doc, Path(config.out))
+        try:
+            write_outputs(doc, Path(config.out))
+        except OSError as e:  # e.g. the disk filled during the runs: the caller still gets the measurements
+            doc["outputs_error"] = f"{e.filename or config.out}: {e.strerror or e}"
+            log(f"could not write the outputs under {config.out}: {doc['outputs_error']}")
     return doc
 
 

@@ -86,7 +86,13 @@ class Staging:
 
     # -- lock ---------------------------------------------------------------------------------------
     def _lock(self) -> None:
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only or full folder: the first file this conversion writes
+            raise ConvertError(
+                f"{self.dest.parent}: cannot write there ({e.strerror}: {self.lock_path.name}); "
+                "choose a DEST in a writable folder with free space"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

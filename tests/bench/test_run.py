@@ -174,6 +174,31 @@ def test_caches_are_reused_and_text_ends_with_a_verdict(
     assert doc["loaders"]["ram"]["reused"] is True
 
 
+def test_an_unwritable_out_fails_first_and_a_full_disk_keeps_the_report(
+    env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import dlstore.bench.run as bench_run
+
+    res = CliRunner().invoke(
+        main, ["bench", *TINY, "--out", "/proc/no-such-dir/out"]
+    )  # nothing created there
+    assert res.exit_code == 1 and "--out /proc/no-such-dir/out: cannot write there" in res.output
+    assert "[bench] round" not in res.output  # refused before any run
+
+    def full(doc: dict[str, Any], out: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "plots.png"))
+
+    monkeypatch.setattr(bench_run, "write_outputs", full)
+    res = CliRunner().invoke(
+        main, ["bench", *TINY, "--workers", "0", "--loaders", "ram", "--no-cold", "--out", str(env / "o5")]
+    )
+    assert res.exit_code == 1
+    assert "Verdict:" in res.stdout  # the measurements are still shown
+    assert "not all written" in res.output and "No space left on device" in res.output
+
+
 def test_formats_is_a_hidden_deprecated_alias_of_loaders(env: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(

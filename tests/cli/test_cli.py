@@ -70,6 +70,15 @@ def test_bad_source_message(tmp_path: Path) -> None:
     assert run("convert", "x", "y").exit_code == 2  # usage error: --size missing
 
 
+def test_unwritable_dest_message(image_tree: Path, tmp_path: Path) -> None:
+    """A DEST whose folder takes no files (/proc here; a read-only mount or a full disk alike): the
+    message names the folder and the fix, no traceback."""
+    res = run("convert", image_tree, "/proc/dlstore-test-cache", "--size", "8")
+    assert (
+        res.exit_code == 1 and "/proc: cannot write there" in res.output and "writable folder" in res.output
+    )
+
+
 def test_installed_entry_point_and_no_top_level_cli(tmp_path: Path) -> None:
     exe = Path(sys.executable).with_name("dlstore")
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True, cwd=tmp_path)
