@@ -299,6 +299,13 @@ def prepare_all(
         prepared[name] = p
     if not prepared:
         raise DlstoreError("no loader kind could be prepared; see the notes above")
+    skipped = next((p.info for p in prepared.values() if p.info.get("skipped")), None)
+    if skipped is not None:
+        notes.append(
+            f"{skipped['skipped']} source file(s) could not be read or decoded (named in "
+            f"{skipped['skipped_list']}): the caches leave them out; raw reads each as a blank image "
+            "where a plain ImageFolder loop stops at the first"
+        )
     return prepared, notes
 
 

@@ -199,6 +199,38 @@ def test_an_unwritable_out_fails_first_and_a_full_disk_keeps_the_report(
     assert "not all written" in res.output and "No space left on device" in res.output
 
 
+def test_a_folder_with_broken_files_is_benched_and_they_are_named(env: Path, tmp_path: Path) -> None:
+    """A plain ImageFolder loop stops at the first broken file; the bench measures every kind and names them."""
+    import numpy as np
+    from PIL import Image
+    from reliability_helpers import make_tree
+    from torchvision.datasets.folder import default_loader
+
+    from dlstore.bench.kinds.raw import tolerant_loader
+
+    root = make_tree(tmp_path / "tree", per_class=10)
+    good = root / "b" / "img000.jpg"
+    (root / "a" / "zero.jpg").write_bytes(b"")
+    (root / "b" / "truncated.jpg").write_bytes(good.read_bytes()[:300])
+    assert np.array_equal(np.asarray(tolerant_loader(str(good))), np.asarray(default_loader(str(good))))
+    blank = tolerant_loader(str(root / "a" / "zero.jpg"))
+    assert blank.mode == "RGB" and blank.size == (1, 1)
+    with pytest.raises(Image.UnidentifiedImageError):
+        default_loader(str(root / "a" / "zero.jpg"))
+    res = CliRunner().invoke(
+        main,
+        [
+            "bench", str(root), "--loaders", "raw,ram", "--workers", "0,1", "--batch-size", "4", "--size", "16",
+            "--steps", "3", "--warmup", "2", "--repeats", "1", "--stage-steps", "2", "--no-cold",
+            "--out", str(tmp_path / "out"),
+        ],
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert {(r["loader"], r["workers"]) for r in doc["runs"]} >= {("raw", 0), ("raw", 1), ("ram", 0)}
+    assert any(n.startswith("2 source file(s) could not be read or decoded") for n in doc["notes"])
+
+
 def test_formats_is_a_hidden_deprecated_alias_of_loaders(env: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(

@@ -55,7 +55,7 @@ def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path | str, dict[str, An
             and tuple(spec.shape) == (ctx.size, ctx.size, ctx.channels)
         )
         if matches or dest == ctx.config.cache:
-            return dest, {"cache": str(dest), "reused": True}
+            return dest, {"cache": str(dest), "reused": True, **skipped_info(dest)}
     except (CacheNotFoundError, SpecError, FileNotFoundError, OSError):
         pass
     ctx.log(f"converting {ctx.source.description} → {fmt} cache at {dest} ({ctx.size}px)")
@@ -82,7 +82,21 @@ def convert_into(ctx: LoaderContext, dest: Path, **options: Any) -> dict[str, An
         "convert_s": result.seconds,
         "convert_img_per_s": result.images_per_s,
         "convert_workers": result.workers,
+        **skipped_info(dest),
     }
+
+
+def skipped_info(dest: Path) -> dict[str, Any]:
+    """How many source files the conversion skipped (unreadable or undecodable) and where they are named."""
+    import json
+
+    from dlstore.spec import SKIPPED_FILE
+
+    try:
+        n = len(json.loads((dest / SKIPPED_FILE).read_text()))
+    except (OSError, ValueError, TypeError):
+        return {}
+    return {"skipped": n, "skipped_list": str(dest / SKIPPED_FILE)} if n else {}
 
 
 def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:

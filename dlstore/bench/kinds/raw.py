@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from PIL import Image
 from torch.utils.data import Dataset
 
 from dlstore.bench.kinds.base import NATIVE_SIZES, LoaderContext, PreparedLoader
@@ -23,11 +24,17 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
     if isinstance(ctx.source, FolderSource):
         root = ctx.source.root
         files = [root / n for n in ctx.source.names]
+        listed = frozenset(str(f) for f in files)  # the files convert reads (ImageFolder's, plus GIF)
 
         def new_dataset() -> Dataset:
             from torchvision.datasets import ImageFolder
 
-            return ImageFolder(str(root), transform=raw_transform(tf_name, size, None))
+            return ImageFolder(
+                str(root),
+                transform=raw_transform(tf_name, size, None),
+                loader=tolerant_loader,
+                is_valid_file=listed.__contains__,
+            )
 
         return PreparedLoader(
             "raw",
@@ -70,6 +77,18 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
         dev_tf,
         info={"root": str(root), "loads_once": True},
     )
+
+
+def tolerant_loader(path: str) -> Image.Image:
+    """torchvision's default loader, except that a file it cannot decode reads as a 1×1 black image: a
+    plain ImageFolder loop stops at the first broken file, where convert skips it and names it (the
+    bench's note counts them); one blank image costs about nothing, so the rate stays the files'."""
+    from torchvision.datasets.folder import default_loader
+
+    try:
+        return default_loader(path)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return Image.new("RGB", (1, 1))
 
 
 def _torchvision_file(name: str, path: Path) -> bool:
