@@ -8,6 +8,8 @@ from typing import Any
 
 import click
 
+from dlstore.build.sizes import human_bytes  # noqa: F401 (the commands import it from here)
+
 
 class StorePath(click.ParamType):
     """A cache location, checked by the library's one rule for where caches may live."""
@@ -53,14 +55,6 @@ def storage_options_option() -> Any:
 
 def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=1, default=str))
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def stderr() -> Any:

@@ -40,6 +40,7 @@ from dlstore.build.dask_engine import (
     run_on_dask,
 )
 from dlstore.build.rerun import is_up_to_date
+from dlstore.build.sizes import human_bytes
 from dlstore.build.sources import Source, open_source
 from dlstore.build.staging import Staging
 from dlstore.build.store_units import (
@@ -391,8 +392,8 @@ def preflight(writer: CacheWriter, staging: Staging) -> list[str]:
     free = shutil.disk_usage(staging.path).free
     if need > free:
         return [
-            f"{staging.path.parent}: the cache needs about {need / 1e9:.2f} GB more but only "
-            f"{free / 1e9:.2f} GB is free; the conversion will stop when the disk fills "
+            f"{staging.path.parent}: the cache needs about {human_bytes(need)} more but only "
+            f"{human_bytes(free)} is free; the conversion will stop when the disk fills "
             "(free space, then re-run the same command to resume)"
         ]
     return []
@@ -413,8 +414,8 @@ def disk_full_message(writer: CacheWriter, what: str) -> str:
     free = shutil.disk_usage(writer.root).free if writer.root.exists() else 0
     need = writer.n * writer.image_bytes
     return (
-        f"disk full while {what} under {writer.root}: the cache needs up to {need / 1e6:,.0f} MB "
-        f"(uncompressed) and {free / 1e6:,.0f} MB is free; free space and re-run the same command "
+        f"disk full while {what} under {writer.root}: the cache needs up to {human_bytes(need)} "
+        f"(uncompressed) and {human_bytes(free)} is free; free space and re-run the same command "
         "to resume (finished parts are kept)"
     )
 

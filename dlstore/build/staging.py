@@ -14,6 +14,7 @@ between the swap and the clean-up can tell on resume whether DEST already holds 
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import hashlib
 import json
@@ -88,11 +89,8 @@ class Staging:
     def _lock(self) -> None:
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:  # a read-only or full folder: the first file this conversion writes
-            raise ConvertError(
-                f"{self.dest.parent}: cannot write there ({e.strerror}: {self.lock_path.name}); "
-                "choose a DEST in a writable folder with free space"
-            ) from None
+        except OSError as e:  # a read-only folder: the first file this conversion writes
+            raise self._unwritable(e) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -102,9 +100,24 @@ class Staging:
                 f"{self.dest}: another dlstore convert (pid {holder}) is writing this destination; "
                 f"wait for it to finish (lock {self.lock_path})"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, str(os.getpid()).encode(), 0)
+        except OSError as e:  # a full disk: its first write
+            os.close(fd)
+            raise self._unwritable(e) from None
         self._lock_fd = fd  # a dead holder's flock vanishes with it, so a stale lock never blocks
+
+    def _unwritable(self, e: OSError) -> ConvertError:
+        if e.errno == errno.ENOSPC:
+            return ConvertError(
+                f"{self.dest.parent}: the disk is full ({e.strerror} writing {self.lock_path.name}); free "
+                "space there or choose another DEST, then re-run the same command (finished parts are kept)"
+            )
+        return ConvertError(
+            f"{self.dest.parent}: cannot write there ({e.strerror}: {self.lock_path.name}); "
+            "choose a DEST in a writable folder"
+        )
 
     def _unlock(self) -> None:
         if self._lock_fd is not None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from click.testing import CliRunner
 
 from dlstore.cli import main
@@ -77,6 +78,29 @@ def test_unwritable_dest_message(image_tree: Path, tmp_path: Path) -> None:
     assert (
         res.exit_code == 1 and "/proc: cannot write there" in res.output and "writable folder" in res.output
     )
+
+
+def test_full_disk_at_the_first_write_message(
+    image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import dlstore.build.staging as staging
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(staging.os, "pwrite", full)
+    res = run("convert", image_tree, tmp_path / "c", "--size", "8")
+    assert res.exit_code == 1 and f"{tmp_path}: the disk is full" in res.output and "re-run" in res.output
+    monkeypatch.undo()
+    assert run("convert", image_tree, tmp_path / "c", "--size", "8").exit_code == 0  # the lock was let go
+
+
+def test_sizes_read_as_people_read_them() -> None:
+    from dlstore.build.sizes import human_bytes
+
+    assert [human_bytes(n) for n in (0, 999, 270_300, 4.2e9)] == ["0 B", "999 B", "270.3 KB", "4.2 GB"]
 
 
 def test_installed_entry_point_and_no_top_level_cli(tmp_path: Path) -> None:

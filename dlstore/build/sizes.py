@@ -1,0 +1,12 @@
+"""Byte counts as people read them (decimal units, as ``df -H`` and the progress bar show them)."""
+
+from __future__ import annotations
+
+
+def human_bytes(n: float) -> str:
+    """``1234567`` → ``"1.2 MB"``; under 1000 bytes, whole bytes."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
