@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from dlstore.build.conversion import DecodeTimeout, convert, time_limit
+from dlstore.build.conversion import convert
 from dlstore.build.imageops import DECODE_ERRORS, decode_file
+from dlstore.build.unit_work import DecodeTimeout, time_limit
 from dlstore.errors import ImageDecodeError
 from dlstore.spec import ImagePolicy
 

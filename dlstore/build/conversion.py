@@ -9,19 +9,15 @@ journal next to DEST; the same command resumes it.
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import multiprocessing as mp
 import re
 import shutil
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -50,6 +46,14 @@ from dlstore.build.store_units import (
     journaled_sums,
     strip_sums,
     units_prefix,
+)
+from dlstore.build.unit_work import (
+    Job,
+    UnitResult,
+    _init_worker,
+    convert_job_unit,
+    convert_unit,
+    disk_full_as_error,
 )
 from dlstore.checksums import checksum_keys, checksum_tree, split_key
 from dlstore.durable import fsync_path, save_npy_durably, sync_tree, write_json_durably
@@ -399,47 +403,6 @@ def preflight(writer: CacheWriter, staging: Staging) -> list[str]:
     return []
 
 
-@contextmanager
-def disk_full_as_error(writer: CacheWriter, what: str) -> Iterator[None]:
-    """Turn ENOSPC into a message with space needed vs free; everything journaled stays resumable."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        raise ConvertError(disk_full_message(writer, what)) from None
-
-
-def disk_full_message(writer: CacheWriter, what: str) -> str:
-    free = shutil.disk_usage(writer.root).free if writer.root.exists() else 0
-    need = writer.n * writer.image_bytes
-    return (
-        f"disk full while {what} under {writer.root}: the cache needs up to {human_bytes(need)} "
-        f"(uncompressed) and {human_bytes(free)} is free; free space and re-run the same command "
-        "to resume (finished parts are kept)"
-    )
-
-
-# --- the parallel part ------------------------------------------------------------------------------
-
-
-@dataclass
-class Job:
-    """What every worker needs; inherited by fork (or pickled once per worker under spawn)."""
-
-    src: Source
-    policy: ImagePolicy
-    writer: CacheWriter
-    strict: bool
-    decode_timeout: float
-    order: np.ndarray  # storage position s holds source sample order[s]
-    hard_limit: bool = False  # in pool workers: a CPU-time backstop for decoders stuck inside C code
-    store_units: StoreUnits | None = None  # Dask tasks write the units to the object store
-
-
-_JOB: Job | None = None
-
-
 def storage_permutation(n: int, storage_order: str, seed: int) -> np.ndarray:
     """Storage position s holds source sample order[s]."""
     if storage_order == "source":
@@ -447,111 +410,6 @@ def storage_permutation(n: int, storage_order: str, seed: int) -> np.ndarray:
     if storage_order not in STORAGE_ORDERS:
         raise ValueError(f"storage_order must be 'shuffled' or 'source', got {storage_order!r}")
     return np.random.default_rng(seed).permutation(n).astype(np.int64)
-
-
-class DecodeTimeout(TimeoutError):
-    """One file took longer than the per-file limit (raised from SIGALRM inside the decoder)."""
-
-
-def _init_worker(job: Job) -> None:
-    global _JOB
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
-    _JOB = Job(**{**job.__dict__, "hard_limit": True})
-
-
-def _on_alarm(signum: int, frame: object) -> None:
-    raise DecodeTimeout("decoding took longer than the per-file limit")
-
-
-@contextmanager
-def time_limit(seconds: float, hard: bool) -> Iterator[None]:
-    """SIGALRM after ``seconds`` raises inside Python code (Pillow decodes in Python-driven slices);
-    with ``hard`` a CPU-time limit of 3x that ends a worker stuck inside one C call (SIGPROF)."""
-    if seconds <= 0 or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = signal.signal(signal.SIGALRM, _on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    if hard:
-        signal.setitimer(signal.ITIMER_PROF, 3 * seconds + 1)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        if hard:
-            signal.setitimer(signal.ITIMER_PROF, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-def decode_one(job: Job, i: int, times: dict[str, float] | None = None) -> tuple[np.ndarray, str]:
-    """Image i and the sha256 of its file, or ImageDecodeError naming the file; ``times`` accumulates
-    the seconds spent decoding (and resizing) and hashing."""
-    path = job.src.names[i]
-    try:
-        with time_limit(job.decode_timeout, job.hard_limit):
-            t0 = time.perf_counter()
-            image, digest, hashed = job.src.decode_and_digest(i, job.policy)
-            if times is not None:
-                times["decode"] += time.perf_counter() - t0 - hashed
-                times["digest"] += hashed
-            return image, digest
-    except DecodeTimeout:
-        raise ImageDecodeError(
-            f"{path}: decoding took longer than {job.decode_timeout:g} s; skipped "
-            "(raise --decode-timeout if the file is legitimately huge)"
-        ) from None
-
-
-# (unit, undecodable images, file digests, timings: decode/digest/write/checksum seconds, start/end
-# stamps, checksums of the unit's own bytes in the cache: {manifest key: sha256})
-UnitResult = tuple[int, list[dict[str, Any]], list[str], dict[str, float], dict[str, str]]
-
-
-def convert_unit(k: int) -> UnitResult:
-    """Decode and store unit k (in a worker process); return the undecodable images and file digests."""
-    assert _JOB is not None
-    return convert_job_unit(_JOB, k)
-
-
-def convert_job_unit(job: Job, k: int) -> UnitResult:
-    """``convert_unit`` with the job passed in: a Dask task (the job is scattered once per worker)."""
-    # "slot": the thread's system-wide id (a pool worker's or decode process's pid), to see each
-    # worker's share of the units and when it started and ended.
-    times = {
-        "start": time.monotonic(),
-        "decode": 0.0,
-        "digest": 0.0,
-        "slot": float(threading.get_native_id()),
-    }
-    r = job.writer.unit_range(k)
-    # Variable-size images (resize "shorter") go to the writer as a list; a skipped one as a 1x1 black
-    # placeholder that no dataset index maps to.
-    # Every row is assigned below (a skipped image gets zeros), so the buffer needs no clearing.
-    out: Any = [] if job.policy.ragged else np.empty((len(r), *job.policy.shape), np.uint8)
-    bad: list[dict[str, Any]] = []
-    digests: list[str] = []
-    for j, s in enumerate(r):
-        i = int(job.order[s])
-        try:
-            image, digest = decode_one(job, i, times)
-        except ImageDecodeError as e:
-            if job.strict:
-                raise
-            bad.append({"index": i, "path": job.src.names[i], "reason": str(e)})
-            digest = job.src.digest(i, missing_ok=True)
-            image = np.zeros((1, 1, job.policy.channels) if job.policy.ragged else job.policy.shape, np.uint8)
-        if job.policy.ragged:
-            out.append(image)
-        else:
-            out[j] = image
-        digests.append(digest)
-    with disk_full_as_error(job.writer, f"writing unit {k}"):
-        t0 = time.perf_counter()
-        job.writer.write_unit(k, out)  # durable when it returns: the journal may record it
-        t1 = time.perf_counter()
-    sums = job.writer.unit_checksums(k, out)
-    times.update(write=t1 - t0, checksum=time.perf_counter() - t1, end=time.monotonic())
-    return k, bad, digests, times, sums
 
 
 class BadBudget:
@@ -711,11 +569,9 @@ def finish_units(job: Job, budget: BadBudget, progress: Progress | None, results
 
 
 def run_in_process(job: Job, todo: list[int], budget: BadBudget, progress: Progress | None) -> None:
-    global _JOB
-    _JOB = job
     budget.started = time.monotonic()
     for k in todo:
-        finish_unit(job, budget, progress, convert_unit(k))
+        finish_unit(job, budget, progress, convert_job_unit(job, k))
 
 
 def run_in_pool(

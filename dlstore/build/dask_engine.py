@@ -202,7 +202,7 @@ def open_warm_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None
     return client, cluster
 
 
-DECODE_MODULE = "dlstore.build.conversion"  # what a decode process runs, imported by its fork server
+DECODE_MODULE = "dlstore.build.unit_work"  # what a decode process runs, imported by its fork server
 
 
 def warm_decode_forkserver() -> None:

@@ -65,7 +65,7 @@ def units_prefix(plan: dict[str, Any]) -> str:
 def convert_unit_to_store(job: Any, k: int) -> Any:
     """A Dask task: ``convert_job_unit`` in a private folder, the unit's files uploaded, then removed.
     Returns the usual unit result with a sixth item: {checksum key: sha256} of the uploaded files."""
-    from dlstore.build.conversion import convert_job_unit
+    from dlstore.build.unit_work import convert_job_unit
 
     units: StoreUnits = job.store_units
     tmp = Path(tempfile.mkdtemp(prefix=f"dlstore-unit{k}-"))

@@ -89,13 +89,13 @@ def test_the_pool_hands_out_units_without_waiting_for_the_whole_window(
     first window instead of last."""
     import time
 
-    import dlstore.build.conversion as conversion
+    import dlstore.build.unit_work as unit_work
     from dlstore.formats.ram import RamWriter
 
     monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 1))
     dest = tmp_path / "c"
     journal = dest.parent / f".{dest.name}.dlstore-journal" / "done.jsonl"
-    real = conversion.convert_job_unit
+    real = unit_work.convert_job_unit
 
     def unit_zero_last(job, k):  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + 20
@@ -105,7 +105,7 @@ def test_the_pool_hands_out_units_without_waiting_for_the_whole_window(
             time.sleep(0.01)
         return real(job, k)
 
-    monkeypatch.setattr(conversion, "convert_job_unit", unit_zero_last)  # inherited by the forked workers
+    monkeypatch.setattr(unit_work, "convert_job_unit", unit_zero_last)  # inherited by the forked workers
     spy: list[int] = []
     import dlstore.build.staging as staging_mod
 

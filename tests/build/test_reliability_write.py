@@ -253,10 +253,7 @@ def test_disk_full_in_a_unit_names_space_and_stays_resumable(
             conv(tree, dest, "npz")
     msg = str(e.value)
     assert (
-        "disk full" in msg
-        and " is free" in msg
-        and "needs up to" in msg
-        and "re-run the same command" in msg
+        "disk full" in msg and " is free" in msg and "needs up to" in msg and "re-run the same command" in msg
     )
     assert conv(tree, dest, "npz").resumed_units == 3
     ref = tmp_path / "ref"
