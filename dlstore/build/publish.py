@@ -35,7 +35,7 @@ from typing import Any
 from dlstore.build.store_units import units_prefix
 from dlstore.checksums import split_key
 from dlstore.errors import CacheCorruptError, CacheExistsError
-from dlstore.read.stores import RemoteStore
+from dlstore.read.stores import RemoteStore, RemoteStoreError
 from dlstore.spec import MANIFEST
 
 STAGING = ".dlstore-staging"
@@ -48,6 +48,24 @@ def check_remote_destination(store: RemoteStore, overwrite: bool) -> bool:
     if exists and not overwrite:
         raise CacheExistsError(f"{store.url}: already holds a dlstore cache; pass --overwrite to replace it")
     return exists
+
+
+def check_writable(store: RemoteStore) -> None:
+    """One empty object written and deleted under the staging prefix, before any work: a missing
+    bucket or credentials that may not write fail now, not at the upload after the conversion."""
+    probe = f"{STAGING}/write-check-{os.getpid()}-{os.urandom(4).hex()}"
+    try:
+        store.put_bytes(b"", probe)
+        store.delete([probe])
+    except FileNotFoundError as e:
+        raise RemoteStoreError(
+            f"{store.url}: cannot write there ({e}); create the bucket or choose an existing one"
+        ) from None
+    except PermissionError as e:
+        raise RemoteStoreError(
+            f"{store.url}: writing is denied ({e}); use credentials that may write there "
+            "(--storage-options or the store's environment, e.g. AWS_ACCESS_KEY_ID / AWS_PROFILE)"
+        ) from None
 
 
 def staging_id(manifest: bytes) -> str:
@@ -136,6 +154,7 @@ def convert_to_store(
     """Build locally (resumable, as any conversion), publish to ``url``, drop the spool folder."""
     store = RemoteStore(url, storage_options)
     check_remote_destination(store, overwrite)  # refuse before any work
+    check_writable(store)
     spool = spool_dir(url)
     result = build(spool)
     result.bytes_on_disk = publish(spool, store, overwrite, log)

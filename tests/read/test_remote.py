@@ -197,6 +197,18 @@ def test_no_manifest_means_no_cache_and_existing_needs_overwrite(
         conv(tree, url("exists"), "npz")
 
 
+def test_a_missing_bucket_is_refused_before_any_work(s3: dict, tree: Path) -> None:
+    import os
+
+    from dlstore.read.stores import RemoteStoreError
+
+    spool = Path(os.environ["DLSTORE_SPOOL"])
+    before = sorted(spool.rglob("*"))
+    with pytest.raises(RemoteStoreError, match="no-such-bucket-x/c: cannot write there .*create the bucket"):
+        conv(tree, "s3://no-such-bucket-x/c", "npz")
+    assert sorted(spool.rglob("*")) == before  # nothing converted
+
+
 @pytest.mark.parametrize("damage", ["truncate", "tamper"])
 def test_damaged_objects_are_caught_by_their_checksum(
     s3: dict, tree: Path, tmp_path: Path, damage: str
