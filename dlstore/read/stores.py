@@ -75,7 +75,7 @@ def scheme_of(url: str) -> str:
 def check_extra(url: str) -> None:
     """A URL whose fsspec backend is not installed: name the extra to install."""
     module, extra = EXTRAS[scheme_of(url)]
-    require_extra(module, extra, f"{scheme_of(url)}:// cache paths")
+    require_extra(module, extra, f"a {scheme_of(url)}:// cache path")
 
 
 def backoff(attempt: int) -> float:
