@@ -45,6 +45,9 @@ class CachedDataset(torch.utils.data.Dataset):
     ``RandomResizedCrop``) or a ``collate_fn`` of your own; JPEG caches are decoded here, on the CPU, in
     the reader's threads (Pillow releases the GIL). The tensors are the same uint8 CHW whatever the codec.
 
+    ``pil=True`` yields PIL images (RGB, or L for one channel) as ImageFolder's loader does, for
+    transforms written for them (``ToTensor``); the tensor path skips that conversion.
+
     ``in_memory=True`` (ram format) loads the images once into one contiguous array in this process;
     forked workers share it copy-on-write, spawned workers load their own copy.
     """
@@ -59,9 +62,11 @@ class CachedDataset(torch.utils.data.Dataset):
         storage_options: dict[str, Any] | None = None,
         cache_dir: str | Path | None = None,
         cache_bytes: int | None = None,
+        pil: bool = False,
     ) -> None:
         self.path = parse_store_path(path)
         self.transform = transform
+        self.pil = pil
         self.in_memory = in_memory
         # A remote cache (URL): what each worker process needs to open its own mirror of it.
         self.remote = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_bytes": cache_bytes}
@@ -116,7 +121,7 @@ class CachedDataset(torch.utils.data.Dataset):
         A ragged cache's images differ in size, so they go out one by one (collate is the user's).
         """
         check_loader_shared_memory(len(indices) * self.spec.image_bytes * (2 if self.spec.ragged else 1))
-        if self.transform is not None or self.spec.ragged:
+        if self.transform is not None or self.spec.ragged or self.pil:
             images, labels = self._batch(indices)
             return [self._sample(img, int(lab)) for img, lab in zip(images, labels.tolist())]
         images, labels = self._batch(indices, shared=in_worker())
@@ -142,8 +147,19 @@ class CachedDataset(torch.utils.data.Dataset):
         return block.permute(0, 3, 1, 2), cache.labels[idx]
 
     def _sample(self, image: torch.Tensor, label: int) -> tuple[Any, int]:
-        image = image.contiguous()
-        return (self.transform(image) if self.transform else image), label
+        sample: Any = to_pil(image) if self.pil else image.contiguous()
+        if self.transform is None:
+            return sample, label
+        try:
+            return self.transform(sample), label
+        except TypeError as e:
+            if self.pil or "PIL" not in str(e):
+                raise
+            raise TypeError(
+                f"{e} (CachedDataset yields uint8 CHW tensors: for transforms written for ImageFolder's PIL "
+                "images, such as ToTensor, pass pil=True; or use v2.ToDtype(torch.float32, scale=True), "
+                "or ConvertImageDtype(torch.float32), where ToTensor was)"
+            ) from e
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -155,6 +171,14 @@ class CachedDataset(torch.utils.data.Dataset):
             f"CachedDataset({str(self.path)!r}, format={self.spec.format}, n={len(self)}, "
             f"shape={self.spec.shape}, classes={len(self.spec.classes)})"
         )
+
+
+def to_pil(image: torch.Tensor) -> Any:
+    """A (C,H,W) uint8 tensor as the PIL image ImageFolder's loader gives: RGB, or L for one channel."""
+    from PIL import Image
+
+    hwc = image.permute(1, 2, 0).numpy()
+    return Image.fromarray(hwc[:, :, 0] if hwc.shape[2] == 1 else hwc, "L" if hwc.shape[2] == 1 else "RGB")
 
 
 def share_cores_with_workers(cache: Cache) -> None:

@@ -40,6 +40,35 @@ def test_item_contract(caches: dict[str, Path], image_tree: Path) -> None:
         assert torch.equal(batch[0][0], ds[3][0]) and torch.equal(batch[1][0], ds[1][0])
 
 
+def test_pil_images_take_imagefolder_transforms(caches: dict[str, Path], image_tree: Path) -> None:
+    """pil=True: a pipeline written for ImageFolder (ending in ToTensor) runs unchanged, and gives what
+    ImageFolder + Resize + CenterCrop + the same pipeline give (on files whose upright RGB is Pillow's
+    convert("RGB"); EXIF rotation, alpha and 16-bit depth are where the cache is right and it is not)."""
+    from PIL import Image
+    from torchvision import transforms as T
+
+    tail = T.Compose([T.ToTensor(), T.Normalize((0.5, 0.4, 0.3), (0.2, 0.2, 0.2))])
+    folder = ImageFolder(str(image_tree), transform=T.Compose([T.Resize(16), T.CenterCrop(16), tail]))
+    ds = CachedDataset(caches["ram"], transform=tail, pil=True)
+    checked = 0
+    for i, (path, _) in enumerate(folder.samples):
+        with Image.open(path) as img:
+            if "rotated" in path or img.mode not in ("RGB", "L", "P") or "transparency" in img.info:
+                continue
+        (got, y), (want, y_ref) = ds[i], folder[i]
+        assert y == y_ref
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=path)
+        checked += 1
+    assert checked >= 8
+    plain = CachedDataset(caches["ram"])
+    assert CachedDataset(caches["ram"], pil=True)[0][0].size == (16, 16)
+    x, y = next(iter(DataLoader(ds, batch_size=4, num_workers=2)))
+    assert x.shape == (4, 3, 16, 16) and x.dtype == torch.float32
+    with pytest.raises(TypeError, match="pass pil=True"):
+        CachedDataset(caches["ram"], transform=tail)[0]
+    assert plain[0][0].dtype == torch.uint8
+
+
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_pickle_is_small(caches: dict[str, Path], fmt: str) -> None:
     for in_memory in [False, True] if fmt == "ram" else [False]:
