@@ -161,7 +161,13 @@ def load_torchvision(name: str, root: Path | None, train: bool = True) -> ArrayS
     _check_torchvision_files(name, Path(root), train)
     import torchvision.datasets as tvd
 
-    ds = getattr(tvd, name)(str(root), train=train, download=False)
+    try:
+        ds = getattr(tvd, name)(str(root), train=train, download=False)
+    except Exception as e:  # noqa: BLE001 - torchvision's readers raise RuntimeError, pickle, OSError, …
+        raise SourceError(
+            f"torchvision:{name}: torchvision cannot read the files under {root} ({type(e).__name__}: {e}); "
+            "extract the dataset's archive there again (dlstore never downloads)"
+        ) from e
     data = ds.data.numpy() if hasattr(ds.data, "numpy") else np.asarray(ds.data)
     targets = np.asarray(ds.targets, dtype=np.int64)
     split = "train" if train else "test"
