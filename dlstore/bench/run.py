@@ -36,6 +36,7 @@ from dlstore.bench.models import (
     configure_numerics,
     default_batch_size,
     default_precision,
+    import_callable,
     numerics_state,
     resolve_step_options,
     restore_numerics,
@@ -92,6 +93,11 @@ def check_config(config: BenchConfig) -> None:
             raise DlstoreError(f"{name} must be at least 1, got {getattr(config, name)}")
     if config.pin_memory not in ("auto", "on", "off", "both"):
         raise DlstoreError(f"pin_memory must be auto, on, off or both, got {config.pin_memory!r}")
+    # A user's step or model that cannot be imported fails now, before the caches are built.
+    if config.step is not None:
+        import_callable(config.step, "--step")
+    if ":" in config.model:
+        import_callable(config.model, "--model")
     if config.out is not None:
         check_out_dir(Path(config.out))
 

@@ -264,6 +264,10 @@ def test_usage_errors(env: Path) -> None:
         main, ["bench", *TINY, "--batch-size", "64", "--loaders", "raw", "--out", str(env / "o3")]
     )
     assert res.exit_code == 1 and "batch-size" in res.output
+    for option in ("--step", "--model"):  # refused before any cache is built
+        res = runner.invoke(main, ["bench", *TINY, option, "no_such_module:fn", "--out", str(env / "o3")])
+        assert res.exit_code == 1 and f"{option} no_such_module:fn: cannot import" in res.output
+        assert "converting" not in res.output and "parts" not in res.output
 
 
 def test_a_registered_kind_is_measured_and_a_missing_package_skips(
