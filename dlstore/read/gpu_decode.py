@@ -44,7 +44,7 @@ from dlstore.read.cpu_decode import CpuDecoders, CpuShare
 
 if TYPE_CHECKING:
     from dlstore.gpu.ragged import FlatImages
-from dlstore.read.loaders import make_sampler, storage_sorted
+from dlstore.read.loaders import check_batch_size, make_sampler, storage_sorted
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
 DECODE_IN = ("stream", "thread")
@@ -172,7 +172,7 @@ class DecodeLoader:
                 f"{self.cache.root}: images differ in size; pass a transform that makes them one size, "
                 "e.g. dlstore.gpu.RaggedRandomResizedCrop(224)"
             )
-        self.batch_size, self.transform, self.drop_last = batch_size, transform, drop_last
+        self.batch_size, self.transform, self.drop_last = check_batch_size(batch_size), transform, drop_last
         self.device = torch.device(device)
         self.sampler = make_sampler(self.cache, order, seed, window)
         self.cache.reader.threads = threads or max(self.cache.reader.threads, len(os.sched_getaffinity(0)))

@@ -124,7 +124,7 @@ class PinnedLoader:
 
             transform = CudaGraphed(transform)  # replayed, not launched op by op (see ResidentLoader)
         self.transform = transform
-        self.batch_size, self.drop_last, self.seed = batch_size, drop_last, seed
+        self.batch_size, self.drop_last, self.seed = check_batch_size(batch_size), drop_last, seed
         self.device = torch.device(device)
         self.sampler = make_sampler(self.cache, order, seed, window, num_replicas, rank)
         # The only process reading: let the reader's (blocking, not spinning) threads use every core.
@@ -379,6 +379,7 @@ class ResidentLoader:
         cuda_graph: bool = False,
         block_bytes: int = 256 << 20,
     ) -> None:
+        check_batch_size(batch_size)
         cache = path if isinstance(path, Cache) else open_cache(path)
         self.device = torch.device(device)
         self.batch_size, self.shuffle, self.drop_last, self.seed = batch_size, shuffle, drop_last, seed
@@ -488,6 +489,13 @@ class BatchDataset(torch.utils.data.Dataset):
         x = new_batch((len(idx), *cache.spec.shape), shared=in_worker())
         cache.read(idx, out=x.numpy())
         return x.permute(0, 3, 1, 2).as_subclass(ImageBatch), labels_tensor(cache.labels[idx])
+
+
+def check_batch_size(batch_size: int) -> int:
+    """``batch_size`` when it is a positive int (in torch BatchSampler's words otherwise)."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise ValueError(f"batch_size should be a positive integer value, but got batch_size={batch_size}")
+    return batch_size
 
 
 def batch_dataloader(

@@ -178,6 +178,15 @@ def test_resident_loader(caches: dict[str, Path], fmt: str) -> None:
     assert len(list(loader)) == len(loader) == 7
 
 
+@pytest.mark.parametrize("batch_size", [0, -1, 2.5, True])
+def test_loaders_refuse_a_batch_size_torch_refuses(caches: dict[str, Path], batch_size: object) -> None:
+    with pytest.raises(ValueError, match="batch_size should be a positive integer"):
+        torch.utils.data.BatchSampler(range(4), batch_size, False)  # type: ignore[arg-type]
+    for make in (PinnedLoader, ResidentLoader):
+        with pytest.raises(ValueError, match=f"batch_size should be a positive integer.*={batch_size}"):
+            make(caches["ram"], batch_size=batch_size, device="cpu")  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("workers,ctx", [(0, None), (2, "fork"), (2, "spawn")])
 def test_batch_dataloader(caches: dict[str, Path], workers: int, ctx: str | None) -> None:
     loader = batch_dataloader(
