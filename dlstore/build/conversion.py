@@ -42,6 +42,7 @@ from dlstore.build.staging import Staging
 from dlstore.build.store_units import (
     StoreUnits,
     convert_unit_to_store,
+    convert_unit_to_store_in_process,
     journal_sums,
     journaled_sums,
     strip_sums,
@@ -501,26 +502,30 @@ def run_units(
     if client is not None:
         budget.started = time.monotonic()  # the units are handed out now (the cluster is up)
     try:
-        if client is not None and job.store_units is not None:
-
-            def record(result: Any) -> None:
-                journal_sums(staging.journal, [result])  # the objects' digests first, then "done"
-                finish_unit(job, budget, progress, strip_sums(result))
-
-            run_on_dask(client, job, todo, convert_unit_to_store, record, stamps=stamps)
-        elif client is not None:
+        if client is not None:
             # A per-file time limit needs a process's main thread: the units then run in a decode
-            # process of each Dask worker (``dask_engine.unit_in_child``).
-            child = (_init_worker, convert_unit) if job.decode_timeout > 0 else None
-            run_on_dask(
-                client,
-                job,
-                todo,
-                convert_job_unit,
-                lambda result: finish_unit(job, budget, progress, result),
-                child,
-                stamps,
-            )
+            # process of each Dask worker (``dask_engine.unit_in_child``), which also uploads them
+            # when the workers write straight to the store.
+            timed = job.decode_timeout > 0
+            if job.store_units is not None:
+
+                def record(result: Any) -> None:
+                    journal_sums(staging.journal, [result])  # the objects' digests first, then "done"
+                    finish_unit(job, budget, progress, strip_sums(result))
+
+                child = (_init_worker, convert_unit_to_store_in_process) if timed else None
+                run_on_dask(client, job, todo, convert_unit_to_store, record, child, stamps)
+            else:
+                child = (_init_worker, convert_unit) if timed else None
+                run_on_dask(
+                    client,
+                    job,
+                    todo,
+                    convert_job_unit,
+                    lambda result: finish_unit(job, budget, progress, result),
+                    child,
+                    stamps,
+                )
         elif n_workers <= 1:
             run_in_process(job, todo, budget, progress)
         else:

@@ -91,6 +91,15 @@ def convert_unit_to_store(job: Any, k: int) -> Any:
     return (*result, sums)  # result's own unit checksums are {}: its units are files of their own
 
 
+def convert_unit_to_store_in_process(k: int) -> Any:
+    """``convert_unit_to_store`` in a Dask worker's decode process, where ``_init_worker`` installed the
+    job: there the per-file time limit (SIGALRM) holds, as in the pool."""
+    from dlstore.build import unit_work
+
+    assert unit_work._JOB is not None
+    return convert_unit_to_store(unit_work._JOB, k)
+
+
 def journal_sums(journal: Path, results: list[Any]) -> None:
     """Before the units are journaled as done: their objects' checksums, durably."""
     lines = "".join(json.dumps({"unit": r[0], "checksums": r[5]}) + "\n" for r in results)

@@ -20,7 +20,7 @@ from dlstore.read.remote import spec_at
 from dlstore.read.stores import RemoteStore
 from dlstore.spec import read_spec
 
-pytestmark = [pytest.mark.s3, pytest.mark.slow]
+pytestmark = pytest.mark.s3
 distributed = pytest.importorskip("distributed")
 pytest.importorskip("moto.server")
 pytest.importorskip("s3fs")
@@ -127,3 +127,24 @@ def test_ram_units_share_one_file_so_the_spool_is_used(cluster: str, tree: Path,
     conv(tree, url, "ram", scheduler=cluster)
     assert spec_at(url).checksums == read_spec(conv(tree, tmp_path / "local", "ram").dest).checksums
     assert os.environ["DLSTORE_SPOOL"]
+
+
+def test_a_hanging_decode_is_a_named_bad_file_when_workers_write_to_the_store(
+    cluster: str, tmp_path: Path
+) -> None:
+    """The per-file time-out holds on this path too: the units run (and upload) in a decode process of
+    each worker, where SIGALRM can interrupt a decoder."""
+    import time
+
+    from reliability_helpers import HangingSource
+
+    from dlstore.build.sources import scan_folder
+
+    src = HangingSource.of(scan_folder(make_tree(tmp_path / "src", per_class=4)), "b/img002.jpg")
+    url = f"s3://{BUCKET}/hang"
+    t0 = time.monotonic()
+    result = conv(src, url, "npz", scheduler=cluster, decode_timeout=0.5)  # type: ignore[arg-type]
+    assert time.monotonic() - t0 < 25  # a hang guard, not a speed claim: without the limit it sleeps 30 s
+    assert [s["path"] for s in result.skipped] == ["b/img002.jpg"]
+    assert "took longer than 0.5 s" in result.skipped[0]["reason"]
+    assert spec_at(url).n == len(src) - 1
