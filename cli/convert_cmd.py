@@ -113,6 +113,13 @@ def writer_options(command: F) -> F:
     help="Seconds one image may take to decode before it is skipped as bad (0 = no limit).",
 )
 @click.option(
+    "--max-megapixels",
+    type=click.FloatRange(0, None, min_open=True),
+    default=None,
+    help="Decode images up to this size; larger files are refused as decompression bombs, skipped and "
+    "named [default: Pillow's limit, 89.5]. Raise it for very large photographs (e.g. 120 for 108 MP).",
+)
+@click.option(
     "--storage-order",
     type=click.Choice(STORAGE_ORDERS),
     default="shuffled",
@@ -146,6 +153,7 @@ def convert_cmd(
     strict: bool,
     max_bad: float,
     decode_timeout: float,
+    max_megapixels: float | None,
     storage_order: str,
     scheduler: str | None,
     storage_options: dict[str, Any] | None,
@@ -189,6 +197,7 @@ def convert_cmd(
             max_bad=max_bad,
             storage_order=storage_order,
             decode_timeout=decode_timeout,
+            max_megapixels=max_megapixels,
             scheduler=scheduler,
             storage_options=storage_options,
             progress=progress,

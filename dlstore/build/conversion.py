@@ -25,6 +25,7 @@ from typing import Any
 from warnings import warn
 
 import numpy as np
+from PIL import Image
 
 from dlstore._version import __version__
 from dlstore.build.dask_engine import (
@@ -58,7 +59,7 @@ from dlstore.build.unit_work import (
 )
 from dlstore.checksums import checksum_keys, checksum_tree, split_key
 from dlstore.durable import fsync_path, save_npy_durably, sync_tree, write_json_durably
-from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError, require_extra
+from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError, SpecError, require_extra
 from dlstore.formats import DEFAULT_FORMAT, get_format
 from dlstore.formats.base import CacheWriter
 from dlstore.machine import usable_cores
@@ -129,6 +130,7 @@ def convert(
     storage_order: str = "shuffled",
     seed: int = 0,
     decode_timeout: float = DECODE_TIMEOUT_S,
+    max_megapixels: float | None = None,
     scheduler: str | None = None,
     storage_options: dict[str, Any] | None = None,
     progress: Progress | None = None,
@@ -147,8 +149,11 @@ def convert(
 
     Undecodable images are skipped and reported (``skipped.json``); ``strict`` stops at the first one
     instead, and more than ``max_bad`` (a fraction of all images) aborts. A file whose decoding takes
-    longer than ``decode_timeout`` seconds counts as undecodable. ``log`` receives warnings as they
-    arise (before the work starts, for the disk-space estimate).
+    longer than ``decode_timeout`` seconds counts as undecodable. A file larger than Pillow's
+    decompression-bomb limit (``Image.MAX_IMAGE_PIXELS``, 89.5 MP) is refused before decoding, as
+    undecodable; ``max_megapixels`` raises (or lowers) that limit for this conversion, e.g. for 108 MP
+    phone photographs. ``log`` receives warnings as they arise (before the work starts, for the
+    disk-space estimate).
 
     ``codec`` and ``options`` are the format's declared writer options (``dlstore.formats``: e.g.
     zarr zstd|lz4|none, npz deflate|none); what the format does not take is refused, what is not given
@@ -167,6 +172,10 @@ def convert(
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
     given = dict(locals())  # exactly the arguments: a URL DEST re-runs this with a local spool folder
+    if max_megapixels is not None and not max_megapixels > 0:
+        raise SpecError(f"max_megapixels must be a positive number of megapixels, got {max_megapixels}")
+    # The limit every worker applies: the given one, else this process's (Pillow's, or the caller's own).
+    max_pixels = Image.MAX_IMAGE_PIXELS if max_megapixels is None else int(max_megapixels * 1e6)
     t0, t0_mono = time.perf_counter(), time.monotonic()
     stages: dict[str, float] = {}
     dest = parse_store_path(dest)
@@ -219,6 +228,8 @@ def convert(
             "fingerprint": src.fingerprint(),
             "dlstore": __version__.split(".")[0],
         }
+        if max_megapixels is not None:  # only when given: the default keeps earlier plans' digests
+            plan["max_megapixels"] = max_megapixels
         warnings = [scan_warning(src)] if scan_errors(src) else []
         stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
         if rerun and is_up_to_date(dest, Staging.normalised(plan), src):
@@ -245,7 +256,16 @@ def convert(
             todo = [k for k in range(writer.n_units) if k not in staging.done]
             if progress:
                 progress(sum(len(writer.unit_range(k)) for k in staging.done))
-            job = Job(src, policy, writer, strict, decode_timeout, order, store_units=store_units)
+            job = Job(
+                src,
+                policy,
+                writer,
+                strict,
+                decode_timeout,
+                order,
+                store_units=store_units,
+                max_pixels=max_pixels,
+            )
             budget = BadBudget(len(src), max_bad, staging)
             stages["setup_s"] = time.perf_counter() - t0
             if cluster is None:
@@ -575,8 +595,12 @@ def finish_units(job: Job, budget: BadBudget, progress: Progress | None, results
 
 def run_in_process(job: Job, todo: list[int], budget: BadBudget, progress: Progress | None) -> None:
     budget.started = time.monotonic()
-    for k in todo:
-        finish_unit(job, budget, progress, convert_job_unit(job, k))
+    limit = Image.MAX_IMAGE_PIXELS  # the caller's process: its own limit again afterwards
+    try:
+        for k in todo:
+            finish_unit(job, budget, progress, convert_job_unit(job, k))
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
 
 
 def run_in_pool(

@@ -75,7 +75,10 @@ def decode_file(path: Path | str, policy: ImagePolicy, data: bytes | None = None
                 img.load()
                 return prepare(img, policy)
     except DECODE_ERRORS as e:
-        raise ImageDecodeError(f"{path}: cannot decode image ({type(e).__name__}: {e})") from e
+        hint = ""
+        if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+            hint = "; if it is a real photograph, raise the limit with --max-megapixels"
+        raise ImageDecodeError(f"{path}: cannot decode image ({type(e).__name__}: {e}){hint}") from e
 
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -283,6 +283,7 @@ _OPTION_NAMES = {
     "options.codec": "--codec",
     "options.compress": "--compress",
     "storage_order": "--storage-order",
+    "max_megapixels": "--max-megapixels",
     "n": "number of source images",
     "dlstore": "dlstore major version",
 }
@@ -313,6 +314,8 @@ def option_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def _show(value: Any) -> str:
+    if value is None:  # an option given on one run only (recorded only when given)
+        return "(default)"
     return value if isinstance(value, str) else json.dumps(value)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from PIL import Image
 
 from dlstore.build.sizes import human_bytes
 from dlstore.build.sources import Source
@@ -64,6 +65,8 @@ class Job:
     order: np.ndarray  # storage position s holds source sample order[s]
     hard_limit: bool = False  # in pool workers: a CPU-time backstop for decoders stuck inside C code
     store_units: StoreUnits | None = None  # Dask tasks write the units to the object store
+    # Pillow's decompression-bomb limit in every worker: the driver's (None only if its caller set None)
+    max_pixels: int | None = Image.MAX_IMAGE_PIXELS
 
 
 _JOB: Job | None = None
@@ -143,6 +146,7 @@ def convert_job_unit(job: Job, k: int) -> UnitResult:
         "digest": 0.0,
         "slot": float(threading.get_native_id()),
     }
+    Image.MAX_IMAGE_PIXELS = job.max_pixels  # Pillow reads its limit from this global
     r = job.writer.unit_range(k)
     # Variable-size images (resize "shorter") go to the writer as a list; a skipped one as a 1x1 black
     # placeholder that no dataset index maps to.

@@ -32,11 +32,13 @@ from dlstore.build.sources import scan_folder
 from dlstore.build.verification import skipped_problems, verify
 from dlstore.cli import main
 from dlstore.errors import (
+    CacheExistsError,
     CacheNotFoundError,
     ConvertError,
     ImageDecodeError,
     SampleReadError,
     SourceError,
+    SpecError,
     StaleCacheError,
     StaleCacheWarning,
 )
@@ -328,6 +330,25 @@ def test_c9_decompression_bombs_rejected_before_decoding(tmp_path: Path, factor:
     with pytest.raises(ImageDecodeError, match="DecompressionBomb"):
         decode_file(path, POLICY)
     assert Image.MAX_IMAGE_PIXELS is not None and time.process_time() - t0 < 5  # nothing was decoded
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_c9_max_megapixels_lets_large_photographs_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, workers: int
+) -> None:
+    """Pillow's limit stands in for a 108 MP photo: with it lowered to 1,000 px, 40x50 JPEGs are over it
+    and skipped with the hint; --max-megapixels above them converts them (in the workers too), the
+    re-run names the changed option, and the caller's own limit is left as it was."""
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # forked workers inherit it
+    root = make_tree(tmp_path / "src", per_class=3, side=40)
+    with pytest.raises(ConvertError, match=r"6 of 6 images .*raise the limit with --max-megapixels"):
+        conv(root, tmp_path / "a", workers=workers)
+    taken = conv(root, tmp_path / "b", workers=workers, max_megapixels=0.01)  # 10,000 px
+    assert taken.n_skipped == 0 and taken.n == 6 and Image.MAX_IMAGE_PIXELS == 1000
+    with pytest.raises(CacheExistsError, match="--max-megapixels 0.02 was 0.01"):
+        conv(root, tmp_path / "b", workers=workers, max_megapixels=0.02)
+    with pytest.raises(SpecError, match="max_megapixels"):
+        conv(root, tmp_path / "c", max_megapixels=0)
 
 
 def test_c10_huge_jpeg_decodes_with_bounded_memory(tmp_path: Path) -> None:
