@@ -8,7 +8,8 @@ from typing import Any
 
 import click
 
-from dlstore.cli.render import StorePath, emit_json, human_bytes, stderr, storage_options_option
+from dlstore.build.sizes import human_bytes
+from dlstore.cli.render import StorePath, emit_json, stderr, storage_options_option
 from dlstore.formats import DEFAULT_FORMAT, FORMATS, cli_options
 from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
 

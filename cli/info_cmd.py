@@ -9,7 +9,8 @@ from typing import Any
 
 import click
 
-from dlstore.cli.render import StorePath, emit_json, human_bytes, storage_options_option
+from dlstore.build.sizes import human_bytes
+from dlstore.cli.render import StorePath, emit_json, storage_options_option
 
 
 @click.command("info")

@@ -8,8 +8,6 @@ from typing import Any
 
 import click
 
-from dlstore.build.sizes import human_bytes  # noqa: F401 (the commands import it from here)
-
 
 class StorePath(click.ParamType):
     """A cache location, checked by the library's one rule for where caches may live."""

@@ -4,6 +4,7 @@ in batches by a torch DataLoader."""
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from torch.utils.data import Dataset
 
 from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader, convert_command
 from dlstore.bench.transforms import cached_cpu_transform, device_transform
+from dlstore.spec import SKIPPED_FILE
 
 
 def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path | str:
@@ -88,10 +90,6 @@ def convert_into(ctx: LoaderContext, dest: Path, **options: Any) -> dict[str, An
 
 def skipped_info(dest: Path) -> dict[str, Any]:
     """How many source files the conversion skipped (unreadable or undecodable) and where they are named."""
-    import json
-
-    from dlstore.spec import SKIPPED_FILE
-
     try:
         n = len(json.loads((dest / SKIPPED_FILE).read_text()))
     except (OSError, ValueError, TypeError):
