@@ -203,6 +203,14 @@ def known_kinds() -> tuple[str, ...]:
     help="Folder holding torchvision dataset files (for torchvision:NAME).",
 )
 @click.option(
+    "--max-images",
+    type=click.IntRange(0, None),
+    default=10_000,
+    show_default=True,
+    help="Bench a seeded random sample of this many source images when the source is larger (every loader "
+    "kind reads the same sample; rates are per image, memory advice uses the whole source). 0: all of it.",
+)
+@click.option(
     "--demo-images",
     type=click.IntRange(1, 1_000_000),
     default=None,
@@ -235,6 +243,7 @@ def bench_cmd(
     out: Path | None,
     cache: Path | None,
     root: Path | None,
+    max_images: int,
     demo_images: int | None,
     as_json: bool,
 ) -> None:
@@ -271,6 +280,7 @@ def bench_cmd(
         out=out or default_out_dir(),
         cache=cache,
         demo_images=demo_images,
+        max_images=max_images,
     )
 
     def log(msg: str) -> None:

@@ -344,6 +344,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def images_line(source: dict[str, Any]) -> str:
+    n, total = source["n_images"], source.get("n_images_total", source["n_images"])
+    return f"{n:,} images" if n == total else f"{n:,} of {total:,} images"
+
+
 def render_text(doc: dict[str, Any]) -> str:
     """One line per loader kind, at most five recommendations, the verdict; then the runs with their per-batch
     budget (measured vs predicted), the stage table and notes."""
@@ -351,7 +356,7 @@ def render_text(doc: dict[str, Any]) -> str:
     num = proto.get("numerics") or {}
     step = proto.get("model") or (proto.get("step") or {}).get("step")
     lines = [
-        f"dlstore bench: {doc['source']['description']} ({doc['source']['n_images']} images, {proto['size']}px), "
+        f"dlstore bench: {doc['source']['description']} ({images_line(doc['source'])}, {proto['size']}px), "
         f"{step}, {num.get('precision') or '-'}{', channels_last' if num.get('channels_last') else ''}"
         f"{', compiled' if num.get('compiled') else ''}, batch {proto['batch_size']}, transform "
         f"{proto['transform']}, device {doc['environment']['device']}, {proto['repeats']} repeats",

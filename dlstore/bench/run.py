@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.profiler import record_function
 
@@ -62,7 +63,7 @@ from dlstore.bench.protocol import (
 from dlstore.bench.report import check_out_dir, environment, finite, profile_configuration, write_outputs
 from dlstore.bench.stages import BatchStream, device_label
 from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse
-from dlstore.build.sources import open_source
+from dlstore.build.sources import Source, open_source
 from dlstore.errors import DlstoreError
 from dlstore.machine import usable_cores
 
@@ -118,6 +119,18 @@ def run_bench(config: BenchConfig, log: Log | None = None) -> dict[str, Any]:
         restore_numerics(numerics)
 
 
+def sample_source(source: Source, config: BenchConfig, log: Log) -> Source:
+    """The source, or a seeded random sample of ``max_images`` of it (in source order; at least
+    ``DEMO_BATCHES`` batches) when it is larger: what every loader kind of this run reads."""
+    assert config.batch_size is not None
+    keep = max(config.max_images, DEMO_BATCHES * config.batch_size)
+    if not config.max_images or len(source) <= keep:
+        return source
+    picked = np.sort(np.random.default_rng(config.seed).choice(len(source), keep, replace=False))
+    log(f"benching a random sample of {keep:,} of the source's {len(source):,} images (--max-images; 0: all)")
+    return source.subset(picked)
+
+
 def resolve_config(config: BenchConfig, device: torch.device) -> BenchConfig:
     """Fill what depends on the device: the batch size a user picks for the model, the precision, and a demo
     source of at least ``DEMO_BATCHES`` batches."""
@@ -133,6 +146,8 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     configure_numerics(device, config.precision)
     torch.manual_seed(config.seed)
     source = open_source(config.source, root=config.root, demo_images=config.demo_images or MIN_DEMO_IMAGES)
+    total = len(source)
+    source = sample_source(source, config, log)
     size = config.size or default_size(source)
     channels = source_channels(source)
     workers = tuple(config.workers) if config.workers else default_worker_counts()
@@ -175,7 +190,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         cores=usable_cores(),
         cache_bytes={n: p.bytes_on_disk() for n, p in prepared.items() if p.info.get("apply")},
         mem_available=mem_available_bytes(),
-        raw_cache_bytes=len(source) * size * size * channels,
+        raw_cache_bytes=total * size * size * channels,  # the whole source's, not the sample's
         pin_default=pin_default,
         apply={n: p.info["apply"] for n, p in prepared.items() if p.info.get("apply")},
         precision=config.precision,
@@ -195,6 +210,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
             "description": source.description,
             "kind": source.kind,
             "n_images": len(source),
+            "n_images_total": total,
             "classes": classes,
         },
         "loaders": {n: loader_info(p) for n, p in prepared.items()},

@@ -6,6 +6,7 @@ so a conversion can be split across processes by index.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -36,6 +37,7 @@ class Source:
     labels: np.ndarray
     stats: list[tuple[int, int]] = field(default_factory=list)  # (size, mtime_ns) per sample, when files
     kind: str = ""
+    sample: np.ndarray | None = None  # a subset's indices in the whole source (``subset``); None: all of it
 
     def __len__(self) -> int:
         return len(self.names)
@@ -77,6 +79,21 @@ class Source:
     def __getstate__(self) -> dict[str, Any]:
         # Workers (forked, spawned or on Dask) need the rows, not the JSON text made from them.
         return {k: v for k, v in self.__dict__.items() if k != "_entries_json"}
+
+    def subset(self, indices: np.ndarray) -> Source:
+        """The samples at ``indices`` (ascending) as a source of their own: ``sample`` records which."""
+        idx = np.asarray(indices, dtype=np.int64)
+        return dataclasses.replace(
+            self,  # type: ignore[arg-type]
+            names=[self.names[i] for i in idx],
+            labels=self.labels[idx],
+            stats=[self.stats[i] for i in idx] if self.stats else [],
+            sample=idx if self.sample is None else self.sample[idx],
+            **self._subset_fields(idx),
+        )
+
+    def _subset_fields(self, idx: np.ndarray) -> dict[str, Any]:
+        return {}
 
     def info(self) -> dict[str, Any]:
         return {
@@ -135,6 +152,9 @@ class ArraySource(Source):
 
     def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
         return prepare(array_to_image(self.data[i]), policy)
+
+    def _subset_fields(self, idx: np.ndarray) -> dict[str, Any]:
+        return {"data": self.data[idx]}
 
 
 def scan_folder(root: Path, kind: str = "folder") -> FolderSource:

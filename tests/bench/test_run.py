@@ -231,6 +231,44 @@ def test_a_folder_with_broken_files_is_benched_and_they_are_named(env: Path, tmp
     assert any(n.startswith("2 source file(s) could not be read or decoded") for n in doc["notes"])
 
 
+def test_a_large_source_is_benched_on_one_sample_by_every_kind(env: Path, tmp_path: Path) -> None:
+    """--max-images: a seeded sample, the same for the caches and for raw's ImageFolder; the header and the
+    document give both counts, and the memory advice uses the whole source."""
+    import numpy as np
+    import torch
+    from reliability_helpers import make_tree
+
+    from dlstore import open_cache
+    from dlstore.bench.kinds.base import LoaderContext
+    from dlstore.bench.kinds.raw import raw_kind
+    from dlstore.bench.protocol import BenchConfig
+    from dlstore.build.sources import scan_folder
+
+    root = make_tree(tmp_path / "tree", per_class=12)
+    args = ["--loaders", "raw,ram", "--workers", "0", "--batch-size", "1", "--size", "16", "--steps", "3"]
+    args += ["--warmup", "2", "--repeats", "1", "--stage-steps", "2", "--no-cold", "--max-images", "8"]
+    res = CliRunner().invoke(main, ["bench", str(root), *args, "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    doc = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert (doc["source"]["n_images"], doc["source"]["n_images_total"]) == (8, 24)
+    assert "(8 of 24 images, 16px)" in res.stdout and "a random sample of 8" in res.stderr
+    cache = open_cache(doc["loaders"]["ram"]["cache"])
+    full = scan_folder(root)
+    picked = full.subset(np.array([1, 4, 9, 17, 20]))
+    assert picked.names == [full.names[i] for i in (1, 4, 9, 17, 20)] and picked.sample.tolist() == [
+        1,
+        4,
+        9,
+        17,
+        20,
+    ]
+    assert picked.labels.tolist() == full.labels[[1, 4, 9, 17, 20]].tolist()
+    assert picked.fingerprint() != full.fingerprint() and len(cache) == 8
+    ctx = LoaderContext(BenchConfig(), picked, 16, 3, torch.device("cpu"), tmp_path / "caches")
+    folder = raw_kind(ctx).new_dataset()
+    assert [Path(p).relative_to(root).as_posix() for p, _ in folder.samples] == picked.names  # type: ignore[attr-defined]
+
+
 def test_formats_is_a_hidden_deprecated_alias_of_loaders(env: Path) -> None:
     runner = CliRunner()
     res = runner.invoke(

@@ -72,3 +72,21 @@ def test_corrupt_cifar_files_are_named_with_the_fix(tmp_path: Path) -> None:
     ):
         convert("torchvision:CIFAR10", tmp_path / "c", root=tmp_path, size=8, workers=1)
     assert not (tmp_path / "c").exists()
+
+
+def test_a_sample_of_an_in_memory_source_keeps_its_pixels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torchvision.datasets.cifar
+
+    from dlstore.build.sources import load_torchvision
+
+    monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)
+    images = write_cifar(tmp_path, "CIFAR10", n=25)
+    src = load_torchvision("CIFAR10", tmp_path)
+    part = src.subset(np.array([2, 3, 11]))
+    assert len(part) == 3 and part.sample.tolist() == [2, 3, 11]
+    np.testing.assert_array_equal(part.data, images[[2, 3, 11]])
+    assert part.labels.tolist() == src.labels[[2, 3, 11]].tolist() and part.classes == src.classes
+    again = part.subset(np.array([0, 2]))  # a sample of a sample still knows where it came from
+    assert again.sample.tolist() == [2, 11]

@@ -55,15 +55,19 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
         raise DlstoreError(f"raw loader for {ctx.source.kind} needs --root")
     files = sorted(p for p in Path(root).rglob("*") if p.is_file() and _torchvision_file(name, p))
 
+    sample = ctx.source.sample
+
     def new_tv_dataset() -> Dataset:
         import torchvision.datasets as tvd
+        from torch.utils.data import Subset
 
-        return getattr(tvd, name)(
+        ds = getattr(tvd, name)(
             str(root),
             train=True,
             download=False,
             transform=raw_transform(tf_name, size, NATIVE_SIZES.get(name)),
         )
+        return ds if sample is None else Subset(ds, sample.tolist())  # the run's sample (--max-images)
 
     return PreparedLoader(
         "raw",
