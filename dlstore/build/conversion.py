@@ -204,6 +204,7 @@ def convert(
     rerun_maybe = not Staging.pending(dest) and not overwrite and (dest / MANIFEST).is_file()
     early = EarlyClient(cluster, start=not rerun_maybe) if cluster is not None else None
     try:
+        check_dest_outside_source(source, dest)
         pending = Staging.pending(dest)
         rerun = not pending and not overwrite and (dest / MANIFEST).is_file()
         if not pending and not rerun:
@@ -386,6 +387,22 @@ def check_destination(dest: Path, overwrite: bool) -> None:
         )
     if not dest.is_dir():
         raise CacheExistsError(f"{dest}: exists and is a file; choose another DEST")
+
+
+def check_dest_outside_source(source: str | Path | Source, dest: Path) -> None:
+    """A cache inside the folder it is made from would be a class folder of that folder the next time it
+    is read, by the next conversion and by ImageFolder alike."""
+    if isinstance(source, Source):
+        root = getattr(source, "root", None)
+    elif str(source) == "demo" or str(source).startswith("torchvision:"):
+        root = None
+    else:
+        root = Path(source)
+    if root is not None and dest.resolve().is_relative_to(Path(root).resolve()):
+        raise ConvertError(
+            f"{dest}: DEST is inside SOURCE {source}; there it would read as a class folder of the source "
+            "(to the next conversion and to torchvision's ImageFolder); choose a DEST outside it"
+        )
 
 
 def resolve_workers(workers: int | None, n_units: int) -> int:
@@ -710,7 +727,7 @@ def finalize(
         classes=tuple(src.classes),
         image=policy,
         format_options=writer.recorded_options(),
-        source={**src.info(), **root_facts(src, staging.dest), "plan": staging.plan},
+        source={**src.info(), **root_facts(src), "plan": staging.plan},
         checksums=checksums,
         dlstore_version=__version__,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -759,16 +776,15 @@ def format_attributes(src: Source, policy: ImagePolicy, n: int) -> dict[str, Any
     }
 
 
-def root_facts(src: Source, dest: Path) -> dict[str, Any]:
-    """The folder source's root and its mtime, for the one-``stat`` check on open; no mtime when DEST
-    lives directly in the root (publishing DEST changes the root's mtime itself)."""
+def root_facts(src: Source) -> dict[str, Any]:
+    """The folder source's root and its mtime, for the one-``stat`` check on open (DEST is never inside
+    the root: ``check_dest_outside_source``)."""
     root = getattr(src, "root", None)
     if root is None:
         return {}
-    resolved = Path(root).resolve()
-    facts: dict[str, Any] = {"root": str(resolved)}
+    facts: dict[str, Any] = {"root": str(Path(root).resolve())}
     mtime = getattr(src, "root_mtime_ns", 0)
-    if mtime and Path(dest).resolve().parent != resolved:
+    if mtime:
         facts["root_mtime_ns"] = mtime
     return facts
 

@@ -80,6 +80,13 @@ def test_unwritable_dest_message(image_tree: Path, tmp_path: Path) -> None:
     )
 
 
+def test_dest_inside_source_is_refused_before_anything_is_written(image_tree: Path) -> None:
+    before = sorted(image_tree.rglob("*"))
+    res = run("convert", image_tree, image_tree / "cache", "--size", "8")
+    assert res.exit_code == 1 and "DEST is inside SOURCE" in res.output and "outside it" in res.output
+    assert sorted(image_tree.rglob("*")) == before  # the shared tree is as it was
+
+
 def test_full_disk_at_the_first_write_message(
     image_tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -92,9 +92,15 @@ def test_a_changed_file_needs_the_explicit_check(tmp_path: Path) -> None:
         CachedDataset(tmp_path / "c", check_source=True)
 
 
-def test_dest_inside_the_source_root_records_no_root_mtime(tmp_path: Path) -> None:
+def test_dest_inside_the_source_root_is_refused(tmp_path: Path) -> None:
+    """It would read as a class folder of the source next time (and publishing it would change the root's
+    mtime, which the one-stat check on open reads): refused before anything is written, whether SOURCE is a
+    path or a Source."""
+    from dlstore.build.sources import scan_folder
+    from dlstore.errors import ConvertError
+
     src = make_tree(tmp_path / "src", per_class=3)
-    convert(src, src / "cache", size=8, workers=1)  # publishing DEST changes the root's mtime itself
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        open_cache(src / "cache")
+    for source in (src, scan_folder(src)):
+        with pytest.raises(ConvertError, match="DEST is inside SOURCE"):
+            convert(source, src / "a" / "cache", size=8, workers=1)
+    assert not (src / "a" / "cache").exists()
