@@ -52,6 +52,8 @@ class CachedDataset(torch.utils.data.Dataset):
     forked workers share it copy-on-write, spawned workers load their own copy.
     """
 
+    pil = False  # a dataset pickled before the option existed reads as tensors
+
     def __init__(
         self,
         path: str | Path,
