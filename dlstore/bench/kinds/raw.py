@@ -34,6 +34,7 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
                 transform=raw_transform(tf_name, size, None),
                 loader=tolerant_loader,
                 is_valid_file=listed.__contains__,
+                allow_empty=True,  # a sample (--max-images) may miss some classes; their indices stay
             )
 
         return PreparedLoader(
