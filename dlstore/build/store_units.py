@@ -94,10 +94,9 @@ def convert_unit_to_store(job: Any, k: int) -> Any:
 def convert_unit_to_store_in_process(k: int) -> Any:
     """``convert_unit_to_store`` in a Dask worker's decode process, where ``_init_worker`` installed the
     job: there the per-file time limit (SIGALRM) holds, as in the pool."""
-    from dlstore.build import unit_work
+    from dlstore.build.unit_work import installed_job
 
-    assert unit_work._JOB is not None
-    return convert_unit_to_store(unit_work._JOB, k)
+    return convert_unit_to_store(installed_job(), k)
 
 
 def journal_sums(journal: Path, results: list[Any]) -> None:

@@ -132,8 +132,13 @@ UnitResult = tuple[int, list[dict[str, Any]], list[str], dict[str, float], dict[
 
 def convert_unit(k: int) -> UnitResult:
     """Decode and store unit k (in a worker process); return the undecodable images and file digests."""
-    assert _JOB is not None
-    return convert_job_unit(_JOB, k)
+    return convert_job_unit(installed_job(), k)
+
+
+def installed_job() -> Job:
+    """The job ``_init_worker`` installed in this worker process."""
+    assert _JOB is not None, "no job installed: _init_worker runs first in each worker"
+    return _JOB
 
 
 def convert_job_unit(job: Job, k: int) -> UnitResult:
