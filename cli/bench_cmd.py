@@ -211,6 +211,12 @@ def known_kinds() -> tuple[str, ...]:
     "kind reads the same sample; rates are per image, memory advice uses the whole source). 0: all of it.",
 )
 @click.option(
+    "--max-megapixels",
+    type=click.FloatRange(0, None, min_open=True),
+    default=None,
+    help="As for convert: the caches take images up to this size [default: Pillow's limit, 89.5].",
+)
+@click.option(
     "--demo-images",
     type=click.IntRange(1, 1_000_000),
     default=None,
@@ -244,6 +250,7 @@ def bench_cmd(
     cache: Path | None,
     root: Path | None,
     max_images: int,
+    max_megapixels: float | None,
     demo_images: int | None,
     as_json: bool,
 ) -> None:
@@ -281,6 +288,7 @@ def bench_cmd(
         cache=cache,
         demo_images=demo_images,
         max_images=max_images,
+        max_megapixels=max_megapixels,
     )
 
     def log(msg: str) -> None:

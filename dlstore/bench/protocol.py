@@ -78,6 +78,9 @@ class BenchConfig:
     # A larger source is benched on a seeded random sample of this many images (at least 8 batches): the
     # rates are per image, and converting a whole large dataset three times would take hours. 0: all.
     max_images: int = 10_000
+    max_megapixels: float | None = (
+        None  # the caches' conversions: Pillow's limit unless given (convert's option)
+    )
     prefetch_factor: int = 2
     pin_memory: str = "auto"  # auto: on for CUDA, plus a pin-off run at the largest worker count
     # Cap on a run's timed phase (at least MIN_TIMED_STEPS steps, whole cycles): keeps the default run short

@@ -158,7 +158,10 @@ def convert_command(ctx: LoaderContext, fmt: str) -> str:
     src = ctx.config.source
     if ctx.config.root is not None and src.startswith("torchvision:"):
         src += f" --root {ctx.config.root}"
-    return f"dlstore convert {src} DEST --format {fmt} --size {ctx.size}"
+    mp = ctx.config.max_megapixels
+    return f"dlstore convert {src} DEST --format {fmt} --size {ctx.size}" + (
+        f" --max-megapixels {mp:g}" if mp is not None else ""
+    )
 
 
 def source_channels(source: Source) -> int:

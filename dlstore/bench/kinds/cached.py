@@ -33,7 +33,7 @@ def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path | str:
         if read_spec(Path(given)).format == fmt:
             return Path(given)
     key = hashlib.sha256(
-        f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|crop".encode()
+        f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|crop{megapixels_key(ctx)}".encode()
     ).hexdigest()
     base = (
         Path(given) if given is not None and not (Path(given) / "dlstore.json").is_file() else ctx.cache_root
@@ -64,6 +64,12 @@ def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path | str, dict[str, An
     return dest, convert_into(ctx, dest, format=fmt)
 
 
+def megapixels_key(ctx: LoaderContext) -> str:
+    """A cache built under another decompression-bomb limit may hold other images: a key of its own."""
+    mp = ctx.config.max_megapixels
+    return "" if mp is None else f"|mp{mp:g}"
+
+
 def convert_into(ctx: LoaderContext, dest: Path, **options: Any) -> dict[str, Any]:
     """Convert the run's source into ``dest`` with ``options`` (format, codec, resize, …); what happened."""
     from dlstore.build.conversion import convert
@@ -76,6 +82,7 @@ def convert_into(ctx: LoaderContext, dest: Path, **options: Any) -> dict[str, An
         channels=ctx.channels,
         overwrite=dest.exists(),
         workers=ctx.config.convert_workers,
+        max_megapixels=ctx.config.max_megapixels,
         **options,
     )
     return {

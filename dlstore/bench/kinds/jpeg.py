@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader
-from dlstore.bench.kinds.cached import convert_into
+from dlstore.bench.kinds.cached import convert_into, megapixels_key
 from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
 from dlstore.bench.transforms import device_transform
 
@@ -37,7 +37,8 @@ def ensure_jpeg_cache(ctx: LoaderContext) -> tuple[Path, dict[str, Any]]:
         raise DlstoreError("no registered cache format takes the jpeg codec")
     fmt, codec = found
     key = hashlib.sha256(
-        f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|shorter|{codec}{QUALITY}".encode()
+        f"{ctx.source.fingerprint()}|{fmt}|{ctx.size}|{ctx.channels}|shorter|{codec}{QUALITY}"
+        f"{megapixels_key(ctx)}".encode()
     ).hexdigest()
     dest = ctx.cache_root / f"jpeg-{fmt}-s{ctx.size}-c{ctx.channels}-{key[:12]}"
     try:
