@@ -295,14 +295,15 @@ def bench_cmd(
         click.echo(f"[bench] {msg}", file=stderr())
 
     doc = run_bench(config, log=log)
-    if not doc.get("outputs_error"):
+    unwritten = doc.get("outputs_error")
+    if not unwritten:
         log(f"wrote {', '.join(str(v) for k, v in doc.get('outputs', {}).items() if k != 'csv_rows')}")
     if as_json:
         emit_json(doc)
     else:
         click.echo(render_text(doc))
-    if doc.get("outputs_error"):
+    if unwritten:
         raise click.ClickException(
-            f"the results above were not all written under --out ({doc['outputs_error']}); "
+            f"the results above were not all written under --out ({unwritten}); "
             "free space there or choose another --out, and run again"
         )

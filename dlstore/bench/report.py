@@ -22,6 +22,7 @@ import torch
 
 from dlstore.bench.monitor import load_average, mem_available_bytes, shm_usage
 from dlstore.bench.protocol import STAGES
+from dlstore.errors import DlstoreError
 from dlstore.machine import cpu_model, usable_cores
 
 STEP_COLUMNS = (
@@ -95,8 +96,6 @@ def environment(device: torch.device) -> dict[str, Any]:
 def check_out_dir(out: Path) -> None:
     """Create ``out`` and write a probe file there before anything is measured: a folder that cannot
     take the outputs fails now, not after the runs."""
-    from dlstore.errors import DlstoreError
-
     probe = out / f".dlstore-write-check-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
