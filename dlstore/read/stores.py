@@ -126,6 +126,11 @@ class RemoteStore:
         _ = self.fs
         return f"{self._root}/{rel}" if rel else self._root
 
+    @property
+    def is_bucket_root(self) -> bool:
+        """The URL names a whole bucket (``s3://bucket``), not a prefix inside one."""
+        return "/" not in self.key("").strip("/")
+
     def where(self, rel: str) -> str:
         return f"{self.url}/{rel}" if rel else self.url
 
@@ -190,4 +195,9 @@ class RemoteStore:
 
         found = self.call("LIST", prefix, listing)
         base = self.key(prefix).rstrip("/") + "/"
-        return {name[len(base) :]: int(info.get("size") or 0) for name, info in found.items()}
+        # ``find`` of a name that is an object returns that object: not something under the prefix.
+        return {
+            name[len(base) :]: int(info.get("size") or 0)
+            for name, info in found.items()
+            if name.startswith(base)
+        }
