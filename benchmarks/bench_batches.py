@@ -303,7 +303,7 @@ def decode_parts(
     from dlstore.bench.monitor import steal_s
     from dlstore.bench.run import bench_cache_root, make_step, resolve_config, resolve_device
     from dlstore.bench.stages import BatchStream, batch_images
-    from dlstore.build.sources import open_source
+    from dlstore.convert.sources import open_source
     from dlstore.machine import synchronize
 
     device = resolve_device(config.device)

@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 from jpeg_cache import MEAN, STD, _write_crops, resnet_step  # noqa: E402
 
-from dlstore.build.conversion import convert  # noqa: E402
+from dlstore.convert.conversion import convert  # noqa: E402
 from dlstore.errors import CacheCorruptError  # noqa: E402
 from dlstore.gpu import RaggedRandomResizedCrop  # noqa: E402
 from dlstore.read.cpu_decode import COLUMNS, CpuShare  # noqa: E402

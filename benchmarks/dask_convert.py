@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from dlstore.build.conversion import convert  # noqa: E402
-from dlstore.build.dask_engine import start_local_cluster  # noqa: E402
-from dlstore.build.sources import scan_folder  # noqa: E402
+from dlstore.convert.conversion import convert  # noqa: E402
+from dlstore.convert.dask_engine import start_local_cluster  # noqa: E402
+from dlstore.convert.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 
 
@@ -127,7 +127,7 @@ def decode_process_ready() -> float:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from dlstore.build.dask_engine import warm_decode_forkserver
+    from dlstore.convert.dask_engine import warm_decode_forkserver
 
     warm_decode_forkserver()
     mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]  # as _child_pool does

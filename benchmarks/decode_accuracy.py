@@ -29,8 +29,8 @@ import torchvision
 from PIL import Image, ImageOps
 from torchvision import transforms
 
-from dlstore.build import imageops
-from dlstore.build.imageops import decode_file
+from dlstore.convert import imageops
+from dlstore.convert.imageops import decode_file
 from dlstore.spec import ImagePolicy
 
 # Photographs in the wheels (skip drawings, charts, text and synthetic test patterns).

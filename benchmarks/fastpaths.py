@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from dlstore.build.conversion import convert  # noqa: E402
-from dlstore.build.sources import open_source, scan_folder  # noqa: E402
+from dlstore.convert.conversion import convert  # noqa: E402
+from dlstore.convert.sources import open_source, scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.datasets.mnist_idx import write_fashion_mnist_like  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402

@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from dlstore.build.conversion import convert
-from dlstore.build.imageops import DECODE_ERRORS, decode_file
-from dlstore.build.unit_work import DecodeTimeout, time_limit
+from dlstore.convert.conversion import convert
+from dlstore.convert.imageops import DECODE_ERRORS, decode_file
+from dlstore.convert.unit_work import DecodeTimeout, time_limit
 from dlstore.errors import ImageDecodeError
 from dlstore.spec import ImagePolicy
 

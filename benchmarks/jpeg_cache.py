@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from dlstore.build.conversion import convert  # noqa: E402
+from dlstore.convert.conversion import convert  # noqa: E402
 from dlstore.formats.codecs import get_codec  # noqa: E402
 from dlstore.gpu import GpuAugment, RaggedRandomResizedCrop  # noqa: E402
 from dlstore.read.cache import open_cache  # noqa: E402

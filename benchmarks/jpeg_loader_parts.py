@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dlstore.build.conversion import convert
+from dlstore.convert.conversion import convert
 from dlstore.datasets.demo import ensure_demo
 from dlstore.machine import usable_cores
 from dlstore.read.cache import open_cache

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from dlstore.build.verification import verify
+from dlstore.convert.verification import verify
 from dlstore.errors import CacheNotFoundError
 from dlstore.read.cache import open_cache
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from test_cuda import copies_read_from_pinned_slots  # noqa: E402
 
 from dlstore import convert  # noqa: E402
-from dlstore.build.sources import ArraySource  # noqa: E402
+from dlstore.convert.sources import ArraySource  # noqa: E402
 from dlstore.read import slots  # noqa: E402
 
 

@@ -31,14 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from s3server import aws_env, start_server  # noqa: E402
 
-from dlstore.build.conversion import convert  # noqa: E402
-from dlstore.build.sources import scan_folder  # noqa: E402
+from dlstore.convert.conversion import convert  # noqa: E402
+from dlstore.convert.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.formats.npz import NpzWriter  # noqa: E402
 from dlstore.formats.zarr_cache import ZarrWriter  # noqa: E402
 from dlstore.read.cache import open_cache  # noqa: E402
 from dlstore.read.loaders import make_sampler  # noqa: E402
-from dlstore.read.stores import RemoteStore  # noqa: E402
+from dlstore.storage.stores import RemoteStore  # noqa: E402
 
 GET_USD_PER_1000 = 0.0004  # S3 Standard GET, us-east-1
 S3_GETS_PER_S_PER_PREFIX = 5500

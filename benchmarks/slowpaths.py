@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fastpaths as fp  # noqa: E402
 import harness  # noqa: E402
 
-from dlstore.build.conversion import convert  # noqa: E402
-from dlstore.build.sources import scan_folder  # noqa: E402
+from dlstore.convert.conversion import convert  # noqa: E402
+from dlstore.convert.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
 from dlstore.read import slots  # noqa: E402

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from dlstore.build.conversion import convert  # noqa: E402
+from dlstore.convert.conversion import convert  # noqa: E402
 from dlstore.machine import usable_cores  # noqa: E402
 from dlstore.read.dataset import CachedDataset  # noqa: E402
 

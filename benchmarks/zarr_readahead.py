@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Targets, environment, log  # noqa: E402
 from slowpaths import chunk_files, decode_rate, py_spy, summarize_profile  # noqa: E402
 
-from dlstore.build.conversion import convert  # noqa: E402
-from dlstore.build.sources import scan_folder  # noqa: E402
+from dlstore.convert.conversion import convert  # noqa: E402
+from dlstore.convert.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.read.cache import open_cache  # noqa: E402
 from dlstore.read.loaders import PinnedLoader, make_sampler, storage_sorted  # noqa: E402

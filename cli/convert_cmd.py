@@ -8,8 +8,8 @@ from typing import Any
 
 import click
 
-from dlstore.build.sizes import human_bytes
 from dlstore.cli.render import StorePath, emit_json, stderr, storage_options_option
+from dlstore.convert.sizes import human_bytes
 from dlstore.formats import DEFAULT_FORMAT, FORMATS, cli_options
 from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
 
@@ -167,7 +167,7 @@ def convert_cmd(
     SOURCE is a folder of class subfolders (ImageFolder layout), torchvision:NAME
     (MNIST, FashionMNIST, CIFAR10, CIFAR100; files under --root) or demo.
     """
-    from dlstore.build.conversion import convert
+    from dlstore.convert.conversion import convert
 
     options = {k: v for k, v in options.items() if v is not None}
     if compress:

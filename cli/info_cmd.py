@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from dlstore.build.sizes import human_bytes
 from dlstore.cli.render import StorePath, emit_json, storage_options_option
+from dlstore.convert.sizes import human_bytes
 
 
 @click.command("info")
@@ -19,7 +19,7 @@ from dlstore.cli.render import StorePath, emit_json, storage_options_option
 @storage_options_option()
 def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | None) -> None:
     """Show what the cache at DEST (a folder or a URL) holds."""
-    from dlstore.read.remote import bytes_at, spec_at
+    from dlstore.storage.mirror import bytes_at, spec_at
 
     spec = spec_at(dest, storage_options)
     nbytes = bytes_at(dest, storage_options)
@@ -67,7 +67,7 @@ def verify_cmd(
     dest: Path | str, deep: bool, source: Path | None, storage_options: dict[str, Any] | None
 ) -> None:
     """Recompute checksums of the cache at DEST and check its source; exit 1 naming the first problem."""
-    from dlstore.build.verification import verify
+    from dlstore.convert.verification import verify
 
     result = verify(dest, deep=deep, source=source, storage_options=storage_options)
     for note in result.notes:

@@ -16,7 +16,7 @@ class StorePath(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         from dlstore.errors import DlstoreError
-        from dlstore.read.stores import parse_store_path
+        from dlstore.storage.stores import parse_store_path
 
         try:
             return parse_store_path(value)

@@ -23,9 +23,9 @@ __all__ = [
 
 _LAZY = {
     "CachedDataset": "dlstore.read.dataset",
-    "convert": "dlstore.build.conversion",
+    "convert": "dlstore.convert",  # the write side's package, callable as the function
     "open_cache": "dlstore.read.cache",
-    "verify": "dlstore.build.verification",
+    "verify": "dlstore.convert.verification",
 }
 
 
@@ -33,5 +33,7 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        module = importlib.import_module(_LAZY[name])
+        return module if name == "convert" else getattr(module, name)
     raise AttributeError(f"module 'dlstore' has no attribute {name!r}")
+

@@ -32,7 +32,7 @@ class ImagePolicy:
     differ in size (a ragged cache); ``max_side`` caps the longer side. Alpha is composited on ``background``;
     16-bit images are scaled to 8 bits (``v * 255 / 65535``, rounded); EXIF orientation is applied.
     ``decode="exact"`` decodes every image in full (the torchvision pixels); ``"fast"`` lets large JPEGs
-    be DCT-scaled while decoding, within a bounded error (see ``dlstore.build.imageops``).
+    be DCT-scaled while decoding, within a bounded error (see ``dlstore.convert.imageops``).
     """
 
     size: int

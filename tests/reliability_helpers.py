@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dlstore.build.sources import FolderSource
+from dlstore.convert.sources import FolderSource
 from dlstore.formats import FORMATS
 from dlstore.read.cache import open_cache
 from dlstore.spec import ImagePolicy

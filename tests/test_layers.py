@@ -1,5 +1,6 @@
-"""The package's layers (README "Architecture"): each folder imports only the folders above it, and
-at most 8 modules sit directly in dlstore/."""
+"""The package's layers (README "Architecture"): each folder imports only the floors below it, the
+write side (convert/) and the read side (read/) are siblings that never import each other, and at
+most 8 modules sit directly in dlstore/."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ from pathlib import Path
 import dlstore
 
 PACKAGE = Path(dlstore.__file__).parent
-LAYERS = ["(root)", "formats", "datasets", "gpu", "read", "build", "bench", "cli"]
+# Lowest floor first. The root modules and storage/ are the ground every side stands on.
+LAYERS = ["(root)", "storage", "formats", "datasets", "gpu", "read", "convert", "bench", "cli"]
+SIBLINGS = {("read", "convert"), ("convert", "read")}  # same floor: neither imports the other
 
 
 def layer_of(module: str) -> str:
@@ -35,10 +38,32 @@ def test_each_layer_imports_only_layers_above_it() -> None:
         mine = rel[0] if len(rel) > 1 else "(root)"
         for module in imported(path):
             theirs = layer_of(module)
-            if LAYERS.index(theirs) > LAYERS.index(mine):
+            if LAYERS.index(theirs) > LAYERS.index(mine) or (mine, theirs) in SIBLINGS:
                 wrong.append(f"{'/'.join(rel)} imports {module}")
     assert wrong == []
 
 
 def test_at_most_eight_modules_at_the_root() -> None:
     assert len(list(PACKAGE.glob("*.py"))) <= 8
+
+
+def test_storage_is_the_ground_floor() -> None:
+    """storage/ imports nothing of dlstore but itself and the root modules."""
+    wrong = [
+        f"storage/{path.name} imports {module}"
+        for path in (PACKAGE / "storage").glob("*.py")
+        for module in imported(path)
+        if layer_of(module) not in ("(root)", "storage")
+    ]
+    assert wrong == []
+
+
+def test_public_convert_is_callable_and_its_subpackage_imports() -> None:
+    import inspect
+
+    import dlstore.convert.imageops as imageops  # the ``import a.b.c as m`` form resolves attributes
+    from dlstore import convert
+    from dlstore.convert.conversion import convert as function
+
+    assert callable(convert) and imageops.__name__ == "dlstore.convert.imageops"
+    assert inspect.signature(convert) == inspect.signature(function)

@@ -47,7 +47,7 @@ def test_readme_scale_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     pytest.importorskip("moto.server")
     from s3server import aws_env, start_server
 
-    from dlstore.read.stores import RemoteStore
+    from dlstore.storage.stores import RemoteStore
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("DLSTORE_DEMO_DIR", str(tmp_path / "demo"))

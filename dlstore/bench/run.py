@@ -63,7 +63,7 @@ from dlstore.bench.protocol import (
 from dlstore.bench.report import check_out_dir, environment, finite, profile_configuration, write_outputs
 from dlstore.bench.stages import BatchStream, device_label
 from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse
-from dlstore.build.sources import Source, open_source
+from dlstore.convert.sources import Source, open_source
 from dlstore.errors import DlstoreError
 from dlstore.machine import usable_cores
 

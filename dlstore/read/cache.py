@@ -18,9 +18,9 @@ from dlstore.errors import (
     SampleReadError,
 )
 from dlstore.formats import get_format
-from dlstore.read.remote import open_mirror
-from dlstore.read.stores import parse_store_path
 from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
+from dlstore.storage.mirror import RemoteMirror, fetch_manifest
+from dlstore.storage.stores import RemoteStore, parse_store_path
 
 if TYPE_CHECKING:
     from dlstore.formats.payload import PayloadExtents
@@ -45,7 +45,7 @@ class Cache:
     ) -> None:
         location = parse_store_path(root)
         self.location = location  # what errors name: the folder, or the URL of a remote cache
-        # A remote cache is read through its local mirror (dlstore.read.remote); below this point
+        # A remote cache is read through its local mirror (dlstore.storage.mirror); below this point
         # every format reads local files, on today's code path.
         self.mirror = (
             open_mirror(location, storage_options, cache_dir, cache_bytes)
@@ -317,3 +317,16 @@ def check_fits_in_memory(need: int, root: Path) -> None:
 def _short(indices: object) -> str:
     seq = np.asarray(indices).reshape(-1)[:8].tolist()
     return f"{seq}{'...' if np.asarray(indices).size > 8 else ''}"
+
+
+def open_mirror(
+    url: str,
+    storage_options: dict[str, Any] | None = None,
+    cache_dir: str | Path | None = None,
+    cache_bytes: int | None = None,
+) -> RemoteMirror:
+    """The mirror of the cache at ``url``; its format says which files are fetched unit by unit."""
+    store = RemoteStore(url, storage_options)
+    raw, spec = fetch_manifest(store)
+    lazy = get_format(spec.format).reader_for(spec).unit_files(spec)
+    return RemoteMirror(store, lazy, cache_dir, cache_bytes, manifest=(raw, spec))

@@ -14,9 +14,9 @@ from dlstore.errors import CacheReplacedError
 from dlstore.machine import check_loader_shared_memory, usable_cores
 from dlstore.read.batch import BatchSamples, ImageBatch, in_worker, new_batch
 from dlstore.read.cache import Cache, check_staleness
-from dlstore.read.remote import spec_at
-from dlstore.read.stores import parse_store_path
 from dlstore.spec import CacheSpec
+from dlstore.storage.mirror import spec_at
+from dlstore.storage.stores import parse_store_path
 
 
 class CachedDataset(torch.utils.data.Dataset):

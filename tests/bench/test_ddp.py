@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlstore.build.conversion import convert
+from dlstore.convert.conversion import convert
 from dlstore.read.cache import open_cache
 from dlstore.read.loaders import make_sampler
 

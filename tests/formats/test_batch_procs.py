@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dlstore import convert, open_cache
-from dlstore.build.sources import ArraySource
+from dlstore.convert.sources import ArraySource
 from dlstore.errors import SampleReadError
 from dlstore.formats.batch_procs import plan_jobs
 from dlstore.formats.npz import NpzWriter

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torchvision.datasets import ImageFolder
 
 from dlstore import convert, open_cache
-from dlstore.build.imageops import decode_file
-from dlstore.build.sources import ArraySource
+from dlstore.convert.imageops import decode_file
+from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
 from dlstore.formats.codecs import is_image_codec
 from dlstore.spec import ImagePolicy

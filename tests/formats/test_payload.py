@@ -12,8 +12,8 @@ from PIL import Image, ImageOps
 from torchvision.transforms import Resize
 
 from dlstore import convert, open_cache
-from dlstore.build.imageops import decode_file
-from dlstore.build.sources import open_source
+from dlstore.convert.imageops import decode_file
+from dlstore.convert.sources import open_source
 from dlstore.errors import SampleReadError, SpecError
 from dlstore.formats import FORMATS
 from dlstore.formats.codecs import get_codec
@@ -143,7 +143,7 @@ def _corrupt_one_payload(cache_root: Path, position: int) -> Path:
 def test_corrupt_jpeg_bytes_name_index_and_chunk_never_wrong_pixels(
     photo_tree: Path, tmp_path: Path, fmt: str
 ) -> None:
-    from dlstore.build.verification import verify
+    from dlstore.convert.verification import verify
 
     convert(photo_tree, tmp_path / "c", format=fmt, size=32, resize="shorter", codec="jpeg", workers=1)
     cache = open_cache(tmp_path / "c")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlstore.build.conversion import convert
+from dlstore.convert.conversion import convert
 from dlstore.read.cache import open_cache
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlstore.build.conversion import convert
+from dlstore.convert.conversion import convert
 from dlstore.errors import SampleReadError, SpecError
 from dlstore.read.cache import open_cache
 
@@ -118,7 +118,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     pytest.importorskip("s3fs")
     from s3server import aws_env, start_server
 
-    from dlstore.read.stores import RemoteStore
+    from dlstore.storage.stores import RemoteStore
 
     server = start_server()
     with pytest.MonkeyPatch.context() as mp:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dlstore import convert, open_cache
-from dlstore.build.sources import ArraySource
+from dlstore.convert.sources import ArraySource
 from dlstore.gpu import GpuAugment
 from dlstore.read.loaders import PinnedLoader, ResidentLoader
 

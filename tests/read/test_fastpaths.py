@@ -12,7 +12,7 @@ import torch
 from reliability_helpers import small_units
 
 from dlstore import convert, open_cache
-from dlstore.build.sources import ArraySource
+from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
 from dlstore.read.loaders import BufferRing, PinnedLoader, ResidentLoader, batch_dataloader
 from dlstore.read.sampler import ChunkSampler

@@ -19,8 +19,8 @@ import torch
 from reliability_helpers import FORMAT_NAMES, make_tree, read_all
 
 import dlstore.machine as resources
-from dlstore.build.conversion import convert
-from dlstore.build.verification import verify
+from dlstore.convert.conversion import convert
+from dlstore.convert.verification import verify
 from dlstore.errors import CacheCorruptError, CacheTooLargeError, DlstoreError, SharedMemoryError, SpecError
 from dlstore.read.cache import open_cache
 from dlstore.read.dataset import CachedDataset

@@ -16,13 +16,13 @@ from click.testing import CliRunner
 from reliability_helpers import FORMAT_NAMES, make_tree, read_all
 from s3server import aws_env, start_server
 
-import dlstore.read.stores as stores
+import dlstore.storage.stores as stores
 from dlstore import CachedDataset, convert, open_cache, verify
 from dlstore.cli import main
 from dlstore.errors import CacheExistsError, CacheNotFoundError, SampleReadError
 from dlstore.formats import FORMATS
 from dlstore.read.loaders import PinnedLoader
-from dlstore.read.stores import RemoteStore
+from dlstore.storage.stores import RemoteStore
 
 pytestmark = pytest.mark.s3
 pytest.importorskip("moto.server")
@@ -200,7 +200,7 @@ def test_no_manifest_means_no_cache_and_existing_needs_overwrite(
 def test_a_missing_bucket_is_refused_before_any_work(s3: dict, tree: Path) -> None:
     import os
 
-    from dlstore.read.stores import RemoteStoreError
+    from dlstore.storage.stores import RemoteStoreError
 
     spool = Path(os.environ["DLSTORE_SPOOL"])
     before = sorted(spool.rglob("*"))

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from dlstore.bench.protocol import BenchConfig
-from dlstore.build.sources import ArraySource, Source
+from dlstore.convert.sources import ArraySource, Source
 
 NATIVE_SIZES = {"MNIST": 28, "FashionMNIST": 28, "CIFAR10": 32, "CIFAR100": 32}
 DEFAULT_FOLDER_SIZE = 224  # what image folders are usually trained at

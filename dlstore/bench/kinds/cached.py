@@ -22,7 +22,7 @@ def cache_dir_for(ctx: LoaderContext, fmt: str) -> Path | str:
     A URL (a remote cache) is read where it is, through its local read-through cache."""
     given = ctx.config.cache
     if isinstance(given, str):
-        from dlstore.read.remote import spec_at
+        from dlstore.storage.mirror import spec_at
 
         if spec_at(given).format == fmt:
             return given
@@ -72,7 +72,7 @@ def megapixels_key(ctx: LoaderContext) -> str:
 
 def convert_into(ctx: LoaderContext, dest: Path, **options: Any) -> dict[str, Any]:
     """Convert the run's source into ``dest`` with ``options`` (format, codec, resize, …); what happened."""
-    from dlstore.build.conversion import convert
+    from dlstore.convert.conversion import convert
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     result = convert(
@@ -108,7 +108,7 @@ def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
     def factory(ctx: LoaderContext) -> PreparedLoader:
         from dlstore.formats import get_format
         from dlstore.read.dataset import CachedDataset
-        from dlstore.read.remote import spec_at
+        from dlstore.storage.mirror import spec_at
 
         path, info = ensure_cache(ctx, fmt)
         spec = spec_at(path)

@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from dlstore.bench.kinds.base import NATIVE_SIZES, LoaderContext, PreparedLoader
 from dlstore.bench.transforms import device_transform, raw_transform
-from dlstore.build.sources import FolderSource
+from dlstore.convert.sources import FolderSource
 from dlstore.errors import DlstoreError
 
 DESCRIPTION = "torchvision ImageFolder/dataset: per-file PIL decode + resize + transform"

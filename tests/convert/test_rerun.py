@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from reliability_helpers import make_tree
 
-from dlstore.build.conversion import convert
+from dlstore.convert.conversion import convert
 from dlstore.errors import CacheExistsError
 from dlstore.spec import MANIFEST, read_spec
 

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from dlstore.build.imageops import array_to_image, decode_file, prepare
 from dlstore.checksums import file_sha256
+from dlstore.convert.imageops import array_to_image, decode_file, prepare
 from dlstore.errors import ImageDecodeError, SourceError
 from dlstore.sourcefiles import IMAGE_EXTENSIONS, scan_tree
 from dlstore.spec import ImagePolicy

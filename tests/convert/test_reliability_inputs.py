@@ -1,6 +1,6 @@
 """RELIABILITY.md sections B (stale caches) and C (bad inputs).
 
-Covered in tests/build/test_imageops.py and not repeated here: C4 CMYK vs Pillow and alpha on white
+Covered in tests/convert/test_imageops.py and not repeated here: C4 CMYK vs Pillow and alpha on white
 (test_cmyk_matches_pillow_rgb, test_alpha_is_composited_on_white, test_palette_transparency_and_grey_channels),
 C5 16-bit ramp (test_sixteen_bit_ramp_keeps_256_levels), C6 (test_bilevel_gives_0_and_255),
 C7 orientations 1-8 (test_exif_orientation_is_applied), C10's draft use (test_draft_is_used_for_large_jpeg).
@@ -25,12 +25,12 @@ from click.testing import CliRunner
 from PIL import Image
 from reliability_helpers import image_bytes, make_tree, small_units
 
-import dlstore.build.imageops as imageops
-from dlstore.build.conversion import convert
-from dlstore.build.imageops import DECODE_ERRORS, decode_file
-from dlstore.build.sources import scan_folder
-from dlstore.build.verification import skipped_problems, verify
+import dlstore.convert.imageops as imageops
 from dlstore.cli import main
+from dlstore.convert.conversion import convert
+from dlstore.convert.imageops import DECODE_ERRORS, decode_file
+from dlstore.convert.sources import scan_folder
+from dlstore.convert.verification import skipped_problems, verify
 from dlstore.errors import (
     CacheExistsError,
     CacheNotFoundError,
@@ -355,7 +355,7 @@ def test_c10_huge_jpeg_decodes_with_bounded_memory(tmp_path: Path) -> None:
     path = tmp_path / "huge.jpg"
     Image.new("RGB", (9000, 9000), (40, 120, 200)).save(path, quality=85)
     probe = (
-        "import resource, sys; from dlstore.build.imageops import decode_file; from dlstore.spec import ImagePolicy;"
+        "import resource, sys; from dlstore.convert.imageops import decode_file; from dlstore.spec import ImagePolicy;"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
         "out = decode_file(sys.argv[1], ImagePolicy(size=224));"
         "print(out.shape, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)"
@@ -386,7 +386,7 @@ def test_c11_short_fuzz_only_expected_errors(tmp_path: Path) -> None:
 
 
 def test_c11_per_file_timeout_skips_a_hanging_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dlstore.build.sources as sources
+    import dlstore.convert.sources as sources
 
     src = make_tree(tmp_path / "src", per_class=4)
     real = sources.decode_file
@@ -407,7 +407,7 @@ def test_c11_per_file_timeout_skips_a_hanging_file(tmp_path: Path, monkeypatch: 
 def test_c11_worker_killed_by_a_crashing_decoder_is_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlstore.build.sources as sources
+    import dlstore.convert.sources as sources
 
     src = make_tree(tmp_path / "src", per_class=4)
     real = sources.decode_file

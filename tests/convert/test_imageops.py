@@ -10,7 +10,7 @@ from imagegen import ORIENT_TAG, jpeg_bytes, smooth_rgb
 from PIL import Image, ImageOps
 from torchvision import transforms
 
-from dlstore.build.imageops import decode_file
+from dlstore.convert.imageops import decode_file
 from dlstore.errors import ImageDecodeError
 from dlstore.spec import ImagePolicy
 

@@ -11,7 +11,7 @@ from typing import Any
 import dask
 from distributed import Worker
 
-from dlstore.build.dask_engine import QUIET_CONFIG, warm_decode_forkserver
+from dlstore.convert.dask_engine import QUIET_CONFIG, warm_decode_forkserver
 
 
 class ConversionWorker(Worker):

@@ -9,7 +9,7 @@ finished unit's object digests are journaled in ``remote_units.jsonl`` before th
 done, so a resume skips it), the small files (labels, positions, metadata), the checksums (the
 workers' digests for the units, the driver's own for the rest) and the manifest. Publishing copies
 the staged unit objects to their keys server-side with the other files, manifest last: the protocol
-of ``dlstore.build.publish``, unchanged. The objects are the bytes a local run writes, so the
+of ``dlstore.convert.publish``, unchanged. The objects are the bytes a local run writes, so the
 manifest's checksums are the same.
 
 A writer whose units are not files of their own (``CacheWriter.units_are_own_files`` false: ``ram``'s
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from dlstore.checksums import digest_key, keys_for
-from dlstore.read.stores import RemoteStore
+from dlstore.storage.stores import RemoteStore
 
-STAGING = ".dlstore-staging"  # the staging prefix of dlstore.build.publish
+STAGING = ".dlstore-staging"  # the staging prefix of dlstore.convert.publish
 SUMS = "remote_units.jsonl"  # in the driver's journal folder: unit → its objects' checksums
 
 
@@ -65,7 +65,7 @@ def units_prefix(plan: dict[str, Any]) -> str:
 def convert_unit_to_store(job: Any, k: int) -> Any:
     """A Dask task: ``convert_job_unit`` in a private folder, the unit's files uploaded, then removed.
     Returns the usual unit result with a sixth item: {checksum key: sha256} of the uploaded files."""
-    from dlstore.build.unit_work import convert_job_unit
+    from dlstore.convert.unit_work import convert_job_unit
 
     units: StoreUnits = job.store_units
     tmp = Path(tempfile.mkdtemp(prefix=f"dlstore-unit{k}-"))
@@ -94,7 +94,7 @@ def convert_unit_to_store(job: Any, k: int) -> Any:
 def convert_unit_to_store_in_process(k: int) -> Any:
     """``convert_unit_to_store`` in a Dask worker's decode process, where ``_init_worker`` installed the
     job: there the per-file time limit (SIGALRM) holds, as in the pool."""
-    from dlstore.build.unit_work import installed_job
+    from dlstore.convert.unit_work import installed_job
 
     return convert_unit_to_store(installed_job(), k)
 

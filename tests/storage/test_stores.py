@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from dlstore import CachedDataset, convert, open_cache, verify
 from dlstore.cli import main
 from dlstore.errors import UnsupportedStoreError
-from dlstore.read.stores import parse_store_path
+from dlstore.storage.stores import parse_store_path
 
 URLS = ["http://host/x", "https://host/x", "az://c/p", "ftp:/host/p"]
 

@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from dlstore.checksums import file_sha256, listed_files, mismatches
-from dlstore.read.remote import fetch_manifest
-from dlstore.read.stores import RemoteStore, parse_store_path
 from dlstore.sourcefiles import read_record, recorded_root, source_status
 from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
+from dlstore.storage.mirror import fetch_manifest
+from dlstore.storage.stores import RemoteStore, parse_store_path
 
 
 @dataclass
@@ -144,7 +144,7 @@ def source_content_problems(root: Path, source: str | Path | None) -> tuple[list
 
 def verify_remote(store: RemoteStore) -> VerifyResult:
     """Every listed object downloaded and checked; unlisted objects (but staging) are problems."""
-    from dlstore.build.publish import STAGING
+    from dlstore.convert.publish import STAGING
 
     raw, spec = fetch_manifest(store)
     listing = store.sizes()

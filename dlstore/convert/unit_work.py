@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from dlstore.build.sizes import human_bytes
-from dlstore.build.sources import Source
+from dlstore.convert.sizes import human_bytes
+from dlstore.convert.sources import Source
 from dlstore.errors import ConvertError, ImageDecodeError
 from dlstore.formats.base import CacheWriter
 from dlstore.spec import ImagePolicy
 
 if TYPE_CHECKING:
-    from dlstore.build.store_units import StoreUnits
+    from dlstore.convert.store_units import StoreUnits
 
 
 @contextmanager

@@ -14,11 +14,11 @@ import pytest
 from reliability_helpers import make_tree, small_units
 
 from dlstore import convert, open_cache
-from dlstore.build.conversion import ConvertResult
+from dlstore.convert.conversion import ConvertResult
 from dlstore.formats import FORMATS
-from dlstore.read.remote import spec_at
-from dlstore.read.stores import RemoteStore
 from dlstore.spec import read_spec
+from dlstore.storage.mirror import spec_at
+from dlstore.storage.stores import RemoteStore
 
 pytestmark = pytest.mark.s3
 distributed = pytest.importorskip("distributed")
@@ -138,7 +138,7 @@ def test_a_hanging_decode_is_a_named_bad_file_when_workers_write_to_the_store(
 
     from reliability_helpers import HangingSource
 
-    from dlstore.build.sources import scan_folder
+    from dlstore.convert.sources import scan_folder
 
     src = HangingSource.of(scan_folder(make_tree(tmp_path / "src", per_class=4)), "b/img002.jpg")
     url = f"s3://{BUCKET}/hang"

@@ -14,11 +14,11 @@ from click.testing import CliRunner
 from reliability_helpers import make_tree
 from s3server import aws_env, start_server
 
-import dlstore.read.stores as stores
+import dlstore.storage.stores as stores
 from dlstore import convert, open_cache
 from dlstore.cli import main
 from dlstore.errors import CacheExistsError
-from dlstore.read.stores import RemoteStore
+from dlstore.storage.stores import RemoteStore
 
 pytestmark = pytest.mark.s3
 pytest.importorskip("moto.server")

@@ -28,8 +28,8 @@ from typing import Any
 
 from dlstore.checksums import file_sha256, split_key
 from dlstore.errors import CacheCorruptError, CacheNotFoundError, CacheReplacedError
-from dlstore.read.stores import RemoteStore
 from dlstore.spec import MANIFEST, CacheSpec, parse_relpath, parse_spec, read_spec
+from dlstore.storage.stores import RemoteStore
 
 DEFAULT_CACHE_BYTES = 20 << 30
 LOCK = ".lock"
@@ -253,21 +253,6 @@ def bytes_at(location: Path | str, storage_options: dict[str, Any] | None = None
         sizes = RemoteStore(location, storage_options).sizes()
         return sum(v for k, v in sizes.items() if not k.startswith(".dlstore-staging/"))
     return sum(p.stat().st_size for p in Path(location).rglob("*") if p.is_file())
-
-
-def open_mirror(
-    url: str,
-    storage_options: dict[str, Any] | None = None,
-    cache_dir: str | Path | None = None,
-    cache_bytes: int | None = None,
-) -> RemoteMirror:
-    """The mirror of the cache at ``url``; its format says which files are fetched unit by unit."""
-    from dlstore.formats import get_format
-
-    store = RemoteStore(url, storage_options)
-    raw, spec = fetch_manifest(store)
-    lazy = get_format(spec.format).reader_for(spec).unit_files(spec)
-    return RemoteMirror(store, lazy, cache_dir, cache_bytes, manifest=(raw, spec))
 
 
 def spec_at(location: Path | str, storage_options: dict[str, Any] | None = None) -> CacheSpec:

@@ -22,12 +22,12 @@ The protocol (object stores have no rename, but a single PUT is atomic):
 4. The manifest is written last, in one PUT: the cache appears complete or not at all.
 5. The staging prefix is removed.
 
-Units that Dask workers wrote to the store themselves (``dlstore.build.store_units``) are already
+Units that Dask workers wrote to the store themselves (``dlstore.convert.store_units``) are already
 staged, under ``URL/.dlstore-staging/units-<plan>/``: the manifest lists them, the local folder does
 not hold them, and step 3 copies them from there like the rest.
 
 Readers open only a cache whose manifest exists, and check every object they download against the
-manifest's sha256 (``dlstore.read.remote``), so a truncated or half-copied object is never read.
+manifest's sha256 (``dlstore.storage.mirror``), so a truncated or half-copied object is never read.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlstore.build.store_units import units_prefix
 from dlstore.checksums import split_key
+from dlstore.convert.store_units import units_prefix
 from dlstore.errors import CacheCorruptError, CacheExistsError
-from dlstore.read.stores import RemoteStore, RemoteStoreError
 from dlstore.spec import MANIFEST
+from dlstore.storage.stores import RemoteStore, RemoteStoreError
 
 STAGING = ".dlstore-staging"
 REPLACING = f"{STAGING}/replacing.json"  # what the generation being replaced owns (step 2)

@@ -17,7 +17,7 @@ from imagegen import ORIENT_TAG
 from PIL import Image, ImageOps
 from torchvision import transforms
 
-from dlstore.build.imageops import decode_file, draft_scale
+from dlstore.convert.imageops import decode_file, draft_scale
 from dlstore.spec import ImagePolicy
 
 

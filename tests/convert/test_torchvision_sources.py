@@ -79,7 +79,7 @@ def test_a_sample_of_an_in_memory_source_keeps_its_pixels(
 ) -> None:
     import torchvision.datasets.cifar
 
-    from dlstore.build.sources import load_torchvision
+    from dlstore.convert.sources import load_torchvision
 
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)
     images = write_cifar(tmp_path, "CIFAR10", n=25)

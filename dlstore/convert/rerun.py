@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dlstore.build.sources import Source
-from dlstore.build.staging import option_changes
+from dlstore.convert.sources import Source
+from dlstore.convert.staging import option_changes
 from dlstore.errors import CacheExistsError
 from dlstore.sourcefiles import first_difference, read_record
 from dlstore.spec import read_spec

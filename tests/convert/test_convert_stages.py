@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from dlstore.build.conversion import convert
+from dlstore.convert.conversion import convert
 from dlstore.read.cache import open_cache
 from dlstore.spec import read_spec
 
@@ -67,7 +67,7 @@ def test_many_units_with_a_bounded_window(
 
     monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 1))
     journaled: list[int] = []
-    import dlstore.build.staging as staging_mod
+    import dlstore.convert.staging as staging_mod
 
     real = staging_mod.Staging.record_many
 
@@ -89,7 +89,7 @@ def test_the_pool_hands_out_units_without_waiting_for_the_whole_window(
     first window instead of last."""
     import time
 
-    import dlstore.build.unit_work as unit_work
+    import dlstore.convert.unit_work as unit_work
     from dlstore.formats.ram import RamWriter
 
     monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 1))
@@ -107,7 +107,7 @@ def test_the_pool_hands_out_units_without_waiting_for_the_whole_window(
 
     monkeypatch.setattr(unit_work, "convert_job_unit", unit_zero_last)  # inherited by the forked workers
     spy: list[int] = []
-    import dlstore.build.staging as staging_mod
+    import dlstore.convert.staging as staging_mod
 
     record_many = staging_mod.Staging.record_many
 
@@ -133,10 +133,10 @@ def test_workers_checksum_their_units_as_they_write_them(
 ) -> None:
     """A writer that digests its units (ram: one range per slab, cut at RANGE_BYTES) spares finalize
     a second read of the pixels; the ranges tile the file and match its bytes."""
-    import dlstore.build.conversion as conversion
     import dlstore.checksums as checksums
-    from dlstore.build.verification import verify
+    import dlstore.convert.conversion as conversion
     from dlstore.checksums import mismatches
+    from dlstore.convert.verification import verify
     from dlstore.formats.ram import RamWriter
     from dlstore.spec import read_spec
 

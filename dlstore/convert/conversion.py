@@ -28,7 +28,8 @@ import numpy as np
 from PIL import Image
 
 from dlstore._version import __version__
-from dlstore.build.dask_engine import (
+from dlstore.checksums import checksum_keys, checksum_tree, split_key
+from dlstore.convert.dask_engine import (
     EarlyClient,
     count_workers,
     dask_timeline,
@@ -36,11 +37,11 @@ from dlstore.build.dask_engine import (
     parse_scheduler,
     run_on_dask,
 )
-from dlstore.build.rerun import is_up_to_date
-from dlstore.build.sizes import human_bytes
-from dlstore.build.sources import Source, open_source
-from dlstore.build.staging import Staging
-from dlstore.build.store_units import (
+from dlstore.convert.rerun import is_up_to_date
+from dlstore.convert.sizes import human_bytes
+from dlstore.convert.sources import Source, open_source
+from dlstore.convert.staging import Staging
+from dlstore.convert.store_units import (
     StoreUnits,
     convert_unit_to_store,
     convert_unit_to_store_in_process,
@@ -49,7 +50,7 @@ from dlstore.build.store_units import (
     strip_sums,
     units_prefix,
 )
-from dlstore.build.unit_work import (
+from dlstore.convert.unit_work import (
     Job,
     UnitResult,
     _init_worker,
@@ -57,13 +58,11 @@ from dlstore.build.unit_work import (
     convert_unit,
     disk_full_as_error,
 )
-from dlstore.checksums import checksum_keys, checksum_tree, split_key
 from dlstore.durable import fsync_path, save_npy_durably, sync_tree, write_json_durably
 from dlstore.errors import CacheExistsError, ConvertError, ImageDecodeError, SpecError, require_extra
 from dlstore.formats import DEFAULT_FORMAT, get_format
 from dlstore.formats.base import CacheWriter
 from dlstore.machine import usable_cores
-from dlstore.read.stores import parse_store_path
 from dlstore.sourcefiles import SourceRecord
 from dlstore.spec import (
     LABELS_FILE,
@@ -76,6 +75,7 @@ from dlstore.spec import (
     ImagePolicy,
     read_spec,
 )
+from dlstore.storage.stores import parse_store_path
 
 Progress = Callable[[int], None]
 Log = Callable[[str], None]
@@ -165,9 +165,9 @@ def convert(
 
     DEST may be a URL (``s3://bucket/prefix``; credentials from the environment or
     ``storage_options``): the cache is built in a local spool folder with all of the above, then
-    published by the protocol in ``dlstore.build.publish`` (staging prefix, manifest last, resumable).
+    published by the protocol in ``dlstore.convert.publish`` (staging prefix, manifest last, resumable).
     With ``scheduler`` as well, the workers write the units to the store themselves and only the small
-    files are spooled (``dlstore.build.store_units``; ``unit_store`` is that internal hand-over).
+    files are spooled (``dlstore.convert.store_units``; ``unit_store`` is that internal hand-over).
 
     >>> convert("photos/", "cache/", format="zarr", size=128)     # doctest: +SKIP
     """
@@ -180,12 +180,12 @@ def convert(
     stages: dict[str, float] = {}
     dest = parse_store_path(dest)
     if isinstance(dest, str):
-        from dlstore.build.publish import convert_to_store
+        from dlstore.convert.publish import convert_to_store
 
         def build_locally(spool: Path) -> ConvertResult:
             local = {**given, "dest": spool, "storage_options": None, "overwrite": False}
             if scheduler is not None:  # the workers write the units to the store, not to the spool
-                from dlstore.read.stores import RemoteStore
+                from dlstore.storage.stores import RemoteStore
 
                 local["unit_store"] = RemoteStore(dest, storage_options)
             try:  # a spool built by an interrupted attempt with the same options is up to date

@@ -81,7 +81,7 @@ QUIET_CONFIG = {
     "distributed.worker.memory.monitor-interval": "1s",
 }
 LOCAL_THREADS_PER_WORKER = 4  # local:16 = 4 worker processes of 4 task threads (see local_layout)
-WORKER_CLASS = "dlstore.build.dask_worker.ConversionWorker"
+WORKER_CLASS = "dlstore.convert.dask_worker.ConversionWorker"
 WORKERS_START_S = 60
 
 
@@ -202,7 +202,7 @@ def open_warm_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None
     return client, cluster
 
 
-DECODE_MODULE = "dlstore.build.unit_work"  # what a decode process runs, imported by its fork server
+DECODE_MODULE = "dlstore.convert.unit_work"  # what a decode process runs, imported by its fork server
 
 
 def warm_decode_forkserver() -> None:
