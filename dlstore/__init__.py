@@ -36,4 +36,3 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(_LAZY[name])
         return module if name == "convert" else getattr(module, name)
     raise AttributeError(f"module 'dlstore' has no attribute {name!r}")
-
