@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from dlstore._version import __version__
 from dlstore.errors import DlstoreError
+
+__version__ = "0.1.0"  # pyproject.toml's version
 
 __all__ = [
     "CachedDataset",

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
+from dlstore import settings
 from dlstore.bench.endtoend import (
     RunSpec,
     aggregate,
@@ -74,8 +75,7 @@ DEMO_BATCHES = 8  # the demo source holds at least this many batches, so an epoc
 
 
 def bench_cache_root() -> Path:
-    env = os.environ.get("DLSTORE_BENCH_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "dlstore" / "bench"
+    return settings.folder("DLSTORE_BENCH_CACHE", "bench")
 
 
 def resolve_device(name: str) -> torch.device:

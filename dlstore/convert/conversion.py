@@ -27,7 +27,7 @@ from warnings import warn
 import numpy as np
 from PIL import Image
 
-from dlstore._version import __version__
+from dlstore import __version__
 from dlstore.checksums import checksum_keys, checksum_tree, split_key
 from dlstore.convert.dask_engine import (
     EarlyClient,

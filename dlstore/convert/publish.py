@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlstore import settings
 from dlstore.checksums import split_key
 from dlstore.convert.store_units import units_prefix
 from dlstore.errors import CacheCorruptError, CacheExistsError
@@ -234,10 +235,7 @@ def parallel(fn: Callable[[str], None], items: list[str], threads: int = 16) -> 
 
 def spool_dir(url: str) -> Path:
     """Where a cache for ``url`` is built before its upload (``DLSTORE_SPOOL`` or ~/.cache/dlstore/spool)."""
-    base = os.environ.get("DLSTORE_SPOOL") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dlstore", "spool"
-    )
-    return Path(base) / hashlib.sha256(url.encode()).hexdigest()[:16] / "cache"
+    return settings.folder("DLSTORE_SPOOL", "spool") / hashlib.sha256(url.encode()).hexdigest()[:16] / "cache"
 
 
 def convert_to_store(

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
+from dlstore import settings
 from dlstore.machine import usable_cores
 
 __all__ = [
@@ -306,7 +307,7 @@ def demo_jpeg_bytes(index: int, label: int, seed: int = 0) -> bytes:
 def default_demo_dir(n_images: int = 512, seed: int = 0) -> Path:
     """A versioned per-(n, seed) folder under ``$DLSTORE_DEMO_DIR`` if set, else under ~/.cache/dlstore,
     so demos of different sizes never collide."""
-    base = Path(os.environ.get("DLSTORE_DEMO_DIR") or Path.home() / ".cache" / "dlstore").expanduser()
+    base = settings.folder("DLSTORE_DEMO_DIR", "")
     return base / f"demo-v{_DEMO_VERSION}-n{n_images}-s{seed}"
 
 

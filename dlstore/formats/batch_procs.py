@@ -17,7 +17,6 @@ when its batch is taken, so the error names the chunk as a plain read would.
 from __future__ import annotations
 
 import importlib
-import os
 import struct
 import threading
 import weakref
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from dlstore import settings
 from dlstore.formats.base import group_runs
 from dlstore.formats.unit_procs import populate
 from dlstore.formats.workers import Workers, attach, shutdown, worker_connection
@@ -47,7 +47,7 @@ def _worker(conn: Connection) -> None:
         ring = np.ndarray(tuple(hello["ring"]), np.uint8, buffer=shm.buf)
         reader = cls(Path(hello["root"]), read_spec(Path(hello["root"])))
         if hasattr(reader, "map_chunks"):  # one thread here: mapping chunk files beats reading them
-            reader.map_chunks = os.environ.get("DLSTORE_MAP_CHUNKS", "1") != "0"  # benchmarks' A/B
+            reader.map_chunks = settings.flag("DLSTORE_MAP_CHUNKS")  # benchmarks' A/B
         buf = np.empty(tuple(hello["unit"]), np.uint8)  # reused: stays in this core's cache
         populate(ring)
         while True:

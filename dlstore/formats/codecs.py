@@ -13,12 +13,12 @@ index, so images may differ in size and a reader decodes only the images it is a
 from __future__ import annotations
 
 import io
-import os
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
 import numpy as np
 
+from dlstore import settings
 from dlstore.errors import SpecError
 
 DEFAULT_QUALITY = 90
@@ -125,7 +125,7 @@ class JpegCodec(ImageCodec):
     @property
     def decoder(self) -> str:
         """Which library decodes on the CPU: ``simplejpeg`` or ``pillow``."""
-        choice = os.environ.get("DLSTORE_JPEG_DECODER", "auto")
+        choice = settings.get("DLSTORE_JPEG_DECODER")
         if choice not in JPEG_DECODERS:
             raise SpecError(f"DLSTORE_JPEG_DECODER={choice!r}: choose one of {', '.join(JPEG_DECODERS)}")
         if choice == "pillow" or _simplejpeg() is None:

@@ -16,7 +16,6 @@ import ctypes
 import importlib
 import itertools
 import mmap
-import os
 import struct
 import subprocess
 import threading
@@ -28,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from dlstore import settings
 from dlstore.errors import CacheCorruptError
 from dlstore.formats.workers import Workers, attach, shutdown, worker_connection
 from dlstore.spec import read_spec
@@ -179,7 +179,7 @@ def populate(arr: np.ndarray) -> None:
     """Map every page of ``arr`` writable in one ``madvise`` instead of one fault per 4 KiB page on
     first write. Workers write all over a shared block: without this, each process takes a fault
     on most of its writes for the first several epochs (one per page it has not written yet). A no-op where unsupported."""
-    if os.environ.get("DLSTORE_PREFAULT", "1") == "0" or arr.nbytes == 0:  # benchmarks' A/B switch
+    if not settings.flag("DLSTORE_PREFAULT") or arr.nbytes == 0:  # benchmarks' A/B switch
         return
     try:
         libc = ctypes.CDLL(None, use_errno=True)

@@ -50,6 +50,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from dlstore import settings
+
 _HEADER = mmap.PAGESIZE  # the flag byte, then the batch page-aligned
 _FREE, _HELD = 0, 1
 MAX_SLOTS = 8  # per worker; steady state needs prefetch_factor + the batches the main process holds
@@ -62,9 +64,9 @@ WARM_SLOTS = 4
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14; elsewhere pages fault as used
 # DLSTORE_SHM_SLOTS=0 hands batches over as torch does (benchmarks' A/B; forked workers inherit
 # a change of ``enabled`` made before they start).
-enabled = os.environ.get("DLSTORE_SHM_SLOTS", "1") != "0"
-pin_in_place_enabled = os.environ.get("DLSTORE_PIN_IN_PLACE", "1") != "0"
-warm_enabled = os.environ.get("DLSTORE_SHM_WARM", "1") != "0"
+enabled = settings.flag("DLSTORE_SHM_SLOTS")
+pin_in_place_enabled = settings.flag("DLSTORE_PIN_IN_PLACE")
+warm_enabled = settings.flag("DLSTORE_SHM_WARM")
 
 
 @dataclass

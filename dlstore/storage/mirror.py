@@ -26,6 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from dlstore import settings
 from dlstore.checksums import file_sha256, split_key
 from dlstore.errors import CacheCorruptError, CacheNotFoundError, CacheReplacedError
 from dlstore.spec import MANIFEST, CacheSpec, parse_relpath, parse_spec, read_spec
@@ -36,9 +37,7 @@ LOCK = ".lock"
 
 
 def default_cache_dir() -> Path:
-    base = os.environ.get("DLSTORE_REMOTE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dlstore", "remote"
-    )
+    base = settings.folder("DLSTORE_REMOTE_CACHE", "remote")
     return Path(base)
 
 
