@@ -178,6 +178,16 @@ def write_plot(doc: dict[str, Any], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
+    fig = plot_figure(doc)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_figure(doc: dict[str, Any]) -> Any:
+    """The sweep (measured and predicted per loader and worker count) beside the parts alone."""
+    import matplotlib.pyplot as plt
+
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     pin_default = doc["protocol"]["pin_memory_default"]
     for name in doc["loaders"]:
@@ -199,25 +209,36 @@ def write_plot(doc: dict[str, Any], path: Path) -> Path | None:
     ax1.set_xticks(doc["protocol"]["workers"])
     ax1.set_xlabel("DataLoader workers")
     ax1.set_ylabel("images/s (median of repeats, min–max)")
+    ax1.set_ylim(bottom=0)  # from zero: a log-free axis that starts high turns 15 vs 22 into a cliff
     proto = doc["protocol"]
     ax1.set_title(
-        f"end to end: {proto['model']}, batch {proto['batch_size']}, {doc['environment']['device']}"
+        f"end to end: {proto['model']}, batch {proto['batch_size']}, transform {proto['transform']}, "
+        f"{doc['environment']['device']}",
+        fontsize=9,
     )
-    ax1.legend(fontsize=7)
+    # Below the axes, never over the data.
+    ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, title="loader")
     names = list(doc["stages"])
     width = 0.8 / len(STAGES)
     for j, stage in enumerate(STAGES):
         vals = [doc["stages"][n][stage] or 0 for n in names]
-        ax2.bar([i + j * width for i in range(len(names))], vals, width, label=stage)
+        ax2.bar([i + j * width for i in range(len(names))], vals, width, label=STAGE_LABELS[stage])
     ax2.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
     ax2.set_yscale("log")
-    ax2.set_ylabel("images/s (stage alone; transform at its best worker count)")
-    ax2.set_title("stage rates (missing bar: does not apply)")
-    ax2.legend(fontsize=7)
+    ax2.set_ylabel("images/s, stage alone")
+    ax2.set_title("parts alone (missing bar: does not apply)", fontsize=9)
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(STAGES))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
+
+
+# The names the text's stage table uses ("parts alone"), so the plot and the table say the same.
+STAGE_LABELS = {
+    "read": "read (warm)",
+    "transform": "loader (decode + transform, best workers)",
+    "h2d": "h2d copy",
+    "compute": "compute (step alone)",
+}
 
 
 def timeline_runs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -256,15 +277,22 @@ def write_timeline(doc: dict[str, Any], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig = timeline_figure(doc)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def timeline_figure(doc: dict[str, Any]) -> Any:
+    import matplotlib.pyplot as plt
+
     picks = timeline_runs(doc)
     fig, axes = plt.subplots(max(1, len(picks)), 1, figsize=(13, 2.6 * max(1, len(picks))), squeeze=False)
     for ax, (title, raw) in zip(axes[:, 0], picks):
         _timeline_axis(ax, raw["steps"], title)
     axes[-1, 0].set_xlabel("time since the loader was created (ms)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def _timeline_axis(ax: Any, steps: dict[str, list[Any]], title: str) -> None:
@@ -277,16 +305,26 @@ def _timeline_axis(ax: Any, steps: dict[str, list[Any]], title: str) -> None:
         start, end = steps["device_start_s"][i], steps["device_end_s"][i]
         if start is not None and end is not None:
             ax.broken_barh([(1e3 * start, 1e3 * (end - start))], (0.1, 0.8), color=colours["device"])
-    warm = [1e3 * steps["t_s"][i] for i in range(n) if steps["phase"][i] != "warmup"]
-    if warm:
-        ax.axvspan(0, warm[0], color="0.9", zorder=0)
+    warmup = [i for i in range(n) if steps["phase"][i] == "warmup"]
+    if warmup and len(warmup) < n:
+        end = warmup_end_ms(steps, warmup)
+        ax.axvspan(0, end, color="0.9", zorder=0)
         ax.text(0, 2.05, " warm-up: worker start, first batches", fontsize=7, va="bottom")
-        ax.text(warm[0], 2.05, " timed (warm)", fontsize=7, va="bottom")
-    ax.set_yticks([0.5, 1.5], ["device step", "main thread"])
+        ax.text(end, 2.05, " timed (warm)", fontsize=7, va="bottom")
+    on_device = any(s is not None for s in steps["device_start_s"])
+    ax.set_yticks([0.5, 1.5], ["device step" if on_device else "device step\n(no device)", "main thread"])
     ax.set_ylim(0, 2.4)
     ax.set_title(title, fontsize=9)
-    handles = [matplotlib_patch(c, k) for k, c in colours.items()]
-    ax.legend(handles=handles, fontsize=7, loc="upper right", ncol=3)
+    handles = [matplotlib_patch(c, k) for k, c in colours.items() if on_device or k != "device"]
+    # Outside the axes on the right: the labels above the bars stay readable.
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))
+
+
+def warmup_end_ms(steps: dict[str, list[Any]], warmup: list[int]) -> float:
+    """Where the warm-up's own bars end: its last host work, or its last step on the device."""
+    ends = [1e3 * (steps["t_s"][i] + steps["wait_s"][i] + steps["step_s"][i]) for i in warmup]
+    ends += [1e3 * steps["device_end_s"][i] for i in warmup if steps["device_end_s"][i] is not None]
+    return max(ends)
 
 
 def matplotlib_patch(colour: str, key: str) -> Any:

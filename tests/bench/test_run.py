@@ -448,3 +448,28 @@ def test_model_variants_replay_the_old_and_new_bases_from_one_run(
         else:  # the before-only pool is the before sample alone
             before = replay.probes_before(run, keep_beside=True)
             assert before["samples"] == [s for s in run["loader_probe"]["samples"] if s["when"] == "before"]
+
+
+def test_plots_keep_legends_off_the_data_and_say_what_was_run(result: tuple[dict[str, Any], Path]) -> None:
+    """Issue 22 item 7, on the figures themselves: the sweep's axis starts at zero, no legend sits inside an
+    axes, the title names the transform, the bars use the text's stage names, a CPU run's device row says so."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from dlstore.bench.report import STAGE_LABELS, plot_figure, timeline_figure
+
+    doc, _ = result
+    fig = plot_figure(doc)
+    fig.canvas.draw()
+    sweep, parts = fig.axes
+    assert sweep.get_ylim()[0] == 0
+    assert f"transform {doc['protocol']['transform']}" in sweep.get_title()
+    for ax in (sweep, parts):
+        legend_box = ax.get_legend().get_window_extent()
+        assert not legend_box.overlaps(ax.get_window_extent())  # beside the data, not over it
+    assert [t.get_text() for t in parts.get_legend().get_texts()] == list(STAGE_LABELS.values())
+    timeline = timeline_figure(doc)
+    timeline.canvas.draw()
+    for ax in timeline.axes:
+        assert "device step\n(no device)" in [t.get_text() for t in ax.get_yticklabels()]
+        assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
