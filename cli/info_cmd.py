@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from dlstore.cli.render import StorePath, emit_json, storage_options_option
-from dlstore.convert.sizes import human_bytes
+from dlstore.convert.sizes import count, human_bytes
 
 
 @click.command("info")
@@ -40,7 +40,7 @@ def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | 
         + (f" ({spec.n_stored - spec.n} skipped at conversion)" if spec.n_stored != spec.n else "")
     )
     click.echo(
-        f"  classes   {len(spec.classes)}: {', '.join(spec.classes[:10])}{' ...' if len(spec.classes) > 10 else ''}"
+        f"  classes   {count(len(spec.classes), 'class', 'classes')}: {', '.join(spec.classes[:10])}{' ...' if len(spec.classes) > 10 else ''}"
     )
     click.echo(
         f"  resize    {spec.image.resize} to {spec.image.size}, exif_transpose={spec.image.exif_transpose}, "
@@ -48,7 +48,7 @@ def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | 
     )
     click.echo(f"  options   {json.dumps(spec.format_options)}")
     click.echo(f"  source    {spec.source.get('description')} ({spec.source.get('count')} samples)")
-    click.echo(f"  on disk   {human_bytes(nbytes)} in {len(spec.checksums)} files")
+    click.echo(f"  on disk   {human_bytes(nbytes)} in {count(len(spec.checksums), 'file')}")
 
 
 @click.command("verify")
@@ -78,6 +78,6 @@ def verify_cmd(
             "rebuild with `dlstore convert ... --overwrite`"
         )
     click.echo(
-        f"{dest}: ok, {result.checked} files match their checksums"
+        f"{dest}: ok, {count(result.checked, 'file')} match their checksums"
         + (f", {result.sources_hashed} source files match by content" if deep else "")
     )

@@ -39,6 +39,7 @@ from dlstore.bench.stages import (
     synthetic_batch,
 )
 from dlstore.bench.verdict import KindStages
+from dlstore.convert.sizes import count
 
 Log = Callable[[str], None]
 Step = Callable[[torch.Tensor, torch.Tensor], None]
@@ -150,7 +151,7 @@ def transform_stage(name: str, loader: dict[tuple[int, bool], dict[str, Any]], p
         "transform",
         name,
         by[best_w],
-        label=f"best at {best_w} workers",
+        label=f"best at {count(best_w, 'worker')}",
         detail={"by_workers": {str(w): r for w, r in sorted(by.items())}, "best_workers": best_w},
     )
 

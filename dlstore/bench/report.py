@@ -22,6 +22,7 @@ import torch
 
 from dlstore.bench.monitor import load_average, mem_available_bytes, shm_usage
 from dlstore.bench.protocol import STAGES
+from dlstore.convert.sizes import count
 from dlstore.errors import DlstoreError
 from dlstore.machine import cpu_model, usable_cores
 
@@ -262,7 +263,7 @@ def timeline_runs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         )
         if run is not None and run["raw"]:
             title = (
-                f"{role}: {run['loader']}, {run['workers']} workers, pin_memory={run['pin_memory']}: "
+                f"{role}: {run['loader']}, {count(run['workers'], 'worker')}, pin_memory={run['pin_memory']}: "
                 f"{run['img_per_s']:,.0f} img/s, bottleneck {run.get('bottleneck')}"
             )
             out.append((title, run["raw"][0]))
@@ -396,7 +397,7 @@ def render_text(doc: dict[str, Any]) -> str:
         f"dlstore bench: {doc['source']['description']} ({images_line(doc['source'])}, {proto['size']}px), "
         f"{step}, {num.get('precision') or '-'}{', channels_last' if num.get('channels_last') else ''}"
         f"{', compiled' if num.get('compiled') else ''}, batch {proto['batch_size']}, transform "
-        f"{proto['transform']}, device {doc['environment']['device']}, {proto['repeats']} repeats",
+        f"{proto['transform']}, device {doc['environment']['device']}, {count(proto['repeats'], 'repeat')}",
         "",
     ]
     lines += kind_lines(doc)
@@ -418,7 +419,7 @@ def kind_lines(doc: dict[str, Any]) -> list[str]:
         sweep = " · ".join(
             f"{w}: {_n(r)}" for w, r in sorted(k["by_workers"].items(), key=lambda x: int(x[0]))
         )
-        hurt = f" (more than {k['best_workers']} workers: slower)" if k["hurts"] else ""
+        hurt = f" (more than {count(k['best_workers'], 'worker')}: slower)" if k["hurts"] else ""
         lines.append(
             f"{name:<9} {str(k['best_workers']) + 'w':>5} {_n(k['best_img_per_s']):>9} {str(k['bottleneck']):<10} "
             f"{_n(k['predicted_img_per_s']):>9} {err:>5}  {sweep}{hurt}"

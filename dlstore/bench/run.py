@@ -64,6 +64,7 @@ from dlstore.bench.protocol import (
 from dlstore.bench.report import check_out_dir, environment, finite, profile_configuration, write_outputs
 from dlstore.bench.stages import BatchStream, device_label
 from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse
+from dlstore.convert.sizes import count
 from dlstore.convert.sources import Source, open_source
 from dlstore.errors import DlstoreError
 from dlstore.machine import usable_cores
@@ -362,7 +363,7 @@ def run_rounds(
         order = [s for s in rotated(specs, r, config.repeats) if r == 0 or not s.cold]
         for pos, spec in enumerate(order):
             log(
-                f"round {r + 1}/{config.repeats} [{pos + 1}/{len(order)}]: {spec.loader}, {spec.workers} workers, "
+                f"round {r + 1}/{config.repeats} [{pos + 1}/{len(order)}]: {spec.loader}, {count(spec.workers, 'worker')}, "
                 f"pin_memory={'on' if spec.pin_memory else 'off'}{', cold' if spec.cold else ''}"
             )
             p = prepared[spec.loader]
@@ -392,7 +393,7 @@ def profile_all(
     traces: dict[str, Any] = {}
     for name, p in prepared.items():
         for w in workers:
-            log(f"profiling {name} with {w} workers")
+            log(f"profiling {name} with {count(w, 'worker')}")
             traces[f"{name}-w{w}"] = profile_configuration(
                 _profile_loop(p, w, pin, config, device, steps[name]), device, out, f"{name}-w{w}"
             )

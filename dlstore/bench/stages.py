@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from dlstore.bench.protocol import StageResult
+from dlstore.convert.sizes import count
 from dlstore.errors import DlstoreError
 from dlstore.machine import synchronize
 
@@ -520,7 +521,7 @@ def measure_transform(
         best["img_per_s"],
         best["seconds"],
         int(best["images"]),
-        label=f"best at {best_w} workers",
+        label=f"best at {count(best_w, 'worker')}",
         detail={
             "by_workers": {k: v["img_per_s"] for k, v in by_workers.items()},
             "startup_s": {k: v["startup_s"] for k, v in by_workers.items()},

@@ -1,4 +1,5 @@
-"""Byte counts as people read them (decimal units, as ``df -H`` and the progress bar show them)."""
+"""Byte counts and counts of things as people read them (decimal units, as ``df -H`` and the progress
+bar show them; "1 worker", "2 workers")."""
 
 from __future__ import annotations
 
@@ -10,3 +11,8 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"
+
+
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``count(1, "worker")`` → ``"1 worker"``, ``count(2, "class", "classes")`` → ``"2 classes"``."""
+    return f"{n:,} {noun if n == 1 else plural or noun + 's'}"
