@@ -112,9 +112,16 @@ class ZarrWriter(CacheWriter):
             compressors=self.codecs[self.options["codec"]].impl(),
             fill_value=0,
             overwrite=True,
+            dimension_names=("sample", "y", "x", "channel"),
         )
         group.create_array(
-            "labels", shape=(self.n,), chunks=(max(1, self.n),), dtype="int64", fill_value=-1, overwrite=True
+            "labels",
+            shape=(self.n,),
+            chunks=(max(1, self.n),),
+            dtype="int64",
+            fill_value=-1,
+            overwrite=True,
+            dimension_names=("sample",),
         )
 
     def write_unit(self, k: int, images: np.ndarray) -> None:
@@ -131,25 +138,31 @@ class ZarrWriter(CacheWriter):
         zarr.open_array(self.root / "labels", mode="r+", zarr_format=3)[:] = labels
 
     def describe(self, attributes: dict[str, Any], positions: np.ndarray) -> None:
-        """A first-class zarr group: the spec in its attributes, ``positions`` beside ``images`` and
-        ``labels``, and consolidated metadata, so ``zarr.open_group(DEST)`` lists its members from
-        ``zarr.json`` and never meets dlstore's own files (manifest, index arrays, source record)."""
-        import zarr
+        describe_group(self.root, attributes, positions)
 
-        group = zarr.open_group(self.root, mode="r+", zarr_format=3)
-        group.create_array(
-            "positions",
-            shape=positions.shape,
-            chunks=(max(1, len(positions)),),
-            dtype="int64",
-            fill_value=-1,
-            overwrite=True,
-        )[:] = positions
-        group.attrs.update({"dlstore": attributes})
-        with warnings.catch_warnings():
-            # "not part of the v3 specification (yet)": zarr-python reads it by default, which is the point
-            warnings.simplefilter("ignore", UserWarning)
-            zarr.consolidate_metadata(self.root, zarr_format=3)
+
+def describe_group(root: Path, attributes: dict[str, Any], positions: np.ndarray) -> None:
+    """A first-class zarr group: the spec in its attributes, ``positions`` beside ``images`` and
+    ``labels``, every array with dimension names (xarray needs them), and consolidated metadata, so
+    ``zarr.open_group(DEST)`` and ``xarray.open_zarr(DEST)`` list its members from ``zarr.json`` and
+    never meet dlstore's own files (manifest, index arrays, source record)."""
+    import zarr
+
+    group = zarr.open_group(root, mode="r+", zarr_format=3)
+    group.create_array(
+        "positions",
+        shape=positions.shape,
+        chunks=(max(1, len(positions)),),
+        dtype="int64",
+        fill_value=-1,
+        overwrite=True,
+        dimension_names=("index",),  # dataset index → storage row; may be shorter than "sample"
+    )[:] = positions
+    group.attrs.update({"dlstore": attributes})
+    with warnings.catch_warnings():
+        # "not part of the v3 specification (yet)": zarr-python reads it by default, which is the point
+        warnings.simplefilter("ignore", UserWarning)
+        zarr.consolidate_metadata(root, zarr_format=3)
 
 
 def parse_array_meta(
@@ -415,16 +428,35 @@ class ZarrPayloadWriter(PayloadWriter):
                 dtype=VariableLengthBytes(),
                 compressors=self.compressors(),
                 overwrite=True,
+                dimension_names=("sample",),
             )
         finally:
             ctx.__exit__(None, None, None)
         # Every index chunk is written, even all zeros: a missing one must mean damage, not "fill value".
         plain = {"compressors": None, "overwrite": True, "config": {"write_empty_chunks": True}}
-        group.create_array("shapes", shape=(n, 3), chunks=(u, 3), dtype="int32", **plain)
-        group.create_array("crc", shape=(n,), chunks=(u,), dtype="uint32", **plain)
-        group.create_array("error", shape=(self.n_units, 2), chunks=(1, 2), dtype="float64", **plain)
+        dims = {"shapes": ("sample", "hwc"), "crc": ("sample",), "error": ("unit", "mean_max")}
         group.create_array(
-            "labels", shape=(n,), chunks=(max(1, n),), dtype="int64", fill_value=-1, overwrite=True
+            "shapes", shape=(n, 3), chunks=(u, 3), dtype="int32", dimension_names=dims["shapes"], **plain
+        )
+        group.create_array(
+            "crc", shape=(n,), chunks=(u,), dtype="uint32", dimension_names=dims["crc"], **plain
+        )
+        group.create_array(
+            "error",
+            shape=(self.n_units, 2),
+            chunks=(1, 2),
+            dtype="float64",
+            dimension_names=dims["error"],
+            **plain,
+        )
+        group.create_array(
+            "labels",
+            shape=(n,),
+            chunks=(max(1, n),),
+            dtype="int64",
+            fill_value=-1,
+            overwrite=True,
+            dimension_names=("sample",),
         )
 
     def write_unit(self, k: int, images: Images) -> None:
@@ -454,6 +486,13 @@ class ZarrPayloadWriter(PayloadWriter):
         zarr.open_array(self.root / "labels", mode="r+", zarr_format=3)[:] = labels
         errors = zarr.open_array(self.root / "error", mode="r", zarr_format=3)[:]
         self.options["mean_abs_error"] = self.mean_error(list(errors))
+
+    def describe(self, attributes: dict[str, Any], positions: np.ndarray) -> None:
+        ctx = _quiet_vlen()
+        try:
+            describe_group(self.root, attributes, positions)
+        finally:
+            ctx.__exit__(None, None, None)
 
 
 class ZarrPayloadReader(PayloadReader):
