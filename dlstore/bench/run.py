@@ -194,10 +194,12 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         raw_cache_bytes=total * size * size * channels,  # the whole source's, not the sample's
         pin_default=pin_default,
         apply={n: p.info["apply"] for n, p in prepared.items() if p.info.get("apply")},
+        substituted={n: p.info["substituted"] for n, p in prepared.items() if p.info.get("substituted")},
         precision=config.precision,
         transform=config.transform,
         bench_command=bench_command(config),
     )
+    notes += [f"{name} {what}" for name, what in facts.substituted.items()]
     analysis = analyse(kind_stages, runs, cold, facts)
     notes += prediction_notes(analysis.get("prediction", {}))
     doc = {

@@ -83,6 +83,7 @@ class Facts:
     raw_cache_bytes: int | None = None  # what a raw RAM cache of this source would hold
     pin_default: bool = False
     apply: dict[str, str] = field(default_factory=dict)  # kind → how a user gets it (command or code)
+    substituted: dict[str, str] = field(default_factory=dict)  # kind → what it ran instead of what was asked
     precision: str = "fp32"
     transform: str = "light"
     bench_command: str = "dlstore bench"
@@ -302,9 +303,17 @@ def verdict_text(
         f"{_fmt(best['predicted_img_per_s'])} img/s{_err(best)}."
     )
     wait = best["wait"]
+    if best["loader"] in facts.substituted:
+        text.append(f"Note: {best['loader']} {facts.substituted[best['loader']]}.")
     if compute_bound:
         text.append(
             f"The step is the limit: the input pipeline keeps up (Σwait/wall {100 * wait['sum_over_wall']:.0f}%)."
+        )
+    elif best["bottleneck"] == "compute":  # one bottleneck per verdict: the model's, with what was seen
+        text.append(
+            "The step is the slowest part, yet the loop ran below what the step sustains alone and waited for "
+            f"data {100 * wait['sum_over_wall']:.0f}% of the time: the parts slow each other when they run "
+            "together (shared cores), so no single change is sure to help."
         )
     elif best["bottleneck"] == "host":
         text.append(
@@ -357,7 +366,12 @@ def _best_config_advice(
         out.append(
             _advice(
                 f"Use {what}: {_fmt(rate)} img/s measured, {gain:.1f}× the default configuration "
-                f"({default['loader']} with {_workers(default['workers'])}, {_fmt(default['img_per_s'])} img/s).",
+                f"({default['loader']} with {_workers(default['workers'])}, {_fmt(default['img_per_s'])} img/s)"
+                + (
+                    f"; it {facts.substituted[best['loader']]}."
+                    if best["loader"] in facts.substituted
+                    else "."
+                ),
                 command,
                 gain,
                 rate,

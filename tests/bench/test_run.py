@@ -407,6 +407,32 @@ def test_fast_path_kinds_are_measured(env: Path) -> None:
         assert r["budget_ms"]["predicted"]["host_ms"] == pytest.approx(1e3 * probe["beside_serial_s"])
 
 
+def test_a_fast_kind_asked_for_cpu_augmentation_says_what_it_ran(env: Path) -> None:
+    """Issue 22 item 2: pinned has no workers for the CPU augmentation; it runs GpuAugment, says so where
+    it is advised, and its "Apply:" snippet is the code that was measured (the augmentation included)."""
+    from dlstore.bench.protocol import BenchConfig
+    from dlstore.bench.run import run_bench
+
+    config = BenchConfig(
+        loaders=("raw", "pinned"),
+        workers=(0,),
+        demo_images=40,
+        size=16,
+        batch_size=8,
+        steps=2,
+        warmup=1,
+        repeats=1,
+        stage_steps=2,
+        transform="augment",
+    )
+    doc = run_bench(config)
+    assert any(n.startswith("pinned ran GpuAugment on the device in place of") for n in doc["notes"])
+    said = [r for r in doc["recommendations"] if r.startswith("Use pinned")] + [doc["verdict"]]
+    if doc["best"]["loader"] == "pinned":
+        assert all("in place of the CPU augmentation" in text for text in said)
+        assert "GpuAugment(16" in said[0]
+
+
 def _replay_module() -> Any:
     """benchmarks/replay_predictions.py, loaded as a module (benchmarks/ is not a package)."""
     import importlib.util

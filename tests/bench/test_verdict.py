@@ -496,3 +496,28 @@ def test_read_bound_advice_weighs_a_raw_cache_against_available_memory() -> None
     assert (
         "190.0 GB" in too_big["text"] and "64.0 GB" in too_big["text"] and "DecodeLoader" in too_big["text"]
     )
+
+
+def test_a_kind_that_ran_another_transform_says_so_in_its_advice_and_the_verdict() -> None:
+    """Issue 22 item 2: the pinned kind runs GpuAugment where --transform augment asked for the CPU's."""
+    stages = {
+        "raw": stages_of({0: 200, 4: 55}, {0: 200, 4: 0.5}, fed_ms=5, serial_ms=2),
+        "pinned": stages_of({0: 1}, {0: 1}, fed_ms=5, serial_ms=2),
+    }
+    runs = [run("raw", 0, 480, True), run("raw", 4, 1_800, True), run("pinned", 0, 19_000, True)]
+    note = "ran GpuAugment on the device in place of the CPU augmentation asked for (--transform augment)"
+    out = analyse(
+        stages, runs, {}, facts(apply={"pinned": "PinnedLoader(DEST, 100)"}, substituted={"pinned": note})
+    )
+    first = out["recommendations"][0]
+    assert first.startswith("Use pinned") and note in first
+    assert note in out["verdict"]
+
+
+def test_one_bottleneck_per_verdict() -> None:
+    """A run the model names compute-bound never reads 'does not get data fast enough' in the same verdict."""
+    stages = {"ram": stages_of({0: 1}, {0: 1}, fed_ms=5, serial_ms=2)}
+    runs = [run("ram", 0, 9_000, True)]  # named compute, but well below the 20,000 the step sustains
+    out = analyse(stages, runs, {}, facts())
+    assert runs[0]["bottleneck"] == "compute"
+    assert "does not get data fast enough" not in out["verdict"] and "slowest part" in out["verdict"]

@@ -15,6 +15,7 @@ import torch
 
 from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader, convert_command
 from dlstore.bench.kinds.cached import ensure_cache
+from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
 from dlstore.bench.transforms import device_transform
 
 PINNED = "ram cache, PinnedLoader: gather thread → pinned ring → side-stream copy, no workers"
@@ -30,6 +31,17 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code:
     spec = read_spec(path)
     h, w, c = spec.shape
     tf = "gpu-augment" if ctx.config.transform == "augment" else ctx.config.transform
+    extra: dict[str, Any] = {}
+    if tf != ctx.config.transform:  # no worker processes to run a CPU augmentation in: it runs on the device
+        extra["substituted"] = (
+            f"ran GpuAugment on the device in place of the CPU augmentation asked for "
+            f"(--transform {ctx.config.transform}): {name} has no workers to run it"
+        )
+    if tf == "gpu-augment":
+        code += (
+            f"; from dlstore.gpu import GpuAugment; aug = GpuAugment({ctx.size}, scale={AUGMENT_SCALE}, "
+            f"degrees={AUGMENT_DEGREES}).to('{ctx.device.type}'); for x, y in loader: x = aug(x)"
+        )
     files = sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name not in META_FILES)
     return PreparedLoader(
         name,
@@ -49,6 +61,7 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code:
             "loads_once": True,
             "ignores_workers": True,
             "apply": f"{convert_command(ctx, in_memory_format())}, then {code}",
+            **extra,
         },
     )
 
@@ -61,7 +74,8 @@ def pinned_kind(ctx: LoaderContext) -> PreparedLoader:
         "pinned",
         "PinnedLoader(ram, in memory)",
         lambda cache, cfg: PinnedLoader(cache, cfg.batch_size, device=ctx.device, order="random"),
-        f"from dlstore.read import PinnedLoader; PinnedLoader(DEST, {ctx.config.batch_size}, device='{ctx.device.type}')",
+        f"from dlstore.read import PinnedLoader; loader = PinnedLoader(DEST, {ctx.config.batch_size}, "
+        f"device='{ctx.device.type}', order='random')",
     )
 
 
@@ -73,5 +87,6 @@ def resident_kind(ctx: LoaderContext) -> PreparedLoader:
         "resident",
         f"ResidentLoader(ram, on {ctx.device})",
         lambda cache, cfg: ResidentLoader(cache, cfg.batch_size, device=ctx.device),
-        f"from dlstore.read import ResidentLoader; ResidentLoader(DEST, {ctx.config.batch_size}, device='{ctx.device.type}')",
+        f"from dlstore.read import ResidentLoader; loader = ResidentLoader(DEST, {ctx.config.batch_size}, "
+        f"device='{ctx.device.type}')",
     )
