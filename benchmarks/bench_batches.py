@@ -6,8 +6,6 @@ Sections (``--sections``, run in the order given; one is skipped when its estima
 - ``batches``: 2,048 JPEGs of 300×240, ResNet-18 @112, gpu-augment, at each ``--batches`` size: raw at
   8 workers, ram at 0 and 4 workers, pinned and resident (the issue's kinds: raw, cached-with-workers,
   pinned, resident);
-- ``noise``: ``step_noise.py`` at the largest batch size: how far the fed step's mean moves between
-  windows of 8–64 steps (what bounds a prediction from parts measured alone), with the collector's pauses;
 - ``default``: ``dlstore bench --out …`` as a user runs it (wall time, goal ≤ 60 s);
 - ``decode``: the decode-heavy workload (raw, CPU augment at 224, ResNet-18, batch 64, 0 and 4 workers:
   must be named transform-bound), then the 0-worker loop taken apart (``decode_parts``): the loader alone
@@ -30,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import subprocess
 import sys
 import time
@@ -40,16 +39,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import make_jpegs, trim  # noqa: E402
-
 from dlstore.bench.protocol import BenchConfig  # noqa: E402
 
-SECTIONS = ("batches", "noise", "default", "decode", "seeds", "compute")
+SECTIONS = ("batches", "default", "decode", "seeds", "compute")
 # Seconds each part took on the H200 (earlier runs), to skip what would not fit in the budget.
 ESTIMATE_S = {
     "batch": 15.0,
     "raw": 12.0,
-    "noise": 12.0,
     "compute": 17.0,
     "seeds": 16.0,
     "default": 60.0,
@@ -57,6 +53,36 @@ ESTIMATE_S = {
 TOLERANCE = 0.20
 
 Log = Callable[[str], None]
+
+
+def write_one(args: tuple[str, int, int]) -> None:
+    from dlstore.datasets.demo import make_demo_image
+
+    root, index, classes = args
+    label = index % classes
+    img = make_demo_image(index, label % 5).convert("RGB").resize((300, 240))
+    img.save(Path(root) / f"class{label}" / f"{index:05d}.jpg", quality=90)
+
+
+def make_jpegs(root: Path, n: int, classes: int = 4) -> Path:
+    """``n`` photo-like JPEGs of 300×240 in ``classes`` class folders (generated once)."""
+    done = root / ".done"
+    if done.is_file():
+        return root
+    for c in range(classes):
+        (root / f"class{c}").mkdir(parents=True, exist_ok=True)
+    with multiprocessing.Pool() as pool:
+        pool.map(write_one, [(str(root), i, classes) for i in range(n)], chunksize=16)
+    done.write_text("ok\n")
+    return root
+
+
+def trim(doc: dict[str, Any]) -> dict[str, Any]:
+    """The document without per-step arrays (kept in steps.csv), so the JSON stays small."""
+    out = dict(doc)
+    out["runs"] = [{k: v for k, v in r.items() if k != "raw"} for r in doc["runs"]]
+    out["cold"] = {k: {kk: vv for kk, vv in c.items() if kk != "raw"} for k, c in doc.get("cold", {}).items()}
+    return out
 
 
 class Recorder:
@@ -469,21 +495,6 @@ def default_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
     log(f"default: {wall:.1f} s rc={proc.returncode}")
 
 
-def noise_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
-    import step_noise
-
-    out = args.out / "noise"
-    argv = ["--out", str(out), "--batches", str(max(args.batches)), "--steps", str(args.noise_steps)]
-    if args.smoke:
-        argv += ["--model", "smallcnn", "--size", "32"]
-    step_noise.main(argv)
-    doc = json.loads((out / "step_noise.json").read_text())
-    rec.put(
-        "noise", {k: {kk: vv for kk, vv in v.items() if kk != "periods_ms"} for k, v in doc["runs"].items()}
-    )
-    log("noise: done")
-
-
 def prediction_errors(doc: dict[str, Any]) -> dict[str, list[float]]:
     """Every run's (measured − predicted) / predicted, per group: the ResNet runs (sweep, decode-heavy,
     compute-heavy), the seeds' runs, the default run's."""
@@ -668,7 +679,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--cached-workers", default="0,4", help="Worker counts of the ram runs of the batch sweep."
     )
-    p.add_argument("--noise-steps", type=int, default=250)
     p.add_argument("--smoke", action="store_true", help="Tiny sizes and SmallCNN: a check on a CPU.")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
@@ -687,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[{rec.elapsed():6.1f}s] {msg}", file=sys.stderr, flush=True)
 
-    run = {"batches": batches_section, "noise": noise_section, "decode": decode_section, "compute": compute_section,
+    run = {"batches": batches_section, "decode": decode_section, "compute": compute_section,
            "seeds": seeds_section, "default": default_section}  # fmt: skip
     for s in sections:  # in the order given: a round's cap cuts the last ones
         # decode-heavy: ~14 s for its runs, ~3 s per alone/loop pair taken apart after them (H200)

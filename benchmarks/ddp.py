@@ -41,8 +41,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dlstore.bench.models import build_model  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
-from dlstore.read.cache import Cache, open_cache  # noqa: E402
-from dlstore.read.loaders import PinnedLoader  # noqa: E402
+from dlstore.read import (  # noqa: E402
+    Cache,
+    PinnedLoader,  # noqa: E402
+    open_cache,
+)
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 Step = Callable[[torch.Tensor, torch.Tensor], None]

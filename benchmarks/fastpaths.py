@@ -25,13 +25,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from dlstore.convert.conversion import convert  # noqa: E402
+from dlstore import open_cache  # noqa: E402
 from dlstore.convert.sources import open_source, scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.datasets.mnist_idx import write_fashion_mnist_like  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
 from dlstore.machine import usable_cores  # noqa: E402
-from dlstore.read.cache import open_cache  # noqa: E402
 from dlstore.read.loaders import PinnedLoader, ResidentLoader, batch_dataloader, make_sampler, storage_sorted  # noqa: E402
 from dlstore.spec import ImagePolicy  # noqa: E402
 
@@ -182,7 +181,9 @@ def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "convert": {},
     }
     for fmt, size in (("ram", 256), ("npz", 256), ("zarr", 256), ("ram", 128)):
-        res = convert(src, work / f"{fmt}{size}", format=fmt, size=size, workers=cores, overwrite=True)
+        res = harness.convert_cache(
+            src, work / f"{fmt}{size}", format=fmt, size=size, workers=cores, overwrite=True
+        )
         out["convert"][f"{fmt}{size}"] = {
             "seconds": res.seconds,
             "img_s": res.images_per_s,
@@ -353,7 +354,9 @@ def section_fashion(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     root = work / "fmnist"
     write_fashion_mnist_like(root, 60_000, 10_000)
     src = open_source("torchvision:FashionMNIST", root=root)
-    convert(src, work / "fm28", format="ram", size=28, resize="stretch", channels=1, overwrite=True)
+    harness.convert_cache(
+        src, work / "fm28", format="ram", size=28, resize="stretch", channels=1, overwrite=True
+    )
     step = smallcnn_step()
     cache = open_cache(work / "fm28", in_memory=True)
     resident = ResidentLoader(cache, batch_size=256, device="cuda")

@@ -30,11 +30,13 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from dlstore.convert.conversion import convert
-from dlstore.convert.imageops import DECODE_ERRORS, decode_file
-from dlstore.convert.unit_work import DecodeTimeout, time_limit
-from dlstore.errors import ImageDecodeError
-from dlstore.spec import ImagePolicy
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
+from dlstore.convert.imageops import DECODE_ERRORS, decode_file  # noqa: E402
+from dlstore.convert.unit_work import DecodeTimeout, time_limit  # noqa: E402
+from dlstore.errors import ImageDecodeError  # noqa: E402
+from dlstore.spec import ImagePolicy  # noqa: E402
 
 SUFFIX = {"JPEG": ".jpg", "PNG": ".png", "WEBP": ".webp"}
 
@@ -107,7 +109,7 @@ def convert_batch(files: list[Path], work: Path, timeout: float) -> dict[str, An
     for f in files:
         shutil.copy(f, src / "fuzz" / f.name)
     try:
-        r = convert(
+        r = harness.convert_cache(
             src,
             work / "cache",
             format="npz",

@@ -30,13 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import harness  # noqa: E402
 
-from dlstore.convert.conversion import convert  # noqa: E402
+from dlstore import (
+    CachedDataset,  # noqa: E402
+    open_cache,  # noqa: E402
+)
 from dlstore.formats.codecs import get_codec  # noqa: E402
 from dlstore.gpu import GpuAugment, RaggedRandomResizedCrop  # noqa: E402
-from dlstore.read.cache import open_cache  # noqa: E402
-from dlstore.read.dataset import CachedDataset  # noqa: E402
-from dlstore.read.gpu_decode import DecodeLoader  # noqa: E402
-from dlstore.read.loaders import PinnedLoader  # noqa: E402
+from dlstore.read import (
+    DecodeLoader,  # noqa: E402
+    PinnedLoader,  # noqa: E402
+)
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
@@ -130,7 +133,7 @@ def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for name, kw in caches.items():
         if name not in wanted:
             continue
-        r = convert(photos, work / name, workers=CORES, **kw)  # type: ignore[arg-type]
+        r = harness.convert_cache(photos, work / name, workers=CORES, **kw)  # type: ignore[arg-type]
         out[name] = {"images_per_s": r.images_per_s, "seconds": r.seconds, "bytes_on_disk": r.bytes_on_disk}
         log(f"converted {name}: {r.images_per_s:,.0f} img/s")
     return out

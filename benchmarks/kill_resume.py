@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
+from dlstore import open_cache
 from dlstore.convert.verification import verify
 from dlstore.errors import CacheNotFoundError
-from dlstore.read.cache import open_cache
 
 DLSTORE = str(Path(sys.executable).with_name("dlstore"))
 

@@ -44,13 +44,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fastpaths as fp  # noqa: E402
 import harness  # noqa: E402
 
-from dlstore.convert.conversion import convert  # noqa: E402
+from dlstore import (
+    CachedDataset,  # noqa: E402
+    open_cache,  # noqa: E402
+)
 from dlstore.convert.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
 from dlstore.read import slots  # noqa: E402
-from dlstore.read.cache import open_cache  # noqa: E402
-from dlstore.read.dataset import CachedDataset  # noqa: E402
 from dlstore.read.loaders import (  # noqa: E402
     PinnedLoader,
     _PinnedIter,
@@ -89,7 +90,9 @@ def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         if name not in args.data_caches.split(","):
             continue
         kw = {"codec": codec} if codec else {}
-        res = convert(src, work / name, format=fmt, size=size, workers=CORES, overwrite=True, **kw)
+        res = harness.convert_cache(
+            src, work / name, format=fmt, size=size, workers=CORES, overwrite=True, **kw
+        )
         out["convert"][name] = {
             "seconds": res.seconds,
             "img_s": res.images_per_s,
@@ -218,7 +221,7 @@ PROFILE_LOOP = """
 import sys, time, numpy as np
 sys.path[:0] = {paths!r}
 from numcodecs.zstd import Zstd
-from dlstore.read.cache import open_cache
+from dlstore import open_cache
 from dlstore.read.loaders import make_sampler, storage_sorted
 
 def epoch():
@@ -918,7 +921,7 @@ def dask_on_long_source(scheduler: str, long_src: Path, base: Path, pool: Any) -
         log(f"  dask: skipped, {base} has room for one copy of the cache only")
         return {"skipped": "no room for a second cache"}
     dest = base / "dlstore_long_ram256_dask"
-    res = convert(long_src, dest, format="ram", size=256, scheduler=scheduler, overwrite=True)
+    res = harness.convert_cache(long_src, dest, format="ram", size=256, scheduler=scheduler, overwrite=True)
     shutil.rmtree(dest, ignore_errors=True)
     st, ps = res.stages, pool.stages
     out = {
@@ -974,7 +977,7 @@ def section_convert(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     long_src = linked_source(demo, work / "long_src", copies)
     out["link_s"] = time.perf_counter() - t0
     dest = base / "dlstore_long_ram256"
-    res = convert(long_src, dest, format="ram", size=256, workers=CORES, overwrite=True)
+    res = harness.convert_cache(long_src, dest, format="ram", size=256, workers=CORES, overwrite=True)
     LONG_CACHE.append(dest)  # the DataLoader section reads it (epochs long enough to leave out their ends)
     out.update(
         dest_filesystem=str(base),

@@ -1,0 +1,96 @@
+"""benchmarks/run.py end to end on the CPU: one cheap area into a temporary folder, and an area that fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RUN = ROOT / "benchmarks" / "run.py"
+TARGET_FIELDS = {"area", "name", "measured", "reference", "ratio", "goal", "met"}
+
+
+def _runner() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("benchmarks_run", RUN)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cpu_suite_one_area_writes_targets_json(tmp_path: Path) -> None:
+    """The replay area (round F's recorded bench runs through the current model) as a user starts it."""
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, str(RUN), "--suite", "cpu", "--only", "replay", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "targets.json").read_text())
+    assert doc["suite"] == "cpu" and doc["commit"] and "usable cores" in doc["machine"]
+    assert doc["versions"]["python"] and doc["versions"]["torch"] and doc["versions"]["dlstore"]
+    assert doc["command"] == f"python3 benchmarks/run.py --suite cpu --only replay --out {out}"
+    assert (
+        doc["areas"]["replay"]["status"] == "ok"
+        and "replay_predictions.py" in doc["areas"]["replay"]["command"]
+    )
+    assert doc["targets"], "no targets"
+    for row in doc["targets"]:
+        assert TARGET_FIELDS <= set(row) and row["area"] == "replay"
+        assert row["ratio"] == pytest.approx(row["measured"] / row["reference"], abs=1e-4)
+        assert row["met"] == (row["ratio"] >= row["goal"])
+    # the area's own raw output sits under --out, and nothing was written beside the recorded results
+    assert (out / "replay" / "replay.json").is_file() and (out / "replay" / "log.txt").is_file()
+    assert "replay" in proc.stdout and "targets" in proc.stdout
+
+
+def test_a_failing_area_is_reported_and_the_next_one_still_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = _runner()
+
+    def one_row(out: Path) -> list[dict[str, Any]]:
+        return [run.target("runs after a failure", 2.0, 2.0, 1.0)]
+
+    broken = run.Area(
+        "broken",
+        "cpu",
+        "no_such_script.py",
+        "a script that is not there",
+        1,
+        lambda c: [],
+        run.script_targets,
+    )
+    # a real script that exits 0 quickly; its one row is made here, since --help measures nothing
+    fine = run.Area("fine", "cpu", "replay_predictions.py", "exits 0", 1, lambda c: ["--help"], one_row)
+    monkeypatch.setattr(run, "AREAS", {"broken": broken, "fine": fine})
+    rc = run.main(["--suite", "cpu", "--only", "broken,fine", "--out", str(tmp_path)])
+    assert rc == 1
+    doc = json.loads((tmp_path / "targets.json").read_text())
+    assert doc["areas"]["broken"]["status"] == "failed"
+    assert (
+        "exit status 2" in doc["areas"]["broken"]["error"]
+        and "targets.json" in doc["areas"]["broken"]["error"]
+    )
+    assert "no_such_script.py" in doc["areas"]["broken"]["log_tail"]
+    assert doc["areas"]["fine"]["status"] == "ok"
+    assert [t["area"] for t in doc["targets"]] == ["fine"]
+    assert "AREA broken FAILED" in capsys.readouterr().err
+
+
+def test_every_area_names_a_script_that_exists() -> None:
+    run = _runner()
+    for area in run.AREAS.values():
+        assert (ROOT / "benchmarks" / area.script).is_file(), area
+        assert area.suite in run.SUITES
