@@ -58,3 +58,9 @@ def test_values_are_read_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: P
     monkeypatch.delenv("DLSTORE_SPOOL")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert settings.folder("DLSTORE_SPOOL", "spool") == tmp_path / "xdg" / "dlstore" / "spool"
+
+
+def test_the_environment_page_lists_every_setting_with_its_default() -> None:
+    page = (PACKAGE.parent / "docs" / "environment.md").read_text()
+    rows = dict(re.findall(r"^\| `(DLSTORE_[A-Z_]+)` \| `([^`]*)` \|", page, flags=re.M))
+    assert rows == {s.name: s.default for s in settings.SETTINGS.values()}
