@@ -10,16 +10,22 @@ DEMO_OUT ?= demo-out
 
 .PHONY: venv demo test lint clean
 
+# pip -q prints nothing for minutes: each step says first what it installs and about how long it takes.
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || { echo "creating the virtual environment $(VENV) (a few seconds)"; $(PYTHON) -m venv $(VENV); }
+	@echo "upgrading pip in $(VENV) (about 10 s)"
 	$(PY) -m pip install -q --upgrade pip
+	@echo "installing $(TORCH_PAIR) (about a minute)"
 	$(PY) -m pip install -q $(TORCH_PAIR)
+	@echo "installing dlstore and its extras test, plot, dask, s3 (about 2 minutes)"
 	$(PY) -m pip install -q -e '.[test,plot,dask,s3]'
-	touch $@
+	@touch $@
+	@echo "$(VENV) is ready"
 
 venv: $(VENV)/.installed
 
 demo: venv
+	@echo "the demo: convert the generated demo images to a zarr cache, inspect and verify it, then bench (about a minute)"
 	$(VENV)/bin/dlstore convert demo $(DEMO_OUT)/cache-zarr --format zarr --size 64 --overwrite
 	$(VENV)/bin/dlstore info $(DEMO_OUT)/cache-zarr
 	$(VENV)/bin/dlstore verify $(DEMO_OUT)/cache-zarr

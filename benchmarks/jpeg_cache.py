@@ -124,7 +124,7 @@ def section_data(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     }
     caches = {
         "raw256": {"format": "ram", "size": 256},
-        "jpeg256": {"format": "npz", "size": 256, "codec": "jpeg", "options": {"quality": 90}},
+        "jpeg256": {"format": "npz", "size": 256, "codec": "jpeg", "writer_options": {"quality": 90}},
         "jpeg_short256": {"format": "npz", "size": 256, "codec": "jpeg", "resize": "shorter"},
         "jpeg_short128": {"format": "npz", "size": 128, "codec": "jpeg", "resize": "shorter"},
         "zarr_jpeg_short256": {"format": "zarr", "size": 256, "codec": "jpeg", "resize": "shorter"},

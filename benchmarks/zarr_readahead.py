@@ -29,13 +29,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Targets, environment, log  # noqa: E402
+from harness import Targets, convert_cache, environment, log  # noqa: E402
 from slowpaths import chunk_files, decode_rate, py_spy, summarize_profile  # noqa: E402
 
-from dlstore.convert.conversion import convert  # noqa: E402
+from dlstore import open_cache  # noqa: E402
 from dlstore.convert.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
-from dlstore.read.cache import open_cache  # noqa: E402
 from dlstore.read.loaders import PinnedLoader, make_sampler, storage_sorted  # noqa: E402
 
 CORES = len(os.sched_getaffinity(0))
@@ -50,7 +49,7 @@ def reader_rate(
     processes (0: threads). The first epoch carries the start-up (threads, worker processes)."""
     cache = open_cache(root)  # cold unit cache each time
     cache.reader.threads = threads
-    cache.reader.processes = processes
+    cache.decode_processes = processes
     order = list(make_sampler(cache, "chunk", seed=0))
     batches = [storage_sorted(cache, order[i : i + B]) for i in range(0, len(order) - B + 1, B)]
     buf = np.empty((B, *cache.spec.shape), np.uint8)
@@ -272,7 +271,9 @@ def main() -> None:
     demo = ensure_demo(work / "demo", n_images=args.images)
     root = work / "zarr256"
     if not (root / "images").exists():
-        convert(scan_folder(demo), root, format="zarr", size=256, workers=CORES, overwrite=True, codec="zstd")
+        convert_cache(
+            scan_folder(demo), root, format="zarr", size=256, workers=CORES, overwrite=True, codec="zstd"
+        )
     res["data_s"] = time.perf_counter() - t0
     log(f"data ready in {res['data_s']:.1f} s")
 

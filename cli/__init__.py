@@ -22,6 +22,9 @@ class DlstoreGroup(click.Group):
 @click.version_option(package_name="dlstore")
 def main() -> None:
     """Find and remove the input bottleneck of PyTorch image training."""
+    from dlstore.cli.render import show_library_log
+
+    show_library_log()  # progress of long library steps (the demo images' generation) on stderr
 
 
 def _register() -> None:
@@ -33,6 +36,7 @@ def _register() -> None:
     main.add_command(info_cmd)
     main.add_command(verify_cmd)
     main.add_command(bench_cmd)
+    main.add_command(__import__("dlstore.cli.watch_cmd", fromlist=["watch_cmd"]).watch_cmd)
 
 
 _register()

@@ -9,6 +9,7 @@ import click
 
 from dlstore.bench.protocol import DEFAULT_LOADERS as KINDS  # no torch: --help stays instant
 from dlstore.cli.render import StorePath, emit_json, stderr
+from dlstore.cli.shared_options import demo_images_option, max_megapixels_option, root_option, size_option
 
 
 class IntList(click.ParamType):
@@ -67,6 +68,30 @@ def known_kinds() -> tuple[str, ...]:
         return KINDS
 
 
+# CLI option → the BenchConfig field a budget may cut (plan.cuts_in_order): one the user set stays.
+BUDGET_CUTTABLE = {
+    "loaders": "loaders",
+    "formats_alias": "loaders",
+    "workers": "workers",
+    "repeats": "repeats",
+    "steps": "steps",
+    "warmup": "warmup",
+    "stage_steps": "stage_steps",
+    "cold": "cold",
+    "max_images": "max_images",
+}
+
+
+def user_set(ctx: click.Context) -> tuple[str, ...]:
+    """The BenchConfig fields whose options the user gave on the command line (the budget keeps them)."""
+    given = {
+        field
+        for param, field in BUDGET_CUTTABLE.items()
+        if ctx.get_parameter_source(param) == click.core.ParameterSource.COMMANDLINE
+    }
+    return tuple(sorted(given))
+
+
 @click.command("bench")
 @click.argument("source", default="demo")
 @click.option(
@@ -91,11 +116,9 @@ def known_kinds() -> tuple[str, ...]:
     default=None,
     help="DataLoader worker counts to sweep [default: 0 and the 2 largest powers of two ≤ cores].",
 )
-@click.option(
-    "--size",
-    type=click.IntRange(1, 4096),
-    default=None,
-    help="Image side in pixels [default: native for torchvision sets, 32 for demo, 224 for folders].",
+@size_option(
+    4096,
+    "Image side in pixels [default: native for torchvision sets, 32 for demo, 224 for folders (64 on a CPU)].",
 )
 @click.option(
     "--batch-size",
@@ -173,6 +196,15 @@ def known_kinds() -> tuple[str, ...]:
     help="Stop a run's timed steps after this long (at least 4 steps, whole cycles of the loader).",
 )
 @click.option(
+    "--budget",
+    type=click.FloatRange(0, None),
+    default=60.0,
+    show_default=True,
+    help="Seconds the whole bench should take: it calibrates, then plans its runs to fit, cutting only what "
+    "you did not set (steps, repeats, worker counts, the sample, default loaders) and printing the plan, "
+    "its estimate and the cuts first. 0: no budget.",
+)
+@click.option(
     "--cold/--no-cold",
     default=True,
     show_default=True,
@@ -196,12 +228,7 @@ def known_kinds() -> tuple[str, ...]:
     default=None,
     help="A dlstore cache to use for its format, or the folder to keep the bench's caches in.",
 )
-@click.option(
-    "--root",
-    type=click.Path(path_type=Path, file_okay=False),
-    default=None,
-    help="Folder holding torchvision dataset files (for torchvision:NAME).",
-)
+@root_option()
 @click.option(
     "--max-images",
     type=click.IntRange(0, None),
@@ -210,18 +237,10 @@ def known_kinds() -> tuple[str, ...]:
     help="Bench a seeded random sample of this many source images when the source is larger (every loader "
     "kind reads the same sample; rates are per image, memory advice uses the whole source). 0: all of it.",
 )
-@click.option(
-    "--max-megapixels",
-    type=click.FloatRange(0, None, min_open=True),
-    default=None,
-    help="As for convert: the caches take images up to this size [default: Pillow's limit, 89.5].",
+@max_megapixels_option(
+    "As for convert: the caches take images up to this size [default: Pillow's limit, 89.5]."
 )
-@click.option(
-    "--demo-images",
-    type=click.IntRange(1, 1_000_000),
-    default=None,
-    help="Images in the demo dataset [default: 8 batches, at least 256].",
-)
+@demo_images_option(None, "Images in the demo dataset [default: 8 batches, at least 256].")
 @click.option(
     "--json", "as_json", is_flag=True, help="Print the result document on stdout (progress on stderr)."
 )
@@ -253,12 +272,14 @@ def bench_cmd(
     max_megapixels: float | None,
     demo_images: int | None,
     as_json: bool,
+    budget: float,
 ) -> None:
     """Measure each input stage alone and end to end, sweep workers, name the bottleneck.
 
     SOURCE is demo (default), a folder of class subfolders, or torchvision:NAME with --root DIR.
     Writes result.json, steps.csv, plots.png and timeline.png under --out.
     """
+    from dlstore.bench.calibrate import command_startup_s
     from dlstore.bench.protocol import BenchConfig
     from dlstore.bench.report import default_out_dir, render_text
     from dlstore.bench.run import run_bench
@@ -289,6 +310,9 @@ def bench_cmd(
         demo_images=demo_images,
         max_images=max_images,
         max_megapixels=max_megapixels,
+        budget_s=budget or None,
+        budget_spent_s=command_startup_s(),  # Python's start and the imports count against the budget
+        user_set=user_set(click.get_current_context()),
     )
 
     def log(msg: str) -> None:

@@ -46,7 +46,7 @@ def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | 
         f"  resize    {spec.image.resize} to {spec.image.size}, exif_transpose={spec.image.exif_transpose}, "
         f"alpha on {spec.image.background}"
     )
-    click.echo(f"  options   {json.dumps(spec.format_options)}")
+    click.echo(f"  options   {json.dumps({**spec.writer_options, **spec.format_options})}")
     click.echo(f"  source    {spec.source.get('description')} ({spec.source.get('count')} samples)")
     click.echo(f"  on disk   {human_bytes(nbytes)} in {count(len(spec.checksums), 'file')}")
 

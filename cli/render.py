@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from typing import Any
 
@@ -57,3 +58,20 @@ def emit_json(doc: Any) -> None:
 
 def stderr() -> Any:
     return sys.stderr
+
+
+class _StderrHandler(logging.Handler):
+    """Writes to the stderr of the moment (``click.echo(err=True)``), not the stream there was at set-up: a
+    test's CliRunner swaps it per invocation."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"[dlstore] {self.format(record)}", err=True)
+
+
+def show_library_log() -> None:
+    """The library says what a long step is doing through the ``dlstore`` logger (generating the demo
+    images, for one); the CLI shows those lines on stderr, so ``--json`` keeps stdout one document."""
+    logger = logging.getLogger("dlstore")
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        logger.addHandler(_StderrHandler())
+    logger.setLevel(logging.INFO)

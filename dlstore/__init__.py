@@ -15,6 +15,7 @@ __version__ = "0.1.0"  # pyproject.toml's version
 
 __all__ = [
     "CachedDataset",
+    "ConvertOptions",
     "DlstoreError",
     "__version__",
     "convert",
@@ -24,9 +25,11 @@ __all__ = [
 
 _LAZY = {
     "CachedDataset": "dlstore.read.dataset",
+    "ConvertOptions": "dlstore.convert.options",
     "convert": "dlstore.convert",  # the write side's package, callable as the function
     "open_cache": "dlstore.read.cache",
     "verify": "dlstore.convert.verification",
+    "watch": "dlstore.bench.watch",  # dlstore.watch(loader) / with dlstore.watch() as w
 }
 
 

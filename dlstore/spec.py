@@ -15,6 +15,7 @@ POSITIONS_FILE = "positions.npy"
 SOURCE_RECORD = "sources.npz"
 SKIPPED_FILE = "skipped.json"
 SPEC_VERSION = 1
+MAX_UNIT_IMAGES = 1 << 20  # images per unit (shard, chunk, slab) a manifest may declare
 RESIZE_POLICIES = ("crop", "pad", "stretch", "shorter")
 DECODE_MODES = ("exact", "fast")
 CHANNELS = (1, 3)
@@ -79,6 +80,8 @@ class CacheSpec:
     shape: tuple[int, int, int]
     classes: tuple[str, ...]
     image: ImagePolicy
+    # What the writer derived (unit_size, layout, mean_abs_error, ...); the writer options themselves
+    # (codec, quality, ...) are the user's choices and live in ``options`` alone.
     format_options: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
     checksums: dict[str, str] = field(default_factory=dict)
@@ -86,6 +89,9 @@ class CacheSpec:
     spec_version: int = SPEC_VERSION
     dlstore_version: str = ""
     created: str = ""
+    # The conversion's choices that shaped the cache (``dlstore.convert.options.ConvertOptions``,
+    # recorded): format, image policy, ``codec``, ``writer_options``, storage order, seed, limits.
+    options: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
@@ -99,6 +105,23 @@ class CacheSpec:
     @property
     def ragged(self) -> bool:
         return self.image.ragged
+
+    @property
+    def codec(self) -> str | None:
+        """The codec the cache was written with: the one manifest key ``options.codec``. Caches from
+        before it kept it in ``format_options`` (``codec``; ``image_codec`` for the payload layout)."""
+        if self.options:
+            return self.options.get("codec")
+        old = self.format_options
+        return old.get("codec", old.get("image_codec"))
+
+    @property
+    def writer_options(self) -> dict[str, Any]:
+        """Every writer option (``codec`` included) as the writer was given it; for an older manifest
+        its ``format_options``, which held them beside what the writer derived."""
+        if self.options:
+            return {"codec": self.options.get("codec"), **self.options.get("writer_options", {})}
+        return dict(self.format_options)
 
 
 def parse_relpath(name: str, where: Path) -> str:
@@ -142,24 +165,50 @@ def parse_spec(d: dict[str, Any], where: Path) -> CacheSpec:
         policy = ImagePolicy(**{**img, "background": tuple(img.get("background", (255, 255, 255)))})
     except TypeError as e:
         raise SpecError(f"{where}: bad image policy {img}: {e}") from None
-    checksums = _require(d, "checksums", dict, where)
-    for name in checksums:
-        parse_relpath(name, where)
+    checksums = parse_checksums(_require(d, "checksums", dict, where), where)
+    classes = _require(d, "classes", list, where)
+    if not all(isinstance(c, str) for c in classes):
+        raise SpecError(f"{where}: class names must be strings; rebuild the cache")
+    options = _require(d, "format_options", dict, where)
+    recorded = d.get("options", {})
+    if not isinstance(recorded, dict) or not isinstance(recorded.get("writer_options", {}), dict):
+        raise SpecError(f"{where}: manifest field 'options' is not an object; rebuild the cache")
+    unit = options.get("unit_size", 1)
+    if not isinstance(unit, int) or isinstance(unit, bool) or not 0 < unit <= MAX_UNIT_IMAGES:
+        raise SpecError(
+            f"{where}: format_options unit_size {unit!r} is not a count of images between 1 and "
+            f"{MAX_UNIT_IMAGES}; rebuild the cache"
+        )
     return CacheSpec(
         format=_require(d, "format", str, where),
         n=n,
         n_stored=n_stored,
         shape=shape,  # type: ignore[arg-type]
-        classes=tuple(_require(d, "classes", list, where)),
+        classes=tuple(classes),
         image=policy,
-        format_options=_require(d, "format_options", dict, where),
+        format_options=options,
         source=_require(d, "source", dict, where),
         checksums=checksums,
         dtype="uint8",
         spec_version=version,
         dlstore_version=d.get("dlstore_version", ""),
         created=d.get("created", ""),
+        options=recorded,
     )
+
+
+def parse_checksums(checksums: dict[str, Any], where: Path) -> dict[str, str]:
+    """Every key a safe relative name with a sane byte range, every value a sha256, each file's
+    ranges tiling it from byte 0 (so ``verify`` and the readers can trust the numbers)."""
+    from dlstore.checksums import ChecksumKeyError, extents, split_key
+
+    try:
+        for key in checksums:
+            parse_relpath(split_key(key)[0], where)
+        extents(checksums)
+    except ChecksumKeyError as e:
+        raise SpecError(f"{where}: {e}; the cache may be tampered with, rebuild it") from None
+    return checksums
 
 
 def read_spec(root: Path) -> CacheSpec:
@@ -176,9 +225,14 @@ def read_spec(root: Path) -> CacheSpec:
             f"{root}: no {MANIFEST}, so this is not a complete dlstore cache; "
             f"(re)create it with `dlstore convert SOURCE {root} ... --overwrite`"
         ) from None
+    return parse_manifest(text, path)
+
+
+def parse_manifest(text: str | bytes, path: Path) -> CacheSpec:
+    """The manifest's text (as read from ``path``) → a validated spec."""
     try:
         d = json.loads(text)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise SpecError(f"{path}: not valid JSON ({e}); rebuild the cache") from None
     if not isinstance(d, dict):
         raise SpecError(f"{path}: manifest is not a JSON object; rebuild the cache")

@@ -8,6 +8,7 @@ import pytest
 
 import dlstore.checksums as checksums
 from dlstore import convert, verify
+from dlstore.convert.options import ConvertOptions
 
 
 def test_ranged_checksums_locate_damage(
@@ -15,7 +16,7 @@ def test_ranged_checksums_locate_damage(
 ) -> None:
     monkeypatch.setattr(checksums, "RANGE_BYTES", 4096)
     dest = tmp_path / "c"
-    convert(image_tree, dest, format="ram", size=16, workers=1)
+    convert(image_tree, dest, ConvertOptions(format="ram", size=16, workers=1))
     spec_keys = [
         k for k in checksums.checksum_tree(dest, exclude=("dlstore.json",)) if k.startswith("images.npy@")
     ]

@@ -1,4 +1,4 @@
-"""Every command and the Python example in README.md run as written (on small demo data)."""
+"""Every command and the Python example in README.md and docs/*.md run as written (on small demo data)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,48 @@ from click.testing import CliRunner
 from dlstore.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+PAGES = [README, *sorted((README.parent / "docs").glob("*.md"))]
+# A training script of the user's kind, for the README's `dlstore watch -- python train.py`.
+TRAIN_PY = """
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+data = TensorDataset(torch.rand(96, 3, 8, 8), torch.randint(0, 2, (96,)))
+model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(192, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+for epoch in range(3):
+    for x, y in DataLoader(data, batch_size=8):
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+"""
 
 
 def blocks(lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), flags=re.S)
+    return [b for page in PAGES for b in re.findall(rf"```{lang}\n(.*?)```", page.read_text(), flags=re.S)]
+
+
+def test_readme_is_short_and_starts_where_a_user_starts() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= 250
+    assert any("make demo" in line for line in lines[:40])
+    for link in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", README.read_text()):
+        assert (README.parent / link).exists(), link
+
+
+def test_readme_watch_command_runs_on_a_training_script(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(TRAIN_PY)
+    (command,) = [
+        line[2:] for block in blocks("watch") for line in block.splitlines() if line.startswith("$ ")
+    ]
+    args = shlex.split(command)
+    assert args[:2] == ["dlstore", "watch"]
+    result = CliRunner().invoke(main, args[1:], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
 
 
 def test_readme_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

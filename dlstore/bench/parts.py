@@ -29,7 +29,7 @@ from dlstore.bench.endtoend import RunSpec, feeder
 from dlstore.bench.kinds import PreparedLoader
 from dlstore.bench.monitor import mem_available_bytes
 from dlstore.bench.predict import FedTiming, LoaderTiming, fed_timing
-from dlstore.bench.protocol import BenchConfig, StageResult, cycle_window
+from dlstore.bench.protocol import BenchConfig, RunResult, StageResult, cycle_window
 from dlstore.bench.stages import (
     measure_compute,
     measure_fed,
@@ -88,7 +88,7 @@ def measure_kind(
             p.batch_dtype,
             num_classes,
             device,
-            warmup=3,
+            warmup=config.warmup,  # as many warm batches as the loop's runs take before timing
             steps=max(config.stage_steps, 8),
         )
     return {"read": read, "loader": loader, "h2d": h2d, "compute": shared[ckey]}
@@ -299,7 +299,7 @@ def compute_probe(
                 getattr(torch, d["dtype"]),
                 num_classes,
                 device,
-                warmup=2,
+                warmup=config.warmup,
                 steps=max(config.stage_steps, 8),
             )
             d.setdefault("samples_img_per_s", [stage.img_per_s]).append(again.img_per_s)
@@ -307,12 +307,48 @@ def compute_probe(
     return probe
 
 
-def settle_compute(stage_results: dict[str, dict[str, Any]]) -> None:
-    for s in stage_results.values():
-        samples = s["compute"].detail.get("samples_img_per_s")
-        if samples and not s["compute"].label.endswith(f"median of {len(samples)}"):
-            s["compute"].img_per_s = statistics.median(samples)
-            s["compute"].label = s["compute"].label.split(";")[0] + f"; median of {len(samples)}"
+def settle_compute(
+    stage_results: dict[str, dict[str, Any]], in_loop: dict[str, list[RunResult]] | None = None
+) -> None:
+    """The step alone's rate: the median of its windows alone; on a CPU (``in_loop``: each kind's warm runs),
+    the fastest window of the same step, alone or as timed inside the runs.
+
+    Why on a CPU: the step alone was timed in a few windows of ~10 steps at other moments than the runs, and
+    on 2 cores shared with other processes the same step's time moved 2.8× between windows (12.7–36 img/s in
+    one run; steps inside the runs 0.72–2.9 s): the median of 3 windows came out below every run that
+    contains the step (issue 22: 12 img/s alone, 15–22 end to end). Inside a CPU run the step's time is the
+    training step itself (the copy is a no-op), on the real batches, in the same thread setting, so it is a
+    window of the same measurement; others' load only ever slows a step, so the fastest window is the one
+    closest to the step's own cost. A run's rate counts its waits as well, so it cannot exceed its own step
+    windows: the step alone is never below a loop that contains it."""
+    distinct: dict[int, tuple[StageResult, list[str]]] = {}
+    for name, s in stage_results.items():
+        distinct.setdefault(id(s["compute"]), (s["compute"], []))[1].append(name)
+    for stage, kinds in distinct.values():
+        samples = stage.detail.get("samples_img_per_s") or [stage.img_per_s]
+        if stage.detail.get("settled"):
+            continue
+        stage.detail["settled"] = True
+        rate, label = statistics.median(samples), f"median of {len(samples)} windows alone"
+        loop = in_loop_step_rates(kinds, in_loop) if in_loop is not None else {}
+        if loop:
+            stage.detail["in_loop_img_per_s"] = loop
+            rate = max(*samples, *loop.values())
+            label = f"fastest of {len(samples)} windows alone and {len(loop)} inside the runs"
+        stage.img_per_s = rate
+        stage.label = stage.label.split(";")[0] + f"; {label}"
+
+
+def in_loop_step_rates(kinds: Sequence[str], runs: dict[str, list[RunResult]]) -> dict[str, float]:
+    """Per warm run of these kinds: images / the seconds of its timed steps' step calls (the wait left out)."""
+    out: dict[str, float] = {}
+    for kind in kinds:
+        for r in runs.get(kind, []):
+            timed = [s for s in r.steps if s.phase == "timed"]
+            seconds = sum(s.step_s for s in timed)
+            if timed and seconds > 0:
+                out[f"{kind}-w{r.workers}-r{r.repeat}"] = sum(s.images for s in timed) / seconds
+    return out
 
 
 def elapsed(t0: float) -> float:

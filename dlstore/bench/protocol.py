@@ -99,12 +99,20 @@ class BenchConfig:
     # (measured here: 30× slower steps on 2 busy cores). Irrelevant on CUDA.
     cpu_threads: int = 1
     seed: int = 0
+    # Seconds the whole run should take (``plan.fit`` shrinks what the user did not set to fit it); None or
+    # 0: no budget, run what is asked (the CLI's default is 60).
+    budget_s: float | None = None
+    budget_spent_s: float = 0.0  # of the budget, spent before run_bench (the CLI's start: Python, imports)
+    # The options the user set (BenchConfig field names; "loaders" when --loaders was given): a budget never
+    # cuts them, nor a loader the user named.
+    user_set: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for k in ("root", "out", "cache"):
             d[k] = None if d[k] is None else str(d[k])
         d["loaders"], d["workers"] = list(self.loaders), None if self.workers is None else list(self.workers)
+        d["user_set"] = list(self.user_set)
         return d
 
 

@@ -14,7 +14,8 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,23 @@ def check_out_dir(out: Path) -> None:
         raise DlstoreError(
             f"--out {out}: cannot write there ({e.strerror}); choose a writable folder with free space"
         ) from None
+
+
+@contextmanager
+def removed_if_left_empty(out: str | Path | None) -> Iterator[None]:
+    """A bench run that fails leaves no empty ``--out`` folder (``dlstore-bench-*``) it created;
+    a folder that existed before, or that holds anything, stays."""
+    folder = Path(out) if out is not None else None
+    existed = folder is None or folder.exists()
+    try:
+        yield
+    except BaseException:
+        if not existed and folder is not None:
+            try:
+                folder.rmdir()  # only succeeds when empty
+            except OSError:
+                pass
+        raise
 
 
 def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:

@@ -61,8 +61,15 @@ from dlstore.bench.protocol import (
     StageResult,
     default_worker_counts,
 )
-from dlstore.bench.report import check_out_dir, environment, finite, profile_configuration, write_outputs
-from dlstore.bench.stages import BatchStream, device_label
+from dlstore.bench.report import (
+    check_out_dir,
+    environment,
+    finite,
+    profile_configuration,
+    removed_if_left_empty,
+    write_outputs,
+)
+from dlstore.bench.stages import BatchStream, device_label, synthetic_batch
 from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse
 from dlstore.convert.sizes import count
 from dlstore.convert.sources import Source, open_source
@@ -106,6 +113,11 @@ def check_config(config: BenchConfig) -> None:
 
 def run_bench(config: BenchConfig, log: Log | None = None) -> dict[str, Any]:
     """Measure, predict, advise; write result.json, steps.csv and plots under ``config.out`` when set."""
+    with removed_if_left_empty(config.out):  # a failed run leaves no empty dlstore-bench-* folder
+        return _checked_run_bench(config, log)
+
+
+def _checked_run_bench(config: BenchConfig, log: Log | None) -> dict[str, Any]:
     check_config(config)
     device = resolve_device(config.device)
     config = resolve_config(config, device)
@@ -146,15 +158,26 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     t_start = time.perf_counter()
     configure_numerics(device, config.precision)
     torch.manual_seed(config.seed)
-    source = open_source(config.source, root=config.root, demo_images=config.demo_images or MIN_DEMO_IMAGES)
-    total = len(source)
-    source = sample_source(source, config, log)
-    size = config.size or default_size(source)
+    full = open_source(config.source, root=config.root, demo_images=config.demo_images or MIN_DEMO_IMAGES)
+    total = len(full)
+    source = sample_source(full, config, log)
+    size, notes = bench_size(config, source, device)
     channels = source_channels(source)
     workers = tuple(config.workers) if config.workers else default_worker_counts()
     ctx = LoaderContext(config, source, size, channels, device, bench_cache_root(), log)
+    budget = None
+    if config.budget_s:
+        config, budget = plan_within_budget(ctx, workers, len(source), log, t_start)
+        workers = tuple(config.workers or workers)
+        if config.max_images != ctx.config.max_images:  # the plan took a smaller sample
+            source = sample_source(full, config, log)
+        ctx = LoaderContext(config, source, size, channels, device, bench_cache_root(), log)
+        notes += budget_notes(budget)
+    if device.type == "cpu":
+        notes.append(CPU_NOTE.format(cores=usable_cores()))
     phases = {"source_s": time.perf_counter() - t_start}
-    prepared, notes = prepare_all(config, ctx, log)
+    prepared, prepare_notes = prepare_all(config, ctx, log)
+    notes += prepare_notes
     classes = len(source.classes)
     steps = {name: make_step(p, config, size, classes, device) for name, p in prepared.items()}
     phases["prepare_s"] = time.perf_counter() - t_start - sum(phases.values())
@@ -173,7 +196,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         fed()
 
     results = run_rounds(prepared, steps, specs, config, device, log, probe)
-    settle_compute(stage_results)
+    settle_compute(stage_results, warm_runs_by_kind(results) if device.type == "cpu" else None)
     phases["end_to_end_s"] = time.perf_counter() - t_start - sum(phases.values())
     runs = [aggregate(v) for k, v in results.items() if not k[3]]
     cold = {k[0]: aggregate_cold(v) for k, v in results.items() if k[3]}
@@ -232,6 +255,10 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         "profile": profiles,
         "phases": phases,
         "elapsed_s": time.perf_counter() - t_start,
+        # actual_s: from the command's start (``budget_spent_s``) to the report, before the outputs are written
+        "budget": None
+        if budget is None
+        else {**budget, "actual_s": config.budget_spent_s + time.perf_counter() - t_start},
     }
     doc = finite(doc)
     if config.out is not None:
@@ -241,6 +268,122 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
             doc["outputs_error"] = f"{e.filename or config.out}: {e.strerror or e}"
             log(f"could not write the outputs under {config.out}: {doc['outputs_error']}")
     return doc
+
+
+# What a CPU run can and cannot say, in every CPU report.
+CPU_NOTE = (
+    "a CPU run: the training step runs on the same {cores} core(s) as the loaders and their workers, so "
+    "every rate here is the step and the input pipeline sharing those cores, not what a GPU machine would "
+    "see (there the step leaves the cores to the loaders and the input pipeline decides the rate). It can "
+    "say whether each loader works, how the kinds compare with each other, and what a file costs to "
+    "decode; not which loader or worker count to train with on a GPU: run the bench on the training machine"
+)
+CPU_DEFAULT_SIZE = 64  # a CPU's default side for folders: 224 px made the step 1–2 s a batch on 2 cores
+
+
+def bench_size(config: BenchConfig, source: Source, device: torch.device) -> tuple[int, list[str]]:
+    """The image side: the user's, else the source's default, no larger than ``CPU_DEFAULT_SIZE`` on a CPU
+    (the step's cost grows with the side squared, and a CPU run is about the loaders; see ``CPU_NOTE``)."""
+    if config.size:
+        return config.size, []
+    size = default_size(source)
+    if device.type != "cpu" or size <= CPU_DEFAULT_SIZE:
+        return size, []
+    return CPU_DEFAULT_SIZE, [
+        f"size {CPU_DEFAULT_SIZE}px, not the {size}px a GPU run takes for this source: on a CPU the step at "
+        f"{size}px would take most of the time; pass --size {size} to measure that"
+    ]
+
+
+def plan_within_budget(
+    ctx: LoaderContext, workers: tuple[int, ...], images: int, log: Log, t_start: float
+) -> tuple[BenchConfig, dict[str, Any]]:
+    """Calibrate (a few decodes, the step on a few batches, a worker pool), then fit the runs to
+    ``config.budget_s`` (``plan.fit``); log the plan and its estimate before anything long starts."""
+    from dlstore.bench.calibrate import initial_plan, measure_costs
+    from dlstore.bench.plan import estimate, fit, plan_lines
+    from dlstore.bench.transforms import cached_cpu_transform
+
+    config = ctx.config
+    assert config.batch_size is not None
+    t0 = time.perf_counter()
+    step = calibration_step(ctx)
+    batch = synthetic_batch(
+        (config.batch_size, ctx.channels, ctx.size, ctx.size),
+        torch.uint8,
+        len(ctx.source.classes),
+        ctx.device,
+    )
+    costs = measure_costs(ctx, step, batch, cached_cpu_transform(config.transform, ctx.size))
+    calibration_s = time.perf_counter() - t0
+    spent = config.budget_spent_s + time.perf_counter() - t_start
+    first = initial_plan(config, workers, images)
+    named = frozenset(config.loaders) if "loaders" in config.user_set else frozenset()
+    planned, cuts = fit(first, costs, config.budget_s, frozenset(config.user_set), named, spent)
+    est = estimate(planned, costs)
+    for line in plan_lines(planned, est, cuts, config.budget_s, spent):
+        log(line)
+    fitted = dataclasses.replace(
+        config,
+        loaders=planned.loaders,
+        workers=planned.workers,
+        repeats=planned.repeats,
+        steps=planned.steps,
+        warmup=planned.warmup,
+        stage_steps=planned.stage_steps,
+        cold=planned.cold,
+        fed_s=planned.fed_s,
+        max_images=planned.images if planned.images < first.images else config.max_images,
+    )
+    return fitted, {
+        "budget_s": config.budget_s,
+        "plan": planned.to_dict(),
+        "asked": first.to_dict(),
+        "estimate": est,
+        "estimate_total_s": est["total_s"] + spent,  # with the start-up and the calibration
+        "spent_before_plan_s": spent,
+        "estimate_asked_s": estimate(first, costs)["total_s"] + spent,
+        "cuts": cuts,
+        "costs": dataclasses.asdict(costs),
+        "calibration_s": calibration_s,
+    }
+
+
+def calibration_step(ctx: LoaderContext) -> Step:
+    """The run's step (a model of its own, as the kinds will train) on the cached kinds' uint8 batches."""
+    from dlstore.bench.transforms import ToFloat
+
+    config = ctx.config
+    if config.step is not None:
+        return UserStep(config.step, ctx.device, ToFloat())
+    model = build_model(config.model, ctx.channels, ctx.size, len(ctx.source.classes))
+    options = resolve_step_options(config.precision, config.channels_last, config.compile, ctx.device, model)
+    return TrainStep(model, ctx.device, ToFloat(), options)
+
+
+def budget_notes(budget: dict[str, Any]) -> list[str]:
+    """What the budget cut, and whether the plan is over it even so."""
+    notes = []
+    if budget["cuts"]:
+        notes.append(
+            f"to fit --budget {budget['budget_s']:.0f} s (the run as asked: about "
+            f"{budget['estimate_asked_s']:.0f} s): " + "; ".join(budget["cuts"])
+        )
+    if budget["estimate_total_s"] > budget["budget_s"]:
+        notes.append(
+            f"estimated at {budget['estimate_total_s']:.0f} s, over --budget {budget['budget_s']:.0f} s: "
+            "the loaders named and the options set are never cut"
+        )
+    return notes
+
+
+def warm_runs_by_kind(results: dict[tuple[Any, ...], list[Any]]) -> dict[str, list[Any]]:
+    """The warm runs' results per loader kind (``parts.settle_compute`` takes the step's windows from them)."""
+    out: dict[str, list[Any]] = {}
+    for (kind, _, _, cold), runs in results.items():
+        if not cold:
+            out.setdefault(kind, []).extend(runs)
+    return out
 
 
 def measure_all(

@@ -614,6 +614,7 @@ def measure_compute(
         "dtype": str(dtype).removeprefix("torch."),
         "host_s": seconds,
         "threads": torch.get_num_threads(),
+        "warmup_batches": max(1, warmup),
     }
     if device.type == "cuda":
         detail["cuda_event_s"] = start.elapsed_time(end) / 1e3

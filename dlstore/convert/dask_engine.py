@@ -1,6 +1,8 @@
 """Running a conversion's units as Dask tasks (``convert(..., scheduler=)``, ``--scheduler``).
 
-The built-in engine is the process pool in ``conversion.py``; this one hands the same units to a
+``DaskRunner`` is the one implementation of the conversion's ``Runner`` interface
+(``dlstore.convert.runners``) for Dask; the built-in runners are the process pool and in-process
+ones there. This one hands the same units to a
 ``distributed`` cluster: ``local`` / ``local:N`` starts a cluster of N task threads on this machine
 (``start_local_cluster``: Dask's ``SubprocessCluster``, worker processes of up to 4 threads, each thread
 with its decode process, so N processes decode), ``tcp://HOST:PORT`` (or ``tls://``) uses a running scheduler whose workers see SOURCE and
@@ -434,3 +436,49 @@ def stop_children(client: Any) -> None:
 def is_killed_worker(error: BaseException) -> bool:
     """A task whose workers kept dying (killed, out of memory, crashed decoder)."""
     return type(error).__name__ == "KilledWorker"
+
+
+class DaskRunner:
+    """The conversion's ``Runner`` on a Dask cluster. A local cluster starts in the background at
+    construction (``start=True``), while the driver scans the source and stages the plan (a
+    LocalCluster of 16 takes seconds); ``start`` waits for it. With a per-file time limit each worker
+    runs its units in a decode process of its own (``unit_in_child``); with ``job.store_units`` the
+    tasks upload their units to the object store and hand back the objects' checksums too."""
+
+    def __init__(self, scheduler: str, start: bool = True) -> None:
+        require_extra("distributed", "dask", "--scheduler")
+        self.early = EarlyClient(parse_scheduler(scheduler), start=start)
+        self.client: Any = None
+        self.stages: dict[str, float] = {}
+
+    def start(self, n_units: int) -> int:
+        t_wait = time.perf_counter()
+        self.client = self.early.client()
+        self.stages["dask_start_wait_s"] = time.perf_counter() - t_wait
+        return count_workers(self.client)
+
+    def run(self, job: Any, todo: list[int], done: Callable[[list[Any]], None]) -> None:
+        from dlstore.convert.store_units import convert_unit_to_store, convert_unit_to_store_in_process
+        from dlstore.convert.unit_work import _init_worker, convert_job_unit, convert_unit
+
+        if job.store_units is not None:
+            unit, in_child = convert_unit_to_store, convert_unit_to_store_in_process
+        else:
+            unit, in_child = convert_job_unit, convert_unit
+        # A per-file time limit needs a process's main thread: the units then run in a decode process.
+        child = (_init_worker, in_child) if job.decode_timeout > 0 else None
+        run_on_dask(self.client, job, todo, unit, lambda result: done([result]), child, self.early.stamps)
+
+    def lost_worker(self, error: BaseException) -> str | None:
+        return f"Dask workers kept dying on a unit ({error})" if is_killed_worker(error) else None
+
+    def finish(self, t0: float) -> dict[str, float]:
+        """Stop the cluster (before the cache is finished, as it always was); the start-up timeline."""
+        t_close = time.perf_counter()
+        self.close()
+        self.stages["dask_close_s"] = time.perf_counter() - t_close
+        self.stages.update(dask_timeline(self.early.stamps, t0))
+        return self.stages
+
+    def close(self) -> None:
+        self.early.close()

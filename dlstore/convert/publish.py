@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -44,9 +43,10 @@ from typing import Any
 
 from dlstore import settings
 from dlstore.checksums import split_key
+from dlstore.convert.plan import recorded_plan
 from dlstore.convert.store_units import units_prefix
 from dlstore.errors import CacheCorruptError, CacheExistsError
-from dlstore.spec import MANIFEST
+from dlstore.spec import MANIFEST, parse_manifest
 from dlstore.storage.stores import RemoteStore, RemoteStoreError
 
 STAGING = ".dlstore-staging"
@@ -117,6 +117,14 @@ def examples(names: list[str], k: int = 3) -> str:
 def check_remote_destination(store: RemoteStore, overwrite: bool) -> Ownership:
     """Refuse a destination that holds anything dlstore does not own, and an existing cache without
     ``overwrite``; returns what is there."""
+    there = check_ownership(store)
+    if there.has_cache and not overwrite:
+        raise CacheExistsError(f"{store.url}: already holds a dlstore cache; pass --overwrite to replace it")
+    return there
+
+
+def check_ownership(store: RemoteStore) -> Ownership:
+    """Refuse a destination that holds anything dlstore does not own; returns what is there."""
     there = survey(store)
     if there.foreign and store.is_bucket_root:
         raise CacheExistsError(
@@ -130,8 +138,6 @@ def check_remote_destination(store: RemoteStore, overwrite: bool) -> Ownership:
             f"{len(there.foreign)} object(s): {examples(there.foreign)}); refusing to replace it even "
             "with --overwrite; choose another prefix"
         )
-    if there.has_cache and not overwrite:
-        raise CacheExistsError(f"{store.url}: already holds a dlstore cache; pass --overwrite to replace it")
     return there
 
 
@@ -175,15 +181,23 @@ def staged_units(manifest: bytes, files: dict[str, int]) -> dict[str, str]:
     remote = sorted(listed - set(files) - {MANIFEST})
     if not remote:
         return {}
-    prefix = units_prefix(doc["source"]["plan"])
+    prefix = units_prefix(manifest_plan(manifest))
     return {rel: f"{prefix}/{rel}" for rel in remote}
+
+
+def manifest_plan(manifest: bytes) -> dict[str, Any]:
+    """The plan a finished manifest was built from: its units' staging prefix is named after it."""
+    plan = recorded_plan(parse_manifest(manifest, Path(MANIFEST)))
+    if plan is None:
+        raise CacheCorruptError(f"{MANIFEST}: records no options; re-run with --overwrite to rebuild")
+    return plan
 
 
 def check_units_staged(store: RemoteStore, manifest: bytes, units: dict[str, str]) -> dict[str, int]:
     """The sizes of the units the workers staged; a missing one is a damaged conversion."""
     if not units:
         return {}
-    sizes = store.sizes(units_prefix(json.loads(manifest)["source"]["plan"]))
+    sizes = store.sizes(units_prefix(manifest_plan(manifest)))
     missing = [rel for rel in units if rel not in sizes]
     if missing:
         raise CacheCorruptError(
@@ -193,8 +207,18 @@ def check_units_staged(store: RemoteStore, manifest: bytes, units: dict[str, str
     return {rel: sizes[rel] for rel in units}
 
 
-def publish(root: Path, store: RemoteStore, overwrite: bool, log: Log | None = None) -> int:
-    """Upload the complete cache at ``root`` to ``store`` by the protocol above; returns its bytes."""
+@dataclass(frozen=True)
+class Published:
+    """What a publish did: the cache's bytes on the store, and how many of its objects an interrupted
+    earlier attempt had already staged (0: a fresh upload)."""
+
+    bytes: int
+    objects: int
+    already_staged: int
+
+
+def publish(root: Path, store: RemoteStore, overwrite: bool, log: Log | None = None) -> Published:
+    """Upload the complete cache at ``root`` to ``store`` by the protocol above."""
     manifest = (root / MANIFEST).read_bytes()
     files = local_files(root)
     units = staged_units(manifest, files)
@@ -202,11 +226,7 @@ def publish(root: Path, store: RemoteStore, overwrite: bool, log: Log | None = N
     there = check_remote_destination(store, overwrite)  # again: the prefix may have changed meanwhile
     prefix = f"{STAGING}/{staging_id(manifest)}"
     staged = store.sizes(prefix)
-    todo = [rel for rel, size in files.items() if staged.get(rel) != size]
-    if log and len(todo) < len(files):
-        log(
-            f"resuming the upload to {store.url}: {len(files) - len(todo)} of {len(files)} objects already staged"
-        )
+    todo = [rel for rel, size in files.items() if staged.get(rel) != size]  # the rest: a resumed upload
     store.put_bytes(manifest, f"{prefix}/{MANIFEST}")  # from now on the listed objects are known as ours
     parallel(lambda rel: store.put_file(root / rel, f"{prefix}/{rel}"), todo)
     if there.owned:  # the generation being replaced, recorded before its manifest goes
@@ -223,7 +243,8 @@ def publish(root: Path, store: RemoteStore, overwrite: bool, log: Log | None = N
         log(
             f"kept {len(there.foreign)} object(s) under {store.url} that are not dlstore's ({examples(there.foreign)})"
         )
-    return sum(files.values()) + sum(unit_sizes.values()) + len(manifest)
+    size = sum(files.values()) + sum(unit_sizes.values()) + len(manifest)
+    return Published(size, len(files), len(files) - len(todo))
 
 
 def parallel(fn: Callable[[str], None], items: list[str], threads: int = 16) -> None:
@@ -236,22 +257,3 @@ def parallel(fn: Callable[[str], None], items: list[str], threads: int = 16) -> 
 def spool_dir(url: str) -> Path:
     """Where a cache for ``url`` is built before its upload (``DLSTORE_SPOOL`` or ~/.cache/dlstore/spool)."""
     return settings.folder("DLSTORE_SPOOL", "spool") / hashlib.sha256(url.encode()).hexdigest()[:16] / "cache"
-
-
-def convert_to_store(
-    url: str,
-    storage_options: dict[str, Any] | None,
-    overwrite: bool,
-    log: Log | None,
-    build: Callable[[Path], Any],
-) -> Any:
-    """Build locally (resumable, as any conversion), publish to ``url``, drop the spool folder."""
-    store = RemoteStore(url, storage_options)
-    check_remote_destination(store, overwrite)  # refuse before any work
-    check_writable(store)
-    spool = spool_dir(url)
-    result = build(spool)
-    result.bytes_on_disk = publish(spool, store, overwrite, log)
-    result.dest = url
-    shutil.rmtree(spool.parent, ignore_errors=True)
-    return result

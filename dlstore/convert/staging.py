@@ -28,6 +28,38 @@ from dlstore.errors import ConvertError
 from dlstore.spec import MANIFEST
 
 _RENAME_EXCHANGE = 2
+LOCK_ATTEMPTS = 5
+# Lock descriptors this process holds: a forked conversion worker closes its copies at once
+# (``release_inherited_locks``), so only the driver itself holds a destination's lock.
+HELD_LOCKS: set[int] = set()
+
+
+def release_inherited_locks() -> None:
+    """In a forked child: close the copies of the parent's lock descriptors (the parent's lock is
+    unaffected), so the lock ends with the parent even if the child outlives it."""
+    for fd in list(HELD_LOCKS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    HELD_LOCKS.clear()
+
+
+def pid_alive(text: str) -> bool:
+    """Whether the pid written in a lock file is a running process (unknown text: assume so)."""
+    try:
+        pid = int(text.split()[0])
+    except (ValueError, IndexError):
+        return True
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Staging:
@@ -82,31 +114,86 @@ class Staging:
         self.entries = None  # only needed to open; a row per source file is too much to keep
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._unlock()
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: object) -> None:
+        try:
+            if error is not None:
+                self._leave_only_what_resumes(error)
+        finally:
+            self._unlock()
+
+    def _leave_only_what_resumes(self, error: BaseException) -> None:
+        """A failed run keeps the staging folder and journal only when they hold finished units a
+        re-run resumes from, and then says so in its error; otherwise nothing is left beside DEST."""
+        if not self.path.exists() and not self.journal.exists():
+            return
+        if not self.done and not (self.journal / "commit.json").exists():
+            shutil.rmtree(self.path, ignore_errors=True)
+            shutil.rmtree(self.journal, ignore_errors=True)
+            return
+        if isinstance(error, ConvertError) and error.args and "kept for the resume" not in str(error.args[0]):
+            error.args = (
+                f"{error.args[0]} (kept for the resume: {self.path} and {self.journal}; "
+                "remove them to start over)",
+                *error.args[1:],
+            )
 
     # -- lock ---------------------------------------------------------------------------------------
     def _lock(self) -> None:
+        for _ in range(LOCK_ATTEMPTS):
+            fd = self._open_lock_file()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+                # Held, but by a dead pid: only processes it left behind (workers of a killed
+                # driver, before they die too) hold the old file. Take the lock over at once: a
+                # new lock file, after removing the stale one (if nobody replaced it meanwhile).
+                stale = not pid_alive(holder)
+                if stale:
+                    self._remove_if_same(fd)
+                os.close(fd)
+                if stale:
+                    continue
+                raise ConvertError(
+                    f"{self.dest}: another dlstore convert (pid {holder}) is writing this destination; "
+                    f"wait for it to finish (lock {self.lock_path})"
+                ) from None
+            if not self._is_lock_file(fd):  # its holder removed it as we opened it: lock the new one
+                os.close(fd)
+                continue
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, str(os.getpid()).encode(), 0)
+            except OSError as e:  # a full disk: its first write
+                self._remove_if_same(fd)
+                os.close(fd)
+                raise self._unwritable(e) from None
+            self._lock_fd = fd  # a dead holder's flock vanishes with it, so a stale lock never blocks
+            HELD_LOCKS.add(fd)
+            return
+        raise ConvertError(
+            f"{self.dest}: the lock {self.lock_path} kept changing hands; another dlstore convert is "
+            "starting on this destination: wait for it, then re-run"
+        )
+
+    def _open_lock_file(self) -> int:
         try:
-            fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            return os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:  # a read-only folder: the first file this conversion writes
             raise self._unwritable(e) from None
+
+    def _is_lock_file(self, fd: int) -> bool:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-            os.close(fd)
-            raise ConvertError(
-                f"{self.dest}: another dlstore convert (pid {holder}) is writing this destination; "
-                f"wait for it to finish (lock {self.lock_path})"
-            ) from None
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, str(os.getpid()).encode(), 0)
-        except OSError as e:  # a full disk: its first write
-            os.close(fd)
-            raise self._unwritable(e) from None
-        self._lock_fd = fd  # a dead holder's flock vanishes with it, so a stale lock never blocks
+            st = os.stat(self.lock_path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _remove_if_same(self, fd: int) -> None:
+        """Unlink the lock file if it is still the one ``fd`` opened (not a successor's)."""
+        if self._is_lock_file(fd):
+            self.lock_path.unlink(missing_ok=True)
 
     def _unwritable(self, e: OSError) -> ConvertError:
         if e.errno == errno.ENOSPC:
@@ -120,13 +207,21 @@ class Staging:
         )
 
     def _unlock(self) -> None:
+        """Remove the lock file while still holding it (a converter waiting on it re-checks that
+        the file it locked is still the lock file), then release it."""
         if self._lock_fd is not None:
+            self._remove_if_same(self._lock_fd)
+            HELD_LOCKS.discard(self._lock_fd)
             os.close(self._lock_fd)
             self._lock_fd = None
 
     # -- resume -------------------------------------------------------------------------------------
     def _open(self) -> None:
         old_plan = self._read_json(self.journal / "plan.json")
+        if isinstance(old_plan, dict):  # staged by a dlstore before ConvertOptions: today's layout
+            from dlstore.convert.plan import upgraded_plan
+
+            old_plan = upgraded_plan(old_plan)
         if old_plan is not None and self._finish_interrupted_commit(old_plan):
             return
         if old_plan is not None and self.path.is_dir():
@@ -263,7 +358,8 @@ class Staging:
     def _clean_up(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
         shutil.rmtree(self.journal, ignore_errors=True)
-        self.lock_path.unlink(missing_ok=True)
+        if self._lock_fd is None:  # held: ``_unlock`` removes it while still holding it
+            self.lock_path.unlink(missing_ok=True)
 
 
 def manifest_digest(root: Path) -> str | None:
@@ -273,20 +369,23 @@ def manifest_digest(root: Path) -> str | None:
         return None
 
 
-# Plan keys as the user typed them; anything else is named by its key.
+# Plan keys by how the user gives them: ``options.size`` → ``--size``, ``options.writer_options.
+# quality`` → ``--quality`` (``option_flag``); these few by name.
 _OPTION_NAMES = {
-    "format": "--format",
-    "policy.size": "--size",
-    "policy.resize": "--resize",
-    "policy.channels": "--channels",
-    "policy.decode": "--decode",
-    "options.codec": "--codec",
-    "options.compress": "--compress",
-    "storage_order": "--storage-order",
-    "max_megapixels": "--max-megapixels",
     "n": "number of source images",
     "dlstore": "dlstore major version",
+    "options.seed": "seed",
 }
+
+
+def option_flag(key: str) -> str:
+    if key in _OPTION_NAMES:
+        return _OPTION_NAMES[key]
+    if key.startswith("options."):
+        return "--" + key.rpartition(".")[2].replace("_", "-")
+    return key
+
+
 SOURCE_KEYS = ("fingerprint", "n")  # what the source decides, not the options
 DERIVED_KEYS = ("unit_size",)  # follows from the options; never the first difference worth naming
 
@@ -294,14 +393,14 @@ DERIVED_KEYS = ("unit_size",)  # follows from the options; never the first diffe
 def plan_changes(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
     """Human-readable differences between two plans, new value first: ``--size 64 was 32``."""
     out: list[str] = []
-    for key in sorted(set(old) | set(new)):
+    for key in [*new, *(k for k in old if k not in new)]:  # the new plan's order: --format first
         a, b = old.get(key), new.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             out += plan_changes(a, b, f"{prefix}{key}.")
         elif a != b and key == "fingerprint":
             out.append("the source files changed")
         elif a != b:
-            out.append(f"{_OPTION_NAMES.get(prefix + key, prefix + key)} {_show(b)} was {_show(a)}")
+            out.append(f"{option_flag(prefix + key)} {_show(b)} was {_show(a)}")
     return out
 
 

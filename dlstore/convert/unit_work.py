@@ -21,6 +21,7 @@ from PIL import Image
 
 from dlstore.convert.sizes import human_bytes
 from dlstore.convert.sources import Source
+from dlstore.convert.staging import release_inherited_locks
 from dlstore.errors import ConvertError, ImageDecodeError
 from dlstore.formats.base import CacheWriter
 from dlstore.spec import ImagePolicy
@@ -79,7 +80,71 @@ class DecodeTimeout(TimeoutError):
 def _init_worker(job: Job) -> None:
     global _JOB
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
+    release_inherited_locks()  # the destination's lock is the driver's alone (forked copies)
+    die_with_parent()
     _JOB = Job(**{**job.__dict__, "hard_limit": True})
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """A worker must not outlive its driver (kill -9 of ``dlstore convert``): orphans go on holding
+    the destination's lock and CPU. Linux delivers SIGKILL when the parent dies (PR_SET_PDEATHSIG);
+    a worker whose parent died before that was armed exits now; and a thread watching the parent's
+    sentinel pipe covers the other platforms and start methods (under forkserver the parent is
+    the fork server, which exits with the driver)."""
+    import multiprocessing as mp
+    import os
+
+    parent = mp.parent_process()
+    if parent is None:
+        return
+    if os.getppid() == parent.pid:
+        _arm_parent_death_signal()
+    if os.getppid() != parent.pid and not _alive(parent.pid):
+        os._exit(1)  # the driver is already gone
+    sentinel = getattr(parent, "sentinel", None)
+    if sentinel is not None:
+        threading.Thread(
+            target=_exit_when_closed, args=(sentinel,), daemon=True, name="dlstore-parent"
+        ).start()
+
+
+def _arm_parent_death_signal() -> None:
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # no prctl (a libc without it): the sentinel thread remains
+        pass
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _exit_when_closed(sentinel: int) -> None:
+    """The parent's end of this pipe closes when it dies: then end this worker at once."""
+    import os
+    from multiprocessing.connection import wait
+
+    try:
+        wait([sentinel])
+    except OSError:
+        return
+    os._exit(1)
 
 
 def _on_alarm(signum: int, frame: object) -> None:

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dlstore.checksums import file_sha256, listed_files, mismatches
+from dlstore.checksums import file_sha256, listed_files, mismatches, regular_files, size_problems, split_key
+from dlstore.errors import CacheCorruptError
 from dlstore.sourcefiles import read_record, recorded_root, source_status
 from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
 from dlstore.storage.mirror import fetch_manifest
@@ -72,11 +73,20 @@ def verify(
 
 
 def checksum_problems(root: Path, spec: CacheSpec) -> list[str]:
+    """Files that are not regular files (never followed or read), bytes no checksum covers, then
+    every checksum, then files the manifest does not list."""
     for name in spec.checksums:
-        parse_relpath(name, root / MANIFEST)
-    problems = mismatches(root, spec.checksums)
+        parse_relpath(split_key(name)[0], root / MANIFEST)
+    try:
+        present = regular_files(root)
+    except CacheCorruptError as e:  # a symlink, FIFO, device or socket: nothing is read through it
+        return [str(e)]
+    problems = size_problems(root, spec.checksums, present)
+    problems += [
+        p for p in mismatches(root, spec.checksums) if not any(p.split(":")[0] in q for q in problems)
+    ]
     listed = listed_files(spec.checksums) | {MANIFEST}
-    extra = [p for p in root.rglob("*") if p.is_file() and p.relative_to(root).as_posix() not in listed]
+    extra = [root / rel for rel in present if rel not in listed]
     return problems + [f"{p}: not part of this cache (unexpected file)" for p in sorted(extra)]
 
 
@@ -155,7 +165,9 @@ def verify_remote(store: RemoteStore) -> VerifyResult:
         for rel in sorted(listed & set(listing)):  # a missing one is reported by mismatches
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             store.get_file(rel, root / rel)
-        problems = mismatches(root, spec.checksums) or skipped_problems(root, spec)
+        present = {rel: (root / rel).stat().st_size for rel in listed & set(listing)}
+        problems = size_problems(root, spec.checksums, present) + mismatches(root, spec.checksums)
+        problems = problems or skipped_problems(root, spec)
         problems = [p.replace(str(root), store.url) for p in problems]
     extra = sorted(
         k for k in listing if k not in listed and k != MANIFEST and not k.startswith(f"{STAGING}/")

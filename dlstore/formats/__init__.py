@@ -15,10 +15,10 @@ from typing import Any
 
 from dlstore.errors import SpecError
 from dlstore.formats.base import CacheReader, CacheWriter
-from dlstore.formats.codecs import JpegCodec, is_image_codec
+from dlstore.formats.codecs import JpegCodec
 from dlstore.formats.describe import Codec, Option, Traits
 from dlstore.formats.npz import NpzPayloadReader, NpzPayloadWriter, NpzReader, NpzWriter
-from dlstore.formats.payload import PAYLOAD
+from dlstore.formats.payload import PAYLOAD, image_codec_class
 from dlstore.formats.ram import RamReader, RamWriter
 from dlstore.formats.zarr_cache import ZarrPayloadReader, ZarrPayloadWriter, ZarrReader, ZarrWriter
 from dlstore.spec import CacheSpec
@@ -50,10 +50,21 @@ class Format:
         """Can store images of different sizes, and image codecs (the payload layout)."""
         return self.payload_writer is not None
 
+    def codec(self, name: str | None) -> Codec | None:
+        """The declared codec called ``name`` (the manifest's and the CLI's one value for it)."""
+        codecs = self.writer.codecs
+        if codecs is None or name is None:
+            return None
+        try:
+            return codecs[name]
+        except KeyError:
+            raise SpecError(
+                f"the {self.name} format has no codec {name!r}; choose one of {', '.join(codecs.names())}"
+            ) from None
+
     def writer_for(self, options: dict[str, Any], ragged: bool) -> type[CacheWriter]:
         """The writer for validated ``options`` and an image policy; refuses what it cannot store."""
-        codec = self.writer.codecs[options["codec"]] if self.writer.codecs is not None else None
-        image_codec = codec is not None and is_image_codec(codec.impl)
+        image_codec = image_codec_class(self.codec(options.get("codec")))
         if not (ragged or image_codec):
             return self.writer
         if self.payload_writer is None:

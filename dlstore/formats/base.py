@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import sys
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -113,9 +112,19 @@ class CacheWriter(ABC):
 
 class CacheReader(ABC):
     """Reads images by storage position; ``traits`` say what the format's readers can do (a reader
-    that is not ``fork_safe`` is re-opened per process by the dataset)."""
+    that is not ``fork_safe`` is re-opened per process by the dataset). The attributes below are what
+    every reader has, so callers read them instead of probing for them."""
 
     traits: ClassVar[Traits]
+    # Images per storage unit (a shard, a chunk): what a chunk-aware sampler groups by; 1 for a reader
+    # of single images.
+    unit: int = 1
+    # The payloads are JPEG files nvJPEG can decode (payload layouts with ``--codec jpeg``).
+    gpu_jpeg: bool = False
+    # Decode a whole-file chunk straight from a read-only mapping of its file, where the format can:
+    # worth it in a process of one thread (a decode worker), not in a threaded reader (every munmap
+    # interrupts the other threads). Readers that cannot map ignore it.
+    map_chunks: bool = False
 
     def __init__(
         self, root: Path, spec: CacheSpec, in_memory: bool = False, threads: int | None = None
@@ -130,6 +139,11 @@ class CacheReader(ABC):
     @property
     def fork_safe(self) -> bool:
         return self.traits.fork_safe
+
+    @property
+    def max_units(self) -> int:
+        """Decoded units this reader keeps per process (a sampler window should stay within it)."""
+        return 1
 
     @abstractmethod
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
@@ -185,7 +199,7 @@ class ChunkedReader(CacheReader):
 
     # No handle outlives a read (the thread pool is re-made per pid), so forked children may use it.
     traits: ClassVar[Traits] = Traits(
-        loads_into_ram=False, unit_grouped=True, fork_safe=True, opens_files_per_read=True
+        loads_into_ram=False, unit_grouped=True, fork_safe=True, opens_files_per_read=True, unit_arrays=True
     )
 
     def __init__(
@@ -211,12 +225,10 @@ class ChunkedReader(CacheReader):
         self._ahead_lock = threading.Lock()
         self._ahead_pid = os.getpid()
         self._ahead_executor: ThreadPoolExecutor | None = None
-        # Decode ahead in this many worker processes instead of threads (0: threads). Each process
-        # has its own GIL; see dlstore.formats.unit_procs. Set by the one-process loaders.
-        self.processes = 0
-        self._procs: Any = None
-        self._batch_procs: Any = None  # BatchProcesses of decode_batches, with the pid that owns them
-        self._batch_procs_pid = -1
+        # Where units decoded ahead go instead of this reader's threads, when the read side attached
+        # one in this process (worker processes, each with a GIL of its own: dlstore.read.engines).
+        # The reader only submits to it; whoever attached it starts and stops it.
+        self.unit_decoder: UnitDecoder | None = None
 
     @property
     def max_units(self) -> int:
@@ -302,28 +314,6 @@ class ChunkedReader(CacheReader):
         self.recycle(self._units.put(k, arr))
         return arr
 
-    def decode_batches(self, batches: list[np.ndarray], processes: int) -> Iterator[np.ndarray]:
-        """Each batch of storage positions (rows in the order given), decoded by ``processes`` worker
-        processes straight into a ring of shared-memory batch slots (``dlstore.formats.batch_procs``):
-        each yielded array is valid until the next one is asked for. The workers stay for later epochs."""
-        procs = self._batch_processes(max((len(b) for b in batches), default=1), processes)
-        return procs.epoch(batches, self)
-
-    def _batch_processes(self, batch: int, processes: int) -> Any:
-        from dlstore.formats.batch_procs import BatchProcesses, ring_slots
-        from dlstore.formats.unit_procs import opener_for
-
-        procs = self._batch_procs if self._batch_procs_pid == os.getpid() else None
-        if procs is not None and (procs.batch < batch or len(procs.conns) != processes):
-            procs.close()
-            procs = None
-        if procs is None:
-            unit_shape = (self.unit, *self.spec.shape)
-            slots = ring_slots(batch * self.spec.image_bytes)
-            procs = BatchProcesses(opener_for(self), unit_shape, processes, slots, batch)
-            self._batch_procs, self._batch_procs_pid = procs, os.getpid()
-        return procs
-
     @property
     def max_ahead(self) -> int:
         """Units decoded ahead and not read yet, at most: half the unit cache (so up to 1.5 times
@@ -341,7 +331,7 @@ class ChunkedReader(CacheReader):
         with self._ahead_lock:
             self._forget_other_process()
             self._drop_stale()
-            procs = self._decode_processes()
+            procs = self.unit_decoder
             pool = self._ahead_pool() if procs is None else None
             for k in keys[np.sort(first)].tolist():  # the caller's order: the next read's units first
                 if len(self._ahead) >= self.max_ahead:
@@ -352,19 +342,6 @@ class ChunkedReader(CacheReader):
                 if future is None:  # every shared-memory slot still in use
                     break
                 self._ahead[k] = (future, self._reads)
-
-    def _decode_processes(self) -> Any:
-        """The decode-ahead processes when ``processes`` > 0 and this process may start children (a
-        DataLoader worker may not: it decodes ahead in threads); None otherwise (caller holds the lock)."""
-        if self.processes <= 0 or mp.current_process().daemon:
-            return None
-        if self._procs is None:
-            from dlstore.formats.unit_procs import UnitProcesses, opener_for
-
-            slots = self._units.max_units + self.max_ahead + 2 * max(1, self.threads) + 4
-            shape = (self.unit, *self.spec.shape)
-            self._procs = UnitProcesses(opener_for(self), shape, self.processes, slots)
-        return self._procs
 
     def _drop_stale(self) -> None:
         """Units decoded ahead that no read took within STALE_READS reads (the caller changed its
@@ -390,7 +367,7 @@ class ChunkedReader(CacheReader):
         """A forked child inherits the parent's futures but not the threads that complete them."""
         if self._ahead_pid != os.getpid():
             self._ahead, self._ahead_pid, self._ahead_executor = OrderedDict(), os.getpid(), None
-            self._procs = None  # the parent's workers answer the parent only
+            self.unit_decoder = None  # the parent's workers answer the parent only
 
     def recycle(self, evicted: list[np.ndarray]) -> None:
         """Hook for readers that reuse the buffers of evicted units."""
@@ -400,25 +377,28 @@ class ChunkedReader(CacheReader):
         self._units.clear()
 
     def close(self) -> None:
-        """Cancel the decodes not started, wait for the running ones, then drop every unit."""
+        """Cancel the decodes not started, wait for the running ones, then drop every unit and the
+        attached ``unit_decoder`` (its owner stops it after this: the units may be views of its memory)."""
         with self._ahead_lock:
             mine = self._ahead_pid == os.getpid()
             ahead = list(self._ahead.values()) if mine else []
             executor = self._ahead_executor if mine else None
-            procs = self._procs if mine else None
-            self._ahead, self._ahead_executor, self._procs = OrderedDict(), None, None
+            self._ahead, self._ahead_executor, self.unit_decoder = OrderedDict(), None, None
         for f, _ in ahead:
             f.cancel()
         if executor is not None:
             executor.shutdown(wait=True)  # the running decodes finish; their errors are nobody's
         self._units.clear()
         del ahead
-        if procs is not None:  # after the unit arrays (views of its shared memory) are dropped
-            procs.close()
-        if self._batch_procs is not None and self._batch_procs_pid == os.getpid():
-            self._batch_procs.close()
-        self._batch_procs = None
         self.shutdown_threads()
+
+
+class UnitDecoder(Protocol):
+    """Decodes units somewhere other than the reader's threads (worker processes of the read side);
+    ``ChunkedReader.prefetch`` submits to it when one is attached."""
+
+    def submit(self, k: int) -> Future[np.ndarray] | None:
+        """A future of unit k's (unit, H, W, C) array, or None when it cannot take one now."""
 
 
 class UnitCache:

@@ -166,9 +166,16 @@ class JpegCodec(ImageCodec):
 
         try:
             with Image.open(io.BytesIO(payload), formats=("JPEG",)) as img:
+                if (img.height, img.width) != tuple(shape[:2]):  # before decoding: the header's size
+                    raise PayloadError(
+                        f"JPEG header says {img.height}x{img.width}, its index says {tuple(shape)}"
+                    )
                 img.load()
                 arr = np.array(img)  # writable (torch tensors of it need that); asarray is read-only
-        except (OSError, SyntaxError, ValueError, EOFError) as e:
+        except PayloadError:
+            raise
+        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
+            # Pillow's bomb guard is an error of this payload like any other: a dlstore error
             raise PayloadError(f"JPEG does not decode ({type(e).__name__}: {e})") from None
         arr = arr[:, :, None] if arr.ndim == 2 else arr
         if arr.shape != tuple(shape):

@@ -86,12 +86,19 @@ class Traits:
     fork_safe: a reader opened before a fork may be used by the child as it is.
     opens_files_per_read: reads open files as they go, so a cache swapped underneath must be detected
       after each read (a memory map taken at open keeps reading its own generation instead).
+    unit_arrays: each unit decodes whole into one (unit, H, W, C) pixel array (``load_unit``,
+      ``decode_unit_into``), so worker processes can decode units for the reader (decode ahead, batch
+      rings: ``dlstore.read.engines``).
+    payloads: images are stored as per-image encoded payloads with an index (the payload layout): the
+      reader is a ``PayloadReader`` (``read_payloads``, ``payload_extents``, ``read_images``, ``decode``).
     """
 
     loads_into_ram: bool
     unit_grouped: bool
     fork_safe: bool
     opens_files_per_read: bool
+    unit_arrays: bool = False
+    payloads: bool = False
 
 
 class CodecTable:

@@ -75,8 +75,7 @@ class NpzReader(ChunkedReader):
         with shard_errors(path, k, self.root):
             arr = map_stored_member(path, "images.npy")
             if arr is None:
-                with np.load(path, allow_pickle=False) as z:
-                    arr = z["images"]
+                arr = read_member_checked(path, "images.npy", expected)
         if arr.shape != expected or arr.dtype != np.uint8:
             raise CacheCorruptError(
                 f"{path}: holds {arr.dtype}{arr.shape}, expected uint8{expected}; rebuild"
@@ -97,6 +96,33 @@ def shard_errors(path: Path, k: int, root: Path) -> Iterator[None]:
         raise CacheCorruptError(
             f"{path}: shard {k} unreadable ({type(e).__name__}: {e}); rebuild the cache"
         ) from None
+
+
+def read_member_checked(path: Path, member: str, expected: tuple[int, ...]) -> np.ndarray:
+    """A compressed uint8 .npy member whose header must declare ``expected`` (the manifest's): the
+    header is read first, so a forged one allocates nothing, and the stream must decode to exactly
+    that many bytes, never more."""
+    with zipfile.ZipFile(path) as zf, zf.open(member) as f:
+        version = np.lib.format.read_magic(f)
+        read_header = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        )
+        shape, fortran, dtype = read_header(f)
+        if tuple(shape) != tuple(expected) or dtype != np.uint8 or fortran:
+            raise ValueError(
+                f"{member} declares {dtype}{tuple(shape)}, the manifest says uint8{tuple(expected)}"
+            )
+        out = np.empty(expected, np.uint8)
+        view = memoryview(out).cast("B")
+        got = 0
+        while got < len(view):
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{member}: {got} of {len(view)} bytes")
+            got += n
+        if f.read(1):
+            raise ValueError(f"{member}: more data than its header declares")
+    return out
 
 
 def map_stored_member(path: Path, member: str) -> np.ndarray | None:

@@ -27,9 +27,9 @@ from dlstore.formats.codecs import (
     PayloadError,
     RawCodec,
     error_sample,
-    get_codec,
     is_image_codec,
 )
+from dlstore.formats.describe import Codec, Traits
 from dlstore.spec import CacheSpec
 
 Images = np.ndarray | list[np.ndarray]
@@ -115,8 +115,24 @@ class PayloadExtents:
         return at
 
 
-def payload_codec(options: dict[str, Any]) -> ImageCodec:
-    return get_codec(options.get("image_codec", "raw"), int(options.get("quality", DEFAULT_QUALITY)))
+def image_codec_class(codec: Codec | None) -> type[ImageCodec] | None:
+    """The one place that decides what a declared codec does to pixels: one whose ``impl`` is an
+    ImageCodec encodes each image on its own (the payload layout; units stored as they are); any other
+    codec, or none, compresses whole units of raw pixels (then None)."""
+    impl = None if codec is None else codec.impl
+    return impl if is_image_codec(impl) else None
+
+
+def payload_codec(spec: CacheSpec) -> ImageCodec:
+    """What a payload cache's images decode with: the manifest's one codec key, looked up in the format
+    registry like the writer did. (``raw``: the name older manifests kept under ``image_codec``.)"""
+    from dlstore.formats import get_format  # the registry imports this module
+
+    quality = int(spec.writer_options.get("quality", DEFAULT_QUALITY))
+    if spec.codec in (None, RawCodec.name):
+        return RawCodec()
+    image_codec = image_codec_class(get_format(spec.format).codec(spec.codec))
+    return RawCodec() if image_codec is None else image_codec(quality)
 
 
 class PayloadWriter(CacheWriter):
@@ -129,23 +145,23 @@ class PayloadWriter(CacheWriter):
 
     def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
         super().__init__(root, n, shape, options)
-        impl = self.codec.impl if self.codec is not None else None
+        image_codec = image_codec_class(self.codec)
         quality = int(self.options.get("quality", DEFAULT_QUALITY))
-        self.image_codec: ImageCodec = impl(quality) if is_image_codec(impl) else RawCodec()
+        self.image_codec: ImageCodec = RawCodec() if image_codec is None else image_codec(quality)
         per_image = self.image_bytes // (10 if self.image_codec.lossy else 1)
         self.unit_size = int(min(4096, max(1, self.target_unit_bytes // max(1, per_image))))
 
     @property
     def unit_compressed(self) -> bool:
         """Whether the format's unit compressor applies (raw-pixel payloads only)."""
-        return not is_image_codec(self.codec.impl if self.codec is not None else None)
+        return image_codec_class(self.codec) is None
 
     @staticmethod
     def choose_unit_size(image_bytes: int) -> int:
         return 1  # replaced in __init__, where the codec is known
 
     def recorded_options(self) -> dict[str, Any]:
-        out = {**super().recorded_options(), "layout": PAYLOAD, "image_codec": self.image_codec.name}
+        out = {**super().recorded_options(), "layout": PAYLOAD}
         if not self.image_codec.lossy:
             out.pop("quality", None)
         return out
@@ -170,6 +186,48 @@ class PayloadWriter(CacheWriter):
         return round(float(total[0] / total[1]), 4) if total[1] else None
 
 
+# An image's pixels may be at most this many times its payload's bytes (or IMAGE_FLOOR_BYTES):
+# deflate's own limit is 1032x, and a JPEG of a flat colour stays well below it. An index declaring
+# more (a 629-byte JPEG said to be 20000x20000) is refused before anything is allocated for it.
+MAX_EXPANSION = 1024
+IMAGE_FLOOR_BYTES = 4 << 20
+
+
+def index_problem(unit: PayloadUnit, count: int, spec: Any) -> str:
+    """What is wrong with a unit's index (empty when nothing): see ``PayloadReader.check_index``."""
+    arrays = {"offsets": unit.offsets, "shapes": unit.shapes, "crc": unit.crc}
+    if unit.ends is not None:
+        arrays["ends"] = unit.ends
+    for name, arr in arrays.items():
+        if not isinstance(arr, np.ndarray) or arr.dtype.kind not in "iu":
+            return f"{name} is {getattr(arr, 'dtype', type(arr).__name__)}, not integers"
+    n, size = len(unit.shapes), len(unit.data)
+    offsets = unit.offsets.astype(np.int64)
+    if n < count or unit.shapes.shape[1:] != (3,) or len(offsets) != n + 1 or len(unit.crc) != n:
+        return f"{n} entries, expected ≥ {count}"
+    ends = offsets[1:] if unit.ends is None else unit.ends.astype(np.int64)
+    if len(ends) != n or (n and (offsets.min() < 0 or ends.max() > size or np.any(ends < offsets[:-1]))):
+        return f"payload offsets outside the {size} bytes of data or not ascending"
+    if unit.ends is None and np.any(np.diff(offsets) < 0):
+        return "payload offsets not ascending"
+    shapes = unit.shapes.astype(np.int64)
+    h, w, c = shapes[:count].T if n else (np.zeros(0),) * 3
+    size_, channels = spec.image.size, spec.image.channels
+    if np.any(c != channels) or np.any(h < 1) or np.any(w < 1):
+        return f"image shapes with other than {channels} channels, or empty"
+    if not spec.ragged and np.any((h != size_) | (w != size_)):
+        return f"image shapes other than the manifest's {size_}x{size_}"
+    longest = spec.image.max_side or (1 << 16)
+    if spec.ragged and np.any((np.minimum(h, w) > size_) | (np.maximum(h, w) > longest)):
+        return f"image shapes beyond the policy (shorter side {size_}, longer at most {longest})"
+    pixels = h * w * c
+    lengths = ends[:count] - offsets[:count]
+    if np.any(pixels > np.maximum(IMAGE_FLOOR_BYTES, MAX_EXPANSION * lengths)):
+        j = int(np.argmax(pixels > np.maximum(IMAGE_FLOOR_BYTES, MAX_EXPANSION * lengths)))
+        return f"image {j} is said to be {tuple(shapes[j])} from {int(lengths[j])} bytes of payload"
+    return ""
+
+
 def corrupt_at(position: int, message: str) -> CacheCorruptError:
     """A CacheCorruptError that carries the storage position, so the Cache can name the dataset index."""
     error = CacheCorruptError(message)
@@ -183,11 +241,16 @@ class PayloadReader(ChunkedReader):
     (``read_payloads``). Traits: ``ragged`` (images differ in size), ``gpu_jpeg`` (payloads are JPEG
     files nvJPEG can decode)."""
 
+    # Units are payloads plus an index, never one pixel array: no decode into a worker's unit slot.
+    traits: ClassVar[Traits] = Traits(
+        loads_into_ram=False, unit_grouped=True, fork_safe=True, opens_files_per_read=True, payloads=True
+    )
+
     def __init__(
         self, root: Path, spec: CacheSpec, in_memory: bool = False, unit: int = 1, max_units: int = 64
     ) -> None:
         super().__init__(root, spec, in_memory, unit=unit)
-        self.image_codec = payload_codec(spec.format_options)
+        self.image_codec = payload_codec(spec)
         self.ragged = spec.ragged
         self.gpu_jpeg = self.image_codec.gpu_jpeg
         self._units = UnitCache(max_units)
@@ -211,20 +274,16 @@ class PayloadReader(ChunkedReader):
         return unit  # type: ignore[return-value]
 
     def check_index(self, k: int, unit: PayloadUnit) -> None:
+        """Every number of a unit's index against the bytes present and the manifest, before any
+        payload is decoded or any output allocated: integer arrays of the right lengths, offsets
+        ascending within the data, shapes the image policy allows and that the payload's bytes can
+        plausibly decode to (``MAX_EXPANSION``)."""
         count = min(self.unit, self.spec.n_stored - k * self.unit)
-        offsets = unit.offsets
-        if (
-            len(unit) < count
-            or unit.shapes.shape[1:] != (3,)
-            or len(offsets) != len(unit) + 1
-            or len(unit.crc) != len(unit)
-            or offsets[0] < 0
-            or offsets[-1] > len(unit.data)
-            or bool(np.any(np.diff(offsets) < 0))
-        ):
+        problem = index_problem(unit, count, self.spec)
+        if problem:
             raise CacheCorruptError(
-                f"{self.unit_path(k)}: chunk {k}'s index is inconsistent ({len(unit)} entries, "
-                f"expected ≥ {count}); run `dlstore verify {self.root}` and rebuild"
+                f"{self.unit_path(k)}: chunk {k}'s index is inconsistent ({problem}); "
+                f"run `dlstore verify {self.root}` and rebuild"
             )
 
     def read_payloads(self, positions: np.ndarray) -> tuple[list[memoryview], np.ndarray]:

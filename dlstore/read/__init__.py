@@ -19,6 +19,7 @@ _LAZY = {
     "PinnedLoader": "dlstore.read.loaders",
     "ResidentLoader": "dlstore.read.loaders",
     "DecodeLoader": "dlstore.read.gpu_decode",
+    "LoaderCore": "dlstore.read.loader_core",
 }
 
 __all__ = sorted(_LAZY)

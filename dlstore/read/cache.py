@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import io
 import os
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
+from dlstore.checksums import file_kind, regular_files, size_problems
 from dlstore.errors import (
     CacheCorruptError,
+    CacheNotFoundError,
     CacheReplacedError,
     CacheTooLargeError,
     DlstoreError,
     SampleReadError,
 )
 from dlstore.formats import get_format
-from dlstore.spec import LABELS_FILE, POSITIONS_FILE, CacheSpec, read_spec
+from dlstore.read.engines.owner import ReaderEngines, may_start_processes
+from dlstore.spec import LABELS_FILE, MANIFEST, POSITIONS_FILE, CacheSpec, parse_manifest, read_spec
 from dlstore.storage.mirror import RemoteMirror, fetch_manifest
-from dlstore.storage.stores import RemoteStore, parse_store_path
+from dlstore.storage.stores import RemoteStore, RemoteStoreError, parse_store_path
 
 if TYPE_CHECKING:
-    from dlstore.formats.payload import PayloadExtents
+    from dlstore.formats.payload import PayloadExtents, PayloadReader
 
 T = TypeVar("T")
 
@@ -34,6 +38,10 @@ class Cache:
     >>> cache = open_cache("cache/")            # doctest: +SKIP
     >>> images = cache.read([5, 1, 9])          # (3, H, W, C) uint8, in the order asked
     """
+
+    # Units decoded ahead (``prefetch``) in this many worker processes instead of the reader's
+    # threads when > 0 (``dlstore.read.engines``); set it on an open cache.
+    decode_processes: int = 0
 
     def __init__(
         self,
@@ -53,11 +61,39 @@ class Cache:
             else None
         )
         self.root: Path = self.mirror.path if self.mirror is not None else location
-        self._root_inode = os.stat(self.root).st_ino if self.root.is_dir() else -1
-        self.spec: CacheSpec = read_spec(self.root)
-        stored = load_labels(self.root, self.spec)
+        self._generation = self._open(in_memory)
+        self.engines = ReaderEngines(self.reader)  # the reader's decode processes, started on demand
+
+    def _open(self, in_memory: bool) -> Generation:
+        """Open one generation whole. A replace (rename) during the open shows as the folder at
+        ``root`` no longer being the one held: then everything is opened again (the new generation),
+        a few times at most, then CacheReplacedError — never a manifest of one generation with the
+        labels or data files of another."""
+        for _ in range(OPEN_ATTEMPTS):
+            gen = Generation(self.root)
+            try:
+                self._open_generation(gen, in_memory)
+            except DlstoreError:
+                if gen.is_current():  # a real problem of this cache, not a replace in progress
+                    gen.close()
+                    raise
+            else:
+                if gen.is_current():
+                    return gen
+                self.reader.close()
+            gen.close()
+        raise CacheReplacedError(
+            f"{self.location}: the cache was replaced {OPEN_ATTEMPTS} times while being opened; "
+            "open it again once the conversions writing it are done"
+        )
+
+    def _open_generation(self, gen: Generation, in_memory: bool) -> None:
+        """Manifest, then the inventory of files, the index arrays and the reader, all of ``gen``."""
+        self.spec: CacheSpec = parse_manifest(gen.read(MANIFEST), self.root / MANIFEST)
+        check_files(self.root, self.spec, lazy=self.mirror is not None)
+        stored = load_labels(self.root, self.spec, gen)
         # Dataset index → storage position: storage may be shuffled, and skipped images keep a slot.
-        self.positions: np.ndarray = load_positions(self.root, self.spec, stored)
+        self.positions: np.ndarray = load_positions(self.root, self.spec, stored, gen)
         self.labels: np.ndarray = stored[self.positions]
         fmt = get_format(self.spec.format)
         self.traits = fmt.traits
@@ -100,7 +136,10 @@ class Cache:
                 with self.mirror.reading():  # fetched units stay until read (eviction waits)
                     self.mirror.ensure(self.reader.files_for(pos))
                     self.reader.read_into(pos, out)
+        except CacheReplacedError:
+            raise
         except DlstoreError as e:
+            self._check_replaced(e)  # files of a replaced generation vanish: say that, not "corrupt"
             flat = np.asarray(indices, dtype=np.int64).reshape(-1)
             where = self._first_failing(flat, pos) if self.mirror is None else f"indices {_short(flat)}"
             raise SampleReadError(f"reading dataset {where} from {self.location}: {e}") from e
@@ -116,6 +155,7 @@ class Cache:
         if self.mirror is not None:
             self.mirror.prefetch(self.reader.files_for(pos))
         else:
+            self.engines.decode_ahead(self.decode_processes)
             self.reader.prefetch(pos)
 
     def read_batches(
@@ -125,18 +165,12 @@ class Cache:
         chunked cache (zarr, npz), worker processes decode every chunk once and copy its images
         straight into the batches in shared memory: each array is then valid only until the next one
         is asked for (copy it to keep it). Otherwise each batch is a fresh ``read``."""
-        readers_batches = getattr(self.reader, "decode_batches", None)
-        if (
-            processes <= 0
-            or readers_batches is None
-            or self.mirror is not None
-            or mp.current_process().daemon
-        ):
+        if processes <= 0 or self.mirror is not None or not may_start_processes(self.reader):
             for idx in batches:
                 yield self.read(idx)
             return
         flat = [np.asarray(b, dtype=np.int64).reshape(-1) for b in batches]
-        stream = readers_batches([self.storage_positions(b) for b in flat], processes)
+        stream = self.engines.decode_batches([self.storage_positions(b) for b in flat], processes)
         taken = 0  # batches handed out: an error names the indices of the next one
         try:
             for images in stream:
@@ -144,7 +178,10 @@ class Cache:
                     self.check_generation()
                 taken += 1
                 yield images
+        except CacheReplacedError:
+            raise
         except DlstoreError as e:
+            self._check_replaced(e)
             where = f"indices {_short(flat[min(taken, len(flat) - 1)])}"
             raise SampleReadError(f"reading dataset {where} from {self.location}: {e}") from e
         finally:
@@ -152,24 +189,34 @@ class Cache:
 
     def read_images(self, indices: np.ndarray | list[int]) -> list[np.ndarray]:
         """(H, W, C) uint8 images in the order of ``indices``, of any sizes (every format and layout)."""
-        if getattr(self.reader, "read_images", None) is None:  # pixel layouts: one batched read
+        if not self.reader.traits.payloads:  # pixel layouts: one batched read
             return list(self.read(indices))
-        return self._read_payload_layout(indices, self.reader.read_images)  # type: ignore[attr-defined]
+        return self._read_payload_layout(indices, self.payload_reader.read_images)
 
     def read_payloads(self, indices: np.ndarray | list[int]) -> tuple[list[memoryview], np.ndarray]:
         """Encoded payloads (CRC-checked) and (B, 3) shapes, for a decoder elsewhere (the GPU); payload
         layouts only (``reader.gpu_jpeg`` says whether nvJPEG can decode them)."""
-        return self._read_payload_layout(indices, self.reader.read_payloads)  # type: ignore[attr-defined]
+        return self._read_payload_layout(indices, self.payload_reader.read_payloads)
 
     def payload_extents(self, indices: np.ndarray | list[int]) -> PayloadExtents:
         """Where the payloads of ``indices`` lie (see ``PayloadExtents``), for a decoder in another process
         that copies and CRC-checks them; payload layouts only. A remote cache's local copies of its units
         may be evicted once read, so its payloads are copied from this process's buffers, never re-read
         from those files by another process."""
-        extents = self._read_payload_layout(indices, self.reader.payload_extents)  # type: ignore[attr-defined]
+        extents = self._read_payload_layout(indices, self.payload_reader.payload_extents)
         if self.mirror is not None:
             extents.sources = [None] * len(extents.sources)
         return extents
+
+    @property
+    def payload_reader(self) -> PayloadReader:
+        """The reader, for the payload layout's own reads (``read_payloads``, ``decode``...)."""
+        if not self.reader.traits.payloads:
+            raise ValueError(
+                f"{self.root}: this cache stores plain pixel arrays, not per-image payloads; payload "
+                "reads need a cache converted with --codec jpeg or --resize shorter (or use read())"
+            )
+        return cast("PayloadReader", self.reader)
 
     def _read_payload_layout(self, indices: np.ndarray | list[int], read: Callable[[np.ndarray], T]) -> T:
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -181,7 +228,10 @@ class Cache:
                 with self.mirror.reading():  # fetched units stay until read (eviction waits)
                     self.mirror.ensure(self.reader.files_for(pos))
                     result = read(pos)
+        except CacheReplacedError:
+            raise
         except DlstoreError as e:
+            self._check_replaced(e)
             raise SampleReadError(
                 f"reading dataset {self._name_failing(index, pos, e)} from {self.location}: {e}"
             ) from e
@@ -200,18 +250,24 @@ class Cache:
         return f"indices {_short(indices)}"
 
     def check_generation(self) -> None:
-        """Formats that open files as they go: if DEST was rebuilt (swapped) while open, refuse
-        rather than mix generations. Checked after a read, so a read that passed got the old files.
-        (A memory map taken at open keeps reading its old generation: it outlives the swap.)"""
-        try:
-            inode = os.stat(self.root).st_ino
-        except OSError:
-            inode = -2
-        if inode != self._root_inode:
+        """If DEST was rebuilt (swapped) or removed while open, refuse rather than mix generations.
+        Checked after a read of files opened by path, so a read that passed got the old files. The
+        folder opened is held (``Generation``), so a new folder cannot reuse its inode number and
+        pass for it. (A memory map taken at open keeps reading its old generation: it outlives the
+        swap.) A remote cache asks its store whether the manifest changed."""
+        if not self._generation.is_current():
             raise CacheReplacedError(
-                f"{self.root}: the cache was rebuilt or removed while open; open it "
+                f"{self.location}: the cache was rebuilt or removed while open; open it "
                 "again (a new CachedDataset / open_cache) to read the new generation"
             )
+
+    def _check_replaced(self, error: Exception) -> None:
+        """On a read's error path: a replaced cache (local or remote) raises CacheReplacedError, so a
+        vanished file of the old generation is not reported as damage. Not asked of a store that
+        just failed to answer (``RemoteStoreError``): that would only wait out its deadline again."""
+        self.check_generation()
+        if self.mirror is not None and not isinstance(error, RemoteStoreError):
+            self.mirror.raise_if_replaced()  # one GET of the manifest: only when a read failed
 
     def _first_failing(self, indices: np.ndarray, pos: np.ndarray) -> str:
         """On the error path only: re-read one by one to name the dataset index that fails."""
@@ -224,21 +280,157 @@ class Cache:
 
     def close(self) -> None:
         self.reader.close()
+        self._generation.close()
+        self.engines.close()  # after the reader: its decoded units may be views of their memory
 
 
-def load_npy(path: Path) -> np.ndarray:
-    """A small index array of the cache (never a pickle)."""
+OPEN_ATTEMPTS = 3  # replaces met while opening, before giving up with CacheReplacedError
+NPY_HEADER_MAX = 1 << 16  # numpy writes headers of at most a few hundred bytes
+
+
+class Generation:
+    """The folder a local cache was opened from, held open by a directory descriptor.
+
+    While held, no new folder can get its (device, inode), so ``is_current`` cannot be fooled by a
+    rebuilt cache in a recycled inode; the manifest and index arrays are read relative to the
+    descriptor, so they all come from the same generation whatever is renamed meanwhile."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.fd = -1
+        try:
+            self.fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            read_spec(self.root)  # raises the usual CacheNotFoundError naming the fix
+            raise
+        st = os.fstat(self.fd)
+        self.ident = (st.st_dev, st.st_ino)
+
+    def is_current(self) -> bool:
+        """``root`` still names the folder held (it was not swapped, renamed or removed)."""
+        try:
+            st = os.stat(self.root)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) == self.ident and self.fd >= 0
+
+    def read(self, name: str, limit: int | None = None) -> bytes:
+        """A top-level file of this generation; never follows a symlink, never blocks on a FIFO, and
+        reads at most ``limit`` bytes (a larger file is refused before anything is allocated)."""
+        path = self.root / name
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
+        except FileNotFoundError:
+            if name == MANIFEST:
+                raise CacheNotFoundError(
+                    f"{self.root}: no {MANIFEST}, so this is not a complete dlstore cache; (re)create it "
+                    f"with `dlstore convert SOURCE {self.root} ... --overwrite`"
+                ) from None
+            raise CacheCorruptError(f"{path}: missing; rebuild the cache") from None
+        except OSError as e:  # ELOOP: a symlink
+            raise CacheCorruptError(
+                f"{path}: cannot be opened as a regular file ({e.strerror}); refusing it (a symlink is "
+                "never followed); rebuild the cache"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CacheCorruptError(
+                    f"{path}: a {file_kind(st.st_mode)}, not a regular file; rebuild the cache"
+                )
+            if limit is not None and st.st_size > limit:
+                raise CacheCorruptError(
+                    f"{path}: {st.st_size} bytes, more than the {limit} the manifest allows; rebuild the cache"
+                )
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read()
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def check_files(root: Path, spec: CacheSpec, lazy: bool = False) -> None:
+    """Before anything is allocated: the cache folder holds only folders and regular files (no
+    symlink, FIFO, device or socket), and no file holds bytes beyond what the manifest's checksums
+    cover (an index appended to a shard). A missing or truncated unit is left to the read that needs
+    it (it names the dataset index) and to ``dlstore verify``."""
+    present = regular_files(root)
+    over = [p for p in size_problems(root, spec.checksums, present, lazy=True) if "appended" in p]
+    if over:
+        raise CacheCorruptError(f"{over[0]}; run `dlstore verify {root}` and rebuild the cache")
+    if not lazy:  # a remote cache's units are not here yet; each is checked against its checksums
+        check_declared_pixels(root, spec, sum(present.values()))
+
+
+# Pixels a cache may declare per byte it holds: what lossless codecs reach on real images is far
+# below; a manifest declaring more (a 65536x65536 image in a few KB, a 1.4 MB shard said to be
+# 1.4 GB) is refused before any buffer is allocated for it. Below the floor anything goes.
+PIXEL_MAX_EXPANSION = 256
+PIXEL_FLOOR_BYTES = 64 << 20
+
+
+def check_declared_pixels(root: Path, spec: CacheSpec, present: int) -> None:
+    """The pixels the manifest declares (the whole cache, and one unit: one decode buffer) against
+    the bytes the cache holds. Payload layouts declare per image, checked by their index."""
+    allowed = max(PIXEL_FLOOR_BYTES, PIXEL_MAX_EXPANSION * present)
+    unit = min(int(spec.format_options.get("unit_size", 1)), max(1, spec.n_stored))
+    per_unit = unit * spec.image_bytes
+    declared = spec.n_stored * spec.image_bytes
+    if spec.format_options.get("layout") != "payload" and max(declared, per_unit) > allowed:
+        raise CacheCorruptError(
+            f"{root}: the manifest declares {declared / 1e6:.0f} MB of pixels ({spec.n_stored} images of "
+            f"{spec.shape}, units of {per_unit / 1e6:.0f} MB) in {present / 1e6:.1f} MB of files, beyond "
+            f"{PIXEL_MAX_EXPANSION}x compression; refusing to allocate for it (tampered?): rebuild the cache"
+        )
+
+
+def load_npy(path: Path, data: bytes | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """A small index array of the cache (never a pickle). With ``shape`` the header is checked
+    first, so a forged header cannot make numpy allocate what it declares."""
     try:
-        return np.load(path, allow_pickle=False)
+        if data is None:
+            data = path.read_bytes()
+        f = io.BytesIO(data)
+        version = np.lib.format.read_magic(f)
+        read_header = (
+            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+        )
+        declared, fortran, dtype = read_header(f)
+        if shape is not None and (
+            tuple(declared) != shape or dtype.kind != "i" or dtype.hasobject or fortran
+        ):
+            raise CacheCorruptError(
+                f"{path}: holds {dtype}{tuple(declared)}, the manifest says an integer array of shape "
+                f"{shape}; rebuild the cache"
+            )
+        if len(data) - f.tell() != int(np.prod(declared)) * dtype.itemsize:
+            raise ValueError(f"{len(data) - f.tell()} data bytes for {dtype}{tuple(declared)}")
+        if dtype.hasobject:
+            raise ValueError(f"an object array ({dtype}): dlstore never unpickles")
+        count = int(np.prod(declared))
+        return np.frombuffer(data, dtype=dtype, count=count, offset=f.tell()).reshape(declared).copy()
     except FileNotFoundError:
         raise CacheCorruptError(f"{path}: missing; rebuild the cache") from None
-    except ValueError as e:
+    except (ValueError, SyntaxError, TypeError) as e:
         raise CacheCorruptError(f"{path}: unreadable ({e}); rebuild the cache") from None
 
 
-def load_labels(root: Path, spec: CacheSpec) -> np.ndarray:
+def _read_index(root: Path, name: str, gen: Generation | None, shape: tuple[int, ...]) -> np.ndarray:
+    limit = NPY_HEADER_MAX + 8 * int(np.prod(shape))
+    data = gen.read(name, limit) if gen is not None else None
+    return load_npy(root / name, data, shape)
+
+
+def load_labels(root: Path, spec: CacheSpec, gen: Generation | None = None) -> np.ndarray:
     path = root / LABELS_FILE
-    labels = load_npy(path)
+    labels = _read_index(root, LABELS_FILE, gen, (spec.n_stored,))
     if labels.shape != (spec.n_stored,) or labels.dtype.kind != "i" or int((labels >= 0).sum()) != spec.n:
         raise CacheCorruptError(
             f"{path}: {labels.dtype}{labels.shape} does not match the manifest "
@@ -247,9 +439,11 @@ def load_labels(root: Path, spec: CacheSpec) -> np.ndarray:
     return labels.astype(np.int64, copy=False)
 
 
-def load_positions(root: Path, spec: CacheSpec, stored_labels: np.ndarray) -> np.ndarray:
+def load_positions(
+    root: Path, spec: CacheSpec, stored_labels: np.ndarray, gen: Generation | None = None
+) -> np.ndarray:
     path = root / POSITIONS_FILE
-    pos = load_npy(path)
+    pos = _read_index(root, POSITIONS_FILE, gen, (spec.n,))
     if (
         pos.shape != (spec.n,)
         or pos.dtype.kind != "i"

@@ -13,7 +13,7 @@ worker rows of (where, CRC, shape). A payload of a unit stored as a file (npz sh
 is read by the worker from that file (memory-mapped, kept open); any other is copied into the slot's
 input area first, one slice per image. Each worker checks the CRC-32 of every payload it decodes.
 
-Workers are fresh interpreters (as ``dlstore.formats.unit_procs``: no multiprocessing spawn/fork of
+Workers are fresh interpreters (as ``dlstore.read.engines.unit_procs``: no multiprocessing spawn/fork of
 the user's process), import no torch, and answer each run with its decode time, which the loader uses
 to balance the split. A run a worker fails (or loses by dying) is decoded again in the loader's
 thread, where a corrupt payload (a CRC that does not match, bytes that do not decode) becomes the
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dlstore.formats.workers import Workers, attach, shutdown, worker_connection
+from dlstore.read.engines.workers import Workers, attach, shutdown, worker_connection
 
 if TYPE_CHECKING:
     from dlstore.formats.payload import PayloadExtents
@@ -370,5 +370,5 @@ def _register(block: np.ndarray) -> bool:
 
 
 def main() -> None:
-    """Worker entry (see ``dlstore.formats.workers``)."""
+    """Worker entry (see ``dlstore.read.engines.workers``)."""
     _worker(worker_connection())

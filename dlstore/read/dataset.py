@@ -163,6 +163,13 @@ class CachedDataset(torch.utils.data.Dataset):
                 "or ConvertImageDtype(torch.float32), where ToTensor was)"
             ) from e
 
+    def close(self) -> None:
+        """Close the storage handles this process opened (memory maps pin pages, workers hold shared
+        memory); the next read opens the cache again."""
+        cache, self._cache, self._pid = self._cache, None, -1
+        if cache is not None:
+            cache.close()
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_cache"], state["_pid"], state["_threads_pid"] = None, -1, -1  # no pixels, no handles

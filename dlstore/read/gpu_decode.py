@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from dlstore.read.cache import Cache, open_cache
+from dlstore.read.cache import Cache
 from dlstore.read.cpu_decode import CpuDecoders, CpuShare
+from dlstore.read.loader_core import CoreLoader, storage_sorted
 
 if TYPE_CHECKING:
     from dlstore.gpu.ragged import FlatImages
-from dlstore.read.loaders import check_batch_size, make_sampler, storage_sorted
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
 DECODE_IN = ("stream", "thread")
@@ -122,7 +122,7 @@ def decode_on_device(
     fallbacks = 0
     for i, img in enumerate(out):
         if img is None or tuple(img.shape) != expected[i]:
-            cpu = cache.reader.decode(payloads[i], shapes[i], int(positions[i]))  # type: ignore[attr-defined]
+            cpu = cache.payload_reader.decode(payloads[i], shapes[i], int(positions[i]))
             out[i] = torch.from_numpy(cpu).permute(2, 0, 1).to(device, non_blocking=True)
             fallbacks += 1
     return out, fallbacks  # type: ignore[return-value]
@@ -137,12 +137,15 @@ def _decode_one(data: torch.Tensor, mode: Any, device: torch.device) -> torch.Te
         return None
 
 
-class DecodeLoader:
+class DecodeLoader(CoreLoader):
     """Batches of a payload cache, decoded (nvJPEG on CUDA) and cropped on ``device``; see the module.
 
     ``transform`` is required for a ragged cache (images differ in size); without it a fixed-size cache
-    yields (B, C, H, W) uint8. ``order``: ``auto``/``chunk`` (chunk-aware shuffle), ``random``,
-    ``sequential``. ``read_ahead`` batches are read while the current one decodes.
+    yields (B, C, H, W) uint8. ``read_ahead`` batches are read while the current one decodes. The
+    cache (a folder or a URL, with the remote-cache options), batch_size, ``order`` (``auto``/``chunk``:
+    chunk-aware shuffle, ``random``, ``sequential``), seed, drop_last, window and ``num_replicas``/
+    ``rank`` (each rank decodes its own equal share of every epoch) are the ``LoaderCore`` every
+    loader takes.
     """
 
     def __init__(
@@ -151,18 +154,16 @@ class DecodeLoader:
         batch_size: int,
         transform: Transform | None = None,
         device: str | torch.device = "cuda",
-        order: str = "auto",
-        drop_last: bool = True,
-        seed: int = 0,
-        window: int | None = None,
+        *,
         read_ahead: int = 4,
         threads: int | None = None,
         decode_in: str = "thread",
         cpu_decoders: int = 0,
         cpu_share: float | None = None,
+        **core: Any,
     ) -> None:
-        self.cache = path if isinstance(path, Cache) else open_cache(path)
-        if not hasattr(self.cache.reader, "read_payloads"):
+        self._open_core(path, batch_size, core)
+        if not self.cache.reader.traits.payloads:
             raise ValueError(
                 f"{self.cache.root}: this cache stores plain pixel arrays; DecodeLoader reads payload caches "
                 "(--codec jpeg or --resize shorter); use PinnedLoader for this one"
@@ -172,11 +173,10 @@ class DecodeLoader:
                 f"{self.cache.root}: images differ in size; pass a transform that makes them one size, "
                 "e.g. dlstore.gpu.RaggedRandomResizedCrop(224)"
             )
-        self.batch_size, self.transform, self.drop_last = check_batch_size(batch_size), transform, drop_last
+        self.transform = transform
         self.device = torch.device(device)
-        self.sampler = make_sampler(self.cache, order, seed, window)
         self.cache.reader.threads = threads or max(self.cache.reader.threads, len(os.sched_getaffinity(0)))
-        self.gpu = self.device.type == "cuda" and bool(getattr(self.cache.reader, "gpu_jpeg", False))
+        self.gpu = self.device.type == "cuda" and self.cache.reader.gpu_jpeg
         self.read_ahead = max(1, read_ahead)
         if decode_in not in DECODE_IN:
             raise ValueError(f"decode_in must be one of {', '.join(DECODE_IN)}, got {decode_in!r}")
@@ -187,7 +187,6 @@ class DecodeLoader:
         self.decode_in = decode_in
         self._stream: Any = None
         self.stats = DecodeStats()
-        self.epoch = 0
         if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
             raise ValueError(f"cpu_share is the CPU decoders' fraction of a batch, 0..1; got {cpu_share}")
         # Split each JPEG batch between nvJPEG and CPU worker processes (None: balanced by their rates).
@@ -197,16 +196,9 @@ class DecodeLoader:
         self._last_batch: float | None = None
         self._epoch_batches = 0  # batches decoded in this epoch (the auto split skips the pipeline's fill)
 
-    def __len__(self) -> int:
-        n = len(self.sampler)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
+        batches = list(self._next_epoch())
         self._last_batch, self._epoch_batches = None, 0
-        batches = list(torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last))
         if self.gpu and self.cpu_decoders and self.cpu is None:
             self.cpu = self._start_cpu_decoders()
         # One thread reads batches ahead (4 measured faster than 2 on the H200: 29.5k vs 24.8k img/s,
@@ -303,7 +295,7 @@ class DecodeLoader:
     def _start_cpu_decoders(self) -> CpuDecoders:
         """Workers and slots for the CPU share: a slot holds the largest share of one batch, each image
         up to twice the cache's nominal size (a batch of larger ones sends fewer to the CPU)."""
-        codec = self.cache.reader.image_codec  # type: ignore[attr-defined]
+        codec = self.cache.payload_reader.image_codec
         h, w, c = self.cache.spec.shape
         most = self.fixed_share if self.fixed_share is not None else MAX_AUTO_SHARE
         per_image = 2 * int(h) * int(w) * int(c)
@@ -416,7 +408,9 @@ class DecodeLoader:
             positions = self.cache.positions[index[first:stop]]
             for i in range(first, stop):
                 h, w, c = share.shapes[i].tolist()
-                hwc = self.cache.reader.decode(payloads[i - first], (h, w, c), int(positions[i - first]))  # type: ignore[attr-defined]
+                hwc = self.cache.payload_reader.decode(
+                    payloads[i - first], (h, w, c), int(positions[i - first])
+                )
                 start = share.out_start + int(share.offsets[i])
                 block[start : start + h * w * c].reshape(c, h, w)[...] = hwc.transpose(2, 0, 1)
         region = torch.from_numpy(block[share.out_start : share.out_start + share.out_bytes])

@@ -26,58 +26,22 @@ import numpy as np
 import torch
 
 from dlstore.errors import DlstoreError
-from dlstore.formats.base import ChunkedReader
 from dlstore.machine import usable_cores
 from dlstore.read.batch import ImageBatch, in_worker, labels_tensor, new_batch
-from dlstore.read.cache import Cache, open_cache
-from dlstore.read.sampler import ChunkSampler
+from dlstore.read.cache import Cache
+from dlstore.read.loader_core import (  # noqa: F401  (make_sampler, default_window: their old home)
+    CoreLoader,
+    LoaderCore,
+    check_batch_size,
+    default_window,
+    make_sampler,
+    storage_sorted,
+)
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
 
-def make_sampler(
-    cache: Cache,
-    order: str,
-    seed: int = 0,
-    window: int | None = None,
-    num_replicas: int = 1,
-    rank: int = 0,
-) -> torch.utils.data.Sampler[int]:
-    """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``.
-
-    With ``num_replicas`` > 1 (one process per GPU) each rank gets its own equal-length share of the
-    epoch (``ChunkSampler``'s contiguous slice, or ``DistributedSampler`` for ``random``), so every
-    rank runs the same number of steps and DDP never waits on a rank that ran out."""
-    if order == "auto":
-        order = "chunk" if isinstance(cache.reader, ChunkedReader) else "random"
-    if order == "chunk":
-        unit = getattr(cache.reader, "unit", 1)
-        window = window or default_window(cache)
-        return ChunkSampler(
-            cache.positions, unit, window=window, seed=seed, num_replicas=num_replicas, rank=rank
-        )
-    if order in ("random", "sequential") and num_replicas > 1:
-        return torch.utils.data.DistributedSampler(
-            range(len(cache)), num_replicas=num_replicas, rank=rank, shuffle=order == "random", seed=seed
-        )
-    if order == "random":
-        return torch.utils.data.RandomSampler(
-            range(len(cache)), generator=torch.Generator().manual_seed(seed)
-        )
-    if order == "sequential":
-        return torch.utils.data.SequentialSampler(range(len(cache)))
-    raise ValueError(f"order must be auto, chunk, random or sequential, got {order!r}")
-
-
-def default_window(cache: Cache, images: int = 4096) -> int:
-    """Mix about `images` images at a time, but never more units than half the reader keeps decoded."""
-    reader = cache.reader
-    if not isinstance(reader, ChunkedReader):
-        return 1
-    return max(1, min(reader.max_units // 2, -(-images // reader.unit)))
-
-
-class PinnedLoader:
+class PinnedLoader(CoreLoader):
     """Main-process loader: background gather into pinned buffers, side-stream copy to the device.
 
     >>> loader = PinnedLoader("cache/", batch_size=256, device="cuda")    # doctest: +SKIP
@@ -93,6 +57,9 @@ class PinnedLoader:
     threads; with ``decode_processes=N``, N worker processes decode each chunk once and copy its
     images straight into the epoch's batches in shared memory (``Cache.read_batches``), and the
     gather thread only copies each finished batch into a pinned buffer.
+
+    The cache, batch_size, order, seed, drop_last, window, num_replicas/rank and the remote-cache
+    options are the ``LoaderCore`` every loader takes (``dlstore.read.loader_core``).
     """
 
     def __init__(
@@ -100,61 +67,36 @@ class PinnedLoader:
         path: str | Path | Cache,
         batch_size: int,
         device: str | torch.device = "cuda",
-        order: str = "auto",
-        drop_last: bool = True,
-        seed: int = 0,
+        *,
         num_buffers: int = 4,
         in_memory: bool = False,
-        window: int | None = None,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         cuda_graph: bool = False,
-        num_replicas: int = 1,
-        rank: int = 0,
-        storage_options: dict[str, Any] | None = None,
-        cache_dir: str | Path | None = None,
         decode_processes: int = 0,
+        **core: Any,
     ) -> None:
-        self.cache = (
-            path
-            if isinstance(path, Cache)
-            else open_cache(path, in_memory=in_memory, storage_options=storage_options, cache_dir=cache_dir)
-        )
+        self._open_core(path, batch_size, core, in_memory=in_memory)
         if cuda_graph and transform is not None:
             from dlstore.gpu.graphs import CudaGraphed
 
             transform = CudaGraphed(transform)  # replayed, not launched op by op (see ResidentLoader)
         self.transform = transform
-        self.batch_size, self.drop_last, self.seed = check_batch_size(batch_size), drop_last, seed
         self.device = torch.device(device)
-        self.sampler = make_sampler(self.cache, order, seed, window, num_replicas, rank)
         # The only process reading: let the reader's (blocking, not spinning) threads use every core.
         self.cache.reader.threads = max(self.cache.reader.threads, usable_cores())
         self.decode_processes = decode_processes
         self.num_buffers = max(2, num_buffers)
-        self.epoch = 0
         self._ring: BufferRing | None = None
         self._last: weakref.ref[_PinnedIter] | None = None
 
-    def __len__(self) -> int:
-        n = len(self.sampler)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
-
-    def set_epoch(self, epoch: int) -> None:
-        """The order of the next epoch is the one of ``epoch`` (resuming at an epoch boundary);
-        without calls, each iteration advances the epoch by one."""
-        self.epoch = epoch
-
     def __iter__(self) -> Iterator[Batch]:
-        if hasattr(self.sampler, "set_epoch"):
-            self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
+        batches = self._next_epoch()
         if self._ring is None:  # buffers are kept across epochs: pinning is slow
             self._ring = BufferRing(
                 self.num_buffers, (self.batch_size, *self.cache.spec.shape), pin=self.device.type == "cuda"
             )
         if self._last is not None and (last := self._last()) is not None:
             last.close()  # an epoch abandoned mid-way must give its buffers back first
-        batches = torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
         it = _PinnedIter(self.cache, self._ring, batches, self.device, self.transform, self.decode_processes)
         self._last = weakref.ref(it)
         return it
@@ -181,13 +123,6 @@ class BufferRing:
         self.free.put((slot, event))
 
 
-def storage_sorted(cache: Cache, indices: list[int]) -> np.ndarray:
-    """A batch's indices in storage order: chunked readers then copy each unit's rows in one slice.
-    The order of samples inside a batch does not matter to training; the labels follow the images."""
-    index = np.asarray(indices, dtype=np.int64)
-    return index[np.argsort(cache.positions[index], kind="stable")]
-
-
 PREFETCH_BATCHES = 2  # zarr 256 px: a batch of 256 can need ~100 new chunks, half the decode-ahead bound
 
 
@@ -206,7 +141,7 @@ class _Producer:
 
     def run(self) -> None:
         try:
-            if self.processes > 0 and getattr(self.cache.reader, "decode_batches", None) is not None:
+            if self.processes > 0 and self.cache.reader.traits.unit_arrays:
                 self.run_decoded()
             else:
                 self.run_reads()
@@ -352,7 +287,7 @@ class _PinnedIter:
         self.close()
 
 
-class ResidentLoader:
+class ResidentLoader(CoreLoader):
     """The whole cache as one uint8 tensor on the device; batches are gathered there.
 
     Refuses (naming both numbers) when the cache would leave less than ``headroom`` of the device's
@@ -364,25 +299,29 @@ class ResidentLoader:
 
     >>> loader = ResidentLoader("cache/", batch_size=256, transform=GpuAugment(28, degrees=15),
     ...                         cuda_graph=True)                          # doctest: +SKIP
+
+    Takes the ``LoaderCore`` every loader takes; ``order="auto"`` is ``random`` here (the images are in
+    device memory: chunks do not matter), drawn on the device. ``shuffle=`` is the old spelling of
+    ``order`` (a DeprecationWarning for one round).
     """
+
+    AUTO_ORDER = "random"
 
     def __init__(
         self,
         path: str | Path | Cache,
         batch_size: int,
         device: str | torch.device = "cuda",
-        shuffle: bool = True,
-        drop_last: bool = True,
-        seed: int = 0,
+        *,
         headroom: float = 0.2,
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         cuda_graph: bool = False,
         block_bytes: int = 256 << 20,
+        **core: Any,
     ) -> None:
-        check_batch_size(batch_size)
-        cache = path if isinstance(path, Cache) else open_cache(path)
+        self._open_core(path, batch_size, core)
+        cache = self.cache
         self.device = torch.device(device)
-        self.batch_size, self.shuffle, self.drop_last, self.seed = batch_size, shuffle, drop_last, seed
         self.transform = transform
         if cuda_graph and (self.device.type != "cuda" or getattr(transform, "generator", None) is not None):
             raise ValueError("cuda_graph needs a CUDA device and a transform on the default generator")
@@ -391,26 +330,29 @@ class ResidentLoader:
         check_fits(cache, self.device, headroom)
         self.images = upload(cache, self.device, block_bytes)
         self.labels = torch.from_numpy(cache.labels.copy()).to(self.device)
-        self.epoch = 0
         self._graph: Any = None
 
-    def __len__(self) -> int:
-        return self.n // self.batch_size if self.drop_last else -(-self.n // self.batch_size)
-
     def __iter__(self) -> Iterator[Batch]:
-        g = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + self.epoch)
-        self.epoch += 1
-        order = (
-            torch.randperm(self.n, device=self.device, generator=g)
-            if self.shuffle
-            else torch.arange(self.n, device=self.device)
-        )
+        order = self._epoch_order()
         for i in range(len(self)):
             idx = order[i * self.batch_size : (i + 1) * self.batch_size]
             if self.cuda_graph and len(idx) == self.batch_size:
                 yield self._replay(idx)
             else:
                 yield self.batch(idx)
+
+    def _epoch_order(self) -> torch.Tensor:
+        """This rank's dataset indices for the next epoch, on the device. One process reading all of
+        a random or sequential epoch draws it there (no host work); a rank's share or a chunk order
+        comes from the sampler, moved once per epoch."""
+        if self.core.num_replicas == 1 and self.order in ("random", "sequential"):
+            g = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + self.epoch)
+            self.epoch += 1
+            if self.order == "random":
+                return torch.randperm(self.n, device=self.device, generator=g)
+            return torch.arange(self.n, device=self.device)
+        indices = [i for batch in self._next_epoch() for i in batch]
+        return torch.as_tensor(indices, dtype=torch.int64).to(self.device)
 
     def batch(self, idx: torch.Tensor) -> Batch:
         x = self.images.index_select(0, idx).permute(0, 3, 1, 2)
@@ -475,10 +417,10 @@ class BatchDataset(torch.utils.data.Dataset):
     """A cache indexed by *lists* of indices: one storage pass per batch, written into shared memory
     in DataLoader workers so handing the batch to the main process copies nothing."""
 
-    def __init__(self, path: str | Path, in_memory: bool = False) -> None:
+    def __init__(self, path: str | Path, in_memory: bool = False, **remote: Any) -> None:
         from dlstore.read.dataset import CachedDataset
 
-        self.dataset = CachedDataset(path, in_memory=in_memory)
+        self.dataset = CachedDataset(path, in_memory=in_memory, **remote)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -491,31 +433,32 @@ class BatchDataset(torch.utils.data.Dataset):
         return x.permute(0, 3, 1, 2).as_subclass(ImageBatch), labels_tensor(cache.labels[idx])
 
 
-def check_batch_size(batch_size: int) -> int:
-    """``batch_size`` when it is a positive int (in torch BatchSampler's words otherwise)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise ValueError(f"batch_size should be a positive integer value, but got batch_size={batch_size}")
-    return batch_size
-
-
 def batch_dataloader(
     path: str | Path,
     batch_size: int,
     num_workers: int = 2,
-    order: str = "auto",
-    drop_last: bool = True,
-    seed: int = 0,
+    *,
     pin_memory: bool = True,
     in_memory: bool = False,
-    num_replicas: int = 1,
-    rank: int = 0,
     **kw: Any,
 ) -> torch.utils.data.DataLoader:
-    """A DataLoader whose workers each build whole batches (see BatchDataset). Under DDP pass
-    ``num_replicas``/``rank`` and call ``loader.sampler.sampler.set_epoch(e)`` each epoch."""
-    ds = BatchDataset(path, in_memory=in_memory)
-    sampler = make_sampler(ds.dataset.cache, order, seed, num_replicas=num_replicas, rank=rank)
-    batches = torch.utils.data.BatchSampler(sampler, batch_size, drop_last)
+    """A DataLoader whose workers each build whole batches (see BatchDataset). The keywords of
+    ``LoaderCore`` (order, seed, drop_last, window, num_replicas, rank, the remote-cache options)
+    shape the epoch as for the other loaders; any other keyword goes to torch's DataLoader. Under DDP
+    pass ``num_replicas``/``rank`` and call ``loader.sampler.sampler.set_epoch(e)`` each epoch."""
+    given = {k: kw.pop(k) for k in (*LoaderCore.names(), "shuffle") if k in kw}
+    core = LoaderCore.from_keywords(path, batch_size, given, "batch_dataloader", stacklevel=3)
+    if isinstance(core.path, Cache):
+        raise ValueError(
+            "batch_dataloader: pass the cache's path or URL (each worker opens its own), not a Cache"
+        )
+    remote = {
+        "storage_options": core.storage_options,
+        "cache_dir": core.cache_dir,
+        "cache_bytes": core.cache_bytes,
+    }
+    ds = BatchDataset(core.path, in_memory=in_memory, **remote)
+    batches = torch.utils.data.BatchSampler(core.sampler(ds.dataset.cache), batch_size, core.drop_last)
     return torch.utils.data.DataLoader(
         ds,
         sampler=batches,

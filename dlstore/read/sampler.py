@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from dlstore.formats.base import group_runs
+from dlstore.read.cache import Cache
 
 
 class ChunkSampler(torch.utils.data.Sampler[int]):
@@ -25,15 +27,18 @@ class ChunkSampler(torch.utils.data.Sampler[int]):
     the epoch's order is padded (or, with ``drop_last``, cut) to a multiple of the replicas and each
     rank takes one contiguous slice of it. Call ``set_epoch`` each epoch for a new order.
 
+    The first argument is a ``CachedDataset`` (or anything with ``.cache``), a ``Cache``, or a
+    dataset's storage positions (then ``unit``, the images per chunk, is needed too).
+
     >>> ds = CachedDataset("cache/")                                        # doctest: +SKIP
-    >>> sampler = ChunkSampler.for_dataset(ds, window=16, seed=0)            # doctest: +SKIP
+    >>> sampler = ChunkSampler(ds, window=16, seed=0, num_replicas=world, rank=rank)  # doctest: +SKIP
     >>> loader = DataLoader(ds, batch_size=256, sampler=sampler)             # doctest: +SKIP
     """
 
     def __init__(
         self,
-        positions: np.ndarray,
-        unit: int,
+        source: np.ndarray | Cache | _HasCache,
+        unit: int | None = None,
         window: int = 16,
         seed: int = 0,
         num_replicas: int = 1,
@@ -43,6 +48,7 @@ class ChunkSampler(torch.utils.data.Sampler[int]):
     ) -> None:
         if not 0 <= rank < num_replicas:
             raise ValueError(f"rank {rank} not in [0, {num_replicas})")
+        positions, unit = storage_map(source, unit)
         self.positions = np.asarray(positions, dtype=np.int64)
         self.unit, self.window, self.seed = max(1, unit), max(1, window), seed
         self.num_replicas, self.rank, self.drop_last, self.shuffle = num_replicas, rank, drop_last, shuffle
@@ -54,11 +60,9 @@ class ChunkSampler(torch.utils.data.Sampler[int]):
         self._groups = [order[a:b] for _, a, b in group_runs(self.positions[order] // self.unit)]
 
     @classmethod
-    def for_dataset(cls, dataset: object, **kw: object) -> ChunkSampler:
-        """From a CachedDataset (or anything with ``.cache``): its storage map and unit size."""
-        cache = dataset.cache  # type: ignore[attr-defined]
-        unit = getattr(cache.reader, "unit", 1)
-        return cls(cache.positions, unit, **kw)  # type: ignore[arg-type]
+    def for_dataset(cls, dataset: _HasCache, **kw: Any) -> ChunkSampler:
+        """From a CachedDataset (or anything with ``.cache``); the same as ``ChunkSampler(dataset, ...)``."""
+        return cls(dataset, **kw)
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -81,3 +85,21 @@ class ChunkSampler(torch.utils.data.Sampler[int]):
         # A contiguous slice per rank: each rank reads whole units, only boundary units are shared.
         mine = flat[self.rank * self.num_samples : (self.rank + 1) * self.num_samples]
         return iter(mine.tolist())
+
+
+class _HasCache(Protocol):
+    @property
+    def cache(self) -> Cache: ...
+
+
+def storage_map(source: np.ndarray | Cache | _HasCache, unit: int | None) -> tuple[np.ndarray, int]:
+    """(storage positions, images per unit) of a dataset, a cache, or positions given with their unit."""
+    if isinstance(source, np.ndarray | list | tuple):
+        if unit is None:
+            raise TypeError(
+                "ChunkSampler(positions, unit): with storage positions, pass the images per chunk too, "
+                "or pass the CachedDataset / Cache itself"
+            )
+        return np.asarray(source), unit
+    cache = source if isinstance(source, Cache) else source.cache
+    return cache.positions, cache.reader.unit if unit is None else unit

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from dlstore import settings
-from dlstore.checksums import file_sha256, split_key
-from dlstore.errors import CacheCorruptError, CacheNotFoundError, CacheReplacedError
+from dlstore.checksums import extents, file_kind, file_sha256, split_key
+from dlstore.errors import CacheCorruptError, CacheNotFoundError, CacheReplacedError, DlstoreError
 from dlstore.spec import MANIFEST, CacheSpec, parse_relpath, parse_spec, read_spec
 from dlstore.storage.stores import RemoteStore
 
@@ -124,7 +125,7 @@ class RemoteMirror:
         missing = []
         for rel in files:
             path = self.path / rel
-            if path.is_file():
+            if self.present(path):
                 os.utime(path)  # recency for LRU eviction
             else:
                 missing.append(rel)
@@ -134,6 +135,20 @@ class RemoteMirror:
             with ThreadPoolExecutor(min(16, len(missing))) as ex:
                 list(ex.map(self.fetch, missing))
 
+    def present(self, path: Path) -> bool:
+        """A fetched file is a regular file here; anything else put in its place (a symlink, a
+        FIFO) is refused, never followed or opened."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            raise CacheCorruptError(
+                f"{path}: a {file_kind(st.st_mode)} in the local chunk cache of {self.store.url}, where dlstore "
+                f"puts only the regular files it fetched; remove {self.path} and open the cache again"
+            )
+        return True
+
     def fetch(self, rel: str) -> None:
         final = self.path / rel
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -142,6 +157,7 @@ class RemoteMirror:
             try:
                 self.store.get_file(rel, tmp)
             except FileNotFoundError:
+                self.raise_if_replaced()  # deleted by a replace: say so, not "missing"
                 raise CacheCorruptError(
                     f"{self.store.where(rel)}: listed in the manifest but missing from the store; "
                     "rebuild the cache (`dlstore convert ... --overwrite`)"
@@ -149,12 +165,22 @@ class RemoteMirror:
             try:
                 self.check(rel, tmp)
             except CacheCorruptError:
-                self.check_generation()  # a rebuilt cache says so; a damaged object keeps its error
+                self.raise_if_replaced()  # a rebuilt cache says so; a damaged object keeps its error
                 raise
             os.replace(tmp, final)
             self._grown = True
         finally:
             tmp.unlink(missing_ok=True)
+
+    def raise_if_replaced(self) -> None:
+        """On an error path: CacheReplacedError if the remote manifest changed; if the store cannot
+        even be asked, nothing (the error being handled says more than this check could)."""
+        try:
+            self.check_generation()
+        except CacheReplacedError:
+            raise
+        except (DlstoreError, OSError):
+            pass
 
     def check_generation(self) -> None:
         """Refuse to mix generations: the remote manifest is not the one this mirror was opened with."""
@@ -171,6 +197,12 @@ class RemoteMirror:
     def check(self, rel: str, path: Path) -> None:
         """Every checksummed range of the file; a truncated or altered object is refused."""
         size = path.stat().st_size
+        extent = extents({k: self.spec.checksums[k] for k in self.keys[rel]})[rel]
+        if extent >= 0 and size > extent:  # bytes no checksum covers: a forged index appended
+            raise CacheCorruptError(
+                f"{self.store.where(rel)}: {size} bytes, but the manifest's checksums cover only {extent}; "
+                "rebuild the cache (`dlstore convert ... --overwrite`)"
+            )
         for key in self.keys[rel]:
             _, offset, length = split_key(key)
             if length is not None and size < offset + length:
@@ -186,7 +218,7 @@ class RemoteMirror:
 
     def prefetch(self, files: list[str]) -> None:
         """``ensure`` in one background thread per process (the next batches in sampler order)."""
-        missing = [rel for rel in files if not (self.path / rel).is_file()]
+        missing = [rel for rel in files if not os.path.lexists(self.path / rel)]
         if not missing:
             return
         if self._prefetcher is None or self._prefetcher_pid != os.getpid():

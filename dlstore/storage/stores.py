@@ -15,6 +15,7 @@ object-size rule in benchmarks/RESULTS.md was measured.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -30,6 +31,14 @@ T = TypeVar("T")
 # scheme → (the fsspec backend module, the dlstore extra that installs it)
 EXTRAS = {"s3": ("s3fs", "s3"), "s3a": ("s3fs", "s3"), "gs": ("gcsfs", "gcs"), "gcs": ("gcsfs", "gcs")}
 RETRIES = 5  # attempts per request before giving up
+# Every request has a deadline: a store that stops answering (a stopped server, a dropped network)
+# ends in RemoteStoreError naming the object within DEADLINE_S + READ_TIMEOUT_S, never a hang.
+CONNECT_TIMEOUT_S = 5.0  # per attempt: establishing the connection
+READ_TIMEOUT_S = 10.0  # per attempt: the longest wait for the next bytes of an answer
+DEADLINE_S = 30.0  # per request, all its attempts: no new attempt starts after this
+# Errors that mean "no usable credentials" by their class name (botocore, google-auth): retrying
+# cannot help, and their text may be long; they become one line naming the URL and the fix.
+NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "DefaultCredentialsError", "RefreshError"}
 BACKOFF_S = 0.25  # first wait; doubles per attempt, with jitter, capped at BACKOFF_MAX_S
 BACKOFF_MAX_S = 8.0
 # Not worth retrying: the answer will not change.
@@ -43,6 +52,35 @@ StorePath = Path | str  # a local folder, or the URL of a remote cache
 
 class RemoteStoreError(DlstoreError, OSError):
     """A request to an object store kept failing after its retries; names the object."""
+
+
+class RemoteAccessError(DlstoreError, PermissionError):
+    """The store refused the credentials (or found none); names the URL and how to give them."""
+
+
+def deadline_options(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The fsspec options with dlstore's time-outs filled in, the user's own settings winning: for
+    S3 botocore's connect/read time-outs with a single attempt each (``RemoteStore.call`` retries,
+    within its deadline), so a request never waits botocore's 60 s x 5 attempts x s3fs's 5 retries."""
+    out = dict(options)
+    if scheme in ("s3", "s3a"):
+        config = {
+            "connect_timeout": CONNECT_TIMEOUT_S,
+            "read_timeout": READ_TIMEOUT_S,
+            "retries": {"max_attempts": 1, "mode": "standard"},
+        }
+        out["config_kwargs"] = {**config, **dict(out.get("config_kwargs") or {})}
+    return out
+
+
+def quiet_backend_logs(scheme: str) -> None:
+    """gcsfs and google-auth log every retry (hundreds of lines without credentials or network):
+    dlstore reports the outcome in one line instead."""
+    if scheme in ("gs", "gcs"):
+        import logging
+
+        for name in ("gcsfs", "google.auth", "google.auth.compute_engine._metadata", "google.auth.transport"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def parse_store_path(path: str | os.PathLike[str]) -> StorePath:
@@ -76,6 +114,19 @@ def check_extra(url: str) -> None:
     """A URL whose fsspec backend is not installed: name the extra to install."""
     module, extra = EXTRAS[scheme_of(url)]
     require_extra(module, extra, f"a {scheme_of(url)}:// cache path")
+
+
+CREDENTIALS_HINT = {
+    "s3": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE",
+    "s3a": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
+    "gcs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
+}
+
+
+def _first_line(error: BaseException | None) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""
 
 
 def backoff(attempt: int) -> float:
@@ -118,7 +169,12 @@ class RemoteStore:
             if self._fs is None or self._pid != os.getpid():
                 from fsspec.core import url_to_fs
 
-                self._fs, self._root = url_to_fs(self.url, skip_instance_cache=True, **self.storage_options)
+                scheme = scheme_of(self.url)
+                quiet_backend_logs(scheme)
+                options = deadline_options(scheme, self.storage_options)
+                self._fs, self._root = url_to_fs(self.url, skip_instance_cache=True, **options)
+                if hasattr(self._fs, "retries"):  # s3fs/gcsfs retry loops of their own: ours is bounded
+                    self._fs.retries = 1
                 self._pid = os.getpid()
             return self._fs
 
@@ -135,22 +191,63 @@ class RemoteStore:
         return f"{self.url}/{rel}" if rel else self.url
 
     def call(self, what: str, rel: str, fn: Callable[[], T]) -> T:
-        """``fn`` with retries on transient errors; then RemoteStoreError naming the object."""
+        """``fn`` with retries on transient errors, within ``DEADLINE_S``; then RemoteStoreError
+        naming the object. Refused credentials and a missing bucket fail at once, in one line."""
         last: BaseException | None = None
+        start = time.monotonic()
+        attempts = 0
         for attempt in range(RETRIES):
             try:
                 self.requests += 1
+                attempts += 1
                 return fn()
+            except FileNotFoundError as e:
+                raise self.not_found(what, rel, e) from None
+            except PermissionError as e:
+                raise self.denied(what, rel, e) from None
             except PERMANENT:
                 raise
             except Exception as e:  # noqa: BLE001 - network stacks raise many types; all are retried
+                if type(e).__name__ in NO_CREDENTIALS:
+                    raise self.denied(what, rel, e) from None
                 last = e
-                if attempt + 1 < RETRIES:
-                    time.sleep(backoff(attempt))
+                wait = backoff(attempt)
+                if attempt + 1 < RETRIES and time.monotonic() - start + wait < DEADLINE_S:
+                    time.sleep(wait)
+                else:
+                    break
+        took = time.monotonic() - start
         raise RemoteStoreError(
-            f"{self.where(rel)}: {what} failed {RETRIES} times ({type(last).__name__}: {last}); "
-            "check that the object store is reachable and the credentials are valid, then retry"
+            f"{self.where(rel)}: {what} failed {attempts} times in {took:.0f} s ({type(last).__name__}: "
+            f"{_first_line(last)}); check that the object store is reachable and the credentials are "
+            "valid, then retry"
         ) from last
+
+    def denied(self, what: str, rel: str, error: BaseException) -> RemoteAccessError:
+        """One line naming the object and the fix; never the options (they may hold secrets)."""
+        kind = "no credentials were found" if type(error).__name__ in NO_CREDENTIALS else "access denied"
+        return RemoteAccessError(
+            f"{self.where(rel)}: {what} refused, {kind} ({type(error).__name__}); give credentials that "
+            f"may use {self.url}: {CREDENTIALS_HINT.get(scheme_of(self.url), 'the store environment')} "
+            "or --storage-options"
+        )
+
+    def not_found(self, what: str, rel: str, error: FileNotFoundError) -> OSError:
+        """A missing bucket, or an object missing where one was written (lost in an outage), is
+        a clear error; a missing object on a read stays a FileNotFoundError its caller words."""
+        text = str(error).lower()
+        if "specified bucket does not exist" in text or "nosuchbucket" in text:
+            bucket = self.key("").split("/")[0]
+            return RemoteStoreError(
+                f"{self.where(rel)}: the bucket {bucket!r} does not exist (after a server restart its "
+                "buckets may be gone); create it or check the URL, then re-run the same command"
+            )
+        if what in ("COPY", "PUT", "DELETE"):
+            return RemoteStoreError(
+                f"{self.where(rel)}: {what}: an object this run wrote is missing from the store (lost in "
+                "an outage or removed meanwhile); re-run the same command to resume"
+            )
+        return FileNotFoundError(errno.ENOENT, f"{self.where(rel)}: no such object", self.where(rel))
 
     def get_bytes(self, rel: str) -> bytes:
         data: bytes = self.call("GET", rel, lambda: self.fs.cat_file(self.key(rel)))

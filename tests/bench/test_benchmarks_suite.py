@@ -94,3 +94,11 @@ def test_every_area_names_a_script_that_exists() -> None:
     for area in run.AREAS.values():
         assert (ROOT / "benchmarks" / area.script).is_file(), area
         assert area.suite in run.SUITES
+
+
+def test_benchmarks_stay_a_suite_not_a_lab_log() -> None:
+    """Issue 21: at most 12 top-level scripts plus run.py, and RESULTS.md at most 300 lines."""
+    here = Path(__file__).resolve().parents[2] / "benchmarks"
+    scripts = sorted(p.name for p in here.glob("*.py") if p.name != "run.py")
+    assert len(scripts) <= 12, scripts
+    assert len((here / "RESULTS.md").read_text().splitlines()) <= 300

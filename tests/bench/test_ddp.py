@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from dlstore.convert.conversion import convert
+from dlstore.convert.options import ConvertOptions
 from dlstore.read.cache import open_cache
 from dlstore.read.loaders import make_sampler
 
@@ -23,7 +24,7 @@ N_IMAGES = 301  # not a multiple of 2 ranks x batch 16: exercises the padding
 def chunked_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Several chunks (64 px zarr: 86 images a chunk), so ranks read different units."""
     dest = tmp_path_factory.mktemp("ddp") / "cache"
-    convert("demo", dest, format="zarr", size=64, demo_images=N_IMAGES, workers=1)
+    convert("demo", dest, ConvertOptions(format="zarr", size=64, demo_images=N_IMAGES, workers=1))
     return dest
 
 

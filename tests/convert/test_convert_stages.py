@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from dlstore.convert.conversion import convert
+from dlstore.convert.options import ConvertOptions
 from dlstore.read.cache import open_cache
 from dlstore.spec import read_spec
 
@@ -23,7 +24,7 @@ FINALIZE_KEYS = ("finalize_writer_s", "finalize_metadata_s", "sync_tree_s", "che
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_stages_cover_the_phases(image_tree: Path, tmp_path: Path, workers: int) -> None:
-    res = convert(image_tree, tmp_path / "c", format="ram", size=16, workers=workers)
+    res = convert(image_tree, tmp_path / "c", ConvertOptions(format="ram", size=16, workers=workers))
     st = res.stages
     for key in (
         "setup_s",
@@ -76,7 +77,7 @@ def test_many_units_with_a_bounded_window(
         real(self, units, sums)
 
     monkeypatch.setattr(staging_mod.Staging, "record_many", spy)
-    res = convert(image_tree, tmp_path / "c", format="ram", size=16, workers=2)
+    res = convert(image_tree, tmp_path / "c", ConvertOptions(format="ram", size=16, workers=2))
     assert sorted(journaled) == list(range(res.n)) and res.n > 4 * 2
     assert len(open_cache(tmp_path / "c")) == res.n
 
@@ -116,7 +117,7 @@ def test_the_pool_hands_out_units_without_waiting_for_the_whole_window(
         record_many(self, units, sums)
 
     monkeypatch.setattr(staging_mod.Staging, "record_many", record)
-    res = convert(image_tree, dest, format="ram", size=16, workers=2)
+    res = convert(image_tree, dest, ConvertOptions(format="ram", size=16, workers=2))
     assert res.n > 4 * 2 + 1 and spy[-1] == 0 and sorted(spy) == list(range(res.n))
 
 
@@ -134,7 +135,7 @@ def test_workers_checksum_their_units_as_they_write_them(
     """A writer that digests its units (ram: one range per slab, cut at RANGE_BYTES) spares finalize
     a second read of the pixels; the ranges tile the file and match its bytes."""
     import dlstore.checksums as checksums
-    import dlstore.convert.conversion as conversion
+    import dlstore.convert.finish as finish
     from dlstore.checksums import mismatches
     from dlstore.convert.verification import verify
     from dlstore.formats.ram import RamWriter
@@ -143,12 +144,10 @@ def test_workers_checksum_their_units_as_they_write_them(
     monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 3))
     monkeypatch.setattr(checksums, "RANGE_BYTES", range_bytes)  # forked workers inherit it
     asked: list[str] = []
-    real = conversion.checksum_keys
-    monkeypatch.setattr(
-        conversion, "checksum_keys", lambda root, keys: asked.extend(keys) or real(root, keys)
-    )
+    real = finish.checksum_keys
+    monkeypatch.setattr(finish, "checksum_keys", lambda root, keys: asked.extend(keys) or real(root, keys))
     dest = tmp_path / "c"
-    res = convert(image_tree, dest, format="ram", size=16, workers=workers)
+    res = convert(image_tree, dest, ConvertOptions(format="ram", size=16, workers=workers))
     spec = read_spec(dest)
     images = "images.npy"
     ranges = _unit_ranges(spec.checksums, images)
@@ -183,7 +182,7 @@ def test_units_journaled_without_their_checksums_are_digested_at_the_end(
     monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 3))
     monkeypatch.setattr(RamWriter, "unit_checksums", lambda self, k, images: {})
     dest = tmp_path / "c"
-    res = convert(image_tree, dest, format="ram", size=16, workers=2)
+    res = convert(image_tree, dest, ConvertOptions(format="ram", size=16, workers=2))
     spec = read_spec(dest)
     assert len(_unit_ranges(spec.checksums, "images.npy")) == -(-res.n // 3)
     assert mismatches(dest, spec.checksums) == []

@@ -84,9 +84,9 @@ def test_workers_write_units_to_the_store_with_the_checksums_of_a_local_run(
     cluster: str, tree: Path, tmp_path: Path, spool: Path, fmt: str, options: dict[str, Any]
 ) -> None:
     url = f"s3://{BUCKET}/{fmt}-{len(options)}"
-    local = conv(tree, tmp_path / "local", fmt, options=options)
+    local = conv(tree, tmp_path / "local", fmt, writer_options=options)
     watch = SpoolWatch(spool)
-    remote = conv(tree, url, fmt, options=options, scheduler=cluster, progress=watch)
+    remote = conv(tree, url, fmt, writer_options=options, scheduler=cluster, progress=watch)
     spec = spec_at(url)
     assert spec.checksums == read_spec(tmp_path / "local").checksums
     unit_files = FORMATS[fmt].reader_for(spec).unit_files(spec)

@@ -4,7 +4,6 @@ and beside it (``mydata-other/``, ``mydatax.txt``), and at a bucket's root."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,9 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 from reliability_helpers import make_tree
-from s3server import aws_env, start_server
 
-import dlstore.storage.stores as stores
 from dlstore import convert, open_cache
 from dlstore.cli import main
 from dlstore.errors import CacheExistsError
@@ -32,19 +29,6 @@ FOREIGN = {
     "README": b"the bucket's own readme",
     "other-project/model.pt": b"more weights",
 }
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    server = start_server()
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in aws_env(server).items():
-            mp.setenv(name, value)
-        mp.setenv("DLSTORE_SPOOL", str(tmp_path_factory.mktemp("spool")))
-        mp.setattr(stores, "RETRIES", 2)
-        mp.setattr(stores, "BACKOFF_S", 0.01)
-        yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")

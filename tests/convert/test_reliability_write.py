@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 from reliability_helpers import FORMAT_NAMES, assert_same_cache, make_tree, read_all, small_units
 
-import dlstore.convert.conversion as conversion
+import dlstore.convert.finish as finish
+import dlstore.convert.plan as plan
 import dlstore.convert.staging as staging_mod
 from dlstore.convert.conversion import convert
 from dlstore.convert.verification import verify
@@ -45,7 +46,7 @@ def _small_units(monkeypatch: pytest.MonkeyPatch) -> None:
     small_units(monkeypatch, 5)
 
 
-def conv(tree: Path, dest: Path, fmt: str = "npz", **kw: object) -> conversion.ConvertResult:
+def conv(tree: Path, dest: Path, fmt: str = "npz", **kw: object) -> finish.ConvertResult:
     kw.setdefault("size", 8)
     kw.setdefault("workers", 1)
     return convert(tree, dest, format=fmt, **kw)  # type: ignore[arg-type]
@@ -84,7 +85,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, fmt: str, stage: str) -> None:
     elif stage == "finish":
         monkeypatch.setattr(FORMATS[fmt].writer, "finish", lambda self, labels: (_ for _ in ()).throw(Boom()))
     elif stage == "manifest":
-        real = conversion.write_json_durably
+        real = finish.write_json_durably
 
         def write(path: Path, text: str) -> None:
             if path.name == MANIFEST:
@@ -92,7 +93,7 @@ def inject(monkeypatch: pytest.MonkeyPatch, fmt: str, stage: str) -> None:
                 raise Boom()
             real(path, text)
 
-        monkeypatch.setattr(conversion, "write_json_durably", write)
+        monkeypatch.setattr(finish, "write_json_durably", write)
     elif stage == "exchange":
         monkeypatch.setattr(staging_mod.os, "rename", lambda a, b: (_ for _ in ()).throw(Boom()))
         monkeypatch.setattr(staging_mod, "_exchange", lambda a, b: (_ for _ in ()).throw(Boom()))
@@ -263,7 +264,7 @@ def test_disk_full_in_a_unit_names_space_and_stays_resumable(
 
 def test_disk_full_writing_the_manifest(tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     dest = tmp_path / "c"
-    real = conversion.write_json_durably
+    real = finish.write_json_durably
 
     def write(path: Path, text: str) -> None:
         if path.name == MANIFEST:
@@ -271,7 +272,7 @@ def test_disk_full_writing_the_manifest(tree: Path, tmp_path: Path, monkeypatch:
         real(path, text)
 
     with monkeypatch.context() as m:
-        m.setattr(conversion, "write_json_durably", write)
+        m.setattr(finish, "write_json_durably", write)
         with pytest.raises(ConvertError, match="disk full while finishing the cache"):
             conv(tree, dest, "ram")
     assert not dest.exists()
@@ -284,7 +285,7 @@ def test_preflight_warns_before_any_unit(tree: Path, tmp_path: Path, monkeypatch
     from collections import namedtuple
 
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(conversion.shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 1000, 1000))
+    monkeypatch.setattr(plan.shutil, "disk_usage", lambda p: usage(10**12, 10**12 - 1000, 1000))
     real = FORMATS["ram"].writer.write_unit
     monkeypatch.setattr(
         FORMATS["ram"].writer,
@@ -434,7 +435,7 @@ def test_resume_refused_when_sources_or_version_changed(
     with pytest.raises(ConvertError) as e:
         conv(src, dest, "ram")
     assert "source files changed" in str(e.value) and "b/img003.png (size/mtime changed" in str(e.value)
-    monkeypatch.setattr(conversion, "__version__", "99.0.0")
+    monkeypatch.setattr(plan, "__version__", "99.0.0")
     with pytest.raises(ConvertError, match="dlstore major version 99 was 0"):
         conv(src, dest, "ram")
 

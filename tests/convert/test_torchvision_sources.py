@@ -12,6 +12,7 @@ import torch
 import torchvision.datasets as tvd
 
 from dlstore import CachedDataset, convert
+from dlstore.convert.options import ConvertOptions
 from dlstore.errors import SourceError
 
 
@@ -50,7 +51,11 @@ def test_cifar_converts_to_torchvisions_own_samples(
     cls = getattr(tvd, name)
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)  # official md5s
     images = write_cifar(tmp_path / "data", name, n=25)
-    convert(f"torchvision:{name}", tmp_path / "c", root=tmp_path / "data", format="ram", size=32, workers=2)
+    convert(
+        f"torchvision:{name}",
+        tmp_path / "c",
+        ConvertOptions(root=tmp_path / "data", format="ram", size=32, workers=2),
+    )
     ds = CachedDataset(tmp_path / "c")
     ref = cls(str(tmp_path / "data"), train=True, download=False)
     assert len(ds) == len(ref) == 25 and ds.classes == ref.classes and ds.targets == list(ref.targets)
@@ -70,7 +75,7 @@ def test_corrupt_cifar_files_are_named_with_the_fix(tmp_path: Path) -> None:
     with pytest.raises(
         SourceError, match=r"torchvision:CIFAR10: torchvision cannot read the files under .*again"
     ):
-        convert("torchvision:CIFAR10", tmp_path / "c", root=tmp_path, size=8, workers=1)
+        convert("torchvision:CIFAR10", tmp_path / "c", ConvertOptions(root=tmp_path, size=8, workers=1))
     assert not (tmp_path / "c").exists()
 
 

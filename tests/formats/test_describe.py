@@ -14,6 +14,7 @@ from click.testing import CliRunner
 
 import dlstore
 from dlstore import convert, open_cache
+from dlstore.convert.options import ConvertOptions
 from dlstore.errors import SpecError
 from dlstore.formats import FORMATS, Codec, cli_options, get_format, in_memory_format, register_codec
 from dlstore.formats.zarr_cache import ZarrWriter, chunk_path
@@ -93,7 +94,7 @@ def test_zarr_write_unit_is_durable_by_itself(tmp_path: Path, monkeypatch: pytes
 
 
 def test_chunked_readers_refuse_in_memory(image_tree: Path, tmp_path: Path) -> None:
-    convert(image_tree, tmp_path / "z", format="zarr", size=8, workers=1)
+    convert(image_tree, tmp_path / "z", ConvertOptions(format="zarr", size=8, workers=1))
     with pytest.raises(SpecError, match="cannot be loaded into memory.*without in_memory"):
         open_cache(tmp_path / "z", in_memory=True)
 
@@ -101,18 +102,18 @@ def test_chunked_readers_refuse_in_memory(image_tree: Path, tmp_path: Path) -> N
 def test_old_npz_manifest_with_compress_still_opens(image_tree: Path, tmp_path: Path) -> None:
     """Caches written before ``--codec`` applied to npz recorded ``compress`` instead."""
     dest = tmp_path / "n"
-    with pytest.warns(DeprecationWarning, match="codec='deflate'"):
-        convert(image_tree, dest, format="npz", size=8, workers=1, compress=True)
+    convert(image_tree, dest, ConvertOptions(format="npz", size=8, workers=1, codec="deflate"))
     manifest = dest / "dlstore.json"
     doc = json.loads(manifest.read_text())
-    assert doc["format_options"]["codec"] == "deflate"
+    assert doc["options"]["codec"] == "deflate" and "codec" not in doc["format_options"]  # one key
     doc["format_options"] = {"compress": True, "unit_size": doc["format_options"]["unit_size"]}
+    del doc["options"]
     manifest.write_text(json.dumps(doc))
     cache = open_cache(dest, check_source=False)
     assert cache.read(np.arange(len(cache))).shape == (len(cache), 8, 8, 3)
 
 
-def test_cli_codec_choices_and_deprecated_compress(image_tree: Path, tmp_path: Path) -> None:
+def test_cli_codec_choices_and_no_compress_flag(image_tree: Path, tmp_path: Path) -> None:
     from dlstore.cli import main
 
     def run(*args: object) -> object:
@@ -124,6 +125,7 @@ def test_cli_codec_choices_and_deprecated_compress(image_tree: Path, tmp_path: P
     assert res.exit_code == 1 and "ram format does not take --codec" in res.output
     res = run(tmp_path / "b", "--format", "zarr", "--codec", "deflate")
     assert res.exit_code == 1 and "choose one of zstd, lz4, none" in res.output
-    res = run(tmp_path / "c", "--format", "npz", "--compress")
-    assert res.exit_code == 0 and "--compress is deprecated" in res.output
-    assert open_cache(tmp_path / "c").spec.format_options["codec"] == "deflate"
+    res = run(tmp_path / "c", "--format", "npz", "--compress")  # a warning alias for a round: gone
+    assert res.exit_code == 2 and "No such option '--compress'" in res.output
+    assert run(tmp_path / "c", "--format", "npz", "--codec", "deflate").exit_code == 0
+    assert open_cache(tmp_path / "c").spec.codec == "deflate"

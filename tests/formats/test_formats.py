@@ -13,6 +13,7 @@ from torchvision.datasets import ImageFolder
 
 from dlstore import convert, open_cache
 from dlstore.convert.imageops import decode_file
+from dlstore.convert.options import ConvertOptions
 from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
 from dlstore.formats.codecs import is_image_codec
@@ -43,7 +44,7 @@ def test_every_registered_format_and_codec_is_covered() -> None:
     from dlstore.cli.convert_cmd import convert_cmd
 
     choices = {p.name: getattr(p.type, "choices", None) for p in convert_cmd.params}
-    assert set(FORMATS) == {f for f, _ in FORMAT_CASES} == set(choices["fmt"])
+    assert set(FORMATS) == {f for f, _ in FORMAT_CASES} == set(choices["format"])
     for name, fmt in FORMATS.items():
         codecs = fmt.writer.codecs.names() if fmt.writer.codecs else ()
         # lossy image codecs (jpeg) cannot match pixels exactly: test_payload.py covers them
@@ -130,5 +131,5 @@ def test_storage_order_is_shuffled_but_indices_follow_the_source(image_tree: Pat
 
 def caches_for_order(image_tree: Path, tmp_path: Path, order: str) -> list[Path]:
     dest = tmp_path / order
-    convert(image_tree, dest, format="zarr", size=8, workers=1, storage_order=order)
+    convert(image_tree, dest, ConvertOptions(format="zarr", size=8, workers=1, storage_order=order))
     return [dest]

@@ -9,6 +9,7 @@ import pytest
 from imagegen import smooth_rgb
 
 from dlstore import convert, open_cache
+from dlstore.convert.options import ConvertOptions
 from dlstore.errors import SpecError
 from dlstore.formats.codecs import PayloadError, get_codec
 
@@ -67,7 +68,7 @@ def test_threaded_batch_decode_equals_one_by_one(decoder: str, tmp_path: Path, m
     for j in range(20):
         (src / f"c{j % 2}").mkdir(parents=True, exist_ok=True)
         Image.fromarray(_photo_like((50 + j, 60, 3), j)).save(src / f"c{j % 2}" / f"{j}.png")
-    convert(src, tmp_path / "c", format="npz", size=32, codec="jpeg", workers=1)
+    convert(src, tmp_path / "c", ConvertOptions(format="npz", size=32, codec="jpeg", workers=1))
     monkeypatch.setenv("DLSTORE_JPEG_DECODER", decoder)
     cache = open_cache(tmp_path / "c")
     cache.reader.threads = 3
@@ -87,7 +88,7 @@ def test_reader_pool_follows_a_changed_thread_count(tmp_path: Path) -> None:
     for j in range(4):
         (tmp_path / "src" / "c").mkdir(parents=True, exist_ok=True)
         Image.fromarray(_photo_like((40, 40, 3), j)).save(tmp_path / "src" / "c" / f"{j}.png")
-    convert(tmp_path / "src", tmp_path / "c", format="npz", size=16, codec="jpeg", workers=1)
+    convert(tmp_path / "src", tmp_path / "c", ConvertOptions(format="npz", size=16, codec="jpeg", workers=1))
     reader = open_cache(tmp_path / "c").reader
     reader.threads = 2
     assert reader._thread_pool()._max_workers == 2

@@ -13,6 +13,7 @@ from torchvision.transforms import Resize
 
 from dlstore import convert, open_cache
 from dlstore.convert.imageops import decode_file
+from dlstore.convert.options import ConvertOptions
 from dlstore.convert.sources import open_source
 from dlstore.errors import SampleReadError, SpecError
 from dlstore.formats import FORMATS
@@ -51,7 +52,11 @@ def test_shorter_side_sizes_equal_torchvision_resize(
     image_tree: Path, tmp_path: Path, fmt: str, codec: str | None
 ) -> None:
     """Portrait, landscape, EXIF-rotated, grey, alpha, 16-bit, CMYK, draft-decoded big JPEGs: every size."""
-    convert(image_tree, tmp_path / "c", format=fmt, size=24, resize="shorter", codec=codec, workers=2)
+    convert(
+        image_tree,
+        tmp_path / "c",
+        ConvertOptions(format=fmt, size=24, resize="shorter", codec=codec, workers=2),
+    )
     src = open_source(image_tree)
     cache = open_cache(tmp_path / "c")
     assert len(cache) == len(src)
@@ -72,11 +77,7 @@ def test_max_side_caps_the_longer_side_like_torchvision(image_tree: Path, tmp_pa
     convert(
         image_tree,
         tmp_path / "c",
-        format=PAYLOAD_FORMATS[0],
-        size=24,
-        resize="shorter",
-        max_side=30,
-        codec="jpeg",
+        ConvertOptions(format=PAYLOAD_FORMATS[0], size=24, resize="shorter", max_side=30, codec="jpeg"),
     )
     src = open_source(image_tree)
     images = open_cache(tmp_path / "c").read_images(list(range(len(src))))
@@ -89,23 +90,29 @@ def test_max_side_caps_the_longer_side_like_torchvision(image_tree: Path, tmp_pa
 def test_jpeg_cache_is_within_3_levels_of_raw_and_records_its_error(
     photo_tree: Path, tmp_path: Path, fmt: str
 ) -> None:
-    convert(photo_tree, tmp_path / "raw", format=fmt, size=64, workers=2)
+    convert(photo_tree, tmp_path / "raw", ConvertOptions(format=fmt, size=64, workers=2))
     convert(
-        photo_tree, tmp_path / "jpeg", format=fmt, size=64, codec="jpeg", options={"quality": 90}, workers=2
+        photo_tree,
+        tmp_path / "jpeg",
+        ConvertOptions(format=fmt, size=64, codec="jpeg", writer_options={"quality": 90}, workers=2),
     )
     raw, jpeg = open_cache(tmp_path / "raw"), open_cache(tmp_path / "jpeg")
     idx = list(range(len(raw)))
     diff = np.abs(raw.read(idx).astype(np.int16) - jpeg.read(idx).astype(np.int16))
     assert 0 < diff.mean() <= 3.0
-    opts = jpeg.spec.format_options
-    assert opts["codec"] == "jpeg" and opts["quality"] == 90
+    assert jpeg.spec.codec == "jpeg" and jpeg.spec.writer_options["quality"] == 90
+    opts = jpeg.spec.format_options  # what the writer measured
     assert 0 < opts["mean_abs_error"] <= 3.0
     assert abs(opts["mean_abs_error"] - diff.mean()) < 1.0  # the sample estimates the whole
 
 
 @pytest.mark.parametrize("fmt", PAYLOAD_FORMATS)
 def test_cached_dataset_yields_variable_size_chw_uint8(photo_tree: Path, tmp_path: Path, fmt: str) -> None:
-    convert(photo_tree, tmp_path / "c", format=fmt, size=32, resize="shorter", codec="jpeg", workers=1)
+    convert(
+        photo_tree,
+        tmp_path / "c",
+        ConvertOptions(format=fmt, size=32, resize="shorter", codec="jpeg", workers=1),
+    )
     ds = CachedDataset(tmp_path / "c")
     samples = ds.__getitems__([0, 1, 2, 3])
     shapes = {tuple(img.shape) for img, _ in samples}
@@ -145,7 +152,11 @@ def test_corrupt_jpeg_bytes_name_index_and_chunk_never_wrong_pixels(
 ) -> None:
     from dlstore.convert.verification import verify
 
-    convert(photo_tree, tmp_path / "c", format=fmt, size=32, resize="shorter", codec="jpeg", workers=1)
+    convert(
+        photo_tree,
+        tmp_path / "c",
+        ConvertOptions(format=fmt, size=32, resize="shorter", codec="jpeg", workers=1),
+    )
     cache = open_cache(tmp_path / "c")
     index = 7
     position = int(cache.positions[index])
@@ -166,9 +177,9 @@ def test_corrupt_jpeg_bytes_name_index_and_chunk_never_wrong_pixels(
 @pytest.mark.parametrize("fmt", PIXEL_ONLY_FORMATS)
 def test_pixel_only_formats_refuse_jpeg_and_ragged(image_tree: Path, tmp_path: Path, fmt: str) -> None:
     with pytest.raises(SpecError, match="does not take --codec|not available"):
-        convert(image_tree, tmp_path / "a", format=fmt, size=8, codec="jpeg")
+        convert(image_tree, tmp_path / "a", ConvertOptions(format=fmt, size=8, codec="jpeg"))
     with pytest.raises(SpecError, match="cannot store variable-size"):
-        convert(image_tree, tmp_path / "b", format=fmt, size=8, resize="shorter")
+        convert(image_tree, tmp_path / "b", ConvertOptions(format=fmt, size=8, resize="shorter"))
 
 
 @pytest.mark.parametrize("name", ["jpeg"])

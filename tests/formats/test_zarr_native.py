@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from dlstore.convert.conversion import convert
+from dlstore.convert.options import ConvertOptions
 from dlstore.read.cache import open_cache
 
 
 @pytest.fixture(scope="module")
 def cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("zarr") / "c"
-    convert(image_tree, dest, format="zarr", size=12, workers=1)
+    convert(image_tree, dest, ConvertOptions(format="zarr", size=12, workers=1))
     return dest
 
 
@@ -49,7 +50,9 @@ ZARR_KINDS = {"pixels": {}, "jpeg": {"codec": "jpeg"}, "ragged": {"resize": "sho
 
 
 @pytest.fixture(scope="module", params=list(ZARR_KINDS))
-def any_zarr(request: pytest.FixtureRequest, image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def any_zarr(
+    request: pytest.FixtureRequest, image_tree: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     dest = tmp_path_factory.mktemp("zarr-kinds") / request.param
     convert(image_tree, dest, format="zarr", size=12, workers=1, **ZARR_KINDS[request.param])
     return dest

@@ -29,8 +29,8 @@ def _small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def make(tree: Path, dest: Path | str, codec: str, shard_mb: float = 0.0, **kw: Any) -> Any:
-    options = {"codec": codec, **({"shard_mb": shard_mb} if shard_mb else {})}
-    return convert(tree, dest, format="zarr", size=12, workers=2, options=options, **kw)
+    shards = {"shard_mb": shard_mb} if shard_mb else {}
+    return convert(tree, dest, format="zarr", size=12, workers=2, codec=codec, writer_options=shards, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +105,8 @@ def test_shards_are_for_pixel_caches_only(image_tree: Path, tmp_path: Path) -> N
 
 def test_unsharded_manifest_has_no_shard_option(pairs: dict[str, tuple[Path, Path]]) -> None:
     plain, sharded = pairs["zstd"]
-    assert "shard_mb" not in open_cache(plain).spec.format_options
-    assert open_cache(sharded).spec.format_options["shard_mb"] == pytest.approx(SHARD_MB)
+    assert not open_cache(plain).spec.writer_options["shard_mb"]
+    assert open_cache(sharded).spec.writer_options["shard_mb"] == pytest.approx(SHARD_MB)
 
 
 # --- on S3 (moto's server) ---------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_sharded_chunks_decoded_ahead_in_processes_match(pairs: dict[str, tuple[
     plain, sharded = pairs["zstd"]
     ref = open_cache(plain)
     cache = open_cache(sharded)
-    cache.reader.threads, cache.reader.processes = 2, 2
+    cache.reader.threads, cache.decode_processes = 2, 2
     batches = [np.sort(b) for b in np.array_split(np.random.default_rng(1).permutation(len(cache)), 5)]
     for i, idx in enumerate(batches):
         if i + 1 < len(batches):

@@ -83,9 +83,9 @@ def test_gpu_augment_matches_cpu(cache_dir: Path) -> None:
 def test_resident_cuda_graph_matches_eager(cache_dir: Path) -> None:
     aug = GpuAugment(24, degrees=10).cuda()
     graphed = ResidentLoader(
-        cache_dir, batch_size=32, device="cuda", transform=aug, cuda_graph=True, shuffle=False
+        cache_dir, batch_size=32, device="cuda", transform=aug, cuda_graph=True, order="sequential"
     )
-    eager = ResidentLoader(cache_dir, batch_size=32, device="cuda", shuffle=False)
+    eager = ResidentLoader(cache_dir, batch_size=32, device="cuda", order="sequential")
     for (gx, gy), (_, ey) in zip(graphed, eager):
         assert gx.shape == (32, 3, 24, 24) and torch.equal(gy, ey)
         assert gx.abs().sum() > 0  # the replay wrote the output

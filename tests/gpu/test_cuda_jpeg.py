@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dlstore import convert, open_cache
+from dlstore.convert.options import ConvertOptions
 from dlstore.formats import FORMATS
 from dlstore.gpu.ragged import RaggedRandomResizedCrop, bilinear_gather, crop_coords, flat_batch
 from dlstore.read.gpu_decode import DecodeLoader, decode_on_device
@@ -20,7 +21,9 @@ FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
 @pytest.fixture(scope="module")
 def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("cuda-jpeg") / "c"
-    convert(image_tree, dest, format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2)
+    convert(
+        image_tree, dest, ConvertOptions(format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2)
+    )
     return dest
 
 
@@ -40,7 +43,7 @@ def photo_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         box = (20 * k, 25 * k, 20 * k + 300, 25 * k + 360)
         photo.crop(box).save(root / f"c{k % 2}" / f"{k}.jpg", quality=92)
     dest = tmp_path_factory.mktemp("cuda-photo") / "c"
-    convert(root, dest, format=FORMAT, size=128, resize="shorter", codec="jpeg", workers=2)
+    convert(root, dest, ConvertOptions(format=FORMAT, size=128, resize="shorter", codec="jpeg", workers=2))
     return dest
 
 
@@ -92,7 +95,7 @@ def test_decode_loader_pixels_survive_a_slow_consumer(
     i+1 must not reuse (overwrite) batch i's freed images. Each batch must equal its own decode."""
     from dlstore.read.loaders import storage_sorted
 
-    convert(image_tree, tmp_path / "c", format=FORMAT, size=32, codec="jpeg", workers=2)
+    convert(image_tree, tmp_path / "c", ConvertOptions(format=FORMAT, size=32, codec="jpeg", workers=2))
     cache = open_cache(tmp_path / "c")
 
     def slow_stack(images: list[torch.Tensor]) -> torch.Tensor:
@@ -150,7 +153,7 @@ def test_split_decode_on_cuda_equals_each_sides_own_decode(
     must equal its own CPU or nvJPEG decode."""
     from dlstore.read.loaders import storage_sorted
 
-    convert(image_tree, tmp_path / "c", format=FORMAT, size=32, codec="jpeg", workers=2)
+    convert(image_tree, tmp_path / "c", ConvertOptions(format=FORMAT, size=32, codec="jpeg", workers=2))
     cache = open_cache(tmp_path / "c")
 
     def slow_stack(images: list[torch.Tensor]) -> torch.Tensor:
@@ -190,7 +193,11 @@ def test_split_decode_into_the_fused_crop_equals_the_crop_of_the_list(
     the crops equal the same-seeded crop of the CPU-decoded + nvJPEG-decoded list."""
     from dlstore.read.loaders import storage_sorted
 
-    convert(image_tree, tmp_path / "c", format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2)
+    convert(
+        image_tree,
+        tmp_path / "c",
+        ConvertOptions(format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2),
+    )
     cache = open_cache(tmp_path / "c")
     dev = torch.device("cuda")
     crop = RaggedRandomResizedCrop(16, generator=torch.Generator(dev).manual_seed(1)).cuda()

@@ -13,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from dlstore import CachedDataset, convert
+from dlstore.convert.options import ConvertOptions
 from dlstore.read import batch as batchmod
 from dlstore.read.batch import BatchSamples, ImageBatch, Sample, new_batch, pin_parallel
 
@@ -20,7 +21,7 @@ from dlstore.read.batch import BatchSamples, ImageBatch, Sample, new_batch, pin_
 @pytest.fixture(scope="module")
 def ram(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("batch") / "ram"
-    convert(image_tree, dest, format="ram", size=16, workers=1)
+    convert(image_tree, dest, ConvertOptions(format="ram", size=16, workers=1))
     return dest
 
 

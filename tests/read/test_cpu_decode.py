@@ -11,6 +11,7 @@ import pytest
 from decode_helpers import cpu_split_loader
 
 from dlstore import convert, open_cache
+from dlstore.convert.options import ConvertOptions
 from dlstore.errors import CacheCorruptError, SampleReadError
 from dlstore.formats import FORMATS
 from dlstore.read.gpu_decode import DecodeLoader
@@ -23,7 +24,11 @@ def jpeg_cache(
     request: pytest.FixtureRequest, image_tree: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Path:
     dest = tmp_path_factory.mktemp("cpu-read") / request.param
-    convert(image_tree, dest, format=request.param, size=24, resize="shorter", codec="jpeg", workers=2)
+    convert(
+        image_tree,
+        dest,
+        ConvertOptions(format=request.param, size=24, resize="shorter", codec="jpeg", workers=2),
+    )
     return dest
 
 

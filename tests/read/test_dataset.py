@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
 from dlstore import CachedDataset, convert
+from dlstore.convert.options import ConvertOptions
 from dlstore.formats import FORMATS
 
 
@@ -19,7 +20,7 @@ from dlstore.formats import FORMATS
 def caches(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("dscaches")
     for fmt in FORMATS:
-        convert(image_tree, base / fmt, format=fmt, size=16, workers=1)
+        convert(image_tree, base / fmt, ConvertOptions(format=fmt, size=16, workers=1))
     return {fmt: base / fmt for fmt in FORMATS}
 
 

@@ -83,9 +83,9 @@ def test_pinned_loader_decoding_ahead_in_processes_matches_plain_reads(
     )
     for _ in range(2):
         check_epoch(list(loader), caches[fmt], expect_all=True)
-    reader = loader.cache.reader
-    procs = getattr(reader, "_batch_procs", None)
-    assert (procs is not None) == hasattr(reader, "decode_batches")  # chunked readers used them
+    procs = loader.cache.engines.batch_processes
+    # the formats whose units decode into pixel arrays used them (zarr, npz); ram reads directly
+    assert (procs is not None) == loader.cache.reader.traits.unit_arrays
     loader.cache.close()
     assert procs is None or all(p.poll() is not None for p in procs.procs)
 

@@ -16,6 +16,7 @@ import pytest
 from reliability_helpers import make_tree
 
 from dlstore.convert.conversion import convert
+from dlstore.convert.options import ConvertOptions
 from dlstore.errors import StaleCacheWarning
 from dlstore.read.cache import open_cache
 from dlstore.read.dataset import CachedDataset
@@ -54,7 +55,7 @@ def test_open_touches_nothing_below_the_source_root(
 ) -> None:
     src = make_tree(tmp_path / "src", per_class=6)
     dest = tmp_path / "c"
-    convert(src, dest, format=fmt, size=8, workers=1)
+    convert(src, dest, ConvertOptions(format=fmt, size=8, workers=1))
     root = str(src.resolve())
     seen = request.getfixturevalue("accessed")
     with warnings.catch_warnings():
@@ -72,7 +73,7 @@ def test_open_touches_nothing_below_the_source_root(
 
 def test_a_new_class_folder_warns_on_open_without_a_scan(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", per_class=3)
-    convert(src, tmp_path / "c", size=8, workers=1)
+    convert(src, tmp_path / "c", ConvertOptions(size=8, workers=1))
     shutil.copytree(src / "a", src / "c_new")
     with pytest.warns(StaleCacheWarning, match="source folder .* was modified"):
         open_cache(tmp_path / "c")
@@ -82,7 +83,7 @@ def test_a_new_class_folder_warns_on_open_without_a_scan(tmp_path: Path) -> None
 
 def test_a_changed_file_needs_the_explicit_check(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", per_class=3)
-    convert(src, tmp_path / "c", size=8, workers=1)
+    convert(src, tmp_path / "c", ConvertOptions(size=8, workers=1))
     f = src / "a" / "img001.png"
     f.write_bytes(f.read_bytes() + b"\0")
     with warnings.catch_warnings():
@@ -102,5 +103,5 @@ def test_dest_inside_the_source_root_is_refused(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", per_class=3)
     for source in (src, scan_folder(src)):
         with pytest.raises(ConvertError, match="DEST is inside SOURCE"):
-            convert(source, src / "a" / "cache", size=8, workers=1)
+            convert(source, src / "a" / "cache", ConvertOptions(size=8, workers=1))
     assert not (src / "a" / "cache").exists()

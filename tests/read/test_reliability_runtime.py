@@ -20,6 +20,7 @@ from reliability_helpers import FORMAT_NAMES, make_tree, read_all
 
 import dlstore.machine as resources
 from dlstore.convert.conversion import convert
+from dlstore.convert.options import ConvertOptions
 from dlstore.convert.verification import verify
 from dlstore.errors import CacheCorruptError, CacheTooLargeError, DlstoreError, SharedMemoryError, SpecError
 from dlstore.read.cache import open_cache
@@ -36,7 +37,7 @@ def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out = {}
     for fmt in FORMAT_NAMES:
         out[fmt] = base / fmt
-        convert(src, out[fmt], format=fmt, size=16, workers=1)
+        convert(src, out[fmt], ConvertOptions(format=fmt, size=16, workers=1))
     return out
 
 
@@ -88,7 +89,7 @@ def private_dirty_kb() -> int:
 
 def test_d4_ram_cache_is_not_copied_into_forked_workers(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", per_class=100, side=16)
-    convert(src, tmp_path / "c", format="ram", size=160, workers=2)  # 200 x 77 KB = 15 MB
+    convert(src, tmp_path / "c", ConvertOptions(format="ram", size=160, workers=2))  # 200 x 77 KB = 15 MB
     ds = CachedDataset(tmp_path / "c", in_memory=True)
     cache_kb = ds.cache.reader.array.nbytes // 1024
     r, w = os.pipe()

@@ -19,8 +19,10 @@ from s3server import aws_env, start_server
 import dlstore.storage.stores as stores
 from dlstore import CachedDataset, convert, open_cache, verify
 from dlstore.cli import main
-from dlstore.errors import CacheExistsError, CacheNotFoundError, SampleReadError
+from dlstore.convert.options import ConvertOptions
+from dlstore.errors import CacheExistsError, CacheNotFoundError, CacheReplacedError, SampleReadError
 from dlstore.formats import FORMATS
+from dlstore.read.gpu_decode import DecodeLoader
 from dlstore.read.loaders import PinnedLoader
 from dlstore.storage.stores import RemoteStore
 
@@ -94,6 +96,32 @@ def test_dataset_and_loaders_read_a_url(
     assert sum(len(y) for _, y in pinned) == 24
 
 
+def test_decode_loader_reads_a_url_and_shards_it_across_ranks(s3: dict, tree: Path, tmp_path: Path) -> None:
+    fmt = next(f.name for f in FORMATS.values() if f.ragged_ok)  # a payload layout: --codec jpeg
+    conv(tree, tmp_path / "local", fmt, codec="jpeg")
+    conv(tree, url("jpeg"), fmt, codec="jpeg")
+    kw: dict[str, Any] = {"device": "cpu", "order": "sequential", "drop_last": False}
+    local = [(x, y) for x, y in DecodeLoader(tmp_path / "local", 4, **kw)]
+    remote = DecodeLoader(url("jpeg"), 4, cache_dir=tmp_path / "mirror", cache_bytes=64 << 20, **kw)
+    got = list(remote)
+    assert remote.cache.mirror is not None and (tmp_path / "mirror") in remote.cache.mirror.path.parents
+    assert len(got) == len(local) == 6
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(got, local))
+    shares = [
+        torch.cat(
+            [
+                y
+                for _, y in DecodeLoader(
+                    url("jpeg"), 4, cache_dir=tmp_path / "m2", num_replicas=2, rank=r, **kw
+                )
+            ]
+        )
+        for r in range(2)
+    ]
+    assert len(shares[0]) == len(shares[1]) == 12
+    assert sorted(torch.cat(shares).tolist()) == sorted(torch.cat([y for _, y in local]).tolist())
+
+
 def test_second_epoch_reads_local_disk_and_the_mirror_stays_bounded(
     s3: dict, tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -153,14 +181,14 @@ def test_publish_is_atomic_and_resumes_from_staging(
 
     monkeypatch.setattr(RemoteStore, "put_file", dying_put)
     with pytest.raises(KeyboardInterrupt):
-        convert(tree, url("atomic"), format="npz", size=12, workers=1, overwrite=True)
+        convert(tree, url("atomic"), ConvertOptions(format="npz", size=12, workers=1, overwrite=True))
     # The previous cache is untouched while the new one is only staged.
     assert np.array_equal(read_all_url(url("atomic"), tmp_path / "m1")[0], old[0])
     calls.clear()
     monkeypatch.setattr(
         RemoteStore, "put_file", lambda self, src, rel: (calls.append(rel), put(self, src, rel))
     )
-    convert(tree, url("atomic"), format="npz", size=12, workers=1, overwrite=True)
+    convert(tree, url("atomic"), ConvertOptions(format="npz", size=12, workers=1, overwrite=True))
     assert 0 < len(calls) < 9  # only what was not staged yet
     assert open_cache(url("atomic"), cache_dir=tmp_path / "m2").spec.shape == (12, 12, 3)
     leftovers = [k for k in RemoteStore(url("atomic")).sizes() if k.startswith(".dlstore-staging")]
@@ -179,8 +207,13 @@ def test_a_reader_of_a_rebuilt_remote_cache_is_told_never_mixed(
     conv(tree, url("rebuilt"), "npz")
     cache = open_cache(url("rebuilt"), cache_dir=tmp_path)
     first = cache.read(np.arange(5))
-    convert(tree, url("rebuilt"), format="npz", size=8, workers=1, overwrite=True, storage_order="source")
-    with pytest.raises(SampleReadError, match="rebuilt or removed while open"):
+    convert(
+        tree,
+        url("rebuilt"),
+        ConvertOptions(format="npz", size=8, workers=1, overwrite=True, storage_order="source"),
+    )
+    # F5: the CacheReplacedError itself, not a SampleReadError wrapping it (issue 20 item 2)
+    with pytest.raises(CacheReplacedError, match="rebuilt or removed while open"):
         cache.read(np.arange(len(cache)))
     assert np.array_equal(cache.read(np.arange(5)), first)  # units already here: the old generation
 
@@ -193,8 +226,9 @@ def test_no_manifest_means_no_cache_and_existing_needs_overwrite(
     with pytest.raises(CacheNotFoundError, match="no dlstore.json"):
         open_cache(url("half"), cache_dir=tmp_path)
     conv(tree, url("exists"), "npz")
+    assert conv(tree, url("exists"), "npz").up_to_date  # the same command: make-like, as locally
     with pytest.raises(CacheExistsError, match="--overwrite"):
-        conv(tree, url("exists"), "npz")
+        conv(tree, url("exists"), "zarr")
 
 
 def test_a_missing_bucket_is_refused_before_any_work(s3: dict, tree: Path) -> None:
@@ -204,7 +238,8 @@ def test_a_missing_bucket_is_refused_before_any_work(s3: dict, tree: Path) -> No
 
     spool = Path(os.environ["DLSTORE_SPOOL"])
     before = sorted(spool.rglob("*"))
-    with pytest.raises(RemoteStoreError, match="no-such-bucket-x/c: cannot write there .*create the bucket"):
+    # The store's own one-line message for a missing bucket (issue 20 item 3), at the write probe.
+    with pytest.raises(RemoteStoreError, match="the bucket 'no-such-bucket-x' does not exist.*create it"):
         conv(tree, "s3://no-such-bucket-x/c", "npz")
     assert sorted(spool.rglob("*")) == before  # nothing converted
 
@@ -241,7 +276,7 @@ def test_server_dying_mid_epoch_gives_a_clear_error_naming_the_object(tree: Path
         monkey = pytest.MonkeyPatch()
         monkey.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 5))
         monkey.setenv("DLSTORE_SPOOL", str(tmp_path / "spool"))
-        convert(tree, "s3://dying/c", format="npz", size=8, workers=1, storage_options=opts)
+        convert(tree, "s3://dying/c", ConvertOptions(format="npz", size=8, workers=1, storage_options=opts))
         cache = open_cache("s3://dying/c", cache_dir=tmp_path / "m", storage_options=opts)
         cache.read(np.arange(5))  # the first unit arrives
     finally:

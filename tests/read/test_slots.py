@@ -18,6 +18,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlstore import CachedDataset, convert
+from dlstore.convert.options import ConvertOptions
 from dlstore.read import slots
 from dlstore.read.loaders import batch_dataloader
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.skipif(not slots.supported(), reason="needs os.memfd_cr
 @pytest.fixture(scope="module")
 def ram(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp("slots") / "ram"
-    convert(image_tree, dest, format="ram", size=16, workers=1)
+    convert(image_tree, dest, ConvertOptions(format="ram", size=16, workers=1))
     return dest
 
 

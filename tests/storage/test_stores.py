@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from dlstore import CachedDataset, convert, open_cache, verify
 from dlstore.cli import main
+from dlstore.convert.options import ConvertOptions
 from dlstore.errors import UnsupportedStoreError
 from dlstore.storage.stores import parse_store_path
 
@@ -20,7 +21,7 @@ URLS = ["http://host/x", "https://host/x", "az://c/p", "ftp:/host/p"]
 def test_library_entry_points_refuse_urls(url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     for call in (
-        lambda: convert("demo", url, size=8),
+        lambda: convert("demo", url, ConvertOptions(size=8)),
         lambda: open_cache(url),
         lambda: CachedDataset(url),
         lambda: verify(url),

@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from dlstore.bench.protocol import BenchConfig
 from dlstore.convert.sources import ArraySource, Source
+from dlstore.read.dataset import CachedDataset
+from dlstore.read.loader_core import CoreLoader
 
 NATIVE_SIZES = {"MNIST": 28, "FashionMNIST": 28, "CIFAR10": 32, "CIFAR100": 32}
 DEFAULT_FOLDER_SIZE = 224  # what image folders are usually trained at
@@ -94,10 +96,9 @@ class PreparedLoader:
         """Close the shared dataset's storage handles (memmaps hold pages against eviction); the next use
         re-creates it."""
         ds, self._dataset = self._dataset, None
-        cache = getattr(ds, "_cache", None)
-        if cache is not None and hasattr(cache, "close"):
-            cache.close()
-        del ds, cache
+        if isinstance(ds, CachedDataset):  # other datasets (torchvision's) hold no handles to close
+            ds.close()
+        del ds
         import gc
 
         gc.collect()
@@ -106,32 +107,32 @@ class PreparedLoader:
         return sum(p.stat().st_size for p in self.files)
 
 
-SETTING_NAMES = (
-    "batch_size",
-    "num_workers",
-    "persistent_workers",
-    "prefetch_factor",
-    "pin_memory",
-    "drop_last",
-)
-
-
 def loader_settings(loader: Iterable) -> dict[str, Any]:
-    """What the loader object that ran was set to (read back from it, not from what was asked)."""
+    """What the loader object that ran was set to (read back from it, not from what was asked): a
+    torch DataLoader's own settings, a dlstore loader's ``LoaderCore``; a kind's own iterable, its type."""
     out: dict[str, Any] = {"type": type(loader).__name__}
-    for name in SETTING_NAMES:
-        if hasattr(loader, name):
-            out[name] = getattr(loader, name)
-    sampler = getattr(loader, "sampler", None)
-    if sampler is not None:
-        out["sampler"] = type(sampler).__name__
-        out["shuffle"] = type(sampler).__name__ == "RandomSampler"
-    for name in ("order", "shuffle"):
-        if hasattr(loader, name) and name not in out:
-            out[name] = getattr(loader, name)
-    if out.get("num_workers") == 0:
-        out["prefetch_factor"] = None  # DataLoader ignores it without workers
+    if isinstance(loader, DataLoader):
+        out.update(dataloader_settings(loader))
+    elif isinstance(loader, CoreLoader):
+        out.update(loader.core.settings())
+        out["sampler"] = type(loader.sampler).__name__
+        out["shuffle"] = isinstance(loader.sampler, RandomSampler)
     return out
+
+
+def dataloader_settings(loader: DataLoader) -> dict[str, Any]:
+    sampler = loader.sampler
+    return {
+        "batch_size": loader.batch_size,
+        "num_workers": loader.num_workers,
+        "persistent_workers": loader.persistent_workers,
+        # DataLoader ignores it without workers
+        "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
+        "pin_memory": loader.pin_memory,
+        "drop_last": loader.drop_last,
+        "sampler": type(sampler).__name__,
+        "shuffle": isinstance(sampler, RandomSampler),
+    }
 
 
 def describe_transform(transform: Any) -> dict[str, Any] | None:

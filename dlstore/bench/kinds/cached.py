@@ -70,21 +70,22 @@ def megapixels_key(ctx: LoaderContext) -> str:
     return "" if mp is None else f"|mp{mp:g}"
 
 
-def convert_into(ctx: LoaderContext, dest: Path, **options: Any) -> dict[str, Any]:
-    """Convert the run's source into ``dest`` with ``options`` (format, codec, resize, …); what happened."""
+def convert_into(ctx: LoaderContext, dest: Path, **choices: Any) -> dict[str, Any]:
+    """Convert the run's source into ``dest`` with ``choices`` (ConvertOptions fields: format, codec,
+    resize, …) on top of the run's size, channels and limits; what happened."""
     from dlstore.convert.conversion import convert
+    from dlstore.convert.options import ConvertOptions
 
     dest.parent.mkdir(parents=True, exist_ok=True)
-    result = convert(
-        ctx.source,
-        dest,
+    options = ConvertOptions(
         size=ctx.size,
         channels=ctx.channels,
         overwrite=dest.exists(),
         workers=ctx.config.convert_workers,
         max_megapixels=ctx.config.max_megapixels,
-        **options,
+        **choices,
     )
+    result = convert(ctx.source, dest, options)
     return {
         "cache": str(dest),
         "reused": False,

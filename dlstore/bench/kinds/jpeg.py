@@ -49,7 +49,9 @@ def ensure_jpeg_cache(ctx: LoaderContext) -> tuple[Path, dict[str, Any]]:
     ctx.log(
         f"converting {ctx.source.description} → JPEG q{QUALITY} {fmt} cache at {dest} (shorter {ctx.size}px)"
     )
-    info = convert_into(ctx, dest, format=fmt, resize="shorter", codec=codec, options={"quality": QUALITY})
+    info = convert_into(
+        ctx, dest, format=fmt, resize="shorter", codec=codec, writer_options={"quality": QUALITY}
+    )
     return dest, info
 
 

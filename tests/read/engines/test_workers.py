@@ -1,4 +1,4 @@
-"""Worker interpreters over a shared block (``dlstore.formats.workers``): the name leaves /dev/shm as soon
+"""Worker interpreters over a shared block (``dlstore.read.engines.workers``): the name leaves /dev/shm as soon
 as every worker has mapped the block, and a worker that cannot start is an error naming its module."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from dlstore.errors import DlstoreError
-from dlstore.formats.workers import Workers, shutdown
+from dlstore.read.engines.workers import Workers, shutdown
 
 HELLO = {"size": 4096, "codec": "jpeg", "quality": 90}  # what dlstore.read.cpu_decode's workers expect
 
@@ -35,7 +35,7 @@ def test_a_worker_that_cannot_start_is_named_and_nothing_is_left(monkeypatch: py
         made.append(shared_memory.SharedMemory(*args, **kwargs))
         return made[-1]
 
-    monkeypatch.setattr("dlstore.formats.workers.shared_memory", SimpleNamespace(SharedMemory=record))
+    monkeypatch.setattr("dlstore.read.engines.workers.shared_memory", SimpleNamespace(SharedMemory=record))
     with pytest.raises(
         DlstoreError, match=r"dlstore\.no_such_module: a worker process exited while starting"
     ):

@@ -30,8 +30,8 @@ import numpy as np
 
 from dlstore import settings
 from dlstore.formats.base import group_runs
-from dlstore.formats.unit_procs import populate
-from dlstore.formats.workers import Workers, attach, shutdown, worker_connection
+from dlstore.read.engines.unit_procs import populate
+from dlstore.read.engines.workers import Workers, attach, shutdown, worker_connection
 from dlstore.spec import read_spec
 
 _JOB = struct.Struct("<qqq")  # job id, unit, rows (then rows x (slot, row, local) int64)
@@ -46,8 +46,8 @@ def _worker(conn: Connection) -> None:
     try:
         ring = np.ndarray(tuple(hello["ring"]), np.uint8, buffer=shm.buf)
         reader = cls(Path(hello["root"]), read_spec(Path(hello["root"])))
-        if hasattr(reader, "map_chunks"):  # one thread here: mapping chunk files beats reading them
-            reader.map_chunks = settings.flag("DLSTORE_MAP_CHUNKS")  # benchmarks' A/B
+        # One thread here: mapping chunk files beats reading them (readers that cannot map ignore it).
+        reader.map_chunks = settings.flag("DLSTORE_MAP_CHUNKS")  # benchmarks' A/B
         buf = np.empty(tuple(hello["unit"]), np.uint8)  # reused: stays in this core's cache
         populate(ring)
         while True:
@@ -291,7 +291,7 @@ class BatchProcesses:
 
 
 def main() -> None:
-    """Worker entry (see ``dlstore.formats.workers``)."""
+    """Worker entry (see ``dlstore.read.engines.workers``)."""
     _worker(worker_connection())
 
 

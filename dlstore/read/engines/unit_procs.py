@@ -29,7 +29,7 @@ import numpy as np
 
 from dlstore import settings
 from dlstore.errors import CacheCorruptError
-from dlstore.formats.workers import Workers, attach, shutdown, worker_connection
+from dlstore.read.engines.workers import Workers, attach, shutdown, worker_connection
 from dlstore.spec import read_spec
 
 _REQ = struct.Struct("<qq")  # unit, slot
@@ -192,7 +192,7 @@ def populate(arr: np.ndarray) -> None:
 
 
 def main() -> None:
-    """Worker entry (see ``dlstore.formats.workers``)."""
+    """Worker entry (see ``dlstore.read.engines.workers``)."""
     _worker(worker_connection())
 
 

@@ -148,7 +148,7 @@ def _exit_code(proc: subprocess.Popen[bytes]) -> str:
 def _child_env() -> dict[str, str]:
     """The child imports dlstore from wherever this process did (a source tree on sys.path too)."""
     env = dict(os.environ)
-    here = str(Path(__file__).resolve().parents[2])
+    here = str(Path(__file__).resolve().parents[3])  # the folder holding dlstore/
     env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH", "")) if p)
     return env
 

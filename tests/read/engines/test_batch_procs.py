@@ -13,9 +13,9 @@ import pytest
 from dlstore import convert, open_cache
 from dlstore.convert.sources import ArraySource
 from dlstore.errors import SampleReadError
-from dlstore.formats.batch_procs import plan_jobs
 from dlstore.formats.npz import NpzWriter
 from dlstore.formats.zarr_cache import ZarrWriter
+from dlstore.read.engines.batch_procs import plan_jobs
 from dlstore.read.loaders import PinnedLoader, make_sampler
 
 UNIT = 7
@@ -102,7 +102,7 @@ def test_batches_decoded_in_processes_match_plain_reads(
     zarr_cache: Path, order: str, slots: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if slots is not None:  # a small ring: a shuffled epoch's chunks span more batches than it holds
-        monkeypatch.setattr("dlstore.formats.batch_procs.ring_slots", lambda batch_bytes: slots)
+        monkeypatch.setattr("dlstore.read.engines.owner.ring_slots", lambda batch_bytes: slots)
     batches = index_batches(zarr_cache, order)
     cache = open_cache(zarr_cache)
     expected = [cache.read(b) for b in batches]
@@ -113,7 +113,7 @@ def test_batches_decoded_in_processes_match_plain_reads(
         got = [x.copy() for x in cache.read_batches(batches, processes=2)]
         assert len(got) == len(expected)
         assert all(np.array_equal(a, b) for a, b in zip(got, expected))
-    procs = cache.reader._batch_procs
+    procs = cache.engines.batch_processes
     assert calls == []  # every chunk was decoded by the workers
     jobs = len(procs._epoch.jobs)
     assert jobs == 43 if slots is None else jobs > 43  # chunk order: each chunk once; else split
@@ -143,7 +143,7 @@ def test_a_damaged_chunk_is_named_and_a_lost_worker_is_recovered_from(
     assert np.array_equal(next(got), open_cache(zarr_cache).read(batches[0]))
     with pytest.raises(SampleReadError, match=r"images/c/1/0/0/0: chunk 1"):
         next(got)
-    procs = cache.reader._batch_procs
+    procs = cache.engines.batch_processes
     for p in procs.procs:  # every worker gone: the chunks are decoded in this process instead
         p.kill()
         p.wait()
@@ -172,7 +172,7 @@ def test_pinned_loader_with_decode_processes_yields_the_same_batches(zarr_cache:
         pairs = list(zip(plain, procs))
         assert len(pairs) == len(plain)
         assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in pairs)
-    workers = procs.cache.reader._batch_procs.procs
+    workers = procs.cache.engines.batch_processes.procs
     plain.cache.close()
     procs.cache.close()
     assert all(p.poll() is not None for p in workers)

@@ -156,7 +156,7 @@ def epoch(root: Path, depth: int, processes: int = 0) -> tuple[list[np.ndarray],
     in this process (decode processes are not counted)."""
     cache = open_cache(root)
     cache.reader.threads = 3
-    cache.reader.processes = processes
+    cache.decode_processes = processes
     calls: list[int] = []
     load = cache.reader.load_unit
     cache.reader.load_unit = lambda k: (calls.append(k), load(k))[1]  # type: ignore[method-assign]
@@ -215,11 +215,11 @@ def test_decode_processes_name_a_damaged_chunk_recover_from_a_lost_worker_and_sh
     chunk = root / "images" / "c" / "1" / "0" / "0" / "0"
     chunk.write_bytes(chunk.read_bytes()[:100])
     cache = open_cache(root)
-    cache.reader.threads, cache.reader.processes = 2, 2
+    cache.reader.threads, cache.decode_processes = 2, 2
     unit = cache.reader.unit
     damaged = np.flatnonzero(cache.positions // unit == 1)[:2]
     cache.prefetch(damaged)
-    procs = cache.reader._procs
+    procs = cache.engines.unit_processes
     assert procs is not None and len(procs.procs) == 2
     with pytest.raises(SampleReadError, match=r"images/c/1/0/0/0: chunk 1"):
         cache.read(damaged)

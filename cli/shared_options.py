@@ -1,0 +1,76 @@
+"""Click options that more than one command takes, each declared once (``convert`` and ``bench``:
+``--size``, ``--root``, ``--max-megapixels``, ``--demo-images``; and the writer options every format
+declares, ``--codec`` …, from the registry). A command passes only what differs for it: its range,
+default and help line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from dlstore.formats import cli_options
+
+F = Callable[..., Any]
+
+MAX_MEGAPIXELS_HELP = (
+    "Decode images up to this size; larger files are refused as decompression bombs, skipped and named "
+    "[default: Pillow's limit, 89.5]. Raise it for very large photographs (e.g. 120 for 108 MP)."
+)
+
+
+def size_option(largest: int, help: str, required: bool = False) -> Callable[[F], F]:
+    # No explicit default: click 8.3+ counts ``default=None`` as a value given for a required option.
+    return click.option("--size", type=click.IntRange(1, largest), required=required, help=help)
+
+
+def root_option() -> Callable[[F], F]:
+    return click.option(
+        "--root",
+        type=click.Path(path_type=Path, file_okay=False),
+        default=None,
+        help="Folder holding torchvision dataset files (for torchvision:NAME).",
+    )
+
+
+def max_megapixels_option(help: str = MAX_MEGAPIXELS_HELP) -> Callable[[F], F]:
+    return click.option(
+        "--max-megapixels", type=click.FloatRange(0, None, min_open=True), default=None, help=help
+    )
+
+
+def demo_images_option(default: int | None, help: str) -> Callable[[F], F]:
+    return click.option(
+        "--demo-images",
+        type=click.IntRange(1, 1_000_000),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )
+
+
+def writer_options(command: F) -> F:
+    """One click option per writer option any format declares (``--codec`` …), choices from the
+    registry; default None so each format fills in its own default."""
+    for opt in reversed(cli_options()):
+        kind: click.ParamType
+        if opt.choices:
+            kind = click.Choice(opt.choices)
+        elif opt.kind is int:
+            kind = click.IntRange(opt.min, opt.max)  # type: ignore[arg-type]
+        elif opt.kind is float:
+            kind = click.FloatRange(opt.min, opt.max)
+        else:
+            kind = click.STRING
+        flag = f"--{opt.name.replace('_', '-')}"  # shard_mb → --shard-mb
+        command = click.option(flag, opt.name, type=kind, default=None, help=opt.help)(command)
+    return command
+
+
+def given_writer_options(params: dict[str, Any]) -> dict[str, Any]:
+    """Take the writer options out of a command's parameters: those given (the format fills in the rest)."""
+    taken = {opt.name: params.pop(opt.name, None) for opt in cli_options()}
+    return {name: value for name, value in taken.items() if value is not None}

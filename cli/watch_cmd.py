@@ -1,0 +1,101 @@
+"""``dlstore watch -- python train.py ARGS…``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from dlstore.cli.render import emit_json, stderr
+
+
+@click.command(
+    "watch",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@click.option("--steps", type=click.IntRange(1), default=None, help="Stop the script after N observed steps.")
+@click.option(
+    "--warmup", type=click.IntRange(0), default=5, show_default=True, help="First-epoch steps kept apart."
+)
+@click.option(
+    "--no-replay", "no_replay", is_flag=True, help="Do not replay the loop's batches (rate with data free)."
+)
+@click.option(
+    "--replay-at",
+    type=click.IntRange(1),
+    default=100,
+    show_default=True,
+    help="Without --steps: replay after this many real steps.",
+)
+@click.option("--replay-steps", type=click.IntRange(1), default=30, show_default=True, help="Replayed steps.")
+@click.option(
+    "--replay-batches", type=click.IntRange(1), default=4, show_default=True, help="Batches kept to replay."
+)
+@click.option(
+    "--no-parts", "no_parts", is_flag=True, help="Skip timing the dataset's parts alone at the end."
+)
+@click.option(
+    "--parts-budget",
+    type=click.FloatRange(0.05, 600),
+    default=3.0,
+    show_default=True,
+    help="Seconds for timing the dataset's parts alone.",
+)
+@click.option("--profile", is_flag=True, help="Write a torch.profiler trace of a few steps to --out.")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="Write watch.json, steps.csv, timeline.png here.",
+)
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print one JSON document on stdout (the script's stdout goes to stderr).",
+)
+def watch_cmd(
+    command: tuple[str, ...],
+    steps: int | None,
+    warmup: int,
+    no_replay: bool,
+    replay_at: int,
+    replay_steps: int,
+    replay_batches: int,
+    no_parts: bool,
+    parts_budget: float,
+    profile: bool,
+    out: Path | None,
+    as_json: bool,
+) -> None:
+    """Run COMMAND (python train.py ARGS… or python -m pkg.train ARGS…) with every DataLoader iteration
+    observed, then say what binds the loop and what to change. The script's exit code is kept."""
+    from dlstore.bench.watch.config import WatchConfig
+    from dlstore.bench.watch.report import json_document, text_report, write_outputs
+    from dlstore.bench.watch.run import run_watch
+
+    config = WatchConfig(
+        steps=steps,
+        warmup=warmup,
+        replay=not no_replay,
+        replay_at=replay_at,
+        replay_steps=replay_steps,
+        replay_batches=replay_batches,
+        parts=not no_parts,
+        parts_budget_s=parts_budget,
+        profile=profile,
+    )
+    argv = list(command[1:] if command and command[0] == "--" else command)
+    report, code = run_watch(argv, config, out=out, script_stdout_to_stderr=as_json)
+    if report is None:  # a rank other than 0 under torchrun: rank 0 reports
+        sys.exit(code)
+    if out is not None:
+        written = write_outputs(report, out)
+        click.echo(f"Wrote {', '.join(written.values())}", file=stderr())
+    if as_json:
+        emit_json(json_document(report))
+    else:
+        click.echo(text_report(report))
+    sys.exit(code)

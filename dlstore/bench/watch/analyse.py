@@ -1,0 +1,559 @@
+"""From the raw record of a watched loop to the report: the steady numbers, the loop's parts composed
+through the bench's parts model (``dlstore.bench.predict``), the binding stage, the verdict in the bench's
+words and at most five recommendations ranked by predicted gain. Pure functions over plain data."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, Prediction, compose, prediction_error
+from dlstore.bench.verdict import STAGE_WORDS, WORTH_FRACTION, rank
+from dlstore.bench.watch.steps import by_phase, epoch_start_excess, slope, step_rows, window_max, window_mean
+
+# TF profiler's input-pipeline analyser classes (share of step time waiting for input)
+NOT_INPUT_BOUND, HIGHLY_INPUT_BOUND = 0.05, 0.20
+# A DataLoader worker's hand-over to the main thread (unpickling shared-memory handles): used only when
+# the loop ran with 0 workers, so none was measured. ~0.1–1 ms per batch on the machines measured.
+HANDOVER_S = 0.3e-3
+CACHE_READ_BYTES_PER_S = 4e9  # a RAM cache's gather + collate, about half of memcpy (PERFORMANCE.md)
+WORKER_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+STAGE_NAMES = {
+    "read_s": "file read",
+    "decode_s": "image decode",
+    "transform_s": "CPU transform",
+    "collate_s": "collate",
+    "getitem_s": "the Dataset's __getitem__",
+}
+
+
+def input_class(share: float) -> str:
+    if share < NOT_INPUT_BOUND:
+        return "not input-bound"
+    if share < HIGHLY_INPUT_BOUND:
+        return "moderately input-bound"
+    return "highly input-bound"
+
+
+def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The report of one watch from each rank's raw document (rank 0 first)."""
+    docs = sorted(docs, key=lambda d: d.get("rank", 0))
+    main = docs[0]
+    out: dict[str, Any] = {
+        "status": main["status"],
+        "exit_code": main["exit_code"],
+        "error": main.get("error"),
+        "device": main["device_label"] if main["cuda"] else "cpu",
+        "cuda": main["cuda"],
+        "cores": main["cores"],
+        "world_size": main.get("world_size", 1),
+        "profile_trace": main.get("profile_trace"),
+        "notes": [],
+        "loaders": [],
+    }
+    if not main["loaders"]:
+        out["notes"].append(never_iterated_note())
+        out["verdict"] = out["notes"][0]
+        out["recommendations"], out["advice"] = [], []
+        return out
+    out["loaders"] = [loader_report(ld, main) for ld in main["loaders"]]
+    primary = max(out["loaders"], key=lambda r: r["steps_observed"])
+    out["primary"] = primary["index"]
+    out["ranks"] = rank_summary(docs) if len(docs) > 1 else None
+    out["verdict"] = verdict_text(primary, out["ranks"])
+    out["advice"] = primary["advice"]
+    out["recommendations"] = [
+        a["text"] + (f" Apply: {a['command']}" if a.get("command") else "") for a in primary["advice"]
+    ]
+    out["notes"] += primary["notes"]
+    return out
+
+
+def never_iterated_note() -> str:
+    return (
+        "The script never iterated a torch.utils.data.DataLoader, so there is nothing to measure. A loader "
+        "that is not a DataLoader (or a subclass that replaces __iter__ without calling it) is not seen: "
+        "wrap it with `loader = dlstore.watch(loader)`."
+    )
+
+
+def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
+    rows = step_rows(ld)
+    images = ld.get("images_per_batch")
+    phases = by_phase(rows, images)
+    steady = phases.get("real") or phases.get("profiled") or phases.get("warmup")
+    rep: dict[str, Any] = {
+        "index": ld["index"],
+        "settings": ld["settings"],
+        "dataset": ld["dataset"],
+        "images_per_batch": images,
+        "steps_observed": sum(1 for r in rows if r["phase"] != "replay"),
+        "steps_replayed": sum(1 for r in rows if r["phase"] == "replay"),
+        "epochs": len(ld.get("epochs", [])),
+        "phases": phases,
+        "steady": steady,
+        "rows": rows,
+        "notes": [],
+        "advice": [],
+    }
+    if steady is None:
+        rep["notes"].append("No step of this loader completed: nothing to time.")
+        return rep
+    if "real" not in phases:
+        rep["notes"].append(
+            "Every observed step fell in the warm-up (first epoch's first steps): the numbers include "
+            "start-up; run more steps (--steps) for a steady figure."
+        )
+    rep["resources"] = resources(ld, doc, steady)
+    if "replay" in phases:
+        rep["notes"].append(
+            f"{phases['replay']['steps']} steps were replayed on {doc['config']['replay_batches']} of the "
+            "loop's own batches to time it with data free: the model trained on those repeated batches "
+            "(turn this off with --no-replay)."
+        )
+    parts = loop_parts(rep, ld, doc)
+    if parts is None:
+        return rep
+    pred = compose(parts)
+    rep["model"] = model_summary(parts, pred, steady)
+    rep["binding"] = binding(rep, parts, pred, ld.get("parts") or {})
+    rep["advice"] = rank(advice(rep, parts, ld, doc))
+    return rep
+
+
+def resources(ld: dict[str, Any], doc: dict[str, Any], steady: dict[str, Any]) -> dict[str, Any]:
+    t0, t1 = steady["t_first_s"], steady["t_last_s"]
+    ws = ld.get("worker_samples") or []
+    return {
+        "workers_cpu_cores": slope(ws, t0, t1, 1),
+        "workers_rss_mb_max": window_max(ws, 2),
+        "workers_pss_mb_max": window_max(ws, 3),
+        "workers_shared_mb_max": window_max(ws, 4),
+        "main_cpu_cores": slope(doc.get("main_cpu") or [], t0, t1, 1),
+        "gpu_util_percent": window_mean(doc.get("gpu_util") or [], t0, t1, 1),
+        "nvml": doc.get("nvml", False),
+    }
+
+
+def producer_cost(ld: dict[str, Any], rep: dict[str, Any]) -> dict[str, float | None]:
+    """Per batch: the Dataset's and collate's CPU seconds from the side measurement, and the workers'
+    CPU seconds per batch seen in /proc during the steady steps (the same work under the real load)."""
+    p = ld.get("parts") or {}
+    b = rep["images_per_batch"] or 0
+    side = None
+    if p.get("getitem_s") is not None and b:
+        side = b * p["getitem_s"] + (p.get("collate_s") or 0.0)
+    proc = None
+    cores = (rep.get("resources") or {}).get("workers_cpu_cores")
+    if cores and rep["settings"]["num_workers"]:
+        proc = cores * rep["steady"]["period_s"]
+    return {"side_s": side, "workers_s": proc}
+
+
+def loop_parts(rep: dict[str, Any], ld: dict[str, Any], doc: dict[str, Any]) -> LoopParts | None:
+    """The observed loop as the bench's parts: the loader (its per-batch period, the main thread's share,
+    its CPU), the step fed with data free (the replay), the usable cores."""
+    steady, phases = rep["steady"], rep["phases"]
+    b = rep["images_per_batch"]
+    if not b:
+        rep["notes"].append("The batch size could not be read off the batches: no rates in images/s.")
+        return None
+    workers = rep["settings"]["num_workers"]
+    cost = producer_cost(ld, rep)
+    if workers == 0:
+        wait = steady["wait_mean_s"]
+        loader = LoaderTiming(period_s=wait, main_s=wait, cpu_s=wait, in_caller=True)
+    else:
+        per_batch = max(v for v in (cost["side_s"], cost["workers_s"], 0.0) if v is not None)
+        if per_batch <= 0:  # nothing measured the workers: the loop's own wait bounds their period
+            per_batch = steady["period_s"] * workers
+        handover = steady["wait_p10_s"] or HANDOVER_S
+        loader = LoaderTiming(period_s=per_batch / workers, main_s=handover, cpu_s=per_batch, in_caller=False)
+    return LoopParts(
+        batch=b,
+        workers=workers,
+        loader=loader,
+        fed=fed_of(steady, phases.get("replay")),
+        cores=max(1, doc["cores"]),
+        step_on_host=not doc["cuda"],
+    )
+
+
+def fed_of(steady: dict[str, Any], replay: dict[str, Any] | None) -> FedTiming:
+    """The step with data free: the replayed steps' period; without a replay, the steady steps' own work
+    (host time, and the device span where it is longer). The main thread's own cost is the smaller of the
+    two host times: in the replay the host also waits for the device once it runs ahead (back-pressure)."""
+    host = steady["host_mean_s"] or 0.0
+    if replay is not None:
+        serial = min(host, replay["host_mean_s"] or host)
+        return FedTiming(period_s=replay["period_s"], serial_s=serial, device_s=replay["device_mean_s"])
+    device = steady["device_mean_s"]
+    return FedTiming(period_s=max(host, device or 0.0), serial_s=host, device_s=device)
+
+
+def model_summary(parts: LoopParts, pred: Prediction, steady: dict[str, Any]) -> dict[str, Any]:
+    measured = steady["img_per_s"]
+    return {
+        "predicted_img_per_s": pred.img_per_s,
+        "measured_img_per_s": measured,
+        "prediction_error": prediction_error(measured, pred.img_per_s) if measured else None,
+        "bottleneck": pred.bottleneck,
+        "limits_ms": {k: 1e3 * v for k, v in pred.terms_s.items()},
+        "data_free_img_per_s": parts.batch / parts.fed.period_s if parts.fed.period_s > 0 else None,
+        "loader_img_per_s": parts.batch / parts.loader.period_s if parts.loader.period_s > 0 else None,
+    }
+
+
+def stage_split(p: dict[str, Any], images: int) -> dict[str, float]:
+    """Per batch seconds of each measured stage: read, decode, transform, collate (or __getitem__ whole)."""
+    out: dict[str, float] = {}
+    for key in ("read_s", "decode_s", "transform_s"):
+        if p.get(key) is not None:
+            out[key] = images * p[key]
+    if "read_s" not in out and p.get("load_s") is not None:
+        out["read_s"] = images * p["load_s"]  # a load we cannot split: read and decode together
+    if not out and p.get("getitem_s") is not None:
+        out["getitem_s"] = images * p["getitem_s"]
+    if p.get("collate_s") is not None:
+        out["collate_s"] = p["collate_s"]
+    return out
+
+
+def binding(rep: dict[str, Any], parts: LoopParts, pred: Prediction, p: dict[str, Any]) -> dict[str, Any]:
+    """The stage that binds, in words a user acts on, e.g. "CPU transform: 4 workers reach 1,900 img/s,
+    the step takes 9,800"."""
+    model = rep["model"]
+    b = parts.batch
+    stage = pred.bottleneck
+    out: dict[str, Any] = {"stage": stage, "words": STAGE_WORDS.get(stage, stage)}
+    split = stage_split(p, b)
+    if stage in ("transform", "cores") and split:
+        key = max(split, key=lambda k: split[k])
+        out["part"] = key.removesuffix("_s")
+        name = STAGE_NAMES[key]
+        if key == "transform_s":
+            steps = [t["name"] for t in rep["dataset"].get("transforms", [])]
+            name += f" ({', '.join(steps)})" if steps else ""
+        out["part_share"] = split[key] / sum(split.values())
+        who = f"{parts.workers} workers" if parts.workers != 1 else "1 worker"
+        if parts.workers == 0:
+            who = "0 workers (the main thread)"
+        out["text"] = (
+            f"{name} ({100 * out['part_share']:.0f}% of the loader's work): {who} reach "
+            f"{_fmt(model['loader_img_per_s'])} img/s, the step takes {_fmt(model['data_free_img_per_s'])}"
+        )
+    else:
+        out["text"] = (
+            f"{out['words']}: the step with data free runs {_fmt(model['data_free_img_per_s'])} img/s, "
+            f"the loader alone {_fmt(model['loader_img_per_s'])}"
+        )
+    return out
+
+
+def verdict_text(primary: dict[str, Any], ranks: dict[str, Any] | None) -> str:
+    steady = primary["steady"]
+    if steady is None:
+        return "No step completed: nothing to judge."
+    share = steady["wait_share"]
+    text = [
+        f"{input_class(share).capitalize()}: the loop waited for data {100 * share:.1f}% of its step time "
+        f"({1e3 * steady['wait_mean_s']:.2f} ms of {1e3 * steady['period_s']:.2f} ms per step, p95 wait "
+        f"{1e3 * steady['wait_p95_s']:.2f} ms; classes as TF's profiler: <5% not, 5–20% moderately, ≥20% "
+        "highly input-bound)."
+    ]
+    model = primary.get("model")
+    if model:
+        free = primary["phases"].get("replay")
+        how = "measured on replayed batches" if free else "estimated from the step's own time (no replay)"
+        text.append(
+            f"Now {_fmt(steady['img_per_s'])} img/s; with data free {_fmt(model['data_free_img_per_s'])} img/s "
+            f"({how})."
+        )
+        text.append(f"Binds: {primary['binding']['text']}.")
+        err = model["prediction_error"]
+        if err is not None:
+            text.append(
+                f"The parts model predicts {_fmt(model['predicted_img_per_s'])} img/s for this loop "
+                f"(measured {100 * err:+.0f}%)."
+            )
+    if ranks:
+        text.append(
+            f"Across {ranks['ranks']} ranks: data wait {100 * ranks['wait_share_mean']:.1f}% mean, "
+            f"{100 * ranks['wait_share_max']:.1f}% on the slowest (rank {ranks['slowest_rank']})."
+        )
+    return " ".join(text)
+
+
+def rank_summary(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each rank's steady data-wait share and rate, their mean and the slowest rank."""
+    per = []
+    for d in docs:
+        if not d["loaders"]:
+            per.append({"rank": d.get("rank", 0), "wait_share": None, "img_per_s": None})
+            continue
+        reps = [by_phase(step_rows(ld), ld.get("images_per_batch")) for ld in d["loaders"]]
+        best = max(reps, key=lambda p: (p.get("real") or p.get("warmup") or {}).get("steps", 0))
+        s = best.get("real") or best.get("warmup") or {}
+        per.append(
+            {"rank": d.get("rank", 0), "wait_share": s.get("wait_share"), "img_per_s": s.get("img_per_s")}
+        )
+    known = [r for r in per if r["wait_share"] is not None]
+    slowest = max(known, key=lambda r: r["wait_share"]) if known else {"rank": None, "wait_share": None}
+    return {
+        "ranks": len(docs),
+        "per_rank": per,
+        "wait_share_mean": sum(r["wait_share"] for r in known) / len(known) if known else None,
+        "wait_share_max": slowest["wait_share"],
+        "slowest_rank": slowest["rank"],
+    }
+
+
+# -- recommendations ------------------------------------------------------------------------------------
+
+
+def advice(
+    rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any]
+) -> list[dict[str, Any]]:
+    now = rep["steady"]["img_per_s"]
+    out = []
+    for make in (_workers_advice, _persistent_advice, _pin_advice, _cache_advice, _step_advice):
+        got = make(rep, parts, ld, doc, now)
+        if got is not None:
+            out.append(got)
+    return out
+
+
+def _advice(text: str, command: str | None, now: float | None, expected: float | None) -> dict[str, Any]:
+    gain = expected / now if expected and now else None
+    return {"text": text, "command": command, "gain": gain, "expected_img_per_s": expected}
+
+
+def _rate(parts: LoopParts) -> float:
+    return compose(parts).img_per_s
+
+
+def _workers_advice(
+    rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
+) -> dict[str, Any] | None:
+    """More workers while cores are idle: each candidate composed with the loader's per-batch CPU cost
+    spread over N workers; the fewest within 5% of the best."""
+    cost = parts.loader.cpu_s if parts.workers else parts.loader.main_s
+    if cost <= 0:
+        return None
+    cands = [n for n in WORKER_CHOICES if parts.workers < n <= max(1, parts.cores)]
+    if not cands:
+        return None
+    main = parts.loader.main_s if parts.workers else HANDOVER_S
+    rates = {
+        n: _rate(replace(parts, workers=n, loader=LoaderTiming(cost / n, main, cost + main, in_caller=False)))
+        for n in cands
+    }
+    best = max(rates.values())
+    n = next(k for k in cands if rates[k] >= best / WORTH_FRACTION)
+    if rates[n] < WORTH_FRACTION * parts.batch / compose(parts).period_s:
+        return None
+    busy = _cores_busy(rep)
+    idle = f" ({busy:.1f} of {parts.cores} cores busy now)" if busy is not None else ""
+    pin = ", pin_memory=True" if doc["cuda"] else ""
+    return _advice(
+        f"Use {n} DataLoader workers{idle}: predicted {_fmt(rates[n])} img/s (now {_fmt(now)}).",
+        f"DataLoader(..., num_workers={n}, persistent_workers=True{pin})",
+        now,
+        rates[n],
+    )
+
+
+def _cores_busy(rep: dict[str, Any]) -> float | None:
+    r = rep.get("resources") or {}
+    vals = [v for v in (r.get("main_cpu_cores"), r.get("workers_cpu_cores")) if v is not None]
+    return sum(vals) if vals else None
+
+
+def _persistent_advice(
+    rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
+) -> dict[str, Any] | None:
+    """Workers restart at every epoch unless persistent: the first step's extra wait, spread over the epoch."""
+    s = rep["settings"]
+    if not s["num_workers"] or s["persistent_workers"] or not s.get("batches_per_epoch"):
+        return None
+    excess = epoch_start_excess(rep["rows"], rep["steady"]["wait_mean_s"])
+    if not excess:
+        return None
+    period = rep["steady"]["period_s"] + excess / s["batches_per_epoch"]  # per batch, epoch start included
+    now_epoch = parts.batch / period
+    expected = parts.batch / max(parts.fed.period_s, period - excess / s["batches_per_epoch"])
+    if expected < WORTH_FRACTION * now_epoch:
+        return None
+    return _advice(
+        f"Keep the workers between epochs: each epoch's first batch waited {1e3 * excess:.0f} ms more than "
+        f"the steady steps (worker start-up): predicted {_fmt(expected)} img/s over an epoch, start "
+        f"included (now {_fmt(now_epoch)} with it).",
+        "DataLoader(..., persistent_workers=True)",
+        now_epoch,
+        expected,
+    )
+
+
+def _pin_advice(
+    rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
+) -> dict[str, Any] | None:
+    """A pageable copy blocks the main thread for the whole transfer; a pinned one is asynchronous."""
+    h2d = (ld.get("parts") or {}).get("h2d")
+    if not doc["cuda"] or rep["settings"]["pin_memory"] or not h2d:
+        return None
+    saving = max(0.0, h2d["pageable_s"] - h2d["pinned_s"])
+    fed = parts.fed
+    faster = replace(
+        parts,
+        fed=replace(
+            fed,
+            period_s=max(fed.device_s or 0.0, fed.period_s - saving),
+            serial_s=max(0.0, fed.serial_s - saving),
+        ),
+    )
+    expected = _rate(faster)
+    if expected < WORTH_FRACTION * now:
+        return None
+    return _advice(
+        f"Pin the batches: the copy takes {1e3 * h2d['pageable_s']:.2f} ms pageable vs {1e3 * h2d['pinned_s']:.2f} "
+        f"ms pinned ({h2d['bytes'] / 1e6:.1f} MB per batch): predicted {_fmt(expected)} img/s.",
+        "DataLoader(..., pin_memory=True); x = x.to('cuda', non_blocking=True)",
+        now,
+        expected,
+    )
+
+
+def cache_size(transforms: list[dict[str, Any]]) -> tuple[int, str] | None:
+    """The cache side S read off the user's transform: Resize's size, else CenterCrop's, else a crop's
+    with the usual 256/224 margin (a random crop needs room around it)."""
+    sized = {t["name"]: min(t["size"]) for t in transforms if t.get("size")}
+    if "Resize" in sized:
+        return sized["Resize"], f"Resize({sized['Resize']})"
+    if "CenterCrop" in sized:
+        return sized["CenterCrop"], f"CenterCrop({sized['CenterCrop']})"
+    for name in ("RandomResizedCrop", "RandomCrop"):
+        if name in sized:
+            s = round(sized[name] * 256 / 224)
+            return s, f"{name}({sized[name]}) with the 256/224 margin"
+    return None
+
+
+def convert_source(ds: dict[str, Any]) -> tuple[str, str] | None:
+    """What ``dlstore convert`` takes for this dataset: (SOURCE, extra options)."""
+    root = ds.get("root")
+    if not root:
+        return None
+    if ds.get("image_folder"):
+        return root, ""
+    name = ds["type"].rsplit(".", 1)[-1]
+    if name in ("MNIST", "FashionMNIST", "CIFAR10", "CIFAR100"):
+        return f"torchvision:{name}", f" --root {root}"
+    return None
+
+
+def _cache_advice(
+    rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
+) -> dict[str, Any] | None:
+    """A dlstore cache removes the file read, decode and resize; with the random augmentation moved to
+    the GPU (GpuAugment) the loader's CPU work is a gather from memory."""
+    ds = rep["dataset"]
+    src = convert_source(ds)
+    sized = cache_size(ds.get("transforms") or [])
+    p = ld.get("parts") or {}
+    if src is None or sized is None or p.get("getitem_s") is None:
+        return None
+    size, why = sized
+    random_steps = [t for t in ds["transforms"] if t.get("random")]
+    gpu = doc["cuda"] and bool(random_steps)
+    b = parts.batch
+    channels = 1 if src[0].startswith("torchvision:") and "MNIST" in src[0] else 3
+    gather = b * size * size * channels / CACHE_READ_BYTES_PER_S
+    per_sample = gather / b if gpu else (p.get("transform_s") or 0.0) + gather / b
+    cost = b * per_sample + (p.get("collate_s") or 0.0) * (0.2 if gpu else 1.0)
+    loader = LoaderTiming(cost, cost, cost, in_caller=True)
+    cached = (
+        replace(parts, workers=0, loader=loader)
+        if gpu
+        else replace(
+            parts,
+            loader=replace(
+                parts.loader,
+                period_s=cost / max(1, parts.workers),
+                cpu_s=cost,
+                main_s=cost if not parts.workers else parts.loader.main_s,
+            ),
+        )
+    )
+    expected = _rate(cached)
+    if expected < WORTH_FRACTION * now:
+        return None
+    command = _convert_command(src, size, ds.get("len"), channels)
+    if gpu:
+        crop = next((min(t["size"]) for t in random_steps if t.get("size")), size)
+        deg = max((t.get("degrees", 0.0) for t in ds["transforms"]), default=0.0)
+        text = (
+            f"CPU augmentation ({', '.join(t['name'] for t in random_steps)}) on decoded files binds: cache the "
+            f"images pre-resized (size {size}, from {why}) and augment on the GPU: predicted {_fmt(expected)} "
+            "img/s (the cache's gather; the GPU augmentation's own cost not included)."
+        )
+        code = (
+            f"ds = dlstore.CachedDataset(DEST); aug = dlstore.gpu.GpuAugment({crop}, degrees={deg:g}).to('cuda'); "
+            "x = aug(x.to('cuda', non_blocking=True))"
+        )
+        return _advice(text, f"{command}; {code}", now, expected)
+    split = stage_split(p, b)
+    share = sum(v for k, v in split.items() if k in ("read_s", "decode_s")) / (sum(split.values()) or 1.0)
+    text = (
+        f"A dlstore cache pre-resized to {size} (from {why}) removes the file read and decode "
+        f"({100 * share:.0f}% of the loader's work): predicted {_fmt(expected)} img/s with your transforms kept."
+    )
+    return _advice(text, f"{command}; ds = dlstore.CachedDataset(DEST, transform=...)", now, expected)
+
+
+def _convert_command(src: tuple[str, str], size: int, n: int | None, channels: int) -> str:
+    """``dlstore convert``: a raw RAM cache when it fits in the memory available, else JPEGs kept at the
+    shorter side and decoded on the GPU (DecodeLoader)."""
+    from dlstore.formats import compressed_gpu_format
+    from dlstore.machine import available_memory
+
+    base = f"dlstore convert {src[0]} DEST --size {size}{src[1]}"
+    if channels == 1:
+        base += " --channels 1"
+    avail = available_memory()[0]
+    jpeg = compressed_gpu_format()
+    if n and avail and n * size * size * channels > avail and jpeg is not None:
+        return (
+            f"{base} --format {jpeg[0]} --codec {jpeg[1]} --resize shorter   "
+            "# a raw cache would not fit in memory; read it with dlstore.read.gpu_decode.DecodeLoader"
+        )
+    return base
+
+
+def _step_advice(
+    rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
+) -> dict[str, Any] | None:
+    """When the step itself binds: what to speed up, with no predicted number (the input is not it)."""
+    b = rep.get("binding", {}).get("stage")
+    fed = parts.fed
+    if b == "host" and doc["cuda"] and fed.device_s and fed.serial_s >= 0.9 * fed.period_s:
+        return _advice(
+            "The main thread's own work binds and spans the device's time: the step likely synchronises "
+            "each iteration (loss.item(), .cpu(), printing a tensor). Read such values every N steps.",
+            None,
+            now,
+            None,
+        )
+    if b == "compute":
+        return _advice(
+            "The training step binds, not the input: speed up the step (bf16 autocast, channels_last, "
+            "torch.compile, a larger batch).",
+            None,
+            now,
+            None,
+        )
+    return None
+
+
+def _fmt(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate:,.0f}"

@@ -1,0 +1,113 @@
+"""The watched child: ``python -m dlstore.bench.watch.boot SCRIPT ARGS…`` or ``… boot -m MODULE ARGS…``.
+
+Installs the observer, runs the target as ``python SCRIPT`` / ``python -m MODULE`` would (``sys.argv``,
+``sys.path[0]``, ``__main__``), and writes what was observed to this rank's file in the result folder
+whatever the ending: a clean end, ``--steps`` reached, an exception (its traceback printed, exit code 1),
+``sys.exit(n)`` (n kept) or Ctrl-C (exit 130).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+import traceback
+from typing import Any
+
+from dlstore.bench.watch.config import WatchConfig, WatchError, rank_file, rank_info
+
+
+def parse_target(argv: list[str]) -> tuple[str, str, list[str]]:
+    """("script" | "module", path or module name, its arguments)."""
+    if not argv:
+        raise WatchError("no target: give a script (train.py ARGS…) or -m MODULE ARGS…")
+    if argv[0] == "-m":
+        if len(argv) < 2:
+            raise WatchError("-m needs a module name, e.g. -m pkg.train")
+        return "module", argv[1], argv[2:]
+    return "script", argv[0], argv[1:]
+
+
+def exit_code_of(e: SystemExit) -> int:
+    """The process exit status Python gives ``sys.exit(code)``."""
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code
+    print(e.code, file=sys.stderr)  # sys.exit("message") prints the message and exits 1
+    return 1
+
+
+def run_target(kind: str, target: str, args: list[str]) -> None:
+    if kind == "module":
+        sys.argv = [target, *args]  # run_module puts the module's file in argv[0], as python -m does
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+        return
+    path = os.path.abspath(target)
+    if not os.path.exists(path):
+        raise WatchError(f"{target}: no such script (looked in {os.getcwd()})")
+    sys.argv = [target, *args]
+    sys.path[0] = os.path.dirname(path)  # python SCRIPT puts the script's folder first, not the cwd
+    runpy.run_path(path, run_name="__main__")
+
+
+class _FirstInterrupt:
+    """SIGINT raises KeyboardInterrupt once; more (the terminal's and the parent's forwarded copy of the
+    same Ctrl-C) are ignored so the record still gets written."""
+
+    def __init__(self) -> None:
+        self.seen = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.seen:
+            return
+        self.seen = True
+        raise KeyboardInterrupt
+
+
+def main(argv: list[str]) -> int:
+    from dlstore.bench.watch.record import Session, WatchStop
+
+    config = WatchConfig.from_env()
+    kind, target, args = parse_target(argv)
+    signal.signal(signal.SIGINT, _FirstInterrupt())
+    session = Session(config)
+    session.install()
+    status, code, error = "completed", 0, None
+    try:
+        run_target(kind, target, args)
+    except WatchStop:
+        status = "stopped"
+    except SystemExit as e:
+        code = exit_code_of(e)
+        status = "completed" if code == 0 else "exited"
+    except KeyboardInterrupt:
+        status, code = "interrupted", 130
+        print("dlstore watch: interrupted; reporting what was observed", file=sys.stderr)
+    except BaseException as e:
+        traceback.print_exc()
+        status, code, error = "error", 1, f"{type(e).__name__}: {e}"
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    write_record(session.finish(status, code, error), config)
+    return code
+
+
+def write_record(doc: dict[str, Any], config: WatchConfig) -> None:
+    if not config.result_dir:
+        return
+    rank, _ = rank_info()
+    path = rank_file(config.result_dir, rank)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc))
+    os.replace(tmp, path)  # the parent (and rank 0) only ever see a whole file
+
+
+if __name__ == "__main__":
+    sys.stdout.flush()
+    code = main(sys.argv[1:])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)

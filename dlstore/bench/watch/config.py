@@ -1,0 +1,91 @@
+"""What ``dlstore watch`` is asked to do, and how the child process learns it (one environment variable
+holding JSON, so the target script's ``sys.argv`` stays exactly what it expects). No torch here."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+from dlstore.errors import DlstoreError
+
+ENV_VAR = "DLSTORE_WATCH_CONFIG"
+
+
+class WatchError(DlstoreError, ValueError):
+    """A watch option or target command that cannot be run as given."""
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    """Options of one watch.
+
+    ``steps``: stop the script after this many real (non-replayed) steps; None lets it run to its end.
+    ``warmup``: the first steps of the first epoch, kept apart (worker start, cudnn tuning), as the bench does.
+    ``replay``: after ``replay_at`` real steps, feed ``replay_batches`` of the loop's own batches back to it
+    for ``replay_steps`` steps: the loop's rate with data free.
+    ``parts``: time the dataset's parts alone at the end (``parts_budget_s`` seconds at most).
+    """
+
+    result_dir: str = ""
+    steps: int | None = None
+    warmup: int = 5
+    replay: bool = True
+    replay_at: int = 100
+    replay_batches: int = 4
+    replay_steps: int = 30
+    parts: bool = True
+    parts_budget_s: float = 3.0
+    profile: bool = False
+    profile_steps: int = 8
+    max_event_steps: int = 20_000  # CUDA event pairs kept (two small objects per step)
+    sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread
+
+    def __post_init__(self) -> None:
+        parse_positive("--steps", self.steps, allow_none=True)
+        parse_positive("--replay-steps", self.replay_steps)
+        parse_positive("--replay-batches", self.replay_batches)
+        if self.warmup < 0:
+            raise WatchError(f"--warmup must be ≥ 0, got {self.warmup}")
+
+    def replay_start(self) -> int:
+        """The real step count after which the replay runs: at --steps when given, else ``replay_at``
+        (never inside the warm-up, and with room to keep the batches it replays)."""
+        at = self.steps if self.steps is not None else self.replay_at
+        return max(at, self.warmup + self.replay_batches)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> WatchConfig:
+        raw = (environ if environ is not None else os.environ).get(ENV_VAR)
+        if not raw:
+            raise WatchError(
+                f"{ENV_VAR} is not set: dlstore.bench.watch.boot is started by `dlstore watch -- python "
+                "train.py`, not by hand"
+            )
+        doc = json.loads(raw)
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known})
+
+
+def parse_positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 1:
+        raise WatchError(f"{name} must be a positive integer, got {value!r}")
+
+
+def rank_info(environ: dict[str, str] | None = None) -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) outside it."""
+    env = environ if environ is not None else os.environ
+    try:
+        return int(env.get("RANK", "0")), max(1, int(env.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 0, 1
+
+
+def rank_file(result_dir: str | Path, rank: int) -> Path:
+    return Path(result_dir) / f"watch-rank{rank}.json"

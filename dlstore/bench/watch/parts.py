@@ -1,0 +1,154 @@
+"""The side measurement: the observed dataset's parts timed alone, in the watched process, after the loop
+(so nothing here runs beside the user's steps). Per sample: ``__getitem__``; where the dataset exposes them
+(torchvision's DatasetFolder: ``loader`` = file read + decode, ``transform``), file read vs decode vs
+transform; per batch: collate and the host→device copy, pinned and pageable. Seconds, plain dicts."""
+
+from __future__ import annotations
+
+import io
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dlstore.bench.watch.describe import base_dataset, is_dataset_folder
+
+
+def measure_parts(loader: Any, batch: Any, cuda: bool, budget_s: float) -> dict[str, Any]:
+    """Per-sample and per-batch costs of this loader's dataset, within about ``budget_s`` seconds."""
+    ds = base_dataset(getattr(loader, "dataset", None))
+    if ds is None or isinstance(ds, torch.utils.data.IterableDataset) or not hasattr(ds, "__getitem__"):
+        return {"skipped": "the dataset is iterable (no __getitem__): its parts cannot be timed one by one"}
+    try:
+        n = len(ds)
+    except TypeError:
+        return {"skipped": "the dataset has no len()"}
+    if n == 0:
+        return {"skipped": "the dataset is empty"}
+    want = max(2, int(getattr(loader, "batch_size", None) or 32))
+    indices = random.Random(0).choices(range(n), k=2 * want)
+    out: dict[str, Any] = {"dataset_len": n}
+    getitem, samples = time_calls(ds.__getitem__, indices, 0.4 * budget_s)
+    out["getitem_s"], out["samples_timed"] = getitem, len(samples)
+    out.update(_split(ds, indices[: max(2, len(samples))], 0.35 * budget_s))
+    out["collate_s"], out["collate_batch"] = _collate(loader, samples, want)
+    if cuda and batch is not None:
+        out["h2d"] = h2d_times(batch, 0.25 * budget_s)
+    return out
+
+
+def time_calls(fn: Callable[[Any], Any], items: Sequence[Any], budget_s: float) -> tuple[float, list[Any]]:
+    """Median seconds of ``fn(item)`` over the items, stopping once ``budget_s`` is spent (at least one):
+    the median, since a first call (file cache, lazy imports) or a GC pause would skew a mean of a few."""
+    outputs: list[Any] = []
+    times: list[float] = []
+    for item in items:
+        t = time.perf_counter()
+        outputs.append(fn(item))
+        times.append(time.perf_counter() - t)
+        if sum(times) >= budget_s:
+            break
+    return statistics.median(times), outputs
+
+
+def _split(ds: Any, indices: Sequence[int], budget_s: float) -> dict[str, Any]:
+    """Load vs transform (any dataset with a ``transform``), and read vs decode for DatasetFolder's own
+    PIL loader."""
+    transform = getattr(ds, "transform", None)
+    out: dict[str, Any] = {}
+    if is_dataset_folder(ds):
+        paths = [ds.samples[i][0] for i in indices]
+        out["load_s"], images = time_calls(ds.loader, paths, budget_s / 3)
+        if _is_pil_loader(ds.loader):
+            out["read_s"], raw = time_calls(_read_bytes, paths, budget_s / 3)
+            out["decode_s"], _ = time_calls(_decode, raw, budget_s / 3)
+    elif transform is not None and hasattr(ds, "transform"):
+        ds.transform = None  # the same __getitem__ without its transform: the load part alone
+        try:
+            out["load_s"], loaded = time_calls(ds.__getitem__, indices, budget_s / 2)
+        finally:
+            ds.transform = transform
+        images = [s[0] if isinstance(s, (tuple, list)) else s for s in loaded]
+    else:
+        return out
+    if transform is not None and images:
+        out["transform_s"], _ = time_calls(transform, images, budget_s / 3)
+    return out
+
+
+def _is_pil_loader(fn: Any) -> bool:
+    """torchvision's default_loader / pil_loader: a file read and a PIL decode to RGB, nothing else."""
+    return getattr(fn, "__module__", "") == "torchvision.datasets.folder" and getattr(fn, "__name__", "") in (
+        "default_loader",
+        "pil_loader",
+    )
+
+
+def _read_bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _decode(data: bytes) -> Any:
+    from PIL import Image
+
+    img = Image.open(io.BytesIO(data))
+    return img.convert("RGB")  # what pil_loader returns; convert() forces the lazy decode
+
+
+def _collate(loader: Any, samples: list[Any], want: int) -> tuple[float | None, int]:
+    """The loader's collate_fn on one batch of already-loaded samples."""
+    collate = getattr(loader, "collate_fn", None)
+    if collate is None or not samples:
+        return None, 0
+    group = (samples * (want // len(samples) + 1))[:want]
+    try:
+        t = time.perf_counter()
+        collate(group)
+        return time.perf_counter() - t, len(group)
+    except Exception:  # a collate that needs what the sampler gives it (a custom batch layout): skip it
+        return None, 0
+
+
+def tensors_of(batch: Any) -> list[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        return [batch]
+    if isinstance(batch, dict):
+        batch = list(batch.values())
+    if isinstance(batch, (list, tuple)):
+        return [t for item in batch for t in tensors_of(item)]
+    return []
+
+
+def h2d_times(batch: Any, budget_s: float) -> dict[str, float | int] | None:
+    """Seconds to copy the batch's CPU tensors to the current CUDA device, pageable and pinned."""
+    host = [t for t in tensors_of(batch) if t.device.type == "cpu"]
+    if not host:
+        return None
+    nbytes = sum(t.numel() * t.element_size() for t in host)
+    pageable = [t.clone() for t in host] if any(t.is_pinned() for t in host) else host
+    pinned = [t if t.is_pinned() else t.pin_memory() for t in host]
+    return {
+        "bytes": nbytes,
+        "pageable_s": _copy_time(pageable, budget_s / 2),
+        "pinned_s": _copy_time(pinned, budget_s / 2),
+    }
+
+
+def _copy_time(tensors: list[torch.Tensor], budget_s: float) -> float:
+    dev = torch.device("cuda", torch.cuda.current_device())
+    for t in tensors:  # first copy: allocator growth, not the copy
+        t.to(dev, non_blocking=True)
+    torch.cuda.synchronize()
+    spent, n = 0.0, 0
+    while n < 3 or (spent < budget_s and n < 50):
+        t0 = time.perf_counter()
+        for t in tensors:
+            t.to(dev, non_blocking=True)
+        torch.cuda.synchronize()
+        spent += time.perf_counter() - t0
+        n += 1
+    return spent / n

@@ -1,0 +1,109 @@
+"""The watched process's record as one JSON-able document (written per rank, read by the parent)."""
+
+from __future__ import annotations
+
+import os
+import platform
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from dlstore.bench.watch.config import rank_info
+from dlstore.machine import usable_cores
+
+if TYPE_CHECKING:
+    from dlstore.bench.watch.record import LoaderRecord, Session
+
+VERSION = 1
+
+
+def raw_document(
+    session: Session, status: str, exit_code: int | None, error: str | None, t_end: float
+) -> dict[str, Any]:
+    rank, world = rank_info()
+    cuda = session.cuda_in_use()
+    sampler = session._sampler
+    doc: dict[str, Any] = {
+        "version": VERSION,
+        "status": status,
+        "exit_code": exit_code,
+        "error": error,
+        "rank": rank,
+        "world_size": world,
+        "pid": os.getpid(),
+        "wall_s": t_end,
+        "cuda": cuda,
+        "device_label": torch.cuda.get_device_name() if cuda else platform.processor() or "CPU",
+        "cores": usable_cores(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "config": {
+            k: getattr(session.config, k)
+            for k in ("steps", "warmup", "replay", "replay_steps", "replay_batches", "profile")
+        },
+        "main_cpu": sampler.main_cpu if sampler else [],
+        "gpu_util": sampler.gpu_util if sampler else [],
+        "nvml": bool(sampler and sampler.nvml is not None),
+        "profile_trace": session.profile_trace,
+        "loaders": [],
+    }
+    for rec in session.records.values():
+        doc["loaders"].append(loader_document(rec, session, cuda, interrupted=status == "interrupted"))
+    return doc
+
+
+def loader_document(rec: LoaderRecord, session: Session, cuda: bool, interrupted: bool) -> dict[str, Any]:
+    device, gap = device_spans(rec) if cuda else (None, None)
+    parts: dict[str, Any] | None = None
+    if session.config.parts and rec.t_call and not interrupted:
+        parts = _parts(rec, cuda, session.config.parts_budget_s)
+    return {
+        "index": rec.index,
+        "settings": rec.settings,
+        "dataset": rec.dataset,
+        "images_per_batch": rec.images or rec.settings.get("batch_size"),
+        "t_call": rec.t_call,
+        "t_ret": rec.t_ret,
+        "t_next": rec.t_next,
+        "phase": rec.phase,
+        "epoch": rec.epoch,
+        "device_s": device,
+        "device_gap_s": gap,
+        "epochs": rec.epochs,
+        "worker_samples": rec.worker_samples,
+        "replayed": rec.replayed,
+        "parts": parts
+        if parts is not None
+        else {"skipped": "interrupted" if interrupted else "not measured"},
+    }
+
+
+def device_spans(rec: LoaderRecord) -> tuple[list[float | None], list[float | None]]:
+    """Per step: the stream's time from the batch's hand-over to the next next() call (the step's device
+    span), and from that call to the following hand-over (the device's wait for data). Events are read
+    here, once: the one synchronisation of the watch, after the loop."""
+    n = len(rec.t_call)
+    span: list[float | None] = [None] * n
+    gap: list[float | None] = [None] * n
+    try:
+        if rec.events:
+            torch.cuda.synchronize()
+        for k, (i, start, end) in enumerate(rec.events):
+            if end is None:
+                continue
+            span[i] = start.elapsed_time(end) / 1e3
+            if k + 1 < len(rec.events) and rec.events[k + 1][0] == i + 1:
+                gap[i] = end.elapsed_time(rec.events[k + 1][1]) / 1e3
+    except RuntimeError:  # a CUDA error in the script: the device spans are lost, the host timings kept
+        return [None] * n, [None] * n
+    return span, gap
+
+
+def _parts(rec: LoaderRecord, cuda: bool, budget: float) -> dict[str, Any]:
+    from dlstore.bench.watch.parts import measure_parts
+
+    batch = rec.sample_batch if rec.sample_batch is not None else (rec.kept[0] if rec.kept else None)
+    try:
+        return measure_parts(rec.loader, batch, cuda, budget)
+    except Exception as e:  # the side measurement is advice; the record of the loop matters more
+        return {"skipped": f"the side measurement failed: {type(e).__name__}: {e}"}

@@ -1,0 +1,396 @@
+"""The observer: every DataLoader iteration timed in ``__next__`` with ``time.perf_counter`` only, CUDA
+events recorded at each batch hand-over on the current stream (read at the end, never synchronised on the
+way), worker CPU and memory sampled from /proc by a background thread, the loop's own batches replayed to
+it for a while to get its rate with data free.
+
+Per step i of one iterator: ``t_call`` (next() called), ``t_ret`` (the batch handed over), ``t_next`` (the
+following next() call, the end of the loop's own work on the batch). Wait = t_ret − t_call; host work =
+t_next − t_ret; device span = the stream's time from the hand-over event to the next call's event.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from dlstore.bench.monitor import process_cpu_s
+from dlstore.bench.watch.config import WatchConfig
+from dlstore.bench.watch.describe import batch_images, dataset_info, loader_settings
+
+PHASES = ("warmup", "profiled", "real", "replay", "refill")
+
+
+class WatchStop(SystemExit):
+    """Raised from ``next()`` once ``--steps`` steps were observed (and replayed): ends the script as a
+    clean exit (SystemExit passes the user's ``except Exception``), exit code 0."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__(0)
+        self.steps = steps
+
+
+class LoaderRecord:
+    """Everything seen of one DataLoader, across its epochs (one ``__iter__`` call = one epoch)."""
+
+    def __init__(self, index: int, loader: Any, config: WatchConfig, t0: float) -> None:
+        self.index = index
+        self.loader = loader
+        self.config = config
+        self.t0 = t0
+        self.settings = loader_settings(loader)
+        self.dataset = dataset_info(getattr(loader, "dataset", None))
+        self.t_call: list[float] = []
+        self.t_ret: list[float] = []
+        self.t_next: list[float | None] = []
+        self.phase: list[str] = []
+        self.epoch: list[int] = []
+        self.events: list[tuple[int, Any, Any]] = []  # (step, hand-over event, next-call event or None)
+        self.epochs: list[dict[str, Any]] = []
+        self.kept: collections.deque[Any] = collections.deque(maxlen=config.replay_batches)
+        self.sample_batch: Any = None
+        self.images: int | None = None
+        self.real = 0
+        self.replay_left = 0
+        self.replay_index = 0
+        self.replayed = False
+        self.refill_left = 0
+        self.worker_cpu: dict[int, float] = {}  # pid → last CPU seconds seen (dead workers keep theirs)
+        self.worker_samples: list[list[float | None]] = []  # [t, Σ CPU s, rss MB, pss MB, shared MB, n]
+        self.iterators: list[Any] = []
+
+    def new_epoch(self, it: Any) -> int:
+        self.epochs.append({"epoch": len(self.epochs), "first_step": len(self.t_call), "t_iter": self.now()})
+        self.iterators = [i for i in self.iterators if getattr(i, "_workers", None)] + [it]
+        return len(self.epochs) - 1
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def worker_pids(self) -> list[int]:
+        pids = []
+        for it in list(self.iterators):
+            for w in list(getattr(it, "_workers", None) or ()):
+                pid = getattr(w, "pid", None)
+                if pid and _alive(w):
+                    pids.append(pid)
+        return pids
+
+
+def _alive(worker: Any) -> bool:
+    try:
+        return bool(worker.is_alive())
+    except (AssertionError, ValueError):  # not our child, or closed
+        return False
+
+
+class WatchedIterator:
+    """Wraps a DataLoader iterator; ``__next__`` times the call and decides replay and stop."""
+
+    def __init__(self, session: Session, record: LoaderRecord, it: Any) -> None:
+        self._session = session
+        self._record = record
+        self._it = it
+        self._last: int | None = None
+        self._epoch = record.new_epoch(it)
+
+    def __iter__(self) -> WatchedIterator:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:  # _workers, _num_yielded, ...: the real iterator's
+        return getattr(self._it, name)
+
+    def __next__(self) -> Any:
+        t_call = time.perf_counter()
+        rec, s = self._record, self._session
+        cuda = s.cuda_in_use()
+        if self._last is not None:
+            rec.t_next[self._last] = t_call - rec.t0
+            if cuda and rec.events and rec.events[-1][0] == self._last and rec.events[-1][2] is None:
+                rec.events[-1] = (self._last, rec.events[-1][1], s.event())
+        if rec.replay_left == 0 and s.should_stop(rec):
+            raise WatchStop(rec.real)
+        batch, phase = self._fetch(rec, t_call)
+        t_ret = time.perf_counter()
+        i = len(rec.t_call)
+        rec.t_call.append(t_call - rec.t0)
+        rec.t_ret.append(t_ret - rec.t0)
+        rec.t_next.append(None)
+        rec.phase.append(phase)
+        rec.epoch.append(self._epoch)
+        self._last = i
+        if cuda and len(rec.events) < rec.config.max_event_steps:
+            rec.events.append((i, s.event(), None))
+        s.after_step(rec, batch, phase)
+        return batch
+
+    def _fetch(self, rec: LoaderRecord, t_call: float) -> tuple[Any, str]:
+        if rec.replay_left == 0 and self._session.should_replay(rec):
+            rec.replay_left = rec.config.replay_steps
+            rec.replayed = True
+        if rec.replay_left > 0:
+            rec.replay_left -= 1
+            batch = rec.kept[rec.replay_index % len(rec.kept)]
+            rec.replay_index += 1
+            if rec.replay_left == 0:
+                # workers kept filling their queue meanwhile: the next steps drain it, not the steady state
+                w = rec.settings["num_workers"]
+                rec.refill_left = w * (rec.settings["prefetch_factor"] or 2) + 1 if w else 0
+                rec.kept.clear()  # the references held the batches' memory (pinned, shared) alive
+            return batch, "replay"
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            rec.epochs[self._epoch]["t_end"] = t_call - rec.t0
+            self._last = None
+            raise
+        return batch, self._session.phase_of(rec)
+
+
+class Session:
+    """One watch: patches ``DataLoader.__iter__`` (``install``) or wraps given loaders, and returns the raw
+    record (``finish``) that ``analyse`` turns into a report."""
+
+    def __init__(self, config: WatchConfig) -> None:
+        self.config = config
+        self.t0 = time.perf_counter()
+        self.wall0 = time.time()
+        self.records: dict[int, LoaderRecord] = {}
+        self._original_iter: Any = None
+        self._sampler: _Sampler | None = None
+        self._profiler: Any = None
+        self._profile_started = False
+        self._profiled = 0
+        self.profile_trace: str | None = None
+        self._cuda = False
+        self.finished: dict[str, Any] | None = None
+
+    # -- entry points ---------------------------------------------------------------------------------
+    def install(self) -> None:
+        """Watch every DataLoader iterated from now on (subclasses included, unless they replace
+        ``__iter__`` without calling it)."""
+        if self._original_iter is not None:
+            return
+        original = DataLoader.__iter__
+        session = self
+
+        def __iter__(loader: Any) -> Any:
+            return session.wrap(loader, original(loader))
+
+        self._original_iter = original
+        DataLoader.__iter__ = __iter__  # type: ignore[method-assign]
+        self._start_sampler()
+
+    def uninstall(self) -> None:
+        if self._original_iter is not None:
+            DataLoader.__iter__ = self._original_iter  # type: ignore[method-assign]
+            self._original_iter = None
+
+    def wrap(self, loader: Any, it: Any) -> Any:
+        if isinstance(it, WatchedIterator):
+            return it
+        self._start_sampler()
+        key = id(loader)
+        if key not in self.records:
+            self.records[key] = LoaderRecord(len(self.records), loader, self.config, self.t0)
+        return WatchedIterator(self, self.records[key], it)
+
+    # -- decisions in next() --------------------------------------------------------------------------
+    def cuda_in_use(self) -> bool:
+        # once CUDA is up it stays up; until then one cheap call per step
+        if not self._cuda:
+            self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return self._cuda
+
+    def event(self) -> Any:
+        e = torch.cuda.Event(enable_timing=True)
+        e.record()  # on the current stream: asynchronous, no synchronisation
+        return e
+
+    def phase_of(self, rec: LoaderRecord) -> str:
+        if rec.refill_left > 0:
+            rec.refill_left -= 1
+            return "refill"
+        n = len(rec.t_call)
+        if len(rec.epochs) == 1 and n < self.config.warmup:
+            return "warmup"
+        if self._profiler is not None:
+            return "profiled"
+        return "real"
+
+    def should_replay(self, rec: LoaderRecord) -> bool:
+        c = self.config
+        return c.replay and not rec.replayed and rec.real >= c.replay_start() and len(rec.kept) > 0
+
+    def should_stop(self, rec: LoaderRecord) -> bool:
+        c = self.config
+        if c.steps is None or rec.real < c.steps:
+            return False
+        return not (c.replay and not rec.replayed and len(rec.kept) > 0)
+
+    def after_step(self, rec: LoaderRecord, batch: Any, phase: str) -> None:
+        if phase == "replay":
+            return
+        rec.real += 1
+        if rec.images is None:
+            rec.images = batch_images(batch)
+        if self.config.replay and not rec.replayed and rec.real > self.config.replay_start() - len_kept(self):
+            rec.kept.append(batch)
+        elif rec.sample_batch is None and phase != "warmup":
+            rec.sample_batch = batch  # for the copy timing at the end
+        self._profile_step(rec, phase)
+
+    def _profile_step(self, rec: LoaderRecord, phase: str) -> None:
+        if not self.config.profile or rec.index != 0:
+            return
+        if self._profiler is None and not self._profile_started and rec.real >= self.config.warmup:
+            self._profile_started = True
+            self._profiler = start_profiler(self.cuda_in_use())
+            self._profiled = 0
+        elif self._profiler is not None and phase == "profiled":
+            self._profiled += 1
+            if self._profiled >= self.config.profile_steps:
+                self._stop_profiler()
+
+    def _stop_profiler(self) -> None:
+        prof, self._profiler = self._profiler, None
+        if prof is None:
+            return
+        prof.__exit__(None, None, None)
+        if self.config.result_dir:
+            path = os.path.join(self.config.result_dir, f"trace-rank{os.environ.get('RANK', '0')}.json")
+            prof.export_chrome_trace(path)
+            self.profile_trace = path
+
+    # -- the end --------------------------------------------------------------------------------------
+    def _start_sampler(self) -> None:
+        if self._sampler is None:
+            self._sampler = _Sampler(self, self.config.sample_interval_s)
+            self._sampler.start()
+
+    def finish(self, status: str, exit_code: int | None = None, error: str | None = None) -> dict[str, Any]:
+        """Stop watching and return the raw record: the steps, device spans, samples and parts."""
+        if self.finished is not None:
+            return self.finished
+        self.uninstall()
+        t_end = time.perf_counter() - self.t0
+        try:
+            self._stop_profiler()
+        except Exception as e:  # a failed trace export must not lose the record
+            self.profile_trace = f"failed: {e}"
+        if self._sampler is not None:
+            self._sampler.stop()
+        from dlstore.bench.watch.raw import raw_document
+
+        self.finished = raw_document(self, status, exit_code, error, t_end)
+        return self.finished
+
+
+def len_kept(session: Session) -> int:
+    return session.config.replay_batches
+
+
+def start_profiler(cuda: bool) -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=acts)
+    prof.__enter__()
+    return prof
+
+
+class _Sampler(threading.Thread):
+    """Every ``interval`` seconds: the watched loaders' worker CPU and memory, the main process's CPU, and
+    GPU utilisation through NVML when pynvml imports. Off the training thread."""
+
+    def __init__(self, session: Session, interval: float) -> None:
+        super().__init__(name="dlstore-watch-sampler", daemon=True)
+        self.session = session
+        self.interval = interval
+        self.halt = threading.Event()
+        self.main_cpu: list[list[float | None]] = []
+        self.gpu_util: list[list[float]] = []
+        self.nvml: Any = None
+
+    def run(self) -> None:
+        self.nvml = _nvml_handle()
+        while not self.halt.is_set():
+            self.sample()
+            self.halt.wait(self.interval)
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(timeout=5)
+        self.sample()
+
+    def sample(self) -> None:
+        s = self.session
+        t = time.perf_counter() - s.t0
+        self.main_cpu.append([t, process_cpu_s(os.getpid())])
+        for rec in list(s.records.values()):
+            _sample_workers(rec, t)
+        if self.nvml is not None and s.cuda_in_use():
+            try:
+                self.gpu_util.append([t, float(self.nvml[0].nvmlDeviceGetUtilizationRates(self.nvml[1]).gpu)])
+            except Exception:
+                self.nvml = None
+
+
+def _sample_workers(rec: LoaderRecord, t: float) -> None:
+    rss = pss = shared = 0.0
+    pids = rec.worker_pids()
+    for pid in pids:
+        cpu = process_cpu_s(pid)
+        if cpu is not None:
+            rec.worker_cpu[pid] = max(cpu, rec.worker_cpu.get(pid, 0.0))
+        mem = smaps_mb(pid)
+        rss, pss, shared = rss + mem["rss"], pss + mem["pss"], shared + mem["shared"]
+    if pids or rec.worker_cpu:
+        rec.worker_samples.append([t, sum(rec.worker_cpu.values()), rss, pss, shared, float(len(pids))])
+
+
+def smaps_mb(pid: int) -> dict[str, float]:
+    """Rss, Pss and shared (clean + dirty) of one process in MB, from smaps_rollup (0 when unreadable)."""
+    out = {"rss": 0.0, "pss": 0.0, "shared": 0.0}
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                kb = value.split()[0] if value.split() else "0"
+                if key == "Rss":
+                    out["rss"] = int(kb) / 1024
+                elif key == "Pss":
+                    out["pss"] = int(kb) / 1024
+                elif key in ("Shared_Clean", "Shared_Dirty"):
+                    out["shared"] += int(kb) / 1024
+    except (OSError, ValueError):
+        pass
+    return out
+
+
+def _nvml_handle() -> tuple[Any, Any] | None:
+    """(pynvml, handle of this process's CUDA device) or None: NVML is optional."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return None
+    try:
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
+        p = torch.cuda.get_device_properties(index)
+        bus = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+        return pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+    except Exception:
+        try:
+            return pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:
+            return None

@@ -1,0 +1,115 @@
+"""Per-step numbers from a loader's raw record, and their summaries by phase. Pure functions."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+
+def step_rows(loader: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per step: phase, epoch, wait, host work, period, device span and device wait (seconds)."""
+    rows = []
+    device = loader.get("device_s") or [None] * len(loader["t_call"])
+    gap = loader.get("device_gap_s") or [None] * len(loader["t_call"])
+    for i, (tc, tr, tn) in enumerate(zip(loader["t_call"], loader["t_ret"], loader["t_next"])):
+        rows.append(
+            {
+                "step": i,
+                "epoch": loader["epoch"][i],
+                "phase": loader["phase"][i],
+                "t_s": tc,
+                "wait_s": tr - tc,
+                "host_s": None if tn is None else tn - tr,
+                "period_s": None if tn is None else tn - tc,
+                "device_s": device[i],
+                "device_wait_s": gap[i],
+            }
+        )
+    _mark_epoch_starts(rows, loader)
+    return rows
+
+
+def _mark_epoch_starts(rows: list[dict[str, Any]], loader: dict[str, Any]) -> None:
+    firsts = {e["first_step"] for e in loader.get("epochs", [])}
+    for r in rows:
+        r["epoch_first"] = r["step"] in firsts
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = math.floor(k), math.ceil(k)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarise(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, Any] | None:
+    """Σwait/Σperiod, means and p95 of a group of steps (those with a complete period only)."""
+    done = [r for r in rows if r["period_s"] is not None]
+    if not done:
+        return None
+    wait = [r["wait_s"] for r in done]
+    period = sum(r["period_s"] for r in done) / len(done)
+    device = [r["device_s"] for r in done if r["device_s"] is not None]
+    dwait = [r["device_wait_s"] for r in done if r["device_wait_s"] is not None]
+    return {
+        "steps": len(done),
+        "period_s": period,
+        "img_per_s": images / period if images and period > 0 else None,
+        "wait_share": sum(wait) / sum(r["period_s"] for r in done) if period > 0 else 0.0,
+        "wait_mean_s": mean(wait),
+        "wait_p50_s": percentile(wait, 0.5),
+        "wait_p95_s": percentile(wait, 0.95),
+        "wait_p10_s": percentile(wait, 0.1),
+        "host_mean_s": mean([r["host_s"] for r in done]),
+        "device_mean_s": mean(device),
+        "device_wait_share": sum(dwait) / sum(r["period_s"] for r in done) if dwait else None,
+        "t_first_s": done[0]["t_s"],
+        "t_last_s": done[-1]["t_s"] + done[-1]["period_s"],
+    }
+
+
+def by_phase(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, Any]:
+    """Summaries of the warm-up, the steady real steps, the replayed steps (and the refill after them)."""
+    out: dict[str, Any] = {}
+    for phase in ("warmup", "real", "replay", "refill", "profiled"):
+        s = summarise([r for r in rows if r["phase"] == phase], images)
+        if s is not None:
+            out[phase] = s
+    return out
+
+
+def epoch_start_excess(rows: Sequence[dict[str, Any]], steady_wait: float | None) -> float | None:
+    """Mean extra wait of an epoch's first step beyond the steady wait, after the first epoch (worker
+    start-up each epoch when workers are not persistent); the first epoch's is counted too when it is
+    the only one (its start is the same cost)."""
+    firsts = [r for r in rows if r["epoch_first"] and r["phase"] != "replay"]
+    later = [r for r in firsts if r["epoch"] > 0] or firsts
+    if not later or steady_wait is None:
+        return None
+    return max(0.0, sum(r["wait_s"] for r in later) / len(later) - steady_wait)
+
+
+def slope(samples: Sequence[Sequence[float | None]], t0: float, t1: float, column: int) -> float | None:
+    """Rate of change of a cumulative column over [t0, t1] (e.g. CPU seconds per second = cores busy)."""
+    inside = [s for s in samples if s[column] is not None and t0 - 0.6 <= s[0] <= t1 + 0.6]  # type: ignore[operator]
+    # samples come every ~0.5 s: a rate over less than a second of them is noise, not a figure
+    if len(inside) < 2 or inside[-1][0] - inside[0][0] < max(1.0, 0.5 * (t1 - t0)):  # type: ignore[operator]
+        return None
+    return (inside[-1][column] - inside[0][column]) / (inside[-1][0] - inside[0][0])  # type: ignore[operator]
+
+
+def window_mean(samples: Sequence[Sequence[float | None]], t0: float, t1: float, column: int) -> float | None:
+    vals = [s[column] for s in samples if s[column] is not None and t0 <= s[0] <= t1]  # type: ignore[operator]
+    return mean(vals) if vals else None  # type: ignore[arg-type]
+
+
+def window_max(samples: Sequence[Sequence[float | None]], column: int) -> float | None:
+    vals = [s[column] for s in samples if s[column] is not None]
+    return max(vals) if vals else None  # type: ignore[type-var]

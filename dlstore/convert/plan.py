@@ -1,0 +1,169 @@
+"""Phase 1 of a conversion, the plan: the source opened, the format's writer chosen, the storage order
+drawn, and the plan record that the journal keeps and a re-run compares, all from one
+``ConvertOptions``; plus the checks of DEST made before any work.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from dlstore import __version__
+from dlstore.convert.options import ConvertOptions, from_old_plan, recorded_options
+from dlstore.convert.sizes import human_bytes
+from dlstore.convert.sources import Source, open_source
+from dlstore.errors import CacheExistsError, ConvertError, SpecError
+from dlstore.formats import Format, get_format
+from dlstore.formats.base import CacheWriter
+from dlstore.spec import MANIFEST, CacheSpec
+
+
+@dataclass
+class Plan:
+    """What one conversion will build. ``record`` is the plan as data: the options' record, the
+    source's size and fingerprint, the unit size and dlstore's major version."""
+
+    options: ConvertOptions
+    fmt: Format
+    src: Source
+    writer: CacheWriter  # its root is set once the staging folder exists
+    order: np.ndarray  # storage position s holds source sample order[s]
+    record: dict[str, Any]
+    max_pixels: int  # the decompression-bomb limit every worker applies
+    warnings: list[str] = field(default_factory=list)
+
+
+def open_plan_source(source: str | Path | Source, options: ConvertOptions) -> Source:
+    if isinstance(source, Source):
+        return source
+    return open_source(source, root=options.root, train=options.train, demo_images=options.demo_images)
+
+
+def make_plan(src: Source, options: ConvertOptions) -> Plan:
+    fmt = get_format(options.format)
+    policy = options.policy
+    writer_options = options.resolved_writer_options
+    writer = fmt.writer_for(writer_options, policy.ragged)(Path(), len(src), policy.shape, writer_options)
+    record = plan_record(options.record(), len(src), writer.unit_size, src.fingerprint())
+    # The given limit, else this process's (Pillow's, or one the caller set).
+    mp = options.max_megapixels
+    max_pixels = Image.MAX_IMAGE_PIXELS if mp is None else int(mp * 1e6)
+    order = storage_permutation(len(src), options.storage_order, options.seed)
+    warnings = [scan_warning(src)] if scan_errors(src) else []
+    return Plan(options, fmt, src, writer, order, record, max_pixels, warnings)
+
+
+def plan_record(
+    options: dict[str, Any], n: int, unit_size: int, fingerprint: str, version: str | None = None
+) -> dict[str, Any]:
+    """The plan as it reads back from JSON (tuples → lists), so two plans compare equal. ``version``:
+    the dlstore that built it (default: this one)."""
+    version = __version__ if version is None else version
+    plan = {
+        "options": options,
+        "n": n,
+        "unit_size": unit_size,
+        "fingerprint": fingerprint,
+        "dlstore": version.split(".")[0],
+    }
+    return json.loads(json.dumps(plan))
+
+
+def recorded_plan(spec: CacheSpec) -> dict[str, Any] | None:
+    """The plan a finished cache was built from, rebuilt from its manifest (an older manifest's
+    ``source.plan`` read through its options); None when the manifest does not say."""
+    try:
+        options = recorded_options(spec)
+    except (SpecError, KeyError, TypeError):  # an older plan this version cannot take as options
+        return None
+    if options is None:
+        return None
+    old = spec.source.get("plan") if not spec.options else None
+    if isinstance(old, dict):
+        return upgraded_plan(old)
+    facts = (spec.n_stored, spec.format_options.get("unit_size"), spec.source.get("fingerprint"))
+    return plan_record(options.record(), *facts, spec.dlstore_version)  # type: ignore[arg-type]
+
+
+def upgraded_plan(plan: dict[str, Any]) -> dict[str, Any]:
+    """A plan journaled by a dlstore before ``ConvertOptions`` (``policy`` + writer ``options`` at the
+    top), in today's layout, so its interrupted run resumes; any other plan as it is."""
+    if "policy" not in plan:
+        return plan
+    try:
+        options = from_old_plan(plan)
+    except (SpecError, KeyError, TypeError):
+        return plan  # not one this version can read: the staging refuses it, naming the fix
+    # Its "dlstore" is already a major version: "0." splits back to "0".
+    facts = (plan.get("n"), plan.get("unit_size"), plan.get("fingerprint"), f"{plan.get('dlstore')}.")
+    return plan_record(options.record(), *facts)  # type: ignore[arg-type]
+
+
+def storage_permutation(n: int, storage_order: str, seed: int) -> np.ndarray:
+    """Storage position s holds source sample order[s]."""
+    if storage_order == "source":
+        return np.arange(n, dtype=np.int64)
+    return np.random.default_rng(seed).permutation(n).astype(np.int64)
+
+
+def scan_errors(src: Source) -> list[tuple[str, str]]:
+    return list(getattr(src, "scan_errors", []))
+
+
+def scan_warning(src: Source) -> str:
+    errs = scan_errors(src)
+    path, reason = errs[0]
+    return (
+        f"{len(errs)} file(s) or folder(s) in the source could not be listed and are not in the cache "
+        f"(listed in skipped.json); first: {path}: {reason}"
+    )
+
+
+def check_destination(dest: Path, overwrite: bool) -> None:
+    if not dest.exists():
+        return
+    if not overwrite:
+        raise CacheExistsError(f"{dest}: already exists; pass --overwrite to replace it")
+    if dest.is_dir() and not (dest / MANIFEST).is_file() and any(dest.iterdir()):
+        raise CacheExistsError(
+            f"{dest}: exists and is not a dlstore cache (no {MANIFEST}); "
+            "refusing to replace it even with --overwrite; choose another DEST"
+        )
+    if not dest.is_dir():
+        raise CacheExistsError(f"{dest}: exists and is a file; choose another DEST")
+
+
+def check_dest_outside_source(source: str | Path | Source, dest: Path) -> None:
+    """A cache inside the folder it is made from would be a class folder of that folder the next time it
+    is read, by the next conversion and by ImageFolder alike."""
+    if isinstance(source, Source):
+        root = getattr(source, "root", None)
+    elif str(source) == "demo" or str(source).startswith("torchvision:"):
+        root = None
+    else:
+        root = Path(source)
+    if root is not None and dest.resolve().is_relative_to(Path(root).resolve()):
+        raise ConvertError(
+            f"{dest}: DEST is inside SOURCE {source}; there it would read as a class folder of the source "
+            "(to the next conversion and to torchvision's ImageFolder); choose a DEST outside it"
+        )
+
+
+def preflight(writer: CacheWriter, done: set[int], folder: Path) -> list[str]:
+    """Warn before any work when the cache will likely not fit on the destination's disk."""
+    left = sum(len(writer.unit_range(k)) for k in range(writer.n_units) if k not in done)
+    need = left * writer.image_bytes * writer.size_ratio
+    free = shutil.disk_usage(folder).free
+    if need > free:
+        return [
+            f"{folder.parent}: the cache needs about {human_bytes(need)} more but only "
+            f"{human_bytes(free)} is free; the conversion will stop when the disk fills "
+            "(free space, then re-run the same command to resume)"
+        ]
+    return []

@@ -1,0 +1,171 @@
+"""The analysis on records of known cost: input-bound classes, the parts model's binding stage, the
+recommendations with predicted rates, the cache size read off a transform, ranks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from dlstore.bench.watch.analyse import analyse, cache_size, input_class
+
+
+def raw(
+    wait: float,
+    host: float,
+    workers: int = 0,
+    steps: int = 40,
+    rank: int = 0,
+    cuda: bool = False,
+    replay_period: float | None = None,
+    getitem: float = 0.0,
+    cores: int = 8,
+) -> dict[str, Any]:
+    """A record of ``steps`` steady steps of a constant wait and host time (then a replay, if given)."""
+    t, t_call, t_ret, t_next, phase = 0.0, [], [], [], []
+    for i in range(steps):
+        t_call.append(t)
+        t_ret.append(t + wait)
+        t += wait + host
+        t_next.append(t)
+        phase.append("warmup" if i < 2 else "real")
+    for _ in range(10 if replay_period else 0):
+        t_call.append(t)
+        t_ret.append(t + 1e-5)
+        t += replay_period  # type: ignore[operator]
+        t_next.append(t)
+        phase.append("replay")
+    n = len(t_call)
+    return {
+        "status": "completed",
+        "exit_code": 0,
+        "error": None,
+        "rank": rank,
+        "world_size": 1,
+        "cuda": cuda,
+        "device_label": "test",
+        "cores": cores,
+        "nvml": False,
+        "main_cpu": [],
+        "gpu_util": [],
+        "config": {"replay_batches": 2},
+        "profile_trace": None,
+        "loaders": [
+            {
+                "index": 0,
+                "images_per_batch": 32,
+                "t_call": t_call,
+                "t_ret": t_ret,
+                "t_next": t_next,
+                "phase": phase,
+                "epoch": [0] * n,
+                "device_s": None,
+                "device_gap_s": None,
+                "epochs": [{"epoch": 0, "first_step": 0}],
+                "worker_samples": [],
+                "settings": {
+                    "num_workers": workers,
+                    "batch_size": 32,
+                    "pin_memory": False,
+                    "prefetch_factor": None,
+                    "persistent_workers": False,
+                    "batches_per_epoch": steps,
+                },
+                "dataset": {
+                    "type": "torchvision.datasets.folder.ImageFolder",
+                    "len": 10_000,
+                    "image_folder": True,
+                    "torchvision": True,
+                    "root": "/data/train",
+                    "transforms": [
+                        {"name": "RandomResizedCrop", "size": [224, 224], "random": True},
+                        {"name": "ToTensor", "random": False},
+                    ],
+                },
+                "parts": {
+                    "getitem_s": getitem,
+                    "transform_s": 0.8 * getitem,
+                    "load_s": 0.2 * getitem,
+                    "collate_s": 1e-4,
+                }
+                if getitem
+                else {"skipped": "not measured"},
+            }
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    "share, words",
+    [
+        (0.0, "not"),
+        (0.049, "not"),
+        (0.05, "moderately"),
+        (0.199, "moderately"),
+        (0.2, "highly"),
+        (0.9, "highly"),
+    ],
+)
+def test_tf_profiler_classes(share: float, words: str) -> None:
+    assert input_class(share).startswith(words)
+
+
+def test_zero_worker_input_bound_loop_gets_more_workers_with_a_predicted_rate() -> None:
+    # 30 ms of loader work per batch in the main thread, 5 ms of step: data free the loop runs 5 ms a step
+    report = analyse([raw(wait=0.030, host=0.005, replay_period=0.005, getitem=0.030 / 32)])
+    rep = report["loaders"][0]
+    assert rep["steady"]["wait_share"] == pytest.approx(30 / 35)
+    assert report["verdict"].startswith("Highly input-bound")
+    assert rep["model"]["data_free_img_per_s"] == pytest.approx(32 / 0.005)
+    assert rep["model"]["prediction_error"] == pytest.approx(0.0, abs=0.02)  # the model reproduces the loop
+    assert rep["binding"]["stage"] == "transform"
+    first = report["advice"][0]
+    assert "num_workers=" in first["command"] and first["gain"] > 1.5
+    # 8 cores: workers split the 30 ms; the step (5 ms) binds at 6,400 img/s, within the parts model
+    assert first["expected_img_per_s"] <= 32 / 0.005 + 1
+    assert len(report["advice"]) <= 5
+    assert sorted((a["gain"] or 0 for a in report["advice"]), reverse=True) == [
+        a["gain"] or 0 for a in report["advice"]
+    ]
+
+
+def test_a_compute_bound_loop_is_named_compute() -> None:
+    report = analyse([raw(wait=0.0001, host=0.020, workers=4, replay_period=0.020, getitem=0.001 / 32)])
+    rep = report["loaders"][0]
+    assert report["verdict"].startswith("Not input-bound")
+    assert rep["binding"]["stage"] == "compute"
+    assert not any("num_workers" in (a["command"] or "") for a in report["advice"])
+
+
+def test_cache_advice_reads_the_size_off_the_transform() -> None:
+    assert (
+        cache_size([{"name": "Resize", "size": [256]}, {"name": "CenterCrop", "size": [224, 224]}])[0] == 256
+    )
+    assert cache_size([{"name": "CenterCrop", "size": [96, 96]}])[0] == 96
+    assert cache_size([{"name": "RandomResizedCrop", "size": [224, 224]}])[0] == 256
+    assert cache_size([{"name": "ToTensor"}]) is None
+    report = analyse([raw(wait=0.030, host=0.005, replay_period=0.005, getitem=0.030 / 32, cores=1)])
+    cache = [
+        a
+        for a in report["advice"]
+        if (a["command"] or "").startswith("dlstore convert /data/train DEST --size 256")
+    ]
+    assert cache and cache[0]["expected_img_per_s"] > report["loaders"][0]["steady"]["img_per_s"]
+
+
+def test_rank_zero_reports_the_slowest_rank_beside_the_mean() -> None:
+    docs = [raw(wait=0.001, host=0.009, rank=0), raw(wait=0.005, host=0.005, rank=1)]
+    for d in docs:
+        d["world_size"] = 2
+    ranks = analyse(docs)["ranks"]
+    assert ranks["ranks"] == 2 and ranks["slowest_rank"] == 1
+    assert ranks["wait_share_max"] == pytest.approx(0.5)
+    assert ranks["wait_share_mean"] == pytest.approx(0.3)
+    assert "slowest (rank 1)" in analyse(docs)["verdict"]
+
+
+def test_no_loader_is_a_note_not_an_error() -> None:
+    doc = raw(0.0, 0.0)
+    doc["loaders"] = []
+    report = analyse([doc])
+    assert report["loaders"] == [] and "never iterated" in report["verdict"]

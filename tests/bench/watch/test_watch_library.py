@@ -1,0 +1,61 @@
+"""The library form: ``with dlstore.watch(...) as w`` and ``loader = dlstore.watch(loader)``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torchvision.transforms as T
+from torch.utils.data import DataLoader, TensorDataset
+from torchvision.datasets import ImageFolder
+
+import dlstore
+
+
+def test_with_block_stops_at_steps_after_the_replay() -> None:
+    loader = DataLoader(TensorDataset(torch.randn(400, 3)), batch_size=4)
+    seen = 0
+    with dlstore.watch(steps=15, replay_steps=4, replay_batches=2, parts=False, quiet=True) as w:
+        for _ in range(10):
+            for _batch in loader:
+                seen += 1
+    assert seen == 19  # 15 real + 4 replayed, then the block ended cleanly
+    rep = w.report["loaders"][0]
+    assert w.report["status"] == "stopped"
+    assert rep["steps_observed"] == 15 and rep["steps_replayed"] == 4
+    assert DataLoader.__iter__.__name__ == "__iter__" and iter(loader).__class__.__name__ != "WatchedIterator"
+
+
+def test_with_block_keeps_the_exception() -> None:
+    loader = DataLoader(TensorDataset(torch.randn(40, 3)), batch_size=4)
+    with pytest.raises(ValueError, match="in the loop"):
+        with dlstore.watch(parts=False, quiet=True) as w:
+            for i, _ in enumerate(loader):
+                if i == 3:
+                    raise ValueError("in the loop")
+    assert w.report["status"] == "error" and w.report["loaders"][0]["steps_observed"] == 4
+
+
+def test_loader_form_is_the_same_loader_watched(tiny_folder: Path) -> None:
+    ds = ImageFolder(tiny_folder, transform=T.Compose([T.Resize(20), T.CenterCrop(16), T.ToTensor()]))
+    loader = dlstore.watch(DataLoader(ds, batch_size=6, num_workers=2), replay=False, quiet=True)
+    assert isinstance(loader, DataLoader) and len(loader) == 8 and loader.dataset is ds
+    batches = [x.shape[0] for x, _ in loader]
+    assert batches == [6] * 8
+    report = loader._dlstore_watch.finish()
+    rep = report["loaders"][0]
+    assert rep["steps_observed"] == 8 and rep["settings"]["num_workers"] == 2
+    parts = report["loaders"][0]["dataset"]
+    assert parts["root"] == str(tiny_folder) and "CenterCrop" in parts["transform"]
+
+
+def test_parts_split_read_decode_transform(tiny_folder: Path) -> None:
+    from dlstore.bench.watch.parts import measure_parts
+
+    ds = ImageFolder(tiny_folder, transform=T.Compose([T.RandomRotation(10), T.ToTensor()]))
+    loader = DataLoader(ds, batch_size=4)
+    parts = measure_parts(loader, next(iter(loader)), cuda=False, budget_s=0.3)
+    for key in ("getitem_s", "load_s", "read_s", "decode_s", "transform_s", "collate_s"):
+        assert parts[key] is not None and parts[key] > 0, key
+    assert parts["collate_batch"] == 4 and "h2d" not in parts

@@ -1,0 +1,382 @@
+"""E5, E6: a hostile cache costs nothing (issue 20 item 6). Hand-made hostile caches: a real cache
+converted, then tampered with as an attacker would (recomputing the manifest's checksums where that
+helps them). Opening, reading and verifying each must end in a dlstore error naming the file: never
+a symlink followed, a FIFO blocked on, a raw MemoryError/ValueError, or a peak RSS beyond twice the
+cache's real size plus 100 MB."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+from reliability_helpers import make_tree
+
+from dlstore.checksums import checksum_tree
+from dlstore.cli import main
+from dlstore.convert.conversion import convert
+from dlstore.convert.verification import verify
+from dlstore.errors import DlstoreError, SpecError
+from dlstore.formats.codecs import JpegCodec, PayloadError
+from dlstore.read.cache import open_cache
+from dlstore.spec import MANIFEST
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tree(tmp_path_factory.mktemp("src"), per_class=4)
+
+
+def cache(src: Path, dest: Path, fmt: str = "npz", **kw: object) -> Path:
+    convert(src, dest, format=fmt, size=8, workers=1, **kw)  # type: ignore[arg-type]
+    return dest
+
+
+def manifest(dest: Path) -> dict:
+    return json.loads((dest / MANIFEST).read_text())
+
+
+def write_manifest(dest: Path, doc: dict, rehash: bool = True) -> None:
+    """The attacker's manifest; with ``rehash`` its checksums match the tampered bytes."""
+    if rehash:
+        doc["checksums"] = checksum_tree(dest, (MANIFEST,))
+    (dest / MANIFEST).write_text(json.dumps(doc))
+
+
+def refused(dest: Path, match: str) -> None:
+    """Open + read all is refused with a dlstore error (never a raw MemoryError/ValueError)."""
+    with pytest.raises(DlstoreError, match=match):
+        c = open_cache(dest, check_source=False)
+        c.read_images(np.arange(len(c)))
+
+
+def shard(dest: Path) -> Path:
+    return next((dest / "shards").iterdir())
+
+
+# --- E6: what a cache file may be ---------------------------------------------------------------------
+
+
+def test_a_symlink_to_outside_is_refused_at_open_and_by_verify(src: Path, tmp_path: Path) -> None:
+    dest = cache(src, tmp_path / "c")
+    outside = tmp_path / "secret.npz"
+    shard(dest).rename(outside)  # identical bytes: verify used to say "ok"
+    os.symlink(outside, dest / "shards" / "shard-000000.npz")
+    refused(dest, "symlink inside the cache")
+    result = verify(dest)
+    assert not result.ok and "symlink" in result.first_problem
+
+
+def test_a_symlinked_folder_is_refused(src: Path, tmp_path: Path) -> None:
+    dest = cache(src, tmp_path / "c")
+    (dest / "shards").rename(tmp_path / "elsewhere")
+    os.symlink(tmp_path / "elsewhere", dest / "shards")
+    refused(dest, "symlink inside the cache")
+    assert "symlink" in verify(dest).first_problem
+
+
+def test_a_symlinked_labels_file_is_never_followed(src: Path, tmp_path: Path) -> None:
+    dest = cache(src, tmp_path / "c", fmt="ram")
+    (dest / "labels.npy").rename(tmp_path / "labels.npy")
+    os.symlink(tmp_path / "labels.npy", dest / "labels.npy")
+    refused(dest, "symlink")
+
+
+@pytest.mark.parametrize("fmt", ["npz", "ram"])
+def test_a_fifo_is_refused_without_blocking(src: Path, tmp_path: Path, fmt: str) -> None:
+    dest = cache(src, tmp_path / "c", fmt=fmt)
+    victim = shard(dest) if fmt == "npz" else dest / "images.npy"
+    victim.unlink()
+    os.mkfifo(victim)
+    outcome: list[BaseException | None] = []
+
+    def attempt() -> None:
+        try:
+            refused(dest, "FIFO")
+            assert "FIFO" in verify(dest).first_problem
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome.append(e)
+
+    t = threading.Thread(target=attempt, daemon=True)
+    t.start()
+    t.join(30)
+    if t.is_alive():
+        with open(victim, "wb"):  # unblock the reader that hung on the FIFO
+            pass
+        pytest.fail("opening a cache with a FIFO in it blocked")
+    assert outcome == [None], outcome
+
+
+# --- E5: checksum keys ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "key", ["images.npy@-5+10", "images.npy@abc+10", "images.npy@0+99999999999999999999", "images.npy@0+0"]
+)
+def test_bad_checksum_keys_are_a_clear_error_in_verify(src: Path, tmp_path: Path, key: str) -> None:
+    dest = cache(src, tmp_path / "c", fmt="ram")
+    doc = manifest(dest)
+    doc["checksums"][key] = "0" * 64
+    write_manifest(dest, doc, rehash=False)
+    with pytest.raises(SpecError, match="checksum key|byte range|ranges"):
+        verify(dest)
+    res = CliRunner().invoke(main, ["verify", str(dest)])
+    assert res.exit_code == 1 and "Traceback" not in res.output and "rebuild" in res.output
+
+
+def test_bytes_appended_to_a_small_file_fail_verify(src: Path, tmp_path: Path) -> None:
+    """A small file's one checksum covers it whole: anything appended changes its digest."""
+    dest = cache(src, tmp_path / "c")
+    with open(shard(dest), "ab") as f:
+        f.write(b"\0" * 4096)
+    result = verify(dest)
+    assert not result.ok and str(shard(dest)) in result.first_problem
+
+
+def test_a_large_file_with_a_forged_tail_fails_verify(
+    src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The > 64 MB case, scaled: files checksummed by byte ranges (RANGE_BYTES) and bytes added after
+    the last range, which the checksums of the ranges alone did not see."""
+    import dlstore.checksums as checksums
+
+    monkeypatch.setattr(checksums, "RANGE_BYTES", 512)
+    dest = cache(src, tmp_path / "c", fmt="ram")
+    assert any("@" in k for k in manifest(dest)["checksums"])
+    with open(dest / "images.npy", "ab") as f:
+        f.write(b"forged index" * 10)
+    assert "appended" in verify(dest).first_problem
+    refused(dest, "appended")
+
+
+# --- E5: declared numbers against the bytes present ---------------------------------------------------
+
+
+def test_a_zarr_cache_declaring_65536_squared_images_is_refused_before_allocating(
+    src: Path, tmp_path: Path
+) -> None:
+    dest = cache(src, tmp_path / "c", fmt="zarr")
+    doc = manifest(dest)
+    doc["shape"] = [65536, 65536, 3]
+    doc["image"]["size"] = 65536
+    meta_path = dest / "images" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["shape"][1:] = [65536, 65536, 3]
+    meta["chunk_grid"]["configuration"]["chunk_shape"][1:] = [65536, 65536, 3]
+    meta_path.write_text(json.dumps(meta))
+    write_manifest(dest, doc)
+    refused(dest, "declares .* MB of pixels")
+
+
+def test_a_deflated_shard_declaring_a_huge_array_is_refused(src: Path, tmp_path: Path) -> None:
+    """The header inside the zip says 1.4 GB; nothing of that size is allocated."""
+    dest = cache(src, tmp_path / "c", codec="deflate")
+    path = shard(dest)
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "|u1", "fortran_order": False, "shape": (24, 8, 8, 3 * 100000)}
+    )
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("images.npy", header.getvalue() + b"\0" * (1 << 20))
+    write_manifest(dest, manifest(dest))
+    refused(dest, "declares uint8")
+
+
+def payload_shard(dest: Path, **members: np.ndarray) -> None:
+    path = shard(dest)
+    with np.load(path) as z:
+        arrays = {k: z[k] for k in z.files}
+    arrays.update(members)
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    path.write_bytes(buf.getvalue())
+    write_manifest(dest, manifest(dest))
+
+
+def test_a_jpeg_payload_said_to_be_20000_squared_is_refused(src: Path, tmp_path: Path) -> None:
+    dest = cache(src, tmp_path / "c", codec="jpeg", resize="shorter")
+    with np.load(shard(dest)) as z:
+        shapes = z["shapes"].copy()
+    shapes[0] = (20000, 20000, 3)  # from a few hundred bytes of JPEG
+    payload_shard(dest, shapes=shapes)
+    refused(dest, "beyond the policy")
+
+
+def test_a_forged_manifest_and_index_of_20000_squared_jpegs_is_refused(src: Path, tmp_path: Path) -> None:
+    """Manifest and index agree on 20000x20000, but a payload of a few hundred bytes cannot hold it."""
+    dest = cache(src, tmp_path / "c", codec="jpeg")
+    with np.load(shard(dest)) as z:
+        shapes = z["shapes"].copy()
+    shapes[:] = (20000, 20000, 3)
+    doc = manifest(dest)
+    doc["shape"], doc["image"]["size"] = [20000, 20000, 3], 20000
+    payload_shard(dest, shapes=shapes)
+    write_manifest(dest, doc)
+    refused(dest, "said to be")
+
+
+@pytest.mark.parametrize("what", ["nan", "negative", "float"])
+def test_nan_or_negative_payload_offsets_are_a_dlstore_error(src: Path, tmp_path: Path, what: str) -> None:
+    dest = cache(src, tmp_path / "c", codec="jpeg")
+    with np.load(shard(dest)) as z:
+        offsets = z["offsets"].copy()
+    if what == "negative":
+        offsets[3] = -1000
+        payload_shard(dest, offsets=offsets)
+    else:
+        bad = offsets.astype(np.float64)
+        bad[3] = np.nan if what == "nan" else 0.5
+        payload_shard(dest, offsets=bad)
+    refused(dest, "index is inconsistent")
+
+
+def test_negative_payload_shapes_are_a_dlstore_error(src: Path, tmp_path: Path) -> None:
+    dest = cache(src, tmp_path / "c", codec="jpeg")
+    with np.load(shard(dest)) as z:
+        shapes = z["shapes"].copy()
+    shapes[2] = (-8, 8, 3)
+    payload_shard(dest, shapes=shapes)
+    refused(dest, "index is inconsistent")
+
+
+def test_pillows_decompression_bomb_error_becomes_a_dlstore_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((64, 64, 3), np.uint8)).save(buf, format="JPEG")
+    monkeypatch.setenv("DLSTORE_JPEG_DECODER", "pillow")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # 64x64 is then more than twice the limit
+    with pytest.raises(PayloadError, match="DecompressionBombError"):
+        JpegCodec(90).decode(buf.getvalue(), (64, 64, 3))
+
+
+# --- the memory bound -----------------------------------------------------------------------------
+
+RSS_PROBE = """
+import json, resource, sys
+import numpy as np
+from dlstore.errors import DlstoreError
+from dlstore.read.cache import open_cache
+out = {}
+for path in sys.argv[1:]:
+    try:
+        c = open_cache(path, check_source=False)
+        c.read_images(np.arange(len(c)))
+        out[path] = "read"
+    except DlstoreError as e:
+        out[path] = type(e).__name__
+print(json.dumps({"results": out, "maxrss_kb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+BASELINE = (
+    "import resource, numpy, dlstore.read.cache; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+)
+
+
+def test_hostile_caches_stay_within_twice_their_size_plus_100_mb(src: Path, tmp_path: Path) -> None:
+    test_a_zarr_cache_declaring_65536_squared_images_is_refused_before_allocating(src, tmp_path / "z")
+    test_a_deflated_shard_declaring_a_huge_array_is_refused(src, tmp_path / "d")
+    test_a_jpeg_payload_said_to_be_20000_squared_is_refused(src, tmp_path / "j")
+    caches = [tmp_path / "z" / "c", tmp_path / "d" / "c", tmp_path / "j" / "c"]
+    size = max(sum(p.stat().st_size for p in c.rglob("*") if p.is_file()) for c in caches)
+    base = int(
+        subprocess.run([sys.executable, "-c", BASELINE], capture_output=True, text=True, check=True).stdout
+    )
+    probe = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, *map(str, caches)], capture_output=True, text=True, check=True
+    )
+    doc = json.loads(probe.stdout)
+    assert all(r != "read" for r in doc["results"].values()), doc
+    grown = (doc["maxrss_kb"] - base) * 1024
+    assert grown < 2 * size + (100 << 20), (grown, size)
+
+
+# --- the same, remotely (moto) --------------------------------------------------------------------
+
+
+@pytest.fixture
+def s3(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):  # type: ignore[no-untyped-def]
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from s3server import aws_env, start_server
+
+    from dlstore.storage.stores import RemoteStore
+
+    server = start_server()
+    for name, value in aws_env(server).items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("DLSTORE_SPOOL", str(tmp_path / "spool"))
+    try:
+        RemoteStore("s3://hostile").fs.mkdir("hostile")
+    except FileExistsError:  # moto's in-process backend outlives a server of an earlier test
+        pass
+    yield RemoteStore
+    server.stop()
+
+
+def upload(store_cls, local: Path, url: str) -> None:  # type: ignore[no-untyped-def]
+    store = store_cls(url)
+    for p in sorted(local.rglob("*")):
+        if p.is_file():
+            store.put_file(p, p.relative_to(local).as_posix())
+
+
+def files_under(folder: Path) -> set[str]:
+    return {str(p) for p in folder.rglob("*")} if folder.exists() else set()
+
+
+@pytest.mark.s3
+def test_a_remote_zarr_with_a_disallowed_codec_leaves_nothing_outside_the_chunk_cache(
+    s3,
+    src: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    import tempfile
+
+    local = cache(src, tmp_path / "c", fmt="zarr")
+    meta_path = local / "images" / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["codecs"].append({"name": "pickle", "configuration": {}})
+    meta_path.write_text(json.dumps(meta))
+    write_manifest(local, manifest(local))
+    upload(s3, local, "s3://hostile/zarr")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    outside = [work, tmp_path / "tmp", tmp_path / "spool", Path.home() / ".cache" / "dlstore"]
+    before = [files_under(f) for f in outside]
+    with pytest.raises(DlstoreError, match="codec"):
+        open_cache("s3://hostile/zarr", cache_dir=tmp_path / "chunks")
+    after = [files_under(f) for f in outside]
+    assert [a - b for a, b in zip(after, before)] == [set()] * len(outside)
+
+
+@pytest.mark.s3
+def test_a_remote_file_with_a_forged_tail_fails_read_and_verify(
+    s3,
+    src: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+) -> None:
+    import dlstore.checksums as checksums
+
+    monkeypatch.setattr(checksums, "RANGE_BYTES", 512)
+    local = cache(src, tmp_path / "c", fmt="ram")
+    with open(local / "images.npy", "ab") as f:
+        f.write(b"forged index" * 10)
+    upload(s3, local, "s3://hostile/tail")
+    result = verify("s3://hostile/tail")
+    assert not result.ok and "appended" in result.first_problem
+    with pytest.raises(DlstoreError, match="checksums cover only"):
+        c = open_cache("s3://hostile/tail", cache_dir=tmp_path / "chunks")
+        c.read(np.arange(len(c)))
