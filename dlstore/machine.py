@@ -61,6 +61,17 @@ def usable_cores(cgroup: Path = CGROUP) -> int:
     return cores
 
 
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (one we may not signal counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def cpu_model(cpuinfo: Path = CPUINFO) -> str:
     try:
         for line in cpuinfo.read_text().splitlines():

@@ -25,6 +25,7 @@ from typing import Any
 
 from dlstore.durable import fsync_path, write_json_durably
 from dlstore.errors import ConvertError
+from dlstore.machine import process_alive
 from dlstore.spec import MANIFEST
 
 _RENAME_EXCHANGE = 2
@@ -51,15 +52,7 @@ def pid_alive(text: str) -> bool:
         pid = int(text.split()[0])
     except (ValueError, IndexError):
         return True
-    if pid <= 0:
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    return pid <= 0 or process_alive(pid)
 
 
 class Staging:

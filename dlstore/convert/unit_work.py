@@ -24,6 +24,7 @@ from dlstore.convert.sources import Source
 from dlstore.convert.staging import release_inherited_locks
 from dlstore.errors import ConvertError, ImageDecodeError
 from dlstore.formats.base import CacheWriter
+from dlstore.machine import process_alive
 from dlstore.spec import ImagePolicy
 
 if TYPE_CHECKING:
@@ -102,7 +103,7 @@ def die_with_parent() -> None:
         return
     if os.getppid() == parent.pid:
         _arm_parent_death_signal()
-    if os.getppid() != parent.pid and not _alive(parent.pid):
+    if os.getppid() != parent.pid and not process_alive(parent.pid):
         os._exit(1)  # the driver is already gone
     sentinel = getattr(parent, "sentinel", None)
     if sentinel is not None:
@@ -121,18 +122,6 @@ def _arm_parent_death_signal() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     except (OSError, AttributeError):  # no prctl (a libc without it): the sentinel thread remains
         pass
-
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _exit_when_closed(sentinel: int) -> None:

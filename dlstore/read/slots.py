@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from dlstore import settings
+from dlstore.machine import process_alive
 
 _HEADER = mmap.PAGESIZE  # the flag byte, then the batch page-aligned
 _FREE, _HELD = 0, 1
@@ -281,21 +282,11 @@ def _rebuild_slot_tensor(
 def _forget_dead_workers() -> None:
     """Unmap the slots of workers that exited (new workers each epoch without persistent_workers)."""
     reclaim()  # a page-locked slot released at the end of the last epoch may be fenced still
-    for key in [k for k, m in _mapped.items() if m.live == 0 and not m.fenced and not _alive(k[0])]:
+    for key in [k for k, m in _mapped.items() if m.live == 0 and not m.fenced and not process_alive(k[0])]:
         m = _mapped.pop(key)
         del _by_address[m.data.ctypes.data]
         if m.registered:  # unlock before the mapping goes (no copy reads it: released, not fenced)
             _cudart().cudaHostUnregister(m.address)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def mapped_slots(pids: Collection[int] | None = None) -> int:
