@@ -14,6 +14,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +32,20 @@ from dlstore.spec import CacheSpec
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
 
 
+@dataclass(frozen=True)
+class Compressor:
+    """A zarr ``--codec``'s ``impl``: called, the compressors the writer gives zarr; ``stored`` is the
+    name zarr.json then lists after ``bytes`` (None: raw chunks). Readers decode with what the
+    manifest's codec declares here and check that zarr.json agrees, so the manifest's one codec key
+    is the one thing that decides how pixels are read."""
+
+    stored: str | None
+    make: Callable[[], list[Any]]
+
+    def __call__(self) -> list[Any]:
+        return self.make()
+
+
 def _zstd() -> list[Any]:
     from zarr.codecs import ZstdCodec
 
@@ -41,10 +56,6 @@ def _lz4() -> list[Any]:
     from zarr.codecs import BloscCodec
 
     return [BloscCodec(cname="lz4", clevel=5, shuffle="noshuffle")]
-
-
-def _raw() -> list[Any]:
-    return []
 
 
 def chunk_path(root: Path, k: int) -> Path:
@@ -81,9 +92,9 @@ class ZarrWriter(CacheWriter):
 
     codecs: ClassVar[CodecTable] = CodecTable(
         "zstd",
-        Codec("zstd", "zstd level 3", 0.8, _zstd),
-        Codec("lz4", "blosc lz4, fastest decode", 0.8, _lz4),
-        Codec("none", "raw chunks, memory-mapped on read", 1.0, _raw),
+        Codec("zstd", "zstd level 3", 0.8, Compressor("zstd", _zstd)),
+        Codec("lz4", "blosc lz4, fastest decode", 0.8, Compressor("blosc", _lz4)),
+        Codec("none", "raw chunks, memory-mapped on read", 1.0, Compressor(None, list)),
     )
 
     def recorded_options(self) -> dict[str, Any]:
@@ -165,12 +176,26 @@ def describe_group(root: Path, attributes: dict[str, Any], positions: np.ndarray
         zarr.consolidate_metadata(root, zarr_format=3)
 
 
+def manifest_compressor(spec: CacheSpec) -> str | None:
+    """The compressor the manifest's codec (its one ``codec`` key) stores zarr chunks with; None for
+    raw chunks and for image codecs, whose units zarr does not compress."""
+    name = spec.codec or ZarrWriter.codecs.default
+    try:
+        impl = ZarrWriter.codecs[name].impl
+    except KeyError:
+        raise SpecError(
+            f"the manifest's codec {name!r} is not a zarr codec ({', '.join(ZarrWriter.codecs.names())}); "
+            "rebuild the cache with `dlstore convert SOURCE DEST --format zarr --overwrite`"
+        ) from None
+    return impl.stored if isinstance(impl, Compressor) else None
+
+
 def parse_array_meta(
-    path: Path, n: int, shape: tuple[int, int, int]
+    path: Path, n: int, shape: tuple[int, int, int], stored: str | None
 ) -> tuple[int, Callable[[bytes], Any] | None, Sharding | None]:
     """Validate ``images/zarr.json`` before any chunk is decoded; return (chunk length, decoder,
-    sharding). For a sharded array the grid's chunk is the shard (one file) and the chunk length is
-    the inner chunk's."""
+    sharding). ``stored``: the compressor the manifest's codec declares. For a sharded array the
+    grid's chunk is the shard (one file) and the chunk length is the inner chunk's."""
     try:
         meta = json.loads(path.read_text())
     except FileNotFoundError:
@@ -206,12 +231,13 @@ def parse_array_meta(
             if len(codecs) != 1:
                 raise SpecError(f"{path}: codecs after sharding_indexed are not supported ({codecs[1:]})")
             sharding = parse_sharding(path, codecs[0], chunk[0], shape)
-            return sharding.chunk, _decoder(path, sharding.codecs), sharding
-    return chunk[0], _decoder(path, codecs), None
+            return sharding.chunk, _decoder(path, sharding.codecs, stored), sharding
+    return chunk[0], _decoder(path, codecs, stored), None
 
 
-def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any] | None:
-    """Only ``bytes`` then at most one of zstd/blosc; anything else (pickle, object codecs) is refused."""
+def _decoder(path: Path, codecs: Any, stored: str | None) -> Callable[[bytes], Any] | None:
+    """The decoder for the manifest's compressor ``stored``, once zarr.json's chain is checked to be
+    ``bytes`` then exactly that (at most one of zstd/blosc; pickle or object codecs are refused)."""
     if (
         not isinstance(codecs, list)
         or not codecs
@@ -225,9 +251,15 @@ def _decoder(path: Path, codecs: Any) -> Callable[[bytes], Any] | None:
     ):
         names = [c.get("name") if isinstance(c, dict) else c for c in rest]
         raise SpecError(f"{path}: codec(s) {names} not allowed; only one of {sorted(_ALLOWED_COMPRESSORS)}")
-    if not rest:
+    listed = rest[0]["name"] if rest else None
+    if listed != stored:
+        raise SpecError(
+            f"{path}: zarr.json compresses chunks with {listed or 'nothing'}, the manifest's codec with "
+            f"{stored or 'nothing'}; rebuild the cache with `dlstore convert SOURCE DEST --overwrite`"
+        )
+    if stored is None:
         return None  # raw chunks: memory-mapped instead of decoded (see ZarrReader.load_unit)
-    if rest[0]["name"] == "zstd":
+    if stored == "zstd":
         from numcodecs.zstd import Zstd
 
         from dlstore.formats.zstd_direct import direct_zstd_decoder
@@ -244,7 +276,7 @@ class ZarrReader(ChunkedReader):
 
     def __init__(self, root: Path, spec: Any, in_memory: bool = False, cache_bytes: int = 256 << 20) -> None:
         chunk, self.decode, self.sharding = parse_array_meta(
-            Path(root) / "images" / "zarr.json", spec.n_stored, spec.shape
+            Path(root) / "images" / "zarr.json", spec.n_stored, spec.shape, manifest_compressor(spec)
         )
         super().__init__(root, spec, in_memory, unit=chunk, cache_bytes=cache_bytes)
         self._indexes = ShardIndexes(self.sharding) if self.sharding is not None else None
@@ -500,7 +532,9 @@ class ZarrPayloadReader(PayloadReader):
     one of zstd/blosc); the vlen chunk is (u32 count, then u32 length + bytes per item)."""
 
     def __init__(self, root: Path, spec: Any, in_memory: bool = False) -> None:
-        unit, self.decompress = parse_payload_meta(Path(root) / "images" / "zarr.json", spec.n_stored)
+        unit, self.decompress = parse_payload_meta(
+            Path(root) / "images" / "zarr.json", spec.n_stored, manifest_compressor(spec)
+        )
         super().__init__(root, spec, in_memory, unit=unit, max_units=64)  # ~4 MB chunks: 256 MB
 
     @classmethod
@@ -560,7 +594,7 @@ def parse_vlen_chunk(buf: memoryview) -> tuple[memoryview, np.ndarray, np.ndarra
     return buf, starts, ends
 
 
-def parse_payload_meta(path: Path, n: int) -> tuple[int, Callable[[bytes], Any] | None]:
+def parse_payload_meta(path: Path, n: int, stored: str | None) -> tuple[int, Callable[[bytes], Any] | None]:
     """Validate the payload ``images`` array's metadata; return (chunk length, decompressor)."""
     try:
         meta = json.loads(path.read_text())
@@ -583,4 +617,4 @@ def parse_payload_meta(path: Path, n: int) -> tuple[int, Callable[[bytes], Any] 
     codecs = meta.get("codecs")
     if not isinstance(codecs, list) or not codecs or codecs[0] != {"name": "vlen-bytes", "configuration": {}}:
         raise SpecError(f"{path}: codec chain {codecs} must start with 'vlen-bytes'")
-    return chunk[0], _decoder(path, [{"name": "bytes"}, *codecs[1:]])
+    return chunk[0], _decoder(path, [{"name": "bytes"}, *codecs[1:]], stored)

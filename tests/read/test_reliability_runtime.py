@@ -229,6 +229,12 @@ def test_e1_object_array_payloads_fail_with_a_dlstore_error(caches: dict[str, Pa
             "not allowed",
         ),
         (lambda m: m.update(codecs=[{"name": "numcodecs.pickle"}]), "must start with 'bytes'"),
+        # the manifest's codec (zstd) decides the decoder; a zarr.json that disagrees is refused
+        (
+            lambda m: m.update(codecs=[m["codecs"][0], {"name": "blosc", "configuration": {}}]),
+            "manifest's codec",
+        ),
+        (lambda m: m.update(codecs=m["codecs"][:1]), "compresses chunks with nothing"),
         (lambda m: m.update(data_type="object"), "manifest says uint8"),
         (lambda m: m.update(shape=[10**15, 16, 16, 3]), "manifest says uint8"),
         (lambda m: m["chunk_grid"]["configuration"].update(chunk_shape=[10**9, 16, 16, 3]), "chunk shape"),
