@@ -17,7 +17,7 @@ from PIL import Image
 from dlstore import __version__
 from dlstore.convert.options import ConvertOptions, from_old_plan, recorded_options
 from dlstore.convert.sizes import human_bytes
-from dlstore.convert.sources import Source, open_source
+from dlstore.convert.sources import Source, local_root, open_source
 from dlstore.errors import CacheExistsError, ConvertError, SpecError
 from dlstore.formats import Format, get_format
 from dlstore.formats.base import CacheWriter
@@ -142,12 +142,7 @@ def check_destination(dest: Path, overwrite: bool) -> None:
 def check_dest_outside_source(source: str | Path | Source, dest: Path) -> None:
     """A cache inside the folder it is made from would be a class folder of that folder the next time it
     is read, by the next conversion and by ImageFolder alike."""
-    if isinstance(source, Source):
-        root = getattr(source, "root", None)
-    elif str(source) == "demo" or str(source).startswith("torchvision:"):
-        root = None
-    else:
-        root = Path(source)
+    root = getattr(source, "root", None) if isinstance(source, Source) else local_root(source)
     if root is not None and dest.resolve().is_relative_to(Path(root).resolve()):
         raise ConvertError(
             f"{dest}: DEST is inside SOURCE {source}; there it would read as a class folder of the source "

@@ -1,0 +1,44 @@
+"""Where images come from. One module per kind of SOURCE, each a ``Source`` class that declares which
+arguments it reads (``claims``); ``open_source`` asks the registered kinds in turn
+(``registry.py``). ``base.py`` holds the interface every kind implements:
+
+- ``names[i]``, ``labels[i]``, ``classes``, ``stats`` (size, mtime_ns per sample, when files);
+- ``decode(i, policy)`` → the pre-resized pixels (``imageops``), or ImageDecodeError naming sample i;
+- ``digest(i)`` / ``decode_and_digest`` for ``verify --deep``; ``entries()`` / ``fingerprint()`` for
+  make-like re-runs; ``subset(indices)`` for the bench's samples.
+"""
+
+from __future__ import annotations
+
+from dlstore.convert.sources import demo, folder, torchvision  # noqa: F401 - each registers its kind
+from dlstore.convert.sources.base import ArraySource, Source
+from dlstore.convert.sources.demo import DemoSource
+from dlstore.convert.sources.folder import FolderSource, scan_folder
+from dlstore.convert.sources.registry import (
+    SourceArgs,
+    kind_for,
+    local_root,
+    open_source,
+    register_source,
+    source_kinds,
+)
+from dlstore.convert.sources.torchvision import TORCHVISION_SETS, TorchvisionSource, load_torchvision
+from dlstore.sourcefiles import IMAGE_EXTENSIONS
+
+__all__ = [
+    "IMAGE_EXTENSIONS",
+    "TORCHVISION_SETS",
+    "ArraySource",
+    "DemoSource",
+    "FolderSource",
+    "Source",
+    "SourceArgs",
+    "TorchvisionSource",
+    "kind_for",
+    "load_torchvision",
+    "local_root",
+    "open_source",
+    "register_source",
+    "scan_folder",
+    "source_kinds",
+]
