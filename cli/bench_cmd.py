@@ -7,9 +7,16 @@ from typing import Any
 
 import click
 
-from dlstore.bench.protocol import DEFAULT_LOADERS as KINDS  # no torch: --help stays instant
+from dlstore.bench.kinds import LOADER_KINDS  # the registry imports torch only to build a kind
+from dlstore.bench.protocol import DEFAULT_LOADERS as KINDS
 from dlstore.cli.render import StorePath, emit_json, stderr
-from dlstore.cli.shared_options import demo_images_option, max_megapixels_option, root_option, size_option
+from dlstore.cli.shared_options import (
+    demo_images_option,
+    max_megapixels_option,
+    pixels_option,
+    root_option,
+    size_option,
+)
 
 
 class IntList(click.ParamType):
@@ -39,7 +46,7 @@ class KindList(click.ParamType):
         from dlstore.bench.protocol import parse_loaders
 
         try:
-            return parse_loaders(str(value), known_kinds())
+            return parse_loaders(str(value), tuple(LOADER_KINDS))
         except ValueError as e:
             self.fail(str(e), param, ctx)
 
@@ -57,15 +64,6 @@ def pick_loaders(loaders: tuple[str, ...] | None, alias: tuple[str, ...] | None)
         )
         return alias
     return loaders if loaders is not None else KINDS
-
-
-def known_kinds() -> tuple[str, ...]:
-    try:
-        from dlstore.bench.kinds import LOADER_KINDS
-
-        return tuple(LOADER_KINDS)
-    except ImportError:
-        return KINDS
 
 
 # CLI option → the BenchConfig field a budget may cut (plan.cuts_in_order): one the user set stays.
@@ -99,8 +97,9 @@ def user_set(ctx: click.Context) -> tuple[str, ...]:
     "loaders",
     type=KindList(),
     default=None,
-    help="Loader kinds to compare: raw (per-file decode, as torchvision), one per cache format, and the "
-    f"fast paths pinned and resident [default: {','.join(KINDS)}].",
+    help=f"Loader kinds to compare, of {', '.join(LOADER_KINDS)}: raw (per-file decode, as torchvision), "
+    "one per cache format, the fast paths pinned and resident, and the JPEG cache's GPU and CPU decode "
+    f"[default: {','.join(KINDS)}].",
 )
 @click.option(
     "--formats",
@@ -117,9 +116,9 @@ def user_set(ctx: click.Context) -> tuple[str, ...]:
     help="DataLoader worker counts to sweep [default: 0 and the 2 largest powers of two ≤ cores].",
 )
 @size_option(
-    4096,
     "Image side in pixels [default: native for torchvision sets, 32 for demo, 224 for folders (64 on a CPU)].",
 )
+@pixels_option()
 @click.option(
     "--batch-size",
     type=click.IntRange(1, 65536),
@@ -250,6 +249,7 @@ def bench_cmd(
     formats_alias: tuple[str, ...] | None,
     workers: tuple[int, ...] | None,
     size: int | None,
+    pixels: str,
     batch_size: int | None,
     model: str,
     step: str | None,
@@ -290,6 +290,7 @@ def bench_cmd(
         loaders=pick_loaders(loaders, formats_alias),
         workers=workers,
         size=size,
+        pixels=pixels,
         batch_size=batch_size,
         model=model,
         step=step,

@@ -11,11 +11,12 @@ from dlstore.cli.shared_options import (
     demo_images_option,
     given_writer_options,
     max_megapixels_option,
+    pixels_option,
     root_option,
     size_option,
     writer_options,
 )
-from dlstore.convert.sizes import human_bytes
+from dlstore.convert.sizes import count, human_bytes
 from dlstore.formats import DEFAULT_FORMAT, FORMATS
 from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
 
@@ -31,7 +32,7 @@ from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
     show_default=True,
     help="Cache format.",
 )
-@size_option(8192, "Output side in pixels.", required=True)
+@size_option("Output side in pixels.", required=True)
 @click.option(
     "--resize",
     type=click.Choice(RESIZE_POLICIES),
@@ -61,6 +62,7 @@ from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
     help="exact = full decode, torchvision's pixels; fast = DCT-scaled decode of large JPEGs "
     "(several times faster, mean error ≤ about 1 level; see README).",
 )
+@pixels_option()
 @writer_options
 @click.option("--workers", type=click.IntRange(1, 1024), default=None, help="Processes [default: all cores].")
 @root_option()
@@ -114,20 +116,54 @@ def convert_cmd(source: str, dest: Any, as_json: bool, **params: Any) -> None:
     from dlstore.convert.conversion import convert
 
     options = convert_options(params)
-    with click.progressbar(length=1, label="converting", file=stderr()) as bar:
-
-        def progress(n: int) -> None:
-            bar.length = max(bar.length or 1, bar.pos + n)
-            bar.update(n)
-
+    with ProgressBars() as bars:
         result = convert(
             source,
             dest,
             options,
-            progress=progress,
+            progress=bars.show,
             log=lambda message: click.echo(f"\nwarning: {message}", err=True),
         )
     render(result, as_json)
+
+
+class ProgressBars:
+    """A click progress bar on stderr for each stage ``convert`` reports (images written, then bytes
+    uploaded for a URL), drawn from its absolute counts."""
+
+    LABELS = {"images": "converting", "upload": "uploading"}
+
+    def __init__(self) -> None:
+        self.stage: str | None = None
+        self.bar: Any = None
+
+    def __enter__(self) -> ProgressBars:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def show(self, event: Any) -> None:
+        if event.stage != self.stage:
+            self.close()
+            self.stage = event.stage
+            self.bar = click.progressbar(
+                length=max(event.total, 1),
+                label=self.LABELS.get(event.stage, event.stage),
+                file=stderr(),
+                show_pos=event.unit != "bytes",
+                item_show_func=lambda e: (
+                    f"{human_bytes(e.done)} of {human_bytes(e.total)}"
+                    if e is not None and e.unit == "bytes"
+                    else None
+                ),
+            ).__enter__()
+        self.bar.update(event.done - self.bar.pos, current_item=event)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.__exit__(None, None, None)
+            self.bar = None
 
 
 def convert_options(params: dict[str, Any]) -> Any:
@@ -162,11 +198,12 @@ def render(result: Any, as_json: bool) -> None:
         return
     click.echo(
         f"{result.dest}: {result.format}, {result.n} images of {'x'.join(map(str, result.shape))}, "
-        f"{len(result.classes)} classes, {human_bytes(result.bytes_on_disk)} on disk"
+        f"{count(len(result.classes), 'class', 'classes')}, {human_bytes(result.bytes_on_disk)} on disk"
     )
     if result.workers:  # 0: nothing was converted this time (an upload resumed from a finished spool)
         click.echo(
-            f"{result.seconds:.1f} s, {result.images_per_s:,.0f} images/s with {result.workers} workers"
+            f"{result.seconds:.1f} s, {result.images_per_s:,.0f} images/s with {count(result.workers, 'worker')}"
+            + (f" ({result.workers_reason})" if result.workers_reason else "")
             + (f", resumed {result.resumed_units} finished units" if result.resumed_units else "")
         )
     if result.n_skipped:

@@ -43,8 +43,12 @@ def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | 
         f"  classes   {count(len(spec.classes), 'class', 'classes')}: {', '.join(spec.classes[:10])}{' ...' if len(spec.classes) > 10 else ''}"
     )
     click.echo(
-        f"  resize    {spec.image.resize} to {spec.image.size}, exif_transpose={spec.image.exif_transpose}, "
-        f"alpha on {spec.image.background}"
+        f"  resize    {spec.image.resize} to {spec.image.size}, pixels={spec.image.pixels} "
+        + (
+            "(ImageFolder's loader: convert('RGB'), alpha dropped, no EXIF rotation)"
+            if spec.image.pixels == "torchvision"
+            else f"(exif_transpose={spec.image.exif_transpose}, alpha on {spec.image.background})"
+        )
     )
     click.echo(f"  options   {json.dumps({**spec.writer_options, **spec.format_options})}")
     click.echo(f"  source    {spec.source.get('description')} ({spec.source.get('count')} samples)")

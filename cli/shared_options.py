@@ -22,9 +22,29 @@ MAX_MEGAPIXELS_HELP = (
 )
 
 
-def size_option(largest: int, help: str, required: bool = False) -> Callable[[F], F]:
+# The largest --size convert and bench take: one limit for both (a cache the bench cannot bench at
+# its own size would be a trap). 8192² RGB is 200 MB per image.
+MAX_SIZE = 8192
+
+
+def size_option(help: str, required: bool = False) -> Callable[[F], F]:
     # No explicit default: click 8.3+ counts ``default=None`` as a value given for a required option.
-    return click.option("--size", type=click.IntRange(1, largest), required=required, help=help)
+    return click.option("--size", type=click.IntRange(1, MAX_SIZE), required=required, help=help)
+
+
+PIXELS_HELP = (
+    "dlstore = upright by EXIF orientation, 16-bit scaled to 8 bits, alpha composited on white; "
+    "torchvision = stock ImageFolder + Resize/CenterCrop bit for bit (PIL's convert('RGB'): no EXIF "
+    "rotation, alpha dropped; not with --resize pad or --decode fast)."
+)
+
+
+def pixels_option() -> Callable[[F], F]:
+    from dlstore.spec import PIXEL_POLICIES
+
+    return click.option(
+        "--pixels", type=click.Choice(PIXEL_POLICIES), default="dlstore", show_default=True, help=PIXELS_HELP
+    )
 
 
 def root_option() -> Callable[[F], F]:

@@ -18,6 +18,9 @@ SPEC_VERSION = 1
 MAX_UNIT_IMAGES = 1 << 20  # images per unit (shard, chunk, slab) a manifest may declare
 RESIZE_POLICIES = ("crop", "pad", "stretch", "shorter")
 DECODE_MODES = ("exact", "fast")
+# How a file becomes pixels: "dlstore" (upright by EXIF, 16-bit scaled, alpha composited on white) or
+# "torchvision" (ImageFolder's default loader, ``PIL.Image.open(f).convert("RGB")``, bit for bit).
+PIXEL_POLICIES = ("dlstore", "torchvision")
 CHANNELS = (1, 3)
 STORAGE_ORDERS = ("shuffled", "source")  # storage position order: seeded random, or as the source lists
 
@@ -30,8 +33,10 @@ class ImagePolicy:
     pixels as torchvision ``Resize(size)`` + ``CenterCrop(size)``. ``pad``: longer side to ``size``,
     centred on black. ``stretch``: straight to ``size``². ``shorter``: shorter side to ``size`` keeping the
     aspect ratio (torchvision ``Resize(size, max_size=max_side)``'s output size and pixels), so images
-    differ in size (a ragged cache); ``max_side`` caps the longer side. Alpha is composited on ``background``;
-    16-bit images are scaled to 8 bits (``v * 255 / 65535``, rounded); EXIF orientation is applied.
+    differ in size (a ragged cache); ``max_side`` caps the longer side. ``pixels="dlstore"``: alpha is
+    composited on ``background``, 16-bit images are scaled to 8 bits (``v * 255 / 65535``, rounded) and
+    EXIF orientation is applied. ``pixels="torchvision"``: the file as ImageFolder's default loader
+    takes it (``convert("RGB")``: alpha dropped, no EXIF transpose, 16-bit as Pillow converts it).
     ``decode="exact"`` decodes every image in full (the torchvision pixels); ``"fast"`` lets large JPEGs
     be DCT-scaled while decoding, within a bounded error (see ``dlstore.convert.imageops``).
     """
@@ -43,6 +48,7 @@ class ImagePolicy:
     exif_transpose: bool = True
     decode: str = "exact"
     max_side: int | None = None
+    pixels: str = "dlstore"
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -58,6 +64,7 @@ class ImagePolicy:
             raise SpecError(f"channels must be 1 or 3, got {self.channels}")
         if self.decode not in DECODE_MODES:
             raise SpecError(f"decode must be one of {DECODE_MODES}, got {self.decode!r}")
+        parse_pixels(self.pixels, self.resize, self.decode)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -68,6 +75,25 @@ class ImagePolicy:
     def ragged(self) -> bool:
         """Images keep their aspect ratio, so they differ in size."""
         return self.resize == "shorter"
+
+
+def parse_pixels(pixels: str, resize: str, decode: str) -> str:
+    """``pixels="torchvision"`` promises stock torchvision's bytes, so it takes only the resize policies
+    torchvision has a transform for and the full decode."""
+    if pixels not in PIXEL_POLICIES:
+        raise SpecError(f"pixels must be one of {PIXEL_POLICIES}, got {pixels!r}")
+    if pixels == "torchvision" and resize == "pad":
+        raise SpecError(
+            "pixels='torchvision' with resize='pad': torchvision has no transform that scales the longer "
+            "side and pads to a square, so there are no stock pixels to match; use resize crop, shorter "
+            "or stretch, or pixels='dlstore'"
+        )
+    if pixels == "torchvision" and decode != "exact":
+        raise SpecError(
+            "pixels='torchvision' with decode='fast': DCT-scaled decoding changes the pixels, and "
+            "torchvision decodes in full; use decode='exact'"
+        )
+    return pixels
 
 
 @dataclass(frozen=True)

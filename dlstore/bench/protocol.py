@@ -58,6 +58,7 @@ class BenchConfig:
     loaders: tuple[str, ...] = DEFAULT_LOADERS  # loader kinds (dlstore.bench.kinds), not storage formats
     workers: tuple[int, ...] | None = None
     size: int | None = None
+    pixels: str = "dlstore"  # how the caches turn files into pixels (ConvertOptions.pixels)
     batch_size: int | None = (
         None  # None: what a user picks for the model on the device (models.default_batch_size)
     )

@@ -71,6 +71,7 @@ from dlstore.bench.report import (
 )
 from dlstore.bench.stages import BatchStream, device_label, synthetic_batch
 from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse
+from dlstore.convert.plan import source_warnings
 from dlstore.convert.sizes import count
 from dlstore.convert.sources import Source, open_source
 from dlstore.errors import DlstoreError
@@ -160,6 +161,9 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     torch.manual_seed(config.seed)
     full = open_source(config.source, root=config.root, demo_images=config.demo_images or MIN_DEMO_IMAGES)
     total = len(full)
+    source_notes = source_warnings(full)
+    for warning in source_notes:
+        log(f"warning: {warning}")
     source = sample_source(full, config, log)
     size, notes = bench_size(config, source, device)
     channels = source_channels(source)
@@ -173,6 +177,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
             source = sample_source(full, config, log)
         ctx = LoaderContext(config, source, size, channels, device, bench_cache_root(), log)
         notes += budget_notes(budget)
+    notes += source_notes
     if device.type == "cpu":
         notes.append(CPU_NOTE.format(cores=usable_cores()))
     phases = {"source_s": time.perf_counter() - t_start}
@@ -605,6 +610,7 @@ def protocol_of(
     return {
         "size": size,
         "channels": channels,
+        "pixels": config.pixels,
         "batch_size": config.batch_size,
         "model": config.model if config.step is None else None,
         "step": step,

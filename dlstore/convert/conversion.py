@@ -28,8 +28,9 @@ from dlstore.convert.plan import (
     open_plan_source,
     preflight,
 )
+from dlstore.convert.progress import IMAGES, Progress, ProgressCounter
 from dlstore.convert.rerun import is_up_to_date
-from dlstore.convert.runners import Runner, done_images, local_runner, run_units
+from dlstore.convert.runners import Runner, done_images, local_runner, run_units, workers_reason
 from dlstore.convert.sources import Source
 from dlstore.convert.staging import Staging
 from dlstore.convert.store_units import StoreUnits, journaled_sums, units_prefix
@@ -41,7 +42,6 @@ from dlstore.storage.stores import RemoteStore, parse_store_path
 
 __all__ = ["ConvertOptions", "ConvertResult", "convert"]
 
-Progress = Callable[[int], None]
 Log = Callable[[str], None]
 
 
@@ -67,7 +67,8 @@ def convert(
     refused naming the first difference until ``overwrite``. DEST may be a URL (``s3://bucket/prefix``;
     credentials from the environment or ``storage_options``): built in a local spool folder, then
     published by ``dlstore.convert.publish`` (never touching objects that are not dlstore's).
-    ``progress`` receives counts of images done; ``log`` warnings as they arise.
+    ``progress`` receives ``ConvertProgress`` events (``dlstore.convert.progress``): images written
+    of the total, then bytes uploaded for a URL, as absolute counts; ``log`` warnings as they arise.
 
     Keyword shortcuts (``convert(src, dest, size=64)``) are ConvertOptions fields, folded into
     ``options`` in one place (``fold_shortcuts``).
@@ -146,21 +147,25 @@ def build(
             if log:
                 log(w)
         todo = [k for k in range(writer.n_units) if k not in staging.done]
-        if progress:
-            progress(done_images(writer, staging))
+        counter = ProgressCounter(progress, IMAGES, "images", writer.n, done_images(writer, staging))
         job = make_job(plan, store_units)
         ledger = UnitLedger(len(plan.src), plan.options.max_bad, staging)
         stages["setup_s"] = time.perf_counter() - t0
         runner = dask if dask is not None else local_runner(plan.options.workers, len(todo))
         n_workers = runner.start(len(todo))
-        run_units(runner, job, todo, staging, ledger, progress)
+        why_workers = workers_reason(
+            plan.options.workers, n_workers, len(todo), writer.unit_size, dask is not None
+        )
+        run_units(runner, job, todo, staging, ledger, counter)
         stages.update(ledger.stages(n_workers))
         stages.update(runner.finish(t0_mono))
         bad = staging.bad()
         check_bad_fraction(bad, len(plan.src), plan.options.max_bad)
         remote_sums = journaled_sums(staging.journal, set(staging.done)) if store_units else None
         spec = finish(plan, staging, bad, stages, remote_sums)
-    return converted_result(plan, dest, spec, bad, todo, n_workers, t0, stages)
+    result = converted_result(plan, dest, spec, bad, todo, n_workers, t0, stages)
+    result.workers_reason = why_workers
+    return result
 
 
 def create_writer(writer: CacheWriter, staging: Staging) -> None:

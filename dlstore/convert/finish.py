@@ -49,6 +49,7 @@ class ConvertResult:
     images_per_s: float
     workers: int
     resumed_units: int = 0
+    workers_reason: str = ""  # why ``workers`` (e.g. fewer units than workers asked for)
     skipped: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     up_to_date: bool = False  # DEST already held this cache (same source and options): nothing done

@@ -111,6 +111,8 @@ def check_png_chunks(path: Path | str | BinaryIO) -> None:
 
 def prepare(img: Image.Image, policy: ImagePolicy) -> np.ndarray:
     """Orient, convert and resize an opened image according to the policy (the exact path)."""
+    if policy.pixels == "torchvision":
+        return as_array(resize(torchvision_loaded(img, policy.channels), policy))
     if policy.exif_transpose:
         img = ImageOps.exif_transpose(img) or img
     img = to_mode(img, policy)
@@ -132,6 +134,13 @@ def to_mode(img: Image.Image, policy: ImagePolicy) -> Image.Image:
         img = composite(img, policy.background)
     target = "RGB" if policy.channels == 3 else "L"
     return img if img.mode == target else img.convert(target)
+
+
+def torchvision_loaded(img: Image.Image, channels: int) -> Image.Image:
+    """What ImageFolder's default loader hands a transform, ``img.convert("RGB")`` (no EXIF transpose,
+    alpha dropped, 16-bit as Pillow converts it), then ``transforms.Grayscale()`` for one channel."""
+    rgb = img.convert("RGB")
+    return rgb if channels == 3 else rgb.convert("L")
 
 
 def sixteen_to_eight(img: Image.Image) -> Image.Image:

@@ -34,6 +34,7 @@ CACHE_FIELDS = (
     "storage_order",
     "seed",
     "max_megapixels",
+    "pixels",
 )
 
 
@@ -49,7 +50,8 @@ class ConvertOptions:
     runner (process pool, in-process, or Dask ``local[:N]``/``tcp://…``). ``strict``/``max_bad``/
     ``decode_timeout``: what an undecodable file does. ``root``/``train``/``demo_images``: the source
     (torchvision files, split, demo size). ``storage_options``: fsspec options for a URL DEST (never
-    recorded, never shown).
+    recorded, never shown). ``pixels``: "dlstore" (upright by EXIF, 16-bit scaled, alpha composited)
+    or "torchvision" (stock ImageFolder + transforms, bit for bit).
     """
 
     size: int
@@ -73,6 +75,7 @@ class ConvertOptions:
     train: bool = True
     demo_images: int = 512
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    pixels: str = "dlstore"
 
     def __post_init__(self) -> None:
         if self.size is None:
@@ -103,6 +106,8 @@ class ConvertOptions:
             channels=self.channels,
             decode=self.decode,
             max_side=self.max_side,
+            pixels=self.pixels,
+            exif_transpose=self.pixels != "torchvision",  # ImageFolder's loader ignores EXIF
         )
 
     @property

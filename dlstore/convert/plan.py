@@ -56,6 +56,7 @@ def make_plan(src: Source, options: ConvertOptions) -> Plan:
     max_pixels = Image.MAX_IMAGE_PIXELS if mp is None else int(mp * 1e6)
     order = storage_permutation(len(src), options.storage_order, options.seed)
     warnings = [scan_warning(src)] if scan_errors(src) else []
+    warnings += source_warnings(src)
     return Plan(options, fmt, src, writer, order, record, max_pixels, warnings)
 
 
@@ -122,6 +123,27 @@ def scan_warning(src: Source) -> str:
     return (
         f"{len(errs)} file(s) or folder(s) in the source could not be listed and are not in the cache "
         f"(listed in skipped.json); first: {path}: {reason}"
+    )
+
+
+def source_warnings(src: Source) -> list[str]:
+    """What is legal but almost always a mistake in a source (the bench shows these too)."""
+    one = one_class_warning(src)
+    return [one] if one else []
+
+
+def one_class_warning(src: Source) -> str | None:
+    """A folder with a single class subfolder: every label is 0, which no classifier learns from; such
+    a SOURCE is nearly always one level off (a class folder itself, or a folder above the split)."""
+    root = getattr(src, "root", None)
+    if root is None or len(src.classes) != 1:
+        return None
+    root = Path(root)
+    only = root / src.classes[0]
+    return (
+        f"{root}: has 1 class subfolder ({src.classes[0]}), so every image gets label 0; SOURCE should be "
+        f"the folder whose subfolders are the classes: its parent {root.resolve().parent} if "
+        f"{root.name or root} is one class of several, or {only} if that folder holds the classes"
     )
 
 

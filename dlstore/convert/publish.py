@@ -44,6 +44,7 @@ from typing import Any
 from dlstore import settings
 from dlstore.checksums import split_key
 from dlstore.convert.plan import recorded_plan
+from dlstore.convert.progress import UPLOAD, Progress, ProgressCounter
 from dlstore.convert.store_units import units_prefix
 from dlstore.errors import CacheCorruptError, CacheExistsError
 from dlstore.spec import MANIFEST, parse_manifest
@@ -217,8 +218,11 @@ class Published:
     already_staged: int
 
 
-def publish(root: Path, store: RemoteStore, overwrite: bool, log: Log | None = None) -> Published:
-    """Upload the complete cache at ``root`` to ``store`` by the protocol above."""
+def publish(
+    root: Path, store: RemoteStore, overwrite: bool, log: Log | None = None, progress: Progress | None = None
+) -> Published:
+    """Upload the complete cache at ``root`` to ``store`` by the protocol above; ``progress`` gets the
+    bytes uploaded (stage ``upload``: the files left to upload, counted as each one is stored)."""
     manifest = (root / MANIFEST).read_bytes()
     files = local_files(root)
     units = staged_units(manifest, files)
@@ -228,7 +232,13 @@ def publish(root: Path, store: RemoteStore, overwrite: bool, log: Log | None = N
     staged = store.sizes(prefix)
     todo = [rel for rel, size in files.items() if staged.get(rel) != size]  # the rest: a resumed upload
     store.put_bytes(manifest, f"{prefix}/{MANIFEST}")  # from now on the listed objects are known as ours
-    parallel(lambda rel: store.put_file(root / rel, f"{prefix}/{rel}"), todo)
+    counter = ProgressCounter(progress, UPLOAD, "bytes", sum(files[rel] for rel in todo))
+
+    def upload(rel: str) -> None:
+        store.put_file(root / rel, f"{prefix}/{rel}")
+        counter.add(files[rel])
+
+    parallel(upload, todo)
     if there.owned:  # the generation being replaced, recorded before its manifest goes
         store.put_bytes(json.dumps({"files": sorted(there.owned)}).encode(), REPLACING)
     if there.has_cache:

@@ -19,6 +19,8 @@ from typing import Protocol
 from PIL import Image
 
 from dlstore.convert.ledger import UnitLedger
+from dlstore.convert.progress import ProgressCounter
+from dlstore.convert.sizes import count
 from dlstore.convert.staging import Staging
 from dlstore.convert.store_units import journal_sums, strip_sums
 from dlstore.convert.unit_work import Job, UnitResult, _init_worker, convert_job_unit, convert_unit
@@ -26,7 +28,6 @@ from dlstore.errors import ConvertError, ImageDecodeError
 from dlstore.formats.base import CacheWriter
 from dlstore.machine import usable_cores
 
-Progress = Callable[[int], None]
 Done = Callable[[list[UnitResult]], None]
 
 
@@ -140,15 +141,32 @@ def local_runner(workers: int | None, n_units: int) -> InProcessRunner | PoolRun
     return InProcessRunner() if count == 1 else PoolRunner(count)
 
 
+def workers_reason(asked: int | None, used: int, n_units: int, unit_size: int, cluster: bool) -> str:
+    """Why the run used ``used`` workers, in words (``ConvertResult.workers_reason``): a unit (a
+    shard, chunk or slab of up to ``unit_size`` images) is written whole by one worker, so a run never
+    has more workers than units left to do."""
+    if cluster:
+        return f"the Dask cluster's {count(used, 'worker')}"
+    wanted = usable_cores() if asked is None else asked
+    if used < wanted:
+        given = f"the {count(wanted, 'worker')} asked for" if asked else f"the {wanted} usable cores"
+        return (
+            f"only {count(n_units, 'unit')} of work, fewer than {given}: one worker writes a whole unit "
+            f"of up to {count(unit_size, 'image')}"
+        )
+    return "as asked (--workers)" if asked is not None else f"all {count(used, 'usable core')}"
+
+
 def run_units(
     runner: Runner,
     job: Job,
     todo: list[int],
     staging: Staging,
     ledger: UnitLedger,
-    progress: Progress | None,
+    counter: ProgressCounter,
 ) -> None:
-    """Run ``todo`` on ``runner``, journaling each finished unit; every way a run can stop early ends
+    """Run ``todo`` on ``runner``, journaling each finished unit and counting its images on
+    ``counter`` (after the journal: a reported image is a kept one); every way a run can stop early ends
     in a ConvertError saying how far it got and how to go on."""
 
     def done(results: list[UnitResult]) -> None:
@@ -156,9 +174,8 @@ def run_units(
         if on_store:
             journal_sums(staging.journal, on_store)  # the objects' digests first, then "done"
         ledger.record([strip_sums(r) for r in results])
-        if progress:
-            for res in results:
-                progress(len(job.writer.unit_range(res[0])))
+        for res in results:
+            counter.add(len(job.writer.unit_range(res[0])))
 
     ledger.started = time.monotonic()  # the units are handed out now (a cluster is up)
     try:

@@ -17,6 +17,7 @@ from dlstore.convert.conversion import convert_locally
 from dlstore.convert.finish import ConvertResult, unchanged_result
 from dlstore.convert.options import ConvertOptions
 from dlstore.convert.plan import Plan, make_plan, open_plan_source
+from dlstore.convert.progress import Progress
 from dlstore.convert.publish import check_ownership, check_writable, publish, spool_dir
 from dlstore.convert.rerun import matches_plan
 from dlstore.convert.sources import Source
@@ -26,7 +27,6 @@ from dlstore.spec import SKIPPED_FILE, SOURCE_RECORD, CacheSpec
 from dlstore.storage.mirror import fetch_manifest
 from dlstore.storage.stores import RemoteStore
 
-Progress = Callable[[int], None]
 Log = Callable[[str], None]
 
 
@@ -50,7 +50,7 @@ def convert_to_store(
     check_writable(store)
     spool = spool_dir(url)
     result = build_spool(src, spool, options, store, progress, log)
-    published = publish(spool, store, options.overwrite, log)
+    published = publish(spool, store, options.overwrite, log, progress)
     result.bytes_on_disk, result.dest, result.up_to_date = published.bytes, url, False
     result.resumed_upload = published.already_staged
     shutil.rmtree(spool.parent, ignore_errors=True)

@@ -17,6 +17,7 @@ from reliability_helpers import FORMAT_NAMES, HangingSource, assert_same_cache, 
 from dlstore.cli import main
 from dlstore.convert.conversion import ConvertResult, convert
 from dlstore.convert.dask_engine import SchedulerSpec, local_layout, parse_scheduler
+from dlstore.convert.progress import ConvertProgress
 from dlstore.convert.sources import scan_folder
 from dlstore.errors import ConvertError, MissingExtraError
 from dlstore.spec import read_spec
@@ -65,8 +66,8 @@ def test_dask_result_is_byte_identical_to_the_pool(
 def test_dask_run_resumes_from_the_journal(tree: Path, tmp_path: Path, cluster: str) -> None:
     reported = []
 
-    def interrupt_after_two_units(n: int) -> None:
-        reported.append(n)
+    def interrupt_after_two_units(event: ConvertProgress) -> None:
+        reported.append(event.done)
         if len(reported) == 3:  # the first call reports resumed images (0), then one per unit
             raise KeyboardInterrupt
 

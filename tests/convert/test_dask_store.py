@@ -15,6 +15,7 @@ from reliability_helpers import make_tree, small_units
 
 from dlstore import convert, open_cache
 from dlstore.convert.conversion import ConvertResult
+from dlstore.convert.progress import ConvertProgress
 from dlstore.formats import FORMATS
 from dlstore.spec import read_spec
 from dlstore.storage.mirror import spec_at
@@ -71,7 +72,7 @@ class SpoolWatch:
     def __init__(self, spool: Path) -> None:
         self.spool, self.seen, self.calls = spool, set[str](), 0
 
-    def __call__(self, images: int) -> None:
+    def __call__(self, event: ConvertProgress) -> None:
         self.calls += 1
         self.seen |= {p.as_posix() for p in self.spool.rglob("*") if p.is_file()}
 
@@ -106,9 +107,9 @@ def test_an_interrupted_conversion_resumes_from_the_units_on_the_store(
 ) -> None:
     url = f"s3://{BUCKET}/resume"
 
-    def stop_after_two(images: int, seen: list[int] = []) -> None:  # noqa: B006 - a counter
-        if images:
-            seen.append(images)
+    def stop_after_two(event: ConvertProgress, seen: list[int] = []) -> None:  # noqa: B006 - a counter
+        if event.stage == "images" and event.done:
+            seen.append(event.done)
         if len(seen) == 2:
             raise KeyboardInterrupt
 

@@ -18,13 +18,16 @@ fast paths ``pinned`` and ``resident``, and the JPEG cache's ``jpeg-gpu`` / ``jp
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from dlstore.bench.kinds import cached, fast, jpeg, raw
-from dlstore.bench.kinds.base import LoaderContext, PreparedLoader
 from dlstore.errors import DlstoreError
 from dlstore.formats import FORMATS
+
+if TYPE_CHECKING:
+    from dlstore.bench.kinds.base import LoaderContext, PreparedLoader
 
 __all__ = [
     "LOADER_KINDS",
@@ -34,6 +37,12 @@ __all__ = [
     "prepare_loader",
     "register_loader_kind",
 ]
+
+RAW = "torchvision ImageFolder/dataset: per-file PIL decode + resize + transform"
+PINNED = "ram cache, PinnedLoader: gather thread → pinned ring → side-stream copy, no workers"
+RESIDENT = "ram cache held in device memory, batches gathered there (ResidentLoader)"
+JPEG_GPU = "JPEG cache (variable size), DecodeLoader: batched nvJPEG decode + GPU crop, no workers"
+JPEG_CPU = "JPEG cache (variable size), CachedDataset in DataLoader workers: Pillow decode + v2 crop"
 
 
 @dataclass(frozen=True)
@@ -59,14 +68,35 @@ def prepare_loader(name: str, ctx: LoaderContext) -> PreparedLoader:
     return kind.factory(ctx)
 
 
-register_loader_kind(LoaderKind("raw", raw.DESCRIPTION, raw.raw_kind))
+def imported_on_use(module: str, name: str, *args: str) -> Callable[[LoaderContext], PreparedLoader]:
+    """The built-in kinds' factories import torch only when a kind is built, so listing the kinds (the
+    CLI's ``--help``) stays instant. ``args``: for a factory maker (``cached_kind(fmt)``)."""
+
+    def factory(ctx: LoaderContext) -> PreparedLoader:
+        made = getattr(importlib.import_module(f"dlstore.bench.kinds.{module}"), name)
+        return (made(*args) if args else made)(ctx)
+
+    return factory
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("LoaderContext", "PreparedLoader"):
+        from dlstore.bench.kinds import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module 'dlstore.bench.kinds' has no attribute {name!r}")
+
+
+register_loader_kind(LoaderKind("raw", RAW, imported_on_use("raw", "raw_kind")))
 for _fmt in FORMATS:
     register_loader_kind(
         LoaderKind(
-            _fmt, f"dlstore {_fmt} cache through CachedDataset (batched reads)", cached.cached_kind(_fmt)
+            _fmt,
+            f"dlstore {_fmt} cache through CachedDataset (batched reads)",
+            imported_on_use("cached", "cached_kind", _fmt),
         )
     )
-register_loader_kind(LoaderKind("pinned", fast.PINNED, fast.pinned_kind))
-register_loader_kind(LoaderKind("resident", fast.RESIDENT, fast.resident_kind))
-register_loader_kind(LoaderKind("jpeg-gpu", jpeg.GPU, jpeg.jpeg_gpu_kind))
-register_loader_kind(LoaderKind("jpeg-cpu", jpeg.CPU, jpeg.jpeg_cpu_kind))
+register_loader_kind(LoaderKind("pinned", PINNED, imported_on_use("fast", "pinned_kind")))
+register_loader_kind(LoaderKind("resident", RESIDENT, imported_on_use("fast", "resident_kind")))
+register_loader_kind(LoaderKind("jpeg-gpu", JPEG_GPU, imported_on_use("jpeg", "jpeg_gpu_kind")))
+register_loader_kind(LoaderKind("jpeg-cpu", JPEG_CPU, imported_on_use("jpeg", "jpeg_cpu_kind")))

@@ -159,9 +159,11 @@ def convert_command(ctx: LoaderContext, fmt: str) -> str:
     src = ctx.config.source
     if ctx.config.root is not None and src.startswith("torchvision:"):
         src += f" --root {ctx.config.root}"
-    mp = ctx.config.max_megapixels
-    return f"dlstore convert {src} DEST --format {fmt} --size {ctx.size}" + (
-        f" --max-megapixels {mp:g}" if mp is not None else ""
+    mp, pixels = ctx.config.max_megapixels, ctx.config.pixels
+    return (
+        f"dlstore convert {src} DEST --format {fmt} --size {ctx.size}"
+        + (f" --max-megapixels {mp:g}" if mp is not None else "")
+        + (f" --pixels {pixels}" if pixels != "dlstore" else "")
     )
 
 

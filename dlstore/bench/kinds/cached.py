@@ -55,6 +55,7 @@ def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path | str, dict[str, An
             spec.format == fmt
             and spec.source.get("fingerprint") == ctx.source.fingerprint()
             and tuple(spec.shape) == (ctx.size, ctx.size, ctx.channels)
+            and spec.image.pixels == ctx.config.pixels
         )
         if matches or dest == ctx.config.cache:
             return dest, {"cache": str(dest), "reused": True, **skipped_info(dest)}
@@ -65,9 +66,10 @@ def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path | str, dict[str, An
 
 
 def megapixels_key(ctx: LoaderContext) -> str:
-    """A cache built under another decompression-bomb limit may hold other images: a key of its own."""
-    mp = ctx.config.max_megapixels
-    return "" if mp is None else f"|mp{mp:g}"
+    """A cache built under another decompression-bomb limit, or another pixel policy, may hold other
+    images: a key of its own (the default's key is unchanged, so caches built before stay found)."""
+    mp, pixels = ctx.config.max_megapixels, ctx.config.pixels
+    return ("" if mp is None else f"|mp{mp:g}") + ("" if pixels == "dlstore" else f"|px{pixels}")
 
 
 def convert_into(ctx: LoaderContext, dest: Path, **choices: Any) -> dict[str, Any]:
@@ -83,6 +85,7 @@ def convert_into(ctx: LoaderContext, dest: Path, **choices: Any) -> dict[str, An
         overwrite=dest.exists(),
         workers=ctx.config.convert_workers,
         max_megapixels=ctx.config.max_megapixels,
+        pixels=ctx.config.pixels,
         **choices,
     )
     result = convert(ctx.source, dest, options)
@@ -92,6 +95,7 @@ def convert_into(ctx: LoaderContext, dest: Path, **choices: Any) -> dict[str, An
         "convert_s": result.seconds,
         "convert_img_per_s": result.images_per_s,
         "convert_workers": result.workers,
+        "convert_workers_reason": result.workers_reason,
         **skipped_info(dest),
     }
 

@@ -18,9 +18,6 @@ from dlstore.bench.kinds.cached import ensure_cache
 from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
 from dlstore.bench.transforms import device_transform
 
-PINNED = "ram cache, PinnedLoader: gather thread → pinned ring → side-stream copy, no workers"
-RESIDENT = "ram cache held in device memory, batches gathered there (ResidentLoader)"
-
 
 def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code: str) -> PreparedLoader:
     from dlstore.formats import in_memory_format

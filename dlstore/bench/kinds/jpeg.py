@@ -16,13 +16,12 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from dlstore.bench.kinds import JPEG_CPU, JPEG_GPU
 from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader
 from dlstore.bench.kinds.cached import convert_into, megapixels_key
 from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
 from dlstore.bench.transforms import device_transform
 
-GPU = "JPEG cache (variable size), DecodeLoader: batched nvJPEG decode + GPU crop, no workers"
-CPU = "JPEG cache (variable size), CachedDataset in DataLoader workers: Pillow decode + v2 crop"
 QUALITY = 90
 
 
@@ -80,7 +79,7 @@ def jpeg_gpu_kind(ctx: LoaderContext) -> PreparedLoader:
 
     return PreparedLoader(
         "jpeg-gpu",
-        GPU,
+        JPEG_GPU,
         CachedDataset(path, check_source=False).spec.n,
         _files(path),
         True,
@@ -121,7 +120,7 @@ def jpeg_cpu_kind(ctx: LoaderContext) -> PreparedLoader:
 
     return PreparedLoader(
         "jpeg-cpu",
-        CPU,
+        JPEG_CPU,
         CachedDataset(path, check_source=False).spec.n,
         _files(path),
         True,

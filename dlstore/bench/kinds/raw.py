@@ -14,8 +14,6 @@ from dlstore.bench.transforms import device_transform, raw_transform
 from dlstore.convert.sources import FolderSource
 from dlstore.errors import DlstoreError
 
-DESCRIPTION = "torchvision ImageFolder/dataset: per-file PIL decode + resize + transform"
-
 
 def raw_kind(ctx: LoaderContext) -> PreparedLoader:
     tf_name, size = ctx.config.transform, ctx.size
