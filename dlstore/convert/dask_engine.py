@@ -131,7 +131,7 @@ def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER
     }
     scheduler = {
         "cls": Scheduler,
-        "options": {"host": "127.0.0.1", "port": 0, "dashboard": False, "dashboard_address": None},
+        "options": {"host": "127.0.0.1", "port": 0, "dashboard": False, "dashboard_address": "127.0.0.1:0"},
     }
     # The scheduler's ticks quieted as the workers' (they set their own). Worker saturation 1.5: a
     # worker of 4 threads then holds 2 queued units instead of 1 (Dask's 1.1 rounds 4.4 up to 5), so

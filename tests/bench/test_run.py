@@ -274,23 +274,29 @@ def test_max_megapixels_reaches_the_caches_conversions(
     env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With Pillow's limit lowered to stand in for 108 MP photos, the caches skip every 40x40 image; bench
-    --max-megapixels takes them in, builds caches of their own and says so in the commands it advises."""
+    --max-megapixels takes them in, builds caches of their own and says so in the commands it advises.
+    So does --pixels (issue 22 item 4). The folder has one class: a warning and a note name its parent."""
     from PIL import Image
     from reliability_helpers import make_tree
 
+    from dlstore.spec import read_spec
+
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # forked conversion workers inherit it
-    root = make_tree(tmp_path / "tree", per_class=4, side=40)
+    root = make_tree(tmp_path / "tree", per_class=8, classes=("only",), side=40)
     args = ["--loaders", "ram", "--workers", "0", "--batch-size", "1", "--size", "16", "--steps", "3"]
     args += ["--warmup", "2", "--repeats", "1", "--stage-steps", "2", "--no-cold"]
     refused = CliRunner().invoke(main, ["bench", str(root), *args, "--out", str(tmp_path / "a")])
     assert refused.exit_code == 1 and "8 of 8 images could not be decoded" in refused.output
-    res = CliRunner().invoke(
-        main, ["bench", str(root), *args, "--max-megapixels", "0.01", "--out", str(tmp_path / "b")]
-    )
+    args += ["--max-megapixels", "0.01", "--pixels", "torchvision"]
+    res = CliRunner().invoke(main, ["bench", str(root), *args, "--out", str(tmp_path / "b")])
     assert res.exit_code == 0, res.output
     doc = json.loads((tmp_path / "b" / "result.json").read_text())
-    assert doc["loaders"]["ram"]["n_images"] == 8 and not doc["loaders"]["ram"].get("skipped")
-    assert "--max-megapixels 0.01" in doc["loaders"]["ram"]["apply"]
+    ram = doc["loaders"]["ram"]
+    assert ram["n_images"] == 8 and not ram.get("skipped")
+    assert "--max-megapixels 0.01 --pixels torchvision" in ram["apply"]
+    assert doc["protocol"]["pixels"] == read_spec(Path(ram["cache"])).image.pixels == "torchvision"
+    assert [n for n in doc["notes"] if f"{root}: has 1 class subfolder (only)" in n]
+    assert f"its parent {root.resolve().parent}" in " ".join(res.stderr.split())
 
 
 def test_formats_is_a_hidden_deprecated_alias_of_loaders(env: Path) -> None:

@@ -3,9 +3,12 @@ built-in pool, against a real ``distributed.LocalCluster`` of worker processes."
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import socket
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,9 +110,18 @@ def test_a_hanging_decode_on_a_dask_worker_is_a_named_bad_file(tmp_path: Path, c
         assert set(client.run(decode_processes).values()) == {0}  # none left behind on any worker
 
 
-def test_local_n_starts_its_own_cluster(tree: Path, tmp_path: Path) -> None:
-    result = conv(tree, tmp_path / "c", scheduler="local:1")
+def test_local_n_starts_its_own_cluster(
+    tree: Path, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    with contextlib.ExitStack() as held, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with contextlib.suppress(OSError):  # Dask's default dashboard port taken, as by another cluster
+            held.enter_context(socket.create_server(("", 8787)))
+        result = conv(tree, tmp_path / "c", scheduler="local:1")
     assert result.workers == 1 and result.n == 23
+    # Nothing of Dask's on the user's terminal (it warned "Port 8787 is already in use" before).
+    assert [str(w.message) for w in caught if "distributed" in w.filename] == []
+    assert "distributed" not in capfd.readouterr().err
     st = result.stages  # the start steps, in order, within the wait for the cluster
     steps = [st[f"dask_{s}_at_s"] for s in ("start", "cluster", "client", "workers", "warm", "scattered")]
     assert steps == sorted(steps) and steps[-1] <= result.seconds and st["dask_close_s"] >= 0
