@@ -41,7 +41,14 @@ from dlstore.cli.render import emit_json, stderr
     type=click.FloatRange(0.05, 600),
     default=3.0,
     show_default=True,
-    help="Seconds for timing the dataset's parts alone.",
+    help="Seconds for timing the dataset's parts alone (and the loader --try-cache tries).",
+)
+@click.option(
+    "--try-cache",
+    "try_cache",
+    is_flag=True,
+    help="When a dlstore cache is advised: convert a sample of the dataset that way (a temporary folder) "
+    "and time the recommended loader with your batch size, beside the prediction.",
 )
 @click.option("--profile", is_flag=True, help="Write a torch.profiler trace of a few steps to --out.")
 @click.option(
@@ -66,6 +73,7 @@ def watch_cmd(
     replay_batches: int,
     no_parts: bool,
     parts_budget: float,
+    try_cache: bool,
     profile: bool,
     out: Path | None,
     as_json: bool,
@@ -86,6 +94,7 @@ def watch_cmd(
         parts=not no_parts,
         parts_budget_s=parts_budget,
         profile=profile,
+        try_cache=try_cache,
     )
     argv = list(command[1:] if command and command[0] == "--" else command)
     report, code = run_watch(argv, config, out=out, script_stdout_to_stderr=as_json)

@@ -116,12 +116,14 @@ def watch(
     replay_batches: int = 4,
     replay_steps: int = 30,
     parts: bool = True,
+    try_cache: bool = False,
     out: str | Path | None = None,
     quiet: bool = False,
 ) -> Any:
     """``with watch(...) as w:`` watches every DataLoader iterated in the block; ``watch(loader)`` returns
     the same loader, watched, and reports when the script ends. ``steps`` stops the loop (the block, or
-    the script for a loader) after that many real steps, once the replay is done."""
+    the script for a loader) after that many real steps, once the replay is done. ``try_cache``: when a
+    dlstore cache is advised, convert a sample that way and time the advised loader (``--try-cache``)."""
     config = WatchConfig(
         steps=steps,
         warmup=warmup,
@@ -130,6 +132,7 @@ def watch(
         replay_batches=replay_batches,
         replay_steps=replay_steps,
         parts=parts,
+        try_cache=try_cache,
     )
     w = Watch(config, None if out is None else Path(out), quiet)
     if loader is None:

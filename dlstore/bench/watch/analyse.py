@@ -119,7 +119,21 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     rep["model"] = model_summary(parts, pred, steady)
     rep["binding"] = binding(rep, parts, pred, ld.get("parts") or {})
     rep["advice"] = rank(advice(rep, parts, ld, doc))
+    if ld.get("try_cache") is not None:
+        _ground_tried(rep, parts, ld["try_cache"])
     return rep
+
+
+def _ground_tried(rep: dict[str, Any], parts: LoopParts, tried: dict[str, Any]) -> None:
+    """--try-cache: its measurement beside the cache advice's prediction, or why there is none."""
+    from dlstore.bench.watch.grounding import ground
+
+    rep["try_cache"] = tried
+    target = next((a for a in rep["advice"] if a.get("cache")), None)
+    if target is not None:
+        ground(target, parts, tried)
+    elif "skipped" in tried:
+        rep["notes"].append(f"--try-cache: {tried['skipped']}.")
 
 
 def resources(ld: dict[str, Any], doc: dict[str, Any], steady: dict[str, Any]) -> dict[str, Any]:
@@ -489,45 +503,73 @@ def _cache_advice(
     if expected < WORTH_FRACTION * now:
         return None
     command = _convert_command(src, size, ds.get("len"), channels)
+    plan = _cache_plan(size, channels, gpu, ds, b)
+    memory = ", in_memory=True" if plan["in_memory"] else ""
     if gpu:
-        crop = next((min(t["size"]) for t in random_steps if t.get("size")), size)
-        deg = max((t.get("degrees", 0.0) for t in ds["transforms"]), default=0.0)
+        crop, deg = plan["crop"], plan["degrees"]
         text = (
             f"CPU augmentation ({', '.join(t['name'] for t in random_steps)}) on decoded files binds: cache the "
             f"images pre-resized (size {size}, from {why}) and augment on the GPU: predicted {_fmt(expected)} "
             "img/s (the cache's gather; the GPU augmentation's own cost not included)."
         )
         code = (
-            f"ds = dlstore.CachedDataset(DEST); aug = dlstore.gpu.GpuAugment({crop}, degrees={deg:g}).to('cuda'); "
+            f"ds = dlstore.CachedDataset(DEST{memory}); aug = dlstore.gpu.GpuAugment({crop}, degrees={deg:g}).to('cuda'); "
             "x = aug(x.to('cuda', non_blocking=True))"
         )
-        return _advice(text, f"{command}; {code}", now, expected)
+        return {**_advice(text, f"{command}; {code}", now, expected), "cache": plan}
     split = stage_split(p, b)
     share = sum(v for k, v in split.items() if k in ("read_s", "decode_s")) / (sum(split.values()) or 1.0)
     text = (
         f"A dlstore cache pre-resized to {size} (from {why}) removes the file read and decode "
         f"({100 * share:.0f}% of the loader's work): predicted {_fmt(expected)} img/s with your transforms kept."
     )
-    return _advice(text, f"{command}; ds = dlstore.CachedDataset(DEST, transform=...)", now, expected)
+    code = f"ds = dlstore.CachedDataset(DEST, transform=..., pil=True{memory})"
+    return {**_advice(text, f"{command}; {code}", now, expected), "cache": plan}
 
 
 def _convert_command(src: tuple[str, str], size: int, n: int | None, channels: int) -> str:
     """``dlstore convert``: a raw RAM cache when it fits in the memory available, else JPEGs kept at the
     shorter side and decoded on the GPU (DecodeLoader)."""
-    from dlstore.formats import compressed_gpu_format
-    from dlstore.machine import available_memory
-
     base = f"dlstore convert {src[0]} DEST --size {size}{src[1]}"
     if channels == 1:
         base += " --channels 1"
-    avail = available_memory()[0]
-    jpeg = compressed_gpu_format()
-    if n and avail and n * size * size * channels > avail and jpeg is not None:
+    jpeg = _jpeg_instead(size, n, channels)
+    if jpeg is not None:
         return (
             f"{base} --format {jpeg[0]} --codec {jpeg[1]} --resize shorter   "
             "# a raw cache would not fit in memory; read it with dlstore.read.gpu_decode.DecodeLoader"
         )
     return base
+
+
+def _jpeg_instead(size: int, n: int | None, channels: int) -> tuple[str, str] | None:
+    """(format, codec) of a GPU-decoded JPEG cache when a raw one would not fit in memory, else None."""
+    from dlstore.formats import compressed_gpu_format
+    from dlstore.machine import available_memory
+
+    avail = available_memory()[0]
+    jpeg = compressed_gpu_format()
+    if n and avail and n * size * size * channels > avail and jpeg is not None:
+        return jpeg
+    return None
+
+
+def _cache_plan(size: int, channels: int, gpu: bool, ds: dict[str, Any], b: int) -> dict[str, Any]:
+    """The cache advice as data: what ``--try-cache`` converts and reads (the same options as the command)."""
+    from dlstore.formats import DEFAULT_FORMAT, get_format
+
+    random_steps = [t for t in ds["transforms"] if t.get("random")]
+    return {
+        "size": size,
+        "channels": channels,
+        "format": DEFAULT_FORMAT,
+        "in_memory": get_format(DEFAULT_FORMAT).traits.loads_into_ram,
+        "jpeg": _jpeg_instead(size, ds.get("len"), channels) is not None,
+        "gpu": gpu,
+        "crop": next((min(t["size"]) for t in random_steps if t.get("size")), size),
+        "degrees": max((t.get("degrees", 0.0) for t in ds["transforms"]), default=0.0),
+        "batch": b,
+    }
 
 
 def _step_advice(

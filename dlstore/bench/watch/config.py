@@ -26,6 +26,8 @@ class WatchConfig:
     ``replay``: after ``replay_at`` real steps, feed ``replay_batches`` of the loop's own batches back to it
     for ``replay_steps`` steps: the loop's rate with data free.
     ``parts``: time the dataset's parts alone at the end (``parts_budget_s`` seconds at most).
+    ``try_cache``: when a dlstore cache is advised, convert a sample of the dataset that way and time the
+    recommended loader (``parts_budget_s`` seconds of timing too, after the conversion).
     """
 
     result_dir: str = ""
@@ -38,6 +40,7 @@ class WatchConfig:
     parts: bool = True
     parts_budget_s: float = 3.0
     profile: bool = False
+    try_cache: bool = False  # convert a sample as the cache advice says and time that loader (try_cache.py)
     profile_steps: int = 8
     max_event_steps: int = 20_000  # CUDA event pairs kept (two small objects per step)
     sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread

@@ -39,7 +39,7 @@ def raw_document(
         "python": platform.python_version(),
         "config": {
             k: getattr(session.config, k)
-            for k in ("steps", "warmup", "replay", "replay_steps", "replay_batches", "profile")
+            for k in ("steps", "warmup", "replay", "replay_steps", "replay_batches", "profile", "try_cache")
         },
         "main_cpu": sampler.main_cpu if sampler else [],
         "gpu_util": sampler.gpu_util if sampler else [],
@@ -49,6 +49,10 @@ def raw_document(
     }
     for rec in session.records.values():
         doc["loaders"].append(loader_document(rec, session, cuda, interrupted=status == "interrupted"))
+    if session.config.try_cache and status != "interrupted":
+        from dlstore.bench.watch.try_cache import attach_try_cache
+
+        attach_try_cache(doc, session)
     return doc
 
 

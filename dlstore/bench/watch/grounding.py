@@ -1,0 +1,49 @@
+"""``--try-cache``'s measurement beside its prediction: the tried loader's per-batch times composed with
+the loop's own step (the replay) through the bench's parts model. Pure functions over plain data."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from dlstore.bench.predict import LoaderTiming, LoopParts, compose, prediction_error
+
+
+def tried_parts(parts: LoopParts, tried: dict[str, Any]) -> LoopParts:
+    """The observed loop with its loader replaced by the tried one (and the GPU augmentation's device time
+    added to the step's, when the advice moved the augmentation there)."""
+    workers = int(tried["workers"])
+    if workers == 0:  # in the caller: next() and the augmentation's launch are the main thread's
+        loader = LoaderTiming(tried["main_s"], tried["main_s"], tried["main_s"], in_caller=True)
+    else:
+        handover = parts.loader.main_s if parts.workers else tried["main_s"] / workers
+        loader = LoaderTiming(tried["period_s"], handover, tried["period_s"] * workers, in_caller=False)
+    fed = parts.fed
+    aug = tried.get("augment_device_s")
+    if aug:
+        fed = replace(fed, period_s=fed.period_s + aug, device_s=(fed.device_s or 0.0) + aug)
+    return replace(parts, workers=workers, loader=loader, fed=fed)
+
+
+def ground(advice: dict[str, Any], parts: LoopParts, tried: dict[str, Any]) -> None:
+    """Put the try's figures on the cache advice (``tried``) and say them in its text."""
+    if "skipped" in tried:
+        advice["tried"] = tried
+        advice["text"] += f" (--try-cache: {tried['skipped']}.)"
+        return
+    rate = compose(tried_parts(parts, tried)).img_per_s
+    expected = advice.get("expected_img_per_s")
+    advice["tried"] = {
+        **tried,
+        "loop_img_per_s": rate,
+        "error_vs_predicted": prediction_error(rate, expected) if expected else None,
+    }
+    how = f"{tried['workers']} workers" if tried["workers"] else "0 workers"
+    if tried.get("gpu_augment"):
+        how += " + GpuAugment"
+    vs = f", predicted {expected:,.0f}" if expected else ""
+    advice["text"] += (
+        f" --try-cache: a sample of {tried['images']:,} images converted in {tried['convert_s']:.1f} s; that "
+        f"loader alone read {tried['loader_img_per_s']:,.0f} img/s at batch {tried['batch']} ({how}), "
+        f"which with your step gives {rate:,.0f} img/s{vs}."
+    )
