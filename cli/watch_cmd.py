@@ -50,6 +50,13 @@ from dlstore.cli.render import emit_json, stderr
     help="When a dlstore cache is advised: convert a sample of the dataset that way (a temporary folder) "
     "and time the recommended loader with your batch size, beside the prediction.",
 )
+@click.option(
+    "--event-every",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Record the device's CUDA events on one step in N (fewer: less cost on a very short step).",
+)
 @click.option("--profile", is_flag=True, help="Write a torch.profiler trace of a few steps to --out.")
 @click.option(
     "--out",
@@ -74,6 +81,7 @@ def watch_cmd(
     no_parts: bool,
     parts_budget: float,
     try_cache: bool,
+    event_every: int,
     profile: bool,
     out: Path | None,
     as_json: bool,
@@ -95,6 +103,7 @@ def watch_cmd(
         parts_budget_s=parts_budget,
         profile=profile,
         try_cache=try_cache,
+        event_every=event_every,
     )
     argv = list(command[1:] if command and command[0] == "--" else command)
     report, code = run_watch(argv, config, out=out, script_stdout_to_stderr=as_json)

@@ -1,15 +1,19 @@
-"""Shared parts of the watch accuracy scripts: ordinary PyTorch, nothing from dlstore.
+"""Shared parts of the watch accuracy scripts: ordinary PyTorch, nothing from dlstore (``--cache`` is the
+one exception: it applies watch's cache recommendation, as a user would, and imports dlstore then).
 
-Each script takes ``--workers``, ``--steps``, ``--batch-size``; ``--hand PATH`` adds timing by hand (the
-independent measurement: perf_counter around next(), what a user would add) and ``--replay K`` trains on K
-of its own batches instead of the loader after the warm-up (an independent rate with data free)."""
+Each script takes ``--workers``, ``--steps``, ``--batch-size``; ``--hand PATH`` writes what the script
+timed by hand (perf_counter around next(): the independent wait measurement) and ``--replay K`` trains on
+its last K batches for ``--replay-steps`` more steps after the timed ones (an independent rate with data
+free). ``--cpu`` (or WATCH_SCRIPTS_CPU=1) runs on the CPU: the dry run with tiny sizes."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,18 +26,45 @@ def parse(default_workers: int, default_batch: int, default_steps: int) -> argpa
     p = argparse.ArgumentParser()
     p.add_argument("--workers", type=int, default=default_workers)
     p.add_argument("--batch-size", type=int, default=default_batch)
-    p.add_argument("--steps", type=int, default=default_steps)
+    p.add_argument("--steps", type=int, default=default_steps, help="timed steps, after --warmup")
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--pin", action="store_true")
-    p.add_argument("--hand", default=None, help="write hand-timed waits here (JSON)")
-    p.add_argument("--replay", type=int, default=0, help="train on this many of its own batches (data free)")
-    p.add_argument("--images", type=int, default=60_000)
+    p.add_argument("--hand", default=None, help="write the hand timing here (JSON)")
+    p.add_argument("--replay", type=int, default=0, help="then train on its last K batches (data free)")
+    p.add_argument("--replay-steps", type=int, default=60)
+    p.add_argument("--images", type=int, default=20_000)
+    p.add_argument("--root", default=None, help="the ImageFolder (made here when missing)")
+    p.add_argument("--cache", default=None, help="read this dlstore cache instead (watch's advice)")
+    p.add_argument("--gpu-augment", action="store_true", help="with --cache: augment with GpuAugment")
+    p.add_argument("--cpu", action="store_true", default=os.environ.get("WATCH_SCRIPTS_CPU") == "1")
     return p.parse_args()
 
 
+def device_of(args: argparse.Namespace) -> torch.device:
+    if args.cpu or not torch.cuda.is_available():
+        torch.set_num_threads(1)  # the dry run on a small shared machine
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def ensure_folder(root: str, n: int, side: int = 28, classes: int = 10) -> str:
+    """A FashionMNIST-like ImageFolder: ``n`` grey ``side``-pixel PNGs in ``classes`` folders."""
+    path = Path(root)
+    if (path / ".complete").is_file():
+        return root
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (path / f"class{c}").mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        pixels = rng.integers(0, 255, (side, side), dtype=np.uint8)
+        Image.fromarray(pixels).save(path / f"class{i % classes}" / f"{i:06d}.png")
+    (path / ".complete").write_text(str(n))
+    return root
+
+
 class GreyImages(Dataset):
-    """FashionMNIST-like: 28×28 grey uint8 images in one array, PIL + CPU transforms per sample."""
+    """FashionMNIST-like in memory: uint8 images in one array, PIL + CPU transforms per sample."""
 
     def __init__(self, n: int, transform: Callable[[Any], Any], side: int = 28, channels: int = 1) -> None:
         rng = np.random.default_rng(0)
@@ -52,10 +83,10 @@ class GreyImages(Dataset):
 class SmallCNN(torch.nn.Module):
     """The seeds' FashionMNIST model (~105k parameters)."""
 
-    def __init__(self) -> None:
+    def __init__(self, channels: int = 1) -> None:
         super().__init__()
         self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 32, 3, padding=1),
+            torch.nn.Conv2d(channels, 32, 3, padding=1),
             torch.nn.ReLU(),
             torch.nn.MaxPool2d(2),
             torch.nn.Conv2d(32, 64, 3, padding=1),
@@ -70,50 +101,66 @@ class SmallCNN(torch.nn.Module):
         return self.head(self.features(x))
 
 
-def train(loader: Any, step: Callable[[torch.Tensor, torch.Tensor], None], args: argparse.Namespace) -> None:
-    """The loop: ``args.steps`` steps over as many epochs as it takes; hand timing and replay on request."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    waits: list[float] = []
-    kept: list[Any] = []
-    done, t_start, replaying = 0, None, False
-    while done < args.steps:
-        it = iter(loader)
-        while done < args.steps:
-            t = time.perf_counter()
-            if args.replay and len(kept) == args.replay:
-                if not replaying:  # time the replayed steps only
-                    replaying, waits = True, []
-                    if device.type == "cuda":
-                        torch.cuda.synchronize()
-                    t_start = t = time.perf_counter()
-                x, y = kept[done % args.replay]
-            else:
-                try:
-                    x, y = next(it)
-                except StopIteration:
-                    break
-                if args.replay and done >= args.warmup:
-                    kept.append((x, y))
-            if done == args.warmup and not replaying:
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t_start = time.perf_counter()
-            if done >= args.warmup:
-                waits.append(time.perf_counter() - t)
-            step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-            done += 1
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
-    wall = time.perf_counter() - (t_start or time.perf_counter())
-    result = {
+
+
+def train(
+    loader: Any,
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+    args: argparse.Namespace,
+    device: torch.device,
+) -> None:
+    """``args.warmup`` steps, then ``args.steps`` timed ones (over as many epochs as it takes), each
+    next() timed by hand; with ``--replay K``, ``--replay-steps`` more on the last K batches, timed apart."""
+    waits: list[float] = []
+    kept: list[Any] = []
+    total = args.warmup + args.steps
+    done, t_start = 0, 0.0
+    it = iter(loader)
+    while done < total:
+        if done == args.warmup:
+            _sync(device)
+            t_start = time.perf_counter()
+        t = time.perf_counter()
+        try:
+            x, y = next(it)
+        except StopIteration:
+            it = iter(loader)  # a new epoch: its start (worker start-up) is the loop's cost too
+            x, y = next(it)
+        if done >= args.warmup:
+            waits.append(time.perf_counter() - t)
+        if args.replay and done >= total - args.replay:
+            kept.append((x, y))
+        step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        done += 1
+    _sync(device)
+    wall = time.perf_counter() - t_start
+    result: dict[str, Any] = {
         "steps": len(waits),
         "wall_s": wall,
         "wait_s": sum(waits),
-        "wait_share": sum(waits) / wall if wall > 0 else None,
-        "img_per_s": args.batch_size * len(waits) / wall if wall > 0 else None,
-        "replayed": replaying,
+        "wait_share": sum(waits) / wall,
+        "img_per_s": args.batch_size * len(waits) / wall,
     }
-    print(json.dumps({"script_result": result}))
+    if args.replay:
+        result["replay_img_per_s"] = replay(kept, step, args, device)
+    print(json.dumps({"script_result": result}), flush=True)
     if args.hand:
-        with open(args.hand, "w") as f:
-            json.dump(result, f)
+        Path(args.hand).write_text(json.dumps(result))
+
+
+def replay(
+    kept: list[Any], step: Callable[[torch.Tensor, torch.Tensor], None], args: argparse.Namespace, device: Any
+) -> float:
+    """The same step on the kept batches, the loader out of the loop: images/s with data free."""
+    for x, y in kept[:2]:  # the kept batches' first copies, not timed
+        step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+    _sync(device)
+    t = time.perf_counter()
+    for i in range(args.replay_steps):
+        x, y = kept[i % len(kept)]
+        step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+    _sync(device)
+    return args.batch_size * args.replay_steps / (time.perf_counter() - t)

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 import torchvision.transforms as T
-from common import GreyImages, SmallCNN, parse, train
+from common import GreyImages, SmallCNN, device_of, parse, train
 from torch.utils.data import DataLoader
 
 
 def main() -> None:
     args = parse(default_workers=4, default_batch=256, default_steps=300)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device_of(args)
     loader = DataLoader(
         GreyImages(args.images, T.ToTensor()),
         batch_size=args.batch_size,
@@ -31,7 +31,7 @@ def main() -> None:
         opt.step()
         losses.append(loss.item())  # the synchronisation under test
 
-    train(loader, step, args)
+    train(loader, step, args, device)
 
 
 if __name__ == "__main__":

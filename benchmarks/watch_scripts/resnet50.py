@@ -6,14 +6,14 @@ from __future__ import annotations
 import torch
 import torchvision
 import torchvision.transforms as T
-from common import GreyImages, parse, train
+from common import GreyImages, device_of, parse, train
 from torch.utils.data import DataLoader
 
 
 def main() -> None:
     args = parse(default_workers=8, default_batch=128, default_steps=150)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ds = GreyImages(min(args.images, 4096), T.PILToTensor(), side=224, channels=3)
+    device = device_of(args)
+    ds = GreyImages(min(args.images, 2048), T.PILToTensor(), side=224, channels=3)
     loader = DataLoader(
         ds,
         batch_size=args.batch_size,
@@ -34,7 +34,7 @@ def main() -> None:
         loss.backward()
         opt.step()
 
-    train(loader, step, args)
+    train(loader, step, args, device)
 
 
 if __name__ == "__main__":

@@ -371,7 +371,7 @@ def _workers_advice(
     idle = f" ({busy:.1f} of {parts.cores} cores busy now)" if busy is not None else ""
     pin = ", pin_memory=True" if doc["cuda"] else ""
     return _advice(
-        f"Use {n} DataLoader workers{idle}: predicted {_fmt(rates[n])} img/s (now {_fmt(now)}).",
+        f"Use {n} DataLoader worker{'s' if n > 1 else ''}{idle}: predicted {_fmt(rates[n])} img/s (now {_fmt(now)}).",
         f"DataLoader(..., num_workers={n}, persistent_workers=True{pin})",
         now,
         rates[n],

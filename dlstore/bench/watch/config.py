@@ -43,12 +43,14 @@ class WatchConfig:
     try_cache: bool = False  # convert a sample as the cache advice says and time that loader (try_cache.py)
     profile_steps: int = 8
     max_event_steps: int = 20_000  # CUDA event pairs kept (two small objects per step)
+    event_every: int = 1  # CUDA events on one step in N: each pair costs microseconds of the host's step
     sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread
 
     def __post_init__(self) -> None:
         parse_positive("--steps", self.steps, allow_none=True)
         parse_positive("--replay-steps", self.replay_steps)
         parse_positive("--replay-batches", self.replay_batches)
+        parse_positive("event_every", self.event_every)
         if self.warmup < 0:
             raise WatchError(f"--warmup must be ≥ 0, got {self.warmup}")
 

@@ -3,6 +3,7 @@ angles the advice reads off it), and the number of images in a batch. Plain data
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 # transforms whose output size the cache advice reads (torchvision.transforms and .v2 share these names)
@@ -74,11 +75,10 @@ def dataset_info(dataset: Any) -> dict[str, Any]:
 
 
 def is_dataset_folder(ds: Any) -> bool:
-    try:
-        from torchvision.datasets import DatasetFolder
-    except ImportError:
-        return False
-    return isinstance(ds, DatasetFolder)
+    # a DatasetFolder exists only once its module is imported: never import torchvision for a script that
+    # does not use it (seconds at the first iter(), in its time)
+    folder = sys.modules.get("torchvision.datasets.folder")
+    return folder is not None and isinstance(ds, folder.DatasetFolder)
 
 
 def transform_steps(transform: Any) -> list[dict[str, Any]]:

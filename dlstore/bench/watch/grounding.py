@@ -33,6 +33,7 @@ def ground(advice: dict[str, Any], parts: LoopParts, tried: dict[str, Any]) -> N
         return
     rate = compose(tried_parts(parts, tried)).img_per_s
     expected = advice.get("expected_img_per_s")
+    advice["grounded_img_per_s"] = rate  # the prediction with the tried loader measured, not modelled
     advice["tried"] = {
         **tried,
         "loop_img_per_s": rate,

@@ -127,7 +127,7 @@ class WatchedIterator:
         rec.phase.append(phase)
         rec.epoch.append(self._epoch)
         self._last = i
-        if cuda and len(rec.events) < rec.config.max_event_steps:
+        if cuda and i % rec.config.event_every == 0 and len(rec.events) < rec.config.max_event_steps:
             rec.events.append((i, s.event(), None))
         s.after_step(rec, batch, phase)
         return batch
@@ -161,6 +161,7 @@ class Session:
 
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
+        self.replay_start = config.replay_start()  # read at every step: computed once
         self.t0 = time.perf_counter()
         self.wall0 = time.time()
         self.records: dict[int, LoaderRecord] = {}
@@ -228,7 +229,7 @@ class Session:
 
     def should_replay(self, rec: LoaderRecord) -> bool:
         c = self.config
-        return c.replay and not rec.replayed and rec.real >= c.replay_start() and len(rec.kept) > 0
+        return c.replay and not rec.replayed and rec.real >= self.replay_start and len(rec.kept) > 0
 
     def should_stop(self, rec: LoaderRecord) -> bool:
         c = self.config
@@ -242,7 +243,7 @@ class Session:
         rec.real += 1
         if rec.images is None:
             rec.images = batch_images(batch)
-        if self.config.replay and not rec.replayed and rec.real > self.config.replay_start() - len_kept(self):
+        if self.config.replay and not rec.replayed and rec.real > self.replay_start - len_kept(self):
             rec.kept.append(batch)
         elif rec.sample_batch is None and phase != "warmup":
             rec.sample_batch = batch  # for the copy timing at the end

@@ -117,8 +117,9 @@ def time_loader(
         augment = GpuAugment(plan["crop"], degrees=plan.get("degrees", 0.0)).to(device)
     main = _Timer()
     events: list[tuple[Any, Any]] = []  # the augmentation's device span per timed batch
-    n, t_start = 0, 0.0
-    deadline = time.perf_counter() + budget_s
+    n, t_start, deadline = 0, 0.0, float("inf")
+    # past the batches the workers queued ahead (prefetch), or the first timed batches cost nothing
+    least = WARM_BATCHES + max(3, 2 * workers * (getattr(dl, "prefetch_factor", None) or 2))
     while True:
         for x, _ in _iterate(dl, main):
             if augment is not None:
@@ -133,7 +134,8 @@ def time_loader(
                     torch.cuda.synchronize(device)
                 main.reset()
                 t_start = time.perf_counter()
-            if n > WARM_BATCHES and time.perf_counter() >= deadline:
+                deadline = t_start + budget_s
+            if n >= least and time.perf_counter() >= deadline:
                 break
         else:
             continue
