@@ -43,7 +43,11 @@ class WatchConfig:
     try_cache: bool = False  # convert a sample as the cache advice says and time that loader (try_cache.py)
     profile_steps: int = 8
     max_event_steps: int = 20_000  # CUDA event pairs kept (two small objects per step)
-    event_every: int = 1  # CUDA events on one step in N: each pair costs microseconds of the host's step
+    # CUDA events on one step in N: on the H200's host a pair cost ~20 µs of the step's host time (watch's
+    # whole cost per next() 27.8 µs with events on every step, 8.2 µs on one in 4: 1.0% / 0.3% of a 2.7 ms
+    # SmallCNN step; benchmarks/RESULTS.md, "dlstore watch: accuracy"). The device span is a mean: a
+    # sample of the steps gives it.
+    event_every: int = 4
     sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread
 
     def __post_init__(self) -> None:
