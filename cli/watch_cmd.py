@@ -55,7 +55,8 @@ from dlstore.cli.render import emit_json, stderr
     type=click.IntRange(1),
     default=4,
     show_default=True,
-    help="Time the device's span with CUDA events on one step in N (1: every step, ~20 µs more each).",
+    help="Time the device's span with CUDA events on one step in N (1: every step, ~20 µs more each, "
+    "and the device's wait between steps in steps.csv).",
 )
 @click.option("--profile", is_flag=True, help="Write a torch.profiler trace of a few steps to --out.")
 @click.option(

@@ -46,7 +46,8 @@ class WatchConfig:
     # CUDA events on one step in N: on the H200's host a pair cost ~20 µs of the step's host time (watch's
     # whole cost per next() 27.8 µs with events on every step, 8.2 µs on one in 4: 1.0% / 0.3% of a 2.7 ms
     # SmallCNN step; benchmarks/RESULTS.md, "dlstore watch: accuracy"). The device span is a mean: a
-    # sample of the steps gives it.
+    # sample of the steps gives it. The device's wait between two steps (steps.csv's device_wait_ms) needs
+    # events on consecutive steps: every step (1).
     event_every: int = 4
     sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread
 
