@@ -49,7 +49,7 @@ def raw_document(
     }
     for rec in session.records.values():
         doc["loaders"].append(loader_document(rec, session, cuda, interrupted=status == "interrupted"))
-    if session.config.try_cache and status != "interrupted":
+    if session.config.try_cache and status != "interrupted" and rank == 0:  # one try: rank 0's
         from dlstore.bench.watch.try_cache import attach_try_cache
 
         attach_try_cache(doc, session)

@@ -72,3 +72,33 @@ def test_try_cache_converts_a_sample_and_times_the_advised_loader(
     assert tried["batches_timed"] >= 1 and tried["loader_img_per_s"] > 0 and tried["loop_img_per_s"] > 0
     assert "--try-cache: a sample of 40 images" in advice["text"]
     assert list(child_tmp.glob("dlstore-try-cache-*")) == []  # the temporary cache is gone
+
+
+def write_fashion_mnist(root: Path, n: int) -> None:
+    """FashionMNIST's raw idx files, as torchvision reads them (random pixels)."""
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True)
+    rng = np.random.default_rng(2)
+    for split in ("train", "t10k"):  # torchvision checks that both splits are there
+        header = np.array([2051, n, 28, 28], dtype=">i4").tobytes()
+        pixels = rng.integers(0, 255, n * 784, np.uint8).tobytes()
+        (raw / f"{split}-images-idx3-ubyte").write_bytes(header + pixels)
+        labels = np.array([2049, n], dtype=">i4").tobytes() + rng.integers(0, 10, n, np.uint8).tobytes()
+        (raw / f"{split}-labels-idx1-ubyte").write_bytes(labels)
+
+
+def test_try_cache_reads_a_torchvision_set_with_the_users_transform(tmp_path: Path) -> None:
+    import torchvision.transforms as T
+    from torch.utils.data import DataLoader
+    from torchvision.datasets import FashionMNIST
+
+    from dlstore.bench.watch.describe import dataset_info
+    from dlstore.bench.watch.try_cache import try_cache
+
+    write_fashion_mnist(tmp_path, 96)
+    ds = FashionMNIST(str(tmp_path), train=True, download=False, transform=T.ToTensor())
+    loader = DataLoader(ds, batch_size=16)
+    plan = {"size": 32, "channels": 1, "format": "ram", "in_memory": True, "gpu": False, "jpeg": False}
+    tried = try_cache(loader, dataset_info(ds), plan, cuda=False, budget_s=0.1)
+    assert tried["images"] == 96 and tried["batch"] == 16 and tried["workers"] == 0
+    assert tried["batches_timed"] >= 3 and tried["loader_img_per_s"] > 0 and not tried["gpu_augment"]
