@@ -23,6 +23,15 @@ DECODE_MODES = ("exact", "fast")
 PIXEL_POLICIES = ("dlstore", "torchvision")
 CHANNELS = (1, 3)
 STORAGE_ORDERS = ("shuffled", "source")  # storage position order: seeded random, or as the source lists
+# What a named field holds per sample (``FieldSpec.kind``):
+#   class:  today's int label (labels.npy), named in the target;
+#   values: a fixed-shape numeric array (a multi-hot vector, floats), ``shape`` without the sample axis;
+#   boxes:  N x 4 float32 boxes, XYXY in the cache image's pixels (moved with the image);
+#   ragged: N x ``shape`` values whose rows belong to the boxes field named by ``follows`` (box labels);
+#   mask:   an H x W uint8/uint16 map of class or instance ids, the image's size (moved with it, nearest);
+#   json:   a small JSON record (UTF-8 text).
+FIELD_KINDS = ("class", "values", "boxes", "ragged", "mask", "json")
+FIELD_DTYPES = ("uint8", "uint16", "int32", "int64", "float32", "float64")
 
 
 @dataclass(frozen=True)
@@ -97,6 +106,69 @@ def parse_pixels(pixels: str, resize: str, decode: str) -> str:
 
 
 @dataclass(frozen=True)
+class FieldSpec:
+    """One named per-sample field of a cache, as the manifest declares it (``CacheSpec.fields``).
+
+    ``shape``: a ``values`` field's shape, a ``ragged`` field's row shape (``()`` for one number per
+    box); ``follows``: the boxes field whose rows a ``ragged`` field's rows are; ``classes``: names of
+    the ids it holds, when known; ``dropped``: boxes the conversion dropped (clipped to no area).
+    """
+
+    kind: str
+    dtype: str
+    shape: tuple[int, ...] = ()
+    follows: str | None = None
+    classes: tuple[str, ...] = ()
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FIELD_KINDS:
+            raise SpecError(f"field kind must be one of {FIELD_KINDS}, got {self.kind!r}")
+        if self.dtype not in FIELD_DTYPES:
+            raise SpecError(f"field dtype must be one of {FIELD_DTYPES}, got {self.dtype!r}")
+        if self.kind == "mask" and self.dtype not in ("uint8", "uint16"):
+            raise SpecError(f"a mask field holds uint8 or uint16 ids, got {self.dtype}")
+        if self.kind == "boxes" and self.dtype not in ("float32", "float64"):
+            raise SpecError(f"a boxes field holds float32 XYXY pixels, got {self.dtype}")
+        if not all(isinstance(d, int) and 0 < d <= 1 << 16 for d in self.shape):
+            raise SpecError(f"field shape {self.shape} must be positive ints")
+
+    @property
+    def ragged(self) -> bool:
+        """Stored as values + offsets (a number of rows per sample), not one array row per sample."""
+        return self.kind in ("boxes", "ragged", "json")
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """One stored row: a box is 4 numbers; a JSON record is bytes."""
+        return (4,) if self.kind == "boxes" else self.shape
+
+
+def parse_fields(d: Any, where: Path) -> dict[str, FieldSpec]:
+    """The manifest's ``fields`` object → declarations; names are file names inside the cache."""
+    if not isinstance(d, dict):
+        raise SpecError(f"{where}: manifest field 'fields' is not an object; rebuild the cache")
+    out = {}
+    for name, decl in d.items():
+        if not (isinstance(name, str) and name.isidentifier()) or not isinstance(decl, dict):
+            raise SpecError(f"{where}: bad field {name!r} in manifest; rebuild the cache")
+        try:
+            out[name] = FieldSpec(
+                **{
+                    **decl,
+                    "shape": tuple(decl.get("shape", ())),
+                    "classes": tuple(decl.get("classes", ())),
+                }
+            )
+        except TypeError as e:
+            raise SpecError(f"{where}: bad field {name!r} {decl}: {e}; rebuild the cache") from None
+    for name, f in out.items():
+        if f.kind == "ragged" and (f.follows not in out or out[f.follows].kind != "boxes"):
+            raise SpecError(f"{where}: field {name!r} follows {f.follows!r}, which is no boxes field")
+    return out
+
+
+@dataclass(frozen=True)
 class CacheSpec:
     """Everything a reader must know before touching data; written last, read first."""
 
@@ -118,9 +190,15 @@ class CacheSpec:
     # The conversion's choices that shaped the cache (``dlstore.convert.options.ConvertOptions``,
     # recorded): format, image policy, ``codec``, ``writer_options``, storage order, seed, limits.
     options: dict[str, Any] = field(default_factory=dict)
+    # Named per-sample fields beside the images (detection boxes, masks, multi-label vectors); none for
+    # a classification cache, whose manifest then has no ``fields`` key at all (as before they existed).
+    fields: dict[str, FieldSpec] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True)
+        d = asdict(self)
+        if not self.fields:
+            del d["fields"]
+        return json.dumps(d, indent=1, sort_keys=True)
 
     @property
     def image_bytes(self) -> int:
@@ -220,6 +298,7 @@ def parse_spec(d: dict[str, Any], where: Path) -> CacheSpec:
         dlstore_version=d.get("dlstore_version", ""),
         created=d.get("created", ""),
         options=recorded,
+        fields=parse_fields(d.get("fields", {}), where),
     )
 
 

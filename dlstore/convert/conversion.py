@@ -174,6 +174,7 @@ def create_writer(writer: CacheWriter, staging: Staging) -> None:
     saved = None if staging.fresh else staging.writer_options()
     if saved is None:  # fresh, or killed before the layout was recorded (then no unit was written)
         writer.create()
+        writer.create_fields()
         staging.save_writer_options(writer.options)
     else:
         writer.options = saved

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +81,7 @@ def finalize(
     good = np.ones(len(order), dtype=bool)
     good[bad_sources] = False
     positions = inverse[good]  # dataset index → storage (setdiff1d would cost a 0.3 s lazy import)
+    dropped = writer.finish_fields()
     writer.finish(labels)
     writer.describe(format_attributes(src, policy, len(src) - len(bad)), positions)
     t_meta = time.perf_counter()
@@ -114,6 +115,7 @@ def finalize(
         dlstore_version=__version__,
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         options=staging.plan["options"],  # the plan's record: a re-run rebuilds the same plan from it
+        fields={k: replace(f, dropped=dropped.get(k, 0)) for k, f in src.fields.items()},
     )
     fsync_path(root)
     write_json_durably(root / MANIFEST, spec.to_json())

@@ -23,6 +23,7 @@ from typing import BinaryIO
 import numpy as np
 from PIL import Image, ImageOps
 
+from dlstore.convert.geometry import Geometry
 from dlstore.errors import ImageDecodeError
 from dlstore.spec import ImagePolicy
 
@@ -63,6 +64,14 @@ _SIXTEEN_BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 def decode_file(path: Path | str, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
     """Decode one image file into a (size, size, channels) uint8 array, or raise ImageDecodeError.
     ``data``: the file's bytes, when the caller has read them already (errors still name ``path``)."""
+    return decode_with_geometry(path, policy, data, geometry=False)[0]
+
+
+def decode_with_geometry(
+    path: Path | str, policy: ImagePolicy, data: bytes | None = None, geometry: bool = True
+) -> tuple[np.ndarray, Geometry | None]:
+    """``decode_file``, and the file's stored size and EXIF orientation (what its masks and boxes
+    need to follow the image: ``dlstore.convert.geometry``); None unless ``geometry``."""
     try:
         with warnings.catch_warnings():
             # Pillow only warns between 1x and 2x its pixel limit; a cache build treats both as bombs.
@@ -70,10 +79,11 @@ def decode_file(path: Path | str, policy: ImagePolicy, data: bytes | None = None
             with Image.open(path if data is None else io.BytesIO(data), formats=ALLOWED_FORMATS) as img:
                 if img.format == "PNG":
                     check_png_chunks(path if data is None else io.BytesIO(data))
+                seen = image_geometry(img, policy) if geometry else None
                 if policy.decode == "fast" and img.format == "JPEG" and draft_scale(img.size, policy) > 1:
-                    return decode_drafted(img, policy)
+                    return decode_drafted(img, policy), seen
                 img.load()
-                return prepare(img, policy)
+                return prepare(img, policy), seen
     except DECODE_ERRORS as e:
         hint = ""
         if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
@@ -107,6 +117,12 @@ def check_png_chunks(path: Path | str | BinaryIO) -> None:
                 raise SyntaxError(f"PNG chunk {kind!r} fails its CRC check (corrupted)")
             if kind == b"IEND":
                 return
+
+
+def image_geometry(img: Image.Image, policy: ImagePolicy) -> Geometry:
+    """The opened file's stored size and the orientation ``prepare`` will apply (1 when it applies none)."""
+    orientation = img.getexif().get(ORIENTATION_TAG, 1) if policy.exif_transpose else 1
+    return Geometry(img.size, orientation if orientation in _TRANSPOSE else 1)
 
 
 def prepare(img: Image.Image, policy: ImagePolicy) -> np.ndarray:

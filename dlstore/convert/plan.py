@@ -50,6 +50,7 @@ def make_plan(src: Source, options: ConvertOptions) -> Plan:
     policy = options.policy
     writer_options = options.resolved_writer_options
     writer = fmt.writer_for(writer_options, policy.ragged)(Path(), len(src), policy.shape, writer_options)
+    writer.declare_fields(src.fields, policy.ragged)
     record = plan_record(options.record(), len(src), writer.unit_size, src.fingerprint())
     # The given limit, else this process's (Pillow's, or one the caller set).
     mp = options.max_megapixels

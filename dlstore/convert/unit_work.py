@@ -22,6 +22,7 @@ from PIL import Image
 from dlstore.convert.sizes import human_bytes
 from dlstore.convert.sources import Source
 from dlstore.convert.staging import release_inherited_locks
+from dlstore.convert.targets import empty_targets
 from dlstore.errors import ConvertError, ImageDecodeError
 from dlstore.formats.base import CacheWriter
 from dlstore.machine import process_alive
@@ -163,15 +164,29 @@ def time_limit(seconds: float, hard: bool) -> Iterator[None]:
 def decode_one(job: Job, i: int, times: dict[str, float] | None = None) -> tuple[np.ndarray, str]:
     """Image i and the sha256 of its file, or ImageDecodeError naming the file; ``times`` accumulates
     the seconds spent decoding (and resizing) and hashing."""
+    image, digest, _, _ = decode_sample(job, i, times)
+    return image, digest
+
+
+def decode_sample(
+    job: Job, i: int, times: dict[str, float] | None = None
+) -> tuple[np.ndarray, str, dict[str, np.ndarray], dict[str, int]]:
+    """``decode_one``, and sample i's field rows in the cache image's frame (with the count of boxes
+    dropped) when the source brings fields; the field work counts as decoding."""
     path = job.src.names[i]
     try:
         with time_limit(job.decode_timeout, job.hard_limit):
             t0 = time.perf_counter()
-            image, digest, hashed = job.src.decode_and_digest(i, job.policy)
+            rows: dict[str, np.ndarray] = {}
+            dropped: dict[str, int] = {}
+            if job.src.fields:
+                image, digest, hashed, rows, dropped = job.src.decode_targets_and_digest(i, job.policy)
+            else:
+                image, digest, hashed = job.src.decode_and_digest(i, job.policy)
             if times is not None:
                 times["decode"] += time.perf_counter() - t0 - hashed
                 times["digest"] += hashed
-            return image, digest
+            return image, digest, rows, dropped
     except DecodeTimeout:
         raise ImageDecodeError(
             f"{path}: decoding took longer than {job.decode_timeout:g} s; skipped "
@@ -213,24 +228,32 @@ def convert_job_unit(job: Job, k: int) -> UnitResult:
     out: Any = [] if job.policy.ragged else np.empty((len(r), *job.policy.shape), np.uint8)
     bad: list[dict[str, Any]] = []
     digests: list[str] = []
+    fields = {name: [] for name in job.writer.fields}  # type: dict[str, list[np.ndarray]]
+    dropped: dict[str, int] = {}
     for j, s in enumerate(r):
         i = int(job.order[s])
         try:
-            image, digest = decode_one(job, i, times)
+            image, digest, rows, lost = decode_sample(job, i, times)
         except ImageDecodeError as e:
             if job.strict:
                 raise
             bad.append({"index": i, "path": job.src.names[i], "reason": str(e)})
             digest = job.src.digest(i, missing_ok=True)
             image = np.zeros((1, 1, job.policy.channels) if job.policy.ragged else job.policy.shape, np.uint8)
+            rows, lost = (empty_targets(job.writer.fields, image.shape) if fields else {}), {}
         if job.policy.ragged:
             out.append(image)
         else:
             out[j] = image
         digests.append(digest)
+        for name in fields:
+            fields[name].append(rows[name] if name in rows else np.zeros(0))
+        for name, count in lost.items():
+            dropped[name] = dropped.get(name, 0) + count
     with disk_full_as_error(job.writer, f"writing unit {k}"):
         t0 = time.perf_counter()
         job.writer.write_unit(k, out)  # durable when it returns: the journal may record it
+        job.writer.write_fields(k, fields, dropped)
         t1 = time.perf_counter()
     sums = job.writer.unit_checksums(k, out)
     times.update(write=t1 - t0, checksum=time.perf_counter() - t1, end=time.monotonic())

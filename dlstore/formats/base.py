@@ -16,8 +16,9 @@ import numpy as np
 
 from dlstore.errors import SpecError
 from dlstore.formats.describe import Codec, CodecTable, Option, Traits, parse_options
+from dlstore.formats.fields import FIELD_READERS, FIELD_WRITERS, FieldReader, FieldWriter, Rows
 from dlstore.machine import usable_cores
-from dlstore.spec import CacheSpec
+from dlstore.spec import CacheSpec, FieldSpec
 
 
 class CacheWriter(ABC):
@@ -37,10 +38,48 @@ class CacheWriter(ABC):
     # Each unit is files of its own that nothing else writes or reads back (not a slab of a shared
     # file, not re-read by ``finish``): a unit may be written elsewhere (a Dask worker) and moved.
     units_are_own_files: ClassVar[bool] = False
+    # How the cache's named fields are stored (``dlstore.formats.fields``): unit files, or zarr arrays.
+    field_layout: ClassVar[str] = "files"
 
     def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
         self.root, self.n, self.shape, self.options = Path(root), n, tuple(shape), dict(options)
         self.unit_size = self.choose_unit_size(self.image_bytes)
+        self.fields: dict[str, FieldSpec] = {}  # named per-sample fields (declare_fields)
+        self.ragged_images = False
+
+    def declare_fields(self, fields: dict[str, FieldSpec], ragged_images: bool) -> None:
+        """The fields every unit carries beside its images (none: a classification cache, unchanged)."""
+        self.fields, self.ragged_images = dict(fields), ragged_images
+
+    def field_compression(self) -> Any:
+        """What the field layout compresses masks with, lossless and like the images: ``files``: a truth
+        value (deflate); ``zarr``: the zarr compressors. Default: stored."""
+        return False
+
+    def field_writer(self) -> FieldWriter:
+        return FIELD_WRITERS[self.field_layout](
+            self.root,
+            self.fields,
+            self.n,
+            self.unit_size,
+            self.shape,
+            self.ragged_images,
+            self.field_compression(),
+        )
+
+    def create_fields(self) -> None:
+        """Main process, after ``create``: lay out the fields' storage (nothing without fields)."""
+        if self.fields:
+            self.field_writer().create()
+
+    def write_fields(self, k: int, rows: Rows, dropped: dict[str, int]) -> None:
+        """Any worker, after ``write_unit(k)``: unit k's field rows (one per image, storage order), durably."""
+        if self.fields:
+            self.field_writer().write_unit(k, rows, dropped)
+
+    def finish_fields(self) -> dict[str, int]:
+        """Main process, before ``finish``: gather what the units wrote; the boxes dropped per field."""
+        return self.field_writer().finish() if self.fields else {}
 
     @classmethod
     def declared_options(cls) -> tuple[Option, ...]:
@@ -125,11 +164,13 @@ class CacheReader(ABC):
     # worth it in a process of one thread (a decode worker), not in a threaded reader (every munmap
     # interrupts the other threads). Readers that cannot map ignore it.
     map_chunks: bool = False
+    field_layout: ClassVar[str] = "files"  # the writer's (``CacheWriter.field_layout``)
 
     def __init__(
         self, root: Path, spec: CacheSpec, in_memory: bool = False, threads: int | None = None
     ) -> None:
         self.root, self.spec, self.in_memory = Path(root), spec, in_memory
+        self._fields: FieldReader | None = None
         # Plain threads, not OpenMP: idle OpenMP teams spin-wait and starve the training thread.
         self.threads = threads if threads is not None else min(4, usable_cores())
         self._pool: ThreadPoolExecutor | None = None
@@ -148,6 +189,16 @@ class CacheReader(ABC):
     @abstractmethod
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
         """Fill ``out`` (B,H,W,C) uint8 with the images at ``positions`` (any order, duplicates allowed)."""
+
+    def read_fields(self, positions: np.ndarray) -> dict[str, Any]:
+        """The stored fields of the samples at ``positions`` (any order): name → a (B, ...) array for a
+        fixed-shape field, a list of B arrays for a variable-length one; {} for a cache without fields."""
+        if not self.spec.fields:
+            return {}
+        if self._fields is None:
+            unit = int(self.spec.format_options.get("unit_size", 1))
+            self._fields = FIELD_READERS[self.field_layout](self.root, self.spec, unit)
+        return self._fields.read(positions)
 
     @classmethod
     def unit_files(cls, spec: CacheSpec) -> list[str]:

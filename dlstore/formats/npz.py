@@ -38,6 +38,9 @@ class NpzWriter(CacheWriter):
         Codec("deflate", "zip deflate (np.savez_compressed), decoded in threads", 0.8, np.savez_compressed),
     )
 
+    def field_compression(self) -> Any:
+        return self.options["codec"] == "deflate"  # masks deflated when the pixels are
+
     def recorded_options(self) -> dict[str, Any]:
         # --quality belongs to --codec jpeg, which the payload writer handles; pixels have none
         return {k: v for k, v in super().recorded_options().items() if k != "quality"}

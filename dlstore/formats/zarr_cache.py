@@ -81,6 +81,10 @@ class ZarrWriter(CacheWriter):
     units_are_own_files = True
     name = "zarr"
     extra_options = (quality_option(), SHARD_OPTION)
+    field_layout = "zarr"
+
+    def field_compression(self) -> Any:
+        return self.codecs[self.options["codec"]].impl()
 
     def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
         super().__init__(root, n, shape, options)
@@ -274,6 +278,8 @@ def _decoder(path: Path, codecs: Any, stored: str | None) -> Callable[[bytes], A
 class ZarrReader(ChunkedReader):
     """Groups a batch by chunk, decodes each chunk once (in threads), keeps recent chunks decoded."""
 
+    field_layout = "zarr"
+
     def __init__(self, root: Path, spec: Any, in_memory: bool = False, cache_bytes: int = 256 << 20) -> None:
         chunk, self.decode, self.sharding = parse_array_meta(
             Path(root) / "images" / "zarr.json", spec.n_stored, spec.shape, manifest_compressor(spec)
@@ -433,6 +439,10 @@ class ZarrPayloadWriter(PayloadWriter):
     name = "zarr"
     codecs = ZarrWriter.codecs
     extra_options = ZarrWriter.extra_options
+    field_layout = "zarr"
+
+    def field_compression(self) -> Any:
+        return _zstd()  # masks beside JPEG or variable-size payloads: lossless zstd
 
     def __init__(self, root: Path, n: int, shape: tuple[int, int, int], options: dict[str, Any]) -> None:
         if options.get("shard_mb"):
@@ -530,6 +540,8 @@ class ZarrPayloadWriter(PayloadWriter):
 class ZarrPayloadReader(PayloadReader):
     """Reads the chunk files directly after validating ``images/zarr.json`` (vlen-bytes, then at most
     one of zstd/blosc); the vlen chunk is (u32 count, then u32 length + bytes per item)."""
+
+    field_layout = "zarr"
 
     def __init__(self, root: Path, spec: Any, in_memory: bool = False) -> None:
         unit, self.decompress = parse_payload_meta(

@@ -187,6 +187,28 @@ class Cache:
         finally:
             stream.close()  # type: ignore[attr-defined]
 
+    def read_fields(self, indices: np.ndarray | list[int]) -> dict[str, Any]:
+        """The named fields (``spec.fields``) of ``indices``, in their order: name → a (B, ...) array
+        for a fixed-shape field (a class field is the labels), a list of B arrays for a variable-length
+        one (boxes, their labels, JSON bytes; masks of a ragged cache). {} for a classification cache."""
+        if not self.spec.fields:
+            return {}
+        index = np.asarray(indices, dtype=np.int64).reshape(-1)
+        pos = self.storage_positions(index)
+        try:
+            out = self.reader.read_fields(pos)
+        except CacheReplacedError:
+            raise
+        except DlstoreError as e:
+            self._check_replaced(e)
+            raise SampleReadError(
+                f"reading the fields of indices {_short(index)} from {self.location}: {e}"
+            ) from e
+        for name, f in self.spec.fields.items():
+            if f.kind == "class":
+                out[name] = self.labels[index]
+        return out
+
     def read_images(self, indices: np.ndarray | list[int]) -> list[np.ndarray]:
         """(H, W, C) uint8 images in the order of ``indices``, of any sizes (every format and layout)."""
         if not self.reader.traits.payloads:  # pixel layouts: one batched read

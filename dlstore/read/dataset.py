@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -14,13 +15,15 @@ from dlstore.errors import CacheReplacedError
 from dlstore.machine import check_loader_shared_memory, usable_cores
 from dlstore.read.batch import BatchSamples, ImageBatch, in_worker, new_batch
 from dlstore.read.cache import Cache, check_staleness
+from dlstore.read.targets import collate_fields, ragged_names, sample_targets
 from dlstore.spec import CacheSpec
 from dlstore.storage.mirror import spec_at
 from dlstore.storage.stores import parse_store_path
 
 
 class CachedDataset(torch.utils.data.Dataset):
-    """Images of a dlstore cache as uint8 CHW tensors with int labels.
+    """Images of a dlstore cache as uint8 CHW tensors with int labels (with a dict of its named fields
+    as the target when the cache has fields: boxes, masks, multi-label vectors; ``dlstore.read.targets``).
 
     Cheap to pickle (a path, never pixels) and opened lazily in each process, so it works with
     DataLoader workers under fork, spawn and forkserver. ``__getitems__`` reads a whole batch in one
@@ -110,9 +113,29 @@ class CachedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.spec.n
 
-    def __getitem__(self, index: int) -> tuple[Any, int]:
+    def __getitem__(self, index: int) -> tuple[Any, Any]:
+        if self.spec.fields:
+            return self._field_samples([index])[0]
         image, label = self._batch([index])
         return self._sample(image[0], int(label[0]))
+
+    @property
+    def collate_fn(self) -> Callable[[Sequence[tuple[Any, Any]]], Any]:
+        """``DataLoader(ds, collate_fn=ds.collate_fn)`` for a cache with fields: images stacked (a list
+        for a ragged cache), boxes and other variable-length fields kept as lists (``collate_fields``)."""
+        return functools.partial(collate_fields, ragged=ragged_names(self.spec))
+
+    def _field_samples(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """(image, target dict) per index (``dlstore.read.targets``); the transform gets both, as a
+        torchvision.transforms.v2 pipeline takes them (``transform(image, target)``)."""
+        images, _ = self._batch(indices)
+        fields = self.cache.read_fields(np.asarray(indices, dtype=np.int64))
+        sizes = [tuple(img.shape[1:]) for img in images]
+        out = []
+        for image, target in zip(images, sample_targets(self.spec, fields, sizes)):
+            sample: Any = to_pil(image) if self.pil else image.contiguous()
+            out.append((sample, target) if self.transform is None else self.transform(sample, target))
+        return out
 
     def __getitems__(self, indices: Sequence[int]) -> Sequence[tuple[Any, int]]:
         """One storage pass for the batch, as the samples DataLoader's default collate expects.
@@ -123,6 +146,8 @@ class CachedDataset(torch.utils.data.Dataset):
         A ragged cache's images differ in size, so they go out one by one (collate is the user's).
         """
         check_loader_shared_memory(len(indices) * self.spec.image_bytes * (2 if self.spec.ragged else 1))
+        if self.spec.fields:
+            return self._field_samples(indices)
         if self.transform is not None or self.spec.ragged or self.pil:
             images, labels = self._batch(indices)
             return [self._sample(img, int(lab)) for img, lab in zip(images, labels.tolist())]

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from dlstore.convert.geometry import Geometry
 from dlstore.convert.imageops import array_to_image, prepare
-from dlstore.spec import ImagePolicy
+from dlstore.convert.targets import place_targets
+from dlstore.spec import FieldSpec, ImagePolicy
 
 if TYPE_CHECKING:
     from dlstore.convert.sources.registry import SourceArgs
@@ -35,6 +37,9 @@ class Source:
     stats: list[tuple[int, int]] = field(default_factory=list)  # (size, mtime_ns) per sample, when files
     kind: str = ""
     sample: np.ndarray | None = None  # a subset's indices in the whole source (``subset``); None: all of it
+    # Named per-sample fields the source brings beside its images (boxes, masks, ...); none for a
+    # classification source. ``raw_targets(i)`` gives sample i's, in its file's stored frame.
+    fields: dict[str, FieldSpec] = field(default_factory=dict)
 
     # The kind's declaration: when it is asked (lower first), the SOURCE form it reads (for messages
     # and --help), which arguments it claims and how it opens one.
@@ -66,6 +71,35 @@ class Source:
         """sha256 of sample i's file, for ``verify --deep``; "" for in-memory samples."""
         return ""
 
+    # --- fields: the one place a source's per-sample targets enter a conversion ----------------------
+
+    def raw_targets(self, i: int) -> dict[str, Any]:
+        """Sample i's fields as ``dlstore.convert.targets.place_targets`` takes them (boxes XYXY in
+        the stored file's pixels, masks (H, W) of the stored file's size, values, JSON records)."""
+        return {}
+
+    def decode_geometry(
+        self, i: int, policy: ImagePolicy, data: bytes | None = None
+    ) -> tuple[np.ndarray, Geometry]:
+        """``decode``, and the stored size and EXIF orientation its fields follow."""
+        raise NotImplementedError(f"{type(self).__name__} brings no fields")
+
+    def decode_targets_and_digest(
+        self, i: int, policy: ImagePolicy
+    ) -> tuple[np.ndarray, str, float, dict[str, np.ndarray], dict[str, int]]:
+        """``decode_and_digest``, with sample i's fields placed in the cache image's frame and the
+        boxes each boxes field dropped (clipped to no area)."""
+        image, geometry = self.decode_geometry(i, policy)
+        t0 = time.perf_counter()
+        digest = self.digest(i)
+        hashed = time.perf_counter() - t0
+        rows, dropped = place_targets(self.raw_targets(i), self.fields, geometry, policy, self.names[i])
+        return image, digest, hashed, rows, dropped
+
+    def targets_fingerprint(self) -> str:
+        """What the fields' source data hash to (an annotation file's sha256); "" when unknown."""
+        return ""
+
     def decode_and_digest(self, i: int, policy: ImagePolicy) -> tuple[np.ndarray, str, float]:
         """``decode`` and ``digest`` of sample i, and the seconds the digest took."""
         image = self.decode(i, policy)
@@ -91,6 +125,9 @@ class Source:
         # Relative names only, so a moved dataset root keeps its fingerprint.
         h = hashlib.sha256(json.dumps(self.classes).encode())
         h.update(self.entries_json().encode("utf-8", "surrogateescape"))
+        if self.fields:  # a classification source's fingerprint stays what it was
+            h.update(json.dumps({k: dataclasses.asdict(f) for k, f in self.fields.items()}).encode())
+            h.update(self.targets_fingerprint().encode())
         return h.hexdigest()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -129,6 +166,12 @@ class ArraySource(Source):
 
     def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
         return prepare(array_to_image(self.data[i]), policy)
+
+    def decode_geometry(
+        self, i: int, policy: ImagePolicy, data: bytes | None = None
+    ) -> tuple[np.ndarray, Geometry]:
+        h, w = self.data[i].shape[:2]
+        return self.decode(i, policy), Geometry((w, h))
 
     def _subset_fields(self, idx: np.ndarray) -> dict[str, Any]:
         return {"data": self.data[idx]}

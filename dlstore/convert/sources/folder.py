@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 
 from dlstore.checksums import file_sha256
-from dlstore.convert.imageops import decode_file
+from dlstore.convert.geometry import Geometry
+from dlstore.convert.imageops import decode_file, decode_with_geometry
 from dlstore.convert.sources.base import Source
 from dlstore.convert.sources.registry import SourceArgs, register_source
 from dlstore.errors import ImageDecodeError
@@ -52,6 +53,12 @@ class FolderSource(Source):
         digest = hashlib.sha256(data).hexdigest()
         hashed = time.perf_counter() - t0
         return self.decode(i, policy, data), digest, hashed
+
+    def decode_geometry(
+        self, i: int, policy: ImagePolicy, data: bytes | None = None
+    ) -> tuple[np.ndarray, Geometry]:
+        image, geometry = decode_with_geometry(self.root / self.names[i], policy, data)
+        return image, geometry  # type: ignore[return-value]
 
     def digest(self, i: int, missing_ok: bool = False) -> str:
         try:

@@ -1,0 +1,93 @@
+"""Targets as torchvision.transforms.v2 users write against them, from a cache's named fields.
+
+A classification cache's target is its int label, as ever. A cache with fields gives each sample a
+dict: boxes as ``tv_tensors.BoundingBoxes`` (XYXY, the image's canvas size), masks as
+``tv_tensors.Mask``, every other numeric field as a tensor, a JSON field as the decoded object. So a v2
+pipeline (``v2.RandomResizedCrop``, ``v2.RandomHorizontalFlip``, ``v2.SanitizeBoundingBoxes``) moves
+them with the image unchanged::
+
+    ds = CachedDataset("coco-cache/", transform=v2.Compose([v2.RandomIoUCrop(), v2.SanitizeBoundingBoxes()]))
+    image, target = ds[0]             # target["boxes"]: BoundingBoxes, target["labels"]: int64 tensor
+    loader = DataLoader(ds, batch_size=8, collate_fn=collate_fields)
+
+``collate_fields`` stacks what has one shape per sample (images of a fixed-size cache, masks, values,
+class labels) and keeps what does not (boxes and their rows, JSON records) as lists.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from dlstore.spec import CacheSpec
+
+__all__ = ["collate_fields", "sample_targets"]
+
+
+def sample_targets(
+    spec: CacheSpec, fields: dict[str, Any], sizes: Sequence[tuple[int, int]]
+) -> list[dict[str, Any]]:
+    """One target dict per sample from ``Cache.read_fields``' batch; ``sizes``: each image's (H, W)."""
+    from torchvision import tv_tensors
+
+    out: list[dict[str, Any]] = [{} for _ in sizes]
+    for name, f in spec.fields.items():
+        column = fields[name]
+        for j, target in enumerate(out):
+            value = column[j]
+            if f.kind == "json":
+                target[name] = json.loads(np.asarray(value, np.uint8).tobytes())
+            elif f.kind == "boxes":
+                target[name] = tv_tensors.BoundingBoxes(
+                    torch.from_numpy(np.array(value, np.float32)).reshape(-1, 4),
+                    format=tv_tensors.BoundingBoxFormat.XYXY,
+                    canvas_size=tuple(sizes[j]),
+                )
+            elif f.kind == "mask":
+                target[name] = tv_tensors.Mask(torch.from_numpy(np.array(value)))
+            else:
+                target[name] = torch.as_tensor(np.array(value))
+    return out
+
+
+def ragged_names(spec: CacheSpec) -> frozenset[str]:
+    """The fields whose rows per sample vary (boxes, their rows, JSON; masks of a ragged cache)."""
+    return frozenset(k for k, f in spec.fields.items() if f.ragged or (f.kind == "mask" and spec.ragged))
+
+
+def collate_fields(batch: Sequence[tuple[Any, Any]], ragged: frozenset[str] | None = None) -> tuple[Any, Any]:
+    """DataLoader ``collate_fn`` for (image, target) samples of a cache with fields
+    (``CachedDataset.collate_fn`` is this with the cache's ``ragged`` names filled in).
+
+    Images: one (B, C, H, W) tensor when they share a size, else a list. Targets: a dict whose fixed-
+    shape entries (masks, class labels, values) are stacked (masks as one ``tv_tensors.Mask``) and
+    whose ragged entries (``ragged``: boxes, their labels, JSON records) are lists of B items; without
+    ``ragged``, boxes, non-tensors and entries that differ in shape are lists. An int target (a
+    classification cache) becomes a tensor, as default_collate does."""
+    from torchvision import tv_tensors
+
+    images, targets = zip(*batch)
+    same = all(isinstance(i, torch.Tensor) and i.shape == images[0].shape for i in images)
+    out_images: Any = torch.stack(list(images)) if same else list(images)
+    if not isinstance(targets[0], dict):
+        return out_images, torch.as_tensor(targets)
+    out: dict[str, Any] = {}
+    for name in targets[0]:
+        values = [t[name] for t in targets]
+        listed = ragged is not None and name in ragged
+        if (
+            listed
+            or isinstance(values[0], tv_tensors.BoundingBoxes)
+            or not isinstance(values[0], torch.Tensor)
+        ):
+            out[name] = values
+        elif all(v.shape == values[0].shape for v in values):
+            stacked = torch.stack([v.as_subclass(torch.Tensor) for v in values])
+            out[name] = tv_tensors.Mask(stacked) if isinstance(values[0], tv_tensors.Mask) else stacked
+        else:
+            out[name] = values
+    return out_images, out
