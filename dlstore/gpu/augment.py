@@ -52,9 +52,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from dlstore.gpu.targets import crop_boxes, crop_masks, mask_batch, move_target, rotate_masks
 
 __all__ = ["AugmentParams", "GpuAugment", "normalize"]
 
@@ -333,13 +336,47 @@ class GpuAugment(torch.nn.Module):
         )
         return theta
 
-    def forward(self, batch_uint8: torch.Tensor, params: AugmentParams | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        batch_uint8: torch.Tensor,
+        params: AugmentParams | None = None,
+        target: dict[str, Any] | None = None,
+    ) -> Any:
         """Augment a ``(B, C, H, W)`` uint8 batch; returns ``(B, C, *size)`` in ``out_dtype``.
 
         ``params`` overrides the random draw (for tests or replaying an
         augmentation); otherwise ``sample_params`` is called on the batch's
-        device.
+        device. With ``target`` (a collated dict of a cache with fields,
+        ``dlstore.read.collate_fields``) returns ``(images, target)`` with its
+        masks and boxes moved by each sample's own crop, flip and rotation
+        (``dlstore.gpu.targets``).
         """
+        if target is None:
+            return self._images(batch_uint8, params)[0]
+        out, params, rotated = self._images(batch_uint8, params)
+        h, w = batch_uint8.shape[2:]
+
+        def masks(value: Any) -> torch.Tensor:
+            m = mask_batch(value).to(batch_uint8.device)
+            starts = torch.arange(m.shape[0], device=m.device) * (h * w)
+            widths = torch.full_like(starts, w)
+            p = params
+            cropped = crop_masks(
+                m.reshape(-1), starts, widths, p.top, p.left, p.height, p.width, p.flip, self.size
+            )
+            return rotate_masks(cropped, p.angle) if rotated and m.shape[0] else cropped
+
+        def boxes(value: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            p = params
+            angle = p.angle if rotated else None
+            return crop_boxes(value, p.top, p.left, p.height, p.width, p.flip, self.size, angle)
+
+        return out, move_target(target, self.size, masks, boxes)
+
+    def _images(
+        self, batch_uint8: torch.Tensor, params: AugmentParams | None
+    ) -> tuple[torch.Tensor, AugmentParams, bool]:
+        """(the augmented batch, the parameters used, whether any sample is rotated)."""
         _check_batch(batch_uint8)
         b, c, h, w = batch_uint8.shape
         _check_channels(self._mul, c)
@@ -351,7 +388,7 @@ class GpuAugment(torch.nn.Module):
         memory_format = torch.channels_last if self.channels_last else torch.contiguous_format
         if b == 0:
             # affine_grid rejects an empty batch (e.g. a drop_last=False tail).
-            return batch_uint8.new_empty((0, c, out_h, out_w), dtype=self.out_dtype)
+            return batch_uint8.new_empty((0, c, out_h, out_w), dtype=self.out_dtype), params, False
         theta = self.theta(params, h, w)
         grid = F.affine_grid(theta, [b, c, out_h, out_w], align_corners=False)
         # One uint8 -> float32 conversion; see the module docstring for why float32.
@@ -366,4 +403,5 @@ class GpuAugment(torch.nn.Module):
         mul = self._mul.float().view(1, -1, 1, 1)
         add = self._add.float().view(1, -1, 1, 1)
         out = torch.addcmul(add, out, mul)
-        return out.to(dtype=self.out_dtype, memory_format=memory_format)
+        rotated = self.degrees > 0 or (explicit and bool((params.angle != 0).any()))
+        return out.to(dtype=self.out_dtype, memory_format=memory_format), params, rotated

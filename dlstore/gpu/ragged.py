@@ -28,6 +28,7 @@ import torch
 
 from dlstore.gpu import fused_crop
 from dlstore.gpu.augment import _CROP_ATTEMPTS, _channel_affine, _check_channels, _pair
+from dlstore.gpu.targets import crop_boxes, crop_masks, move_target
 
 __all__ = [
     "PARAM_COLUMNS",
@@ -202,8 +203,37 @@ class _RaggedCrop(torch.nn.Module):
     # parameters reach the device in one small copy instead of ~50 tiny kernels launched per batch.
     samples_on_host = True
 
-    def forward(self, images: list[torch.Tensor] | FlatImages) -> torch.Tensor:
-        """A list of uint8 (C, H_i, W_i) tensors (or one (B, C, H, W) batch, or FlatImages) → (B, C, *size)."""
+    def forward(self, images: list[torch.Tensor] | FlatImages, target: dict[str, Any] | None = None) -> Any:
+        """A list of uint8 (C, H_i, W_i) tensors (or one (B, C, H, W) batch, or FlatImages) → (B, C, *size).
+
+        With ``target`` (a collated dict of a cache with fields, ``dlstore.read.collate_fields``: masks
+        a list of (H_i, W_i) ``tv_tensors.Mask`` or one (B, H, W), boxes a list of ``BoundingBoxes``)
+        returns ``(images, target)`` with each sample's masks and boxes cropped and flipped as its image
+        (``dlstore.gpu.targets``)."""
+        if target is None:
+            return self._crop(images)[0]
+        out, params = self._crop(images)
+        _, heights, widths, top, left, h, w, flip = params.unbind(1)
+
+        def masks(value: Any) -> torch.Tensor:
+            listed = [
+                m.as_subclass(torch.Tensor) for m in (value if isinstance(value, list) else value.unbind(0))
+            ]
+            shapes = [tuple(m.shape) for m in listed]
+            if shapes != [tuple(hw) for hw in params[:, 1:3].tolist()]:
+                raise ValueError(f"each mask must have its image's (H, W); masks {shapes[:4]}...")
+            sizes = torch.tensor([m.numel() for m in listed], device=out.device)
+            flat = torch.cat([m.reshape(-1) for m in listed]).to(out.device)
+            starts = torch.cumsum(sizes, 0) - sizes
+            return crop_masks(flat, starts, widths, top, left, h, w, flip, self.size)
+
+        def boxes(value: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            return crop_boxes(value, top, left, h, w, flip, self.size)
+
+        return out, move_target(target, self.size, masks, boxes)
+
+    def _crop(self, images: list[torch.Tensor] | FlatImages) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the crops, the (B, 8) ``PARAM_COLUMNS`` rows they used)."""
         if isinstance(images, torch.Tensor):
             images = list(images.unbind(0))
         if isinstance(images, FlatImages):
@@ -225,12 +255,12 @@ class _RaggedCrop(torch.nn.Module):
             mul, add = self._mul.expand(channels), self._add.expand(channels)
             done = fused_crop.try_fused_crop(flat, params, channels, mul, add, out)
             if done is not None:
-                return done
+                return done, params
         starts, heights, widths, top, left, h, w, flip = params.unbind(1)
         sx, sy = crop_coords(top, left, h, w, flip.bool(), self.size)
         out = bilinear_gather(flat, starts, heights, widths, channels, sx, sy)
         out = torch.addcmul(self._add.view(1, -1, 1, 1), out, self._mul.view(1, -1, 1, 1))
-        return out.to(dtype=self.out_dtype, memory_format=fmt)
+        return out.to(dtype=self.out_dtype, memory_format=fmt), params
 
     def params(
         self,
