@@ -42,6 +42,7 @@ import torch
 from dlstore.read.cache import Cache
 from dlstore.read.cpu_decode import CpuDecoders, CpuShare
 from dlstore.read.loader_core import CoreLoader, storage_sorted
+from dlstore.read.targets import read_target, target_tensors, target_to_device
 
 if TYPE_CHECKING:
     from dlstore.gpu.ragged import FlatImages
@@ -258,7 +259,7 @@ class DecodeLoader(CoreLoader):
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(event)
         # made on the side stream, used on this one: the allocator must not reuse them early
-        for t in [labels, *(images if isinstance(images, list) else [images])]:
+        for t in [*target_tensors(labels), *(images if isinstance(images, list) else [images])]:
             t.record_stream(stream)
         return images, labels
 
@@ -320,7 +321,7 @@ class DecodeLoader(CoreLoader):
         """The batch's dataset indices in storage order, (the device share's payloads, the same as
         tensors, the CPU share in flight), the device share's shapes, the labels."""
         index = storage_sorted(self.cache, batch)
-        labels = self.cache.labels[index]
+        labels = read_target(self.cache, index)  # the labels, or the collated fields of a cache with them
         if not self.gpu:
             return index, self.cache.read_images(index), None, labels
         share = self._submit_cpu_share(index)
@@ -355,8 +356,6 @@ class DecodeLoader(CoreLoader):
         labels: np.ndarray,
         launching: Callable[[], None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        from dlstore.gpu.ragged import to_device  # here: dlstore.gpu imports Triton, which takes a while
-
         if self.gpu:
             positions = self.cache.positions[index]
             payloads, tensors, share = data
@@ -383,12 +382,24 @@ class DecodeLoader(CoreLoader):
                 self._balance(share.count, len(images), waited, busy)
                 if getattr(self.transform, "takes_flat", False):  # no per-image tensors, no cat of them
                     flat_images = self._flat_images(flat, share, images, shapes)
-                    return self.transform(flat_images), to_device(torch.from_numpy(labels), self.device)  # type: ignore[misc]
+                    return self._out(flat_images, labels)
                 images = _views(flat, share.offsets, share.shapes) + images
         else:  # decoded by the read-ahead thread's pool already
             launching()
             images = [torch.from_numpy(a).permute(2, 0, 1).to(self.device, non_blocking=True) for a in data]
             self.stats.cpu_images += len(images)
+        return self._out(images, labels)
+
+    def _out(self, images: Any, labels: Any) -> tuple[Any, Any]:
+        """(the batch through the transform, labels or the target on the device); a cache with fields
+        hands its target to the transform, which moves the masks and boxes with each crop."""
+        from dlstore.gpu.ragged import to_device  # here: dlstore.gpu imports Triton, which takes a while
+
+        if isinstance(labels, dict):
+            target = target_to_device(labels, self.device)
+            if self.transform is not None:
+                return self.transform(images, target=target)  # type: ignore[call-arg]
+            return (images if isinstance(images, list) else list(images)), target
         batch = self.transform(images) if self.transform is not None else torch.stack(images)
         return batch, to_device(torch.from_numpy(labels), self.device)
 

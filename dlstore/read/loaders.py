@@ -15,6 +15,7 @@ labels int64 (B,). Convert, normalise and augment on the GPU (``dlstore.gpu.GpuA
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import weakref
@@ -37,6 +38,7 @@ from dlstore.read.loader_core import (  # noqa: F401  (make_sampler, default_win
     make_sampler,
     storage_sorted,
 )
+from dlstore.read.targets import batch_target, read_target, target_tensors, target_to_device
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -162,7 +164,7 @@ class _Producer:
             n = len(index)
             self.cache.read(index, out=self.ring.images[slot][:n].numpy())
             self.ring.labels[slot][:n] = torch.from_numpy(self.cache.labels[index])
-            self.ready.put((slot, n))
+            self.ready.put((slot, n, self.target(index)))
 
     def run_decoded(self) -> None:
         """Batches decoded by worker processes into shared memory (Cache.read_batches): copy each
@@ -178,9 +180,13 @@ class _Producer:
                 n = len(index)
                 copy_parallel(self.cache.reader, self.ring.images[slot][:n].numpy(), images)
                 self.ring.labels[slot][:n] = torch.from_numpy(self.cache.labels[index])
-                self.ready.put((slot, n))
+                self.ready.put((slot, n, self.target(index)))
         finally:
             batches.close()  # type: ignore[attr-defined]
+
+    def target(self, index: np.ndarray) -> dict[str, Any] | None:
+        """The batch's collated fields on the host (``dlstore.read.targets``); None without fields."""
+        return read_target(self.cache, index) if self.cache.spec.fields else None
 
     def close(self) -> None:
         """Stop and join: hand back every buffer the thread filled so it is never left waiting."""
@@ -248,6 +254,8 @@ class _PinnedIter:
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
         x = x.permute(0, 3, 1, 2)
+        if isinstance(y, dict):  # a cache with fields: the transform moves its masks and boxes too
+            return self.transform(x, target=y) if self.transform else (x, y)
         return (self.transform(x) if self.transform else x), y
 
     def _fetch(self, block: bool) -> Any:
@@ -259,24 +267,30 @@ class _PinnedIter:
             return None
         if item is _Producer.DONE or isinstance(item, BaseException):
             return self._END if item is _Producer.DONE else item
-        slot, n = item
+        slot, n, target = item
         host_x, host_y = self.ring.images[slot][:n], self.ring.labels[slot][:n]
         if not self.cuda:
             x, y = host_x.clone(), host_y.clone()
             self.ring.release(slot, None)
-            return x, y, None
-        return self._copy(host_x, host_y, slot)
+            return x, (y if target is None else target_to_device(target, self.device)), None
+        return self._copy(host_x, host_y, slot, target)
 
-    def _copy(self, host_x: torch.Tensor, host_y: torch.Tensor, slot: int) -> tuple[Any, ...]:
+    def _copy(
+        self, host_x: torch.Tensor, host_y: torch.Tensor, slot: int, target: dict[str, Any] | None = None
+    ) -> tuple[Any, ...]:
         assert self.stream is not None
         main = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
             x = host_x.to(self.device, non_blocking=True)
-            y = host_y.to(self.device, non_blocking=True)
+            y = (
+                host_y.to(self.device, non_blocking=True)
+                if target is None
+                else target_to_device(target, self.device)
+            )
             done = torch.cuda.Event()
             done.record(self.stream)
-        x.record_stream(main)  # the allocator must not reuse x's memory before main is done with it
-        y.record_stream(main)
+        for t in [x, *target_tensors(y)]:  # the allocator must not reuse them before main is done
+            t.record_stream(main)
         self.ring.release(slot, done)
         return x, y, done
 
@@ -330,6 +344,11 @@ class ResidentLoader(CoreLoader):
         check_fits(cache, self.device, headroom)
         self.images = upload(cache, self.device, block_bytes)
         self.labels = torch.from_numpy(cache.labels.copy()).to(self.device)
+        if cache.spec.fields and cuda_graph:
+            raise ValueError("cuda_graph replays a fixed batch: not with a cache with fields (boxes vary)")
+        # A cache with fields: the fixed-shape ones (masks, values) in device memory like the images;
+        # the variable-length ones (boxes) read per batch on the host, one copy each.
+        self.fields = upload_fields(cache, self.device) if cache.spec.fields else {}
         self._graph: Any = None
 
     def __iter__(self) -> Iterator[Batch]:
@@ -356,7 +375,25 @@ class ResidentLoader(CoreLoader):
 
     def batch(self, idx: torch.Tensor) -> Batch:
         x = self.images.index_select(0, idx).permute(0, 3, 1, 2)
+        if self.fields:
+            target = self.field_target(idx)
+            return self.transform(x, target=target) if self.transform else (x, target)
         return (self.transform(x) if self.transform else x), self.labels.index_select(0, idx)
+
+    def field_target(self, idx: torch.Tensor) -> dict[str, Any]:
+        """The batch's collated target: resident fields gathered on the device, the rest read."""
+        host = idx.cpu().numpy()
+        spec = self.cache.spec
+        variable = {k: f for k, f in spec.fields.items() if k not in self.fields}
+        target = {}
+        if variable:
+            partial = dataclasses.replace(spec, fields=variable)
+            sizes = [tuple(spec.shape[:2])] * len(host)
+            target = target_to_device(batch_target(partial, self.cache.read_fields(host), sizes), self.device)
+        for name, values in self.fields.items():
+            picked = values.index_select(0, idx)
+            target[name] = type(values)(picked) if type(values) is not torch.Tensor else picked
+        return {k: target[k] for k in spec.fields}
 
     def _replay(self, idx: torch.Tensor) -> Batch:
         if self._graph is None:
@@ -395,6 +432,24 @@ def check_fits(cache: Cache, device: torch.device, headroom: float) -> None:
             f"{cache.root}: {need / 1e9:.2f} GB of images do not fit in {device} with "
             f"{headroom:.0%} headroom ({free / 1e9:.2f} GB free); use PinnedLoader instead"
         )
+
+
+def upload_fields(cache: Cache, device: torch.device) -> dict[str, torch.Tensor]:
+    """A fixed-size cache's fixed-shape fields (masks, values, class labels) for every dataset index,
+    on the device."""
+    from torchvision import tv_tensors
+
+    if cache.spec.ragged:
+        return {}
+    fixed = {k: f for k, f in cache.spec.fields.items() if not f.ragged}
+    if not fixed:
+        return {}
+    columns = cache.read_fields(np.arange(len(cache)))
+    out = {}
+    for name, f in fixed.items():
+        t = torch.from_numpy(np.ascontiguousarray(columns[name])).to(device)
+        out[name] = tv_tensors.Mask(t) if f.kind == "mask" else t
+    return out
 
 
 def upload(cache: Cache, device: torch.device, block_bytes: int) -> torch.Tensor:

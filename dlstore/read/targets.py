@@ -91,3 +91,99 @@ def collate_fields(batch: Sequence[tuple[Any, Any]], ragged: frozenset[str] | No
         else:
             out[name] = values
     return out_images, out
+
+
+def batch_target(spec: CacheSpec, fields: dict[str, Any], sizes: Sequence[tuple[int, int]]) -> dict[str, Any]:
+    """A batch's collated target straight from ``Cache.read_fields`` (what ``collate_fields`` makes of
+    the per-sample dicts, without them): the fast loaders' form."""
+    from torchvision import tv_tensors
+
+    out: dict[str, Any] = {}
+    for name, f in spec.fields.items():
+        column = fields[name]
+        if f.kind == "json":
+            out[name] = [json.loads(np.asarray(v, np.uint8).tobytes()) for v in column]
+        elif f.kind == "boxes":
+            out[name] = [
+                tv_tensors.BoundingBoxes(
+                    torch.from_numpy(np.array(v, np.float32)).reshape(-1, 4),
+                    format="XYXY",
+                    canvas_size=tuple(s),
+                )
+                for v, s in zip(column, sizes)
+            ]
+        elif isinstance(column, list):
+            wrap = tv_tensors.Mask if f.kind == "mask" else torch.as_tensor
+            out[name] = [wrap(torch.from_numpy(np.array(v))) for v in column]
+        elif f.kind == "mask":
+            out[name] = tv_tensors.Mask(torch.from_numpy(np.ascontiguousarray(column)))
+        else:
+            out[name] = torch.from_numpy(np.ascontiguousarray(column))
+    return out
+
+
+def read_target(cache: Any, index: np.ndarray) -> Any:
+    """The labels of ``index`` (a cache without fields), or its collated target on the host."""
+    if not cache.spec.fields:
+        return cache.labels[index]
+    if cache.spec.ragged:
+        sizes = [tuple(s) for s in cache.payload_extents(index).shapes[:, :2].tolist()]
+    else:
+        sizes = [tuple(cache.spec.shape[:2])] * len(index)
+    return batch_target(cache.spec, cache.read_fields(index), sizes)
+
+
+def target_to_device(target: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """Every tensor of a collated target on ``device``; a list of tensors (boxes, their labels, masks
+    of a ragged cache) goes in one copy (concatenated, then split), not one per sample."""
+    from torchvision import tv_tensors
+
+    pin = device.type == "cuda"
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return (t.pin_memory() if pin else t).to(device, non_blocking=pin)
+
+    out: dict[str, Any] = {}
+    for name, value in target.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = (
+                type(value)(move(value.as_subclass(torch.Tensor)))
+                if isinstance(value, tv_tensors.Mask)
+                else move(value)
+            )
+        elif isinstance(value, list) and value and all(isinstance(v, torch.Tensor) for v in value):
+            flat = move(torch.cat([v.as_subclass(torch.Tensor).reshape(-1) for v in value]))
+            parts = flat.split([v.numel() for v in value])
+            out[name] = [rewrap(v, p.view(v.shape)) for v, p in zip(value, parts)]
+        else:
+            out[name] = value
+    return out
+
+
+def rewrap(like: torch.Tensor, data: torch.Tensor) -> torch.Tensor:
+    """``data`` as the tv_tensor ``like`` is (its box format and canvas size), or plain."""
+    from torchvision import tv_tensors
+
+    if isinstance(like, tv_tensors.BoundingBoxes):
+        return tv_tensors.BoundingBoxes(data, format=like.format, canvas_size=like.canvas_size)
+    if isinstance(like, tv_tensors.Mask):
+        return tv_tensors.Mask(data)
+    return data
+
+
+def target_tensors(target: Any) -> list[torch.Tensor]:
+    """Every tensor in a target (labels, or a collated dict), for ``record_stream``."""
+    if isinstance(target, torch.Tensor):
+        return [target]
+    if not isinstance(target, dict):
+        return []
+    out = []
+    for value in target.values():
+        out.extend(
+            [value]
+            if isinstance(value, torch.Tensor)
+            else [v for v in value if isinstance(v, torch.Tensor)]
+            if isinstance(value, list)
+            else []
+        )
+    return out
