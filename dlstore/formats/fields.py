@@ -341,11 +341,9 @@ def array_meta(array_dir: Path) -> dict[str, Any]:
 
 def decode_chunk(array_dir: Path, k: int, meta: dict[str, Any]) -> np.ndarray:
     """Chunk k (sample axis) of a zarr v3 array as stored: the full chunk shape."""
-    from dlstore.formats.zarr_cache import _decoder
-
     chunk = meta["chunk_grid"]["configuration"]["chunk_shape"]
     path = zarr_chunk(array_dir, k, len(chunk))
-    decode = _decoder(array_dir / "zarr.json", meta.get("codecs"))
+    decode = chunk_decoder(array_dir / "zarr.json", meta.get("codecs"))
     try:
         raw: Any = path.read_bytes()
         if decode is not None:
@@ -356,6 +354,28 @@ def decode_chunk(array_dir: Path, k: int, meta: dict[str, Any]) -> np.ndarray:
         raise CacheCorruptError(f"{path}: field chunk {k} missing; rebuild the cache") from None
     except (OSError, RuntimeError, ValueError) as e:
         raise CacheCorruptError(f"{path}: field chunk {k} does not decode ({e}); rebuild the cache") from None
+
+
+def chunk_decoder(path: Path, codecs: Any) -> Any:
+    """``bytes`` then at most one of zstd/blosc (the chain the field writer wrote); anything else
+    (pickle, object codecs) is refused."""
+    names = [c.get("name") if isinstance(c, dict) else c for c in codecs] if isinstance(codecs, list) else []
+    if (
+        not names
+        or names[0] != "bytes"
+        or len(names) > 2
+        or (names[1:] and names[1] not in ("zstd", "blosc"))
+    ):
+        raise CacheCorruptError(f"{path}: codec chain {names} is not bytes + zstd/blosc; rebuild the cache")
+    if len(names) == 1:
+        return None
+    if names[1] == "zstd":
+        from numcodecs.zstd import Zstd
+
+        return Zstd().decode
+    from numcodecs.blosc import Blosc
+
+    return Blosc().decode
 
 
 def read_chunk(array_dir: Path, k: int, n: int, unit: int) -> np.ndarray:
