@@ -172,7 +172,7 @@ def root_facts(src: Source) -> dict[str, Any]:
     """The folder source's root and its mtime, for the one-``stat`` check on open (DEST is never inside
     the root: ``check_dest_outside_source``)."""
     root = getattr(src, "root", None)
-    if root is None:
+    if root is None or not getattr(src, "folder_tree", True):  # images listed by a file: no tree to rescan
         return {}
     facts: dict[str, Any] = {"root": str(Path(root).resolve())}
     mtime = getattr(src, "root_mtime_ns", 0)

@@ -10,7 +10,14 @@ arguments it reads (``claims``); ``open_source`` asks the registered kinds in tu
 
 from __future__ import annotations
 
-from dlstore.convert.sources import demo, folder, torchvision  # noqa: F401 - each registers its kind
+from dlstore.convert.sources import (  # noqa: F401 - each registers its kind
+    coco,
+    demo,
+    folder,
+    multilabel,
+    segmentation,
+    torchvision,
+)
 from dlstore.convert.sources.base import ArraySource, Source
 from dlstore.convert.sources.demo import DemoSource
 from dlstore.convert.sources.folder import FolderSource, scan_folder
