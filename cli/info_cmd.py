@@ -51,6 +51,12 @@ def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | 
         )
     )
     click.echo(f"  options   {json.dumps({**spec.writer_options, **spec.format_options})}")
+    if spec.fields:  # named per-sample fields (docs/fields.md)
+        described = [
+            f"{k} ({f.kind} {f.dtype}{'' if not f.dropped else f', {f.dropped} dropped'})"
+            for k, f in spec.fields.items()
+        ]
+        click.echo(f"  fields    {', '.join(described)}")
     click.echo(f"  source    {spec.source.get('description')} ({spec.source.get('count')} samples)")
     click.echo(f"  on disk   {human_bytes(nbytes)} in {count(len(spec.checksums), 'file')}")
 

@@ -123,3 +123,51 @@ def test_make_targets_named_in_readme_exist() -> None:
     for target in re.findall(r"^make (\w+)", blocks("sh")[0], flags=re.M):
         assert re.search(rf"^{target}:", makefile, flags=re.M), target
     assert "make test" in (README.parent / ".ci" / "run").read_text()
+
+
+def fields_data(root: Path) -> None:
+    """What docs/fields.md converts: a tiny COCO set and a VOC-style pair of folders."""
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    (root / "coco" / "images").mkdir(parents=True)
+    for d in ("JPEGImages", "SegmentationClass"):
+        (root / "voc" / d).mkdir(parents=True)
+    images, anns = [], []
+    for i in range(4):
+        w, h = 80 + 10 * i, 70
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(
+            root / "coco" / "images" / f"{i}.jpg"
+        )
+        images.append({"id": i, "file_name": f"{i}.jpg", "width": w, "height": h})
+        poly = [10, 10, 60, 12, 40, 60]
+        anns.append(
+            {"id": i, "image_id": i, "category_id": 1, "bbox": [10, 10, 50, 50], "segmentation": [poly]}
+        )
+        Image.fromarray(rng.integers(0, 255, (h, w, 3), dtype=np.uint8)).save(
+            root / "voc" / "JPEGImages" / f"{i}.jpg"
+        )
+        Image.fromarray((rng.integers(0, 3, (h, w))).astype(np.uint8)).save(
+            root / "voc" / "SegmentationClass" / f"{i}.png"
+        )
+    doc = {"images": images, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]}
+    (root / "coco" / "ann.json").write_text(json.dumps(doc))
+
+
+def test_fields_page_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    fields_data(tmp_path)
+    commands = [
+        line[2:] for block in blocks("fields") for line in block.splitlines() if line.startswith("$ ")
+    ]
+    assert len(commands) >= 3
+    for command in commands:
+        args = shlex.split(command)
+        assert args[0] == "dlstore"
+        result = CliRunner().invoke(main, args[1:], catch_exceptions=False)
+        assert result.exit_code == 0, f"{command}\n{result.output}"
+    (example,) = blocks("fields-python")
+    exec(compile(example, "docs/fields.md", "exec"), {})
