@@ -2,7 +2,9 @@
 
 One mechanism for every format, in two layouts a format picks with ``CacheWriter.field_layout``:
 
-* ``files`` (ram, npz): one ``fields/unit-KKKKKK.npz`` per image unit (the same units as the images),
+* ``arrays`` (ram): each fixed-shape field (masks, values) one ``fields/NAME.npy`` (n, ...) beside
+  ``images.npy``, memory-mapped by readers; variable-length fields in unit files as below.
+* ``files`` (npz): one ``fields/unit-KKKKKK.npz`` per image unit (the same units as the images),
   holding every field of that unit's samples: a fixed-shape field (``values``; a ``mask`` of a
   fixed-size cache) as one (unit, ...) member ``NAME``; a variable-length one (``boxes``, ``ragged``,
   ``json``; a mask of a ragged cache) as ``NAME.values`` (rows back to back) + ``NAME.offsets``
@@ -35,7 +37,7 @@ from dlstore.spec import CacheSpec, FieldSpec
 
 FIELDS_DIR = "fields"
 PARTS_DIR = "fields/parts"
-LAYOUTS = ("files", "zarr")
+LAYOUTS = ("files", "arrays", "zarr")
 
 # One sample's value of each stored field, as the conversion hands it over.
 Row = np.ndarray
@@ -161,6 +163,40 @@ class FieldWriter:
         return self.dropped()
 
 
+class ArrayFieldWriter(FieldWriter):
+    """ram: each fixed-shape field one ``fields/NAME.npy`` (n, ...) like ``images.npy``, memory-mapped
+    by readers (random rows, pages shared by every process); workers write their unit's rows in place.
+    Variable-length fields go to the unit files as in ``files``."""
+
+    def create(self) -> None:
+        super().create()
+        for name, f in self.fixed().items():
+            shape = (self.n, *(self.image_shape if f.kind == "mask" else f.shape))
+            np.lib.format.open_memmap(
+                self.root / array_file(name), mode="w+", dtype=f.dtype, shape=shape
+            ).flush()
+
+    def fixed(self) -> dict[str, FieldSpec]:
+        return {k: f for k, f in stored(self.fields).items() if not is_variable(f, self.ragged)}
+
+    def write_unit(self, k: int, rows: Rows, dropped: dict[str, int]) -> None:
+        fixed = self.fixed()
+        members = pack_unit(self.fields, rows, self.image_shape, self.ragged)
+        start = k * self.unit_size
+        for name in fixed:
+            mm = np.load(self.root / array_file(name), mmap_mode="r+")
+            mm[start : start + len(members[name])] = members[name]
+            mm.flush()  # msync: durable before the journal records the unit
+            del mm
+        rest = {m: v for m, v in members.items() if m.split(".")[0] not in fixed}
+        rest.update({f"{name}.dropped": np.int64(c) for name, c in dropped.items()})
+        save_npz(self.root / unit_file(k), rest, self.compress)
+
+
+def array_file(name: str) -> str:
+    return f"{FIELDS_DIR}/{name}.npy"
+
+
 class ZarrFieldWriter(FieldWriter):
     """Fixed-shape fields straight into zarr arrays unit by unit; variable-length ones through unit
     files (``fields/parts``) gathered into one zarr group per field at ``finish``."""
@@ -262,12 +298,13 @@ class FieldReader:
         self.max_units = max(2, cache_bytes // max(1, per_unit))
         self._units: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
 
-    def read(self, positions: np.ndarray) -> dict[str, Any]:
-        """name → (B, ...) array for a fixed-shape field, a list of B arrays otherwise."""
+    def read(self, positions: np.ndarray, fields: dict[str, FieldSpec] | None = None) -> dict[str, Any]:
+        """name → (B, ...) array for a fixed-shape field, a list of B arrays otherwise (of ``fields``,
+        default all)."""
         positions = np.asarray(positions, np.int64).reshape(-1)
         units = positions // self.unit
         out: dict[str, Any] = {}
-        for name, f in self.fields.items():
+        for name, f in (self.fields if fields is None else fields).items():
             variable = is_variable(f, self.ragged)
             parts = [
                 self._rows(name, f, int(k), positions[units == k] - k * self.unit) for k in np.unique(units)
@@ -293,6 +330,43 @@ class FieldReader:
         else:
             self._units.move_to_end(k)
         return members
+
+
+class ArrayFieldReader(FieldReader):
+    """ram: fixed-shape fields memory-mapped whole (``ArrayFieldWriter``); the rest from unit files."""
+
+    def __init__(self, root: Path, spec: CacheSpec, unit_size: int, cache_bytes: int = 256 << 20) -> None:
+        super().__init__(root, spec, unit_size, cache_bytes)
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def read(self, positions: np.ndarray, fields: dict[str, FieldSpec] | None = None) -> dict[str, Any]:
+        """Fixed-shape fields: one row gather from the mapped array; the rest per unit file."""
+        positions = np.asarray(positions, np.int64).reshape(-1)
+        chosen = self.fields if fields is None else fields
+        rest = {k: f for k, f in chosen.items() if is_variable(f, self.ragged)}
+        out = super().read(positions, rest) if rest else {}
+        for name, f in chosen.items():
+            if name not in rest:
+                arr = self._arrays.get(name)
+                if arr is None:
+                    arr = self._arrays[name] = load_array(self.root / array_file(name), f, self.spec)
+                out[name] = np.take(arr, positions, axis=0)
+        return out
+
+
+def load_array(path: Path, f: FieldSpec, spec: CacheSpec) -> np.ndarray:
+    shape = (spec.n_stored, *(spec.shape[:2] if f.kind == "mask" else f.shape))
+    try:
+        arr = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise CacheCorruptError(f"{path}: field array missing; run `dlstore verify` and rebuild") from None
+    except ValueError as e:
+        raise CacheCorruptError(f"{path}: unreadable or truncated ({e}); rebuild the cache") from None
+    if arr.shape != shape or arr.dtype != np.dtype(f.dtype):
+        raise CacheCorruptError(
+            f"{path}: holds {arr.dtype}{arr.shape}, manifest says {f.dtype}{shape}; rebuild"
+        )
+    return arr
 
 
 class ZarrFieldReader(FieldReader):
@@ -391,5 +465,13 @@ def read_whole_array(array_dir: Path) -> np.ndarray:
     return decode_chunk(array_dir, 0, meta)[tuple(slice(0, d) for d in shape)]
 
 
-FIELD_WRITERS: dict[str, type[FieldWriter]] = {"files": FieldWriter, "zarr": ZarrFieldWriter}
-FIELD_READERS: dict[str, type[FieldReader]] = {"files": FieldReader, "zarr": ZarrFieldReader}
+FIELD_WRITERS: dict[str, type[FieldWriter]] = {
+    "files": FieldWriter,
+    "arrays": ArrayFieldWriter,
+    "zarr": ZarrFieldWriter,
+}
+FIELD_READERS: dict[str, type[FieldReader]] = {
+    "files": FieldReader,
+    "arrays": ArrayFieldReader,
+    "zarr": ZarrFieldReader,
+}

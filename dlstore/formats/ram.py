@@ -21,6 +21,7 @@ class RamWriter(CacheWriter):
     """Pre-sizes the .npy once; workers ``pwrite`` their slab at its byte offset (no IPC of pixels)."""
 
     name = "ram"
+    field_layout = "arrays"
 
     @staticmethod
     def choose_unit_size(image_bytes: int) -> int:
@@ -97,6 +98,7 @@ class RamReader(CacheReader):
     traits: ClassVar[Traits] = Traits(
         loads_into_ram=True, unit_grouped=False, fork_safe=True, opens_files_per_read=False
     )
+    field_layout = "arrays"
 
     def __init__(self, root: Path, spec, in_memory: bool = False) -> None:  # type: ignore[no-untyped-def]
         super().__init__(root, spec, in_memory)
