@@ -21,6 +21,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = ["crop_boxes", "crop_masks", "mask_source_index", "move_target"]
@@ -93,7 +94,9 @@ def crop_boxes(
     if sum(counts) == 0:
         empty = torch.zeros((0, 4), dtype=torch.float32, device=dev)
         return [empty for _ in counts], [torch.zeros(0, dtype=torch.long, device=dev) for _ in counts]
-    owner = torch.repeat_interleave(torch.arange(len(counts), device=dev), torch.tensor(counts, device=dev))
+    owner = torch.repeat_interleave(
+        torch.arange(len(counts), device=dev), torch.tensor(counts, device=dev), output_size=sum(counts)
+    )
     b = torch.cat([x.reshape(-1, 4).to(device=dev, dtype=torch.float32) for x in boxes])
     out_h, out_w = size
 
@@ -111,13 +114,14 @@ def crop_boxes(
         x, y = rotate_boxes(x, y, per_box(angle), size)
     x, y = x.clamp(0, out_w), y.clamp(0, out_h)
     moved = torch.stack([x[:, 0], y[:, 0], x[:, 1], y[:, 1]], 1)
-    alive = (moved[:, 2] > moved[:, 0]) & (moved[:, 3] > moved[:, 1])
-    out, keep = [], []
-    for part, ok in zip(moved.split(counts), alive.split(counts)):
-        k = torch.nonzero(ok).flatten()
-        out.append(part[k])
-        keep.append(k)
-    return out, keep
+    alive = ((moved[:, 2] > moved[:, 0]) & (moved[:, 3] > moved[:, 1])).cpu().numpy()  # the one sync
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    kept = np.flatnonzero(alive)
+    per_sample = np.bincount(np.repeat(np.arange(len(counts)), counts)[kept], minlength=len(counts))
+    local = kept - np.repeat(starts, per_sample)
+    both = torch.from_numpy(np.stack([kept, local])).to(dev)
+    sizes = per_sample.tolist()
+    return list(moved[both[0]].split(sizes)), list(both[1].split(sizes))
 
 
 def rotate_boxes(

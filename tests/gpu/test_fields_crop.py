@@ -124,9 +124,11 @@ def test_ragged_crop_moves_masks_and_boxes_as_v2(photo_ids: np.ndarray) -> None:
 def test_uint16_masks_and_empty_boxes() -> None:
     images = torch.zeros(2, 3, 10, 10, dtype=torch.uint8)
     mask = tv_tensors.Mask(torch.full((2, 10, 10), 40000, dtype=torch.uint16))
-    none = tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=(10, 10))
-    out, moved = GpuAugment(4)(
-        images, target={"mask": mask, "boxes": [none, none], "labels": [torch.zeros(0)] * 2}
+    one = tv_tensors.BoundingBoxes(
+        torch.tensor([[0.0, 0.0, 10.0, 10.0]]), format="XYXY", canvas_size=(10, 10)
     )
+    none = tv_tensors.BoundingBoxes(torch.zeros(0, 4), format="XYXY", canvas_size=(10, 10))
+    labels = [torch.tensor([7]), torch.zeros(0, dtype=torch.long)]
+    out, moved = GpuAugment(4)(images, target={"mask": mask, "boxes": [one, none], "labels": labels})
     assert moved["mask"].dtype == torch.uint16 and bool((moved["mask"] == 40000).all())
-    assert [len(b) for b in moved["boxes"]] == [0, 0]
+    assert [len(b) for b in moved["boxes"]] == [1, 0] and moved["labels"][0].tolist() == [7]
