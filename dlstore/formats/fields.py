@@ -286,15 +286,17 @@ def zarr_chunk(array_dir: Path, k: int, ndim: int) -> Path:
 class FieldReader:
     """Reads fields by storage position: the unit files, the most recent ones kept decoded."""
 
+    masks_in_unit_files = True  # (ArrayFieldReader maps them instead)
+
     def __init__(self, root: Path, spec: CacheSpec, unit_size: int, cache_bytes: int = 256 << 20) -> None:
         self.root, self.spec, self.unit = Path(root), spec, max(1, unit_size)
         self.fields = stored(spec.fields)
         self.ragged = spec.ragged
-        per_unit = (
-            self.unit * spec.shape[0] * spec.shape[1] * 2
-            if any(f.kind == "mask" for f in self.fields.values())
-            else 1 << 16
-        )
+        # Masks in the unit files make a unit as large as its images' pixels; boxes, labels and records
+        # are a few KB: then every unit of any practical cache stays decoded (a bound of 256 MB
+        # estimated at 16 KB per unit; a smaller one made random batches reload unit files).
+        masks_in_units = any(f.kind == "mask" for f in self.fields.values()) and self.masks_in_unit_files
+        per_unit = self.unit * spec.shape[0] * spec.shape[1] * 2 if masks_in_units else 16 << 10
         self.max_units = max(2, cache_bytes // max(1, per_unit))
         self._units: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
 
@@ -335,6 +337,8 @@ class FieldReader:
 class ArrayFieldReader(FieldReader):
     """ram: fixed-shape fields memory-mapped whole (``ArrayFieldWriter``); the rest from unit files."""
 
+    masks_in_unit_files = False
+
     def __init__(self, root: Path, spec: CacheSpec, unit_size: int, cache_bytes: int = 256 << 20) -> None:
         super().__init__(root, spec, unit_size, cache_bytes)
         self._arrays: dict[str, np.ndarray] = {}
@@ -372,6 +376,8 @@ def load_array(path: Path, f: FieldSpec, spec: CacheSpec) -> np.ndarray:
 class ZarrFieldReader(FieldReader):
     """Reads the zarr arrays' chunk files directly (zarr's own machinery does not survive a fork into
     DataLoader workers), after checking each array's metadata; variable-length fields whole, at open."""
+
+    masks_in_unit_files = True  # its chunks are kept like units
 
     def __init__(self, root: Path, spec: CacheSpec, unit_size: int, cache_bytes: int = 256 << 20) -> None:
         super().__init__(root, spec, unit_size, cache_bytes)
