@@ -190,15 +190,19 @@ class CacheReader(ABC):
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
         """Fill ``out`` (B,H,W,C) uint8 with the images at ``positions`` (any order, duplicates allowed)."""
 
-    def read_fields(self, positions: np.ndarray) -> dict[str, Any]:
-        """The stored fields of the samples at ``positions`` (any order): name → a (B, ...) array for a
-        fixed-shape field, a list of B arrays for a variable-length one; {} for a cache without fields."""
+    def read_fields(
+        self, positions: np.ndarray, fields: dict[str, FieldSpec] | None = None
+    ) -> dict[str, Any]:
+        """The stored fields (of ``fields``, default all) of the samples at ``positions`` (any order):
+        name → a (B, ...) array for a fixed-shape field, a list of B arrays for a variable-length one;
+        {} for a cache without fields."""
         if not self.spec.fields:
             return {}
         if self._fields is None:
             unit = int(self.spec.format_options.get("unit_size", 1))
             self._fields = FIELD_READERS[self.field_layout](self.root, self.spec, unit)
-        return self._fields.read(positions)
+        chosen = self.spec.fields if fields is None else fields
+        return self._fields.read(positions, {k: f for k, f in chosen.items() if f.kind != "class"})
 
     @classmethod
     def unit_files(cls, spec: CacheSpec) -> list[str]:

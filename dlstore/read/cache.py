@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -22,7 +22,15 @@ from dlstore.errors import (
 )
 from dlstore.formats import get_format
 from dlstore.read.engines.owner import ReaderEngines, may_start_processes
-from dlstore.spec import LABELS_FILE, MANIFEST, POSITIONS_FILE, CacheSpec, parse_manifest, read_spec
+from dlstore.spec import (
+    LABELS_FILE,
+    MANIFEST,
+    POSITIONS_FILE,
+    CacheSpec,
+    FieldSpec,
+    parse_manifest,
+    read_spec,
+)
 from dlstore.storage.mirror import RemoteMirror, fetch_manifest
 from dlstore.storage.stores import RemoteStore, RemoteStoreError, parse_store_path
 
@@ -187,16 +195,36 @@ class Cache:
         finally:
             stream.close()  # type: ignore[attr-defined]
 
+    # Which named fields reads return (``select_fields``); None: every field the manifest declares.
+    field_names: tuple[str, ...] | None = None
+
+    def select_fields(self, names: Sequence[str] | None) -> None:
+        """Read only these fields from now on (a segmentation run need not read the boxes)."""
+        unknown = sorted(set(names or ()) - set(self.spec.fields))
+        if unknown:
+            raise ValueError(
+                f"{self.location}: no field(s) {', '.join(unknown)} in this cache; it has "
+                f"{', '.join(self.spec.fields) or 'none'} (see `dlstore info`)"
+            )
+        self.field_names = None if names is None else tuple(names)
+
+    @property
+    def fields(self) -> dict[str, FieldSpec]:
+        """The fields reads return: the manifest's, or the ones ``select_fields`` chose."""
+        names = self.field_names
+        return {k: f for k, f in self.spec.fields.items() if names is None or k in names}
+
     def read_fields(self, indices: np.ndarray | list[int]) -> dict[str, Any]:
-        """The named fields (``spec.fields``) of ``indices``, in their order: name → a (B, ...) array
-        for a fixed-shape field (a class field is the labels), a list of B arrays for a variable-length
-        one (boxes, their labels, JSON bytes; masks of a ragged cache). {} for a classification cache."""
+        """The named fields (``fields``: the manifest's, or those selected) of ``indices``, in their
+        order: name → a (B, ...) array for a fixed-shape field (a class field is the labels), a list of
+        B arrays for a variable-length one (boxes, their labels, JSON bytes; masks of a ragged cache).
+        {} for a classification cache."""
         if not self.spec.fields:
             return {}
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
         pos = self.storage_positions(index)
         try:
-            out = self.reader.read_fields(pos)
+            out = self.reader.read_fields(pos, self.fields)
         except CacheReplacedError:
             raise
         except DlstoreError as e:
@@ -204,7 +232,7 @@ class Cache:
             raise SampleReadError(
                 f"reading the fields of indices {_short(index)} from {self.location}: {e}"
             ) from e
-        for name, f in self.spec.fields.items():
+        for name, f in self.fields.items():
             if f.kind == "class":
                 out[name] = self.labels[index]
         return out

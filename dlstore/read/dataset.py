@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable, Sequence
@@ -56,6 +57,7 @@ class CachedDataset(torch.utils.data.Dataset):
     """
 
     pil = False  # a dataset pickled before the option existed reads as tensors
+    field_names: tuple[str, ...] | None = None  # likewise: every field
 
     def __init__(
         self,
@@ -68,8 +70,10 @@ class CachedDataset(torch.utils.data.Dataset):
         cache_dir: str | Path | None = None,
         cache_bytes: int | None = None,
         pil: bool = False,
+        fields: Sequence[str] | None = None,
     ) -> None:
         self.path = parse_store_path(path)
+        self.field_names = None if fields is None else tuple(fields)  # None: every field of the cache
         self.transform = transform
         self.pil = pil
         self.in_memory = in_memory
@@ -101,6 +105,8 @@ class CachedDataset(torch.utils.data.Dataset):
                     f"{self.path}: the cache was rebuilt after this dataset was created "
                     "(its manifest changed); create the dataset again to read the new one"
                 )
+        if self._cache.field_names != self.field_names:
+            self._cache.select_fields(self.field_names)
         if self._threads_pid != os.getpid():
             self._threads_pid = os.getpid()
             share_cores_with_workers(self._cache)
@@ -129,10 +135,12 @@ class CachedDataset(torch.utils.data.Dataset):
         """(image, target dict) per index (``dlstore.read.targets``); the transform gets both, as a
         torchvision.transforms.v2 pipeline takes them (``transform(image, target)``)."""
         images, _ = self._batch(indices)
-        fields = self.cache.read_fields(np.asarray(indices, dtype=np.int64))
+        cache = self.cache
+        fields = cache.read_fields(np.asarray(indices, dtype=np.int64))
         sizes = [tuple(img.shape[1:]) for img in images]
+        spec = dataclasses.replace(self.spec, fields=cache.fields)
         out = []
-        for image, target in zip(images, sample_targets(self.spec, fields, sizes)):
+        for image, target in zip(images, sample_targets(spec, fields, sizes)):
             sample: Any = to_pil(image) if self.pil else image.contiguous()
             out.append((sample, target) if self.transform is None else self.transform(sample, target))
         return out

@@ -31,7 +31,7 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -161,9 +161,11 @@ class DecodeLoader(CoreLoader):
         decode_in: str = "thread",
         cpu_decoders: int = 0,
         cpu_share: float | None = None,
+        fields: Sequence[str] | None = None,
         **core: Any,
     ) -> None:
         self._open_core(path, batch_size, core)
+        self.cache.select_fields(fields)  # a cache with fields: only these are read (None: all)
         if not self.cache.reader.traits.payloads:
             raise ValueError(
                 f"{self.cache.root}: this cache stores plain pixel arrays; DecodeLoader reads payload caches "

@@ -19,7 +19,7 @@ import dataclasses
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,9 +75,11 @@ class PinnedLoader(CoreLoader):
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         cuda_graph: bool = False,
         decode_processes: int = 0,
+        fields: Sequence[str] | None = None,
         **core: Any,
     ) -> None:
         self._open_core(path, batch_size, core, in_memory=in_memory)
+        self.cache.select_fields(fields)  # a cache with fields: only these are read (None: all)
         if cuda_graph and transform is not None:
             from dlstore.gpu.graphs import CudaGraphed
 
@@ -331,10 +333,12 @@ class ResidentLoader(CoreLoader):
         transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
         cuda_graph: bool = False,
         block_bytes: int = 256 << 20,
+        fields: Sequence[str] | None = None,
         **core: Any,
     ) -> None:
         self._open_core(path, batch_size, core)
         cache = self.cache
+        cache.select_fields(fields)  # a cache with fields: only these are read (None: all)
         self.device = torch.device(device)
         self.transform = transform
         if cuda_graph and (self.device.type != "cuda" or getattr(transform, "generator", None) is not None):
@@ -380,20 +384,32 @@ class ResidentLoader(CoreLoader):
             return self.transform(x, target=target) if self.transform else (x, target)
         return (self.transform(x) if self.transform else x), self.labels.index_select(0, idx)
 
+    def read_variable(self, host: np.ndarray, names: dict[str, Any]) -> dict[str, Any]:
+        """The variable-length fields of ``host`` indices (the resident ones are not read again)."""
+        cache, chosen = self.cache, self.cache.field_names
+        cache.field_names = tuple(names)
+        try:
+            return cache.read_fields(host)
+        finally:
+            cache.field_names = chosen
+
     def field_target(self, idx: torch.Tensor) -> dict[str, Any]:
         """The batch's collated target: resident fields gathered on the device, the rest read."""
-        host = idx.cpu().numpy()
         spec = self.cache.spec
-        variable = {k: f for k, f in spec.fields.items() if k not in self.fields}
+        chosen = self.cache.fields
+        variable = {k: f for k, f in chosen.items() if k not in self.fields}
         target = {}
-        if variable:
+        if variable:  # read on the host: one wait for the device's index order
+            host = idx.cpu().numpy()
             partial = dataclasses.replace(spec, fields=variable)
             sizes = [tuple(spec.shape[:2])] * len(host)
-            target = target_to_device(batch_target(partial, self.cache.read_fields(host), sizes), self.device)
+            target = target_to_device(
+                batch_target(partial, self.read_variable(host, variable), sizes), self.device
+            )
         for name, values in self.fields.items():
             picked = values.index_select(0, idx)
             target[name] = type(values)(picked) if type(values) is not torch.Tensor else picked
-        return {k: target[k] for k in spec.fields}
+        return {k: target[k] for k in chosen}
 
     def _replay(self, idx: torch.Tensor) -> Batch:
         if self._graph is None:
@@ -441,7 +457,7 @@ def upload_fields(cache: Cache, device: torch.device) -> dict[str, torch.Tensor]
 
     if cache.spec.ragged:
         return {}
-    fixed = {k: f for k, f in cache.spec.fields.items() if not f.ragged}
+    fixed = {k: f for k, f in cache.fields.items() if not f.ragged}
     if not fixed:
         return {}
     columns = cache.read_fields(np.arange(len(cache)))

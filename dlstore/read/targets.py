@@ -16,6 +16,7 @@ class labels) and keeps what does not (boxes and their rows, JSON records) as li
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -126,11 +127,12 @@ def read_target(cache: Any, index: np.ndarray) -> Any:
     """The labels of ``index`` (a cache without fields), or its collated target on the host."""
     if not cache.spec.fields:
         return cache.labels[index]
+    spec = dataclasses.replace(cache.spec, fields=cache.fields)
     if cache.spec.ragged:
         sizes = [tuple(s) for s in cache.payload_extents(index).shapes[:, :2].tolist()]
     else:
         sizes = [tuple(cache.spec.shape[:2])] * len(index)
-    return batch_target(cache.spec, cache.read_fields(index), sizes)
+    return batch_target(spec, cache.read_fields(index), sizes)
 
 
 def target_to_device(target: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -150,3 +150,13 @@ def test_decode_loader_moves_ragged_masks_with_its_crop(ragged_cache: Path) -> N
         assert target["mask"][j].shape == images[j].shape[1:]
         assert torch.equal(target["mask"][j], ref["mask"].as_subclass(torch.Tensor))
         assert target["boxes"][j].canvas_size == tuple(images[j].shape[1:])
+
+
+def test_fields_selects_what_is_read(fixed_cache: Path) -> None:
+    x, target = next(iter(ResidentLoader(fixed_cache, batch_size=4, device="cpu", fields=("mask",))))
+    assert list(target) == ["mask"]
+    _, target = next(iter(PinnedLoader(fixed_cache, batch_size=4, device="cpu", fields=("boxes", "labels"))))
+    assert list(target) == ["boxes", "labels"]
+    assert list(CachedDataset(fixed_cache, fields=["labels"])[0][1]) == ["labels"]
+    with pytest.raises(ValueError, match="no field"):
+        PinnedLoader(fixed_cache, batch_size=4, device="cpu", fields=("masks",))
