@@ -247,23 +247,26 @@ def main() -> None:
             got = results.get(f"{kind}_dlstore_{how}", {}).get("images_per_s")
             if got and base:
                 targets.append(
-                    {
+                    {  # harness.Targets' fields (benchmarks/run.py reads them); the goal is on the ratio
                         "name": f"{kind}_{how}_vs_v2_cpu",
-                        "measured": got,
-                        "baseline": base,
-                        "ratio": got / base,
+                        "measured": round(got, 1),
+                        "ceiling_or_baseline": round(base, 1),
+                        "ratio": round(got / base, 3),
                         "goal": 5.0,
+                        "goal_on": "ratio",
                         "met": got / base >= 5.0,
+                        "note": f"images/s, dlstore {how} + GpuAugment vs v2 on {a.workers} CPU workers",
                     }
                 )
-    (a.out / "targets.json").write_text(json.dumps(targets, indent=1))
+    (a.out / "targets.json").write_text(json.dumps({"targets": targets}, indent=1))
     (a.out / "fields_seg.json").write_text(json.dumps(results, indent=1))
     import shutil
 
     shutil.rmtree(cache, ignore_errors=True)  # not copied back
     for t in targets:
         print(
-            f"{t['name']:28s} {t['measured']:10.0f} img/s vs {t['baseline']:10.0f}  x{t['ratio']:.1f}  met={t['met']}"
+            f"{t['name']:28s} {t['measured']:10.0f} img/s vs {t['ceiling_or_baseline']:10.0f}  "
+            f"x{t['ratio']:.1f}  met={t['met']}"
         )
 
 
