@@ -184,7 +184,8 @@ class ArrayFieldWriter(FieldWriter):
         members = pack_unit(self.fields, rows, self.image_shape, self.ragged)
         start = k * self.unit_size
         for name in fixed:
-            mm = np.load(self.root / array_file(name), mmap_mode="r+", allow_pickle=False)
+            path = self.root / array_file(name)
+            mm = np.load(path, mmap_mode="r+", allow_pickle=False)
             mm[start : start + len(members[name])] = members[name]
             mm.flush()  # msync: durable before the journal records the unit
             del mm
