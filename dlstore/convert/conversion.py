@@ -221,9 +221,9 @@ def units_on_store(
     store: RemoteStore | None, on_dask: bool, writer: CacheWriter, staging: Staging
 ) -> StoreUnits | None:
     """Where Dask workers write the units of a URL destination, or None: units go to the spool (no
-    URL, no scheduler, or a writer whose units are not files of their own)."""
-    if store is None or not on_dask or not writer.units_are_own_files:
-        return None
+    URL, no scheduler, a writer whose units are not files of their own, or a cache with fields)."""
+    if store is None or not on_dask or not writer.units_are_own_files or writer.fields:
+        return None  # (a cache with fields: its field files go to the spool with the rest, issue 26)
     units = StoreUnits(store, units_prefix(staging.plan))
     units.capture(writer.root)
     return units
