@@ -718,7 +718,7 @@ def section_train(args: argparse.Namespace, work: Path, model: str, res: int, ba
     return {
         "runs": out,
         "median": med,
-        "cpu_share": {k: ld.share for k, ld in jpeg.items() if ld.cpu_decoders},
+        "cpu_share": {k: ld.stats.cpu_share for k, ld in jpeg.items() if ld.cpu_decoders},
         "fused_crop_available": fused_crop.available(torch.device(DEV)),
         "fused_crop_failures": list(fused_crop._BROKEN),
     }
@@ -789,7 +789,7 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         rate, first = loader_alone(ld)
         out["alone"][name], out["first_batch_s"][name] = rate, first
         log(
-            f"hybrid alone {name}: {rate:,.0f} img/s (share now {ld.share:.2f}, first batch {first * 1e3:.0f} ms)"
+            f"hybrid alone {name}: {rate:,.0f} img/s (share now {ld.stats.cpu_share:.2f}, first batch {first * 1e3:.0f} ms)"
         )
     cfgs: dict[str, Callable[[], float]] = {
         "synthetic": lambda: timed_steps(synthetic, step, args.warmup, args.steps, batch),
@@ -822,7 +822,7 @@ def section_hybrid(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out.update(
         runs=runs,
         median=med,
-        auto_share={k: ld.share for k, ld in loaders.items()},
+        auto_share={k: ld.stats.cpu_share for k, ld in loaders.items()},
         stats={k: vars(ld.stats) for k, ld in loaders.items()},
         cpu_worker_us_per_image={
             k: 1e6 * ld.stats.cpu_busy_seconds / ld.stats.cpu_images

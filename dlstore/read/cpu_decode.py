@@ -207,6 +207,10 @@ class CpuDecoders:
     def processes(self) -> int:
         return len(self.conns)
 
+    def alive(self) -> bool:
+        """Whether any decode process is still running."""
+        return any(p.poll() is None for p in self.procs)
+
     def acquire(self) -> int:
         """A free slot, once the copy that last read it has finished (its CUDA event, if any)."""
         slot, event = self._free.get()

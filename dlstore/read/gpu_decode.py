@@ -8,8 +8,13 @@ CPU in the reader's threads. An image nvJPEG refuses is decoded on the CPU inste
 ``stats.cpu_fallbacks``. With ``cpu_decoders=N`` each JPEG batch is split: its first part is decoded by
 N worker processes on the CPU (``dlstore.read.cpu_decode``; started when the first epoch starts) while
 nvJPEG decodes the rest, both feeding the same crop (as one flat buffer when the transform takes
-``FlatImages``); ``cpu_share`` fixes the CPU's fraction, or (None) the CPU takes what its workers
-decode in one batch period at the rate they show in place, nvJPEG the rest. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
+``FlatImages``). Where nvImageCodec is installed (the ``nvimgcodec`` extra) and the GPU has hardware JPEG
+engines (A100, H100, H200), a third lane decodes part of each batch on them (``dlstore.read.hw_decode``),
+at the same time as nvJPEG. ``lanes`` picks the lanes (default: every one available); ``split`` fixes
+each lane's fraction, ``cpu_share`` the CPU's alone (the GPU lanes share the rest equally); otherwise
+``dlstore.read.lane_split.LaneSplit`` sets them from each lane's rate measured in place, so that all
+lanes finish each batch together, or, while the training step is the slower side, the CPU takes what
+it decodes in one step. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
 decoded (C, H_i, W_i) uint8 tensors into one batch::
 
     from dlstore.gpu import RaggedRandomResizedCrop
@@ -25,14 +30,16 @@ decoded (C, H_i, W_i) uint8 tensors into one batch::
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
 import queue
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +48,7 @@ import torch
 
 from dlstore.read.cache import Cache
 from dlstore.read.cpu_decode import CpuDecoders, CpuShare
+from dlstore.read.lane_split import LaneSplit, decode_parts
 from dlstore.read.loader_core import CoreLoader, storage_sorted
 from dlstore.read.targets import read_target, target_tensors, target_to_device
 
@@ -49,29 +57,28 @@ if TYPE_CHECKING:
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
 DECODE_IN = ("stream", "thread")
-# cpu_share=None: after a batch whose CPU share was ready in time (this loader waited at most
-# WAIT_TOLERANCE of the batch period), the CPU decoders' fraction moves AUTO_STEP of the way to what
-# they can decode in one batch period (AUTO_MARGIN of it) at the rate they showed in place (the
-# workers' decode seconds per image, all workers in parallel); after a batch it waited for, it shrinks
-# in proportion to the wait. nvJPEG decodes the rest, on the batch's path. Never below MIN_AUTO_SHARE;
-# slots hold MAX_AUTO_SHARE. (Growing by a fixed step instead left nvJPEG ~20% of each batch where the
-# CPU alone was faster: the CPU share is decoded ahead, nvJPEG's in the batch's own time; round G7.)
-MIN_AUTO_SHARE, MAX_AUTO_SHARE, AUTO_STEP, AUTO_MARGIN, WAIT_TOLERANCE = 0.05, 1.0, 0.3, 0.85, 0.05
-# When the workers can take the whole batch, a remaining nvJPEG part under MIN_GPU_PART of it goes to them
-# too: each nvJPEG call costs a fixed time on the batch's path however few images it has (round H2: the
-# split settled at 0.966, 17 images per call, and trained at 0.65 of the ceiling where all-CPU did 0.86).
-MIN_GPU_PART = 0.1
+# The decode lanes, in the order the split fills them while the training step is the slower side
+# (cheapest for the step first): CPU processes, the hardware JPEG engines, nvJPEG on CUDA cores.
+LANES = ("cpu", "hw", "nvjpeg")
+# Batches whose decoded images are kept referenced after their crop was queued: nvJPEG writes on a
+# stream of its own, so memory freed on the decode stream must not be handed to it before the crop
+# that read it has run; keeping two batches and waiting for the older one's event (long done) replaces
+# a wait for the previous crop (which may queue behind the training step) at every batch.
+HELD_BATCHES = 2
 
 
 @dataclass
 class DecodeStats:
     """What the loader did: images decoded on the device, and those nvJPEG refused (decoded on CPU)."""
 
-    gpu_images: int = 0
+    gpu_images: int = 0  # decoded on the device (nvJPEG and the hardware engines)
+    hw_images: int = 0  # of which by the hardware engines
     cpu_images: int = 0
     cpu_fallbacks: int = 0
     cpu_redecoded: int = 0  # CPU-share images decoded in the loader because their worker run failed
     cpu_share: float = 0.0  # the CPU decoders' fraction of the last batch (cpu_decoders > 0)
+    rerouted: int = 0  # images a lane failed (or refused) and another lane decoded
+    lanes: list[str] = field(default_factory=list)  # the lanes this loader runs
     # Where the time went (seconds, summed over batches): reading payloads (read-ahead thread), inside
     # the batched device decode call, and the decoding thread waiting for a read batch (read-bound).
     batches: int = 0
@@ -162,6 +169,8 @@ class DecodeLoader(CoreLoader):
         cpu_decoders: int = 0,
         cpu_share: float | None = None,
         fields: Sequence[str] | None = None,
+        lanes: Sequence[str] | None = None,
+        split: Mapping[str, float] | None = None,
         **core: Any,
     ) -> None:
         self._open_core(path, batch_size, core)
@@ -192,18 +201,70 @@ class DecodeLoader(CoreLoader):
         self.stats = DecodeStats()
         if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
             raise ValueError(f"cpu_share is the CPU decoders' fraction of a batch, 0..1; got {cpu_share}")
-        # Split each JPEG batch between nvJPEG and CPU worker processes (None: balanced by their rates).
-        self.cpu_decoders, self.fixed_share = max(0, cpu_decoders), cpu_share
-        self.share = 0.5 if cpu_share is None else cpu_share
+        self.cpu_decoders = max(0, cpu_decoders)
+        self._lane_args = (lanes, split, cpu_share)
+        self._setup_lanes()
         self.cpu: CpuDecoders | None = None
         self._last_batch: float | None = None
         self._epoch_batches = 0  # batches decoded in this epoch (the auto split skips the pipeline's fill)
+        self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
+        self._held: collections.deque[tuple[Any, list[Any]]] = collections.deque()
+        self._refs: list[Any] = []
+
+    def _setup_lanes(self) -> None:
+        """The lanes that exist here and the split over them (again if ``gpu`` was changed since)."""
+        lanes, split, cpu_share = self._lane_args
+        self._lanes_for = self.gpu
+        self.hw = self._open_hardware_lane(lanes)
+        names = self._lane_names(lanes)
+        fixed = self._fixed_split(split, cpu_share)
+        if fixed is not None:  # shares of lanes absent here go to the others
+            fixed = {k: v for k, v in fixed.items() if k in names} if set(fixed) <= set(LANES) else fixed
+        self.split = LaneSplit(names, fixed=fixed)
+        self.stats.lanes = list(self.split.lanes)
+
+    def _open_hardware_lane(self, lanes: Sequence[str] | None) -> Any:
+        """The hardware JPEG lane where it can run (else None: the lane is absent, not an error)."""
+        if not self.gpu or (lanes is not None and "hw" not in lanes):
+            return None
+        from dlstore.read.hw_decode import HardwareJpeg
+
+        return HardwareJpeg.open(self.device, int(self.cache.spec.shape[2]))
+
+    def _lane_names(self, lanes: Sequence[str] | None) -> list[str]:
+        """The lanes this loader runs, in fill order: those asked for (default all) that exist here."""
+        unknown = set(lanes or ()) - set(LANES)
+        if unknown:
+            raise ValueError(f"lanes are some of {', '.join(LANES)}; got {sorted(unknown)}")
+        here = {"cpu": self.gpu and self.cpu_decoders > 0, "hw": self.hw is not None, "nvjpeg": self.gpu}
+        names = [n for n in LANES if here[n] and (lanes is None or n in lanes)]
+        return names or ["nvjpeg"]  # asked only for lanes absent here: nvJPEG (or the CPU path) decodes
+
+    def _fixed_split(
+        self, split: Mapping[str, float] | None, cpu_share: float | None
+    ) -> dict[str, float] | None:
+        """``split`` as given, or ``cpu_share`` for the CPU and the rest equally over the GPU lanes."""
+        if split is not None:
+            return dict(split)
+        if cpu_share is None:
+            return None
+        gpu = [n for n in ("hw", "nvjpeg") if n != "hw" or self.hw is not None]
+        return {"cpu": cpu_share} | dict.fromkeys(gpu, (1.0 - cpu_share) / len(gpu))
+
+    @property
+    def fixed_share(self) -> float | None:
+        """The CPU's fixed fraction of each batch, or None when the split is measured."""
+        return None if self.split.fixed is None else float(self.split.fixed.get("cpu", 0.0))
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batches = list(self._next_epoch())
         self._last_batch, self._epoch_batches = None, 0
-        if self.gpu and self.cpu_decoders and self.cpu is None:
+        if self._lanes_for != self.gpu:
+            self._setup_lanes()
+        if "cpu" in self.split.lanes and self.cpu is None:
             self.cpu = self._start_cpu_decoders()
+        if self.hw is not None and self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlstore-hw-decode")
         # One thread reads batches ahead (4 measured faster than 2 on the H200: 29.5k vs 24.8k img/s,
         # benchmarks/jpeg_loader_parts.py) while batch i is decoded and cropped on a side stream, in
         # this thread ("stream") or in a second one ("thread").
@@ -240,7 +301,7 @@ class DecodeLoader(CoreLoader):
         help only nvJPEG-alone decoding; with 12 CPU decoders ResNet-18 @112 ran at 0.72 / 0.81 of its
         ceiling ungated (round D) and 0.63 / 0.69 gated (rounds E and F). Those were separate runs, not
         side by side, so the ungated design is kept here until a side-by-side run decides."""
-        if self.gpu and self.cpu_decoders:
+        if "cpu" in self.split.lanes:
             return None
         return threading.Semaphore(self.read_ahead)
 
@@ -280,13 +341,17 @@ class DecodeLoader(CoreLoader):
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
             # torchvision's nvJPEG writes its outputs on a stream of its own, unordered with the stream
-            # they are allocated on: memory freed on this stream (the previous batch's decoded images,
-            # read by the crop still queued here) could be handed out and overwritten before that crop
-            # runs. Waiting for this stream (only the previous crop, not the training step) prevents it.
-            self._stream.synchronize()
+            # they are allocated on: memory freed on this stream (decoded images read by a crop still
+            # queued here) could be handed out and overwritten before that crop runs. So each batch's
+            # decoded images stay referenced until its crop has run (HELD_BATCHES).
+            while len(self._held) >= HELD_BATCHES:
+                done, _refs = self._held.popleft()
+                done.synchronize()
             images, labels = self._finish(*item, launching)
             event = torch.cuda.Event()
             event.record(self._stream)
+            self._held.append((event, self._refs))
+            self._refs = []
         return images, labels, event
 
     def close(self) -> None:
@@ -294,13 +359,16 @@ class DecodeLoader(CoreLoader):
         if self.cpu is not None:
             self.cpu.close()
             self.cpu = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def _start_cpu_decoders(self) -> CpuDecoders:
         """Workers and slots for the CPU share: a slot holds the largest share of one batch, each image
         up to twice the cache's nominal size (a batch of larger ones sends fewer to the CPU)."""
         codec = self.cache.payload_reader.image_codec
         h, w, c = self.cache.spec.shape
-        most = self.fixed_share if self.fixed_share is not None else MAX_AUTO_SHARE
+        most = self.fixed_share if self.fixed_share is not None else 1.0
         per_image = 2 * int(h) * int(w) * int(c)
         slot_bytes = max(1 << 16, int(np.ceil(most * self.batch_size)) * per_image * 5 // 4)
         return CpuDecoders(
@@ -320,26 +388,43 @@ class DecodeLoader(CoreLoader):
             self.stats.read_seconds += time.perf_counter() - t0
 
     def _read_batch(self, batch: list[int]) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
-        """The batch's dataset indices in storage order, (the device share's payloads, the same as
-        tensors, the CPU share in flight), the device share's shapes, the labels."""
+        """The batch's dataset indices in storage order, (the device part's payloads, the same as
+        tensors, the CPU share in flight, the device lanes' parts), the device part's shapes, the labels.
+        The split decides here, as the batch is read: the CPU share must start decoding now."""
         index = storage_sorted(self.cache, batch)
         labels = read_target(self.cache, index)  # the labels, or the collated fields of a cache with them
         if not self.gpu:
             return index, self.cache.read_images(index), None, labels
-        share = self._submit_cpu_share(index)
+        counts = self.split.counts(len(index))
+        share = self._submit_cpu_share(index, counts.get("cpu", 0))
         first = share.count if share is not None else 0
         payloads, shapes = (
             ([], np.empty((0, 3), np.int64))
             if first == len(index)
             else self.cache.read_payloads(index[first:])
         )
-        return index, (payloads, as_tensors(payloads), share), shapes, labels
+        return (
+            index,
+            (payloads, as_tensors(payloads), share, self._parts(counts, len(payloads))),
+            shapes,
+            labels,
+        )
 
-    def _submit_cpu_share(self, index: np.ndarray) -> CpuShare | None:
-        """The batch's first images to the CPU decoders (as many as the share says and a slot holds).
+    def _parts(self, counts: dict[str, int], n: int) -> list[tuple[str, int, int]]:
+        """The device lanes' (lane, start, stop) parts of the ``n`` images the CPU share left; what the
+        CPU could not take (a full slot) goes to the last device lane."""
+        device = [name for name in self.split.lanes if name != "cpu"]
+        parts, start = [], 0
+        for name in device:
+            stop = n if name == device[-1] else min(n, start + counts.get(name, 0))
+            parts.append((name, start, stop))
+            start = stop
+        return parts
+
+    def _submit_cpu_share(self, index: np.ndarray, count: int) -> CpuShare | None:
+        """The batch's first ``count`` images to the CPU decoders (as many as a slot holds).
         Only where their payloads lie is looked up here (numpy over the units' indexes): the workers
         read the bytes from the unit files (or find them copied into the slot) and check the CRCs."""
-        count = int(round(self.share * len(index))) if self.cpu is not None else 0
         if self.cpu is None or count == 0:
             return None
         extents = self.cache.payload_extents(index[:count])
@@ -359,29 +444,21 @@ class DecodeLoader(CoreLoader):
         launching: Callable[[], None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gpu:
-            positions = self.cache.positions[index]
-            payloads, tensors, share = data
+            payloads, tensors, share, parts = data
             first = share.count if share is not None else 0
             images: list[torch.Tensor] = []
-            fallbacks = 0
             if payloads:
                 t0 = time.perf_counter()
-                images, fallbacks = decode_on_device(
-                    self.cache,
-                    payloads,
-                    shapes,  # type: ignore[arg-type]
-                    positions[first:],
-                    self.device,
-                    tensors,
-                    launching=launching,
-                )
+                images = self._decode_device_part(index[first:], payloads, tensors, shapes, parts, launching)
                 self.stats.decode_seconds += time.perf_counter() - t0
             launching()  # all on the CPU decoders: no device call to wait for
-            self.stats.gpu_images += len(images) - fallbacks
-            self.stats.cpu_fallbacks += fallbacks
-            if share is not None:
+            self._refs = images
+            if share is None:
+                self._balance(0, len(images), 0.0, 0.0)
+            else:
                 flat, waited, busy = self._cpu_share_on_device(share, index)
                 self._balance(share.count, len(images), waited, busy)
+                self._refs = [*images, flat]
                 if getattr(self.transform, "takes_flat", False):  # no per-image tensors, no cat of them
                     flat_images = self._flat_images(flat, share, images, shapes)
                     return self._out(flat_images, labels)
@@ -417,6 +494,8 @@ class DecodeLoader(CoreLoader):
         block = self.cpu.block
         for first, stop in failed:
             self.stats.cpu_redecoded += stop - first
+            self.stats.rerouted += stop - first
+            self.split.rerouted("cpu", stop - first)
             payloads, _shapes = self.cache.read_payloads(index[first:stop])
             positions = self.cache.positions[index[first:stop]]
             for i in range(first, stop):
@@ -451,12 +530,71 @@ class DecodeLoader(CoreLoader):
         meta_t = to_device(torch.from_numpy(meta), self.device)
         return FlatImages(flat, meta_t[0], meta_t[1], meta_t[2], int(hwc[0, 2]), host=meta)
 
+    def _decode_device_part(
+        self,
+        index: np.ndarray,
+        payloads: list[memoryview],
+        tensors: list[torch.Tensor],
+        shapes: Any,
+        parts: list[tuple[str, int, int]],
+        launching: Callable[[], None],
+    ) -> list[torch.Tensor]:
+        """The device lanes' parts of a batch, decoded at once (the hardware lane in its thread beside
+        nvJPEG in this one); a failed lane's part and the images a lane refuses go to the next lane, and
+        to the CPU in this thread when none is left."""
+        positions = self.cache.positions[index]
+        expected = [(c, h, w) for h, w, c in np.asarray(shapes).tolist()]
+
+        def nvjpeg(a: int, b: int) -> list[Any]:
+            out, fallbacks = decode_on_device(
+                self.cache,
+                payloads[a:b],
+                shapes[a:b],
+                positions[a:b],
+                self.device,
+                tensors[a:b],
+                launching=launching,
+            )
+            self.stats.cpu_fallbacks += fallbacks
+            self.stats.gpu_images += b - a - fallbacks
+            return out
+
+        def hardware(a: int, b: int) -> list[Any]:
+            launching()
+            out = self.hw.decode(payloads[a:b])
+            keep = [
+                img if img is not None and tuple(img.shape) == expected[a + i] else None
+                for i, img in enumerate(out)
+            ]
+            done = sum(img is not None for img in keep)
+            self.stats.hw_images += done
+            self.stats.gpu_images += done
+            return keep
+
+        def on_cpu(a: int, b: int) -> list[Any]:
+            self.stats.cpu_fallbacks += b - a
+            return [
+                torch.from_numpy(self.cache.payload_reader.decode(payloads[i], shapes[i], int(positions[i])))
+                .permute(2, 0, 1)
+                .to(self.device, non_blocking=True)
+                for i in range(a, b)
+            ]
+
+        if not parts:  # no device lane (lanes=("cpu",)): what the CPU share left is decoded here
+            return on_cpu(0, len(payloads))
+        before = sum(lane.rerouted for lane in self.split.state.values())
+        nv_alive = "nvjpeg" in self.split.state and self.split.state["nvjpeg"].alive
+        images = decode_parts(
+            self.split, parts, {"hw": hardware, "nvjpeg": nvjpeg}, nvjpeg if nv_alive else on_cpu, self._pool
+        )
+        self.stats.rerouted += sum(lane.rerouted for lane in self.split.state.values()) - before
+        return images
+
     def _balance(self, cpu_count: int, gpu_count: int, waited: float, busy: float) -> None:
-        """Without a fixed ``cpu_share``: the nvJPEG share is decoded in this thread, on the batch's path;
-        the CPU share was decoded in other processes while earlier batches were used, so it costs this
-        thread nothing while it is ready in time. The CPU therefore takes what its workers can decode in
-        one batch period (at their in-place seconds per image, ``busy`` / ``cpu_count``), the period
-        without the ``waited`` seconds this thread spent waiting for them; nvJPEG the rest."""
+        """The measured split's inputs from this batch (the device lanes report their own in
+        ``decode_parts``): the consumer's batch period and the CPU decoders' rate in place (their decode
+        seconds over the processes running them), with the ``waited`` seconds this thread spent waiting
+        for their share."""
         self.stats.cpu_share = cpu_count / max(1, cpu_count + gpu_count)
         now, last = time.perf_counter(), self._last_batch
         self._last_batch = now
@@ -465,39 +603,13 @@ class DecodeLoader(CoreLoader):
         # no lead time: their waits are the pipeline filling, not the workers falling behind (counting
         # them halved the share every epoch in round H: it ended at 0.19 where all-CPU trained fastest).
         filling = self._epoch_batches <= self.read_ahead + 1
-        if (
-            self.fixed_share is not None
-            or filling
-            or last is None
-            or now <= last
-            or busy <= 0
-            or self.cpu is None
-        ):
+        if filling or last is None or now <= last:
             return
-        self.share = auto_share(
-            self.share,
-            now - last,
-            waited,
-            busy / max(1, cpu_count),
-            self.cpu.processes,
-            cpu_count + gpu_count,
-        )
-
-
-def auto_share(
-    share: float, period: float, waited: float, per_image: float, workers: int, batch: int
-) -> float:
-    """The CPU decoders' next fraction (see AUTO_STEP): after a batch ``period`` seconds long, of which
-    the loader ``waited`` for their results, with ``per_image`` seconds of one worker's decode time per
-    image (``workers`` in parallel) and ``batch`` images per batch."""
-    if waited > WAIT_TOLERANCE * period:  # behind: they could not keep up
-        share *= max(0.5, 1.0 - waited / period)
-    else:
-        target = min(MAX_AUTO_SHARE, AUTO_MARGIN * workers * period / per_image / max(1, batch))
-        share += AUTO_STEP * (target - share)
-        if target >= MAX_AUTO_SHARE and share > MAX_AUTO_SHARE - MIN_GPU_PART:
-            share = MAX_AUTO_SHARE
-    return min(MAX_AUTO_SHARE, max(MIN_AUTO_SHARE, share))
+        self.split.period(now - last)
+        if self.cpu is not None and cpu_count and busy > 0:
+            self.split.observe("cpu", cpu_count, busy / self.cpu.processes, waited, now - last)
+        if self.cpu is not None and "cpu" in self.split.state and not self.cpu.alive():
+            self.split.fail("cpu", "its decode processes exited")
 
 
 def _views(flat: torch.Tensor, offsets: np.ndarray, shapes: np.ndarray) -> list[torch.Tensor]:
@@ -573,13 +685,15 @@ class _Pipe:
 
 
 class _Once:
-    """Calls ``fn`` (if any) the first time it is called, never again."""
+    """Calls ``fn`` (if any) the first time it is called (from any thread), never again."""
 
     def __init__(self, fn: Callable[[], Any] | None) -> None:
         self.fn = fn
+        self._lock = threading.Lock()
 
     def __call__(self) -> None:
-        fn, self.fn = self.fn, None
+        with self._lock:
+            fn, self.fn = self.fn, None
         if fn is not None:
             fn()
 

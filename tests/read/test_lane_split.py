@@ -1,0 +1,168 @@
+"""The split of a batch over decode lanes (dlstore.read.lane_split), with fake lane rates: pure logic, no
+decoding. The loop that feeds it from a real DecodeLoader is tested in test_gpu_decode.py."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from dlstore.read.lane_split import MARGIN, LaneSplit, decode_parts
+
+RATES = {"cpu": 40_000.0, "hw": 25_000.0, "nvjpeg": 27_000.0}  # img/s of each lane's own busy time
+
+
+def feed(split: LaneSplit, rates: dict[str, float], batch: int, step: float) -> float:
+    """One simulated batch: each lane decodes its count at its rate, all at once; the batch takes the
+    slowest lane's time or the step's, whichever is longer. Returns the batch period."""
+    counts = split.counts(batch)
+    busy = {n: counts[n] / rates[n] for n in counts}
+    period = max(step, *busy.values())
+    for n, k in counts.items():
+        split.observe(n, k, busy[n], period=period)
+    split.period(period)
+    return period
+
+
+def settle(split: LaneSplit, rates: dict[str, float], batch: int, step: float, batches: int = 60) -> float:
+    for _ in range(batches):
+        period = feed(split, rates, batch, step)
+    return period
+
+
+def best_fixed(rates: dict[str, float], batch: int, step: float) -> float:
+    """The shortest period any fixed split (steps of 1/32 of the batch) gives the same lanes."""
+    best = float("inf")
+    grid = range(0, batch + 1, batch // 32)
+    for a in grid:
+        for b in grid:
+            if a + b <= batch:
+                counts = {"cpu": a, "hw": b, "nvjpeg": batch - a - b}
+                best = min(best, max(step, *(counts[n] / rates[n] for n in counts)))
+    return best
+
+
+def test_loader_bound_lanes_finish_each_batch_together() -> None:
+    """A step faster than the lanes: each lane takes a part in proportion to its rate, and the batch
+    takes what all three lanes together need (within 5% of the best fixed split's period)."""
+    split = LaneSplit(["cpu", "hw", "nvjpeg"])
+    period = settle(split, RATES, 512, step=0.001)
+    counts = split.counts(512)
+    assert sum(counts.values()) == 512
+    total = sum(RATES.values())
+    for n, k in counts.items():
+        assert abs(k / 512 - RATES[n] / total) < 0.02, counts
+    assert period <= 1.05 * best_fixed(RATES, 512, 0.001)
+
+
+@pytest.mark.parametrize("step", [0.008, 0.011, 0.030])
+def test_consumer_bound_fills_the_cheapest_lane_first(step: float) -> None:
+    """A step slower than the lanes: the CPU lane (first) takes what it decodes in MARGIN of a step,
+    the hardware lane next, nvJPEG the rest; the loader never makes the step wait (period = step)."""
+    split = LaneSplit(["cpu", "hw", "nvjpeg"])
+    period = settle(split, RATES, 512, step)
+    counts = split.counts(512)
+    cpu_capacity = MARGIN * step * RATES["cpu"]
+    if cpu_capacity >= 512:
+        assert counts == {"cpu": 512, "hw": 0, "nvjpeg": 0}
+    else:
+        assert abs(counts["cpu"] - cpu_capacity) <= 0.1 * 512, counts
+    assert period <= 1.05 * best_fixed(RATES, 512, step)
+
+
+def test_cpu_starved_split_within_5_percent_of_the_best_fixed() -> None:
+    """Two CPU decoders (a slow CPU lane) beside a fast step: the split leans on the GPU lanes and the
+    period stays within 5% of the best fixed split's."""
+    rates = {"cpu": 4_000.0, "hw": 25_000.0, "nvjpeg": 27_000.0}
+    for step in (0.002, 0.010, 0.020):
+        split = LaneSplit(["cpu", "hw", "nvjpeg"])
+        assert settle(split, rates, 512, step) <= 1.05 * best_fixed(rates, 512, step)
+
+
+def test_the_split_follows_a_change_in_the_steps_cpu_use() -> None:
+    """The step starts using more CPU (the CPU lane slows to a quarter): the CPU's part shrinks to its
+    new capacity and the GPU lanes take the rest; when the step lets go, the CPU takes it back."""
+    split = LaneSplit(["cpu", "hw", "nvjpeg"])
+    settle(split, RATES, 512, step=0.011)
+    before = split.counts(512)["cpu"]
+    slow = dict(RATES, cpu=RATES["cpu"] / 4)
+    period = settle(split, slow, 512, step=0.011)
+    during = split.counts(512)["cpu"]
+    assert during < 0.5 * before
+    assert period <= 1.05 * best_fixed(slow, 512, 0.011)
+    settle(split, RATES, 512, step=0.011)
+    assert split.counts(512)["cpu"] >= 0.9 * before
+
+
+def test_a_small_last_part_goes_to_the_lanes_before() -> None:
+    split = LaneSplit(["cpu", "nvjpeg"])
+    settle(split, {"cpu": 40_000.0, "nvjpeg": 27_000.0}, 512, step=0.014)  # CPU decodes ~476 in 0.85 step
+    assert split.counts(512) == {"cpu": 512, "nvjpeg": 0}
+
+
+def test_a_fixed_split_is_exact_and_checked() -> None:
+    split = LaneSplit(["cpu", "hw", "nvjpeg"], fixed={"cpu": 0.5, "hw": 0.25, "nvjpeg": 0.25})
+    for batch in (1, 7, 256, 513):
+        counts = split.counts(batch)
+        assert sum(counts.values()) == batch
+        assert abs(counts["cpu"] - 0.5 * batch) <= 1
+    with pytest.raises(ValueError, match="fixed split"):
+        LaneSplit(["cpu", "nvjpeg"], fixed={"hw": 1.0})
+    split.fail("cpu", "gone")
+    assert split.counts(100) == {"cpu": 0, "hw": 50, "nvjpeg": 50}
+
+
+def test_a_lane_that_fails_mid_epoch_loses_and_repeats_no_image() -> None:
+    """Fake lanes decode an epoch of numbered images in batches; the hardware lane raises at its 4th
+    call. Its part of that batch goes to the next lane, is counted, and from then on the split gives it
+    nothing: every image comes back exactly once, in its place."""
+    split = LaneSplit(["hw", "nvjpeg"])
+    epoch, batch = list(range(1000)), 64
+    calls = {"hw": 0, "nvjpeg": 0}
+    decoded_by: dict[int, str] = {}
+
+    def lane(name: str, data: list[int]):  # type: ignore[no-untyped-def]
+        def decode(a: int, b: int) -> list[int]:
+            calls[name] += 1
+            if name == "hw" and calls[name] == 4:
+                raise RuntimeError("NVJPG: engine error")
+            for x in data[a:b]:
+                decoded_by[x] = name
+            return data[a:b]
+
+        return decode
+
+    out: list[int] = []
+    with ThreadPoolExecutor(1) as pool:
+        for start in range(0, len(epoch), batch):
+            data = epoch[start : start + batch]
+            counts = split.counts(len(data))
+            parts = [("hw", 0, counts["hw"]), ("nvjpeg", counts["hw"], len(data))]
+            lanes = {n: lane(n, data) for n in ("hw", "nvjpeg")}
+            failed_part = counts["hw"] if calls["hw"] == 3 else 0
+            out += decode_parts(split, parts, lanes, lambda a, b: pytest.fail("no fallback"), pool)
+            if failed_part:
+                rerouted = failed_part
+    assert out == epoch  # none lost, none repeated, each in its place
+    hw = split.state["hw"]
+    assert not hw.alive and "engine error" in hw.error
+    assert hw.rerouted == rerouted > 0
+    assert split.counts(64) == {"hw": 0, "nvjpeg": 64}
+    assert sum(1 for x in epoch if decoded_by[x] == "hw") == hw.images
+
+
+def test_refused_images_go_to_the_fallback_counted() -> None:
+    split = LaneSplit(["hw", "nvjpeg"])
+
+    def hw(a: int, b: int) -> list[int | None]:
+        return [None if x % 3 == 0 else x for x in range(a, b)]
+
+    out = decode_parts(
+        split,
+        [("hw", 0, 6), ("nvjpeg", 6, 9)],
+        {"hw": hw, "nvjpeg": lambda a, b: list(range(a, b))},
+        lambda a, b: [-x for x in range(a, b)],
+    )
+    assert out == [0, 1, 2, -3, 4, 5, 6, 7, 8]
+    assert out[0] == 0  # x=0 is refused too: -0 == 0
+    assert split.state["hw"].rerouted == 2 and split.state["hw"].images == 4
