@@ -30,7 +30,6 @@ decoded (C, H_i, W_i) uint8 tensors into one batch::
 
 from __future__ import annotations
 
-import collections
 import functools
 import os
 import queue
@@ -60,11 +59,6 @@ DECODE_IN = ("stream", "thread")
 # The decode lanes, in the order the split fills them while the training step is the slower side
 # (cheapest for the step first): CPU processes, the hardware JPEG engines, nvJPEG on CUDA cores.
 LANES = ("cpu", "hw", "nvjpeg")
-# Batches whose decoded images are kept referenced after their crop was queued: nvJPEG writes on a
-# stream of its own, so memory freed on the decode stream must not be handed to it before the crop
-# that read it has run; keeping two batches and waiting for the older one's event (long done) replaces
-# a wait for the previous crop (which may queue behind the training step) at every batch.
-HELD_BATCHES = 2
 
 
 @dataclass
@@ -208,7 +202,6 @@ class DecodeLoader(CoreLoader):
         self._last_batch: float | None = None
         self._epoch_batches = 0  # batches decoded in this epoch (the auto split skips the pipeline's fill)
         self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
-        self._held: collections.deque[tuple[Any, list[Any]]] = collections.deque()
         self._refs: list[Any] = []
 
     def _setup_lanes(self) -> None:
@@ -341,17 +334,16 @@ class DecodeLoader(CoreLoader):
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
             # torchvision's nvJPEG writes its outputs on a stream of its own, unordered with the stream
-            # they are allocated on: memory freed on this stream (decoded images read by a crop still
-            # queued here) could be handed out and overwritten before that crop runs. So each batch's
-            # decoded images stay referenced until its crop has run (HELD_BATCHES).
-            while len(self._held) >= HELD_BATCHES:
-                done, _refs = self._held.popleft()
-                done.synchronize()
+            # they are allocated on: memory freed on this stream (the previous batch's decoded images,
+            # and the crop's own buffers, read by the crop still queued here) could be handed out and
+            # overwritten before that crop runs. Waiting for this stream (only the previous crop, not
+            # the training step) prevents it. (Holding only the decoded images for two batches instead
+            # was tried: the crop's flat buffer was overwritten, tests/gpu's slow-consumer test failed.)
+            self._stream.synchronize()
+            self._refs = []  # the previous batch's hardware-lane images: their crop has run
             images, labels = self._finish(*item, launching)
             event = torch.cuda.Event()
             event.record(self._stream)
-            self._held.append((event, self._refs))
-            self._refs = []
         return images, labels, event
 
     def close(self) -> None:
@@ -604,6 +596,8 @@ class DecodeLoader(CoreLoader):
         # them halved the share every epoch in round H: it ended at 0.19 where all-CPU trained fastest).
         filling = self._epoch_batches <= self.read_ahead + 1
         if filling or last is None or now <= last:
+            if cpu_count:
+                self.split.observe("cpu", cpu_count, 0.0)  # counted, no rate sample
             return
         self.split.period(now - last)
         if self.cpu is not None and cpu_count and busy > 0:

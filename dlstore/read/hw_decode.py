@@ -23,19 +23,21 @@ import torch
 
 # nvImageCodec's CPU threads (JPEG header parsing for the engines). Its default is one per core, which
 # would compete with the CPU decode processes for the same cores.
-CPU_THREADS = 2
+CPU_THREADS = 4
 
 
 class HardwareJpeg:
     """A batched hardware-only nvImageCodec decoder on one CUDA device; see the module."""
 
-    def __init__(self, device: torch.device, nvimgcodec: Any, channels: int = 3) -> None:
+    def __init__(
+        self, device: torch.device, nvimgcodec: Any, channels: int = 3, cpu_threads: int = CPU_THREADS
+    ) -> None:
         self.device, self.channels = device, channels
         self.nv = nvimgcodec
         index = device.index if device.index is not None else torch.cuda.current_device()
         backend = nvimgcodec.Backend(nvimgcodec.BackendKind.HW_GPU_ONLY)
         self.decoder = nvimgcodec.Decoder(
-            device_id=index, max_num_cpu_threads=CPU_THREADS, backends=[backend]
+            device_id=index, max_num_cpu_threads=cpu_threads, backends=[backend]
         )
         fmt = nvimgcodec.SampleFormat.P_RGB if channels == 3 else nvimgcodec.SampleFormat.P_Y
         spec = nvimgcodec.ColorSpec.SRGB if channels == 3 else nvimgcodec.ColorSpec.GRAY
@@ -46,7 +48,9 @@ class HardwareJpeg:
         self._lock = threading.Lock()  # one batched call at a time on this decoder
 
     @classmethod
-    def open(cls, device: torch.device, channels: int = 3) -> HardwareJpeg | None:
+    def open(
+        cls, device: torch.device, channels: int = 3, cpu_threads: int = CPU_THREADS
+    ) -> HardwareJpeg | None:
         """The lane, or None where it cannot run here (see the module)."""
         if device.type != "cuda" or not torch.cuda.is_available():
             return None
@@ -55,7 +59,7 @@ class HardwareJpeg:
         except Exception:  # the optional package is absent (or its libraries do not load)
             return None
         try:
-            lane = cls(device, nvimgcodec, channels)
+            lane = cls(device, nvimgcodec, channels, cpu_threads)
             probe = _probe_jpeg(channels)
             out = lane.decode([memoryview(probe)])
         except Exception:  # a GPU or driver the hardware backend does not support
