@@ -143,7 +143,8 @@ def _lane_sets(hw: bool) -> dict[str, list[str]]:
 def section_loader(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, Any]:
     """DecodeLoader alone per set of lanes (measured split), and nvJPEG-only vs a bare decode loop."""
     out: dict[str, Any] = {}
-    for px, res, batch in ((128, 112, 512), (256, 224, 256)):
+    sizes = [int(v) for v in args.sizes.split(",")]
+    for px, res, batch in [g for g in ((128, 112, 512), (256, 224, 256)) if g[0] in sizes]:
         path = work / f"jpeg_short{px}"
         from dlstore.gpu import RaggedRandomResizedCrop
 
@@ -208,7 +209,11 @@ def train_runs(
     if gpu_only:
         loaders["auto_gpu_lanes"] = _loader(path, batch, rrc, [n for n in lanes if n != "cpu"], 0)
         loaders["nvjpeg_only"] = _loader(path, batch, rrc, ["nvjpeg"], 0)
-    for split in _fixed_sweep(hw, True, coarse=model == "resnet50"):
+    if args.short_sweep:  # the two ends, and the measured split without the hardware lane
+        loaders["auto_cpu_nvjpeg"] = _loader(path, batch, rrc, ["cpu", "nvjpeg"], cpu)
+    for split in (
+        _fixed_sweep(hw, True, coarse=model == "resnet50") if not args.short_sweep else [{"cpu": 1.0}]
+    ):
         name = "fixed_" + "_".join(f"{k}{v:.2f}" for k, v in split.items())
         loaders[name] = _loader(path, batch, rrc, lanes, cpu, split)
     cfgs: dict[str, Any] = {
@@ -242,6 +247,8 @@ def train_runs(
         "auto_vs_best_fixed": med["auto"] / fixed[best] if best else None,
         "auto_shares": loaders["auto"].split.shares(),
         "auto_rates": loaders["auto"].split.rates(),
+        "auto_next_counts": loaders["auto"].split.counts(batch),
+        "auto_period_s": loaders["auto"].split.last_period,
         "stats": {k: vars(ld.stats) for k, ld in loaders.items()},
     }
     log(
@@ -312,6 +319,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--sections", default="lanes,loader,train,pixels")
     ap.add_argument("--quick", action="store_true", help="tiny sizes: a check, not figures")
+    ap.add_argument("--models", default="resnet18_112,resnet18_112_cpu2,resnet50_224", help="train section")
+    ap.add_argument("--short-sweep", action="store_true", help="train: only all-CPU as the fixed split")
+    ap.add_argument("--sizes", default="128,256", help="loader section: cache sizes")
     args = ap.parse_args()
     if args.quick:
         args.images, args.seconds, args.epochs, args.warmup, args.steps, args.repeats = 1024, 0.3, 1, 2, 4, 1
@@ -342,19 +352,18 @@ def main() -> None:
         steps.append(("lanes", lambda: section_lanes(args, work, hw)))
     if "train" in sections:
         c = args.cpu_decoders
+        plan = {
+            "resnet18_112": ("resnet18", 128, 112, 512, c),
+            "resnet18_112_cpu2": ("resnet18", 128, 112, 512, 2),
+            "resnet50_224": ("resnet50", 256, 224, 256, c),
+        }
+        models = args.models.split(",")
         steps.append(
             (
                 "train",
                 lambda: {
-                    "resnet18_112": train_runs(
-                        args, work, "resnet18", 128, 112, 512, c, hw is not None, True
-                    ),
-                    "resnet18_112_cpu2": train_runs(
-                        args, work, "resnet18", 128, 112, 512, 2, hw is not None, False
-                    ),
-                    "resnet50_224": train_runs(
-                        args, work, "resnet50", 256, 224, 256, c, hw is not None, True
-                    ),
+                    k: train_runs(args, work, *plan[k], hw is not None, not k.endswith("cpu2"))
+                    for k in models
                 },
             )
         )

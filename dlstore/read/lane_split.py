@@ -12,10 +12,13 @@ loader's measured batch period:
   first: CPU processes cost the training loop least, nvJPEG's CUDA kernels compete with the step's) up
   to what each decodes in ``margin`` of one batch period; the last lane takes the rest.
 
-One rule covers both: each lane takes up to ``rate * T`` images, ``T = max(margin * period,
-batch / sum(rates))``. The rates are measured in place, so the split moves when the step's own CPU
-(or GPU) use changes. A lane that fails is dropped for good: its images go to the next live lane
-(``decode_parts``), counted in ``rerouted``.
+Each lane's time for ``n`` images is modelled as ``fixed + n / rate`` (a device call costs a fixed time
+however few images it has), fitted by least squares over its recent batches (EWMA weights). One rule
+covers both cases: each lane takes what it decodes in ``H = max(margin * period, T)``, where ``T`` is
+the time in which all lanes together decode the batch. (A rate alone, images over busy time, would
+read low for a lane given a small part, which would then be given less still.) The model is fitted in
+place, so the split moves when the step's own CPU (or GPU) use changes. A lane that fails is dropped
+for good: its images go to the next live lane (``decode_parts``), counted in ``rerouted``.
 
     split = LaneSplit(["cpu", "hw", "nvjpeg"])
     counts = split.counts(256)                 # {"cpu": ..., "hw": ..., "nvjpeg": ...}, summing to 256
@@ -49,7 +52,9 @@ class Lane:
     """One lane's measured state."""
 
     name: str
-    rate: float | None = None  # images per second of the lane's busy time (EWMA); None: not measured yet
+    rate: float | None = None  # images per second of its marginal busy time; None: not measured yet
+    fixed: float = 0.0  # seconds a call costs besides its images
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)  # EWMA sums of 1, n, t, n², n·t
     alive: bool = True
     images: int = 0  # images it decoded
     busy: float = 0.0  # seconds it was busy
@@ -103,16 +108,23 @@ class LaneSplit:
     def _measured(self, live: list[str], batch: int) -> dict[str, int]:
         if any(self.state[n].rate is None for n in live):  # not all measured yet: equal parts
             return _apportion(dict.fromkeys(live, 1.0), batch)
-        rates = {n: float(self.state[n].rate) for n in live}  # type: ignore[arg-type]
-        total = sum(rates.values())
-        together = batch / total if total > 0 else 0.0  # seconds for all lanes to finish it together
-        horizon = max(self.margin * (self.last_period or 0.0), together)
+        per = {n: 1.0 / float(self.state[n].rate) for n in live}  # type: ignore[arg-type]
+        fixed = {n: self.state[n].fixed for n in live}
+
+        def capacity(n: str, seconds: float) -> float:
+            return max(0.0, (seconds - fixed[n]) / per[n])
+
+        lo, hi = 0.0, max(fixed[n] + batch * per[n] for n in live)
+        for _ in range(50):  # the time in which the lanes together decode the batch
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if sum(capacity(n, mid) for n in live) >= batch else (mid, hi)
+        horizon = max(self.margin * (self.last_period or 0.0), hi)
         counts, left = {}, batch
         for n in live:
-            take = min(left, int(round(rates[n] * horizon)))
+            take = min(left, int(round(capacity(n, horizon))))
             counts[n], left = take, left - take
         counts[live[-1]] += left  # rounding, or a consumer-bound batch the lanes before did not fill
-        return self._no_small_tail(counts, rates, batch)
+        return self._no_small_tail(counts, {n: 1.0 / per[n] for n in live}, batch)
 
     def _no_small_tail(self, counts: dict[str, int], rates: dict[str, float], batch: int) -> dict[str, int]:
         """The last lane with images, when it holds under ``min_part`` of the batch and is not the only
@@ -135,10 +147,13 @@ class LaneSplit:
         lane.busy += busy
         if images <= 0 or busy <= 0:
             return
-        sample = images / busy
-        if period > 0 and waited > WAIT_TOLERANCE * period:
-            sample *= max(0.5, 1.0 - waited / period)
-        lane.rate = sample if lane.rate is None else lane.rate + self.alpha * (sample - lane.rate)
+        if period > 0 and waited > WAIT_TOLERANCE * period:  # late: slower than its busy time says
+            busy /= max(0.5, 1.0 - waited / period)
+        keep = 1.0 - self.alpha if lane.rate is not None else 0.0
+        for i, v in enumerate((1.0, images, busy, images * images, images * busy)):
+            lane.sums[i] = keep * lane.sums[i] + v
+        lane.fixed, per_image = _fit(lane.sums, lane.fixed)
+        lane.rate = 1.0 / per_image
 
     def period(self, seconds: float) -> None:
         """The consumer's last batch period (batch to batch), an EWMA."""
@@ -165,6 +180,20 @@ class LaneSplit:
 
     def errors(self) -> dict[str, str]:
         return {n: lane.error for n, lane in self.state.items() if lane.error}
+
+
+def _fit(sums: list[float], fixed: float) -> tuple[float, float]:
+    """(fixed seconds, seconds per image) of ``t = fixed + n * per_image`` from EWMA sums of 1, n, t,
+    n², n·t: least squares where the counts varied enough (10%) to tell the two apart, else the
+    previous fixed part (at most 80% of the mean time) and the per-image time it leaves."""
+    w, n, t, nn, nt = sums
+    mean_n, mean_t = n / w, t / w
+    var, cov = nn / w - mean_n * mean_n, nt / w - mean_n * mean_t
+    if var > (0.1 * mean_n) ** 2 and cov > 0:
+        per = cov / var
+        fixed = mean_t - per * mean_n
+    fixed = min(max(0.0, fixed), 0.8 * mean_t)
+    return fixed, max((mean_t - fixed) / mean_n, 1e-9)
 
 
 def _apportion(weights: Mapping[str, float], total: int) -> dict[str, int]:
