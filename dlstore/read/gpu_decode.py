@@ -10,7 +10,8 @@ N worker processes on the CPU (``dlstore.read.cpu_decode``; started when the fir
 nvJPEG decodes the rest, both feeding the same crop (as one flat buffer when the transform takes
 ``FlatImages``). Where nvImageCodec is installed (the ``nvimgcodec`` extra) and the GPU has hardware JPEG
 engines (A100, H100, H200), a third lane decodes part of each batch on them (``dlstore.read.hw_decode``),
-at the same time as nvJPEG. ``lanes`` picks the lanes (default: every one available); ``split`` fixes
+at the same time as nvJPEG. ``lanes`` picks the lanes (default: the CPU processes where ``cpu_decoders``
+> 0, and nvJPEG; the hardware lane is asked for by name, ``"hw"``); ``split`` fixes
 each lane's fraction, ``cpu_share`` the CPU's alone (the GPU lanes share the rest equally); otherwise
 ``dlstore.read.lane_split.LaneSplit`` sets them from each lane's rate measured in place, so that all
 lanes finish each batch together, or, while the training step is the slower side, the CPU takes what
@@ -59,6 +60,10 @@ DECODE_IN = ("stream", "thread")
 # The decode lanes, in the order the split fills them while the training step is the slower side
 # (cheapest for the step first): CPU processes, the hardware JPEG engines, nvJPEG on CUDA cores.
 LANES = ("cpu", "hw", "nvjpeg")
+# The hardware lane is asked for by name (lanes=["cpu", "hw", "nvjpeg"]): on the H200 it decoded
+# 27k img/s alone and raised both GPU lanes to 49k at 128 px (bare), but inside the loader it lowered
+# every configuration measured (benchmarks/RESULTS.md, "every JPEG engine at once").
+DEFAULT_LANES = ("cpu", "nvjpeg")
 
 
 @dataclass
@@ -218,19 +223,19 @@ class DecodeLoader(CoreLoader):
 
     def _open_hardware_lane(self, lanes: Sequence[str] | None) -> Any:
         """The hardware JPEG lane where it can run (else None: the lane is absent, not an error)."""
-        if not self.gpu or (lanes is not None and "hw" not in lanes):
+        if not self.gpu or lanes is None or "hw" not in lanes:  # opt-in: see DEFAULT_LANES
             return None
         from dlstore.read.hw_decode import HardwareJpeg
 
         return HardwareJpeg.open(self.device, int(self.cache.spec.shape[2]))
 
     def _lane_names(self, lanes: Sequence[str] | None) -> list[str]:
-        """The lanes this loader runs, in fill order: those asked for (default all) that exist here."""
+        """The lanes this loader runs, in fill order: those asked for (DEFAULT_LANES) that exist here."""
         unknown = set(lanes or ()) - set(LANES)
         if unknown:
             raise ValueError(f"lanes are some of {', '.join(LANES)}; got {sorted(unknown)}")
         here = {"cpu": self.gpu and self.cpu_decoders > 0, "hw": self.hw is not None, "nvjpeg": self.gpu}
-        names = [n for n in LANES if here[n] and (lanes is None or n in lanes)]
+        names = [n for n in LANES if here[n] and n in (DEFAULT_LANES if lanes is None else lanes)]
         return names or ["nvjpeg"]  # asked only for lanes absent here: nvJPEG (or the CPU path) decodes
 
     def _fixed_split(
@@ -267,7 +272,7 @@ class DecodeLoader(CoreLoader):
         if self.decode_in == "stream":
             try:
                 for item in reads:
-                    yield self._handed_over(decode(item))
+                    yield from self._timed_yield(self._handed_over(decode(item)))
             finally:
                 reads.close()
                 self._epoch_done(reads)
@@ -275,12 +280,20 @@ class DecodeLoader(CoreLoader):
         decoded = _Pipe(iter(reads), decode, 1, "dlstore-decode")
         try:
             for item in decoded:
-                yield self._handed_over(item)
+                yield from self._timed_yield(self._handed_over(item))
         finally:
             reads.stop.set()  # both first: the decode thread may be waiting on the read queue
             decoded.close()
             reads.close()
             self._epoch_done(reads)
+
+    def _timed_yield(self, batch: tuple[torch.Tensor, torch.Tensor]) -> Iterator[Any]:
+        """Yield ``batch``; the time until the caller asks for the next one is its step's own time, the
+        consumer's period the measured split works to (the batch-to-batch period would include this
+        loader's own time when it is the slower side)."""
+        t0 = time.perf_counter()
+        yield batch
+        self.split.period(time.perf_counter() - t0)
 
     def _read_gate(self) -> threading.Semaphore | None:
         """Read-ahead tokens: one is given back as each batch's decode call starts, so in steady state
@@ -551,17 +564,13 @@ class DecodeLoader(CoreLoader):
             self.stats.gpu_images += b - a - fallbacks
             return out
 
-        def hardware(a: int, b: int) -> list[Any]:
+        def hardware(a: int, b: int) -> list[Any]:  # in the pool's thread: no stats here
             launching()
             out = self.hw.decode(payloads[a:b])
-            keep = [
+            return [
                 img if img is not None and tuple(img.shape) == expected[a + i] else None
                 for i, img in enumerate(out)
             ]
-            done = sum(img is not None for img in keep)
-            self.stats.hw_images += done
-            self.stats.gpu_images += done
-            return keep
 
         def on_cpu(a: int, b: int) -> list[Any]:
             self.stats.cpu_fallbacks += b - a
@@ -575,18 +584,22 @@ class DecodeLoader(CoreLoader):
         if not parts:  # no device lane (lanes=("cpu",)): what the CPU share left is decoded here
             return on_cpu(0, len(payloads))
         before = sum(lane.rerouted for lane in self.split.state.values())
+        hw_before = self.split.state["hw"].images if "hw" in self.split.state else 0
         nv_alive = "nvjpeg" in self.split.state and self.split.state["nvjpeg"].alive
         images = decode_parts(
             self.split, parts, {"hw": hardware, "nvjpeg": nvjpeg}, nvjpeg if nv_alive else on_cpu, self._pool
         )
         self.stats.rerouted += sum(lane.rerouted for lane in self.split.state.values()) - before
+        hw_done = (self.split.state["hw"].images if "hw" in self.split.state else 0) - hw_before
+        self.stats.hw_images += hw_done
+        self.stats.gpu_images += hw_done
         return images
 
     def _balance(self, cpu_count: int, gpu_count: int, waited: float, busy: float) -> None:
-        """The measured split's inputs from this batch (the device lanes report their own in
-        ``decode_parts``): the consumer's batch period and the CPU decoders' rate in place (their decode
-        seconds over the processes running them), with the ``waited`` seconds this thread spent waiting
-        for their share."""
+        """The CPU decoders' rate in place for the measured split (their decode seconds over the
+        processes running them), with the ``waited`` seconds this thread spent waiting for their share
+        in a batch period; the device lanes report their own in ``decode_parts``, the consumer's time
+        is taken where each batch is yielded."""
         self.stats.cpu_share = cpu_count / max(1, cpu_count + gpu_count)
         now, last = time.perf_counter(), self._last_batch
         self._last_batch = now
@@ -599,7 +612,6 @@ class DecodeLoader(CoreLoader):
             if cpu_count:
                 self.split.observe("cpu", cpu_count, 0.0)  # counted, no rate sample
             return
-        self.split.period(now - last)
         if self.cpu is not None and cpu_count and busy > 0:
             self.split.observe("cpu", cpu_count, busy / self.cpu.processes, waited, now - last)
         if self.cpu is not None and "cpu" in self.split.state and not self.cpu.alive():

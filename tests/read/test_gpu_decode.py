@@ -260,6 +260,9 @@ def test_the_measured_split_gives_the_cpu_what_a_slow_gpu_lane_cannot_keep_up_wi
             pass
         assert loader.stats.gpu_images == gpu_before
         assert loader.stats.cpu_images - cpu_before == len(open_cache(jpeg_cache))
+        for _batch in loader:  # a slow consumer: the split's period is its step, not this loader's
+            time.sleep(0.03)
+        assert loader.split.last_period >= 0.02
     finally:
         loader.close()
     with pytest.raises(ValueError, match="cpu_share"):
@@ -302,7 +305,7 @@ def test_a_lane_failing_mid_epoch_hands_its_images_to_another(
     engine = _FlakyEngine(fail_at=3)
     monkeypatch.setattr(hw_decode.HardwareJpeg, "open", classmethod(lambda cls, device, channels=3: engine))
     split = {"cpu": 0.25, "hw": 0.5, "nvjpeg": 0.25}
-    loader = cpu_split_loader(jpeg_cache, None, decode_in=decode_in, split=split)
+    loader = cpu_split_loader(jpeg_cache, None, decode_in=decode_in, split=split, lanes=list(split))
     try:
         n = len(open_cache(jpeg_cache))
         assert _check_split_epoch(loader, jpeg_cache, 0.25) == loader.stats.cpu_images
