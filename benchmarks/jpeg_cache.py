@@ -1,4 +1,6 @@
-"""Issue 10 targets (JPEG cache, GPU decode, ragged GPU crop), side by side in one run on the H200.
+"""Issue 10 targets (JPEG cache, GPU decode, ragged GPU crop), side by side in one run on the H200, and
+issue 27's decode lanes (``lanes_*`` sections: each lane alone and together, the measured split vs fixed
+ones, the hardware lane's pixels).
 
     python benchmarks/jpeg_cache.py --out OUTDIR [--images 8192] [--steps 30] [--sections all]
 
@@ -17,6 +19,7 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +43,7 @@ from dlstore.read import (
     DecodeLoader,  # noqa: E402
     PinnedLoader,  # noqa: E402
 )
+from dlstore.read.hw_decode import HardwareJpeg  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
@@ -1101,6 +1105,322 @@ def section_ladder(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"runs": out, "median": med, "paired_over_bare": pairs, "images": n, "batch": bs, "epochs": epochs}
 
 
+# --- issue 27: every decode lane at once (CPU processes, NVJPG via nvImageCodec, nvJPEG) -----------------
+# python benchmarks/jpeg_cache.py --out OUT --caches jpeg_short128,jpeg_short256 --cpu-decoders 12 \
+#   --sections data,lanes_pixels,lanes_bare,lanes_train,lanes_loader
+
+
+def _batches(path: Path, batch: int) -> tuple[list[list[memoryview]], list[list[torch.Tensor]]]:
+    cache = open_cache(path)
+    n = len(cache) // batch * batch
+    payloads, _ = cache.read_payloads(np.arange(n))
+    copies = [memoryview(bytes(p)) for p in payloads]
+    tensors = [torch.frombuffer(bytearray(p), dtype=torch.uint8) for p in copies]
+    return (
+        [copies[a : a + batch] for a in range(0, n, batch)],
+        [tensors[a : a + batch] for a in range(0, n, batch)],
+    )
+
+
+def _rate(fn: Any, batches: int, size: int, seconds: float) -> float:
+    fn(0)
+    sync()
+    t0, done = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        fn(done % batches)
+        done += 1
+    sync()
+    return done * size / (time.perf_counter() - t0)
+
+
+def _lanes_bare(args: argparse.Namespace, work: Path, hw: HardwareJpeg | None) -> dict[str, Any]:
+    """Each device lane bare: nvJPEG (torchvision's batched decode_jpeg), the hardware engines, both."""
+    out: dict[str, Any] = {}
+    for px in (128, 256):
+        out[f"{px}px"] = r = _bare_lanes(args, work / f"jpeg_short{px}", hw)
+        log(f"lanes bare {px}px: " + ", ".join(f"{k} {v:,.0f}" for k, v in r.items()))
+    if hw is not None:  # nvImageCodec's parsing threads for the engines (dlstore's default: CPU_THREADS)
+        views, _ = _batches(work / "jpeg_short128", 256)
+        sweep = {}
+        for threads in (1, 2, 4, 8, 16):
+            lane = HardwareJpeg.open(torch.device(DEV), cpu_threads=threads)
+            if lane is not None:
+                sweep[threads] = _rate(
+                    lambda i, lane=lane: lane.decode(views[i]), len(views), 256, args.lanes_seconds
+                )
+        out["hw_cpu_threads_128px"] = sweep
+        log(f"hw lane alone at 128px by nvImageCodec CPU threads: {sweep}")
+    return out
+
+
+def _bare_lanes(args: argparse.Namespace, path: Path, hw: HardwareJpeg | None) -> dict[str, float]:
+    from torchvision.io import decode_jpeg
+
+    views, tensors = _batches(path, 256)
+    nb = len(views)
+    fns = {"nvjpeg": lambda i: decode_jpeg(tensors[i], device=DEV)}
+    if hw is not None:
+        fns["hw"] = lambda i: hw.decode(views[i])
+    r = {name: _rate(fn, nb, 256, args.lanes_seconds) for name, fn in fns.items()}
+    if hw is None:
+        return r
+    counts = [0, 0]
+    stop = time.perf_counter() + args.lanes_seconds
+
+    def run(k: int, fn: Any) -> None:
+        while time.perf_counter() < stop:
+            fn(counts[k] % nb)
+            counts[k] += 1
+
+    threads = [threading.Thread(target=run, args=(k, fn)) for k, fn in enumerate(fns.values())]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sync()
+    r["hw+nvjpeg"] = (counts[0] + counts[1]) * 256 / (time.perf_counter() - t0)
+    return r
+
+
+def _loader(
+    path: Path, batch: int, rrc: Any, lanes: list[str], cpu: int, split: dict | None = None
+) -> DecodeLoader:
+    return DecodeLoader(
+        path,
+        batch,
+        transform=rrc,
+        device=DEV,
+        cpu_decoders=cpu if "cpu" in lanes else 0,
+        lanes=lanes,
+        split=split,
+    )
+
+
+def _lane_sets(hw: bool) -> dict[str, list[str]]:
+    sets = {"nvjpeg": ["nvjpeg"], "cpu+nvjpeg": ["cpu", "nvjpeg"]}
+    if hw:
+        sets |= {"hw": ["hw"], "hw+nvjpeg": ["hw", "nvjpeg"], "cpu+hw+nvjpeg": ["cpu", "hw", "nvjpeg"]}
+    return sets
+
+
+def _lanes_loader(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, Any]:
+    """DecodeLoader alone per set of lanes (measured split), and nvJPEG-only vs a bare decode loop."""
+    out: dict[str, Any] = {}
+    sizes = [int(v) for v in args.lanes_sizes.split(",")]
+    for px, res, batch in [g for g in ((128, 112, 512), (256, 224, 256)) if g[0] in sizes]:
+        batch //= args.batch_div
+        path = work / f"jpeg_short{px}"
+        from dlstore.gpu import RaggedRandomResizedCrop
+
+        rrc = RaggedRandomResizedCrop(
+            res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True
+        ).to(DEV)
+        r: dict[str, Any] = {}
+        for name, lanes in _lane_sets(hw).items():
+            if args.lanes_sets != "all" and name not in args.lanes_sets.split(","):
+                continue
+            ld = _loader(path, batch, rrc, lanes, decoder_counts(args)[0])
+            try:
+                rate, _first = loader_alone(ld, epochs=args.lanes_epochs)
+                r[name] = {"img_s": rate, "shares": ld.split.shares(), "rerouted": ld.stats.rerouted}
+            finally:
+                ld.close()
+            log(f"loader alone {px}px {name}: {rate:,.0f} img/s, shares {ld.split.shares()}")
+        # the nvJPEG lane alone vs a bare batched decode_jpeg over the same cache and batch, alternated:
+        # the loader decoding only (its batches handed over as lists) and decoding + its crop
+        pair: dict[str, list[float]] = {"bare": [], "loader_decode_only": [], "loader_with_crop": []}
+        for _ in range(args.repeats + 1):
+            pair["bare"].append(bare_rate(path, batch, passes=args.lanes_epochs))
+            for key, tf in (("loader_decode_only", _as_list), ("loader_with_crop", rrc)):
+                ld = _loader(path, batch, tf, ["nvjpeg"], 0)
+                try:
+                    pair[key].append(loader_alone(ld, epochs=args.lanes_epochs)[0])
+                finally:
+                    ld.close()
+        bare = float(np.median(pair["bare"]))
+        r["nvjpeg_vs_bare"] = pair | {
+            "decode_only_over_bare": float(np.median(pair["loader_decode_only"])) / bare,
+            "with_crop_over_bare": float(np.median(pair["loader_with_crop"])) / bare,
+        }
+        log(f"loader {px}px nvJPEG vs bare: {r['nvjpeg_vs_bare']}")
+        out[f"{px}px"] = r
+    return out
+
+
+def _as_list(images: list[torch.Tensor]) -> list[torch.Tensor]:
+    return images
+
+
+def _fixed_sweep(hw: bool, cpu: bool, coarse: bool = False) -> list[dict[str, float]]:
+    if not cpu:
+        return (
+            [{"hw": 0.5, "nvjpeg": 0.5}, {"hw": 0.35, "nvjpeg": 0.65}, {"hw": 0.65, "nvjpeg": 0.35}]
+            if hw
+            else []
+        )
+    gpu = ["hw", "nvjpeg"] if hw else ["nvjpeg"]
+    out = []
+    for c in (1.0, 0.85, 0.7, 0.5, 0.3, 0.15, 0.0) if not coarse else (1.0, 0.7, 0.4, 0.0):
+        out.append({"cpu": c} | {g: (1 - c) / len(gpu) for g in gpu})
+    return out
+
+
+def train_runs(
+    args: argparse.Namespace,
+    work: Path,
+    model: str,
+    px: int,
+    res: int,
+    batch: int,
+    cpu: int,
+    hw: bool,
+    gpu_only: bool,
+) -> dict[str, Any]:
+    path = work / f"jpeg_short{px}"
+    step, synthetic, rrc = training_setup(model, res, batch)
+    lanes = ["cpu", "hw", "nvjpeg"] if hw else ["cpu", "nvjpeg"]
+    loaders: dict[str, DecodeLoader] = {"auto": _loader(path, batch, rrc, lanes, cpu)}
+    if gpu_only and not args.lanes_short_sweep:
+        loaders["auto_gpu_lanes"] = _loader(path, batch, rrc, [n for n in lanes if n != "cpu"], 0)
+        loaders["nvjpeg_only"] = _loader(path, batch, rrc, ["nvjpeg"], 0)
+    if args.lanes_short_sweep:  # the two ends, and the measured split without the hardware lane
+        loaders["auto_cpu_nvjpeg"] = _loader(path, batch, rrc, ["cpu", "nvjpeg"], cpu)
+    short = (
+        [{"cpu": 1.0}]
+        + ([{"cpu": 0.5, "hw": 0.25, "nvjpeg": 0.25}] if hw else [])
+        + [{"cpu": 0.5, "nvjpeg": 0.5}]
+    )
+    for split in _fixed_sweep(hw, True, coarse=model == "resnet50") if not args.lanes_short_sweep else short:
+        name = "fixed_" + "_".join(f"{k}{v:.2f}" for k, v in split.items())
+        loaders[name] = _loader(path, batch, rrc, lanes, cpu, split)
+    cfgs: dict[str, Any] = {"synthetic": lambda: timed_steps(synthetic, step, args.warmup, args.steps, batch)}
+    for name, ld in loaders.items():
+        cfgs[name] = lambda ld=ld: timed_steps(lambda: iter(ld), step, args.warmup, args.steps, batch)
+    runs: dict[str, list[float]] = {k: [] for k in cfgs}
+    names = list(cfgs)
+    try:
+        for r in range(args.repeats):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name].append(cfgs[name]())
+    finally:
+        for ld in loaders.values():
+            ld.close()
+    med = {k: float(np.median(v)) for k, v in runs.items()}
+    ceiling = med["synthetic"]
+    fixed = {k: v for k, v in med.items() if k.startswith("fixed_")}
+    best = max(fixed, key=fixed.get) if fixed else None  # type: ignore[arg-type]
+    out = {
+        "model": model,
+        "res": res,
+        "batch": batch,
+        "cpu_decoders": cpu,
+        "lanes": loaders["auto"].split.lanes,
+        "runs": runs,
+        "median": med,
+        "of_ceiling": {k: v / ceiling for k, v in med.items()},
+        "best_fixed": best,
+        "auto_vs_best_fixed": med["auto"] / fixed[best] if best else None,
+        "auto_shares": loaders["auto"].split.shares(),
+        "auto_rates": loaders["auto"].split.rates(),
+        "auto_next_counts": loaders["auto"].split.counts(batch),
+        "auto_period_s": loaders["auto"].split.last_period,
+        "stats": {k: vars(ld.stats) for k, ld in loaders.items()},
+    }
+    log(
+        f"train {model}@{res} cpu{cpu}: ceiling {ceiling:,.0f}; auto {med['auto']:,.0f} ({med['auto'] / ceiling:.3f}); best fixed {best} {fixed.get(best, 0):,.0f}; auto/best {out['auto_vs_best_fixed']}"
+    )
+    return out
+
+
+def _lanes_pixels(work: Path, hw: HardwareJpeg | None) -> dict[str, Any]:
+    """The hardware lane's and nvJPEG's pixels vs Pillow's decode of the same payloads."""
+    from dlstore.read.gpu_decode import decode_on_device
+
+    cache = open_cache(work / "jpeg_short256")
+    idx = np.arange(min(512, len(cache)))
+    payloads, shapes = cache.read_payloads(idx)
+    ref = cache.read_images(idx)  # the CPU path (simplejpeg or Pillow)
+    import io
+
+    from PIL import Image
+
+    pil = [np.asarray(Image.open(io.BytesIO(bytes(p))).convert("RGB")) for p in payloads]
+    out: dict[str, Any] = {
+        "images": len(idx),
+        "cpu_path_vs_pillow_mean_abs": float(
+            np.mean([np.abs(a.astype(int) - b).mean() for a, b in zip(ref, pil)])
+        ),
+    }
+    lanes = {"nvjpeg": decode_on_device(cache, payloads, shapes, cache.positions[idx], torch.device(DEV))[0]}
+    if hw is not None:
+        lanes["hw"] = hw.decode(payloads)
+    for name, imgs in lanes.items():
+        diffs = [
+            np.abs(img.permute(1, 2, 0).cpu().numpy().astype(int) - p.astype(int))
+            for img, p in zip(imgs, pil)
+            if img is not None
+        ]
+        out[name] = {
+            "decoded": len(diffs),
+            "mean_abs": float(np.mean([d.mean() for d in diffs])),
+            "max": int(max(d.max() for d in diffs)),
+        }
+    log(f"pixels vs Pillow: {out}")
+    return out
+
+
+def lanes_recommend(train: dict[str, Any]) -> dict[str, str]:
+    """The lanes and split measured best per model (the fastest of the measured and fixed splits)."""
+    out = {}
+    for key, t in train.items():
+        med = {k: v for k, v in t["median"].items() if k != "synthetic"}
+        best = max(med, key=med.get)  # type: ignore[arg-type]
+        out[key] = (
+            f"{best}: {med[best]:,.0f} img/s ({t['of_ceiling'][best]:.3f} of the ceiling) with cpu_decoders={t['cpu_decoders']}, lanes {t['lanes']}"
+        )
+    return out
+
+
+def _hardware_lane() -> Any:
+    """The hardware JPEG lane (nvImageCodec, NVJPG) where it exists here, else None."""
+    return HardwareJpeg.open(torch.device(DEV)) if DEV == "cuda" else None
+
+
+def section_lanes_pixels(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    hw = _hardware_lane()
+    try:
+        from nvidia import nvimgcodec
+
+        version = nvimgcodec.__version__
+    except Exception as e:
+        version = f"absent: {e}"
+    return {"hw_lane": hw is not None, "nvimgcodec": version, **_lanes_pixels(work, hw)}
+
+
+def section_lanes_bare(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    return _lanes_bare(args, work, _hardware_lane())
+
+
+def section_lanes_loader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    return _lanes_loader(args, work, _hardware_lane() is not None)
+
+
+def section_lanes_train(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """ResNet-18 @112 and ResNet-50 @224 (and ResNet-18 with 2 CPU decoders): the measured split vs a
+    sweep of fixed splits; ``recommend`` names the fastest per model."""
+    c, hw = decoder_counts(args)[0], _hardware_lane() is not None
+    plan = {
+        "resnet18_112": ("resnet18", 128, 112, 512 // args.batch_div, c),
+        "resnet18_112_cpu2": ("resnet18", 128, 112, 512 // args.batch_div, 2),
+        "resnet50_224": ("resnet50", 256, 224, 256 // args.batch_div, c),
+    }
+    out = {
+        k: train_runs(args, work, *plan[k], hw, not k.endswith("cpu2")) for k in args.lanes_models.split(",")
+    }
+    return out | {"recommend": lanes_recommend(out)}
+
+
 SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "data": section_data,
     "bytes": section_bytes,
@@ -1110,6 +1430,10 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "resnet18": lambda a, w: section_train(a, w, "resnet18", 112, 512 // a.batch_div),
     "hybrid": section_hybrid,
     "ladder": section_ladder,
+    "lanes_pixels": section_lanes_pixels,
+    "lanes_bare": section_lanes_bare,
+    "lanes_train": section_lanes_train,
+    "lanes_loader": section_lanes_loader,
 }
 
 
@@ -1152,6 +1476,14 @@ def main() -> None:
         default="all",
         help="ladder section: variants besides bare and f (comma list; all: every one)",
     )
+    ap.add_argument("--lanes-seconds", type=float, default=2.0, help="lanes_bare: seconds per rate")
+    ap.add_argument("--lanes-epochs", type=int, default=2, help="lanes_loader: epochs per rate")
+    ap.add_argument(
+        "--lanes-models", default="resnet18_112,resnet18_112_cpu2,resnet50_224", help="lanes_train"
+    )
+    ap.add_argument("--lanes-short-sweep", action="store_true", help="lanes_train: 3 fixed splits")
+    ap.add_argument("--lanes-sizes", default="128,256", help="lanes_loader: cache sizes")
+    ap.add_argument("--lanes-sets", default="all", help="lanes_loader: lane sets (comma list)")
     args = ap.parse_args()
     work = harness.work_dir(args, "dlstore-jpeg-")
     RESULTS["environment"] = environment()
