@@ -350,8 +350,8 @@ class DecodeLoader(CoreLoader):
             # they are allocated on: memory freed on this stream (the previous batch's decoded images,
             # and the crop's own buffers, read by the crop still queued here) could be handed out and
             # overwritten before that crop runs. Waiting for this stream (only the previous crop, not
-            # the training step) prevents it. (Holding only the decoded images for two batches instead
-            # was tried: the crop's flat buffer was overwritten, tests/gpu's slow-consumer test failed.)
+            # the training step) prevents it. (Holding the decoded images for two batches instead would
+            # not cover the crop's own buffers, e.g. its flat copy of the images, freed once it is queued.)
             self._stream.synchronize()
             self._refs = []  # the previous batch's hardware-lane images: their crop has run
             images, labels = self._finish(*item, launching)
