@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dlstore.convert.diskfull import disk_full_as_error
 from dlstore.convert.finish import ConvertResult, converted_result, finalize, local_unchanged_result
 from dlstore.convert.ledger import UnitLedger, check_bad_fraction
 from dlstore.convert.options import ConvertOptions, fold_shortcuts
@@ -34,7 +35,7 @@ from dlstore.convert.runners import Runner, done_images, local_runner, run_units
 from dlstore.convert.sources import Source
 from dlstore.convert.staging import Staging
 from dlstore.convert.store_units import StoreUnits, journaled_sums, units_prefix
-from dlstore.convert.unit_work import Job, disk_full_as_error
+from dlstore.convert.unit_work import Job
 from dlstore.errors import ConvertError
 from dlstore.formats.base import CacheWriter
 from dlstore.spec import MANIFEST, CacheSpec
@@ -104,20 +105,39 @@ def convert_locally(
 
         dask = DaskRunner(options.scheduler, start=not rerun)
     try:
-        check_dest_outside_source(source, dest)
-        if not Staging.pending(dest) and not rerun:
-            check_destination(dest, options.overwrite)
-        stages: dict[str, float] = {}
-        src = open_plan_source(source, options)
-        stages["setup_scan_s"] = time.perf_counter() - t0
-        plan = make_plan(src, options)
-        stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
-        if rerun and is_up_to_date(dest, plan.record, src):
-            return local_unchanged_result(dest, plan, t0, up_to_date=True)
-        return build(plan, dest, dask, unit_store, progress, log, (t0, t0_mono, stages))
+        # A full disk outside the writer's own stages (the lock, the journal, the layout) ends in the
+        # same message as theirs.
+        with disk_full_as_error(dest.parent, f"setting up {dest.name}"):
+            return plan_and_build(source, dest, options, rerun, dask, unit_store, progress, log, t0, t0_mono)
     finally:
         if dask is not None:
             dask.close()
+
+
+def plan_and_build(
+    source: str | Path | Source,
+    dest: Path,
+    options: ConvertOptions,
+    rerun: bool,
+    dask: Runner | None,
+    unit_store: RemoteStore | None,
+    progress: Progress | None,
+    log: Log | None,
+    t0: float,
+    t0_mono: float,
+) -> ConvertResult:
+    """Scan and plan; a finished DEST of the same plan is up to date, else ``build``."""
+    check_dest_outside_source(source, dest)
+    if not Staging.pending(dest) and not rerun:
+        check_destination(dest, options.overwrite)
+    stages: dict[str, float] = {}
+    src = open_plan_source(source, options)
+    stages["setup_scan_s"] = time.perf_counter() - t0
+    plan = make_plan(src, options)
+    stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
+    if rerun and is_up_to_date(dest, plan.record, src):
+        return local_unchanged_result(dest, plan, t0, up_to_date=True)
+    return build(plan, dest, dask, unit_store, progress, log, (t0, t0_mono, stages))
 
 
 def build(
@@ -133,7 +153,10 @@ def build(
     t0, t0_mono, stages = clock
     overwrite, writer = plan.options.overwrite, plan.writer
     entries = plan.src.entries_json()
-    with Staging(dest, plan.record, discard_mismatch=overwrite, entries=entries) as staging:
+    with (
+        Staging(dest, plan.record, discard_mismatch=overwrite, entries=entries) as staging,
+        disk_full_as_error(staging.path, "writing the cache", writer.n * writer.image_bytes),
+    ):
         if staging.already_published:
             return local_unchanged_result(dest, plan, t0)
         check_destination(dest, overwrite)
@@ -203,7 +226,10 @@ def finish(
 ) -> CacheSpec:
     """Finish the cache and publish it at DEST; a full disk or Ctrl-C here is one clear message."""
     try:
-        with disk_full_as_error(plan.writer, "finishing the cache (labels, checksums, manifest)"):
+        w = plan.writer
+        with disk_full_as_error(
+            w.root, "finishing the cache (labels, checksums, manifest)", w.n * w.image_bytes
+        ):
             t_fin = time.perf_counter()
             spec = finalize(plan, staging, bad, stages, remote_sums)
             stages["finalize_s"] = time.perf_counter() - t_fin

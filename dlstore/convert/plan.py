@@ -6,6 +6,7 @@ drawn, and the plan record that the journal keeps and a re-run compares, all fro
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -151,6 +152,8 @@ def one_class_warning(src: Source) -> str | None:
 def check_destination(dest: Path, overwrite: bool) -> None:
     if not dest.exists():
         return
+    if os.path.ismount(dest):
+        raise ConvertError(mount_point_message(dest))
     if not overwrite:
         raise CacheExistsError(f"{dest}: already exists; pass --overwrite to replace it")
     if dest.is_dir() and not (dest / MANIFEST).is_file() and any(dest.iterdir()):
@@ -160,6 +163,15 @@ def check_destination(dest: Path, overwrite: bool) -> None:
         )
     if not dest.is_dir():
         raise CacheExistsError(f"{dest}: exists and is a file; choose another DEST")
+
+
+def mount_point_message(dest: Path) -> str:
+    """A cache appears at DEST by a rename of its staging folder (and the old one leaves by one), which
+    a mount point cannot take (EBUSY), read-only or not."""
+    return (
+        f"{dest}: DEST is a mount point; a cache is published by renaming a folder onto DEST, which a "
+        f"mount point cannot take; use a folder inside it as DEST (e.g. {dest / 'cache'})"
+    )
 
 
 def check_dest_outside_source(source: str | Path | Source, dest: Path) -> None:

@@ -23,6 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from dlstore.convert.diskfull import disk_full_message
 from dlstore.durable import fsync_path, write_json_durably
 from dlstore.errors import ConvertError
 from dlstore.machine import process_alive
@@ -189,11 +190,8 @@ class Staging:
             self.lock_path.unlink(missing_ok=True)
 
     def _unwritable(self, e: OSError) -> ConvertError:
-        if e.errno == errno.ENOSPC:
-            return ConvertError(
-                f"{self.dest.parent}: the disk is full ({e.strerror} writing {self.lock_path.name}); free "
-                "space there or choose another DEST, then re-run the same command (finished parts are kept)"
-            )
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return ConvertError(disk_full_message(self.dest.parent, f"writing {self.lock_path.name}"))
         return ConvertError(
             f"{self.dest.parent}: cannot write there ({e.strerror}: {self.lock_path.name}); "
             "choose a DEST in a writable folder"
@@ -328,6 +326,19 @@ class Staging:
         write_json_durably(
             self.journal / "commit.json", json.dumps({"manifest_sha256": manifest_digest(self.path)})
         )
+        try:
+            self._swap_in(overwrite)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            raise ConvertError(
+                f"{self.dest}: cannot publish the finished cache there ({e.strerror}: {e.filename}); "
+                f"it is complete in {self.path}: make DEST's folder writable (a mount point cannot be "
+                "replaced: use a folder inside it as DEST), then re-run the same command"
+            ) from None
+        self._clean_up()
+
+    def _swap_in(self, overwrite: bool) -> None:
         if self.dest.exists():
             if not overwrite:
                 raise ConvertError(
@@ -346,7 +357,6 @@ class Staging:
         else:
             os.rename(self.path, self.dest)
             fsync_path(self.dest.parent)
-        self._clean_up()
 
     def _clean_up(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -6,8 +6,6 @@ the job installed once per process by ``_init_worker``.
 
 from __future__ import annotations
 
-import errno
-import shutil
 import signal
 import threading
 import time
@@ -19,38 +17,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from PIL import Image
 
-from dlstore.convert.sizes import human_bytes
+from dlstore.convert.diskfull import disk_full_as_error
 from dlstore.convert.sources import Source
 from dlstore.convert.staging import release_inherited_locks
 from dlstore.convert.targets import empty_targets
-from dlstore.errors import ConvertError, ImageDecodeError
+from dlstore.errors import ImageDecodeError
 from dlstore.formats.base import CacheWriter
 from dlstore.machine import process_alive
 from dlstore.spec import ImagePolicy
 
 if TYPE_CHECKING:
     from dlstore.convert.store_units import StoreUnits
-
-
-@contextmanager
-def disk_full_as_error(writer: CacheWriter, what: str) -> Iterator[None]:
-    """Turn ENOSPC into a message with space needed vs free; everything journaled stays resumable."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        raise ConvertError(disk_full_message(writer, what)) from None
-
-
-def disk_full_message(writer: CacheWriter, what: str) -> str:
-    free = shutil.disk_usage(writer.root).free if writer.root.exists() else 0
-    need = writer.n * writer.image_bytes
-    return (
-        f"disk full while {what} under {writer.root}: the cache needs up to {human_bytes(need)} "
-        f"(uncompressed) and {human_bytes(free)} is free; free space and re-run the same command "
-        "to resume (finished parts are kept)"
-    )
 
 
 # --- the parallel part ------------------------------------------------------------------------------
@@ -250,7 +227,8 @@ def convert_job_unit(job: Job, k: int) -> UnitResult:
             fields[name].append(rows[name] if name in rows else np.zeros(0))
         for name, count in lost.items():
             dropped[name] = dropped.get(name, 0) + count
-    with disk_full_as_error(job.writer, f"writing unit {k}"):
+    writer = job.writer
+    with disk_full_as_error(writer.root, f"writing unit {k}", writer.n * writer.image_bytes):
         t0 = time.perf_counter()
         job.writer.write_unit(k, out)  # durable when it returns: the journal may record it
         job.writer.write_fields(k, fields, dropped)
