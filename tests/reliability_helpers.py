@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -74,3 +76,41 @@ class HangingSource(FolderSource):
         if self.names[i] == self.hang:
             time.sleep(30)
         return super().decode(i, policy, data)
+
+
+@dataclasses.dataclass
+class KillingSource(FolderSource):
+    """A folder source whose decoding of the file ``kill`` kills -9 the process named by ``victim``
+    ("worker": the Dask worker that runs the unit; "decoder": the decode process itself), once: the
+    first to create the ``marker`` file does it. A real process really killed mid-convert (F6)."""
+
+    kill: str = ""
+    victim: str = "worker"
+    marker: str = ""
+
+    @classmethod
+    def of(cls, src: FolderSource, kill: str, victim: str, marker: Path) -> KillingSource:
+        fields = {f.name: getattr(src, f.name) for f in dataclasses.fields(src)}
+        return cls(**fields, kill=kill, victim=victim, marker=str(marker))
+
+    def decode(self, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
+        if self.names[i] == self.kill and self._first():
+            if self.victim != "nobody":  # "nobody": only hang, for a test to interrupt the run
+                os.kill(self._victim_pid(), signal.SIGKILL)
+            time.sleep(30)  # the decoder was killed with its worker, or the worker kills it
+        return super().decode(i, policy, data)
+
+    def _first(self) -> bool:
+        try:
+            os.close(os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False
+        return True
+
+    def _victim_pid(self) -> int:
+        import multiprocessing as mp
+
+        parent = mp.parent_process()  # a decode process's parent is its Dask worker
+        if self.victim == "decoder" or parent is None:
+            return os.getpid()  # in a worker's task thread (no decode process): the worker itself
+        return parent.pid

@@ -26,6 +26,7 @@ import logging
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -38,6 +39,7 @@ from functools import partial
 from itertools import islice
 from typing import Any
 
+from dlstore.convert.dask_cleanup import close_cluster
 from dlstore.errors import ConvertError, require_extra
 from dlstore.machine import usable_cores
 
@@ -181,7 +183,7 @@ def open_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> 
         _stamp(stamps, "workers")
         return client, cluster
     except BaseException:
-        cluster.close()
+        close_cluster(cluster)
         raise
 
 
@@ -207,8 +209,17 @@ def open_warm_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None
 DECODE_MODULE = "dlstore.convert.unit_work"  # what a decode process runs, imported by its fork server
 
 
+TRACKER_LEAK_WARNING = "ignore:resource_tracker:UserWarning"
+
+
 def warm_decode_forkserver() -> None:
-    """On a Dask worker: start the fork server of ``_child_pool`` with the converter imported."""
+    """On a Dask worker: start the fork server of ``_child_pool`` with the converter imported.
+
+    The resource tracker it starts takes this process's warning options: a worker killed -9 leaves its
+    decode pool's semaphores to the tracker, which cleans them up and would warn about each on the
+    user's terminal, before dlstore's one line about the dead worker."""
+    if TRACKER_LEAK_WARNING not in sys.warnoptions:
+        sys.warnoptions.append(TRACKER_LEAK_WARNING)
     if "forkserver" not in mp.get_all_start_methods():
         return
     from multiprocessing import forkserver
@@ -224,7 +235,7 @@ class EarlyClient:
     cluster given by address keeps running). With ``start=False`` nothing starts before ``client()``."""
 
     def __init__(self, spec: SchedulerSpec, start: bool = True) -> None:
-        self._spec = spec
+        self.spec = spec
         self._pool: ThreadPoolExecutor | None = None
         self._future: Future[tuple[Any, Any]] | None = None
         self.stamps: dict[str, float] = {}  # time.monotonic() of each start step (see open_client)
@@ -234,7 +245,7 @@ class EarlyClient:
     def _start(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlstore-dask-start")
         self.stamps["start"] = time.monotonic()
-        self._future = self._pool.submit(open_warm_client, self._spec, self.stamps)
+        self._future = self._pool.submit(open_warm_client, self.spec, self.stamps)
 
     def client(self) -> Any:
         if self._future is None:
@@ -257,7 +268,7 @@ class EarlyClient:
             client.close()
         finally:
             if cluster is not None:
-                cluster.close()
+                close_cluster(cluster)  # and every process its workers started, reaped
 
 
 def dask_timeline(stamps: dict[str, float], t0: float) -> dict[str, float]:
@@ -276,6 +287,72 @@ def count_workers(client: Any) -> int:
 
 
 SUBMITTED_PER_THREAD = 4  # units handed to the scheduler ahead of the cluster's task threads
+POLL_S = 2.0  # how often the driver looks for a cluster left without workers while it waits
+NO_WORKERS_GRACE_S = 20.0  # a running cluster's nannies restart killed workers within this
+
+
+class LostWorkerNoise(logging.Filter):
+    """Drops Dask's own log lines about a worker lost or its results rescheduled (the scheduler's and
+    client's, in the driver): dlstore reruns those units, or says in one line what died."""
+
+    PREFIXES = ("Removing worker", "Couldn't gather", "Lost all workers")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.PREFIXES)
+
+
+class AbandonedGatherNoise(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for a result wait the driver gave up on
+    (``outcome``'s poll) that ended when the client closed: ``AllExit`` is Dask's "stop waiting"."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exception=AllExit()" not in record.getMessage()
+
+
+LOST_WORKER_LOGGERS = ("distributed.scheduler", "distributed.client")
+_ASYNCIO_NOISE = AbandonedGatherNoise()
+
+
+class WorkersLostError(RuntimeError):
+    """Every Dask worker died (or the units' results were lost with them): nothing can run the rest."""
+
+
+@dataclass(frozen=True)
+class TaskFailed:
+    """A unit's error handed back as a value, not raised in the worker: a raised one makes every
+    worker log "Compute Failed" with a traceback on the user's terminal before dlstore's one line."""
+
+    error: BaseException
+
+
+def _the_job(job: Any) -> Any:
+    return job
+
+
+def guarded(job: Any, k: int, *, task: Callable[[Any, int], Any]) -> Any:
+    try:
+        return task(job, k)
+    except Exception as e:  # noqa: BLE001 - re-raised by the driver (``outcome``)
+        return TaskFailed(e)
+
+
+def outcome(future: Any, lost: Callable[[], str], still_workers: Callable[[], None]) -> Any:
+    """A finished task's result, its error raised here, or WorkersLostError for a unit cancelled
+    because the cluster lost what it needed (its workers). A result held by a worker that died is
+    recomputed: waited for while ``still_workers`` finds the cluster has some."""
+    from distributed.client import FutureCancelledError
+
+    while True:
+        try:
+            result = future.result(timeout=POLL_S)
+            break
+        except FutureCancelledError:
+            raise WorkersLostError(lost()) from None
+        except TimeoutError:
+            still_workers()
+    if isinstance(result, TaskFailed):
+        raise result.error
+    return result
 
 
 def run_on_dask(
@@ -286,6 +363,7 @@ def run_on_dask(
     record: Callable[[Any], None],
     child: tuple[Callable[[Any], None], Callable[[int], Any]] | None = None,
     stamps: dict[str, float] | None = None,
+    no_workers_grace_s: float = NO_WORKERS_GRACE_S,
 ) -> None:
     """Run every unit as a task, ``record`` each result in the driver as it finishes; on any error the
     remaining tasks are cancelled (unfinished units are not journaled and are redone on resume).
@@ -297,40 +375,76 @@ def run_on_dask(
     ``client.map`` per batch of finished units: one graph message per batch instead of one per unit
     (2,341 single ``submit`` calls kept the driver busy before the first unit ran), and a conversion of
     millions of images never holds millions of tasks in the scheduler. ``stamps`` receives
-    ``time.monotonic()`` after the job is on the workers and after the first window is submitted."""
-    from distributed import as_completed
+    ``time.monotonic()`` after the job is on the workers and after the first window is submitted.
+
+    A worker killed mid-convert (F6): the job is a task's result, not scattered data, so the scheduler
+    recomputes it and reruns the lost units on the workers left; when none is left for
+    ``no_workers_grace_s`` (a nanny restarts its worker sooner), WorkersLostError names the dead."""
+    from distributed import wait
 
     token = uuid.uuid4().hex  # keys of their own: two conversions may share one cluster
-    shared = client.scatter(job, broadcast=True)  # sent once per worker, not once per task
+    shared = client.submit(_the_job, job, key=f"dlstore-job-{token}", pure=False)
+    wait([shared])  # on a worker before the units: the first units need not wait for it
+    seen = set(client.scheduler_info()["workers"])  # every worker seen, to name the dead ones
     _stamp(stamps, "scattered")
-    task = unit if child is None else partial(unit_in_child, init=child[0], unit=child[1], token=token)
+    inner = unit if child is None else partial(unit_in_child, init=child[0], unit=child[1], token=token)
+    task = partial(guarded, task=inner)
     queue = iter(todo)
     pending: set[Any] = set()
 
-    def submit(count: int) -> list[Any]:
+    def submit(count: int) -> None:
         ks = list(islice(queue, count))
-        if not ks:
-            return []
-        futures = client.map(
-            task, [shared] * len(ks), ks, key=[f"dlstore-unit-{token}-{k}" for k in ks], pure=False
-        )
-        pending.update(futures)
-        return list(futures)
+        if ks:
+            keys = [f"dlstore-unit-{token}-{k}" for k in ks]
+            pending.update(client.map(task, [shared] * len(ks), ks, key=keys, pure=False))
 
-    window = as_completed(submit(SUBMITTED_PER_THREAD * max(1, count_workers(client))))
+    def lost() -> str:
+        dead = sorted(seen - set(client.scheduler_info()["workers"]))
+        named = f"worker{'s' if len(dead) > 1 else ''} {', '.join(dead)}" if dead else "workers"
+        return (
+            f"the Dask {named} died (killed, out of memory or crashed) and no worker is left to run "
+            "the conversion's units"
+        )
+
+    noise = LostWorkerNoise()
+    logging.getLogger("asyncio").addFilter(_ASYNCIO_NOISE)  # logged as late as the exit: kept
+    for name in LOST_WORKER_LOGGERS:
+        logging.getLogger(name).addFilter(noise)
+    submit(SUBMITTED_PER_THREAD * max(1, count_workers(client)))
     _stamp(stamps, "submitted")
+    no_workers_since: list[float] = []  # since when the cluster has had no worker
+
+    def still_workers() -> None:
+        """WorkersLostError once the cluster has had no worker for ``no_workers_grace_s``."""
+        now_seen = set(client.scheduler_info()["workers"])
+        seen.update(now_seen)
+        if now_seen:
+            no_workers_since.clear()
+            return
+        no_workers_since[:] = no_workers_since or [time.monotonic()]
+        if time.monotonic() - no_workers_since[0] >= no_workers_grace_s:
+            raise WorkersLostError(lost())
+
     try:
-        for batch in window.batches():
-            pending.difference_update(batch)
-            window.update(submit(len(batch)))
-            for fut in batch:
-                record(fut.result())  # re-raises a task's error (e.g. --strict's ImageDecodeError) here
+        while pending:
+            try:
+                finished = wait(list(pending), timeout=POLL_S, return_when="FIRST_COMPLETED").done
+            except TimeoutError:  # none finished within POLL_S
+                still_workers()
+                continue
+            pending.difference_update(finished)
+            submit(len(finished))
+            for fut in finished:
+                # a unit's error (e.g. --strict's ImageDecodeError) is raised here
+                record(outcome(fut, lost, still_workers))
     except BaseException:
-        client.cancel(list(pending))
+        client.cancel([*pending, shared])
         raise
     finally:
         if child is not None:
             stop_children(client)
+        for name in LOST_WORKER_LOGGERS:
+            logging.getLogger(name).removeFilter(noise)
 
 
 # --- the decode process of each Dask worker -------------------------------------------------------
@@ -447,6 +561,7 @@ class DaskRunner:
 
     def __init__(self, scheduler: str, start: bool = True) -> None:
         require_extra("distributed", "dask", "--scheduler")
+        self._term = terminate_as_interrupt()
         self.early = EarlyClient(parse_scheduler(scheduler), start=start)
         self.client: Any = None
         self.stages: dict[str, float] = {}
@@ -467,9 +582,20 @@ class DaskRunner:
             unit, in_child = convert_job_unit, convert_unit
         # A per-file time limit needs a process's main thread: the units then run in a decode process.
         child = (_init_worker, in_child) if job.decode_timeout > 0 else None
-        run_on_dask(self.client, job, todo, unit, lambda result: done([result]), child, self.early.stamps)
+        # dlstore's own cluster has no nanny to restart a killed worker: no worker left is final at once
+        grace = NO_WORKERS_GRACE_S if self.early.spec.address else 0.0
+        run_on_dask(
+            self.client, job, todo, unit, lambda result: done([result]), child, self.early.stamps, grace
+        )
 
     def lost_worker(self, error: BaseException) -> str | None:
+        if isinstance(error, WorkersLostError):
+            return str(error)
+        if isinstance(error, BrokenProcessPool):
+            return (
+                "a decode process of a Dask worker died (killed, out of memory, or a decoder crashed "
+                "or spun past its CPU-time limit)"
+            )
         return f"Dask workers kept dying on a unit ({error})" if is_killed_worker(error) else None
 
     def finish(self, t0: float) -> dict[str, float]:
@@ -481,4 +607,26 @@ class DaskRunner:
         return self.stages
 
     def close(self) -> None:
-        self.early.close()
+        try:
+            self.early.close()
+        finally:
+            if self._term is not None:
+                signal.signal(signal.SIGTERM, self._term)
+                self._term = None
+
+
+def terminate_as_interrupt() -> Any:
+    """SIGTERM (``kill``, a job scheduler's stop) as Ctrl-C while a Dask conversion runs: its cluster
+    is then closed and reaped like on Ctrl-C, where the default action ended the driver at once and left
+    the workers' processes behind. Returns the handler to restore (None outside the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous is not signal.SIG_DFL:  # the caller handles it already
+        return None
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    return previous
