@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
+from dlstore.checksums import extents
 from dlstore.errors import SpecError
 from dlstore.formats.describe import Codec, CodecTable, Option, Traits, parse_options
 from dlstore.formats.fields import FIELD_READERS, FIELD_WRITERS, FieldReader, FieldWriter, Rows
@@ -273,7 +274,7 @@ class ChunkedReader(CacheReader):
             )
         super().__init__(root, spec, in_memory, threads)
         self.unit = unit
-        self._units = UnitCache(max(2, cache_bytes // max(1, unit * spec.image_bytes)))
+        self._units = UnitCache(max(2, unit_budget(spec, cache_bytes) // max(1, unit * spec.image_bytes)))
         # Units being decoded ahead (prefetch): unit -> its decode, and the pid that owns them.
         self._ahead: OrderedDict[int, tuple[Future[np.ndarray], int]] = OrderedDict()
         self._reads = 0  # read_into calls so far: how old a unit decoded ahead is
@@ -454,6 +455,20 @@ class UnitDecoder(Protocol):
 
     def submit(self, k: int) -> Future[np.ndarray] | None:
         """A future of unit k's (unit, H, W, C) array, or None when it cannot take one now."""
+
+
+UNIT_CACHE_OVER_SIZE = 64 << 20  # decoded units a cache may keep beyond twice its bytes on disk
+
+
+def unit_budget(spec: CacheSpec, cache_bytes: int) -> int:
+    """Bytes of decoded units to keep: ``cache_bytes``, but never more than twice the bytes the cache
+    declares on disk (its checksums' extents, each checked against the file) plus 64 MB, so that a
+    small, highly compressed (or hostile) cache cannot make a reader hold 512 MB of decoded units:
+    peak memory stays within twice the cache's real size plus 100 MB (E5)."""
+    sizes = extents(spec.checksums).values()
+    if not sizes or min(sizes) < 0:  # a file checksummed whole (older caches): its size is not declared
+        return cache_bytes
+    return min(cache_bytes, 2 * sum(sizes) + UNIT_CACHE_OVER_SIZE)
 
 
 class UnitCache:

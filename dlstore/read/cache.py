@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
-from dlstore.checksums import file_kind, regular_files, size_problems
+from dlstore.checksums import extents, file_kind, regular_files, size_problems
 from dlstore.errors import (
     CacheCorruptError,
     CacheNotFoundError,
@@ -415,8 +415,11 @@ def check_files(root: Path, spec: CacheSpec, lazy: bool = False) -> None:
     over = [p for p in size_problems(root, spec.checksums, present, lazy=True) if "appended" in p]
     if over:
         raise CacheCorruptError(f"{over[0]}; run `dlstore verify {root}` and rebuild the cache")
-    if not lazy:  # a remote cache's units are not here yet; each is checked against its checksums
-        check_declared_pixels(root, spec, sum(present.values()))
+    if lazy:  # a remote cache's units are not here yet: the sizes its checksums declare, each
+        # checked against the object when it is fetched (a cache of whole-file keys: what is here)
+        declared = {name: size for name, size in extents(spec.checksums).items() if size >= 0}
+        present = {**present, **declared}
+    check_declared_pixels(root, spec, sum(present.values()))
 
 
 # Pixels a cache may declare per byte it holds: what lossless codecs reach on real images is far

@@ -134,13 +134,15 @@ def test_bad_checksum_keys_are_a_clear_error_in_verify(src: Path, tmp_path: Path
     assert res.exit_code == 1 and "Traceback" not in res.output and "rebuild" in res.output
 
 
-def test_bytes_appended_to_a_small_file_fail_verify(src: Path, tmp_path: Path) -> None:
-    """A small file's one checksum covers it whole: anything appended changes its digest."""
+def test_bytes_appended_to_a_small_file_fail_verify_and_open(src: Path, tmp_path: Path) -> None:
+    """E6: a small file's checksum key declares its size too (``name@0+size``), so bytes appended are
+    refused at open by one size comparison (no read), and by ``verify``."""
     dest = cache(src, tmp_path / "c")
     with open(shard(dest), "ab") as f:
         f.write(b"\0" * 4096)
     result = verify(dest)
     assert not result.ok and str(shard(dest)) in result.first_problem
+    refused(dest, "appended")
 
 
 def test_a_large_file_with_a_forged_tail_fails_verify(
@@ -298,6 +300,22 @@ def test_hostile_caches_stay_within_twice_their_size_plus_100_mb(src: Path, tmp_
     assert grown < 2 * size + (100 << 20), (grown, size)
 
 
+def test_the_decoded_unit_cache_is_bounded_by_the_cache_s_real_size(src: Path, tmp_path: Path) -> None:
+    """E5: a reader keeps at most twice the cache's bytes on disk (+ 64 MB) of decoded units, not
+    512 MB whatever the cache: a small, highly compressed cache cannot grow a reader by its expansion."""
+    from dlstore.formats.base import UNIT_CACHE_OVER_SIZE
+
+    dest = cache(src, tmp_path / "c", codec="deflate")
+    on_disk = sum(p.stat().st_size for p in dest.rglob("*") if p.is_file() and p.name != MANIFEST)
+    c = open_cache(dest, check_source=False)
+    try:
+        unit_bytes = int(c.spec.format_options["unit_size"]) * c.spec.image_bytes
+        kept = c.reader.max_units * unit_bytes
+        assert kept <= max(2 * unit_bytes, 2 * on_disk + UNIT_CACHE_OVER_SIZE) < 512 << 20
+    finally:
+        c.close()
+
+
 # --- the same, remotely (moto) --------------------------------------------------------------------
 
 
@@ -359,6 +377,22 @@ def test_a_remote_zarr_with_a_disallowed_codec_leaves_nothing_outside_the_chunk_
         open_cache("s3://hostile/zarr", cache_dir=tmp_path / "chunks")
     after = [files_under(f) for f in outside]
     assert [a - b for a, b in zip(after, before)] == [set()] * len(outside)
+
+
+@pytest.mark.s3
+def test_a_remote_cache_declaring_65536_squared_images_is_refused_at_open(
+    s3,
+    src: Path,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    """E5 remotely: the declared pixels are checked at open against the bytes the manifest's checksums
+    declare (each object is checked against its size when fetched), before any unit is fetched."""
+    test_a_zarr_cache_declaring_65536_squared_images_is_refused_before_allocating(src, tmp_path / "z")
+    upload(s3, tmp_path / "z" / "c", "s3://hostile/huge")
+    chunks = tmp_path / "chunks"
+    with pytest.raises(DlstoreError, match="declares .* MB of pixels"):
+        open_cache("s3://hostile/huge", cache_dir=chunks, check_source=False)
+    assert not any("images/c" in p for p in files_under(chunks))  # no chunk was fetched
 
 
 @pytest.mark.s3
