@@ -46,7 +46,7 @@ from dlstore.checksums import split_key
 from dlstore.convert.plan import recorded_plan
 from dlstore.convert.progress import UPLOAD, Progress, ProgressCounter
 from dlstore.convert.store_units import units_prefix
-from dlstore.errors import CacheCorruptError, CacheExistsError
+from dlstore.errors import CacheCorruptError, CacheExistsError, DlstoreError
 from dlstore.spec import MANIFEST, parse_manifest
 from dlstore.storage.stores import RemoteStore, RemoteStoreError
 
@@ -85,8 +85,29 @@ class Ownership:
         ) or (REPLACING in self.objects)
 
 
+SURVEY_ATTEMPTS = 3
+
+
 def survey(store: RemoteStore) -> Ownership:
-    """A fresh listing of the prefix, split into dlstore's objects and foreign ones."""
+    """A fresh listing of the prefix, split into dlstore's objects and foreign ones. A manifest listed
+    but gone when read (another publish finished meanwhile, or the store lost it in an outage) means
+    the listing is stale: list again."""
+    gone: FileNotFoundError | None = None
+    for _ in range(SURVEY_ATTEMPTS):
+        try:
+            return survey_once(store)
+        except FileNotFoundError as e:
+            if isinstance(e, DlstoreError):
+                raise
+            gone = e
+    raise RemoteStoreError(
+        f"{gone.filename if gone else store.url}: listed under {store.url} but gone when read, "
+        f"{SURVEY_ATTEMPTS} times (another dlstore publishing there, or a store losing objects); re-run "
+        "the same command once it has settled"
+    )
+
+
+def survey_once(store: RemoteStore) -> Ownership:
     objects = store.sizes()
     owned: set[str] = set()
     if MANIFEST in objects:

@@ -21,11 +21,11 @@ from dlstore.convert.progress import Progress
 from dlstore.convert.publish import check_ownership, check_writable, publish, spool_dir
 from dlstore.convert.rerun import matches_plan
 from dlstore.convert.sources import Source
-from dlstore.errors import CacheExistsError
+from dlstore.errors import CacheExistsError, DlstoreError
 from dlstore.sourcefiles import SourceRecord, read_record
 from dlstore.spec import SKIPPED_FILE, SOURCE_RECORD, CacheSpec
 from dlstore.storage.mirror import fetch_manifest
-from dlstore.storage.stores import RemoteStore
+from dlstore.storage.stores import RemoteStore, RemoteStoreError
 
 Log = Callable[[str], None]
 
@@ -38,8 +38,30 @@ def convert_to_store(
     log: Log | None,
 ) -> ConvertResult:
     """Build locally (resumable, as any conversion), publish to ``url``, drop the spool folder."""
-    t0 = time.perf_counter()
     store = RemoteStore(url, dict(options.storage_options or {}))
+    try:
+        return build_and_publish(source, store, options, progress, log)
+    except FileNotFoundError as e:
+        on_store = str(e.filename or "").startswith((url.rstrip("/"), store.key("")))
+        if isinstance(e, DlstoreError) or not on_store:  # worded already, or a local file's
+            raise
+        # An object this run listed or wrote, gone when read (an outage lost it, or a server restarted
+        # without its data): everything built is in the spool folder, so the same command resumes.
+        raise RemoteStoreError(
+            f"{e.filename or url}: an object of this conversion is missing from the store (lost in an "
+            "outage or removed meanwhile); re-run the same command to resume"
+        ) from None
+
+
+def build_and_publish(
+    source: str | Path | Source,
+    store: RemoteStore,
+    options: ConvertOptions,
+    progress: Progress | None,
+    log: Log | None,
+) -> ConvertResult:
+    t0 = time.perf_counter()
+    url = store.url
     there = check_ownership(store)  # refuse before any work
     src = open_plan_source(source, options)
     if there.has_cache and not options.overwrite:  # make-like, as a local DEST

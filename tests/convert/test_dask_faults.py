@@ -58,6 +58,7 @@ def conv(src: Any, dest: Path, **kw: Any) -> Any:
     return convert(src, dest, format="npz", size=8, storage_order="source", **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("decode_timeout", [0, 30])
 def test_a_killed_worker_s_units_run_on_the_other_worker(
     tree: Path, tmp_path: Path, decode_timeout: float
@@ -80,6 +81,7 @@ def test_a_killed_worker_s_units_run_on_the_other_worker(
     assert_same_cache(dest, ref)
 
 
+@pytest.mark.slow
 def test_no_worker_left_is_one_line_and_the_rerun_resumes(tree: Path, tmp_path: Path) -> None:
     """F6: the only worker killed mid-convert: one message naming the dead worker and the re-run,
     never ``FutureCancelledError … already forgotten``; the same command then resumes."""
@@ -138,7 +140,7 @@ def session_processes(sid: int) -> list[str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("victim", ["decoder", "worker"])
+@pytest.mark.parametrize("victim", [pytest.param("decoder", marks=pytest.mark.slow), "worker"])
 def test_the_cli_prints_one_line_and_leaves_no_process(tree: Path, tmp_path: Path, victim: str) -> None:
     """F6 + part 4, the real command: `dlstore convert --scheduler local:1` whose decode process (or
     worker) is killed -9 prints one error line, no traceback and no Dask log; when it has exited
@@ -173,6 +175,7 @@ def test_the_cli_prints_one_line_and_leaves_no_process(tree: Path, tmp_path: Pat
     assert left == [], left
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_dask_run_leaves_no_process(tree: Path, tmp_path: Path, signum: int) -> None:
