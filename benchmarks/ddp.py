@@ -175,8 +175,9 @@ def run_epoch(
 ) -> dict[str, Any]:
     """One epoch; returns what this rank was given and whether the loader delivered exactly that."""
     loader.set_epoch(epoch)
-    batches = iter(loader)  # sets the sampler's epoch, so the sampler now lists this epoch's order
-    indices = np.fromiter(iter(loader.sampler), dtype=np.int64)
+    indices = np.fromiter(iter(loader.sampler), dtype=np.int64)  # this rank's share of the epoch
+    loader.set_epoch(epoch)  # listing it moved the sampler on to the next epoch
+    batches = iter(loader)
     labels: list[np.ndarray] = []
     n_batches = 0
     for x, y in batches:

@@ -13,17 +13,19 @@ remote-cache options the same way, with the same defaults and checks::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
-import torch
 
 from dlstore.read.cache import Cache, open_cache
+from dlstore.read.order import ORDER_KINDS, EpochSampler, Pass
 from dlstore.read.sampler import ChunkSampler
 
 ORDERS = ("auto", "chunk", "random", "sequential")
@@ -43,30 +45,24 @@ def make_sampler(
     window: int | None = None,
     num_replicas: int = 1,
     rank: int = 0,
-) -> torch.utils.data.Sampler[int]:
+) -> EpochSampler:
     """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``.
 
-    With ``num_replicas`` > 1 (one process per GPU) each rank gets its own equal-length share of the
-    epoch (``ChunkSampler``'s contiguous slice, or ``DistributedSampler`` for ``random``), so every
-    rank runs the same number of steps and DDP never waits on a rank that ran out."""
+    One global order per epoch whatever ``num_replicas`` is; rank r takes positions r, r+W, ... of
+    it, an equal-length share, so every rank runs the same number of steps and DDP never waits on a
+    rank that ran out (``dlstore.read.order``)."""
     if order == "auto":
         order = "chunk" if cache.reader.traits.unit_grouped else "random"
+    if order not in ORDER_KINDS:
+        raise ValueError(f"order must be auto, chunk, random or sequential, got {order!r}")
     if order == "chunk":
         window = window or default_window(cache)
         return ChunkSampler(
             cache.positions, cache.reader.unit, window=window, seed=seed, num_replicas=num_replicas, rank=rank
         )
-    if order in ("random", "sequential") and num_replicas > 1:
-        return torch.utils.data.DistributedSampler(
-            range(len(cache)), num_replicas=num_replicas, rank=rank, shuffle=order == "random", seed=seed
-        )
-    if order == "random":
-        return torch.utils.data.RandomSampler(
-            range(len(cache)), generator=torch.Generator().manual_seed(seed)
-        )
-    if order == "sequential":
-        return torch.utils.data.SequentialSampler(range(len(cache)))
-    raise ValueError(f"order must be auto, chunk, random or sequential, got {order!r}")
+    return EpochSampler(
+        cache.positions, cache.reader.unit, order=order, seed=seed, num_replicas=num_replicas, rank=rank
+    )
 
 
 def default_window(cache: Cache, images: int = 4096) -> int:
@@ -185,7 +181,7 @@ class LoaderCore:
             cache_bytes=self.cache_bytes,
         )
 
-    def sampler(self, cache: Cache) -> torch.utils.data.Sampler[int]:
+    def sampler(self, cache: Cache) -> EpochSampler:
         return make_sampler(cache, self.order, self.seed, self.window, self.num_replicas, self.rank)
 
     def settings(self) -> dict[str, Any]:
@@ -194,19 +190,37 @@ class LoaderCore:
         return {name: getattr(self, name) for name in keep}
 
 
+@dataclass
+class LoaderPass:
+    """A loader's pass: the sampler's ``Pass``, its batch count, and the batches handed out so far."""
+
+    sampler_pass: Pass
+    batches: int
+    batch_size: int
+    received: int = 0
+
+    @property
+    def done(self) -> bool:
+        return self.received >= self.batches
+
+    def consumed(self) -> int:
+        p = self.sampler_pass
+        return p.consumed(min(self.received * self.batch_size, p.count))
+
+
 class CoreLoader:
     """The part every dlstore loader shares: ``core``, the ``cache`` it opened, the ``sampler`` of
-    this rank's share, ``len`` in batches and ``set_epoch``. A subclass's ``__init__`` takes its own
+    this rank's share, ``len`` in batches, ``set_epoch``, and the state: ``state_dict()`` /
+    ``load_state_dict()`` (see ``dlstore.read.order``). A subclass's ``__init__`` takes its own
     parameters and ``**core`` (``LoaderCore``'s fields, keyword-only), and calls ``_open_core``; its
-    signature (``help``, ``inspect.signature``) then lists both."""
+    signature (``help``, ``inspect.signature``) then lists both. Its ``__iter__`` takes the epoch's
+    batches from ``_next_epoch()`` (or ``_take_pass()``) and yields them; the batches it yields are
+    counted here, so a state taken between steps counts what the training loop received, never what
+    a gather thread or read-ahead prepared."""
 
     core: LoaderCore
     cache: Cache
-    sampler: torch.utils.data.Sampler[int]
-    epoch: int
-    # Whether the sampler follows set_epoch (ChunkSampler, DistributedSampler); otherwise it draws
-    # each epoch's order from its own generator.
-    EPOCH_SAMPLERS: ClassVar[tuple[type, ...]] = (ChunkSampler, torch.utils.data.DistributedSampler)
+    sampler: EpochSampler
     # What order="auto" means for this loader (None: the format decides, see make_sampler).
     AUTO_ORDER: ClassVar[str | None] = None
 
@@ -214,6 +228,8 @@ class CoreLoader:
         super().__init_subclass__(**kw)
         if "__init__" in cls.__dict__:
             cls.__init__.__signature__ = with_core_parameters(cls.__init__)  # type: ignore[attr-defined]
+        if "__iter__" in cls.__dict__:  # one place counts, whatever each loader's __iter__ is
+            cls.__iter__ = counting(cls.__dict__["__iter__"])  # type: ignore[method-assign]
 
     def _open_core(
         self, path: str | Path | Cache, batch_size: int, core: dict[str, Any], in_memory: bool = False
@@ -223,7 +239,7 @@ class CoreLoader:
             self.core = dataclasses.replace(self.core, order=self.AUTO_ORDER)
         self.cache = self.core.open(in_memory)
         self.sampler = self.core.sampler(self.cache)
-        self.epoch = 0
+        self._pass: LoaderPass | None = None
 
     @property
     def batch_size(self) -> int:
@@ -241,21 +257,69 @@ class CoreLoader:
     def order(self) -> str:
         return self.core.order
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the next pass reads (the sampler's)."""
+        return self.sampler.epoch
+
     def __len__(self) -> int:
-        n = len(self.sampler)  # type: ignore[arg-type]
+        n = len(self.sampler)
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
-        """The order of the next epoch is the one of ``epoch`` (resuming at an epoch boundary);
-        without calls, each iteration advances the epoch by one."""
-        self.epoch = epoch
+        """The order of the next epoch is the one of ``epoch`` (resuming at an epoch boundary, or at a
+        loaded state's position in it); without calls, each iteration advances the epoch by one."""
+        self.sampler.set_epoch(epoch)
 
-    def _next_epoch(self) -> torch.utils.data.BatchSampler:
-        """This rank's batches of the next epoch (dataset indices), and the epoch counted."""
-        if isinstance(self.sampler, self.EPOCH_SAMPLERS):
-            self.sampler.set_epoch(self.epoch)  # type: ignore[attr-defined]
-        self.epoch += 1
-        return torch.utils.data.BatchSampler(self.sampler, self.batch_size, self.drop_last)
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands, as plain JSON of a few hundred bytes: save it with each checkpoint.
+        Between steps it counts the batches the loop received; it is the same on every rank, and it
+        resumes on any number of ranks (``dlstore.read.order``)."""
+        lp = self._pass
+        if lp is not None and not lp.done:
+            state = self.sampler.state_at(lp.sampler_pass.epoch, lp.consumed())
+        else:
+            state = self.sampler.state_dict()
+        return {**state, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The next iteration continues from ``state`` (from ``state_dict()``, on any number of ranks)."""
+        self.sampler.load_state_dict(state)
+        self._pass = None
+
+    def _take_pass(self) -> np.ndarray:
+        """This rank's indices for the rest of the current epoch, and the pass counted from here."""
+        p, indices = self.sampler.take_pass()
+        b = self.batch_size
+        batches = p.count // b if self.drop_last else -(-p.count // b)
+        self._pass = LoaderPass(p, batches, b)
+        return indices
+
+    def _next_epoch(self) -> list[list[int]]:
+        """This rank's batches of the rest of the epoch (dataset indices); the sampler moves on."""
+        indices = self._take_pass()
+        assert self._pass is not None
+        b = self.batch_size
+        return [indices[i * b : (i + 1) * b].tolist() for i in range(self._pass.batches)]
+
+    def _count(self, batches: Iterable[Any]) -> Iterator[Any]:
+        counted: LoaderPass | None = None
+        for batch in batches:
+            if counted is None:  # a generator's pass starts with its first batch
+                counted = self._pass
+            if counted is not None:
+                counted.received += 1
+            yield batch
+
+
+def counting(iterate: Callable[[Any], Iterable[Any]]) -> Callable[[Any], Iterator[Any]]:
+    """A loader's ``__iter__`` whose batches ``CoreLoader`` counts as the loop receives them."""
+
+    @functools.wraps(iterate)
+    def __iter__(self: CoreLoader) -> Iterator[Any]:
+        return self._count(iterate(self))
+
+    return __iter__
 
 
 def with_core_parameters(init: Any) -> inspect.Signature:

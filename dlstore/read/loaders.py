@@ -317,7 +317,7 @@ class ResidentLoader(CoreLoader):
     ...                         cuda_graph=True)                          # doctest: +SKIP
 
     Takes the ``LoaderCore`` every loader takes; ``order="auto"`` is ``random`` here (the images are in
-    device memory: chunks do not matter), drawn on the device. ``shuffle=`` is the old spelling of
+    device memory: chunks do not matter). ``shuffle=`` is the old spelling of
     ``order`` (a DeprecationWarning for one round).
     """
 
@@ -357,7 +357,8 @@ class ResidentLoader(CoreLoader):
 
     def __iter__(self) -> Iterator[Batch]:
         order = self._epoch_order()
-        for i in range(len(self)):
+        assert self._pass is not None
+        for i in range(self._pass.batches):
             idx = order[i * self.batch_size : (i + 1) * self.batch_size]
             if self.cuda_graph and len(idx) == self.batch_size:
                 yield self._replay(idx)
@@ -365,17 +366,9 @@ class ResidentLoader(CoreLoader):
                 yield self.batch(idx)
 
     def _epoch_order(self) -> torch.Tensor:
-        """This rank's dataset indices for the next epoch, on the device. One process reading all of
-        a random or sequential epoch draws it there (no host work); a rank's share or a chunk order
-        comes from the sampler, moved once per epoch."""
-        if self.core.num_replicas == 1 and self.order in ("random", "sequential"):
-            g = torch.Generator(self.device).manual_seed(self.seed * 1_000_003 + self.epoch)
-            self.epoch += 1
-            if self.order == "random":
-                return torch.randperm(self.n, device=self.device, generator=g)
-            return torch.arange(self.n, device=self.device)
-        indices = [i for batch in self._next_epoch() for i in batch]
-        return torch.as_tensor(indices, dtype=torch.int64).to(self.device)
+        """This rank's dataset indices for the rest of the epoch, moved to the device once: the same
+        global order as every other loader's (``dlstore.read.order``), built on the host in O(n)."""
+        return torch.from_numpy(self._take_pass().astype(np.int64, copy=False)).to(self.device)
 
     def batch(self, idx: torch.Tensor) -> Batch:
         x = self.images.index_select(0, idx).permute(0, 3, 1, 2)

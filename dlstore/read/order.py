@@ -1,0 +1,309 @@
+"""One order per epoch for every loader, rank count and worker count, and where a run is in it.
+
+Design
+------
+**One global sequence per epoch.** The epoch's order ``G`` is a pure function of (``seed``, ``epoch``,
+``order``, ``window``, the cache's layout: ``n`` and the unit that holds each image). Nothing else
+enters it: not the number of ranks, not ``num_workers``, not the loader kind, not prefetching.
+``epoch_sequence`` builds it once per epoch in O(n) time into one array (int32 below 2**31 images),
+and the rank's indices are gathered from that array a block at a time: never a second array of the
+epoch, never a Python list of it.
+
+- ``chunk``: the units (chunks, shards) in a random order, then ``window`` consecutive units at a
+  time with their images shuffled together in place - the two levels of Mosaic Streaming's ``py1e``
+  and wids' ``ChunkedSampler``. Each unit is decoded once per epoch by a reader that keeps two
+  windows, and ``convert`` stores images shuffled, so every unit is already a random mix.
+- ``random``: a permutation of the n indices; ``sequential``: dataset order.
+
+**Ranks take turns.** Rank r of W takes global positions ``c + r, c + r + W, c + r + 2W, ...`` (as
+``DistributedSampler`` does), where ``c`` is the number of positions consumed when the pass began
+(0, or a loaded state's). After every rank has taken k batches of B, exactly the prefix
+``c + k*W*B`` of ``G`` has been consumed, whatever W is. Every rank takes the same count:
+``ceil((n - c) / W)`` positions, those past ``n`` wrapping to the start of ``G`` (DistributedSampler's
+padding), or ``floor`` with ``drop_last``; so all ranks run the same number of steps.
+
+**State** is ``{order, seed, window, epoch, consumed, n, units, num_replicas}`` (and a loader's
+``batch_size``): plain JSON of about 200 bytes at any n, never an index list. ``consumed`` counts
+positions of ``G``. A run resumed on W' ranks makes rank r' take ``c + r' + j*W'``: the same global
+sequence continues, nothing repeated and nothing skipped in the epoch (only the epoch's last
+``< W'`` samples are padded or dropped, by the world that reaches the end). Loading a state adopts
+its order, seed and window; a state of another cache layout (``n``, ``units``) is refused.
+
+**Who counts.** A sampler counts what its iterator has yielded: that is what torchdata's
+``StatefulDataLoader`` snapshots in the main process right after drawing each batch's indices, and
+it keeps its own account of the batches its workers prefetched (it restores the snapshot of the
+last batch the loop received). A dlstore loader counts the batches its iterator handed to the
+training loop (``CoreLoader``), not what its gather thread or read-ahead prepared.
+
+**Epochs.** A pass that yields its last sample moves the sampler to the next epoch, so a state taken
+after an epoch's last batch reads ``{epoch: e+1, consumed: 0}``. ``set_epoch(e)`` starts epoch e
+from its beginning, except that a loaded state of epoch e keeps its position: the usual
+``set_epoch(epoch)`` at the top of each epoch works unchanged after a resume.
+
+**The price under DDP.** Taking turns spreads each rank over the current window of units, where the
+old contiguous slice per rank kept each rank on 1/W of them: a chunked (zarr/npz) cache read by W
+ranks decodes each unit on each rank that takes an image of it (``benchmarks/sampler_order.py``
+counts it). The one order for any W is what makes an elastic resume possible; a fixed number of
+"lanes" (Mosaic's canonical nodes) would give the locality back when W divides it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from dlstore.read.cache import Cache
+
+ORDER_KINDS = ("chunk", "random", "sequential")
+STATE_VERSION = 1
+BLOCK = 8192  # indices turned into Python ints at a time
+
+
+class _HasCache(Protocol):
+    @property
+    def cache(self) -> Cache: ...
+
+
+def storage_map(source: np.ndarray | Cache | _HasCache, unit: int | None) -> tuple[np.ndarray, int]:
+    """(storage positions, images per unit) of a dataset, a cache, or positions given with their unit."""
+    if isinstance(source, np.ndarray | list | tuple):
+        if unit is None:
+            raise TypeError(
+                "ChunkSampler(positions, unit): with storage positions, pass the images per chunk too, "
+                "or pass the CachedDataset / Cache itself"
+            )
+        return np.asarray(source), unit
+    cache = source if isinstance(source, Cache) else source.cache
+    return cache.positions, cache.reader.unit if unit is None else unit
+
+
+class Layout:
+    """Which unit holds each image: dataset indices in storage order, cut at unit boundaries (only
+    for the chunk order; the others need just n)."""
+
+    def __init__(self, positions: np.ndarray, unit: int, grouped: bool = True) -> None:
+        self.n = len(positions)
+        self.dtype = np.dtype(np.int32 if self.n < 2**31 else np.int64)
+        self.by_storage = np.zeros(0, self.dtype)
+        self.starts = np.array([0, self.n], np.int64)
+        self.units = -(-self.n // max(1, unit))
+        if grouped and self.n:
+            self.by_storage = np.argsort(positions, kind="stable").astype(self.dtype, copy=False)
+            keys = positions[self.by_storage] // max(1, unit)
+            cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+            self.starts = np.concatenate(([0], cuts, [self.n])).astype(np.int64)
+            self.units = len(self.starts) - 1
+
+
+def epoch_sequence(
+    layout: Layout, order: str, seed: int, epoch: int, window: int, shuffle: bool = True
+) -> np.ndarray:
+    """The epoch's global order G (dataset indices), built in place in one array."""
+    n, dtype = layout.n, layout.dtype
+    rng = np.random.default_rng((seed, epoch))
+    if order == "sequential":
+        return np.arange(n, dtype=dtype)
+    if order == "random":
+        seq = np.arange(n, dtype=dtype)
+        rng.shuffle(seq)
+        return seq
+    if not shuffle:
+        return layout.by_storage
+    seq = np.empty(n, dtype=dtype)
+    picks = rng.permutation(len(layout.starts) - 1)
+    at = 0
+    for w in range(0, len(picks), window):
+        begin = at
+        for u in picks[w : w + window].tolist():
+            a, b = layout.starts[u], layout.starts[u + 1]
+            seq[at : at + b - a] = layout.by_storage[a:b]
+            at += b - a
+        rng.shuffle(seq[begin:at])
+    return seq
+
+
+@dataclass
+class Pass:
+    """One rank's walk through (the rest of) one epoch: ``count`` positions from ``start``."""
+
+    epoch: int
+    start: int
+    count: int
+    num_replicas: int
+    rank: int
+    yielded: int = 0
+
+    def consumed(self, taken: int) -> int:
+        """Global positions consumed once every rank has taken ``taken`` of its own."""
+        return self.start + taken * self.num_replicas
+
+
+class EpochSampler(torch.utils.data.Sampler[int]):
+    """This rank's share of one global order per epoch, with a state to resume anywhere.
+
+    ``order``: ``chunk`` (chunk-aware shuffle, see ``dlstore.read.order``), ``random`` or
+    ``sequential``. ``num_replicas``/``rank`` as ``DistributedSampler``. The state is a few hundred
+    bytes of JSON; a state saved on W ranks resumes on any number of ranks::
+
+        sampler = EpochSampler(ds, order="random", seed=0, num_replicas=world, rank=rank)
+        loader = StatefulDataLoader(ds, batch_size=256, sampler=sampler, num_workers=8)
+        loader.load_state_dict(checkpoint["loader"])          # resumes through sampler.load_state_dict
+
+    The first argument is a ``CachedDataset`` (or anything with ``.cache``), a ``Cache``, or the
+    dataset's storage positions (then ``unit``, the images per chunk, is needed too).
+    """
+
+    def __init__(
+        self,
+        source: np.ndarray | Cache | _HasCache,
+        unit: int | None = None,
+        *,
+        order: str = "chunk",
+        window: int = 16,
+        seed: int = 0,
+        num_replicas: int = 1,
+        rank: int = 0,
+        drop_last: bool = False,
+        shuffle: bool = True,
+    ) -> None:
+        if order not in ORDER_KINDS:
+            raise ValueError(f"order must be one of {', '.join(ORDER_KINDS)}, got {order!r}")
+        if not 0 <= rank < num_replicas:
+            raise ValueError(f"rank {rank} not in [0, {num_replicas})")
+        if order != "chunk":
+            unit = 1 if unit is None and isinstance(source, np.ndarray | list | tuple) else unit
+        positions, unit = storage_map(source, unit)
+        self.positions = np.asarray(positions, dtype=np.int64)
+        self.unit, self.window, self.seed, self.order = max(1, unit), max(1, window), seed, order
+        self.num_replicas, self.rank, self.drop_last, self.shuffle = num_replicas, rank, drop_last, shuffle
+        self.layout = Layout(self.positions, self.unit, grouped=order == "chunk")
+        n = self.layout.n
+        self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
+        self.epoch = 0
+        self._resume = 0  # positions of `epoch` consumed before the next pass (a loaded state's)
+        self._pass: Pass | None = None  # the pass in progress, until it yields its last index
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def set_epoch(self, epoch: int) -> None:
+        """The next pass is epoch ``epoch``: from its start, or from a loaded state's position in it."""
+        if epoch != self.epoch:
+            self._resume = 0
+        self.epoch = epoch
+        self._pass = None
+
+    def sequence(self, epoch: int) -> np.ndarray:
+        """The global order of ``epoch`` (all ranks'), dataset indices."""
+        return epoch_sequence(self.layout, self.order, self.seed, epoch, self.window, self.shuffle)
+
+    def begin_pass(self) -> tuple[Pass, np.ndarray]:
+        """Start this rank's pass through the rest of the current epoch: (the pass, the global order)."""
+        n, w = self.layout.n, self.num_replicas
+        start = min(self._resume, n)
+        left = n - start
+        count = left // w if self.drop_last else -(-left // w)
+        self._resume = 0
+        self._pass = Pass(self.epoch, start, count, w, self.rank)
+        if count == 0:
+            self._finish(self._pass)
+        return self._pass, self.sequence(self._pass.epoch)
+
+    def indices(self, p: Pass, seq: np.ndarray, a: int, b: int) -> np.ndarray:
+        """This rank's indices a..b of pass ``p`` (positions past n wrap: the padding)."""
+        pos = p.start + p.rank + np.arange(a, min(b, p.count), dtype=np.int64) * p.num_replicas
+        return seq.take(pos, mode="wrap") if len(seq) else pos
+
+    def take_pass(self) -> tuple[Pass, np.ndarray]:
+        """The whole of this rank's pass at once (a loader that reads ahead counts what it hands out
+        itself); the sampler moves on to the next epoch."""
+        p, seq = self.begin_pass()
+        idx = self.indices(p, seq, 0, p.count)
+        if self._pass is p:
+            self._finish(p)
+        return p, idx
+
+    def _finish(self, p: Pass) -> None:
+        if self._pass is p:
+            self._pass = None
+            self.epoch = p.epoch + 1
+            self._resume = 0
+
+    def __iter__(self) -> Iterator[int]:
+        p, seq = self.begin_pass()
+        for a in range(0, p.count, BLOCK):
+            for i in self.indices(p, seq, a, a + BLOCK).tolist():
+                p.yielded += 1
+                if p.yielded == p.count:  # the state after the last index reads: next epoch
+                    self._finish(p)
+                yield i
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this sampler's order stands, as plain JSON (the same on every rank)."""
+        p = self._pass
+        epoch, consumed = (p.epoch, p.consumed(p.yielded)) if p is not None else (self.epoch, self._resume)
+        return self.state_at(epoch, consumed)
+
+    def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
+        return {
+            "dlstore_order": STATE_VERSION,
+            "order": self.order,
+            "seed": self.seed,
+            "window": self.window,
+            "shuffle": self.shuffle,
+            "epoch": int(epoch),
+            "consumed": int(min(consumed, self.layout.n)),
+            "n": self.layout.n,
+            "units": self.layout.units,
+            "num_replicas": self.num_replicas,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (saved by this sampler or a loader, on any number of ranks)."""
+        if state.get("order") != self.order and state.get("order") in ORDER_KINDS:
+            self.layout = Layout(self.positions, self.unit, grouped=state["order"] == "chunk")
+        check_state(state, self.layout)
+        self.order, self.seed, self.window = state["order"], int(state["seed"]), int(state["window"])
+        self.shuffle = bool(state.get("shuffle", True))
+        self.epoch, self._resume, self._pass = int(state["epoch"]), int(state["consumed"]), None
+
+
+def check_state(state: dict[str, Any], layout: Layout) -> None:
+    """A state this layout can continue, or a ValueError naming what differs."""
+    if not isinstance(state, dict) or state.get("dlstore_order") != STATE_VERSION:
+        raise ValueError(
+            f"not a dlstore order state (expected a dict with dlstore_order={STATE_VERSION}, got "
+            f"{str(state)[:120]!r}); pass what state_dict() of a dlstore sampler or loader returned"
+        )
+    if state["order"] not in ORDER_KINDS:
+        raise ValueError(
+            f"order state names order {state['order']!r}; expected one of {', '.join(ORDER_KINDS)}"
+        )
+    grouped = state["order"] == "chunk" and len(layout.by_storage) == layout.n
+    if state["n"] != layout.n or (grouped and state["units"] != layout.units):
+        raise ValueError(
+            f"the order state was saved for a cache of {state['n']} images in {state['units']} units; "
+            f"this one has {layout.n} in {layout.units}: resume with the cache the state was saved with"
+        )
+    if not 0 <= int(state["consumed"]) <= layout.n:
+        raise ValueError(f"order state: consumed={state['consumed']} is outside [0, {layout.n}]")
+
+
+def keeps_state(loader: Any) -> bool:
+    """Whether a training loop can checkpoint this loader's position (dlstore loaders, torchdata's
+    StatefulDataLoader); a plain DataLoader cannot, whatever its sampler."""
+    return callable(getattr(loader, "state_dict", None)) and callable(
+        getattr(loader, "load_state_dict", None)
+    )
+
+
+STATELESS_NOTE = (
+    "This loader keeps no state: a run stopped mid-epoch restarts the epoch (or skips the rest of it). "
+    "Use torchdata's StatefulDataLoader with dlstore's EpochSampler/ChunkSampler, or a dlstore loader, "
+    "and save loader.state_dict() with each checkpoint."
+)

@@ -1,0 +1,159 @@
+"""Stop and resume anywhere: one global order per epoch for every loader, worker count and rank count,
+and a state of a few hundred bytes that continues it (``dlstore.read.order``).
+
+The cache gives every image its own class, so a batch's labels are the ids of its samples."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from dlstore import CachedDataset, convert
+from dlstore.convert.sources import ArraySource
+from dlstore.formats import FORMATS
+from dlstore.read.gpu_decode import DecodeLoader
+from dlstore.read.loaders import PinnedLoader, ResidentLoader
+from dlstore.read.order import EpochSampler, keeps_state
+from dlstore.read.sampler import ChunkSampler
+
+PAYLOAD_FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
+N, B, WINDOW = 60, 4, 2
+
+
+@pytest.fixture(scope="module")
+def ids_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """60 JPEG payloads in units of 6, image i of class i: every loader kind reads it."""
+    rng = np.random.default_rng(3)
+    source = ArraySource(
+        description="ids",
+        classes=tuple(f"c{i}" for i in range(N)),
+        names=[str(i) for i in range(N)],
+        labels=np.arange(N),
+        kind="test",
+        data=rng.integers(0, 256, (N, 8, 8, 3), dtype=np.uint8),
+    )
+    dest = tmp_path_factory.mktemp("resume") / "jpeg"
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(FORMATS[PAYLOAD_FORMAT].payload_writer, "target_unit_bytes", 6 * (192 // 10))
+        convert(source, dest, format=PAYLOAD_FORMAT, size=8, resize="stretch", codec="jpeg", workers=1)
+    return dest
+
+
+def fast_loader(kind: type, cache: Path, **kw: Any) -> Any:
+    kw = {"order": "chunk", "window": WINDOW, "seed": 7, "drop_last": True, **kw}
+    return kind(cache, B, device="cpu", **kw)
+
+
+def stateful(cache: Path, workers: int, **kw: Any) -> StatefulDataLoader:
+    ds = CachedDataset(cache)
+    sampler = ChunkSampler(ds, window=WINDOW, seed=7, **kw)
+    return StatefulDataLoader(ds, batch_size=B, sampler=sampler, num_workers=workers, drop_last=True)
+
+
+def ids(batches: Any, k: int | None = None) -> list[list[int]]:
+    """Each batch's sample ids, sorted: the fast loaders read a batch in storage order."""
+    return [sorted(y.tolist()) for _, y in itertools.islice(batches, k)]
+
+
+def test_one_order_whatever_the_loader_and_the_workers(ids_cache: Path) -> None:
+    sampler = ChunkSampler(CachedDataset(ids_cache), window=WINDOW, seed=7)
+    sampler.set_epoch(1)
+    expected = np.sort(sampler.sequence(1)[: N // B * B].reshape(-1, B), axis=1).tolist()
+    for kind in (PinnedLoader, ResidentLoader, DecodeLoader):
+        loader = fast_loader(kind, ids_cache)
+        loader.set_epoch(1)
+        assert ids(loader) == expected, kind.__name__
+    for workers in (0, 2):
+        dl = stateful(ids_cache, workers)
+        dl.sampler.set_epoch(1)
+        assert ids(dl) == expected, workers
+
+
+@pytest.mark.parametrize("kind", [PinnedLoader, ResidentLoader, DecodeLoader])
+def test_a_loader_resumes_with_the_exact_next_batch(ids_cache: Path, kind: type) -> None:
+    whole = ids(fast_loader(kind, ids_cache))
+    first = (
+        fast_loader(kind, ids_cache, read_ahead=3) if kind is DecodeLoader else fast_loader(kind, ids_cache)
+    )
+    it = iter(first)
+    seen = ids(it, 5)  # the read-ahead and gather threads have prepared more than five by now
+    state = json.loads(json.dumps(first.state_dict()))  # plain JSON
+    assert state["consumed"] == 5 * B and state["epoch"] == 0
+    resumed = fast_loader(kind, ids_cache)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)  # the usual set_epoch at the top of the epoch keeps the position
+    assert seen + ids(resumed) == whole
+    assert resumed.state_dict()["epoch"] == 1 and resumed.state_dict()["consumed"] == 0
+    again = ids(resumed)  # the next epoch, from its start
+    assert sorted(sum(again, [])) != sum(again, []) and len(again) == N // B
+
+
+def test_stateful_dataloader_with_workers_resumes_through_the_sampler(ids_cache: Path) -> None:
+    whole = ids(stateful(ids_cache, 2))
+    dl = stateful(ids_cache, 2)
+    it = iter(dl)
+    seen = ids(it, 6)  # two workers with prefetch_factor 2 have read ahead of the loop
+    state = dl.state_dict()
+    del it
+    resumed = stateful(ids_cache, 2)
+    resumed.load_state_dict(state)
+    assert seen + ids(resumed) == whole
+
+
+def test_two_ranks_resume_on_three_and_continue_the_one_global_sequence(ids_cache: Path) -> None:
+    """W=2 for 3 steps, saved, W'=3 to the end of the epoch: the global sequence, nothing twice."""
+    glob = ChunkSampler(CachedDataset(ids_cache), window=WINDOW, seed=7).sequence(0).tolist()
+    two = [fast_loader(PinnedLoader, ids_cache, num_replicas=2, rank=r) for r in range(2)]
+    iters = [iter(x) for x in two]
+    steps = [[sorted(next(it)[1].tolist()) for it in iters] for _ in range(3)]
+    states = [x.state_dict() for x in two]
+    assert states[0] == states[1] and states[0]["consumed"] == 3 * 2 * B
+    for s, (r0, r1) in enumerate(steps):  # rank r took global positions r, r+2, r+4, ...
+        base = s * 2 * B
+        assert r0 == sorted(glob[base : base + 2 * B : 2]) and r1 == sorted(glob[base + 1 : base + 2 * B : 2])
+    three = [fast_loader(ResidentLoader, ids_cache, num_replicas=3, rank=r) for r in range(3)]
+    for x in three:
+        x.load_state_dict(states[0])
+    rest = [ids(x) for x in three]
+    assert len({len(r) for r in rest}) == 1  # equal batch counts on the new world
+    c = states[0]["consumed"]
+    for s in range(len(rest[0])):
+        base = c + s * 3 * B
+        for r in range(3):
+            assert rest[r][s] == sorted(glob[base + r : base + 3 * B : 3])
+    taken = sum((sum(step, []) for step in steps), []) + sum(sum(rest, []), [])
+    assert len(taken) == len(set(taken))  # nothing repeated
+    assert sorted(taken) == sorted(glob[: len(taken)])  # nothing skipped: a prefix of the sequence
+
+
+def test_ten_million_samples_a_few_hundred_bytes_and_one_copy_of_the_order() -> None:
+    n = 10_000_000
+    positions = np.arange(n, dtype=np.int64)
+    sampler = EpochSampler(positions, 1024, order="chunk", window=4, seed=1, num_replicas=8, rank=3)
+    tracemalloc.start()
+    it = iter(sampler)
+    first = [next(it) for _ in range(1000)]
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1.5 * n * 4  # the order (int32) once; a second copy or a list would pass 2x
+    state = sampler.state_dict()
+    assert len(json.dumps(state)) < 300 and state["consumed"] == 1000 * 8
+    resumed = EpochSampler(positions, 1024, order="chunk", window=4, seed=1, num_replicas=8, rank=3)
+    resumed.load_state_dict(state)
+    assert next(iter(resumed)) == next(it) and len(set(first)) == 1000
+
+
+def test_a_state_of_another_cache_is_refused_and_plain_dataloader_keeps_none(ids_cache: Path) -> None:
+    state = EpochSampler(np.arange(10), 1, order="random").state_dict()
+    with pytest.raises(ValueError, match="saved for a cache of 10 images"):
+        EpochSampler(np.arange(12), 1, order="random").load_state_dict(state)
+    assert keeps_state(fast_loader(PinnedLoader, ids_cache)) and keeps_state(stateful(ids_cache, 0))
+    assert not keeps_state(torch.utils.data.DataLoader(CachedDataset(ids_cache), shuffle=True))
