@@ -70,7 +70,7 @@ from dlstore.bench.report import (
     write_outputs,
 )
 from dlstore.bench.stages import BatchStream, device_label, synthetic_batch
-from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse
+from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse, state_notes
 from dlstore.convert.plan import source_warnings
 from dlstore.convert.sizes import count
 from dlstore.convert.sources import Source, open_source
@@ -208,6 +208,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     profiles = profile_all(prepared, steps, config, workers, device, specs, log) if config.profile else None
     phases["profile_s"] = time.perf_counter() - t_start - sum(phases.values())
     notes += contention_notes(runs)
+    notes += state_notes(runs)
     kind_stages = {name: kind_stages_of(s, prepared[name], fed) for name, s in stage_results.items()}
     facts = Facts(
         device=device.type,

@@ -521,3 +521,13 @@ def _pin_advice(runs: Sequence[dict[str, Any]], facts: Facts) -> list[dict[str, 
                 )
             )
     return out
+
+
+def state_notes(runs: Sequence[dict[str, Any]]) -> list[str]:
+    """One note naming the loaders that ran without a state to resume from (a plain DataLoader)."""
+    from dlstore.read.order import STATELESS_NOTE
+
+    stateless = sorted(
+        {r["loader"] for r in runs if (r.get("loader_settings") or {}).get("keeps_state") is False}
+    )
+    return [f"{', '.join(stateless)}: {STATELESS_NOTE}"] if stateless else []

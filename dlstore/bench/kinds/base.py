@@ -15,6 +15,7 @@ from dlstore.bench.protocol import BenchConfig
 from dlstore.convert.sources import ArraySource, Source
 from dlstore.read.dataset import CachedDataset
 from dlstore.read.loader_core import CoreLoader
+from dlstore.read.order import keeps_state
 
 NATIVE_SIZES = {"MNIST": 28, "FashionMNIST": 28, "CIFAR10": 32, "CIFAR100": 32}
 DEFAULT_FOLDER_SIZE = 224  # what image folders are usually trained at
@@ -110,7 +111,7 @@ class PreparedLoader:
 def loader_settings(loader: Iterable) -> dict[str, Any]:
     """What the loader object that ran was set to (read back from it, not from what was asked): a
     torch DataLoader's own settings, a dlstore loader's ``LoaderCore``; a kind's own iterable, its type."""
-    out: dict[str, Any] = {"type": type(loader).__name__}
+    out: dict[str, Any] = {"type": type(loader).__name__, "keeps_state": keeps_state(loader)}
     if isinstance(loader, DataLoader):
         out.update(dataloader_settings(loader))
     elif isinstance(loader, CoreLoader):

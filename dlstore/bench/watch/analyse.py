@@ -97,6 +97,8 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
         "notes": [],
         "advice": [],
     }
+    if ld["settings"].get("keeps_state") is False:
+        rep["notes"].append(stateless_note())
     if steady is None:
         rep["notes"].append("No step of this loader completed: nothing to time.")
         return rep
@@ -599,3 +601,9 @@ def _step_advice(
 
 def _fmt(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:,.0f}"
+
+
+def stateless_note() -> str:
+    from dlstore.read.order import STATELESS_NOTE
+
+    return STATELESS_NOTE

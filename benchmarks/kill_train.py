@@ -1,0 +1,300 @@
+"""Kill -9 a real DDP training loop at random points, resume it from its last checkpoint, and check that
+the samples it trained on are exactly the uninterrupted run's (``kill_resume.py`` does the same to
+``dlstore convert``).
+
+Each loader kind trains a linear model under DDP (gloo, 2 ranks on the CPU, one process each, started
+with torch.multiprocessing) on a JPEG cache whose image i is of class i, so a batch's labels are its
+sample ids:
+
+- ``cached``: ``CachedDataset`` + ``ChunkSampler`` under torchdata's ``StatefulDataLoader``, 2 workers;
+- ``pinned``, ``resident``, ``decode``: ``PinnedLoader``, ``ResidentLoader``, ``DecodeLoader`` on the CPU.
+
+The loop runs by steps across epoch boundaries; every ``--every`` steps rank 0 writes a checkpoint
+(model, optimizer, step, every rank's loader state) by temp file and rename. Each rank logs every step's
+sample ids. For each kind: one uninterrupted reference run, then a chain of ``--kills`` runs, each
+resumed from the last checkpoint and SIGKILLed (the whole process group: ranks and DataLoader workers)
+at a random step and a random moment within it, then one run to the end. It checks that every batch any
+run logged at step s equals the reference's step s (so the final sequence does too), and compares the
+final weights.
+
+    python benchmarks/kill_train.py --kills 20 --out benchmarks/results/kill_train.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+KINDS = ("cached", "pinned", "resident", "decode")
+
+
+# --- the training run (one process per rank) ------------------------------------------------------------
+
+
+def make_loader(kind: str, cache: Path, batch: int, rank: int, world: int) -> Any:
+    from dlstore import CachedDataset
+    from dlstore.read.gpu_decode import DecodeLoader
+    from dlstore.read.loaders import PinnedLoader, ResidentLoader
+    from dlstore.read.sampler import ChunkSampler
+
+    core = {"order": "chunk", "window": 2, "seed": 5, "num_replicas": world, "rank": rank}
+    if kind == "cached":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        ds = CachedDataset(cache)
+        sampler = ChunkSampler(ds, window=2, seed=5, num_replicas=world, rank=rank)
+        return StatefulDataLoader(ds, batch_size=batch, sampler=sampler, num_workers=2, drop_last=True)
+    loader = {"pinned": PinnedLoader, "resident": ResidentLoader, "decode": DecodeLoader}[kind]
+    return loader(cache, batch, device="cpu", **core)
+
+
+def endless(loader: Any) -> Any:
+    while True:  # each pass is the next epoch (a resumed one continues the epoch it stopped in)
+        yield from loader
+
+
+def train(rank: int, args: argparse.Namespace, port: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world)
+    torch.manual_seed(0)
+    n = int(json.loads((args.cache / "dlstore.json").read_text())["n"])
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3 * 8 * 8, n))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = make_loader(args.kind, args.cache, args.batch, rank, args.world)
+    ckpt = args.run / "checkpoint.pt"
+    step = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.module.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        loader.load_state_dict(state["loaders"][rank % len(state["loaders"])])
+        step = state["step"]
+    log = open(args.run / f"rank{rank}.jsonl", "a")
+    batches = endless(loader)
+    while step < args.steps:
+        x, y = next(batches)
+        loss = torch.nn.functional.cross_entropy(model(x.float().flatten(1) / 255), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        log.write(json.dumps({"attempt": args.attempt, "step": step, "ids": sorted(y.tolist())}) + "\n")
+        log.flush()
+        step += 1
+        time.sleep(args.step_sleep)
+        if step % args.every == 0:
+            states = [None] * args.world
+            dist.all_gather_object(states, loader.state_dict())
+            if rank == 0:
+                doc = {"step": step, "model": model.module.state_dict(), "optimizer": opt.state_dict()}
+                tmp = ckpt.with_name(f".checkpoint.{os.getpid()}")
+                torch.save({**doc, "loaders": states}, tmp)
+                os.replace(tmp, ckpt)
+            dist.barrier()
+    if rank == 0:
+        weights = torch.cat([p.detach().flatten() for p in model.module.parameters()])
+        (args.run / "final.json").write_text(json.dumps({"weights": weights.double().sum().item()}))
+    dist.destroy_process_group()
+
+
+def child(args: argparse.Namespace) -> None:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(train, args=(args, port), nprocs=args.world, start_method="fork")
+
+
+# --- the harness ------------------------------------------------------------------------------------------
+
+
+def make_cache(root: Path, n: int) -> Path:
+    from dlstore import convert
+    from dlstore.convert.sources import ArraySource
+    from dlstore.formats import FORMATS
+
+    payload = next(f for f in FORMATS.values() if f.ragged_ok)
+    payload.payload_writer.target_unit_bytes = 8 * (192 // 10)  # units of ~8 images: many units
+    rng = np.random.default_rng(0)
+    source = ArraySource(
+        description="ids",
+        classes=tuple(f"c{i}" for i in range(n)),
+        names=[str(i) for i in range(n)],
+        labels=np.arange(n),
+        kind="kill_train",
+        data=rng.integers(0, 256, (n, 8, 8, 3), dtype=np.uint8),
+    )
+    dest = root / "cache"
+    convert(source, dest, format=payload.name, size=8, resize="stretch", codec="jpeg", workers=1)
+    return dest
+
+
+def launch(args: argparse.Namespace, kind: str, run: Path, attempt: int) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, __file__, "--child", "--kind", kind, "--cache", str(args.cache), "--run", str(run)]
+    cmd += ["--attempt", str(attempt), "--steps", str(args.steps), "--every", str(args.every)]
+    cmd += ["--batch", str(args.batch), "--step-sleep", str(args.step_sleep), "--world", str(args.world)]
+    err = open(run / f"stderr.{attempt}", "wb")
+    return subprocess.Popen(cmd, stdout=err, stderr=err, start_new_session=True)
+
+
+def logged(run: Path) -> dict[int, list[dict[str, Any]]]:
+    """rank -> every complete line it logged, over all attempts."""
+    out: dict[int, list[dict[str, Any]]] = {}
+    for f in sorted(run.glob("rank*.jsonl")):
+        lines = []
+        for line in f.read_text().splitlines():
+            try:
+                lines.append(json.loads(line))
+            except json.JSONDecodeError:  # the line being written when the kill came
+                pass
+        out[int(f.stem[4:])] = lines
+    return out
+
+
+def last_step(run: Path, attempt: int) -> int:
+    steps = [r["step"] for lines in logged(run).values() for r in lines if r["attempt"] == attempt]
+    return max(steps, default=-1)
+
+
+def checkpoint_step(run: Path) -> int:
+    import torch
+
+    ckpt = run / "checkpoint.pt"
+    return int(torch.load(ckpt, weights_only=False)["step"]) if ckpt.exists() else 0
+
+
+def kill_at(proc: subprocess.Popen[bytes], run: Path, attempt: int, target: int, jitter: float) -> bool:
+    """SIGKILL the group once the run has logged step ``target`` and ``jitter`` s more; False when it
+    finished first."""
+    while proc.poll() is None and last_step(run, attempt) < target:
+        time.sleep(0.02)
+    if proc.poll() is None:
+        time.sleep(jitter)
+    finished = proc.poll() is not None
+    try:
+        os.killpg(proc.pid, 9)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    return not finished
+
+
+def run_to_end(args: argparse.Namespace, kind: str, run: Path, attempt: int) -> None:
+    proc = launch(args, kind, run, attempt)
+    if proc.wait(timeout=600) != 0:
+        raise RuntimeError(
+            f"{kind} attempt {attempt} failed: {(run / f'stderr.{attempt}').read_text()[-2000:]}"
+        )
+
+
+def compare(run: Path, ref: dict[int, dict[int, list[int]]]) -> dict[str, Any]:
+    lines = logged(run)
+    wrong = [(r, x["step"]) for r, xs in lines.items() for x in xs if ref[r].get(x["step"]) != x["ids"]]
+    final = {r: {x["step"]: x["ids"] for x in xs} for r, xs in lines.items()}
+    complete = all(sorted(final[r]) == sorted(ref[r]) for r in ref)
+    return {"wrong_batches": len(wrong), "first_wrong": wrong[:3], "complete": complete}
+
+
+def run_kind(args: argparse.Namespace, kind: str, work: Path, rng: random.Random) -> dict[str, Any]:
+    ref_run = work / f"{kind}-ref"
+    ref_run.mkdir()
+    t0 = time.perf_counter()
+    run_to_end(args, kind, ref_run, 0)
+    ref_s = time.perf_counter() - t0
+    ref = {r: {x["step"]: x["ids"] for x in xs} for r, xs in logged(ref_run).items()}
+    run = work / kind
+    run.mkdir()
+    kills = []
+    for attempt in range(args.kills):
+        start = checkpoint_step(run)
+        target = rng.randrange(start, args.steps)
+        proc = launch(args, kind, run, attempt)
+        killed = kill_at(proc, run, attempt, target, rng.uniform(0, args.step_sleep * 1.5))
+        kills.append({"resumed_from_step": start, "kill_after_step": target, "killed": killed})
+        if not killed:
+            break
+    run_to_end(args, kind, run, args.kills)
+    result = compare(run, ref)
+    weights = [json.loads((d / "final.json").read_text())["weights"] for d in (ref_run, run)]
+    return {
+        "kind": kind,
+        "reference_s": round(ref_s, 1),
+        "kills": sum(k["killed"] for k in kills),
+        "batches_logged": sum(len(v) for v in logged(run).values()),
+        **result,
+        "weights_equal": weights[0] == weights[1],
+        "ok": result["wrong_batches"] == 0 and result["complete"],
+        "chain": kills,
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--kills", type=int, default=20, help="kills per loader kind")
+    ap.add_argument("--kinds", default=",".join(KINDS))
+    ap.add_argument("--images", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=60, help="steps of the whole run (several epochs)")
+    ap.add_argument("--every", type=int, default=4, help="a checkpoint every k steps")
+    ap.add_argument("--step-sleep", type=float, default=0.05)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--kind", default="pinned", help=argparse.SUPPRESS)
+    ap.add_argument("--cache", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--run", type=Path, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--attempt", type=int, default=0, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        child(args)
+        return {}
+    rng = random.Random(args.seed)
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kill_train_") as tmp:
+        args.cache = make_cache(Path(tmp), args.images)
+        results = []
+        for kind in args.kinds.split(","):
+            results.append(run_kind(args, kind, Path(tmp), rng))
+            r = results[-1]
+            print(
+                f"{kind}: {r['kills']} kills, wrong batches {r['wrong_batches']}, ok={r['ok']}",
+                file=sys.stderr,
+            )
+    doc = {
+        "command": "python benchmarks/kill_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": f"{os.cpu_count()}-core CPU, {platform.platform()}, Python {platform.python_version()}",
+        "images": args.images,
+        "batch_per_rank": args.batch,
+        "ranks": args.world,
+        "steps": args.steps,
+        "epochs": round(args.steps * args.batch * args.world / args.images, 2),
+        "checkpoint_every": args.every,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "total_kills": sum(r["kills"] for r in results),
+        "failures": sum(not r["ok"] for r in results),
+        "kinds": results,
+    }
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+if __name__ == "__main__":
+    sys.exit(1 if main().get("failures") else 0)
