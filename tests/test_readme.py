@@ -76,7 +76,15 @@ def test_readme_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.Mon
         assert result.exit_code == 0, f"{command}\n{result.output}"
     assert (tmp_path / "bench-out" / "result.json").is_file()
     (example,) = blocks("python")
-    exec(compile(example, str(README), "exec"), {})
+    namespace: dict = {}
+    exec(compile(example, str(README), "exec"), namespace)
+    (pattern,) = blocks("python checkpoint")
+    namespace["checkpoint"] = None
+    exec(compile(pattern, str(README), "exec"), namespace)
+    assert namespace["checkpoint"]["loader"]["epoch"] == 2  # two epochs done, the next is the third
+    namespace["checkpoint"]["loader"]["epoch"] = 1  # as if stopped at the end of the first
+    exec(compile(pattern, str(README), "exec"), namespace)
+    assert namespace["checkpoint"]["loader"]["epoch"] == 2 and namespace["epoch"] == 1  # it ran one
 
 
 @pytest.mark.s3
