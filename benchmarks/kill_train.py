@@ -217,27 +217,44 @@ def run_kind(args: argparse.Namespace, kind: str, work: Path, rng: random.Random
     run_to_end(args, kind, ref_run, 0)
     ref_s = time.perf_counter() - t0
     ref = {r: {x["step"]: x["ids"] for x in xs} for r, xs in logged(ref_run).items()}
-    run = work / kind
-    run.mkdir()
-    kills = []
-    for attempt in range(args.kills):
-        start = checkpoint_step(run)
-        target = rng.randrange(start, args.steps)
-        proc = launch(args, kind, run, attempt)
-        killed = kill_at(proc, run, attempt, target, rng.uniform(0, args.step_sleep * 1.5))
-        kills.append({"resumed_from_step": start, "kill_after_step": target, "killed": killed})
-        if not killed:
-            break
-    run_to_end(args, kind, run, args.kills)
-    result = compare(run, ref)
-    weights = [json.loads((d / "final.json").read_text())["weights"] for d in (ref_run, run)]
+    kills: list[dict[str, Any]] = []
+    results = []
+    chain = 0
+    while sum(k["killed"] for k in kills) < args.kills:  # chains of kills, each resumed to the end
+        run = work / f"{kind}-{chain}"
+        run.mkdir()
+        for attempt in range(args.steps):
+            start = checkpoint_step(run)
+            if start >= args.steps or sum(k["killed"] for k in kills) >= args.kills:
+                break
+            # a random step within the next two checkpoint intervals, a random moment within it
+            target = min(args.steps - 1, start + rng.randrange(2 * args.every))
+            proc = launch(args, kind, run, attempt)
+            killed = kill_at(proc, run, attempt, target, rng.uniform(0, args.step_sleep * 1.5))
+            kills.append(
+                {"chain": chain, "resumed_from_step": start, "kill_after_step": target, "killed": killed}
+            )
+            if not killed:
+                break
+        if not (run / "final.json").exists():
+            run_to_end(args, kind, run, args.steps + 1)
+        results.append(compare(run, ref))
+        chain += 1
+    result = {
+        "wrong_batches": sum(r["wrong_batches"] for r in results),
+        "first_wrong": [w for r in results for w in r["first_wrong"]][:3],
+        "complete": all(r["complete"] for r in results),
+    }
+    ref_w = json.loads((ref_run / "final.json").read_text())["weights"]
+    weights = [json.loads((work / f"{kind}-{c}" / "final.json").read_text())["weights"] for c in range(chain)]
     return {
         "kind": kind,
         "reference_s": round(ref_s, 1),
         "kills": sum(k["killed"] for k in kills),
-        "batches_logged": sum(len(v) for v in logged(run).values()),
+        "chains": chain,
+        "batches_logged": sum(len(v) for c in range(chain) for v in logged(work / f"{kind}-{c}").values()),
         **result,
-        "weights_equal": weights[0] == weights[1],
+        "weights_equal": all(w == ref_w for w in weights),
         "ok": result["wrong_batches"] == 0 and result["complete"],
         "chain": kills,
     }
