@@ -87,12 +87,15 @@ def train(rank: int, args: argparse.Namespace, port: int) -> None:
     log = open(args.run / f"rank{rank}.jsonl", "a")
     batches = endless(loader)
     while step < args.steps:
+        at = loader.state_dict() if args.kind != "cached" else {}  # where this batch starts (global)
         x, y = next(batches)
         loss = torch.nn.functional.cross_entropy(model(x.float().flatten(1) / 255), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
-        log.write(json.dumps({"attempt": args.attempt, "step": step, "ids": sorted(y.tolist())}) + "\n")
+        line = {"attempt": args.attempt, "step": step, "ids": sorted(y.tolist()), "world": args.world}
+        line.update({k: at[k] for k in ("epoch", "consumed") if k in at})
+        log.write(json.dumps(line) + "\n")
         log.flush()
         step += 1
         time.sleep(args.step_sleep)
@@ -260,6 +263,54 @@ def run_kind(args: argparse.Namespace, kind: str, work: Path, rng: random.Random
     }
 
 
+def elastic(args: argparse.Namespace, kind: str, work: Path, rng: random.Random) -> dict[str, Any]:
+    """Train on ``--world`` ranks, SIGKILL at a random step, resume on ``--elastic`` ranks to the end;
+    every step's batches (all ranks together) must be the global positions [consumed, consumed + W*B)
+    of the one epoch order, whatever W, and each epoch's positions must follow on without a gap."""
+    from dlstore.read.order import EpochSampler
+
+    run = work / f"{kind}-elastic"
+    run.mkdir()
+    target = rng.randrange(args.every, args.steps - args.every)
+    killed = kill_at(launch(args, kind, run, 0), run, 0, target, rng.uniform(0, args.step_sleep))
+    resumed_from = checkpoint_step(run)
+    resume = argparse.Namespace(**{**vars(args), "world": args.elastic})
+    run_to_end(resume, kind, run, 1)
+    lines = logged(run)
+    final = {}  # (step) -> {rank: line}, the last attempt's
+    for rank, xs in lines.items():
+        for x in xs:
+            final.setdefault(x["step"], {})[rank] = x
+    from dlstore import open_cache
+
+    cache = open_cache(args.cache)
+    sampler = EpochSampler(cache.positions, cache.reader.unit, order="chunk", window=2, seed=5)
+    wrong, gaps, expected_at = [], 0, {}
+    for step in sorted(final):
+        ranks = final[step]
+        head = next(iter(ranks.values()))
+        world, epoch, c = head["world"], head["epoch"], head["consumed"]
+        if len(ranks) != world or any((x["epoch"], x["consumed"]) != (epoch, c) for x in ranks.values()):
+            wrong.append(step)
+            continue
+        seq = sampler.sequence(epoch)
+        got = sorted(i for x in ranks.values() for i in x["ids"])
+        if got != sorted(seq.take(np.arange(c, c + world * args.batch), mode="wrap").tolist()):
+            wrong.append(step)
+        gaps += expected_at.get(epoch, 0) != c
+        expected_at[epoch] = c + world * args.batch
+    return {
+        "kind": kind,
+        "ranks": f"{args.world} -> {args.elastic}",
+        "killed": killed,
+        "resumed_from_step": resumed_from,
+        "steps_checked": len(final),
+        "wrong_steps": wrong[:5],
+        "gaps_or_repeats": gaps,
+        "ok": killed and not wrong and gaps == 0,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--kills", type=int, default=20, help="kills per loader kind")
@@ -271,6 +322,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--step-sleep", type=float, default=0.05)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--elastic", type=int, default=3, help="ranks of the resumed run in the elastic check (0: skip)"
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--kind", default="pinned", help=argparse.SUPPRESS)
@@ -293,7 +347,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{kind}: {r['kills']} kills, wrong batches {r['wrong_batches']}, ok={r['ok']}",
                 file=sys.stderr,
             )
+        elastic_results = [
+            elastic(args, kind, Path(tmp), rng)
+            for kind in ("pinned", "resident")
+            if args.elastic and kind in args.kinds
+        ]
+        for e in elastic_results:
+            print(f"elastic {e['kind']} {e['ranks']}: ok={e['ok']}", file=sys.stderr)
     doc = {
+        "elastic": elastic_results,
         "command": "python benchmarks/kill_train.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "machine": f"{os.cpu_count()}-core CPU, {platform.platform()}, Python {platform.python_version()}",
         "images": args.images,
@@ -304,7 +366,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "checkpoint_every": args.every,
         "seconds": round(time.perf_counter() - t0, 1),
         "total_kills": sum(r["kills"] for r in results),
-        "failures": sum(not r["ok"] for r in results),
+        "failures": sum(not r["ok"] for r in results) + sum(not e["ok"] for e in elastic_results),
         "kinds": results,
     }
     if args.out:
