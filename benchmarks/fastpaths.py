@@ -495,6 +495,78 @@ def section_peers(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return out
 
 
+# --- state keeping (issue 24): the same loader with and without it, side by side -----------------------
+
+
+def _state_window(loader: Any, keep_state: bool, warmup: int, steps: int) -> float:
+    """Images/s over ``steps`` batches after ``warmup``, each consumed on the device. ``keep_state``:
+    the iteration as shipped plus ``state_dict()`` JSON-encoded after every step (a checkpoint every
+    step, the worst case); otherwise the loader's own ``__iter__`` with CoreLoader's counting bypassed
+    (``__wrapped__``): no count, no state, the same order."""
+    import json
+
+    dev = loader.device
+    raw = type(loader).__dict__["__iter__"].__wrapped__
+
+    def endless() -> Any:
+        while True:  # a window that crosses an epoch end starts the next pass, as a training loop does
+            yield from (loader if keep_state else raw(loader))
+
+    batches, sink, images = endless(), torch.zeros((), device=dev), 0
+    for i in range(warmup + steps):
+        if i == warmup:
+            sync()
+            t0 = time.perf_counter()
+        x, y = next(batches)
+        sink += (x if isinstance(x, torch.Tensor) else x[0]).float().mean()
+        images += len(y) if i >= warmup else 0
+        if keep_state:
+            json.dumps(loader.state_dict())
+    sync()
+    seconds = time.perf_counter() - t0
+    batches.close()
+    return images / seconds
+
+
+def section_state(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """PinnedLoader (zarr 256) and DecodeLoader (JPEG, shorter side 256, RRC 224 on the GPU), each timed
+    with and without state keeping in alternating order, ``--repeats`` x 2 rounds."""
+    from dlstore.gpu import RaggedRandomResizedCrop
+    from dlstore.read.gpu_decode import DecodeLoader
+
+    demo = ensure_demo(work / "demo", n_images=args.images)
+    for name, kw in {"zarr256": {"format": "zarr", "size": 256},
+                     "jpeg_short256": {"format": "npz", "size": 256, "codec": "jpeg", "resize": "shorter"}}.items():  # fmt: skip
+        if not (work / name / "dlstore.json").exists():
+            harness.convert_cache(
+                scan_folder(demo), work / name, workers=usable_cores(), overwrite=True, **kw
+            )
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of the section
+    crop = RaggedRandomResizedCrop(224, mean=MEAN, std=STD).to(dev)
+    loaders = {
+        "PinnedLoader zarr256": PinnedLoader(work / "zarr256", 256, device=dev),
+        "DecodeLoader jpeg_short256": DecodeLoader(work / "jpeg_short256", 256, transform=crop, device=dev),
+    }
+    out: dict[str, Any] = {}
+    for name, loader in loaders.items():
+        rounds = []
+        for r in range(2 * args.repeats):
+            first = r % 2 == 0
+            rates = {}
+            for keep in (first, not first):
+                rates["with" if keep else "without"] = _state_window(loader, keep, args.warmup, args.steps)
+            rounds.append(rates)
+            log(f"state {name} round {r}: with {rates['with']:,.0f}, without {rates['without']:,.0f} img/s")
+        ratios = sorted(x["with"] / x["without"] for x in rounds)
+        with_s, without_s = (float(np.median([x[k] for x in rounds])) for k in ("with", "without"))
+        out[name] = {"rounds": rounds, "with_img_s": with_s, "without_img_s": without_s,
+                     "ratio_median": float(np.median(ratios)), "ratio_min": ratios[0], "ratio_max": ratios[-1],
+                     "state_bytes": len(__import__("json").dumps(loader.state_dict()))}  # fmt: skip
+        target(f"state keeping: {name}, with vs without (state_dict every step)", with_s, without_s, 0.97,
+               f"ratios {ratios[0]:.3f} … {ratios[-1]:.3f} over {len(ratios)} alternated rounds")  # fmt: skip
+    return out
+
+
 SECTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "data": section_data,
     "loader": section_loader_alone,
@@ -503,6 +575,7 @@ SECTIONS: dict[str, Callable[..., dict[str, Any]]] = {
     "resnet18": lambda a, w: section_resnet(a, w, "resnet18", 112, 512, "ram128", 0.90),
     "fashion": section_fashion,
     "peers": section_peers,
+    "state": section_state,
 }
 
 

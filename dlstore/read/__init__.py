@@ -16,6 +16,7 @@ _LAZY = {
     "open_cache": "dlstore.read.cache",
     "CachedDataset": "dlstore.read.dataset",
     "ChunkSampler": "dlstore.read.sampler",
+    "EpochSampler": "dlstore.read.order",
     "PinnedLoader": "dlstore.read.loaders",
     "ResidentLoader": "dlstore.read.loaders",
     "DecodeLoader": "dlstore.read.gpu_decode",
