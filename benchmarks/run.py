@@ -125,6 +125,21 @@ def kill_targets(out: Path) -> list[dict[str, Any]]:
     ]
 
 
+def resume_targets(out: Path) -> list[dict[str, Any]]:
+    doc = _read(out / "kill_train.json")
+    kinds = ",".join(k["kind"] for k in doc["kinds"])
+    elastic = "; ".join(f"{e['kind']} {e['ranks']} ranks ok={e['ok']}" for e in doc.get("elastic", []))
+    return [
+        target(
+            f"kill -9 of a 2-rank DDP training loop ({kinds}): resumed runs train on the uninterrupted run's samples",
+            sum(k["kills"] for k in doc["kinds"] if k["ok"]),
+            doc["total_kills"],
+            1.0,
+            f"{doc['failures']} failures; {elastic}",
+        )
+    ]
+
+
 def fuzz_targets(out: Path) -> list[dict[str, Any]]:
     doc = _read(out / "fuzz_convert.json")
     converts = doc["real_converts"]
@@ -270,6 +285,10 @@ AREAS: dict[str, Area] = {
              lambda c: ["--out", str(c.out / "kill_resume.json"), "--formats", "ram,npz,zarr",
                         *_sized(c, ["--kills", "4", "--images", "160"], ["--kills", "1", "--images", "60"])],
              kill_targets),
+        Area("resume", "cpu", "kill_resume.py", "SIGKILL a DDP training loop, resume from its checkpoint, compare the samples", 300,
+             lambda c: ["--loop", "--out", str(c.out / "kill_train.json"),
+                        *_sized(c, ["--kills", "4"], ["--kills", "1", "--kinds", "cached,pinned", "--steps", "20"])],
+             resume_targets),
         Area("scale", "cpu", "scale_convert.py", "convert and open at growing N: memory, metadata, open time", 90,
              lambda c: ["--out", str(c.out / "scale_convert.json"), "--work", str(c.work),
                         *_sized(c, ["--counts", "2000,20000"], ["--counts", "500,2000"])],
