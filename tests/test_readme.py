@@ -79,12 +79,16 @@ def test_readme_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.Mon
     namespace: dict = {}
     exec(compile(example, str(README), "exec"), namespace)
     (pattern,) = blocks("python checkpoint")
-    namespace["checkpoint"] = None
+    import torch
+
+    namespace["model"] = torch.nn.Linear(2, 2)
+    fresh = namespace["PinnedLoader"]("cache/zarr", batch_size=32, device="cpu").state_dict()
+    torch.save({"loader": fresh}, "ckpt.pt")
     exec(compile(pattern, str(README), "exec"), namespace)
-    assert namespace["checkpoint"]["loader"]["epoch"] == 2  # two epochs done, the next is the third
-    namespace["checkpoint"]["loader"]["epoch"] = 1  # as if stopped at the end of the first
+    assert torch.load("ckpt.pt")["loader"]["epoch"] == 2  # two epochs done, the next is the third
+    torch.save({"loader": {**fresh, "epoch": 1, "consumed": 64}}, "ckpt.pt")  # stopped in the second
     exec(compile(pattern, str(README), "exec"), namespace)
-    assert namespace["checkpoint"]["loader"]["epoch"] == 2 and namespace["epoch"] == 1  # it ran one
+    assert torch.load("ckpt.pt")["loader"]["epoch"] == 2 and namespace["epoch"] == 1  # it ran the rest
 
 
 @pytest.mark.s3

@@ -42,8 +42,8 @@ from its beginning, except that a loaded state of epoch e keeps its position: th
 
 **The price under DDP.** Taking turns spreads each rank over the current window of units, where the
 old contiguous slice per rank kept each rank on 1/W of them: a chunked (zarr/npz) cache read by W
-ranks decodes each unit on each rank that takes an image of it (``benchmarks/sampler_order.py``
-counts it). The one order for any W is what makes an elastic resume possible; a fixed number of
+ranks decodes each unit on each rank that takes an image of it (counted in ``benchmarks/RESULTS.md``,
+"Answered questions"). The one order for any W is what makes an elastic resume possible; a fixed number of
 "lanes" (Mosaic's canonical nodes) would give the locality back when W divides it.
 """
 
