@@ -5,6 +5,7 @@ The cache gives every image its own class, so a batch's labels are the ids of it
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import tracemalloc
@@ -45,6 +46,15 @@ def ids_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
         m.setattr(FORMATS[PAYLOAD_FORMAT].payload_writer, "target_unit_bytes", 6 * (192 // 10))
         convert(source, dest, format=PAYLOAD_FORMAT, size=8, resize="stretch", codec="jpeg", workers=1)
     return dest
+
+
+@pytest.fixture(autouse=True)
+def collect_after() -> Any:
+    """Abandoned DataLoader iterators (a cycle with their loader) shut their workers down in __del__,
+    which waits without the GIL; left to a later GC pass, that can run inside a reader thread's np.load
+    header parse and trip CPython 3.11's shared AST depth counter (gh-106905) in another thread."""
+    yield
+    gc.collect()
 
 
 def fast_loader(kind: type, cache: Path, **kw: Any) -> Any:
