@@ -97,9 +97,8 @@ def test_every_area_names_a_script_that_exists() -> None:
 
 
 def test_benchmarks_stay_a_suite_not_a_lab_log() -> None:
-    """Issue 21: at most 12 top-level scripts plus run.py (13 with issue 26's fields_seg.py), and
-    RESULTS.md at most 300 lines."""
+    """Issue 21: at most 12 top-level scripts plus run.py, and RESULTS.md at most 300 lines."""
     here = Path(__file__).resolve().parents[2] / "benchmarks"
     scripts = sorted(p.name for p in here.glob("*.py") if p.name != "run.py")
-    assert len(scripts) <= 13, scripts
+    assert len(scripts) <= 12, scripts
     assert len((here / "RESULTS.md").read_text().splitlines()) <= 300
