@@ -97,13 +97,24 @@ class LaneSplit:
             raise RuntimeError(f"every decode lane failed: {self.errors()}")
         out = dict.fromkeys(self.lanes, 0)
         if self.fixed is not None:
-            weights = {n: self.fixed.get(n, 0.0) for n in live}
+            weights = self._fixed_weights(live)
             if sum(weights.values()) <= 0:  # the fixed lanes all failed: the rest share equally
                 weights = dict.fromkeys(live, 1.0)
             out.update(_apportion(weights, batch))
             return out
         out.update(self._measured(live, batch))
         return out
+
+    def _fixed_weights(self, live: list[str]) -> dict[str, float]:
+        """The fixed shares, a dead lane's share going to the next live lane after it (as its images do
+        in ``decode_parts``), so the live lanes keep the shares they were sized for."""
+        assert self.fixed is not None
+        weights = {n: self.fixed.get(n, 0.0) for n in live}
+        for i, name in enumerate(self.lanes):
+            if name not in weights:
+                after = [n for n in (*self.lanes[i + 1 :], *self.lanes[:i]) if n in weights]
+                weights[after[0]] += self.fixed.get(name, 0.0)
+        return weights
 
     def _measured(self, live: list[str], batch: int) -> dict[str, int]:
         if any(self.state[n].rate is None for n in live):  # not all measured yet: equal parts

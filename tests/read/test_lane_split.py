@@ -108,8 +108,8 @@ def test_a_fixed_split_is_exact_and_checked() -> None:
         assert abs(counts["cpu"] - 0.5 * batch) <= 1
     with pytest.raises(ValueError, match="fixed split"):
         LaneSplit(["cpu", "nvjpeg"], fixed={"hw": 1.0})
-    split.fail("cpu", "gone")
-    assert split.counts(100) == {"cpu": 0, "hw": 50, "nvjpeg": 50}
+    split.fail("cpu", "gone")  # its share goes to the next live lane, as its images do: nvJPEG keeps 25%
+    assert split.counts(100) == {"cpu": 0, "hw": 75, "nvjpeg": 25}
 
 
 def test_a_lane_that_fails_mid_epoch_loses_and_repeats_no_image() -> None:
