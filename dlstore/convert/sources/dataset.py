@@ -199,6 +199,13 @@ class DatasetSource(EncodedSource):
                 return ""
             raise
 
+    def reopen(self) -> dict[str, Any] | None:
+        return (
+            {"source": self.description, "label": self.label_key}
+            if _CALLABLE.match(self.description)
+            else None
+        )
+
     def fingerprint(self) -> str:
         own = getattr(self.dataset, "fingerprint", None)
         doc = [self.classes, len(self), own() if callable(own) else self.description]

@@ -13,6 +13,7 @@ import hashlib
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, overload
 
 import numpy as np
@@ -39,6 +40,18 @@ class EncodedSource(Source):
         digest = hashlib.sha256(data).hexdigest()
         hashed = time.perf_counter() - t0
         return self.decode(i, policy, data), digest, hashed
+
+    def reopen(self) -> dict[str, Any] | None:
+        """How ``verify --deep`` opens this source again (``open_source`` arguments), or None."""
+        return None
+
+    def info(self) -> dict[str, Any]:
+        again = self.reopen()
+        return {**super().info(), **({"reopen": again} if again else {})}
+
+    def source_files(self) -> list[Path]:
+        """The local files an epoch of per-sample reads reads (the bench's read stage); [] if none."""
+        return []
 
     def open_image(self, i: int) -> Any:
         """Sample i as its users open it: a PIL image of its bytes (the bench's ``raw`` kind)."""

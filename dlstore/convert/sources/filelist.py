@@ -132,8 +132,16 @@ class FileListSource(EncodedSource):
         except OSError as e:
             raise unreadable(f"{file} (line {int(self.lines[i])} of {self.list_file.name})", e) from e
 
-    def open_path(self, i: int) -> Path:
-        return self.image_root / self.names[i]
+    def reopen(self) -> dict[str, Any]:
+        return {"source": str(self.list_file), "root": str(self.image_root), "label": self.label_column}
+
+    def source_files(self) -> list[Path]:
+        return [self.image_root / n for n in self.names]
+
+    def open_image(self, i: int) -> Any:
+        from PIL import Image
+
+        return Image.open(self.image_root / self.names[i])  # PIL from the path, as the list's users do
 
     def fingerprint(self) -> str:
         doc = [self.classes, self.label_column, self.list_sha256, os.fspath(self.image_root), len(self)]

@@ -11,8 +11,9 @@ with pyarrow (``pip install 'dlstore[parquet]'``).
   no Python object per row. Row groups are the units of reading: a conversion unit reads each row
   group it needs once (``prefetch``), taking only the image column; a small per-process cache keeps
   the last row groups read.
-- The fingerprint is the files' footers (sha256 of each file's metadata block) and sizes, so a copy
-  or a ``touch`` is not a change and any rewrite is.
+- The fingerprint is each file's footer (sha256 of its metadata block: schema, row groups, column
+  chunk offsets and statistics), size and mtime, as a folder's is its files' sizes and mtimes. The
+  footer alone would miss a rewrite that swaps two same-size images within a row group.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ def footer_digest(path: Path) -> tuple[int, int, str]:
         length = int.from_bytes(tail[:4], "little")
         f.seek(-8 - length, os.SEEK_END)
         return st.st_size, st.st_mtime_ns, hashlib.sha256(f.read(length)).hexdigest()
+
+
+def fill_nulls(col: Any) -> Any:
+    """A label column with its nulls filled (-1, or "" for strings), so ints stay ints in numpy."""
+    import pyarrow as pa
+
+    if col.null_count == 0:
+        return col
+    if pa.types.is_integer(col.type):
+        return col.fill_null(pa.scalar(-1, col.type))
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        return col.fill_null("")
+    return col
 
 
 def hf_features(schema: Any) -> dict[str, Any]:
@@ -168,7 +182,7 @@ class ParquetSource(EncodedSource):
                 rg_rows.append(md.row_group(g).num_rows)
             col = pf.read(columns=[label]).column(0)
             valid.append(col.is_valid().to_numpy(zero_copy_only=False))
-            values.append(col.to_numpy(zero_copy_only=False))
+            values.append(fill_nulls(col).to_numpy(zero_copy_only=False))
         rg_start = np.concatenate([[0], np.cumsum(rg_rows, dtype=np.int64)]).astype(np.int64)
         file_start = np.concatenate([[0], np.cumsum([len(v) for v in values], dtype=np.int64)])
         raw = np.concatenate(values) if values else np.zeros(0, np.int64)
@@ -284,6 +298,12 @@ class ParquetSource(EncodedSource):
             raise got
         return got
 
+    def reopen(self) -> dict[str, Any]:
+        return {"source": os.path.abspath(self.description), "label": self.label_column}
+
+    def source_files(self) -> list[Path]:
+        return [Path(f) for f in self.files]
+
     # --- identity -----------------------------------------------------------------------------------
     def entries(self) -> list[list[Any]]:
         """One row per file (name, size, mtime_ns, rows): what a re-run names when the source changed."""
@@ -291,7 +311,7 @@ class ParquetSource(EncodedSource):
 
     def fingerprint(self) -> str:
         h = hashlib.sha256(json.dumps([self.classes, self.label_column, self.image_col]).encode())
-        h.update(json.dumps([[rel, size, sha] for rel, size, _, sha in self.footers]).encode())
+        h.update(json.dumps(self.footers).encode())
         h.update(self.rows.tobytes())
         return h.hexdigest()
 

@@ -240,6 +240,13 @@ class WebDatasetSource(EncodedSource):
             )
         return data
 
+    def reopen(self) -> dict[str, Any]:
+        text = self.description if is_url(self.base) else os.path.abspath(self.description)
+        return {"source": text, "label": self.label_key}
+
+    def source_files(self) -> list[Path]:
+        return [] if is_url(self.base) else [Path(self.base) / s for s in self.shards]
+
     # --- identity ---------------------------------------------------------------------------------
     def entries(self) -> list[list[Any]]:
         return [[name, size, mtime, 0] for name, size, mtime in self.shard_stats]
@@ -257,7 +264,3 @@ class WebDatasetSource(EncodedSource):
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "shards": len(self.shards), "label": self.label_key}
-
-
-def shard_path(src: WebDatasetSource, k: int) -> Path | str:
-    return f"{src.base}/{src.shards[k]}" if is_url(src.base) else Path(src.base) / src.shards[k]
