@@ -144,3 +144,14 @@ class PhotoDataset:
         p, t = self.samples[i]
         data = (self.root / p).read_bytes()
         return (data if i % 5 == 0 else Image.open(io.BytesIO(data))), t
+
+
+def tiny_photo_dataset() -> PhotoDataset:
+    """``dlstore bench photo_forms:tiny_photo_dataset``: 16 photographs in a temporary folder."""
+    import os
+    import tempfile
+
+    root = Path(tempfile.gettempdir()) / f"dlstore-test-photos-16-{os.getuid()}"
+    if not (root / "street").is_dir():
+        make_photo_folder(root, 16)
+    return PhotoDataset(root)

@@ -62,7 +62,7 @@ def test_every_form_converts_to_the_same_cache(forms: dict, tmp_path: Path, fmt:
         made[name] = cache_arrays(tmp_path / name)
     images, labels, _ = made["folder"]
     assert images.shape == (N, 32, 32, 3) and len(set(labels.tolist())) == len(CLASSES)
-    for name, (other_images, other_labels, record) in made.items():
+    for name, (other_images, other_labels, _record) in made.items():
         assert np.array_equal(other_images, images), name  # byte-identical pixels, every form
         assert np.array_equal(other_labels, labels), name
     assert {made[n][2]["kind"] for n in made} == {"folder", "parquet", "webdataset", "filelist", "dataset"}
