@@ -27,7 +27,7 @@ def sample_photos() -> tuple[Image.Image, Image.Image]:
     import matplotlib.cbook as cbook
 
     with Image.open(cbook.get_sample_data("grace_hopper.jpg", asfileobj=False)) as a:
-        hopper = a.convert("RGB")
+        hopper = a.convert("RGB").resize((320, 375), Image.LANCZOS)  # quicker to save, still a photograph
     with Image.open(cbook.get_sample_data("Minduka_Present_Blue_Pack.png", asfileobj=False)) as b:
         pack = b.convert("RGBA")
     return hopper, pack
