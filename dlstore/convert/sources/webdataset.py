@@ -227,7 +227,7 @@ class WebDatasetSource(EncodedSource):
             if is_url(self.base):
                 store = self._store()
                 return store.call(
-                    "GET", shard, lambda: store.fs.cat_file(store.key(shard), start, start + size)
+                    "GET", shard, lambda: store.fs.cat_file(store.key(shard), start=start, end=start + size)
                 )  # type: ignore[no-any-return]
             with open(os.path.join(self.base, shard), "rb") as f:
                 f.seek(start)
