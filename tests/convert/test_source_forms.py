@@ -295,10 +295,12 @@ def test_reruns_are_make_like_and_verify_deep_rehashes(forms: dict, tmp_path: Pa
     )
     problems = verify(tmp_path / "parquet", deep=True).problems
     assert [p.split(":")[0] for p in problems] == ["photos.parquet#7", "photos.parquet#8"]
-    with pytest.raises(CacheExistsError, match="source changed"):
+    with pytest.raises(
+        CacheExistsError, match=r"source changed.*first changed file photos.parquet \(size/mtime"
+    ):
         convert(sources["parquet"], tmp_path / "parquet", opts)
 
     first = sorted(shards.glob("*.tar"))[0]
     os.utime(first, ns=(1, 1))  # shards: size and mtime are the fingerprint
-    with pytest.raises(CacheExistsError, match="source changed"):
+    with pytest.raises(CacheExistsError, match=f"source changed.*first changed file {first.name}"):
         convert(sources["webdataset"], tmp_path / "webdataset", opts)

@@ -306,7 +306,8 @@ class ParquetSource(EncodedSource):
 
     # --- identity -----------------------------------------------------------------------------------
     def entries(self) -> list[list[Any]]:
-        """One row per file (name, size, mtime_ns, rows): what a re-run names when the source changed."""
+        """One row per file (name, size, mtime_ns, footer digest): what a re-run names when the source
+        changed (recorded in the manifest, a few per file)."""
         return [[rel, size, mtime, sha[:16]] for rel, size, mtime, sha in self.footers]
 
     def fingerprint(self) -> str:
@@ -324,4 +325,9 @@ class ParquetSource(EncodedSource):
         }
 
     def info(self) -> dict[str, Any]:
-        return {**super().info(), "files": len(self.files), "label_column": self.label_column}
+        return {
+            **super().info(),
+            "entries": self.entries(),
+            "files": len(self.files),
+            "label_column": self.label_column,
+        }

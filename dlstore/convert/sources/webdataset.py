@@ -263,4 +263,9 @@ class WebDatasetSource(EncodedSource):
         return {k: v for k, v in super().__getstate__().items() if k != "_store_obj"}
 
     def info(self) -> dict[str, Any]:
-        return {**super().info(), "shards": len(self.shards), "label": self.label_key}
+        return {
+            **super().info(),
+            "entries": self.entries(),
+            "shards": len(self.shards),
+            "label": self.label_key,
+        }
