@@ -304,3 +304,29 @@ def test_reruns_are_make_like_and_verify_deep_rehashes(forms: dict, tmp_path: Pa
     os.utime(first, ns=(1, 1))  # shards: size and mtime are the fingerprint
     with pytest.raises(CacheExistsError, match=f"source changed.*first changed file {first.name}"):
         convert(sources["webdataset"], tmp_path / "webdataset", opts)
+
+
+@pytest.mark.slow
+def test_500_photographs_give_the_same_cache_in_every_form(tmp_path: Path) -> None:
+    """The issue's size: 500 photographs, every form, every format, process pool of 2."""
+    root = make_photo_folder(tmp_path / "photos", 500)
+    forms = {
+        "folder": (str(root), {}),
+        "parquet": (str(write_hf_parquet(root, tmp_path / "photos.parquet", rows_per_group=100)), {}),
+        "webdataset": (write_shards(root, tmp_path / "shards", per_shard=100), {}),
+        "csv": (str(write_csv(root, tmp_path / "list.csv")), {"root": root}),
+        "dataset": (PhotoDataset(root), {}),
+    }
+    for fmt in ("ram", "npz", "zarr"):
+        made = {}
+        for name, (source, extra) in forms.items():
+            result = convert(
+                source, tmp_path / f"{fmt}_{name}", ConvertOptions(size=48, format=fmt, workers=2, **extra)
+            )
+            assert (result.n, result.n_skipped) == (500, 0), (fmt, name)
+            made[name] = cache_arrays(tmp_path / f"{fmt}_{name}")[:2]
+        for name, (images, labels) in made.items():
+            assert np.array_equal(images, made["folder"][0]) and np.array_equal(labels, made["folder"][1]), (
+                fmt,
+                name,
+            )

@@ -67,6 +67,10 @@ class Source:
     def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
         raise NotImplementedError
 
+    def plan_warnings(self, storage_order: str, unit_size: int) -> list[str]:
+        """What this source wants said before a conversion of it starts (a costly read pattern)."""
+        return []
+
     def prefetch(self, indices: np.ndarray) -> None:
         """A conversion unit is about to decode samples ``indices``: a kind that reads in blocks (a
         parquet row group) reads each block they need once. Default: nothing."""

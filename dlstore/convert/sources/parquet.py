@@ -34,7 +34,7 @@ from dlstore.convert.sources.registry import SourceArgs, register_source
 from dlstore.errors import ImageDecodeError, SourceError
 
 DEFAULT_LABEL = "label"
-CACHE_BYTES = 128 << 20  # row groups' image columns kept per process, for reads outside a unit
+CACHE_BYTES = 64 << 20  # row groups' image columns kept per process (bounded: conversion memory stays flat)
 GLOB_CHARS = "*?["
 
 
@@ -48,6 +48,11 @@ def import_pyarrow() -> Any:
 
 def parquet_files(text: str) -> tuple[Path, list[Path]]:
     """(the folder names are relative to, the files) for a file, a folder of them or a glob."""
+    if "://" in text:
+        raise SourceError(
+            f"{text}: parquet sources are read from local files (or a mounted bucket); copy the files "
+            "to a local folder, or give WebDataset shards for an object store"
+        )
     if any(c in text for c in GLOB_CHARS):
         files = sorted(Path(p) for p in globmod.glob(text, recursive=True) if p.endswith(".parquet"))
         base = Path(os.path.commonpath([str(f.parent) for f in files])) if files else Path(".")
@@ -141,6 +146,7 @@ class ParquetSource(EncodedSource):
     rg_local: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # global row of each sample
     footers: list[list[Any]] = field(default_factory=list)  # [relative name, size, mtime_ns, footer sha]
+    data_bytes: int = 0  # the row groups' uncompressed bytes, all columns (the footers say)
     label_column: str = DEFAULT_LABEL
     scan_errors: list[tuple[str, str]] = field(default_factory=list)
 
@@ -159,6 +165,7 @@ class ParquetSource(EncodedSource):
         footers, rg_file, rg_local, rg_rows, values, valid = [], [], [], [], [], []
         classes: tuple[str, ...] | None = None
         image_col, hf_struct = "", True
+        data_bytes = 0
         for k, path in enumerate(files):
             rel = os.path.relpath(path, base)
             size, mtime, sha = footer_digest(path)
@@ -177,6 +184,7 @@ class ParquetSource(EncodedSource):
                 )
             md = pf.metadata
             for g in range(md.num_row_groups):
+                data_bytes += md.row_group(g).total_byte_size
                 rg_file.append(k)
                 rg_local.append(g)
                 rg_rows.append(md.row_group(g).num_rows)
@@ -229,7 +237,22 @@ class ParquetSource(EncodedSource):
             footers=footers,
             label_column=label,
             scan_errors=errors,
+            data_bytes=data_bytes,
         )
+
+    def plan_warnings(self, storage_order: str, unit_size: int) -> list[str]:
+        """A shuffled order draws each unit's samples from up to ``unit_size`` row groups; once the
+        row groups no longer fit the per-process cache, each is read again by every unit that needs it."""
+        groups = len(self.rg_file)
+        if storage_order != "shuffled" or self.data_bytes <= CACHE_BYTES or groups < 2:
+            return []
+        per_unit = min(groups, unit_size)
+        reads = per_unit * max(1, -(-len(self) // unit_size)) / groups
+        return [
+            f"{self.description}: the shuffled storage order reads each of its {groups} row groups about "
+            f"{reads:.0f} times ({self.data_bytes / 1e6:,.0f} MB of row groups, {CACHE_BYTES >> 20} MB cached per "
+            "worker); --storage-order source reads each once (the cache is then stored in the file's order)"
+        ]
 
     # --- reading ----------------------------------------------------------------------------------
     def _cache(self) -> OrderedDict[int, Any]:
