@@ -54,8 +54,20 @@ def cache_arrays(dest: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
 
 
 @pytest.mark.parametrize("fmt", ["ram", "npz", "zarr"])
-def test_every_form_converts_to_the_same_cache(forms: dict, tmp_path: Path, fmt: str) -> None:
+def test_every_form_converts_to_the_same_cache(
+    forms: dict, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dlstore.convert.sources.parquet as parquet
+
     made = {}
+    with monkeypatch.context() as m:  # a source larger than the row-group cache: spooled by unit
+        m.setattr(parquet, "CACHE_BYTES", 1000)
+        spooled = convert(
+            forms["parquet"][0], tmp_path / "spooled", ConvertOptions(size=32, format=fmt, workers=2)
+        )
+        assert not (tmp_path / ".spooled.dlstore-journal").exists()  # the spool went with the journal
+    made["spooled"] = cache_arrays(tmp_path / "spooled")
+    assert spooled.stages["setup_source_s"] > 0
     for name, (source, extra) in forms.items():
         result = convert(source, tmp_path / name, ConvertOptions(size=32, format=fmt, workers=1, **extra))
         assert (result.n, result.n_skipped) == (N, 0), name

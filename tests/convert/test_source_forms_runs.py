@@ -33,8 +33,13 @@ def photos(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-def test_dask_converts_parquet_and_shards_as_the_pool_does(photos: Path, tmp_path: Path) -> None:
+def test_dask_converts_parquet_and_shards_as_the_pool_does(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pytest.importorskip("distributed")
+    import dlstore.convert.sources.parquet as parquet
+
+    monkeypatch.setattr(parquet, "CACHE_BYTES", 1000)  # spooled by unit in the driver, read by the workers
     pq = write_hf_parquet(photos, tmp_path / "p.parquet", rows_per_group=7)
     shards = write_shards(photos, tmp_path / "shards", per_shard=9)
     for name, source in {"parquet": str(pq), "webdataset": shards}.items():

@@ -67,9 +67,10 @@ class Source:
     def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
         raise NotImplementedError
 
-    def plan_warnings(self, storage_order: str, unit_size: int) -> list[str]:
-        """What this source wants said before a conversion of it starts (a costly read pattern)."""
-        return []
+    def stage(self, order: np.ndarray, unit_size: int, folder: Path, units: list[int]) -> None:
+        """Before the units run (in the driver): a kind read in blocks may regroup its samples by the
+        unit that stores them (``order``: storage position s holds sample order[s]), under ``folder``
+        (removed with the journal). Default: nothing."""
 
     def prefetch(self, indices: np.ndarray) -> None:
         """A conversion unit is about to decode samples ``indices``: a kind that reads in blocks (a

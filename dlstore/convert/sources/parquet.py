@@ -8,9 +8,12 @@ with pyarrow (``pip install 'dlstore[parquet]'``).
   schema declares them, else ``labels_from_values``. A row whose label is null, -1 (HF's "no label")
   or beyond the declared names is not listed: it is named in ``skipped.json`` (``--strict`` stops).
 - Listing reads the footers and the label column only. Rows are arrays (file and row of each sample),
-  no Python object per row. Row groups are the units of reading: a conversion unit reads each row
-  group it needs once (``prefetch``), taking only the image column; a small per-process cache keeps
-  the last row groups read.
+  no Python object per row. Row groups are the units of reading. With a shuffled storage order a
+  unit's samples come from many row groups, so before the units run ``stage`` reads every row group
+  once and appends each sample's encoded bytes to a spool file of the unit that stores it (local
+  disk, the size of the image column; removed with the journal); a unit then reads its spool file
+  once. A source that fits the per-process row-group cache (64 MB) is not spooled, nor one stored in
+  source order (each unit then reads its own few row groups).
 - The fingerprint is each file's footer (sha256 of its metadata block: schema, row groups, column
   chunk offsets and statistics), size and mtime, as a folder's is its files' sizes and mtimes. The
   footer alone would miss a rewrite that swaps two same-size images within a row group.
@@ -22,6 +25,7 @@ import glob as globmod
 import hashlib
 import json
 import os
+import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,6 +151,11 @@ class ParquetSource(EncodedSource):
     rows: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))  # global row of each sample
     footers: list[list[Any]] = field(default_factory=list)  # [relative name, size, mtime_ns, footer sha]
     data_bytes: int = 0  # the row groups' uncompressed bytes, all columns (the footers say)
+    # The spool (``stage``): per sample its unit's file under ``spool_dir``, offset and length there.
+    spool_dir: str = ""
+    spool_unit: np.ndarray | None = None
+    spool_offset: np.ndarray | None = None
+    spool_len: np.ndarray | None = None
     label_column: str = DEFAULT_LABEL
     scan_errors: list[tuple[str, str]] = field(default_factory=list)
 
@@ -240,20 +249,6 @@ class ParquetSource(EncodedSource):
             data_bytes=data_bytes,
         )
 
-    def plan_warnings(self, storage_order: str, unit_size: int) -> list[str]:
-        """A shuffled order draws each unit's samples from up to ``unit_size`` row groups; once the
-        row groups no longer fit the per-process cache, each is read again by every unit that needs it."""
-        groups = len(self.rg_file)
-        if storage_order != "shuffled" or self.data_bytes <= CACHE_BYTES or groups < 2:
-            return []
-        per_unit = min(groups, unit_size)
-        reads = per_unit * max(1, -(-len(self) // unit_size)) / groups
-        return [
-            f"{self.description}: the shuffled storage order reads each of its {groups} row groups about "
-            f"{reads:.0f} times ({self.data_bytes / 1e6:,.0f} MB of row groups, {CACHE_BYTES >> 20} MB cached per "
-            "worker); --storage-order source reads each once (the cache is then stored in the file's order)"
-        ]
-
     # --- reading ----------------------------------------------------------------------------------
     def _cache(self) -> OrderedDict[int, Any]:
         c = self.__dict__.get("_rg_cache")
@@ -283,8 +278,94 @@ class ParquetSource(EncodedSource):
             cache.popitem(last=False)
         return col
 
+    def stage(self, order: np.ndarray, unit_size: int, folder: Path, units: list[int]) -> None:
+        """Spool the samples of ``units`` by unit, reading each row group once (module docstring)."""
+        n = len(self)
+        if self.data_bytes <= CACHE_BYTES or not units or np.array_equal(order, np.arange(n)):
+            return
+        pos = np.empty(n, np.int64)
+        pos[order] = np.arange(n, dtype=np.int64)
+        unit_of = (pos // unit_size).astype(np.int32)
+        wanted = np.zeros(int(unit_of.max()) + 1, bool)
+        wanted[np.asarray(units, np.int64)] = True
+        shutil.rmtree(folder, ignore_errors=True)  # a killed run's spool: rebuilt, never appended to
+        folder.mkdir(parents=True)
+        offset = np.full(n, -1, np.int64)
+        length = np.zeros(n, np.int64)
+        sizes = np.zeros(len(wanted), np.int64)
+        pending: dict[int, list[bytes]] = {}
+        buffered = 0
+
+        def flush() -> None:
+            for k, parts in pending.items():
+                with open(folder / f"unit-{k:06d}.bin", "ab") as f:
+                    f.write(b"".join(parts))
+            pending.clear()
+
+        for g in range(len(self.rg_file)):
+            lo, hi = np.searchsorted(self.rows, self.rg_start[g : g + 2])
+            members = [i for i in range(int(lo), int(hi)) if wanted[unit_of[i]]]
+            if not members:
+                continue
+            col = self._read_row_group(g)
+            for i in members:
+                got = self._item(col, int(self.rows[i] - self.rg_start[g]), i)
+                if isinstance(got, BaseException):
+                    continue  # read_bytes reads it from its row group again, and names the failure
+                k = int(unit_of[i])
+                offset[i], length[i] = sizes[k], len(got)
+                sizes[k] += len(got)
+                pending.setdefault(k, []).append(got)
+                buffered += len(got)
+            if buffered > CACHE_BYTES:
+                flush()
+                buffered = 0
+        flush()
+        self.spool_dir, self.spool_unit, self.spool_offset, self.spool_len = (
+            str(folder),
+            unit_of,
+            offset,
+            length,
+        )
+
+    def _from_spool(self, indices: np.ndarray) -> dict[int, bytes] | None:
+        """The samples' bytes from their unit's spool file (one read), or None when not spooled."""
+        if self.spool_offset is None or self.spool_unit is None or self.spool_len is None or not len(indices):
+            return None
+        units = np.unique(self.spool_unit[indices])
+        if len(units) != 1:
+            return None
+        try:
+            blob = (Path(self.spool_dir) / f"unit-{int(units[0]):06d}.bin").read_bytes()
+        except OSError:
+            return None  # a worker that does not see the driver's disk: read the row groups
+        out = {}
+        for i in indices.tolist():
+            o, n = int(self.spool_offset[i]), int(self.spool_len[i])
+            if o >= 0:
+                out[i] = blob[o : o + n]
+        return out
+
+    def _read_row_group(self, g: int) -> Any:
+        pq = import_pyarrow()
+        files = self.__dict__.setdefault("_open_files", {})
+        k = int(self.rg_file[g])
+        if k not in files:
+            files[k] = pq.ParquetFile(self.files[k])
+        return (
+            files[k]
+            .read_row_group(int(self.rg_local[g]), columns=[self.image_col])
+            .column(0)
+            .combine_chunks()
+        )
+
     def prefetch(self, indices: Any) -> None:
-        """Read each row group the samples ``indices`` need once, keeping just their bytes."""
+        """Take the samples ``indices`` from their spool file, else read each row group they need
+        once; keep just their bytes."""
+        spooled = self._from_spool(np.asarray(indices, np.int64))
+        if spooled is not None and len(spooled) == len(indices):
+            self.__dict__["_taken"] = spooled
+            return
         rows = self.rows[np.asarray(indices, np.int64)]
         groups = np.searchsorted(self.rg_start, rows, side="right") - 1
         taken: dict[int, Any] = {}
@@ -340,7 +421,7 @@ class ParquetSource(EncodedSource):
         return h.hexdigest()
 
     def _subset_fields(self, idx: np.ndarray) -> dict[str, Any]:
-        return {"rows": self.rows[idx]}
+        return {"rows": self.rows[idx], "spool_offset": None, "spool_unit": None, "spool_len": None}
 
     def __getstate__(self) -> dict[str, Any]:
         return {
