@@ -204,6 +204,7 @@ class ParquetSource(EncodedSource):
         file_start = np.concatenate([[0], np.cumsum([len(v) for v in values], dtype=np.int64)])
         raw = np.concatenate(values) if values else np.zeros(0, np.int64)
         ok = np.concatenate(valid) if valid else np.zeros(0, bool)
+        present = ok.copy()
         if classes is not None:
             filled = np.where(ok, raw, -1).astype(np.int64)
             ok &= (filled >= 0) & (filled < len(classes))
@@ -218,7 +219,7 @@ class ParquetSource(EncodedSource):
         errors = []
         for r in np.flatnonzero(~ok)[:1000].tolist():  # named; more than 1000 are counted in the message
             f = int(np.searchsorted(file_start, r, side="right") - 1)
-            shown = "null" if raw[r] is None else raw[r]
+            shown = "null" if not present[r] else "-1 (no label)" if raw[r] == -1 else repr(raw[r])
             errors.append(
                 (
                     f"{footers[f][0]}#{r - file_start[f]}",
