@@ -117,7 +117,7 @@ def test_a_dataset_of_arrays_and_tensors_gives_the_pil_pixels(forms: dict, tmp_p
         def __getitem__(self, i: int) -> tuple[Any, int]:
             img, t = pil[i + 1]  # no EXIF-rotated photo (item 0) among them: arrays carry no EXIF
             img = img if isinstance(img, Image.Image) else Image.open(io.BytesIO(img))
-            arr = np.asarray(img.convert("RGB"))
+            arr = np.array(img.convert("RGB"))  # writable: torch.from_numpy warns on a read-only view
             return (torch.from_numpy(arr).permute(2, 0, 1).contiguous() if i % 2 else arr), t
 
     class AsRgb(AsArrays):
