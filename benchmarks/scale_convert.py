@@ -1,6 +1,12 @@
 """Conversion and opening at 10k / 100k / 300k tiny images: is the cost linear in N and memory flat?
 
     python benchmarks/scale_convert.py --counts 10000,100000,300000 --out benchmarks/results/scale_convert.json
+    python benchmarks/scale_convert.py --source parquet --counts 100000,1000000 \
+        --out benchmarks/results/scale_convert_parquet.json
+
+``--source parquet``: one parquet file per N in Hugging Face's layout (``struct<bytes, path>`` images,
+a ``ClassLabel`` label, 1000-row row groups), the same tiny JPEGs cycled from a pool of 10k, converted
+with the default shuffled storage order.
 
 Generates N tiny JPEGs (16x16, 100 class folders; one pool, hard-linked into one tree per N so the
 trees cost no extra disk), then per N runs ``dlstore convert SRC DEST --format F --size 8`` in a
@@ -89,6 +95,34 @@ def rss_pss(pids: list[int]) -> tuple[int, int]:
     return rss, pss
 
 
+def make_parquet(pool: list[Path], n: int, out: Path, rows_per_group: int = 1000) -> Path:
+    """n rows of HF-layout parquet, written one row group at a time (bounded memory)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if out.exists():
+        return out
+    blobs = [p.read_bytes() for p in pool]
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    names = [f"c{c:03d}" for c in range(CLASSES)]
+    features = {"image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}
+    schema = pa.schema([("image", image_type), ("label", pa.int64())]).with_metadata(
+        {"huggingface": json.dumps({"info": {"features": features}})}
+    )
+    tmp = out.with_suffix(".tmp")
+    with pq.ParquetWriter(tmp, schema) as writer:
+        for start in range(0, n, rows_per_group):
+            idx = range(start, min(n, start + rows_per_group))
+            images = [{"bytes": blobs[i % len(blobs)], "path": f"{i:07d}.jpg"} for i in idx]
+            labels = [(i % len(blobs)) % CLASSES for i in idx]
+            writer.write_table(
+                pa.table({"image": pa.array(images, image_type), "label": labels}, schema=schema),
+                row_group_size=rows_per_group,
+            )
+    tmp.rename(out)
+    return out
+
+
 def run_convert(src: Path, dest: Path, fmt: str, workers: int) -> dict[str, Any]:
     exe = Path(sys.executable).with_name("dlstore")
     cmd = [str(exe), "convert", str(src), str(dest), "--format", fmt, "--size", "8"]
@@ -137,6 +171,7 @@ def metadata_bytes(dest: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--counts", default="10000,100000,300000")
+    ap.add_argument("--source", choices=["folder", "parquet"], default="folder")
     ap.add_argument("--format", default="ram")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--work", type=Path, default=Path("/tmp/dlstore-scale"))
@@ -144,12 +179,17 @@ def main() -> None:
     args = ap.parse_args()
     counts = [int(c) for c in args.counts.split(",")]
     t0 = time.perf_counter()
-    files = make_pool(args.work / "pool", max(counts))
-    print(f"generated {max(counts)} images in {time.perf_counter() - t0:.0f} s", flush=True)
+    pool_n = max(counts) if args.source == "folder" else min(max(counts), 10_000)
+    files = make_pool(args.work / "pool", pool_n)
+    print(f"generated {pool_n} images in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     for n in counts:
-        src, dest = args.work / f"src-{n}", args.work / f"cache-{n}"
-        link_tree(files[:n], args.work / "pool", src)
+        dest = args.work / f"cache-{args.source}-{n}"
+        if args.source == "parquet":
+            src = make_parquet(files, n, args.work / f"src-{n}.parquet")
+        else:
+            src = args.work / f"src-{n}"
+            link_tree(files[:n], args.work / "pool", src)
         row = {"n": n, **run_convert(src, dest, args.format, args.workers)}
         row["metadata_bytes"] = metadata_bytes(dest)
         row["metadata_bytes_per_image"] = row["metadata_bytes"] / n
@@ -158,6 +198,7 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     doc = {
         "rows": rows,
+        "source": args.source,
         "format": args.format,
         "workers": args.workers,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},

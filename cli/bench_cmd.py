@@ -12,6 +12,7 @@ from dlstore.bench.protocol import DEFAULT_LOADERS as KINDS
 from dlstore.cli.render import StorePath, emit_json, stderr
 from dlstore.cli.shared_options import (
     demo_images_option,
+    label_option,
     max_megapixels_option,
     pixels_option,
     root_option,
@@ -228,6 +229,7 @@ def user_set(ctx: click.Context) -> tuple[str, ...]:
     help="A dlstore cache to use for its format, or the folder to keep the bench's caches in.",
 )
 @root_option()
+@label_option()
 @click.option(
     "--max-images",
     type=click.IntRange(0, None),
@@ -268,6 +270,7 @@ def bench_cmd(
     out: Path | None,
     cache: Path | None,
     root: Path | None,
+    label: str | None,
     max_images: int,
     max_megapixels: float | None,
     demo_images: int | None,
@@ -276,7 +279,8 @@ def bench_cmd(
 ) -> None:
     """Measure each input stage alone and end to end, sweep workers, name the bottleneck.
 
-    SOURCE is demo (default), a folder of class subfolders, or torchvision:NAME with --root DIR.
+    SOURCE is demo (default), a folder of class subfolders, torchvision:NAME with --root DIR, or any
+    SOURCE convert reads (parquet, WebDataset shards, a CSV/JSON-lines list, MODULE:CALLABLE).
     Writes result.json, steps.csv, plots.png and timeline.png under --out.
     """
     from dlstore.bench.calibrate import command_startup_s
@@ -287,6 +291,7 @@ def bench_cmd(
     config = BenchConfig(
         source=source,
         root=root,
+        label=label,
         loaders=pick_loaders(loaders, formats_alias),
         workers=workers,
         size=size,

@@ -10,6 +10,7 @@ from dlstore.cli.render import StorePath, emit_json, stderr, storage_options_opt
 from dlstore.cli.shared_options import (
     demo_images_option,
     given_writer_options,
+    label_option,
     max_megapixels_option,
     pixels_option,
     root_option,
@@ -66,6 +67,7 @@ from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
 @writer_options
 @click.option("--workers", type=click.IntRange(1, 1024), default=None, help="Processes [default: all cores].")
 @root_option()
+@label_option()
 @click.option(
     "--split",
     type=click.Choice(["train", "test"]),
@@ -111,7 +113,10 @@ def convert_cmd(source: str, dest: Any, as_json: bool, **params: Any) -> None:
     """Convert SOURCE into a pre-resized cache at DEST.
 
     SOURCE is a folder of class subfolders (ImageFolder layout), torchvision:NAME
-    (MNIST, FashionMNIST, CIFAR10, CIFAR100; files under --root) or demo.
+    (MNIST, FashionMNIST, CIFAR10, CIFAR100; files under --root), demo, a parquet file, folder or
+    glob (Hugging Face layout), WebDataset shards ('shards-{000000..000009}.tar', local or s3://),
+    a CSV/JSON-lines list of path,label (images under --root) or MODULE:CALLABLE returning a
+    map-style Dataset.
     """
     from dlstore.convert.conversion import convert
 

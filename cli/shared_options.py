@@ -1,5 +1,5 @@
 """Click options that more than one command takes, each declared once (``convert`` and ``bench``:
-``--size``, ``--root``, ``--max-megapixels``, ``--demo-images``; and the writer options every format
+``--size``, ``--root``, ``--label``, ``--max-megapixels``, ``--demo-images``; and the writer options every format
 declares, ``--codec`` …, from the registry). A command passes only what differs for it: its range,
 default and help line.
 """
@@ -52,7 +52,18 @@ def root_option() -> Callable[[F], F]:
         "--root",
         type=click.Path(path_type=Path, file_okay=False),
         default=None,
-        help="Folder holding torchvision dataset files (for torchvision:NAME).",
+        help="Folder holding torchvision dataset files (for torchvision:NAME), or the images a CSV/JSON-lines "
+        "list names [default: the list's folder].",
+    )
+
+
+def label_option() -> Callable[[F], F]:
+    return click.option(
+        "--label",
+        default=None,
+        metavar="COLUMN",
+        help="The class label of each sample: a parquet or list column [default: label], a WebDataset member "
+        "extension or .json field [default: cls], a Dataset item's dict key [default: label].",
     )
 
 

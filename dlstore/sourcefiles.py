@@ -20,6 +20,7 @@ import os
 import stat
 import warnings
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,7 +165,7 @@ class SourceRecord:
             if h:
                 digests[i] = np.frombuffer(bytes.fromhex(h[: 2 * DIGEST_BYTES]), np.uint8)
         return cls(
-            names=list(names),
+            names=names if isinstance(names, Sequence) else list(names),  # a parquet source's are computed
             sizes=np.asarray(sizes, np.int64),
             mtimes_ns=np.asarray(mtimes_ns, np.int64),
             labels=np.asarray(labels, np.int32),

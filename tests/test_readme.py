@@ -183,3 +183,29 @@ def test_fields_page_commands_and_example_run(tmp_path: Path, monkeypatch: pytes
         assert result.exit_code == 0, f"{command}\n{result.output}"
     (example,) = blocks("fields-python")
     exec(compile(example, "docs/fields.md", "exec"), {})
+
+
+def test_readme_source_forms_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each SOURCE form's line, on the same photographs written in that form (tests/photo_forms.py)."""
+    pytest.importorskip("pyarrow")
+    pytest.importorskip("webdataset")
+    from photo_forms import make_photo_folder, write_csv, write_hf_parquet, write_shards
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = make_photo_folder(Path("photos"), 8)
+    write_hf_parquet(root, Path("photos.parquet"))
+    write_shards(root, Path("shards"), per_shard=4)
+    write_csv(root, Path("list.csv"))
+    Path("mydata.py").write_text(
+        "from photo_forms import PhotoDataset\n\ndef photos():\n    return PhotoDataset('photos')\n"
+    )
+    commands = [
+        line[2:] for block in blocks("sources") for line in block.splitlines() if line.startswith("$ ")
+    ]
+    assert len(commands) == 5
+    for command in commands:
+        args = shlex.split(command, comments=True)
+        result = CliRunner().invoke(main, [*args[1:], "--workers", "1"], catch_exceptions=False)
+        assert result.exit_code == 0, f"{command}\n{result.output}"
+        assert "8 images" in result.output, result.output

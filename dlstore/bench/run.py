@@ -30,7 +30,7 @@ from dlstore.bench.endtoend import (
     run_once,
 )
 from dlstore.bench.kinds import LoaderContext, PreparedLoader, prepare_loader
-from dlstore.bench.kinds.base import default_size, source_channels
+from dlstore.bench.kinds.base import default_size, source_arguments, source_channels
 from dlstore.bench.models import (
     TrainStep,
     UserStep,
@@ -159,7 +159,12 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     t_start = time.perf_counter()
     configure_numerics(device, config.precision)
     torch.manual_seed(config.seed)
-    full = open_source(config.source, root=config.root, demo_images=config.demo_images or MIN_DEMO_IMAGES)
+    full = open_source(
+        config.source,
+        root=config.root,
+        demo_images=config.demo_images or MIN_DEMO_IMAGES,
+        label=config.label,
+    )
     total = len(full)
     source_notes = source_warnings(full)
     for warning in source_notes:
@@ -449,8 +454,7 @@ def contention_notes(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def _source_arg(config: BenchConfig) -> str:
-    tv = config.root and config.source.startswith("torchvision:")
-    return config.source + (f" --root {config.root}" if tv else "")
+    return source_arguments(config.source, config.root, config.label)
 
 
 def prepare_all(

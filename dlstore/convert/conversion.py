@@ -171,6 +171,9 @@ def build(
                 log(w)
         todo = [k for k in range(writer.n_units) if k not in staging.done]
         counter = ProgressCounter(progress, IMAGES, "images", writer.n, done_images(writer, staging))
+        t_stage = time.perf_counter()
+        plan.src.stage(plan.order, writer.unit_size, staging.journal / "source-spool", todo)
+        stages["setup_source_s"] = time.perf_counter() - t_stage
         job = make_job(plan, store_units)
         ledger = UnitLedger(len(plan.src), plan.options.max_bad, staging)
         stages["setup_s"] = time.perf_counter() - t0

@@ -21,7 +21,7 @@ from dlstore.convert.sources import Source
 from dlstore.convert.staging import Staging
 from dlstore.durable import fsync_path, save_npy_durably, sync_tree, write_json_durably
 from dlstore.formats.base import CacheWriter
-from dlstore.sourcefiles import SourceRecord
+from dlstore.sourcefiles import DIGEST_BYTES, SourceRecord
 from dlstore.spec import (
     LABELS_FILE,
     MANIFEST,
@@ -145,12 +145,15 @@ def cache_checksums(root: Path, writer: CacheWriter, staging: Staging) -> dict[s
 def source_record(src: Source, staging: Staging, writer: CacheWriter, order: np.ndarray) -> SourceRecord:
     """What stale checks and ``verify --deep`` compare: (name, size, mtime_ns, label) per sample and
     the sha256 of each file as it was decoded ("" where unknown), in source order."""
-    sha = [""] * len(src)
-    for k, digests in staging.digests.items():
-        for s, d in zip(writer.unit_range(k), digests):
-            sha[int(order[s])] = d
+    digests = np.zeros((len(src), DIGEST_BYTES), np.uint8)
+    for k, packed in staging.digests.items():
+        got = np.frombuffer(packed, np.uint8).reshape(-1, DIGEST_BYTES)
+        r = writer.unit_range(k)
+        digests[order[r.start : r.start + len(got)]] = got
     stats = np.asarray(src.stats, np.int64).reshape(-1, 2) if src.stats else np.zeros((len(src), 2), np.int64)
-    return SourceRecord.from_columns(src.names, stats[:, 0], stats[:, 1], src.labels, sha)
+    record = SourceRecord.from_columns(src.names, stats[:, 0], stats[:, 1], src.labels, [])
+    record.digests = digests
+    return record
 
 
 def format_attributes(src: Source, policy: ImagePolicy, n: int) -> dict[str, Any]:

@@ -48,10 +48,11 @@ class ConvertOptions:
     format's Writer, which refuses what it does not take. ``storage_order``/``seed``: the stored order.
     ``max_megapixels``: the decompression-bomb limit (None: Pillow's). ``workers``/``scheduler``: the
     runner (process pool, in-process, or Dask ``local[:N]``/``tcp://…``). ``strict``/``max_bad``/
-    ``decode_timeout``: what an undecodable file does. ``root``/``train``/``demo_images``: the source
-    (torchvision files, split, demo size). ``storage_options``: fsspec options for a URL DEST (never
-    recorded, never shown). ``pixels``: "dlstore" (upright by EXIF, 16-bit scaled, alpha composited)
-    or "torchvision" (stock ImageFolder + transforms, bit for bit).
+    ``decode_timeout``: what an undecodable file does. ``root``/``train``/``demo_images``/``label``: the
+    source (torchvision files or a file list's images, split, demo size, the label column or field).
+    ``storage_options``: fsspec options for a URL DEST (never recorded, never shown). ``pixels``:
+    "dlstore" (upright by EXIF, 16-bit scaled, alpha composited) or "torchvision" (stock ImageFolder +
+    transforms, bit for bit).
     """
 
     size: int
@@ -74,6 +75,7 @@ class ConvertOptions:
     root: Path | None = None
     train: bool = True
     demo_images: int = 512
+    label: str | None = None
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
     pixels: str = "dlstore"
 

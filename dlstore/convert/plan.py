@@ -18,7 +18,7 @@ from PIL import Image
 from dlstore import __version__
 from dlstore.convert.options import ConvertOptions, from_old_plan, recorded_options
 from dlstore.convert.sizes import human_bytes
-from dlstore.convert.sources import Source, local_root, open_source
+from dlstore.convert.sources import DatasetSource, Source, SourceArgs, local_root, open_source
 from dlstore.errors import CacheExistsError, ConvertError, SpecError
 from dlstore.formats import Format, get_format
 from dlstore.formats.base import CacheWriter
@@ -40,10 +40,21 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
 
 
-def open_plan_source(source: str | Path | Source, options: ConvertOptions) -> Source:
+def open_plan_source(source: str | Path | Source | Any, options: ConvertOptions) -> Source:
+    """A Source as given, a map-style Dataset object (``DatasetSource``), or a SOURCE argument."""
     if isinstance(source, Source):
         return source
-    return open_source(source, root=options.root, train=options.train, demo_images=options.demo_images)
+    if not isinstance(source, (str, Path)):
+        return DatasetSource.of(source, args=SourceArgs(label=options.label))
+    return open_source(
+        source,
+        root=options.root,
+        train=options.train,
+        demo_images=options.demo_images,
+        label=options.label,
+        strict=options.strict,
+        storage_options=dict(options.storage_options or {}),
+    )
 
 
 def make_plan(src: Source, options: ConvertOptions) -> Plan:
@@ -174,10 +185,13 @@ def mount_point_message(dest: Path) -> str:
     )
 
 
-def check_dest_outside_source(source: str | Path | Source, dest: Path) -> None:
+def check_dest_outside_source(source: str | Path | Source | Any, dest: Path) -> None:
     """A cache inside the folder it is made from would be a class folder of that folder the next time it
     is read, by the next conversion and by ImageFolder alike."""
-    root = getattr(source, "root", None) if isinstance(source, Source) else local_root(source)
+    if isinstance(source, (str, Path)):
+        root = local_root(source)
+    else:
+        root = getattr(source, "root", None) if isinstance(source, Source) else None
     if root is not None and dest.resolve().is_relative_to(Path(root).resolve()):
         raise ConvertError(
             f"{dest}: DEST is inside SOURCE {source}; there it would read as a class folder of the source "

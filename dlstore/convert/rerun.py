@@ -57,7 +57,7 @@ def matches_plan(
             f"{where}: holds a cache of another source: {now} was {before}; pass --overwrite to replace it"
         )
     raise CacheExistsError(
-        f"{where}: the source changed since the cache was built: {first_change(record(), src)}; {_REBUILD}"
+        f"{where}: the source changed since the cache was built: {first_change(record(), src, spec.source)}; {_REBUILD}"
     )
 
 
@@ -67,6 +67,12 @@ def source_place(src: Source) -> str:
     return str(Path(root).resolve()) if root is not None else src.description
 
 
-def first_change(record: SourceRecord | None, src: Source) -> str:
-    diff = first_difference(record.rows(), src.entries()) if record is not None else None
+def first_change(record: SourceRecord | None, src: Source, recorded: dict[str, Any] | None = None) -> str:
+    """The first changed file: of the source's per-container entries where the manifest recorded them
+    (parquet files, shards), else of the per-sample record."""
+    before = (recorded or {}).get("entries")
+    if isinstance(before, list):
+        diff = first_difference(before, src.entries())
+    else:
+        diff = first_difference(record.rows(), src.entries()) if record is not None else None
     return f"first changed file {diff}" if diff else "its files differ"

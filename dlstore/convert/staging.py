@@ -73,7 +73,9 @@ class Staging:
         self.journal = parent / f".{name}.dlstore-journal"
         self.lock_path = parent / f".{name}.dlstore-lock"
         self.done: dict[int, list[dict[str, Any]]] = {}
-        self.digests: dict[int, list[str]] = {}  # sha256 of each source file, per unit, storage order
+        # Per unit, in storage order: the first DIGEST_BYTES of each source sample's sha256, packed (zeros
+        # where unknown); one bytes object per unit, not a hex string per sample (1M samples: 8 MB, not ~110).
+        self.digests: dict[int, bytes] = {}
         # Checksums of the cache's own bytes that a worker computed as it wrote the unit (checksum
         # key -> sha256), so finishing does not read those bytes again.
         self.unit_sums: dict[int, dict[str, str]] = {}
@@ -276,7 +278,7 @@ class Staging:
             except ValueError:
                 continue  # the last line of a killed run may be partial; its unit is redone
             done[int(rec["unit"])] = rec["bad"]
-            self.digests[int(rec["unit"])] = list(rec.get("sha256", []))
+            self.digests[int(rec["unit"])] = packed_digests(rec.get("sha256", []))
             self.unit_sums[int(rec["unit"])] = dict(rec.get("checksums", {}))
         return done
 
@@ -313,7 +315,7 @@ class Staging:
             # (the units' data is already durable; only the journal's own flush is pending).
             for k, bad, digests in units:
                 self.done[k] = bad
-                self.digests[k] = digests or []
+                self.digests[k] = packed_digests(digests or [])
                 self.unit_sums[k] = sums.get(k, {})
             os.fsync(f.fileno())
 
@@ -431,3 +433,11 @@ def _exchange(a: Path, b: Path) -> bool:
     at_fdcwd = -100
     rc = fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
     return rc == 0
+
+
+def packed_digests(sha256_hex: list[str]) -> bytes:
+    """The first ``DIGEST_BYTES`` of each hex digest, concatenated (zeros for "")."""
+    from dlstore.sourcefiles import DIGEST_BYTES
+
+    width = 2 * DIGEST_BYTES
+    return bytes.fromhex("".join(h[:width] if h else "0" * width for h in sha256_hex))

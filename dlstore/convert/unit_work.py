@@ -207,6 +207,7 @@ def convert_job_unit(job: Job, k: int) -> UnitResult:
     digests: list[str] = []
     fields = {name: [] for name in job.writer.fields}  # type: dict[str, list[np.ndarray]]
     dropped: dict[str, int] = {}
+    job.src.prefetch(job.order[r.start : r.stop])
     for j, s in enumerate(r):
         i = int(job.order[s])
         try:

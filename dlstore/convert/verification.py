@@ -15,7 +15,7 @@ from typing import Any
 
 from dlstore.checksums import file_sha256, listed_files, mismatches, regular_files, size_problems, split_key
 from dlstore.errors import CacheCorruptError
-from dlstore.sourcefiles import read_record, recorded_root, source_status
+from dlstore.sourcefiles import SourceRecord, read_record, recorded_root, source_status
 from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
 from dlstore.storage.mirror import fetch_manifest
 from dlstore.storage.stores import RemoteStore, parse_store_path
@@ -56,7 +56,7 @@ def verify(
     status = source_status(root, source)
     if status.stale:
         problems.append(f"stale: {status.message}")
-    elif not status.checked:
+    elif not status.checked and not (deep and spec.source.get("reopen")):  # deep: re-hashed below
         notes.append(status.message)
     hashed = 0
     if deep:
@@ -129,7 +129,10 @@ def source_content_problems(root: Path, source: str | Path | None) -> tuple[list
         return [f"{root}: no source record; cannot check the source by content"], 0
     recorded = recorded_root(read_spec(root), root)
     if recorded is None and source is None:
-        return [], 0  # not a folder source (torchvision arrays, ...): nothing on disk to hash
+        reopen = read_spec(root).source.get("reopen")
+        if isinstance(reopen, dict):
+            return reopened_problems(record, reopen)
+        return [], 0  # torchvision arrays, a Dataset object given in Python: nothing to open again
     src_root = Path(source) if source is not None else recorded
     assert src_root is not None
     if not src_root.is_dir():
@@ -149,6 +152,35 @@ def source_content_problems(root: Path, source: str | Path | None) -> tuple[list
         hashed += 1
         if not now.startswith(digest):
             problems.append(f"{file}: source content changed since conversion (sha256 differs)")
+    return problems, hashed
+
+
+def reopened_problems(record: SourceRecord, reopen: dict[str, Any]) -> tuple[list[str], int]:
+    """Open a parquet, WebDataset, list or Dataset source again as the manifest says, and re-hash each
+    sample's bytes against the digest recorded at conversion."""
+    from dlstore.convert.sources import open_source
+    from dlstore.errors import DlstoreError
+
+    try:
+        root = reopen.get("root")
+        src = open_source(reopen["source"], root=Path(root) if root else None, label=reopen.get("label"))
+    except (DlstoreError, OSError, KeyError) as e:
+        return [f"source {reopen.get('source')}: cannot open it again to check by content ({e})"], 0
+    where = {name: i for i, name in enumerate(src.names)}
+    problems: list[str] = []
+    hashed = 0
+    for k, name in enumerate(record.names):
+        digest = record.digest(k)
+        if not digest:
+            continue
+        i = where.get(name)
+        if i is None:
+            problems.append(f"{name}: no longer in the source {reopen['source']}")
+            continue
+        now = src.digest(i, missing_ok=True)
+        hashed += 1
+        if not now.startswith(digest):
+            problems.append(f"{name}: source content changed since conversion (sha256 differs)")
     return problems, hashed
 
 

@@ -157,15 +157,18 @@ def hflip_probability(transform: Any) -> float | None:
 
 def convert_command(ctx: LoaderContext, fmt: str) -> str:
     """The ``dlstore convert`` a user runs once to get this kind's cache."""
-    src = ctx.config.source
-    if ctx.config.root is not None and src.startswith("torchvision:"):
-        src += f" --root {ctx.config.root}"
+    src = source_arguments(ctx.config.source, ctx.config.root, ctx.config.label)
     mp, pixels = ctx.config.max_megapixels, ctx.config.pixels
     return (
         f"dlstore convert {src} DEST --format {fmt} --size {ctx.size}"
         + (f" --max-megapixels {mp:g}" if mp is not None else "")
         + (f" --pixels {pixels}" if pixels != "dlstore" else "")
     )
+
+
+def source_arguments(source: str, root: Path | None, label: str | None) -> str:
+    """SOURCE as the user gave it, with the --root and --label it came with."""
+    return source + (f" --root {root}" if root is not None else "") + (f" --label {label}" if label else "")
 
 
 def source_channels(source: Source) -> int:

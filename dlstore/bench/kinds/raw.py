@@ -1,9 +1,12 @@
 """The ``raw`` kind: torchvision ImageFolder / torchvision dataset, per-file PIL decode + resize + transform
-in DataLoader workers — what users start from."""
+in DataLoader workers — what users start from. Sources of encoded samples (parquet, WebDataset, a file
+list, a Dataset of your own) are read the way their users read them: pyarrow row-group reads, ranged
+reads of the tar members, PIL from the listed paths, the Dataset's own ``__getitem__``."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from PIL import Image
@@ -12,6 +15,7 @@ from torch.utils.data import Dataset
 from dlstore.bench.kinds.base import NATIVE_SIZES, LoaderContext, PreparedLoader
 from dlstore.bench.transforms import device_transform, raw_transform
 from dlstore.convert.sources import FolderSource
+from dlstore.convert.sources.encoded import EncodedSource
 from dlstore.errors import DlstoreError
 
 
@@ -48,6 +52,8 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
             fresh_for_cold=False,
             info={"root": str(root)},
         )
+    if isinstance(ctx.source, EncodedSource):
+        return encoded_kind(ctx, ctx.source, tf_name, dtype, dev_tf)
     name = ctx.source.kind.removeprefix("torchvision:")
     root = ctx.config.root
     if root is None:
@@ -79,6 +85,46 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
         new_tv_dataset,
         dev_tf,
         info={"root": str(root), "loads_once": True},
+    )
+
+
+class SourceImages(Dataset):
+    """(transformed image, label) of a source's sample i, opened as the source's users open it."""
+
+    def __init__(self, source: EncodedSource, transform: Any) -> None:
+        self.source, self.transform = source, transform
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        try:
+            img = self.source.open_image(i).convert("RGB")
+        except (OSError, ValueError, SyntaxError, DlstoreError, Image.DecompressionBombError):
+            img = Image.new("RGB", (1, 1))  # as tolerant_loader: counted in the bench's note, not fatal
+        return self.transform(img), int(self.source.labels[i])
+
+
+def encoded_kind(
+    ctx: LoaderContext, source: EncodedSource, tf_name: str, dtype: torch.dtype, dev_tf: Any
+) -> PreparedLoader:
+    size = ctx.size
+
+    def new_dataset() -> Dataset:
+        return SourceImages(source, raw_transform(tf_name, size, None))
+
+    return PreparedLoader(
+        "raw",
+        f"{source.kind} {source.description} read per sample + {tf_name}",
+        len(source),
+        source.source_files(),
+        True,
+        dtype,
+        (3, size, size),
+        new_dataset,
+        dev_tf,
+        fresh_for_cold=False,
+        info={"source": source.description},
     )
 
 

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 from dlstore.convert.sources import (  # noqa: F401 - each registers its kind
     coco,
+    dataset,
     demo,
+    filelist,
     folder,
     multilabel,
+    parquet,
     segmentation,
     torchvision,
+    webdataset,
 )
 from dlstore.convert.sources.base import ArraySource, Source
+from dlstore.convert.sources.dataset import DatasetSource
 from dlstore.convert.sources.demo import DemoSource
 from dlstore.convert.sources.folder import FolderSource, scan_folder
 from dlstore.convert.sources.registry import (
@@ -36,6 +41,7 @@ __all__ = [
     "IMAGE_EXTENSIONS",
     "TORCHVISION_SETS",
     "ArraySource",
+    "DatasetSource",
     "DemoSource",
     "FolderSource",
     "Source",

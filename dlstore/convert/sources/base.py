@@ -67,6 +67,15 @@ class Source:
     def decode(self, i: int, policy: ImagePolicy) -> np.ndarray:
         raise NotImplementedError
 
+    def stage(self, order: np.ndarray, unit_size: int, folder: Path, units: list[int]) -> None:
+        """Before the units run (in the driver): a kind read in blocks may regroup its samples by the
+        unit that stores them (``order``: storage position s holds sample order[s]), under ``folder``
+        (removed with the journal). Default: nothing."""
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """A conversion unit is about to decode samples ``indices``: a kind that reads in blocks (a
+        parquet row group) reads each block they need once. Default: nothing."""
+
     def digest(self, i: int, missing_ok: bool = False) -> str:
         """sha256 of sample i's file, for ``verify --deep``; "" for in-memory samples."""
         return ""
@@ -139,7 +148,7 @@ class Source:
         idx = np.asarray(indices, dtype=np.int64)
         return dataclasses.replace(
             self,  # type: ignore[arg-type]
-            names=[self.names[i] for i in idx],
+            names=self.names.take(idx) if hasattr(self.names, "take") else [self.names[i] for i in idx],
             labels=self.labels[idx],
             stats=[self.stats[i] for i in idx] if self.stats else [],
             sample=idx if self.sample is None else self.sample[idx],

@@ -14,7 +14,7 @@ from dlstore.convert.geometry import Geometry
 from dlstore.convert.imageops import decode_file, decode_with_geometry
 from dlstore.convert.sources.base import Source
 from dlstore.convert.sources.registry import SourceArgs, register_source
-from dlstore.errors import ImageDecodeError
+from dlstore.errors import ImageDecodeError, SourceError
 from dlstore.sourcefiles import scan_tree
 from dlstore.spec import ImagePolicy
 
@@ -74,6 +74,13 @@ class FolderSource(Source):
 
     @classmethod
     def open(cls, text: str, args: SourceArgs) -> FolderSource:
+        if not Path(text).is_dir():
+            from dlstore.convert.sources.registry import source_kinds
+
+            forms = "; ".join(k.form for k in source_kinds() if k.form)
+            raise SourceError(
+                f"{text}: no such folder, and not a SOURCE of another kind; give one of: {forms}"
+            )
         return cls.scanned(Path(text))
 
     @classmethod

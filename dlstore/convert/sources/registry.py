@@ -9,9 +9,9 @@ prefix or suffix goes before the folder, which claims any path and is asked last
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from dlstore.convert.sources.base import Source
 from dlstore.errors import SourceError
@@ -32,6 +32,7 @@ class SourceArgs:
     demo_images: int = 512
     label: str | None = None
     strict: bool = False
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)  # for URL sources
 
 
 def register_source(cls: K) -> K:
@@ -62,10 +63,11 @@ def open_source(
     demo_images: int = 512,
     label: str | None = None,
     strict: bool = False,
+    storage_options: dict[str, Any] | None = None,
 ) -> Source:
     """Resolve a SOURCE argument through the kind that claims it (``SourceArgs`` lists the rest)."""
     text = str(source)
-    return kind_for(text).open(text, SourceArgs(root, train, demo_images, label, strict))
+    return kind_for(text).open(text, SourceArgs(root, train, demo_images, label, strict, storage_options))
 
 
 def local_root(source: str | Path) -> Path | None:

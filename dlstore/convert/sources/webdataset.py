@@ -1,0 +1,271 @@
+"""WebDataset tar shards: ``shards-{000000..000099}.tar``, local or on an object store (``s3://…``,
+``gs://…``, through dlstore's fsspec stores), read with the standard library's ``tarfile``.
+
+- A sample is the consecutive members sharing a key (WebDataset's rule: the member's path up to the
+  first dot of its file name). The image is the member whose extension is an image's.
+- The target is the ``.cls`` member's text by default; ``--label EXT`` takes another member (``txt``,
+  ``label``) and, where the sample has no such member, ``--label FIELD`` reads that field of its
+  ``.json``. Ints are labels as they are; other values follow ``labels_from_values``.
+- Listing streams each shard once (``tarfile`` mode ``r|``) and keeps arrays: the shard, offset and size
+  of each sample's image, and its key. A sample then reads its image by one ranged read; a shard is
+  the unit of listing, and a truncated shard keeps the samples before the cut, naming the shard.
+- The fingerprint is the shards' names, sizes and mtimes (ETag where the store has no mtime).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+
+from dlstore.convert.sources.encoded import EncodedSource, IndexedNames, labels_from_values, unreadable
+from dlstore.convert.sources.registry import SourceArgs, register_source
+from dlstore.errors import SourceError
+from dlstore.sourcefiles import IMAGE_EXTENSIONS
+from dlstore.storage.stores import RemoteStore, is_url
+
+DEFAULT_LABEL = "cls"
+IMAGE_EXTS = {e.lstrip(".") for e in IMAGE_EXTENSIONS}
+_KEY = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")
+_BRACES = re.compile(r"\{([^{}]*)\}")
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """``a-{000..002}.tar`` → a-000.tar, a-001.tar, a-002.tar (zero padding kept); ``{x,y}`` lists."""
+    m = _BRACES.search(pattern)
+    if m is None:
+        return [pattern]
+    body = m.group(1)
+    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if rng:
+        lo, hi = rng.groups()
+        width = len(lo) if lo.startswith("0") else 0
+        items = [str(k).zfill(width) for k in range(int(lo), int(hi) + 1)]
+    else:
+        items = body.split(",")
+    head, tail = pattern[: m.start()], pattern[m.end() :]
+    return [out for item in items for out in expand_braces(head + item + tail)]
+
+
+def split_location(text: str) -> tuple[str, list[str]]:
+    """(the folder or URL prefix, the shard names under it) of a SOURCE argument."""
+    base, _, name = text.rpartition("/")
+    if not _:
+        base = "."
+    return base, expand_braces(name)
+
+
+def label_value(raw: bytes) -> Any:
+    text = raw.decode("utf-8", "replace").strip()
+    return int(text) if re.fullmatch(r"-?\d+", text) else text
+
+
+@register_source
+@dataclass
+class WebDatasetSource(EncodedSource):
+    claim_order = 110
+    form = "'shards-{000000..000099}.tar' (local, s3://, gs://) [--label cls|txt|JSON_FIELD]"
+
+    base: str = "."  # the shards' folder or URL prefix
+    shards: list[str] = field(default_factory=list)  # names under ``base``
+    shard_of: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    offsets: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    shard_stats: list[list[Any]] = field(default_factory=list)  # [name, size, mtime or ETag]
+    label_key: str = DEFAULT_LABEL
+    storage_options: dict[str, Any] | None = field(default=None, repr=False)
+    scan_errors: list[tuple[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def claims(cls, text: str) -> bool:
+        return bool(re.search(r"\.tar(\}|$)", text)) and not text.startswith("torchvision:")
+
+    @classmethod
+    def open(cls, text: str, args: SourceArgs) -> WebDatasetSource:
+        base, shards = split_location(text)
+        label = args.label or DEFAULT_LABEL
+        src = cls(
+            description=text,
+            classes=(),
+            names=[],
+            labels=np.zeros(0, np.int64),
+            kind="webdataset",
+            base=base,
+            shards=shards,
+            label_key=label,
+            storage_options=args.storage_options,
+        )
+        shard_of: list[np.ndarray] = []
+        offsets: list[int] = []
+        sizes: list[int] = []
+        keys: list[str] = []
+        values: list[Any] = []
+        errors: list[tuple[str, str]] = []
+        stats = []
+        for k, shard in enumerate(shards):
+            stats.append([shard, *src._stat(shard)])
+            n0 = len(keys)
+            with src._open(shard) as f:
+                src._list_shard(f, shard, keys, offsets, sizes, values, errors)
+            shard_of.append(np.full(len(keys) - n0, k, np.int32))
+            if errors and args.strict:
+                raise SourceError(f"{errors[0][0]}: {errors[0][1]}; stopped (--strict)")
+        src.shard_stats = stats
+        src.shard_of = np.concatenate(shard_of) if shard_of else np.zeros(0, np.int32)
+        src.offsets = np.asarray(offsets, np.int64)
+        src.sizes = np.asarray(sizes, np.int64)
+        src.classes, src.labels = labels_from_values(values, f"{text} label {label!r}")
+        src.names = IndexedNames(shards, src.shard_of, np.asarray(keys, dtype=str))  # type: ignore[assignment]
+        src.scan_errors = errors
+        return src
+
+    def _list_shard(
+        self,
+        f: IO[bytes],
+        shard: str,
+        keys: list[str],
+        offsets: list[int],
+        sizes: list[int],
+        values: list[Any],
+        errors: list[tuple[str, str]],
+    ) -> None:
+        """Stream one shard's members; append its samples (image offset, size, key, label value)."""
+        current: str | None = None
+        image: tuple[int, int] | None = None
+        found: dict[str, bytes] = {}
+
+        def close() -> None:
+            if current is None:
+                return
+            name = f"{shard}#{current}"
+            value = self._label(found, name, errors)
+            if image is None:
+                errors.append((name, f"no image member (extensions {', '.join(sorted(IMAGE_EXTS))})"))
+            elif value is not None:
+                keys.append(current)
+                offsets.append(image[0])
+                sizes.append(image[1])
+                values.append(value)
+
+        try:
+            with tarfile.open(fileobj=f, mode="r|") as tar:
+                for member in tar:
+                    if not member.isfile():
+                        continue
+                    m = _KEY.match(member.name)
+                    if m is None:
+                        continue
+                    key, ext = m.group(1), m.group(2).lower()
+                    if key != current:
+                        close()
+                        current, image, found = key, None, {}
+                    last = ext.rsplit(".", 1)[-1]
+                    if last in IMAGE_EXTS and image is None:
+                        image = (member.offset_data, member.size)
+                    elif ext in (self.label_key, "json") and member.size <= 1 << 20:
+                        data = tar.extractfile(member)
+                        found[ext] = data.read() if data is not None else b""
+                close()
+        except (tarfile.TarError, EOFError, OSError) as e:
+            errors.append(
+                (shard, f"shard cut off or corrupt after {len(keys)} samples ({type(e).__name__}: {e})")
+            )
+
+    def _label(self, found: dict[str, bytes], name: str, errors: list[tuple[str, str]]) -> Any:
+        if self.label_key in found:
+            return label_value(found[self.label_key])
+        if "json" in found:
+            try:
+                doc = json.loads(found["json"])
+            except ValueError as e:
+                errors.append((name, f"its .json is not JSON ({e})"))
+                return None
+            if isinstance(doc, dict) and isinstance(doc.get(self.label_key), (int, str)):
+                return doc[self.label_key]
+        errors.append(
+            (name, f"no label: no .{self.label_key} member and no {self.label_key!r} field in a .json")
+        )
+        return None
+
+    # --- the shards, local or remote --------------------------------------------------------------
+    def _store(self) -> RemoteStore:
+        store = self.__dict__.get("_store_obj")
+        if store is None:
+            store = self.__dict__["_store_obj"] = RemoteStore(self.base, self.storage_options)
+        return store
+
+    def _stat(self, shard: str) -> tuple[int, Any]:
+        if is_url(self.base):
+            store = self._store()
+            info = store.call("HEAD", shard, lambda: store.fs.info(store.key(shard)))
+            return int(info.get("size", 0)), str(
+                info.get("LastModified") or info.get("ETag") or info.get("mtime", "")
+            )
+        try:
+            st = os.stat(os.path.join(self.base, shard))
+        except OSError as e:
+            raise SourceError(f"{os.path.join(self.base, shard)}: cannot read shard ({e.strerror})") from e
+        return st.st_size, st.st_mtime_ns
+
+    def _open(self, shard: str) -> IO[bytes]:
+        if is_url(self.base):
+            store = self._store()
+            return store.call("GET", shard, lambda: store.fs.open(store.key(shard), "rb"))  # type: ignore[no-any-return]
+        return open(os.path.join(self.base, shard), "rb")
+
+    def read_bytes(self, i: int) -> bytes:
+        shard = self.shards[int(self.shard_of[i])]
+        start, size = int(self.offsets[i]), int(self.sizes[i])
+        try:
+            if is_url(self.base):
+                store = self._store()
+                return store.call(
+                    "GET", shard, lambda: store.fs.cat_file(store.key(shard), start=start, end=start + size)
+                )  # type: ignore[no-any-return]
+            with open(os.path.join(self.base, shard), "rb") as f:
+                f.seek(start)
+                data = f.read(size)
+        except OSError as e:
+            raise unreadable(self.names[i], e) from e
+        if len(data) != size:
+            raise unreadable(
+                self.names[i], EOFError(f"{len(data)} of {size} bytes (shard shorter than listed)")
+            )
+        return data
+
+    def reopen(self) -> dict[str, Any]:
+        text = self.description if is_url(self.base) else os.path.abspath(self.description)
+        return {"source": text, "label": self.label_key}
+
+    def source_files(self) -> list[Path]:
+        return [] if is_url(self.base) else [Path(self.base) / s for s in self.shards]
+
+    # --- identity ---------------------------------------------------------------------------------
+    def entries(self) -> list[list[Any]]:
+        return [[name, size, mtime, 0] for name, size, mtime in self.shard_stats]
+
+    def fingerprint(self) -> str:
+        h = hashlib.sha256(json.dumps([self.classes, self.label_key, self.shard_stats], default=str).encode())
+        h.update(self.offsets.tobytes())
+        return h.hexdigest()
+
+    def _subset_fields(self, idx: np.ndarray) -> dict[str, Any]:
+        return {"shard_of": self.shard_of[idx], "offsets": self.offsets[idx], "sizes": self.sizes[idx]}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in super().__getstate__().items() if k != "_store_obj"}
+
+    def info(self) -> dict[str, Any]:
+        return {
+            **super().info(),
+            "entries": self.entries(),
+            "shards": len(self.shards),
+            "label": self.label_key,
+        }

@@ -1,0 +1,81 @@
+"""``dlstore bench SOURCE`` on every SOURCE form (issue 25): the ``raw`` kind reads each form the way
+its users do (pyarrow row groups, tar members, PIL from the listed paths, the Dataset itself)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from click.testing import CliRunner
+from photo_forms import PhotoDataset, make_photo_folder, write_csv, write_hf_parquet, write_shards
+
+from dlstore.bench.kinds import LoaderContext, prepare_loader
+from dlstore.bench.protocol import BenchConfig
+from dlstore.cli import main
+from dlstore.convert.sources import DatasetSource, open_source
+
+pytest.importorskip("pyarrow")
+pytest.importorskip("webdataset")
+
+N = 16
+TINY = ["--batch-size", "8", "--size", "16", "--steps", "2", "--warmup", "1", "--repeats", "1"]
+TINY += ["--stage-steps", "1", "--workers", "0", "--no-cold", "--budget", "1"]
+KINDS = {"parquet": "parquet", "webdataset": "webdataset", "csv": "filelist", "dataset": "dataset"}
+
+
+@pytest.fixture(scope="module")
+def forms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[str]]:
+    """name → the SOURCE argument and its options, as typed on the command line."""
+    tmp = tmp_path_factory.mktemp("bench_forms")
+    root = make_photo_folder(tmp / "photos", N)
+    return {
+        "parquet": [str(write_hf_parquet(root, tmp / "photos.parquet"))],
+        "webdataset": [write_shards(root, tmp / "shards", per_shard=6)],
+        "csv": [str(write_csv(root, tmp / "list.csv")), "--root", str(root)],
+        "folder": [str(root)],
+        "dataset": ["photo_forms:tiny_photo_dataset"],
+    }
+
+
+def test_raw_kind_reads_every_form_with_its_labels(forms: dict[str, list[str]], tmp_path: Path) -> None:
+    root = Path(forms["folder"][0])
+    sources: dict[str, Any] = {
+        name: open_source(args[0], root=Path(args[2]) if len(args) > 2 else None)
+        for name, args in forms.items()
+    }
+    sources["dataset"] = DatasetSource.of(PhotoDataset(root))
+    for name, source in sources.items():
+        ctx = LoaderContext(BenchConfig(source=name), source, 16, 3, torch.device("cpu"), tmp_path)
+        prepared = prepare_loader("raw", ctx)
+        ds = prepared.dataset
+        assert len(ds) == N, name
+        for i in (0, 5, N - 1):
+            image, label = ds[i]
+            assert tuple(image.shape) == (3, 16, 16) and label == int(source.labels[i]), name
+
+
+# Each run is about 6 s here: parquet in the default suite, the other forms with the slow ones (the raw
+# kind of every form is read in the default suite above).
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        "parquet",
+        pytest.param("webdataset", marks=SLOW),
+        pytest.param("csv", marks=SLOW),
+        pytest.param("dataset", marks=SLOW),
+    ],
+)
+def test_bench_runs_on_a_source_form(forms: dict[str, list[str]], tmp_path: Path, form: str) -> None:
+    res = CliRunner().invoke(
+        main, ["bench", *forms[form], *TINY, "--loaders", "raw,ram", "--out", str(tmp_path / "out"), "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert (doc["source"]["kind"], doc["source"]["n_images"], doc["source"]["classes"]) == (KINDS[form], N, 3)
+    assert {r["loader"] for r in doc["runs"]} == {"raw", "ram"} and doc["verdict"]
