@@ -81,7 +81,7 @@ class Cache:
             gen = Generation(self.root)
             try:
                 self._open_generation(gen, in_memory)
-            except DlstoreError:
+            except (DlstoreError, OSError, ValueError):  # files read by path: the folder swapped meanwhile
                 if gen.is_current():  # a real problem of this cache, not a replace in progress
                     gen.close()
                     raise
@@ -151,6 +151,9 @@ class Cache:
             flat = np.asarray(indices, dtype=np.int64).reshape(-1)
             where = self._first_failing(flat, pos) if self.mirror is None else f"indices {_short(flat)}"
             raise SampleReadError(f"reading dataset {where} from {self.location}: {e}") from e
+        except (OSError, ValueError):  # a file of a generation swapped away mid-read (a path, a map)
+            self.check_generation()
+            raise
         if self.traits.opens_files_per_read:
             self.check_generation()
         return out
@@ -192,6 +195,9 @@ class Cache:
             self._check_replaced(e)
             where = f"indices {_short(flat[min(taken, len(flat) - 1)])}"
             raise SampleReadError(f"reading dataset {where} from {self.location}: {e}") from e
+        except (OSError, ValueError):  # a file of a generation swapped away mid-read (a path, a map)
+            self.check_generation()
+            raise
         finally:
             stream.close()  # type: ignore[attr-defined]
 
@@ -232,6 +238,9 @@ class Cache:
             raise SampleReadError(
                 f"reading the fields of indices {_short(index)} from {self.location}: {e}"
             ) from e
+        except (OSError, ValueError):  # a file of a generation swapped away mid-read (a path, a map)
+            self.check_generation()
+            raise
         for name, f in self.fields.items():
             if f.kind == "class":
                 out[name] = self.labels[index]
@@ -285,6 +294,9 @@ class Cache:
             raise SampleReadError(
                 f"reading dataset {self._name_failing(index, pos, e)} from {self.location}: {e}"
             ) from e
+        except (OSError, ValueError):  # a file of a generation swapped away mid-read (a path, a map)
+            self.check_generation()
+            raise
         self.check_generation()
         return result
 
