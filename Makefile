@@ -10,15 +10,16 @@ DEMO_OUT ?= demo-out
 
 .PHONY: venv demo test lint clean
 
-# pip -q prints nothing for minutes: each step says first what it installs and about how long it takes.
+# Each step says first what it installs and about how long it takes; the two long installs run without -q,
+# so pip's own lines (collecting, downloading, installing) show that they are moving.
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || { echo "creating the virtual environment $(VENV) (a few seconds)"; $(PYTHON) -m venv $(VENV); }
 	@echo "upgrading pip in $(VENV) (about 10 s)"
 	$(PY) -m pip install -q --upgrade pip
 	@echo "installing $(TORCH_PAIR) (about a minute)"
-	$(PY) -m pip install -q $(TORCH_PAIR)
+	$(PY) -m pip install $(TORCH_PAIR)
 	@echo "installing dlstore and its extras test, plot, dask, s3 (about 2 minutes)"
-	$(PY) -m pip install -q -e '.[test,plot,dask,s3]'
+	$(PY) -m pip install -e '.[test,plot,dask,s3]'
 	@touch $@
 	@echo "$(VENV) is ready"
 
