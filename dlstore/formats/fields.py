@@ -22,7 +22,6 @@ manifest's checksums like any other (``dlstore verify`` finds a flipped byte in 
 from __future__ import annotations
 
 import io
-import json
 import shutil
 import zipfile
 from collections import OrderedDict
@@ -33,6 +32,7 @@ import numpy as np
 
 from dlstore.durable import fsync_path, write_bytes_durably
 from dlstore.errors import CacheCorruptError
+from dlstore.formats.zarr_shards import load_array_meta
 from dlstore.spec import CacheSpec, FieldSpec
 
 FIELDS_DIR = "fields"
@@ -405,12 +405,7 @@ class ZarrFieldReader(FieldReader):
 
 def array_meta(array_dir: Path) -> dict[str, Any]:
     path = array_dir / "zarr.json"
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CacheCorruptError(f"{path}: missing zarr array metadata; rebuild the cache") from None
-    except (OSError, ValueError) as e:
-        raise CacheCorruptError(f"{path}: unreadable zarr metadata ({e}); rebuild the cache") from None
+    meta = load_array_meta(path)
     if (
         not isinstance(meta, dict)
         or meta.get("node_type") != "array"

@@ -7,7 +7,6 @@ per-call machinery costs milliseconds per chunk, which dominates small random re
 
 from __future__ import annotations
 
-import json
 import math
 import mmap
 import os
@@ -26,7 +25,7 @@ from dlstore.formats.base import BufferPool, CacheWriter, ChunkedReader
 from dlstore.formats.codecs import quality_option
 from dlstore.formats.describe import Codec, CodecTable, Option
 from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter
-from dlstore.formats.zarr_shards import ShardIndexes, Sharding, parse_sharding
+from dlstore.formats.zarr_shards import ShardIndexes, Sharding, load_array_meta, parse_sharding
 from dlstore.spec import CacheSpec
 
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
@@ -200,12 +199,7 @@ def parse_array_meta(
     """Validate ``images/zarr.json`` before any chunk is decoded; return (chunk length, decoder,
     sharding). ``stored``: the compressor the manifest's codec declares. For a sharded array the
     grid's chunk is the shard (one file) and the chunk length is the inner chunk's."""
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CacheCorruptError(f"{path}: missing zarr array metadata; rebuild the cache") from None
-    except (OSError, ValueError) as e:
-        raise CacheCorruptError(f"{path}: unreadable zarr metadata ({e}); rebuild the cache") from None
+    meta = load_array_meta(path)
     if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         raise SpecError(f"{path}: not zarr v3 array metadata")
     if meta.get("shape") != [n, *shape] or meta.get("data_type") != "uint8":
@@ -608,10 +602,7 @@ def parse_vlen_chunk(buf: memoryview) -> tuple[memoryview, np.ndarray, np.ndarra
 
 def parse_payload_meta(path: Path, n: int, stored: str | None) -> tuple[int, Callable[[bytes], Any] | None]:
     """Validate the payload ``images`` array's metadata; return (chunk length, decompressor)."""
-    try:
-        meta = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise CacheCorruptError(f"{path}: unreadable zarr metadata ({e}); rebuild the cache") from None
+    meta = load_array_meta(path)
     if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
         raise SpecError(f"{path}: not zarr v3 array metadata")
     if meta.get("shape") != [n] or meta.get("data_type") != "variable_length_bytes":

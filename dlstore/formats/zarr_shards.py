@@ -14,6 +14,7 @@ converter writes), the chunk is what a read decodes. The array stays plain zarr 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from dataclasses import dataclass
@@ -26,6 +27,17 @@ from dlstore.errors import CacheCorruptError, SpecError
 
 EMPTY = (1 << 64) - 1  # zarr's (offset, nbytes) for a chunk that was never written
 _INDEX_ENTRY = 16
+
+
+def load_array_meta(path: Path) -> Any:
+    """An array's ``zarr.json``, parsed; missing or unreadable is a CacheCorruptError naming it.
+    What the readers then validate (zarr_cache: pixels and payloads; fields: field arrays) is theirs."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CacheCorruptError(f"{path}: missing zarr array metadata; rebuild the cache") from None
+    except (OSError, ValueError) as e:
+        raise CacheCorruptError(f"{path}: unreadable zarr metadata ({e}); rebuild the cache") from None
 
 
 @dataclass(frozen=True)

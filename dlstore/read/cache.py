@@ -6,6 +6,7 @@ import io
 import os
 import stat
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -137,23 +138,16 @@ class Cache:
             raise ValueError(
                 f"out must be C-contiguous uint8{(len(pos), *self.spec.shape)}, got {out.dtype}{out.shape}"
             )
-        try:
+        flat = np.asarray(indices, dtype=np.int64).reshape(-1)
+        with self._read_errors(
+            lambda e: self._first_failing(flat, pos) if self.mirror is None else f"indices {_short(flat)}"
+        ):
             if self.mirror is None:
                 self.reader.read_into(pos, out)
             else:
                 with self.mirror.reading():  # fetched units stay until read (eviction waits)
                     self.mirror.ensure(self.reader.files_for(pos))
                     self.reader.read_into(pos, out)
-        except CacheReplacedError:
-            raise
-        except DlstoreError as e:
-            self._check_replaced(e)  # files of a replaced generation vanish: say that, not "corrupt"
-            flat = np.asarray(indices, dtype=np.int64).reshape(-1)
-            where = self._first_failing(flat, pos) if self.mirror is None else f"indices {_short(flat)}"
-            raise SampleReadError(f"reading dataset {where} from {self.location}: {e}") from e
-        except (OSError, ValueError):  # a file of a generation swapped away mid-read (a path, a map)
-            self.check_generation()
-            raise
         if self.traits.opens_files_per_read:
             self.check_generation()
         return out
@@ -184,20 +178,12 @@ class Cache:
         stream = self.engines.decode_batches([self.storage_positions(b) for b in flat], processes)
         taken = 0  # batches handed out: an error names the indices of the next one
         try:
-            for images in stream:
-                if self.traits.opens_files_per_read:
-                    self.check_generation()
-                taken += 1
-                yield images
-        except CacheReplacedError:
-            raise
-        except DlstoreError as e:
-            self._check_replaced(e)
-            where = f"indices {_short(flat[min(taken, len(flat) - 1)])}"
-            raise SampleReadError(f"reading dataset {where} from {self.location}: {e}") from e
-        except (OSError, ValueError):  # a file of a generation swapped away mid-read (a path, a map)
-            self.check_generation()
-            raise
+            with self._read_errors(lambda e: f"indices {_short(flat[min(taken, len(flat) - 1)])}"):
+                for images in stream:
+                    if self.traits.opens_files_per_read:
+                        self.check_generation()
+                    taken += 1
+                    yield images
         finally:
             stream.close()  # type: ignore[attr-defined]
 
@@ -229,18 +215,8 @@ class Cache:
             return {}
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
         pos = self.storage_positions(index)
-        try:
+        with self._read_errors(lambda e: f"the fields of indices {_short(index)}", dataset=False):
             out = self.reader.read_fields(pos, self.fields)
-        except CacheReplacedError:
-            raise
-        except DlstoreError as e:
-            self._check_replaced(e)
-            raise SampleReadError(
-                f"reading the fields of indices {_short(index)} from {self.location}: {e}"
-            ) from e
-        except (OSError, ValueError):  # a file of a generation swapped away mid-read (a path, a map)
-            self.check_generation()
-            raise
         for name, f in self.fields.items():
             if f.kind == "class":
                 out[name] = self.labels[index]
@@ -280,23 +256,13 @@ class Cache:
     def _read_payload_layout(self, indices: np.ndarray | list[int], read: Callable[[np.ndarray], T]) -> T:
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
         pos = self.storage_positions(index)
-        try:
+        with self._read_errors(lambda e: self._name_failing(index, pos, e)):
             if self.mirror is None:
                 result = read(pos)
             else:
                 with self.mirror.reading():  # fetched units stay until read (eviction waits)
                     self.mirror.ensure(self.reader.files_for(pos))
                     result = read(pos)
-        except CacheReplacedError:
-            raise
-        except DlstoreError as e:
-            self._check_replaced(e)
-            raise SampleReadError(
-                f"reading dataset {self._name_failing(index, pos, e)} from {self.location}: {e}"
-            ) from e
-        except (OSError, ValueError):  # a file of a generation swapped away mid-read (a path, a map)
-            self.check_generation()
-            raise
         self.check_generation()
         return result
 
@@ -322,6 +288,23 @@ class Cache:
                 f"{self.location}: the cache was rebuilt or removed while open; open it "
                 "again (a new CachedDataset / open_cache) to read the new generation"
             )
+
+    @contextmanager
+    def _read_errors(self, where: Callable[[DlstoreError], str], dataset: bool = True) -> Iterator[None]:
+        """Around every read: a replaced cache (its files vanish or change under a path) raises
+        CacheReplacedError, not "corrupt"; any other dlstore error becomes a SampleReadError naming
+        ``where(error)`` (the indices) and the cache."""
+        try:
+            yield
+        except CacheReplacedError:
+            raise
+        except DlstoreError as e:
+            self._check_replaced(e)
+            what = f"dataset {where(e)}" if dataset else where(e)
+            raise SampleReadError(f"reading {what} from {self.location}: {e}") from e
+        except (OSError, ValueError):  # a file of a generation swapped away mid-read (a path, a map)
+            self.check_generation()
+            raise
 
     def _check_replaced(self, error: Exception) -> None:
         """On a read's error path: a replaced cache (local or remote) raises CacheReplacedError, so a
