@@ -14,8 +14,8 @@ Sections (``--sections``, run in the order given; one is skipped when its estima
 - ``seeds``: ``benchmarks/seeds.py``'s cached-light part (FashionMNIST-format IDX, SmallCNN, fp32, batch 256);
 - ``compute``: the compute-heavy workload (ram, ResNet-50 @224, batch 256, 4 workers: must be named compute);
 - ``parquet`` (issue 25, not in the default list): ``dlstore bench PARQUET`` as a user runs it on a parquet
-  file in Hugging Face's layout, built from real pictures (``tests/photo_forms.py``: scikit-image's bundled
-  photographs where installed, matplotlib's sample pictures) as JPEG crops at ImageNet-like sizes, one
+  file in Hugging Face's layout, built from real pictures (``tests/photo_forms.py``: scikit-image's and
+  scikit-learn's bundled photographs where installed, matplotlib's sample pictures) as JPEG crops at ImageNet-like sizes, one
   class per picture; records the run and prints its verdict.
 
 Writes ``OUT/bench_batches.json`` after every run (a run cut short still leaves what it measured) and prints
@@ -508,7 +508,7 @@ def _photo_rows(start_stop: tuple[int, int]) -> tuple[list[dict[str, Any]], list
     import numpy as np
     from photo_forms import imagenet_crop, real_pictures
 
-    pictures = real_pictures(skimage=True)
+    pictures = real_pictures(scikit=True)
     images, labels = [], []
     for i in range(*start_stop):
         rng = np.random.default_rng(i)
@@ -532,7 +532,7 @@ def make_photo_parquet(out: Path, n: int, rows_per_group: int = 500) -> Path:
 
     if out.is_file():
         return out
-    names = [name for name, _ in real_pictures(skimage=True)]  # loaded before the fork
+    names = [name for name, _ in real_pictures(scikit=True)]  # loaded before the fork
     image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
     features = {"image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}
     schema = pa.schema([("image", image_type), ("label", pa.int64())]).with_metadata(

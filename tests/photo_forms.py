@@ -6,12 +6,11 @@ The images are real, cut from every real picture an offline install carries (``r
 matplotlib's sample data has a photograph (``grace_hopper.jpg``, a U.S. Navy portrait, public
 domain), a rendered picture (``Minduka_Present_Blue_Pack.png``), an MRI slice of a head
 (``s1045.ima.gz``, as 16-bit) and a surveyed elevation model (``jacksboro_fault_dem.npz``, shown
-hill-shaded); with ``skimage=True`` and
-scikit-image installed, its bundled photographs too (the GPU machine has it). Photo i is a crop of
-picture ``picture_of(i)`` at its own place and scale, resized to an ImageNet-like size (longer side
-192-500, aspect 3:4 to 16:9), one of the cases a converter gets wrong every 8th: a JPEG with EXIF
-orientation 6, a PNG with alpha, a grey JPEG, a palette PNG with transparency, a 16-bit grey PNG, a
-CMYK JPEG. Pictures load once per process.
+hill-shaded); with ``scikit=True``, the photographs bundled with scikit-image and scikit-learn too,
+where installed (the GPU machine has both). Photo i is a crop of picture ``picture_of(i)`` at its own
+place and scale, resized to an ImageNet-like size (longer side 192-500, aspect 3:4 to 16:9), one of
+the cases a converter gets wrong every 8th: a JPEG with EXIF orientation 6, a PNG with alpha, a grey
+JPEG, a palette PNG with transparency, a 16-bit grey PNG, a CMYK JPEG. Pictures load once per process.
 """
 
 from __future__ import annotations
@@ -64,28 +63,36 @@ def matplotlib_pictures() -> dict[str, Image.Image]:
     return {"hopper": hopper, "pack": pack, "mri": Image.fromarray(mri), "terrain": terrain}
 
 
-def skimage_pictures() -> dict[str, Image.Image]:
-    """scikit-image's bundled photographs, those this install has ({} without scikit-image)."""
-    try:
-        import skimage.data as data
-    except ImportError:
-        return {}
+def scikit_pictures() -> dict[str, Image.Image]:
+    """scikit-image's and scikit-learn's bundled photographs, those this install has ({} without them)."""
     import socket
 
     socket.setdefaulttimeout(5)  # a picture that needs a download fails fast offline, and is left out
     out = {}
-    for name in SKIMAGE_PHOTOS:
-        try:
-            out[name] = Image.fromarray(np.asarray(getattr(data, name)()))
-        except Exception:  # not in this version, or it would need a download: not offline
-            continue
+    try:
+        import skimage.data as data
+
+        for name in SKIMAGE_PHOTOS:
+            try:
+                out[name] = Image.fromarray(np.asarray(getattr(data, name)()))
+            except Exception:  # not in this version, or it would need a download: not offline
+                continue
+    except ImportError:
+        pass
+    try:
+        from sklearn.datasets import load_sample_image
+
+        for name in ("china.jpg", "flower.jpg"):
+            out[name.split(".")[0]] = Image.fromarray(load_sample_image(name))
+    except Exception:  # scikit-learn absent, or without its sample images
+        pass
     return out
 
 
 @functools.lru_cache(maxsize=2)
-def real_pictures(skimage: bool = False) -> tuple[tuple[str, Image.Image], ...]:
+def real_pictures(scikit: bool = False) -> tuple[tuple[str, Image.Image], ...]:
     """(name, picture) of every real picture this install carries; see the module's docstring."""
-    found = {**matplotlib_pictures(), **(skimage_pictures() if skimage else {})}
+    found = {**matplotlib_pictures(), **(scikit_pictures() if scikit else {})}
     return tuple(found.items())
 
 
@@ -143,9 +150,9 @@ def photo(
     return img, ".jpg", {"quality": int(rng.integers(75, 96))}
 
 
-def make_photo_folder(root: Path, n: int, skimage: bool = False) -> Path:
+def make_photo_folder(root: Path, n: int, scikit: bool = False) -> Path:
     """ROOT/<class>/photoNNNN-<picture>.<ext>: n photographs, class i % 3 (see the module docstring)."""
-    pictures = real_pictures(skimage)
+    pictures = real_pictures(scikit)
     for i in range(n):
         img, suffix, kw = photo(i, pictures)
         folder = root / CLASSES[i % len(CLASSES)]
