@@ -17,6 +17,7 @@ from photo_forms import (
     PhotoDataset,
     folder_samples,
     make_photo_folder,
+    real_pictures,
     write_csv,
     write_hf_parquet,
     write_shards,
@@ -45,6 +46,11 @@ def forms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, dict
         "csv": (str(write_csv(root, tmp / "list.csv")), {"root": root}),
         "dataset": (PhotoDataset(root), {}),
     }
+
+
+def test_the_photographs_are_cut_from_several_real_pictures(forms: dict) -> None:
+    pictures = {p.stem.split("-")[1] for p in Path(forms["folder"][0]).rglob("photo*")}
+    assert pictures == {name for name, _ in real_pictures()} and len(pictures) >= 4
 
 
 def cache_arrays(dest: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
