@@ -12,7 +12,11 @@ Sections (``--sections``, run in the order given; one is skipped when its estima
   and the loop, alternated (other variants: the loop synchronised after each step, the loader with the
   step's host time spent spinning or sleeping), with the hypervisor's steal time;
 - ``seeds``: ``benchmarks/seeds.py``'s cached-light part (FashionMNIST-format IDX, SmallCNN, fp32, batch 256);
-- ``compute``: the compute-heavy workload (ram, ResNet-50 @224, batch 256, 4 workers: must be named compute).
+- ``compute``: the compute-heavy workload (ram, ResNet-50 @224, batch 256, 4 workers: must be named compute);
+- ``parquet`` (issue 25, not in the default list): ``dlstore bench PARQUET`` as a user runs it on a parquet
+  file in Hugging Face's layout, built from real pictures (``tests/photo_forms.py``: scikit-image's and
+  scikit-learn's bundled photographs where installed, matplotlib's sample pictures) as JPEG crops at ImageNet-like sizes, one
+  class per picture; records the run and prints its verdict.
 
 Writes ``OUT/bench_batches.json`` after every run (a run cut short still leaves what it measured) and prints
 one line per run (measured, predicted, error, bottleneck) plus a summary last, with every run's error under
@@ -22,6 +26,7 @@ fix and the behaviour before it are compared on one machine state).
 GPU machine, from the repository root::
 
     python3 benchmarks/bench_batches.py --out "$OUT" --work /tmp/bb
+    python3 benchmarks/bench_batches.py --sections parquet --budget-s 400 --out "$OUT/sources" --work /tmp/pq
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dlstore.bench.protocol import BenchConfig  # noqa: E402
 
 SECTIONS = ("batches", "default", "decode", "seeds", "compute")
+OPTIONAL = ("parquet",)  # run only when named in --sections
 # Seconds each part took on the H200 (earlier runs), to skip what would not fit in the budget.
 ESTIMATE_S = {
     "batch": 15.0,
@@ -495,6 +501,93 @@ def default_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
     log(f"default: {wall:.1f} s rc={proc.returncode}")
 
 
+def _photo_rows(start_stop: tuple[int, int]) -> tuple[list[dict[str, Any]], list[int]]:
+    """Rows start..stop-1 of the parquet section's source: JPEG crops of the real pictures."""
+    import io
+
+    import numpy as np
+    from photo_forms import imagenet_crop, real_pictures
+
+    pictures = real_pictures(scikit=True)
+    images, labels = [], []
+    for i in range(*start_stop):
+        rng = np.random.default_rng(i)
+        k = i % len(pictures)
+        buf = io.BytesIO()
+        crop = imagenet_crop(pictures[k][1].convert("RGB"), rng)
+        crop.save(buf, "JPEG", quality=int(rng.integers(80, 96)))
+        images.append({"bytes": buf.getvalue(), "path": f"{pictures[k][0]}-{i:06d}.jpg"})
+        labels.append(k)
+    return images, labels
+
+
+def make_photo_parquet(out: Path, n: int, rows_per_group: int = 500) -> Path:
+    """``n`` JPEG crops of the real pictures at ImageNet-like sizes, as Hugging Face ``datasets`` writes
+    ``Features({"image": Image(), "label": ClassLabel(names=pictures)})`` (one class per picture)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from photo_forms import real_pictures
+
+    if out.is_file():
+        return out
+    names = [name for name, _ in real_pictures(scikit=True)]  # loaded before the fork
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    features = {"image": {"_type": "Image"}, "label": {"names": names, "_type": "ClassLabel"}}
+    schema = pa.schema([("image", image_type), ("label", pa.int64())]).with_metadata(
+        {"huggingface": json.dumps({"info": {"features": features}})}
+    )
+    tmp = out.with_suffix(".tmp")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    spans = [(a, min(n, a + rows_per_group)) for a in range(0, n, rows_per_group)]
+    with pq.ParquetWriter(tmp, schema) as writer, multiprocessing.get_context("fork").Pool() as pool:
+        for images, labels in pool.imap(_photo_rows, spans):  # in order: row groups as the rows go
+            table = pa.table({"image": pa.array(images, image_type), "label": labels}, schema=schema)
+            writer.write_table(table, row_group_size=rows_per_group)
+    tmp.rename(out)
+    return out
+
+
+def parquet_section(args: argparse.Namespace, rec: Recorder, log: Log) -> None:
+    """``dlstore bench PARQUET`` (issue 25) on a parquet source of real pictures; its verdict recorded."""
+    import shutil
+
+    t0 = time.perf_counter()
+    n = 64 if args.smoke else args.parquet_images
+    source = make_photo_parquet(args.work / f"photos-{n}.parquet", n)
+    made_s = time.perf_counter() - t0
+    log(f"parquet: {n} photos in {source} ({source.stat().st_size / 1e6:.1f} MB) in {made_s:.1f} s")
+    out = args.out / "parquet-bench"
+    exe = shutil.which("dlstore")
+    cmd = [exe] if exe else [sys.executable, "-c", "from dlstore.cli import main; main()"]
+    cmd += ["bench", str(source), "--out", str(out), "--budget", str(args.parquet_budget_s)]
+    if args.smoke:
+        cmd += ["--size", "32", "--batch-size", "16", "--steps", "2", "--warmup", "1", "--repeats", "1",
+                "--stage-steps", "1", "--workers", "0", "--no-cold"]  # fmt: skip
+    t1 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=args.work)  # not the checkout
+    wall = time.perf_counter() - t1
+    result = out / "result.json"
+    doc = json.loads(result.read_text()) if result.is_file() else None
+    verdict = (doc or {}).get("verdict") or ""  # the text of the bench's verdict
+    rec.put(
+        "parquet",
+        {"cmd": " ".join(cmd), "rc": proc.returncode, "wall_s": wall, "images": n, "make_s": made_s,
+         "source_bytes": source.stat().st_size, "source_kind": (doc or {}).get("source", {}).get("kind"),
+         "verdict": verdict, "text": proc.stdout, "stderr": proc.stderr[-3000:],
+         "doc": trim(doc) if doc else None},
+    )  # fmt: skip
+    (args.out / "parquet.txt").write_text(proc.stdout + f"\nwall {wall:.1f} s rc={proc.returncode}\n")
+    if doc:
+        print("\n".join(rows("parquet", doc)), flush=True)
+    print(
+        f"parquet bench: rc {proc.returncode}, {wall:.1f} s; verdict: {verdict}",
+        flush=True,
+    )
+    log(f"parquet: {wall:.1f} s rc={proc.returncode}")
+
+
 def prediction_errors(doc: dict[str, Any]) -> dict[str, list[float]]:
     """Every run's (measured − predicted) / predicted, per group: the ResNet runs (sweep, decode-heavy,
     compute-heavy), the seeds' runs, the default run's."""
@@ -680,6 +773,8 @@ def main(argv: list[str] | None = None) -> int:
         "--cached-workers", default="0,4", help="Worker counts of the ram runs of the batch sweep."
     )
     p.add_argument("--smoke", action="store_true", help="Tiny sizes and SmallCNN: a check on a CPU.")
+    p.add_argument("--parquet-images", type=int, default=4096, help="Photos in the parquet section's source.")
+    p.add_argument("--parquet-budget-s", type=float, default=150.0, help="The parquet bench's --budget.")
     args = p.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",") if b]
     args.decode_workers = tuple(int(w) for w in args.decode_workers.split(",") if w)
@@ -688,9 +783,9 @@ def main(argv: list[str] | None = None) -> int:
         args.batches if args.raw_batches is None else [int(b) for b in args.raw_batches.split(",") if b]
     )
     sections = [s for s in args.sections.split(",") if s]
-    unknown = set(sections) - set(SECTIONS)
+    unknown = set(sections) - set(SECTIONS) - set(OPTIONAL)
     if unknown:
-        raise SystemExit(f"unknown section(s) {sorted(unknown)}; choose from {SECTIONS}")
+        raise SystemExit(f"unknown section(s) {sorted(unknown)}; choose from {SECTIONS + OPTIONAL}")
     args.out.mkdir(parents=True, exist_ok=True)
     rec = Recorder(args.out, args)
 
@@ -698,13 +793,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{rec.elapsed():6.1f}s] {msg}", file=sys.stderr, flush=True)
 
     run = {"batches": batches_section, "decode": decode_section, "compute": compute_section,
-           "seeds": seeds_section, "default": default_section}  # fmt: skip
+           "seeds": seeds_section, "default": default_section, "parquet": parquet_section}  # fmt: skip
     for s in sections:  # in the order given: a round's cap cuts the last ones
         # decode-heavy: ~14 s for its runs, ~3 s per alone/loop pair taken apart after them (H200)
         # and ~9 s per extra repeat
         estimate = (
             14.0 + 9.0 * (args.decode_repeats - 1) + 3.0 * args.decode_parts
             if s == "decode"
+            else args.parquet_budget_s + 25.0  # the bench's own budget, the photos and its overrun
+            if s == "parquet"
             else ESTIMATE_S.get(s, 0.0)
         )
         if s != "batches" and rec.elapsed() + estimate > args.budget_s:

@@ -81,8 +81,11 @@ def tree_pids(root_pid: int) -> list[int]:
     return out
 
 
-def rss_pss(pids: list[int]) -> tuple[int, int]:
-    rss = pss = 0
+def rss_pss(pids: list[int]) -> tuple[int, int, int]:
+    """(RSS, PSS, PSS of anonymous memory) bytes summed over ``pids``. The last leaves out file pages
+    mapped in, such as the ram format's memory-mapped output, which the kernel writes back and drops as
+    needed: it is the memory the conversion holds."""
+    rss = pss = anon = 0
     for pid in pids:
         try:
             for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
@@ -90,9 +93,11 @@ def rss_pss(pids: list[int]) -> tuple[int, int]:
                     rss += int(line.split()[1]) * 1024
                 elif line.startswith("Pss:"):
                     pss += int(line.split()[1]) * 1024
+                elif line.startswith("Pss_Anon:"):
+                    anon += int(line.split()[1]) * 1024
         except OSError:
             continue
-    return rss, pss
+    return rss, pss, anon
 
 
 def make_parquet(pool: list[Path], n: int, out: Path, rows_per_group: int = 1000) -> Path:
@@ -129,17 +134,23 @@ def run_convert(src: Path, dest: Path, fmt: str, workers: int) -> dict[str, Any]
     cmd += ["--workers", str(workers), "--overwrite", "--json"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    peak_rss = peak_pss = 0
+    peak_rss = peak_pss = peak_anon = 0
     while proc.poll() is None:
-        rss, pss = rss_pss(tree_pids(proc.pid))
-        peak_rss, peak_pss = max(peak_rss, rss), max(peak_pss, pss)
+        rss, pss, anon = rss_pss(tree_pids(proc.pid))
+        peak_rss, peak_pss, peak_anon = max(peak_rss, rss), max(peak_pss, pss), max(peak_anon, anon)
         time.sleep(0.05)
     wall = time.perf_counter() - t0
     out = proc.stdout.read() if proc.stdout else ""
     if proc.returncode != 0:
         raise RuntimeError(f"convert failed ({proc.returncode}): {out[-2000:]}")
     result = json.loads(out)
-    return {"wall_s": wall, "peak_rss": peak_rss, "peak_pss": peak_pss, "n": result["n"]}
+    return {
+        "wall_s": wall,
+        "peak_rss": peak_rss,
+        "peak_pss": peak_pss,
+        "peak_anon": peak_anon,
+        "n": result["n"],
+    }
 
 
 OPEN_PROBE = """
@@ -196,21 +207,25 @@ def main() -> None:
         row.update(open_times(dest))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    doc = {
-        "rows": rows,
-        "source": args.source,
-        "format": args.format,
-        "workers": args.workers,
-        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(doc, indent=1))
+        doc = {
+            "rows": rows,
+            "source": args.source,
+            "format": args.format,
+            "workers": args.workers,
+            "command": " ".join(["python", *sys.argv]),
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "load": os.getloadavg()},
+        }
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        # Written after each N: a long run stopped early keeps its rows.
+        args.out.write_text(json.dumps(doc, indent=1))
     print(
-        f"\n{'N':>8} {'wall s':>8} {'peak RSS MB':>12} {'peak PSS MB':>12} {'meta B/img':>11} {'open ms':>8}"
+        f"\n{'N':>8} {'wall s':>8} {'peak RSS MB':>12} {'peak PSS MB':>12} {'anon PSS MB':>12} {'meta B/img':>11} "
+        f"{'open ms':>8}"
     )
     for r in rows:
         print(
             f"{r['n']:>8} {r['wall_s']:>8.1f} {r['peak_rss'] / 1e6:>12.0f} {r['peak_pss'] / 1e6:>12.0f} "
+            f"{r['peak_anon'] / 1e6:>12.0f} "
             f"{r['metadata_bytes_per_image']:>11.1f} {r['open_cache_s'] * 1e3:>8.1f}"
         )
 

@@ -17,6 +17,7 @@ from photo_forms import (
     PhotoDataset,
     folder_samples,
     make_photo_folder,
+    real_pictures,
     write_csv,
     write_hf_parquet,
     write_shards,
@@ -45,6 +46,11 @@ def forms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, dict
         "csv": (str(write_csv(root, tmp / "list.csv")), {"root": root}),
         "dataset": (PhotoDataset(root), {}),
     }
+
+
+def test_the_photographs_are_cut_from_several_real_pictures(forms: dict) -> None:
+    pictures = {p.stem.split("-")[1] for p in Path(forms["folder"][0]).rglob("photo*")}
+    assert pictures == {name for name, _ in real_pictures()} and len(pictures) >= 4
 
 
 def cache_arrays(dest: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
@@ -344,3 +350,48 @@ def test_500_photographs_give_the_same_cache_in_every_form(tmp_path: Path) -> No
                 fmt,
                 name,
             )
+
+
+def per_row_containers(obj: Any, n: int, where: str = "source") -> list[str]:
+    """Attributes of ``obj`` (and of the arrays' holders inside it) that keep a Python object per row:
+    a list, tuple or dict of about ``n`` items, or an object-dtype array."""
+    found = []
+    for name, value in vars(obj).items():
+        if isinstance(value, (list, tuple, dict)) and len(value) >= n // 2:
+            found.append(f"{where}.{name} ({type(value).__name__} of {len(value)})")
+        elif isinstance(value, np.ndarray) and value.dtype == object:
+            found.append(f"{where}.{name} (object array)")
+        elif hasattr(value, "__dict__") and not callable(value) and len(found) < 20:
+            found += per_row_containers(value, n, f"{where}.{name}")
+    return found
+
+
+def test_listing_keeps_arrays_not_a_python_object_per_row(tmp_path: Path) -> None:
+    """Issue 25, scale: a parquet source and WebDataset shards are listed as arrays (row, row group,
+    shard, offset, size, key), so a source of millions of rows holds no Python object per row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import webdataset as wds
+
+    rows = 5000
+    image_type = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    images = pa.array([{"bytes": b"\xff\xd8", "path": None}] * rows, image_type)
+    pq.write_table(
+        pa.table({"image": images, "label": np.arange(rows) % 7}),
+        tmp_path / "big.parquet",
+        row_group_size=1000,
+    )
+    parquet = open_source(str(tmp_path / "big.parquet"))
+    assert len(parquet) == rows and per_row_containers(parquet, rows) == []
+    assert parquet.names[rows - 1] == f"big.parquet#{rows - 1}"
+
+    samples = 900
+    for s in range(3):
+        with wds.TarWriter(str(tmp_path / f"w-{s:06d}.tar")) as sink:
+            for i in range(s * samples // 3, (s + 1) * samples // 3):
+                sink.write({"__key__": f"k{i:07d}", "jpg": b"\xff\xd8", "cls": i % 5 if s else f"c{i % 5}"})
+    shards = open_source(str(tmp_path / "w-{000000..000002}.tar"))
+    assert len(shards) == samples and per_row_containers(shards, samples) == []
+    assert shards.names[samples - 1] == f"w-000002.tar#k{samples - 1:07d}"
+    # ints in two shards, text in one: all of them text, as a single list of them would be
+    assert shards.classes == ("0", "1", "2", "3", "4", "c0", "c1", "c2", "c3", "c4")

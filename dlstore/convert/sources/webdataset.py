@@ -6,8 +6,8 @@
 - The target is the ``.cls`` member's text by default; ``--label EXT`` takes another member (``txt``,
   ``label``) and, where the sample has no such member, ``--label FIELD`` reads that field of its
   ``.json``. Ints are labels as they are; other values follow ``labels_from_values``.
-- Listing streams each shard once (``tarfile`` mode ``r|``) and keeps arrays: the shard, offset and size
-  of each sample's image, and its key. A sample then reads its image by one ranged read; a shard is
+- Listing streams each shard once (``tarfile`` mode ``r|``) and keeps arrays, made shard by shard: the
+  shard, offset and size of each sample's image, and its key (no Python object per sample is held). A sample then reads its image by one ranged read; a shard is
   the unit of listing, and a truncated shard keeps the samples before the cut, naming the shard.
 - The fingerprint is the shards' names, sizes and mtimes (ETag where the store has no mtime).
 """
@@ -67,6 +67,15 @@ def label_value(raw: bytes) -> Any:
     return int(text) if re.fullmatch(r"-?\d+", text) else text
 
 
+def join_arrays(parts: list[np.ndarray], dtype: Any = None) -> np.ndarray:
+    """The shards' arrays as one; label values that are ints in some shards and text in others are
+    all text (as one list of them would be)."""
+    parts = [p for p in parts if p.size] or [np.zeros(0, dtype or np.int64)]
+    if dtype is None and len({p.dtype.kind for p in parts}) > 1:
+        parts = [p.astype(str) for p in parts]
+    return np.concatenate(parts) if dtype is None else np.concatenate(parts).astype(dtype, copy=False)
+
+
 @register_source
 @dataclass
 class WebDatasetSource(EncodedSource):
@@ -102,27 +111,38 @@ class WebDatasetSource(EncodedSource):
             label_key=label,
             storage_options=args.storage_options,
         )
-        shard_of: list[np.ndarray] = []
-        offsets: list[int] = []
-        sizes: list[int] = []
-        keys: list[str] = []
-        values: list[Any] = []
+        # Each shard's listing becomes arrays as soon as it is read: Python objects for one shard's
+        # samples at a time, never one per sample of the whole source.
+        parts: dict[str, list[np.ndarray]] = {
+            "shard_of": [],
+            "offsets": [],
+            "sizes": [],
+            "keys": [],
+            "values": [],
+        }
         errors: list[tuple[str, str]] = []
         stats = []
         for k, shard in enumerate(shards):
             stats.append([shard, *src._stat(shard)])
-            n0 = len(keys)
+            offsets: list[int] = []
+            sizes: list[int] = []
+            keys: list[str] = []
+            values: list[Any] = []
             with src._open(shard) as f:
                 src._list_shard(f, shard, keys, offsets, sizes, values, errors)
-            shard_of.append(np.full(len(keys) - n0, k, np.int32))
+            parts["shard_of"].append(np.full(len(keys), k, np.int32))
+            parts["offsets"].append(np.asarray(offsets, np.int64))
+            parts["sizes"].append(np.asarray(sizes, np.int64))
+            parts["keys"].append(np.asarray(keys, dtype=str))
+            parts["values"].append(np.asarray(values))
             if errors and args.strict:
                 raise SourceError(f"{errors[0][0]}: {errors[0][1]}; stopped (--strict)")
         src.shard_stats = stats
-        src.shard_of = np.concatenate(shard_of) if shard_of else np.zeros(0, np.int32)
-        src.offsets = np.asarray(offsets, np.int64)
-        src.sizes = np.asarray(sizes, np.int64)
-        src.classes, src.labels = labels_from_values(values, f"{text} label {label!r}")
-        src.names = IndexedNames(shards, src.shard_of, np.asarray(keys, dtype=str))  # type: ignore[assignment]
+        src.shard_of = join_arrays(parts["shard_of"], np.int32)
+        src.offsets = join_arrays(parts["offsets"], np.int64)
+        src.sizes = join_arrays(parts["sizes"], np.int64)
+        src.classes, src.labels = labels_from_values(join_arrays(parts["values"]), f"{text} label {label!r}")
+        src.names = IndexedNames(shards, src.shard_of, join_arrays(parts["keys"], str))  # type: ignore[assignment]
         src.scan_errors = errors
         return src
 
