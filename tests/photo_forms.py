@@ -6,8 +6,8 @@ The images are real, cut from every real picture an offline install carries (``r
 matplotlib's sample data has a photograph (``grace_hopper.jpg``, a U.S. Navy portrait, public
 domain), a rendered picture (``Minduka_Present_Blue_Pack.png``), an MRI slice of a head
 (``s1045.ima.gz``, as 16-bit) and a surveyed elevation model (``jacksboro_fault_dem.npz``, shown
-hill-shaded); with ``scikit=True``, the photographs bundled with scikit-image and scikit-learn too,
-where installed (the GPU machine has both). Photo i is a crop of picture ``picture_of(i)`` at its own
+hill-shaded); and the photographs bundled with scikit-image (14, in the ``test`` extra) and
+scikit-learn (2), where installed (the GPU machine has both; ``scikit=False`` leaves them out). Photo i is a crop of picture ``picture_of(i)`` at its own
 place and scale, resized to an ImageNet-like size (longer side 192-500, aspect 3:4 to 16:9), one of
 the cases a converter gets wrong every 8th: a JPEG with EXIF orientation 6, a PNG with alpha, a grey
 JPEG, a palette PNG with transparency, a 16-bit grey PNG, a CMYK JPEG. Pictures load once per process.
@@ -90,7 +90,7 @@ def scikit_pictures() -> dict[str, Image.Image]:
 
 
 @functools.lru_cache(maxsize=2)
-def real_pictures(scikit: bool = False) -> tuple[tuple[str, Image.Image], ...]:
+def real_pictures(scikit: bool = True) -> tuple[tuple[str, Image.Image], ...]:
     """(name, picture) of every real picture this install carries; see the module's docstring."""
     found = {**matplotlib_pictures(), **(scikit_pictures() if scikit else {})}
     return tuple(found.items())
@@ -150,7 +150,7 @@ def photo(
     return img, ".jpg", {"quality": int(rng.integers(75, 96))}
 
 
-def make_photo_folder(root: Path, n: int, scikit: bool = False) -> Path:
+def make_photo_folder(root: Path, n: int, scikit: bool = True) -> Path:
     """ROOT/<class>/photoNNNN-<picture>.<ext>: n photographs, class i % 3 (see the module docstring)."""
     pictures = real_pictures(scikit)
     for i in range(n):

@@ -17,6 +17,7 @@ from photo_forms import (
     PhotoDataset,
     folder_samples,
     make_photo_folder,
+    picture_of,
     real_pictures,
     write_csv,
     write_hf_parquet,
@@ -49,8 +50,10 @@ def forms(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Any, dict
 
 
 def test_the_photographs_are_cut_from_several_real_pictures(forms: dict) -> None:
-    pictures = {p.stem.split("-")[1] for p in Path(forms["folder"][0]).rglob("photo*")}
-    assert pictures == {name for name, _ in real_pictures()} and len(pictures) >= 4
+    pictures = {p.stem.split("-", 1)[1] for p in Path(forms["folder"][0]).rglob("photo*")}
+    names = [name for name, _ in real_pictures()]
+    assert pictures == {names[picture_of(i, len(names))] for i in range(N)}
+    assert len(pictures) >= min(len(names), 8) and len(names) >= 4
 
 
 def cache_arrays(dest: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
