@@ -1977,7 +1977,7 @@ def main() -> None:
     ap.add_argument(
         "--lanes-auto-warm",
         type=int,
-        default=96,
+        default=128,
         help="lanes_train: untimed batches of the measured split first",
     )
     ap.add_argument("--lanes-sizes", default="128,256", help="lanes_loader: cache sizes")
