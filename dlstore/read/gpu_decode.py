@@ -676,7 +676,7 @@ def _tensors_of(images: Any) -> list[torch.Tensor]:
     if isinstance(images, torch.Tensor):
         return [images]
     if isinstance(images, list | tuple):
-        return [t for t in images if isinstance(t, torch.Tensor)]
+        return [t for t in images if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
     return [v for v in vars(images).values() if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
 
 

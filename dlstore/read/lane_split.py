@@ -54,8 +54,9 @@ MIN_PART = 0.1
 # A lane decoded ahead (the CPU processes) that the loader had to wait for more than WAIT_TOLERANCE of
 # the period is slower than its busy time says: its sample shrinks in proportion to the wait.
 WAIT_TOLERANCE = 0.05
-# The tuner starts again from the model's split when the first lane's measured rate moves this much.
-RETUNE = 0.3
+# The tuner starts again from the model's split when the first lane's measured rate moves this much (the
+# step's own CPU use changed); a CPU lane made late by a larger share reads slower too, so not less.
+RETUNE = 0.5
 
 
 @dataclass
@@ -71,6 +72,9 @@ class Lane:
     busy: float = 0.0  # seconds it was busy
     rerouted: int = 0  # its images decoded by another lane after it failed (or refused them)
     error: str = ""  # why it failed
+
+
+MAX_STEP = 0.3  # the tuner's longest stride, of a loop period
 
 
 @dataclass
@@ -126,8 +130,9 @@ class ShareTuner:
         self.trials += 1
         if self.best is None or self.trial == self.share:  # the kept share measured
             self.best, self.tried_other = median, False
-        elif median < (1.0 - self.gain) * self.best:  # faster: keep it, go on that way
+        elif median < (1.0 - self.gain) * self.best:  # faster: keep it, go on that way (a longer stride)
             self.share, self.best, self.tried_other = self.trial, median, False
+            self.step = min(MAX_STEP, 1.5 * self.step)
         elif not self.tried_other:
             self.direction, self.tried_other = -self.direction, True
         else:
