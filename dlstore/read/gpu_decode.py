@@ -155,10 +155,6 @@ class DecodeLoader(CoreLoader):
     loader takes.
     """
 
-    # Experimental (issue 27 item 3; off until measured on a GPU): decode on a stream of its own without
-    # waiting for the previous batch's transform (see _decode_overlapped).
-    overlap_decode: bool = False
-
     def __init__(
         self,
         path: str | Path | Cache,
@@ -201,8 +197,6 @@ class DecodeLoader(CoreLoader):
         # training step, and nvJPEG's outputs could reuse memory that step still reads (see below).
         self.decode_in = decode_in
         self._stream: Any = None
-        self._decode_stream: Any = None  # overlap_decode's
-        self._crop_after: Any = None  # set while a batch decodes under overlap_decode
         self.stats = DecodeStats()
         if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
             raise ValueError(f"cpu_share is the CPU decoders' fraction of a batch, 0..1; got {cpu_share}")
@@ -360,8 +354,6 @@ class DecodeLoader(CoreLoader):
             return (*self._finish(*item, launching), None)
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
-        if self.overlap_decode and self.hw is None:  # the hardware lane's images are not torch's memory
-            return self._decode_overlapped(item, launching)
         with torch.cuda.stream(self._stream):
             # torchvision's nvJPEG writes its outputs on a stream of its own, unordered with the stream
             # they are allocated on: memory freed on this stream (the previous batch's decoded images,
@@ -375,36 +367,6 @@ class DecodeLoader(CoreLoader):
             event = torch.cuda.Event()
             event.record(self._stream)
         return images, labels, event
-
-    def _decode_overlapped(
-        self, item: tuple[Any, ...], launching: Callable[[], None]
-    ) -> tuple[Any, Any, Any]:
-        """``overlap_decode``: the decode calls on a stream of their own (``_decode_stream``, whose memory
-        pool only they use) and the transform on ``_stream`` after it; the decoded images are marked as
-        used by ``_stream`` (``record_stream``), so the allocator hands their memory to a later decode only
-        once that batch's transform has run. No wait for the previous transform, so batch i+1's host-side
-        decode work overlaps batch i's device work. (Issue 27 item 3: measured beside the default first.)"""
-        if self._decode_stream is None:
-            self._decode_stream = torch.cuda.Stream(self.device)
-        self._crop_after = self._decode_stream
-        try:
-            with torch.cuda.stream(self._decode_stream):
-                images, labels = self._finish(*item, launching)
-        finally:
-            self._crop_after = None
-        event = torch.cuda.Event()
-        event.record(self._stream)
-        return images, labels, event
-
-    def _ordered_after_decode(self, images: Any) -> Any:
-        """Under ``overlap_decode``: ``_stream`` waits for the decode stream, and every decoded tensor is
-        kept from reuse until ``_stream``'s work queued so far is done."""
-        self._stream.wait_stream(self._crop_after)
-        # also the batch's per-image tensors (self._refs): ops on the decode stream read them (the flat
-        # copy), and freed there they could go to the next decode call, which writes on nvJPEG's own stream
-        for t in [*_tensors_of(images), *_tensors_of(self._refs)]:
-            t.record_stream(self._stream)
-        return torch.cuda.stream(self._stream)
 
     def close(self) -> None:
         """Stop the CPU decode workers (if any); iterating again starts new ones."""
@@ -524,12 +486,6 @@ class DecodeLoader(CoreLoader):
     def _out(self, images: Any, labels: Any) -> tuple[Any, Any]:
         """(the batch through the transform, labels or the target on the device); a cache with fields
         hands its target to the transform, which moves the masks and boxes with each crop."""
-        if self._crop_after is not None:  # overlap_decode: the transform on _stream, after the decode
-            with self._ordered_after_decode(images):
-                return self._transformed(images, labels)
-        return self._transformed(images, labels)
-
-    def _transformed(self, images: Any, labels: Any) -> tuple[Any, Any]:
         from dlstore.gpu.ragged import to_device  # here: dlstore.gpu imports Triton, which takes a while
 
         if isinstance(labels, dict):
@@ -669,15 +625,6 @@ class DecodeLoader(CoreLoader):
             self.split.observe("cpu", cpu_count, busy / self.cpu.processes, waited, now - last)
         if self.cpu is not None and "cpu" in self.split.state and not self.cpu.alive():
             self.split.fail("cpu", "its decode processes exited")
-
-
-def _tensors_of(images: Any) -> list[torch.Tensor]:
-    """The device tensors a decoded batch holds: a list of images, or a FlatImages' buffer and index."""
-    if isinstance(images, torch.Tensor):
-        return [images]
-    if isinstance(images, list | tuple):
-        return [t for t in images if isinstance(t, torch.Tensor) and t.device.type == "cuda"]
-    return [v for v in vars(images).values() if isinstance(v, torch.Tensor) and v.device.type == "cuda"]
 
 
 def _views(flat: torch.Tensor, offsets: np.ndarray, shapes: np.ndarray) -> list[torch.Tensor]:
