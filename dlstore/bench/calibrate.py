@@ -19,7 +19,7 @@ from dlstore.bench.protocol import BenchConfig
 from dlstore.machine import synchronize, usable_cores
 
 # Kinds without worker processes (their PreparedLoader says ``ignores_workers``; known here before they are
-# prepared): they run once, at 0 workers.
+# prepared): they run once, at 0 workers (jpeg-gpu only without a GPU: on one its count is CPU decoders).
 WORKERLESS_KINDS = frozenset({"pinned", "resident", "jpeg-gpu"})
 RAW_OVERHEAD = 1.15  # the raw kind's ToTensor and float collate on top of the decode and resize
 CACHE_READ_FACTOR = 3.0  # a cache batch: the read (a zstd decode for zarr) on top of the collate
@@ -184,8 +184,10 @@ def convert_costs(ctx: LoaderContext, per_image: float) -> dict[str, float]:
     return out
 
 
-def initial_plan(config: BenchConfig, workers: tuple[int, ...], images: int) -> Plan:
+def initial_plan(config: BenchConfig, workers: tuple[int, ...], images: int, cuda: bool = False) -> Plan:
+    """``cuda``: jpeg-gpu's worker counts are its CPU decoders there (each one a run)."""
     assert config.batch_size is not None
+    workerless = WORKERLESS_KINDS - {"jpeg-gpu"} if cuda else WORKERLESS_KINDS
     return Plan(
         loaders=tuple(config.loaders),
         workers=workers,
@@ -198,6 +200,6 @@ def initial_plan(config: BenchConfig, workers: tuple[int, ...], images: int) -> 
         batch_size=config.batch_size,
         max_run_s=config.max_run_s,
         fed_s=config.fed_s,
-        workerless=frozenset(k for k in config.loaders if k in WORKERLESS_KINDS),
+        workerless=frozenset(k for k in config.loaders if k in workerless),
         step_looks=step_looks(config.loaders),
     )

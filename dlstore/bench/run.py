@@ -232,6 +232,9 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         precision=config.precision,
         transform=config.transform,
         bench_command=bench_command(config),
+        cpu_decoder_kinds=frozenset(
+            n for n, p in prepared.items() if p.info.get("workers_are") == "cpu_decoders"
+        ),
     )
     notes += [f"{name} {what}" for name, what in facts.substituted.items()]
     analysis = analyse(kind_stages, runs, cold, facts)
@@ -256,7 +259,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         "cold": cold,
         **{
             k: analysis[k]
-            for k in ("kinds", "stalls", "knees", "best", "default", "prediction")
+            for k in ("kinds", "stalls", "knees", "lanes", "best", "default", "prediction")
             if k in analysis
         },
         "verdict": analysis["verdict"],
@@ -328,7 +331,7 @@ def plan_within_budget(
     costs = measure_costs(ctx, step, batch, cached_cpu_transform(config.transform, ctx.size))
     calibration_s = time.perf_counter() - t0
     spent = config.budget_spent_s + time.perf_counter() - t_start
-    first = initial_plan(config, workers, images)
+    first = initial_plan(config, workers, images, ctx.device.type == "cuda")
     named = frozenset(config.loaders) if "loaders" in config.user_set else frozenset()
     planned, cuts = fit(first, costs, config.budget_s, frozenset(config.user_set), named, spent)
     est = estimate(planned, costs)

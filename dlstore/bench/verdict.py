@@ -87,6 +87,8 @@ class Facts:
     precision: str = "fp32"
     transform: str = "light"
     bench_command: str = "dlstore bench"
+    # kinds whose worker count is DecodeLoader's cpu_decoders (CPU decode processes beside nvJPEG)
+    cpu_decoder_kinds: frozenset[str] = frozenset()
 
 
 def parts_of(run: dict[str, Any], ks: KindStages, facts: Facts) -> LoopParts | None:
@@ -218,6 +220,39 @@ def _workers(n: int) -> str:
     return f"{n} worker" if n == 1 else f"{n} workers"
 
 
+def _count(kind: str, n: int, facts: Facts) -> str:
+    """``n`` of what the kind's worker count means: DataLoader workers, or CPU decode processes."""
+    if kind in facts.cpu_decoder_kinds:
+        return f"nvJPEG + {n} CPU decoder{'' if n == 1 else 's'}" if n else "nvJPEG alone"
+    return _workers(n)
+
+
+def decode_lanes(n: int) -> list[str]:
+    """DecodeLoader's lanes with ``n`` CPU decoders (the hardware lane is opt-in: ``lanes=[..., "hw", ...]``)."""
+    return ["cpu", "nvjpeg"] if n else ["nvjpeg"]
+
+
+def decoder_code(n: int, batch_size: int) -> str:
+    return f"DecodeLoader(cache, {batch_size}, transform=crop, cpu_decoders={n}, lanes={decode_lanes(n)})"
+
+
+def lanes_advice(kinds: dict[str, dict[str, Any]], facts: Facts) -> dict[str, Any]:
+    """Per kind with CPU decoders: the lanes and ``cpu_decoders`` measured best (the fewest within 5% of
+    the fastest) for this model, the rate, and the DecodeLoader call."""
+    out = {}
+    for name in sorted(facts.cpu_decoder_kinds & set(kinds)):
+        k = kinds[name]
+        n = k["knee_workers"]
+        out[name] = {
+            "lanes": decode_lanes(n),
+            "cpu_decoders": n,
+            "img_per_s": k["knee_img_per_s"],
+            "by_cpu_decoders": k["by_workers"],
+            "code": decoder_code(n, facts.batch_size),
+        }
+    return out
+
+
 def _fmt(rate: float | None) -> str:
     return "n/a" if rate is None else f"{rate:,.0f}"
 
@@ -250,6 +285,7 @@ def analyse(
         "advice": advice,
         "stalls": stall,
         "knees": {name: knee(sweep) for name, sweep in sweeps.items()},
+        "lanes": lanes_advice(kinds, facts),
         "best": {k: best[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
         "default": {k: default[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
         "prediction": prediction_summary(runs),
@@ -297,7 +333,7 @@ def verdict_text(
         f", {best['img_per_s'] / raw['best_img_per_s']:.1f}× raw" if raw and best["loader"] != "raw" else ""
     )
     text.append(
-        f"Fastest measured: {best['loader']} with {_workers(best['workers'])} at {_fmt(best['img_per_s'])} img/s "
+        f"Fastest measured: {best['loader']} with {_count(best['loader'], best['workers'], facts)} at {_fmt(best['img_per_s'])} img/s "
         f"(range {_fmt(best['img_per_s_min'])}–{_fmt(best['img_per_s_max'])}{speedup}); bottleneck: "
         f"{best['bottleneck']} ({STAGE_WORDS.get(best['bottleneck'], '?')}); predicted "
         f"{_fmt(best['predicted_img_per_s'])} img/s{_err(best)}."
@@ -363,6 +399,13 @@ def _best_config_advice(
         command = how or loader
         if how and workers:
             command = f"{how}; {loader}"
+        if best["loader"] in facts.cpu_decoder_kinds:  # its count is CPU decoders: the DecodeLoader call
+            what = f"{best['loader']} with {_count(best['loader'], workers, facts)}"
+            command = (
+                f"{how}; {decoder_code(workers, facts.batch_size)}"
+                if how
+                else decoder_code(workers, facts.batch_size)
+            )
         out.append(
             _advice(
                 f"Use {what}: {_fmt(rate)} img/s measured, {gain:.1f}× the default configuration "
@@ -382,12 +425,19 @@ def _best_config_advice(
             continue
         zero = kk["by_workers"].get(0)
         if zero and kk["knee_img_per_s"] >= WORTH_FRACTION * zero:
+            decoders = name in facts.cpu_decoder_kinds
             out.append(
                 _advice(
-                    f"If you keep {name}: {_workers(kk['knee_workers'])} give {_fmt(kk['knee_img_per_s'])} img/s, "
-                    f"{kk['knee_img_per_s'] / zero:.1f}× its 0-worker rate"
-                    + (f"; more workers are slower ({_hurts(kk)})." if kk["hurts"] else "."),
-                    f"DataLoader(..., num_workers={kk['knee_workers']}, persistent_workers=True)",
+                    f"If you keep {name}: {_count(name, kk['knee_workers'], facts)} give {_fmt(kk['knee_img_per_s'])} img/s, "
+                    f"{kk['knee_img_per_s'] / zero:.1f}× its {'nvJPEG-alone' if decoders else '0-worker'} rate"
+                    + (
+                        f"; more {'decoders' if decoders else 'workers'} are slower ({_hurts(kk)})."
+                        if kk["hurts"]
+                        else "."
+                    ),
+                    decoder_code(kk["knee_workers"], facts.batch_size)
+                    if decoders
+                    else f"DataLoader(..., num_workers={kk['knee_workers']}, persistent_workers=True)",
                     # ranks below moving to the best kind: its gain is against its own 0-worker rate
                     kk["knee_img_per_s"] / default["img_per_s"] if default["img_per_s"] else None,
                     kk["knee_img_per_s"],

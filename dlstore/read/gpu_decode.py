@@ -206,6 +206,7 @@ class DecodeLoader(CoreLoader):
         self.cpu: CpuDecoders | None = None
         self._last_batch: float | None = None
         self._epoch_batches = 0  # batches decoded in this epoch (the auto split skips the pipeline's fill)
+        self._asked, self._yielded = 0.0, 0  # when the caller asked for this epoch's last batch; how many
         self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
         self._refs: list[Any] = []
 
@@ -257,6 +258,7 @@ class DecodeLoader(CoreLoader):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batches = list(self._next_epoch())
         self._last_batch, self._epoch_batches = None, 0
+        self._asked, self._yielded = time.perf_counter(), 0
         if self._lanes_for != self.gpu:
             self._setup_lanes()
         if "cpu" in self.split.lanes and self.cpu is None:
@@ -290,10 +292,16 @@ class DecodeLoader(CoreLoader):
     def _timed_yield(self, batch: tuple[torch.Tensor, torch.Tensor]) -> Iterator[Any]:
         """Yield ``batch``; the time until the caller asks for the next one is its step's own time, the
         consumer's period the measured split works to (the batch-to-batch period would include this
-        loader's own time when it is the slower side)."""
+        loader's own time when it is the slower side). The batch-to-batch time (waiting for this batch
+        and the step on it) is what the split's tuner measures, but not while the pipeline fills."""
         t0 = time.perf_counter()
         yield batch
-        self.split.period(time.perf_counter() - t0)
+        now = time.perf_counter()
+        self.split.period(now - t0)
+        self._yielded += 1
+        filling = self._yielded <= self.read_ahead + 1
+        self.split.loop_period(None if filling else now - self._asked)
+        self._asked = now
 
     def _read_gate(self) -> threading.Semaphore | None:
         """Read-ahead tokens: one is given back as each batch's decode call starts, so in steady state
@@ -313,6 +321,7 @@ class DecodeLoader(CoreLoader):
 
     def _epoch_done(self, reads: _Pipe) -> None:
         self.stats.read_wait_seconds += reads.waited
+        self.split.restart()  # batches split for this epoch and never consumed
         self._reclaim()
 
     def _reclaim(self) -> None:

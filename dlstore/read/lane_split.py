@@ -20,15 +20,24 @@ read low for a lane given a small part, which would then be given less still.) T
 place, so the split moves when the step's own CPU (or GPU) use changes. A lane that fails is dropped
 for good: its images go to the next live lane (``decode_parts``), counted in ``rerouted``.
 
+The model does not see what a lane costs the training step (nvJPEG's kernels beside the step's, the CPU
+processes beside the step's own threads): on the H200 it landed 4-9% below the best fixed split. So the
+first lane's share is then tuned on the measured loop itself (``ShareTuner``): an offset to the model's
+share is tried a step up and down, each trial for ``window`` batches of the training loop's own
+batch-to-batch time (``loop_period``), kept where the loop ran faster, the step halved where neither
+direction helped; once settled it probes again now and then, so it follows a change in the step.
+
     split = LaneSplit(["cpu", "hw", "nvjpeg"])
     counts = split.counts(256)                 # {"cpu": ..., "hw": ..., "nvjpeg": ...}, summing to 256
     split.observe("hw", images=80, busy=0.004)  # after the batch: each lane's images and busy seconds
     split.period(0.011)                         # and the consumer's batch period
+    split.loop_period(0.012)                    # and the loop's batch-to-batch time (in batch order)
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
@@ -45,6 +54,9 @@ MIN_PART = 0.1
 # A lane decoded ahead (the CPU processes) that the loader had to wait for more than WAIT_TOLERANCE of
 # the period is slower than its busy time says: its sample shrinks in proportion to the wait.
 WAIT_TOLERANCE = 0.05
+# The tuner starts again from the model's split when the first lane's measured rate moves this much (the
+# step's own CPU use changed); a CPU lane made late by a larger share reads slower too, so not less.
+RETUNE = 0.5
 
 
 @dataclass
@@ -62,6 +74,96 @@ class Lane:
     error: str = ""  # why it failed
 
 
+MAX_STEP = 0.3  # the tuner's longest stride, of a loop period
+
+
+@dataclass
+class ShareTuner:
+    """Hill climbing of the first lane's share of a batch on the loop's measured batch period.
+
+    Each trial (a share) holds for the batches split while it is current; only their periods count
+    (batches split before, still in the read-ahead queue, are skipped by their tag). After ``window``
+    of them its median period is compared with the kept share's: ``gain`` faster and it is kept (and
+    the same direction tried again), otherwise the other direction; neither: the step halves and the
+    kept share is measured again (a lucky low median would otherwise block every trial). Below
+    ``min_step`` it rests ``rest`` batches, then probes again at twice ``min_step``."""
+
+    share: float = 1.0  # the kept share
+    trial: float = 1.0  # the share being measured (== share while the kept one is measured)
+    anchor: float | None = None  # the first lane's rate when tuning started
+    engaged: bool = False  # loop periods arrive (until then the model's split stands)
+    window: int = 6
+    step: float = 0.1  # of a loop period
+    min_step: float = 0.025
+    gain: float = 0.01
+    rest: int = 60
+    tag: int = 0  # the trial's id: batches split under it carry it
+    direction: float = 1.0
+    tried_other: bool = False
+    best: float | None = None  # the kept share's median period
+    samples: list[float] = field(default_factory=list)
+    resting: int = 0
+    trials: int = 0  # trials measured so far (for the record)
+    scale: float = 1.0  # the share a lane's time moves by one loop period
+
+    def current(self) -> tuple[int, float]:
+        """(tag, share) for the next batch split."""
+        return self.tag, self.trial
+
+    def observe(self, tag: int, seconds: float, scale: float = 1.0) -> None:
+        """A batch split under ``tag`` took ``seconds`` in the loop; ``scale``: the share a lane's time
+        moves by one loop period (steps are fractions of a period, so a probe costs the same however
+        fast the lanes are)."""
+        self.scale = max(1e-3, scale)
+        if self.resting > 0:
+            self.resting -= 1
+            if self.resting == 0:
+                self.step = 2 * self.min_step
+                self._next(self.share)
+            return
+        if tag != self.tag or seconds <= 0:
+            return
+        self.samples.append(seconds)
+        if len(self.samples) < self.window:
+            return
+        median = sorted(self.samples)[len(self.samples) // 2]
+        self.trials += 1
+        if self.best is None or self.trial == self.share:  # the kept share measured
+            self.best, self.tried_other = median, False
+        elif median < (1.0 - self.gain) * self.best:  # faster: keep it, go on that way (a longer stride)
+            self.share, self.best, self.tried_other = self.trial, median, False
+            self.step = min(MAX_STEP, 1.5 * self.step)
+        elif not self.tried_other:
+            self.direction, self.tried_other = -self.direction, True
+        else:
+            self._finer()
+            return
+        nxt = self._move()
+        if abs(nxt - self.share) < 1e-9:  # at a bound: the other way, or a finer step
+            if self.tried_other:
+                self._finer()
+                return
+            self.direction, self.tried_other = -self.direction, True
+            nxt = self._move()
+        self._next(nxt)
+
+    def _move(self) -> float:
+        return min(1.0, max(0.0, self.share + self.direction * self.step * self.scale))
+
+    def _finer(self) -> None:
+        """Neither way helped: half the step, from a fresh measurement of the kept share (or a rest)."""
+        self.step /= 2
+        self.tried_other = False
+        if self.step < self.min_step:
+            self.resting = self.rest
+        self._next(self.share)
+
+    def _next(self, trial: float) -> None:
+        self.trial = trial
+        self.tag += 1
+        self.samples = []
+
+
 @dataclass
 class LaneSplit:
     """Per-batch counts for ``lanes`` (in fill order); ``fixed`` fractions (name -> share, summing to 1)
@@ -72,8 +174,13 @@ class LaneSplit:
     alpha: float = ALPHA
     margin: float = MARGIN
     min_part: float = MIN_PART
+    tune: bool = True
     state: dict[str, Lane] = field(init=False)
     last_period: float | None = field(init=False, default=None)
+    tuner: ShareTuner = field(init=False, default_factory=ShareTuner)
+    # (tuner tag, first lane's share bounds) of each batch split, in split order, until its loop period
+    _tags: deque[int] = field(init=False, default_factory=lambda: deque(maxlen=64))
+    _batch: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         if not self.lanes:
@@ -102,8 +209,56 @@ class LaneSplit:
                 weights = dict.fromkeys(live, 1.0)
             out.update(_apportion(weights, batch))
             return out
-        out.update(self._measured(live, batch))
+        counts = self._measured(live, batch)
+        if self.tune and len(live) > 1 and all(self.state[n].rate is not None for n in live):
+            counts = self._tuned(counts, live, batch)
+        else:
+            self._tags.append(-1)  # not tuned: its loop period is not a trial's
+        out.update(counts)
         return out
+
+    def _tuned(self, counts: dict[str, int], live: list[str], batch: int) -> dict[str, int]:
+        """The first lane's share from the tuner (which starts at the model's, and again at the model's
+        when that lane's rate moved by more than ``RETUNE``); the other lanes keep the model's
+        proportions. The batch is tagged for ``loop_period``."""
+        first = live[0]
+        rate = float(self.state[first].rate)  # type: ignore[arg-type]
+        base, self._batch = counts[first] / batch, batch
+        if not self.tuner.engaged or abs(rate / float(self.tuner.anchor or rate) - 1.0) > RETUNE:
+            self.tuner = ShareTuner(share=base, trial=base, anchor=rate, engaged=self.tuner.engaged)
+        tag, share = self.tuner.current()
+        self._tags.append(tag)
+        if not self.tuner.engaged:  # no loop period measured yet: the model's split
+            return counts
+        take = min(batch, max(0, int(round(share * batch))))
+        rest = {n: float(counts[n]) for n in live[1:]}
+        if sum(rest.values()) <= 0:
+            rest = {n: float(self.state[n].rate or 1.0) for n in live[1:]}
+        return {first: take} | _apportion(rest, batch - take)
+
+    def loop_period(self, seconds: float | None) -> None:
+        """The training loop's batch-to-batch time for the oldest batch split and not yet reported (in
+        split order); None: a batch not to measure (the pipeline filling at an epoch's start)."""
+        if not self._tags:
+            return
+        tag = self._tags.popleft()
+        if seconds is not None:
+            self.tuner.engaged = True
+            self.tuner.observe(tag, seconds, self._share_per_second() * seconds)
+
+    def _share_per_second(self) -> float:
+        """The fraction of a batch by which the first lane's (or the others') decode time moves one
+        second: the slower side's rate over the batch."""
+        live = self.live
+        rates = [self.state[n].rate for n in live]
+        if len(live) < 2 or None in rates or not self._batch:
+            return 1.0
+        first, rest = float(rates[0]), sum(float(r) for r in rates[1:])  # type: ignore[arg-type]
+        return min(first, rest) / self._batch
+
+    def restart(self) -> None:
+        """Batches split but never consumed (an epoch left early) are forgotten."""
+        self._tags.clear()
 
     def _fixed_weights(self, live: list[str]) -> dict[str, float]:
         """The fixed shares, a dead lane's share going to the next live lane after it (as its images do

@@ -521,3 +521,40 @@ def test_one_bottleneck_per_verdict() -> None:
     out = analyse(stages, runs, {}, facts())
     assert runs[0]["bottleneck"] == "compute"
     assert "does not get data fast enough" not in out["verdict"] and "slowest part" in out["verdict"]
+
+
+def test_the_jpeg_gpu_sweep_over_cpu_decoders_recommends_the_lanes_for_the_model() -> None:
+    """Issue 27 item 5: on a GPU, jpeg-gpu's worker count is DecodeLoader's CPU decoders beside nvJPEG:
+    the advice names the lanes and cpu_decoders measured best (the fewest within 5% of the fastest) as
+    a DecodeLoader call, in the text and the JSON, and never a DataLoader worker count."""
+    stages = {
+        "raw": stages_of({0: 200, 4: 55}, {0: 200, 4: 0.5}, fed_ms=5, serial_ms=2),
+        "jpeg-gpu": stages_of({0: 20, 4: 12, 12: 6}, {0: 1, 4: 1, 12: 1}, fed_ms=5, serial_ms=2),
+    }
+    runs = [
+        run("raw", 0, 480, True),
+        run("raw", 4, 1_800, True),
+        run("jpeg-gpu", 0, 5_000, True),
+        run("jpeg-gpu", 4, 9_000, True),
+        run("jpeg-gpu", 12, 16_000, True),
+    ]
+    out = analyse(stages, runs, {}, facts(cpu_decoder_kinds=frozenset({"jpeg-gpu"})))
+    lanes = out["lanes"]["jpeg-gpu"]
+    assert lanes["lanes"] == ["cpu", "nvjpeg"] and lanes["cpu_decoders"] == 12
+    assert lanes["by_cpu_decoders"] == {0: 5_000, 4: 9_000, 12: 16_000}
+    first = out["recommendations"][0]
+    assert "Use jpeg-gpu with nvJPEG + 12 CPU decoders" in first
+    assert "DecodeLoader(cache, 100, transform=crop, cpu_decoders=12, lanes=['cpu', 'nvjpeg'])" in first
+    assert "num_workers=12" not in first and "nvJPEG + 12 CPU decoders" in out["verdict"]
+    # where the CPU decoders do not help, nvJPEG alone is what it recommends
+    slow = [run("jpeg-gpu", 0, 16_000, True), run("jpeg-gpu", 12, 15_900, True)]
+    out = analyse(
+        {"jpeg-gpu": stages["jpeg-gpu"]}, slow, {}, facts(cpu_decoder_kinds=frozenset({"jpeg-gpu"}))
+    )
+    assert out["lanes"]["jpeg-gpu"] | {"by_cpu_decoders": None, "img_per_s": None} == {
+        "lanes": ["nvjpeg"],
+        "cpu_decoders": 0,
+        "by_cpu_decoders": None,
+        "img_per_s": None,
+        "code": "DecodeLoader(cache, 100, transform=crop, cpu_decoders=0, lanes=['nvjpeg'])",
+    }

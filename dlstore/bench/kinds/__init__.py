@@ -41,7 +41,10 @@ __all__ = [
 RAW = "torchvision ImageFolder/dataset: per-file PIL decode + resize + transform"
 PINNED = "ram cache, PinnedLoader: gather thread → pinned ring → side-stream copy, no workers"
 RESIDENT = "ram cache held in device memory, batches gathered there (ResidentLoader)"
-JPEG_GPU = "JPEG cache (variable size), DecodeLoader: batched nvJPEG decode + GPU crop, no workers"
+JPEG_GPU = (
+    "JPEG cache (variable size), DecodeLoader: batched nvJPEG decode + GPU crop, no workers"
+    " (on a GPU the worker count is its CPU decoders beside nvJPEG)"
+)
 JPEG_CPU = "JPEG cache (variable size), CachedDataset in DataLoader workers: Pillow decode + v2 crop"
 
 

@@ -2,8 +2,10 @@
 
 ``jpeg-gpu``: ``DecodeLoader`` — a read-ahead thread gathers the JPEG bytes chunk by chunk, one batched
 nvJPEG call decodes them on the device, and ``RaggedRandomResizedCrop`` (``augment``/``gpu-augment``) or
-``RaggedCenterCrop`` (``light``) makes the fixed-size batch there; no worker processes. On a machine
-without CUDA it decodes on the CPU in threads. ``jpeg-cpu``: ``CachedDataset`` in DataLoader workers,
+``RaggedCenterCrop`` (``light``) makes the fixed-size batch there; no DataLoader workers: on a GPU the
+run's worker count is its CPU decode processes beside nvJPEG (``cpu_decoders``, the measured split), so
+the bench recommends the lanes and ``cpu_decoders`` for the model. On a machine without CUDA it decodes
+on the CPU in threads. ``jpeg-cpu``: ``CachedDataset`` in DataLoader workers,
 each decoding with Pillow and cropping with torchvision v2 transforms, as an ImageFolder user would.
 """
 
@@ -73,9 +75,17 @@ def jpeg_gpu_kind(ctx: LoaderContext) -> PreparedLoader:
     path, info = ensure_jpeg_cache(ctx)
     crop = gpu_crop(ctx.config.transform, ctx.size, ctx.device)
     c = ctx.channels
+    # On a GPU the worker count is the CPU decode processes beside nvJPEG (``cpu_decoders``), so the sweep
+    # measures the lanes for this model; without one DecodeLoader decodes on the CPU in threads.
+    decoders = ctx.device.type == "cuda"
 
     def make(ds: Any, workers: int, pin: bool, cfg: Any) -> DecodeLoader:
-        return DecodeLoader(ds.cache, cfg.batch_size, transform=crop, device=ctx.device)
+        from dlstore.bench.verdict import decode_lanes
+
+        n = workers if decoders else 0
+        return DecodeLoader(
+            ds.cache, cfg.batch_size, transform=crop, device=ctx.device, cpu_decoders=n, lanes=decode_lanes(n)
+        )
 
     return PreparedLoader(
         "jpeg-gpu",
@@ -89,7 +99,8 @@ def jpeg_gpu_kind(ctx: LoaderContext) -> PreparedLoader:
         None,  # the loader's crop already made float batches on the device
         on_device=True,
         make_loader=make,
-        info={**info, "quality": QUALITY, "resize": "shorter", "ignores_workers": True},
+        info={**info, "quality": QUALITY, "resize": "shorter"}
+        | ({"workers_are": "cpu_decoders"} if decoders else {"ignores_workers": True}),
     )
 
 
