@@ -10,9 +10,10 @@ cut into W contiguous pieces of ``q = T // W`` samples, the first ``T % W`` of t
 round's windows are of one size (whole units), the pieces are the windows. The consumption sequence
 ``C`` lists a round piece by piece in turns: its position ``j*W + a`` is sample j of piece a, and the
 pieces one longer give their last sample at ``q*W + a``. Ranks take turns in ``C`` (rank r: ``c + r,
-c + r + W, ...``), so a rank reads one whole piece of every round: each unit is decoded by one rank
-(two at most, for a unit cut by a piece edge in a round of unequal windows), a rank keeps one window
-live as a single rank does, and with W = 1, ``C`` is ``G``.
+c + r + W, ...``), so a rank reads one whole piece of every round: each unit is decoded by one rank,
+a rank keeps one window live as a single rank does, and with W = 1, ``C`` is ``G``. Where a piece edge
+cuts a window (a round of unequal windows, or the epoch's last round when fewer than W windows are
+left) that window's units are decoded by the ranks that share it.
 
 **Consumed.** After every rank took k samples, the consumed samples are the prefix ``c + k*W`` of ``C``:
 ``G`` up to the start of the current round, and the first samples of each piece of that round. At the
