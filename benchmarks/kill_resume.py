@@ -36,6 +36,7 @@ and resumes it on 3 ranks: every step must be the next W x B positions of the on
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -247,7 +248,7 @@ def train(rank: int, args: argparse.Namespace, port: int) -> None:
         loss.backward()
         opt.step()
         line = {"attempt": args.attempt, "step": step, "ids": sorted(y.tolist()), "world": args.world}
-        line.update({k: at[k] for k in ("epoch", "consumed") if k in at})
+        line.update({k: at[k] for k in ("epoch", "consumed", "base", "width") if k in at})
         log.write(json.dumps(line) + "\n")
         log.flush()
         step += 1
@@ -429,8 +430,10 @@ def run_kind(args: argparse.Namespace, kind: str, work: Path, rng: random.Random
 
 def elastic(args: argparse.Namespace, kind: str, work: Path, rng: random.Random) -> dict[str, Any]:
     """Train on ``--world`` ranks, SIGKILL at a random step, resume on ``--elastic`` ranks to the end;
-    every step's batches (all ranks together) must be the global positions [consumed, consumed + W*B)
-    of the one epoch order, whatever W, and each epoch's positions must follow on without a gap."""
+    every step's batches (all ranks together) must be the positions [consumed, consumed + W*B) of the
+    consumption order its logged state names (``dlstore.read.rounds``: the epoch order read a window
+    per rank), each epoch's positions must follow on without a gap, and each epoch must read every
+    sample once (but for the last < W*B that drop_last leaves)."""
     from dlstore.read.order import EpochSampler
 
     run = work / f"{kind}-elastic"
@@ -449,20 +452,36 @@ def elastic(args: argparse.Namespace, kind: str, work: Path, rng: random.Random)
 
     cache = open_cache(args.cache)
     sampler = EpochSampler(cache.positions, cache.reader.unit, order="chunk", window=2, seed=5)
-    wrong, gaps, expected_at = [], 0, {}
+    wrong, gaps, expected_at, read = [], 0, {}, {}
+    keys = ("epoch", "consumed", "base", "width")
     for step in sorted(final):
         ranks = final[step]
         head = next(iter(ranks.values()))
         world, epoch, c = head["world"], head["epoch"], head["consumed"]
-        if len(ranks) != world or any((x["epoch"], x["consumed"]) != (epoch, c) for x in ranks.values()):
+        if len(ranks) != world or any(
+            [x[k] for k in keys] != [head[k] for k in keys] for x in ranks.values()
+        ):
             wrong.append(step)
             continue
-        seq = sampler.sequence(epoch)
+        state = {**sampler.state_dict(), **{k: head[k] for k in keys}}
+        expect = []
+        for r in range(world):
+            one = EpochSampler(cache.positions, cache.reader.unit, order="chunk", window=2, seed=5,
+                               num_replicas=world, rank=r, drop_last=True)  # fmt: skip
+            one.load_state_dict(state)
+            expect += list(itertools.islice(one, args.batch))
         got = sorted(i for x in ranks.values() for i in x["ids"])
-        if got != sorted(seq.take(np.arange(c, c + world * args.batch), mode="wrap").tolist()):
+        if got != sorted(expect):
             wrong.append(step)
         gaps += expected_at.get(epoch, 0) != c
         expected_at[epoch] = c + world * args.batch
+        read.setdefault(epoch, []).extend(got)
+    n = len(cache.positions)
+    complete = [e for e in read if e + 1 in read]  # epochs the run read to their end
+    once = all(
+        len(read[e]) == len(set(read[e])) and n - len(read[e]) < args.batch * max(args.world, args.elastic)
+        for e in complete
+    )
     return {
         "kind": kind,
         "ranks": f"{args.world} -> {args.elastic}",
@@ -471,7 +490,8 @@ def elastic(args: argparse.Namespace, kind: str, work: Path, rng: random.Random)
         "steps_checked": len(final),
         "wrong_steps": wrong[:5],
         "gaps_or_repeats": gaps,
-        "ok": killed and not wrong and gaps == 0,
+        "epochs_each_sample_once": len(complete) if once else -1,
+        "ok": killed and not wrong and gaps == 0 and once and bool(complete),
     }
 
 

@@ -48,9 +48,9 @@ def make_sampler(
 ) -> EpochSampler:
     """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``.
 
-    One global order per epoch whatever ``num_replicas`` is; rank r takes positions r, r+W, ... of
-    it, an equal-length share, so every rank runs the same number of steps and DDP never waits on a
-    rank that ran out (``dlstore.read.order``)."""
+    One global order per epoch whatever ``num_replicas`` is; each rank takes an equal-length share of
+    it, a window at a time (``chunk``), so every rank runs the same number of steps and DDP never waits
+    on a rank that ran out (``dlstore.read.order``)."""
     if order == "auto":
         order = "chunk" if cache.reader.traits.unit_grouped else "random"
     if order not in ORDER_KINDS:
@@ -277,7 +277,7 @@ class CoreLoader:
         resumes on any number of ranks (``dlstore.read.order``)."""
         lp = self._pass
         if lp is not None and not lp.done:
-            state = self.sampler.state_at(lp.sampler_pass.epoch, lp.consumed())
+            state = self.sampler.pass_state(lp.sampler_pass, lp.consumed())
         else:
             state = self.sampler.state_dict()
         return {**state, "batch_size": self.batch_size}

@@ -15,19 +15,25 @@ epoch, never a Python list of it.
   windows, and ``convert`` stores images shuffled, so every unit is already a random mix.
 - ``random``: a permutation of the n indices; ``sequential``: dataset order.
 
-**Ranks take turns.** Rank r of W takes global positions ``c + r, c + r + W, c + r + 2W, ...`` (as
-``DistributedSampler`` does), where ``c`` is the number of positions consumed when the pass began
-(0, or a loaded state's). After every rank has taken k batches of B, exactly the prefix
-``c + k*W*B`` of ``G`` has been consumed, whatever W is. Every rank takes the same count:
-``ceil((n - c) / W)`` positions, those past ``n`` wrapping to the start of ``G`` (DistributedSampler's
-padding), or ``floor`` with ``drop_last``; so all ranks run the same number of steps.
+**Rounds: a window per rank.** Rank r of W takes its share of ``G`` a window at a time: ``G`` is read in
+rounds of W windows, one per rank, the ranks taking turns in the round's consumption sequence ``C``
+(``dlstore.read.rounds``). So each unit (zarr chunk, npz shard, payload unit) is decoded by one rank
+per epoch, as with the old contiguous slice per rank, and each rank keeps one window live; with one
+rank, ``C`` is ``G``. After every rank has taken k batches of B, exactly the prefix ``c + k*W*B`` of ``C``
+has been consumed, where ``c`` is where the pass began (0, or a loaded state's). Every rank takes
+the same count: ``ceil((n - c) / W)`` positions, those past ``n`` wrapping to the start of ``G``
+(DistributedSampler's padding), or ``floor`` with ``drop_last``; so all ranks run the same number of
+steps. The random and sequential orders have no units: their ranks take turns in ``G`` itself.
 
-**State** is ``{order, seed, window, epoch, consumed, n, units, num_replicas}`` (and a loader's
-``batch_size``): plain JSON of about 200 bytes at any n, never an index list. ``consumed`` counts
-positions of ``G``. A run resumed on W' ranks makes rank r' take ``c + r' + j*W'``: the same global
-sequence continues, nothing repeated and nothing skipped in the epoch (only the epoch's last
-``< W'`` samples are padded or dropped, by the world that reaches the end). Loading a state adopts
-its order, seed and window; a state of another cache layout (``n``, ``units``) is refused.
+**State** is ``{order, seed, window, epoch, consumed, base, width, n, units, num_replicas}`` (and a
+loader's ``batch_size``): plain JSON of about 230 bytes at any n, never an index list. ``consumed``
+counts positions of ``C``; ``base``/``width`` name the segment of ``C`` it counts in (the window its
+rounds start at, the ranks they were cut for). A run resumed on W' ranks finishes the round it
+stopped in (the W partly read windows, ranks taking turns), then reads the untouched windows in
+rounds of W': nothing repeated and nothing skipped in the epoch, whatever chain of world sizes (only
+the epoch's last ``< W'`` samples are padded or dropped, by the world that reaches the end). Loading
+a state adopts its order, seed and window; a state of another cache layout (``n``, ``units``) is
+refused. A state of version 1 (ranks taking turns in ``G``) is a segment of width 1 and resumes.
 
 **Who counts.** A sampler counts what its iterator has yielded: that is what torchdata's
 ``StatefulDataLoader`` snapshots in the main process right after drawing each batch's indices, and
@@ -39,12 +45,6 @@ training loop (``CoreLoader``), not what its gather thread or read-ahead prepare
 after an epoch's last batch reads ``{epoch: e+1, consumed: 0}``. ``set_epoch(e)`` starts epoch e
 from its beginning, except that a loaded state of epoch e keeps its position: the usual
 ``set_epoch(epoch)`` at the top of each epoch works unchanged after a resume.
-
-**The price under DDP.** Taking turns spreads each rank over the current window of units, where the
-old contiguous slice per rank kept each rank on 1/W of them: a chunked (zarr/npz) cache read by W
-ranks decodes each unit on each rank that takes an image of it (counted in ``benchmarks/RESULTS.md``,
-"Answered questions"). The one order for any W is what makes an elastic resume possible; a fixed number of
-"lanes" (Mosaic's canonical nodes) would give the locality back when W divides it.
 """
 
 from __future__ import annotations
@@ -58,9 +58,10 @@ import numpy as np
 import torch
 
 from dlstore.read.cache import Cache
+from dlstore.read.rounds import Route, Segment
 
 ORDER_KINDS = ("chunk", "random", "sequential")
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the segment (base, width) of rounds; 1 (ranks taking turns in G) reads as width 1
 BLOCK = 8192  # indices turned into Python ints at a time
 
 
@@ -104,16 +105,24 @@ def epoch_sequence(
     layout: Layout, order: str, seed: int, epoch: int, window: int, shuffle: bool = True
 ) -> np.ndarray:
     """The epoch's global order G (dataset indices), built in place in one array."""
+    return epoch_order(layout, order, seed, epoch, window, shuffle)[0]
+
+
+def epoch_order(
+    layout: Layout, order: str, seed: int, epoch: int, window: int, shuffle: bool = True
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """G, and where each of its windows starts (then n); None for the orders without units."""
     n, dtype = layout.n, layout.dtype
     rng = np.random.default_rng((seed, epoch))
     if order == "sequential":
-        return np.arange(n, dtype=dtype)
+        return np.arange(n, dtype=dtype), None
     if order == "random":
         seq = np.arange(n, dtype=dtype)
         rng.shuffle(seq)
-        return seq
+        return seq, None
+    sizes = np.diff(layout.starts)
     if not shuffle:
-        return layout.by_storage
+        return layout.by_storage, window_starts(sizes, window)
     seq = np.empty(n, dtype=dtype)
     picks = rng.permutation(len(layout.starts) - 1)
     at = 0
@@ -124,18 +133,27 @@ def epoch_sequence(
             seq[at : at + b - a] = layout.by_storage[a:b]
             at += b - a
         rng.shuffle(seq[begin:at])
-    return seq
+    return seq, window_starts(sizes[picks], window)
+
+
+def window_starts(unit_sizes: np.ndarray, window: int) -> np.ndarray:
+    """Where each window of ``window`` units (of these sizes, in G's order) starts in G, then n."""
+    ends = np.cumsum(unit_sizes, dtype=np.int64)
+    last = ends[-1:] if len(ends) % window else ends[:0]
+    return np.concatenate((np.zeros(1, np.int64), ends[window - 1 :: window], last))
 
 
 @dataclass
 class Pass:
-    """One rank's walk through (the rest of) one epoch: ``count`` positions from ``start``."""
+    """One rank's walk through (the rest of) one epoch: ``count`` positions of the consumption
+    sequence (``route``) from ``start``."""
 
     epoch: int
     start: int
     count: int
     num_replicas: int
     rank: int
+    route: Route
     yielded: int = 0
 
     def consumed(self, taken: int) -> int:
@@ -186,6 +204,7 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         self.num_samples = n // num_replicas if drop_last else math.ceil(n / num_replicas)
         self.epoch = 0
         self._resume = 0  # positions of `epoch` consumed before the next pass (a loaded state's)
+        self._segment = Segment(0, num_replicas)  # the rounds `_resume` counts in
         self._pass: Pass | None = None  # the pass in progress, until it yields its last index
 
     def __len__(self) -> int:
@@ -194,7 +213,7 @@ class EpochSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """The next pass is epoch ``epoch``: from its start, or from a loaded state's position in it."""
         if epoch != self.epoch:
-            self._resume = 0
+            self._resume, self._segment = 0, Segment(0, self.num_replicas)
         self.epoch = epoch
         self._pass = None
 
@@ -208,22 +227,26 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         start = min(self._resume, n)
         left = n - start
         count = left // w if self.drop_last else -(-left // w)
-        self._resume = 0
-        self._pass = Pass(self.epoch, start, count, w, self.rank)
+        seq, starts = epoch_order(self.layout, self.order, self.seed, self.epoch, self.window, self.shuffle)
+        route = Route(starts, n, self._segment, start, w)
+        self._resume, self._segment = 0, Segment(0, w)
+        p = self._pass = Pass(self.epoch, start, count, w, self.rank, route)
         if count == 0:
-            self._finish(self._pass)
-        return self._pass, self.sequence(self._pass.epoch)
+            self._finish(p)
+        return p, seq
 
     def indices(self, p: Pass, seq: np.ndarray, a: int, b: int) -> np.ndarray:
         """This rank's indices a..b of pass ``p`` (positions past n wrap: the padding)."""
         pos = p.start + p.rank + np.arange(a, min(b, p.count), dtype=np.int64) * p.num_replicas
-        return seq.take(pos, mode="wrap") if len(seq) else pos
+        return seq.take(p.route.positions(pos)) if len(seq) else pos
 
     def take_pass(self) -> tuple[Pass, np.ndarray]:
         """The whole of this rank's pass at once (a loader that reads ahead counts what it hands out
         itself); the sampler moves on to the next epoch."""
         p, seq = self.begin_pass()
-        idx = self.indices(p, seq, 0, p.count)
+        idx = np.empty(p.count, seq.dtype if len(seq) else np.int64)
+        for a in range(0, p.count, 128 * BLOCK):  # in blocks: the route's temporaries stay small
+            idx[a : a + 128 * BLOCK] = self.indices(p, seq, a, a + 128 * BLOCK)
         if self._pass is p:
             self._finish(p)
         return p, idx
@@ -232,7 +255,7 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         if self._pass is p:
             self._pass = None
             self.epoch = p.epoch + 1
-            self._resume = 0
+            self._resume, self._segment = 0, Segment(0, self.num_replicas)
 
     def __iter__(self) -> Iterator[int]:
         p, seq = self.begin_pass()
@@ -246,10 +269,15 @@ class EpochSampler(torch.utils.data.Sampler[int]):
     def state_dict(self) -> dict[str, Any]:
         """Where this sampler's order stands, as plain JSON (the same on every rank)."""
         p = self._pass
-        epoch, consumed = (p.epoch, p.consumed(p.yielded)) if p is not None else (self.epoch, self._resume)
-        return self.state_at(epoch, consumed)
+        if p is not None:
+            return self.pass_state(p, p.consumed(p.yielded))
+        return self.state_at(self.epoch, self._resume, self._segment)
 
-    def state_at(self, epoch: int, consumed: int) -> dict[str, Any]:
+    def pass_state(self, p: Pass, consumed: int) -> dict[str, Any]:
+        """The state once every rank has consumed up to ``consumed`` in pass ``p``."""
+        return self.state_at(p.epoch, consumed, p.route.segment(consumed))
+
+    def state_at(self, epoch: int, consumed: int, segment: Segment) -> dict[str, Any]:
         return {
             "dlstore_order": STATE_VERSION,
             "order": self.order,
@@ -258,6 +286,8 @@ class EpochSampler(torch.utils.data.Sampler[int]):
             "shuffle": self.shuffle,
             "epoch": int(epoch),
             "consumed": int(min(consumed, self.layout.n)),
+            "base": int(segment.base),
+            "width": int(segment.width),
             "n": self.layout.n,
             "units": self.layout.units,
             "num_replicas": self.num_replicas,
@@ -271,11 +301,12 @@ class EpochSampler(torch.utils.data.Sampler[int]):
         self.order, self.seed, self.window = state["order"], int(state["seed"]), int(state["window"])
         self.shuffle = bool(state.get("shuffle", True))
         self.epoch, self._resume, self._pass = int(state["epoch"]), int(state["consumed"]), None
+        self._segment = Segment(int(state.get("base", 0)), int(state.get("width", 1)))
 
 
 def check_state(state: dict[str, Any], layout: Layout) -> None:
     """A state this layout can continue, or a ValueError naming what differs."""
-    if not isinstance(state, dict) or state.get("dlstore_order") != STATE_VERSION:
+    if not isinstance(state, dict) or state.get("dlstore_order") not in (1, STATE_VERSION):
         raise ValueError(
             f"not a dlstore order state (expected a dict with dlstore_order={STATE_VERSION}, got "
             f"{str(state)[:120]!r}); pass what state_dict() of a dlstore sampler or loader returned"
@@ -292,6 +323,11 @@ def check_state(state: dict[str, Any], layout: Layout) -> None:
         )
     if not 0 <= int(state["consumed"]) <= layout.n:
         raise ValueError(f"order state: consumed={state['consumed']} is outside [0, {layout.n}]")
+    if int(state.get("width", 1)) < 1 or int(state.get("base", 0)) < 0:
+        raise ValueError(
+            f"order state: width={state.get('width')} base={state.get('base')}; expected width >= 1 and "
+            "base >= 0 (pass a state saved by a dlstore sampler or loader)"
+        )
 
 
 def keeps_state(loader: Any) -> bool:

@@ -26,8 +26,8 @@ class ChunkSampler(EpochSampler):
     """Yields dataset indices, grouped so that each storage unit is visited once per epoch.
 
     Works like ``DistributedSampler``: pass ``num_replicas``/``rank`` for multi-process training;
-    rank r takes positions r, r+W, r+2W, ... of the epoch's one global order, padded (or, with
-    ``drop_last``, cut) to equal shares. Call ``set_epoch`` each epoch (without it, each pass moves to
+    the epoch's one global order is read a window per rank (rounds of W windows, so each chunk is
+    decoded by one rank, ``dlstore.read.rounds``), padded (or, with ``drop_last``, cut) to equal shares. Call ``set_epoch`` each epoch (without it, each pass moves to
     the next epoch). ``state_dict()`` / ``load_state_dict()`` resume mid-epoch, on any number of ranks.
 
     The first argument is a ``CachedDataset`` (or anything with ``.cache``), a ``Cache``, or a

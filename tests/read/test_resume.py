@@ -118,30 +118,86 @@ def test_stateful_dataloader_with_workers_resumes_through_the_sampler(ids_cache:
     assert seen + ids(resumed) == whole
 
 
+def consumption(windows: list[list[int]], world: int) -> list[int]:
+    """The documented rule, written out with lists (``dlstore.read.rounds``): rounds of ``world``
+    windows, each round cut into ``world`` near-equal pieces, listed in turns."""
+    out: list[int] = []
+    for i in range(0, len(windows), world):
+        round_ = sum(windows[i : i + world], [])
+        q, rem = divmod(len(round_), world)
+        cuts = np.cumsum([0] + [q + (a < rem) for a in range(world)])
+        pieces = [round_[cuts[a] : cuts[a + 1]] for a in range(world)]
+        out += [p[j] for j in range(q + 1) for p in pieces if j < len(p)]
+    return out
+
+
 def test_two_ranks_resume_on_three_and_continue_the_one_global_sequence(ids_cache: Path) -> None:
-    """W=2 for 3 steps, saved, W'=3 to the end of the epoch: the global sequence, nothing twice."""
+    """W=2 for 2 steps (mid-round), saved, W'=3 to the end of the epoch: the two partly read windows
+    are finished first, then rounds of 3 windows; every sample of the epoch once."""
     glob = ChunkSampler(CachedDataset(ids_cache), window=WINDOW, seed=7).sequence(0).tolist()
+    size = 6 * WINDOW  # units of 6 images, all full: windows of 12
+    windows = [glob[i : i + size] for i in range(0, N, size)]
     two = [fast_loader(PinnedLoader, ids_cache, num_replicas=2, rank=r) for r in range(2)]
     iters = [iter(x) for x in two]
-    steps = [[sorted(next(it)[1].tolist()) for it in iters] for _ in range(3)]
+    steps = [[sorted(next(it)[1].tolist()) for it in iters] for _ in range(2)]
     states = [x.state_dict() for x in two]
-    assert states[0] == states[1] and states[0]["consumed"] == 3 * 2 * B
-    for s, (r0, r1) in enumerate(steps):  # rank r took global positions r, r+2, r+4, ...
-        base = s * 2 * B
-        assert r0 == sorted(glob[base : base + 2 * B : 2]) and r1 == sorted(glob[base + 1 : base + 2 * B : 2])
+    assert states[0] == states[1] and states[0]["consumed"] == 2 * 2 * B
+    assert (states[0]["base"], states[0]["width"]) == (0, 2)
+    c2 = consumption(windows, 2)
+    for s, pair in enumerate(steps):  # rank r took positions r, r+2, ... of C: its own window only
+        for r in range(2):
+            assert pair[r] == sorted(c2[s * 2 * B + r : (s + 1) * 2 * B : 2])
+            assert set(pair[r]) <= set(windows[r])
     three = [fast_loader(ResidentLoader, ids_cache, num_replicas=3, rank=r) for r in range(3)]
     for x in three:
         x.load_state_dict(states[0])
     rest = [ids(x) for x in three]
     assert len({len(r) for r in rest}) == 1  # equal batch counts on the new world
     c = states[0]["consumed"]
+    then = c2[: 2 * size] + consumption(windows[2:], 3)  # the rest of round 0, then rounds of 3
     for s in range(len(rest[0])):
         base = c + s * 3 * B
         for r in range(3):
-            assert rest[r][s] == sorted(glob[base + r : base + 3 * B : 3])
+            assert rest[r][s] == sorted(then[base + r : base + 3 * B : 3])
     taken = sum((sum(step, []) for step in steps), []) + sum(sum(rest, []), [])
-    assert len(taken) == len(set(taken))  # nothing repeated
-    assert sorted(taken) == sorted(glob[: len(taken)])  # nothing skipped: a prefix of the sequence
+    dropped = then[c + len(rest[0]) * 3 * B :]  # drop_last: the epoch's last < 3 x B positions
+    assert len(taken) == len(set(taken)) and len(dropped) < 3 * B  # nothing repeated
+    assert sorted(taken + dropped) == list(range(N))  # nothing skipped
+
+
+def test_any_chain_of_world_sizes_reads_each_sample_once_and_a_unit_on_one_rank() -> None:
+    """Ranks in lockstep, stopped at random steps and resumed on random world sizes: each sample of
+    the epoch once (but the last < W dropped); from the start, each unit is read by one rank."""
+    rng = np.random.default_rng(0)
+    for trial in range(60):
+        n, unit, window = int(rng.integers(1, 300)), int(rng.integers(1, 20)), int(rng.integers(1, 4))
+        positions = rng.permutation(n)
+        worlds = [int(w) for w in rng.integers(1, 7, 3)]
+        state: dict[str, Any] | None = None
+        seen: list[int] = []
+        for w, stop in zip(worlds, [int(rng.integers(0, 30)), int(rng.integers(0, 30)), None]):
+            ranks = [
+                EpochSampler(
+                    positions, unit, window=window, seed=trial, num_replicas=w, rank=r, drop_last=True
+                )
+                for r in range(w)
+            ]
+            for x in ranks:
+                if state is not None:
+                    x.load_state_dict(json.loads(json.dumps(state)))
+            if ranks[0].state_dict()["epoch"] == 0:
+                seen += sum(map(list, itertools.islice(zip(*ranks), stop)), [])
+            states = [x.state_dict() for x in ranks]
+            assert all(st == states[0] for st in states[1:])
+            state = states[0]
+        assert len(seen) == len(set(seen)) and n - len(seen) < max(worlds), (trial, n, worlds)
+    positions = rng.permutation(200 * 16)
+    for w in (2, 4, 8):  # 50 windows of 4 units: whole rounds, then the last 2 windows cut in w pieces
+        readers: dict[int, set[int]] = {}
+        for r in range(w):
+            for i in EpochSampler(positions, 16, window=4, seed=3, num_replicas=w, rank=r, drop_last=True):
+                readers.setdefault(int(positions[i]) // 16, set()).add(r)
+        assert sum(len(v) > 1 for v in readers.values()) <= (8 if w > 2 else 0)
 
 
 def test_ten_million_samples_a_few_hundred_bytes_and_one_copy_of_the_order() -> None:
@@ -167,3 +223,26 @@ def test_a_state_of_another_cache_is_refused_and_plain_dataloader_keeps_none(ids
         EpochSampler(np.arange(12), 1, order="random").load_state_dict(state)
     assert keeps_state(fast_loader(PinnedLoader, ids_cache)) and keeps_state(stateful(ids_cache, 0))
     assert not keeps_state(torch.utils.data.DataLoader(CachedDataset(ids_cache), shuffle=True))
+    bad = {**ChunkSampler(np.arange(40), 4, window=2).state_dict(), "base": 99}
+    with pytest.raises(ValueError, match="base=99"):
+        _load(bad)
+
+
+def _load(state: dict[str, Any]) -> Any:
+    sampler = ChunkSampler(np.arange(40), 4, window=2)
+    sampler.load_state_dict(state)
+    return next(iter(sampler))
+
+
+def test_a_version_1_state_counts_in_the_order_itself_and_resumes_on_two_ranks() -> None:
+    """Before rounds, ranks took turns in G: a v1 state's ``consumed`` is a prefix of G."""
+    positions = np.random.default_rng(1).permutation(100)
+    glob = ChunkSampler(positions, 10, window=2, seed=4).sequence(0).tolist()
+    now = ChunkSampler(positions, 10, window=2, seed=4).state_dict()
+    v1 = {**{k: v for k, v in now.items() if k not in ("base", "width")}, "dlstore_order": 1, "consumed": 33}
+    rest = []
+    for r in range(2):
+        sampler = ChunkSampler(positions, 10, window=2, seed=4, num_replicas=2, rank=r)
+        sampler.load_state_dict(v1)
+        rest += list(sampler)
+    assert sorted(glob[:33] + rest[:67]) == list(range(100)) and len(rest) == 68  # 67 + 1 padding
