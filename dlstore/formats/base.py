@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from dlstore.checksums import extents
+from dlstore.checksums import extents, regular_files
 from dlstore.errors import CacheCorruptError, SpecError
 from dlstore.formats.describe import Codec, CodecTable, Option, Traits, parse_options
 from dlstore.formats.fields import FIELD_READERS, FIELD_WRITERS, FieldReader, FieldWriter, Rows
@@ -275,7 +275,9 @@ class ChunkedReader(CacheReader):
         super().__init__(root, spec, in_memory, threads)
         self.unit = unit
         self.decode_limit, held = decode_limit(root, spec)
-        if not spec.ragged:  # ragged units decode image by image: each checked by its payload index
+        if not getattr(
+            spec, "ragged", False
+        ):  # ragged units decode image by image: each checked by its payload index
             unit_bytes = unit * spec.image_bytes  # a zarr chunk is whole even past the last image
             what = f"a unit of {unit} images of {spec.shape}"
             check_decoded_size(Path(root) / self.unit_file(0), what, unit_bytes, self.decode_limit, held)
@@ -478,13 +480,15 @@ UNIT_CACHE_OVER_SIZE = DECODE_ALLOWANCE  # the unit cache's share of the same bo
 def held_bytes(root: Path, spec: CacheSpec) -> int:
     """The bytes the cache really holds, as far as its manifest vouches for them: per checksummed
     file its declared extent, but never more than the file here has (a forged extent cannot raise
-    the bound); a remote cache's file not fetched yet counts at its extent, which its fetch checks."""
+    the bound); a remote cache's file not fetched yet counts at its extent, which its fetch checks.
+    One scan of the folder (as the open's own check), no file opened or stat'ed by name."""
+    declared = extents(getattr(spec, "checksums", None) or {})
+    if not declared:
+        return 0
+    present = regular_files(Path(root)) if Path(root).is_dir() else {}
     total = 0
-    for name, extent in extents(getattr(spec, "checksums", None) or {}).items():
-        try:
-            size: int | None = os.stat(Path(root) / name, follow_symlinks=False).st_size
-        except (OSError, ValueError):
-            size = None
+    for name, extent in declared.items():
+        size = present.get(name)
         if extent < 0:  # checksummed whole (an empty file; older caches): what is here
             total += size or 0
         else:
