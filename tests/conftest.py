@@ -10,6 +10,22 @@ import pytest
 from imagegen import KINDS, ORIENT_TAG, make_image, save, smooth_rgb
 from PIL import Image
 
+REPO = Path(__file__).resolve().parent.parent
+
+
+def repo_entries() -> set[str]:
+    return {p.name for p in REPO.iterdir() if not p.name.startswith(".") and p.name != "__pycache__"}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_lands_in_the_repo() -> Iterator[None]:
+    """Nothing a test writes lands in the repository (a bench without ``--out`` run from the repo
+    root left ``dlstore-bench-*/`` folders there): fails the session naming what appeared."""
+    before = repo_entries()
+    yield
+    new = sorted(repo_entries() - before)
+    assert not new, f"tests wrote {new} into {REPO}: run such commands with --out or in tmp_path"
+
 
 @pytest.fixture(scope="session")
 def image_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -39,4 +55,5 @@ def bench_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DLSTORE_DEMO_DIR", str(root / "demo"))
         mp.setenv("DLSTORE_BENCH_CACHE", str(root / "caches"))
+        mp.chdir(root)  # a bench without --out writes dlstore-bench-*/ into the cwd: here, not the repo
         yield root

@@ -128,6 +128,7 @@ def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER
                 "nthreads": threads,
                 "memory_limit": 0,
                 "silence_logs": logging.WARN,  # as LocalCluster: no INFO lines on the user's terminal
+                "driver_pid": os.getpid(),  # the workers die with this process (kill -9 included)
             },
         },
     }

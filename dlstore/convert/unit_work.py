@@ -80,7 +80,7 @@ def die_with_parent() -> None:
     if parent is None:
         return
     if os.getppid() == parent.pid:
-        _arm_parent_death_signal()
+        arm_parent_death_signal()
     if os.getppid() != parent.pid and not process_alive(parent.pid):
         os._exit(1)  # the driver is already gone
     sentinel = getattr(parent, "sentinel", None)
@@ -90,7 +90,7 @@ def die_with_parent() -> None:
         ).start()
 
 
-def _arm_parent_death_signal() -> None:
+def arm_parent_death_signal() -> None:
     import ctypes
     import sys
 

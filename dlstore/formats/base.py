@@ -14,8 +14,8 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from dlstore.checksums import extents
-from dlstore.errors import SpecError
+from dlstore.checksums import extents, regular_files
+from dlstore.errors import CacheCorruptError, SpecError
 from dlstore.formats.describe import Codec, CodecTable, Option, Traits, parse_options
 from dlstore.formats.fields import FIELD_READERS, FIELD_WRITERS, FieldReader, FieldWriter, Rows
 from dlstore.machine import usable_cores
@@ -274,7 +274,14 @@ class ChunkedReader(CacheReader):
             )
         super().__init__(root, spec, in_memory, threads)
         self.unit = unit
-        self._units = UnitCache(max(2, unit_budget(spec, cache_bytes) // max(1, unit * spec.image_bytes)))
+        self.decode_limit, held = decode_limit(root, spec)
+        # Ragged units decode image by image: each image is checked by its payload index instead.
+        if not getattr(spec, "ragged", False):
+            unit_bytes = unit * spec.image_bytes  # a zarr chunk is whole even past the last image
+            what = f"a unit of {unit} images of {spec.shape}"
+            check_decoded_size(Path(root) / self.unit_file(0), what, unit_bytes, self.decode_limit, held)
+        budget = min(cache_bytes, self.decode_limit)
+        self._units = UnitCache(max(2, budget // max(1, unit * spec.image_bytes)))
         # Units being decoded ahead (prefetch): unit -> its decode, and the pid that owns them.
         self._ahead: OrderedDict[int, tuple[Future[np.ndarray], int]] = OrderedDict()
         self._reads = 0  # read_into calls so far: how old a unit decoded ahead is
@@ -457,18 +464,52 @@ class UnitDecoder(Protocol):
         """A future of unit k's (unit, H, W, C) array, or None when it cannot take one now."""
 
 
-UNIT_CACHE_OVER_SIZE = 64 << 20  # decoded units a cache may keep beyond twice its bytes on disk
+# E5, the one bound on what a cache can make a reader allocate: one unit (a shard, a chunk, a
+# payload image) may decode to at most twice the bytes the cache really holds plus this allowance,
+# and the decoded units a reader keeps fit in the same bound. Every number a unit's file declares
+# (a zip member's .npy header, a zstd frame's content size, a zarr chunk shape, a payload index's
+# image shape) must match what the manifest declares, which is checked against this bound when a
+# reader is made, before anything is decoded. So a hostile cache costs at most twice its real size
+# plus 100 MB of memory, and a real cache of flat images (1000x compressible) still reads: what
+# dlstore writes decodes to at most 32 MB a unit at the default sizes, half the allowance.
+DECODE_ALLOWANCE = 64 << 20
+UNIT_CACHE_OVER_SIZE = DECODE_ALLOWANCE  # the unit cache's share of the same bound
 
 
-def unit_budget(spec: CacheSpec, cache_bytes: int) -> int:
-    """Bytes of decoded units to keep: ``cache_bytes``, but never more than twice the bytes the cache
-    declares on disk (its checksums' extents, each checked against the file) plus 64 MB, so that a
-    small, highly compressed (or hostile) cache cannot make a reader hold 512 MB of decoded units:
-    peak memory stays within twice the cache's real size plus 100 MB (E5)."""
-    sizes = extents(getattr(spec, "checksums", None) or {}).values()  # a test double may have none
-    if not sizes or min(sizes) < 0:  # a file checksummed whole (older caches): its size is not declared
-        return cache_bytes
-    return min(cache_bytes, 2 * sum(sizes) + UNIT_CACHE_OVER_SIZE)
+def held_bytes(root: Path, spec: CacheSpec) -> int:
+    """The bytes the cache really holds, as far as its manifest vouches for them: per checksummed
+    file its declared extent, but never more than the file here has (a forged extent cannot raise
+    the bound); a remote cache's file not fetched yet counts at its extent, which its fetch checks.
+    One scan of the folder (as the open's own check), no file opened or stat'ed by name."""
+    declared = extents(getattr(spec, "checksums", None) or {})
+    if not declared:
+        return 0
+    present = regular_files(Path(root)) if Path(root).is_dir() else {}
+    total = 0
+    for name, extent in declared.items():
+        size = present.get(name)
+        if extent < 0:  # checksummed whole (an empty file; older caches): what is here
+            total += size or 0
+        else:
+            total += extent if size is None else min(size, extent)
+    return total
+
+
+def decode_limit(root: Path, spec: CacheSpec) -> tuple[int, int]:
+    """(the most decoded bytes one unit of this cache may allocate, the bytes it holds)."""
+    held = held_bytes(root, spec)
+    return 2 * held + DECODE_ALLOWANCE, held
+
+
+def check_decoded_size(where: Path | str, what: str, nbytes: int, limit: int, held: int) -> None:
+    """Refuse, before allocating, a unit declared to decode to more than ``decode_limit`` allows."""
+    if nbytes > limit:
+        raise CacheCorruptError(
+            f"{where}: {what} is declared to decode to {nbytes / 1e6:.1f} MB, but the whole cache holds "
+            f"{held / 1e6:.2f} MB; a reader allocates at most twice a cache's bytes plus "
+            f"{DECODE_ALLOWANCE >> 20} MB for one unit ({limit / 1e6:.1f} MB here). Refusing it (tampered?): "
+            "rebuild the cache with `dlstore convert`"
+        )
 
 
 class UnitCache:

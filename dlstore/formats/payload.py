@@ -186,14 +186,7 @@ class PayloadWriter(CacheWriter):
         return round(float(total[0] / total[1]), 4) if total[1] else None
 
 
-# An image's pixels may be at most this many times its payload's bytes (or IMAGE_FLOOR_BYTES):
-# deflate's own limit is 1032x, and a JPEG of a flat colour stays well below it. An index declaring
-# more (a 629-byte JPEG said to be 20000x20000) is refused before anything is allocated for it.
-MAX_EXPANSION = 1024
-IMAGE_FLOOR_BYTES = 4 << 20
-
-
-def index_problem(unit: PayloadUnit, count: int, spec: Any) -> str:
+def index_problem(unit: PayloadUnit, count: int, spec: Any, limit: int) -> str:
     """What is wrong with a unit's index (empty when nothing): see ``PayloadReader.check_index``."""
     arrays = {"offsets": unit.offsets, "shapes": unit.shapes, "crc": unit.crc}
     if unit.ends is not None:
@@ -220,11 +213,14 @@ def index_problem(unit: PayloadUnit, count: int, spec: Any) -> str:
     longest = spec.image.max_side or (1 << 16)
     if spec.ragged and np.any((np.minimum(h, w) > size_) | (np.maximum(h, w) > longest)):
         return f"image shapes beyond the policy (shorter side {size_}, longer at most {longest})"
-    pixels = h * w * c
-    lengths = ends[:count] - offsets[:count]
-    if np.any(pixels > np.maximum(IMAGE_FLOOR_BYTES, MAX_EXPANSION * lengths)):
-        j = int(np.argmax(pixels > np.maximum(IMAGE_FLOOR_BYTES, MAX_EXPANSION * lengths)))
-        return f"image {j} is said to be {tuple(shapes[j])} from {int(lengths[j])} bytes of payload"
+    pixels = h * w * c  # one image's decode buffer: the cache's one bound (base.decode_limit)
+    if np.any(pixels > limit):
+        j = int(np.argmax(pixels > limit))
+        length = int(ends[j] - offsets[j])
+        return (
+            f"image {j} is said to be {tuple(shapes[j])} ({int(pixels[j]) / 1e6:.1f} MB) from {length} bytes "
+            f"of payload, beyond the {limit / 1e6:.1f} MB one image of this cache may decode to"
+        )
     return ""
 
 
@@ -277,9 +273,9 @@ class PayloadReader(ChunkedReader):
         """Every number of a unit's index against the bytes present and the manifest, before any
         payload is decoded or any output allocated: integer arrays of the right lengths, offsets
         ascending within the data, shapes the image policy allows and that the payload's bytes can
-        plausibly decode to (``MAX_EXPANSION``)."""
+        decode to within the cache's one bound (``base.decode_limit``)."""
         count = min(self.unit, self.spec.n_stored - k * self.unit)
-        problem = index_problem(unit, count, self.spec)
+        problem = index_problem(unit, count, self.spec, self.decode_limit)
         if problem:
             raise CacheCorruptError(
                 f"{self.unit_path(k)}: chunk {k}'s index is inconsistent ({problem}); "

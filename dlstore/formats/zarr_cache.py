@@ -141,9 +141,12 @@ class ZarrWriter(CacheWriter):
     def write_unit(self, k: int, images: np.ndarray) -> None:
         import zarr
 
-        arr = zarr.open_array(self.root / "images", mode="r+", zarr_format=3)
-        r = self.unit_range(k)
-        arr[r.start : r.stop] = images  # a whole shard: zarr writes its object once, index included
+        # A chunk of all-black images equals the fill value: zarr would skip writing it, and a missing
+        # chunk means damage to the reader (and there is no file to fsync).
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            arr = zarr.open_array(self.root / "images", mode="r+", zarr_format=3)
+            r = self.unit_range(k)
+            arr[r.start : r.stop] = images  # a whole shard: zarr writes its object once, index included
         fsync_path(chunk_path(self.root, k))  # zarr does not fsync; the contract says durable
 
     def finish(self, labels: np.ndarray) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
-from dlstore.checksums import extents, file_kind, regular_files, size_problems
+from dlstore.checksums import file_kind, regular_files, size_problems
 from dlstore.errors import (
     CacheCorruptError,
     CacheNotFoundError,
@@ -410,33 +410,8 @@ def check_files(root: Path, spec: CacheSpec, lazy: bool = False) -> None:
     over = [p for p in size_problems(root, spec.checksums, present, lazy=True) if "appended" in p]
     if over:
         raise CacheCorruptError(f"{over[0]}; run `dlstore verify {root}` and rebuild the cache")
-    if lazy:  # a remote cache's units are not here yet: the sizes its checksums declare, each
-        # checked against the object when it is fetched (a cache of whole-file keys: what is here)
-        declared = {name: size for name, size in extents(spec.checksums).items() if size >= 0}
-        present = {**present, **declared}
-    check_declared_pixels(root, spec, sum(present.values()))
-
-
-# Pixels a cache may declare per byte it holds: what lossless codecs reach on real images is far
-# below; a manifest declaring more (a 65536x65536 image in a few KB, a 1.4 MB shard said to be
-# 1.4 GB) is refused before any buffer is allocated for it. Below the floor anything goes.
-PIXEL_MAX_EXPANSION = 256
-PIXEL_FLOOR_BYTES = 64 << 20
-
-
-def check_declared_pixels(root: Path, spec: CacheSpec, present: int) -> None:
-    """The pixels the manifest declares (the whole cache, and one unit: one decode buffer) against
-    the bytes the cache holds. Payload layouts declare per image, checked by their index."""
-    allowed = max(PIXEL_FLOOR_BYTES, PIXEL_MAX_EXPANSION * present)
-    unit = min(int(spec.format_options.get("unit_size", 1)), max(1, spec.n_stored))
-    per_unit = unit * spec.image_bytes
-    declared = spec.n_stored * spec.image_bytes
-    if spec.format_options.get("layout") != "payload" and max(declared, per_unit) > allowed:
-        raise CacheCorruptError(
-            f"{root}: the manifest declares {declared / 1e6:.0f} MB of pixels ({spec.n_stored} images of "
-            f"{spec.shape}, units of {per_unit / 1e6:.0f} MB) in {present / 1e6:.1f} MB of files, beyond "
-            f"{PIXEL_MAX_EXPANSION}x compression; refusing to allocate for it (tampered?): rebuild the cache"
-        )
+    # What one unit may decode to is checked against the bytes held when the reader is made
+    # (formats.base.decode_limit), before anything is decoded.
 
 
 def load_npy(path: Path, data: bytes | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:

@@ -21,7 +21,9 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -70,7 +72,52 @@ def deadline_options(scheme: str, options: dict[str, Any]) -> dict[str, Any]:
             "retries": {"max_attempts": 1, "mode": "standard"},
         }
         out["config_kwargs"] = {**config, **dict(out.get("config_kwargs") or {})}
+    if scheme in ("gs", "gcs") and "requests_timeout" not in out:
+        # gcsfs passes no time-out to aiohttp by default: a stopped server would be waited on forever
+        import aiohttp
+
+        out["requests_timeout"] = aiohttp.ClientTimeout(
+            total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=READ_TIMEOUT_S
+        )
     return out
+
+
+# gcsfs methods wrapped in its own retry loop (6 attempts, up to 32 s apart, ~1 min per request
+# without a network); its ``retries`` attribute is read when the class is defined, so setting it
+# later changes nothing. ``single_attempt`` binds the unwrapped method to the instance instead.
+GCSFS_RETRIED = ("_request", "_get_file_request", "_get_file_concurrent")
+
+
+def single_attempt(fs: Any) -> None:
+    """One attempt per backend request, so ``RemoteStore.call``'s bounded loop is the only retry
+    loop: s3fs's and gcsfs's own loops would multiply its attempts and outlast its deadline."""
+    if hasattr(fs, "retries"):
+        fs.retries = 1
+    for name in GCSFS_RETRIED if type(fs).__module__.startswith("gcsfs") else ():
+        method = getattr(type(fs), name, None)
+        inner = getattr(method, "__wrapped__", None)
+        if inner is not None:
+            setattr(fs, name, types.MethodType(inner, fs))
+
+
+@contextmanager
+def without_gcsfs_cloud_method(scheme: str, options: dict[str, Any]) -> Iterator[None]:
+    """Without credentials gcsfs tries, after google-auth's defaults (which already ask a GCE metadata
+    server, with short time-outs), its "cloud" method: the metadata server again, 5 attempts over
+    ~15 s. gcsfs skips it when ``NO_GCE_CHECK`` is "true" as it connects; google-auth reads the same
+    variable once, at import, to skip its own GCE check. So google-auth is imported first (it keeps
+    the user's setting: on a GCE machine it still finds the credentials) and the variable is set only
+    while gcsfs connects. A user's own setting or token is left alone."""
+    if scheme not in ("gs", "gcs") or "token" in options or "NO_GCE_CHECK" in os.environ:
+        yield
+        return
+    import google.auth.compute_engine._metadata  # noqa: F401 - reads NO_GCE_CHECK now, while unset
+
+    os.environ["NO_GCE_CHECK"] = "true"
+    try:
+        yield
+    finally:
+        os.environ.pop("NO_GCE_CHECK", None)
 
 
 def quiet_backend_logs(scheme: str) -> None:
@@ -172,9 +219,9 @@ class RemoteStore:
                 scheme = scheme_of(self.url)
                 quiet_backend_logs(scheme)
                 options = deadline_options(scheme, self.storage_options)
-                self._fs, self._root = url_to_fs(self.url, skip_instance_cache=True, **options)
-                if hasattr(self._fs, "retries"):  # s3fs/gcsfs retry loops of their own: ours is bounded
-                    self._fs.retries = 1
+                with without_gcsfs_cloud_method(scheme, options):
+                    self._fs, self._root = url_to_fs(self.url, skip_instance_cache=True, **options)
+                single_attempt(self._fs)
                 self._pid = os.getpid()
             return self._fs
 

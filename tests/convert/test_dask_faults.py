@@ -213,3 +213,46 @@ def test_an_interrupted_dask_run_leaves_no_process(tree: Path, tmp_path: Path, s
         assert (
             "interrupted" in err and "re-run the same command to resume" in err and "Traceback" not in err
         ), err
+
+
+def alive(sid: int) -> list[str]:
+    """The processes of session ``sid`` still running (a zombie has died: its reaper is init's)."""
+    return [p for p in session_processes(sid) if p.split()[1] != "Z"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_kill_9_of_the_driver_takes_its_dask_workers_at_once(tree: Path, tmp_path: Path) -> None:
+    """G1 on Dask: the driver of `--scheduler local:2` killed -9 mid-convert (a worker busy on a unit):
+    its worker processes, their fork servers and decode processes die with it (the workers' parent-death
+    signal), not seconds later on their own; the re-run right away resumes."""
+    marker = tmp_path / "killed"
+    script = DRIVER.format(
+        tests=str(TESTS), victim="nobody", marker=str(marker), src=str(tree), dest=str(tmp_path / "c")
+    ).replace('"local:1"', '"local:2"')
+    run = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), "the conversion never reached the hanging file"
+        before = session_processes(run.pid)
+        assert sum("dask\x00spec" in p for p in before) >= 1, before
+        os.kill(run.pid, signal.SIGKILL)
+        run.wait()
+        t0 = time.monotonic()
+        while alive(run.pid) and time.monotonic() - t0 < 10:
+            time.sleep(0.02)
+        gone_after = time.monotonic() - t0
+        left = alive(run.pid)
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)
+    assert left == [] and gone_after < 1.0, (gone_after, left, before)
+    result = conv(tree, tmp_path / "c", scheduler="local:1")
+    assert result.n == 16

@@ -160,3 +160,40 @@ def test_every_s3_request_gets_timeouts_and_one_botocore_attempt() -> None:
     assert opts["config_kwargs"]["connect_timeout"] == stores.CONNECT_TIMEOUT_S
     assert opts["config_kwargs"]["retries"] == {"max_attempts": 1, "mode": "standard"}
     assert np.isfinite(stores.DEADLINE_S + stores.READ_TIMEOUT_S)
+
+
+@pytest.mark.slow  # ~5 s; the default suite has the same path with an injected 403 (DenyingFs) above
+def test_wrong_credentials_on_a_real_server_end_in_one_line_without_the_secret(tmp_path: Path) -> None:
+    """F3 against a real server that checks credentials (moto with IAM authentication on: keys it does
+    not know get 403 "InvalidAccessKeyId"), not an injected PermissionError: convert, info and verify
+    each end in one line naming the URL and the fix, with no traceback and no secret."""
+    port = free_port()
+    env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"}  # every request is authenticated
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "up"
+        aws = {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "AKIAWRONGKEY",
+            "AWS_SECRET_ACCESS_KEY": SECRET,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "DLSTORE_SPOOL": str(tmp_path / "spool"),
+        }
+        src = make_tree(tmp_path / "src", per_class=2)
+        url = "s3://faults/wrong"
+        for args in (
+            ["info", url],
+            ["verify", url],
+            ["convert", str(src), url, "--size", "8", "--workers", "1"],
+        ):
+            res = CliRunner().invoke(main, args, env=aws)
+            assert res.exit_code == 1, res.output
+            assert "Traceback" not in res.output and SECRET not in res.output, res.output
+            lines = [line for line in res.output.splitlines() if line.strip()]
+            assert len(lines) == 1 and lines[0].startswith(f"Error: {url}"), res.output
+            assert "access denied" in lines[0] and "AWS_ACCESS_KEY_ID" in lines[0], res.output
+    finally:
+        proc.kill()
+        proc.wait()
