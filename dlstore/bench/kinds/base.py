@@ -53,8 +53,18 @@ def dataloader_factory(dataset: Dataset, workers: int, pin_memory: bool, config:
         num_workers=workers,
         pin_memory=pin_memory,
         drop_last=True,
+        collate_fn=fields_collate(dataset),
         **kwargs,
     )
+
+
+def fields_collate(dataset: Dataset) -> Callable[[Any], Any] | None:
+    """A dataset of (image, target dict) samples (a cache or source with fields): its own collate, which
+    stacks the masks and keeps the boxes as lists (``dlstore.read.targets.collate_fields``); None (the
+    default collate) otherwise."""
+    if getattr(getattr(dataset, "spec", None), "fields", None) or getattr(dataset, "fields", None):
+        return dataset.collate_fn  # type: ignore[attr-defined, no-any-return]
+    return None
 
 
 @dataclass
