@@ -120,6 +120,24 @@ class BufferRing:
         for i in range(k):
             self.free.put((i, None))
 
+    def field_buffers(self, slot: int, cache: Cache, n: int) -> dict[str, torch.Tensor]:
+        """This slot's buffers (the first ``n`` rows) for the cache's chosen fixed-shape fields (masks,
+        values) of a fixed-size cache, which ``read_target`` reads straight into."""
+        if cache.spec.ragged:
+            return {}
+        buffers = self.fields[slot]
+        out = {}
+        for name, f in cache.fields.items():
+            if f.ragged or f.kind == "class":
+                continue
+            shape = (len(self.images[slot]), *(cache.spec.shape[:2] if f.kind == "mask" else f.shape))
+            dtype = getattr(torch, f.dtype)
+            buf = buffers.get(name)
+            if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+                buf = buffers[name] = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            out[name] = buf[:n]
+        return out
+
     def stage(
         self, slot: int, target: dict[str, Any], copy: Callable[[np.ndarray, np.ndarray], None]
     ) -> None:
@@ -220,8 +238,9 @@ class _Producer:
         slot's pinned buffers; None without fields."""
         if not self.cache.spec.fields:
             return None
-        target = read_target(self.cache, index)
-        if self.ring.pin:
+        into = self.ring.field_buffers(slot, self.cache, len(index)) if self.ring.pin else None
+        target = read_target(self.cache, index, into)
+        if self.ring.pin:  # whatever is not in the slot's buffers yet
             self.ring.stage(slot, target, lambda dst, src: copy_parallel(self.cache.reader, dst, src))
         return target
 

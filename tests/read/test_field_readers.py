@@ -163,8 +163,9 @@ def test_fields_selects_what_is_read(fixed_cache: Path) -> None:
 
 
 def test_pinned_ring_stages_stacked_fields_in_its_own_buffers(fixed_cache: Path) -> None:
-    """PinnedLoader on CUDA: the gather thread copies a batch's masks into the slot's (pinned) buffer,
-    so the device copy reads pinned memory; the buffer is the slot's, reused, and holds the same ids."""
+    """PinnedLoader on CUDA: the gather thread reads a batch's masks straight into the slot's (pinned)
+    buffer, or copies them there, so the device copy reads pinned memory; the buffer is the slot's,
+    reused, and holds the ids a plain read gives."""
     from dlstore.read.cache import open_cache
     from dlstore.read.loaders import BufferRing
     from dlstore.read.targets import read_target
@@ -184,4 +185,8 @@ def test_pinned_ring_stages_stacked_fields_in_its_own_buffers(fixed_cache: Path)
         assert isinstance(target["mask"], tv_tensors.Mask) and torch.equal(target["mask"], want)
         assert target["mask"].data_ptr() == ring.fields[1]["mask"].data_ptr()  # the slot's buffer
         assert isinstance(target["boxes"], list) and len(target["boxes"]) == len(index)  # lists stay
-    assert copies == [(3, 16, 16), (5, 16, 16)] and list(ring.fields[0]) == []
+        into = ring.field_buffers(0, cache, len(index))
+        read = read_target(cache, index, into)  # read straight into slot 0's buffer, no copy
+        assert list(into) == ["mask"] and read["mask"].data_ptr() == ring.fields[0]["mask"].data_ptr()
+        assert isinstance(read["mask"], tv_tensors.Mask) and torch.equal(read["mask"], want)
+    assert copies == [(3, 16, 16), (5, 16, 16)]
