@@ -164,6 +164,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         root=config.root,
         demo_images=config.demo_images or MIN_DEMO_IMAGES,
         label=config.label,
+        fields=tuple(config.fields),
     )
     total = len(full)
     source_notes = source_warnings(full)

@@ -171,6 +171,7 @@ def convert_command(ctx: LoaderContext, fmt: str) -> str:
     mp, pixels = ctx.config.max_megapixels, ctx.config.pixels
     return (
         f"dlstore convert {src} DEST --format {fmt} --size {ctx.size}"
+        + "".join(f" --field {f}" for f in ctx.config.fields)
         + (f" --max-megapixels {mp:g}" if mp is not None else "")
         + (f" --pixels {pixels}" if pixels != "dlstore" else "")
     )
