@@ -131,6 +131,8 @@ def test_parquet_columns_become_fields_from_the_cli(samples: list[dict[str, Any]
         "score": "values",
     }
     assert manifest["fields"]["labels"]["follows"] == "boxes" and manifest["fields"]["tags"]["shape"] == [3]
+    deep = CliRunner().invoke(main, ["verify", str(dest), "--deep"])  # reopens the source with the fields
+    assert deep.exit_code == 0 and "4 source files match by content" in deep.output, deep.output
     again = CliRunner().invoke(main, [*args, *[a for f in fields[:-1] for a in ("--field", f)]])
     assert again.exit_code != 0 and "source" in again.output  # another field set is another source
     bad = CliRunner().invoke(main, [*args, "--overwrite", "--field", "mask=nope"])

@@ -276,7 +276,10 @@ class DatasetSource(EncodedSource):
     def reopen(self) -> dict[str, Any] | None:
         if not _CALLABLE.match(self.description):
             return None
-        again = {"source": self.description, "label": self.label_key}
+        again = {
+            "source": self.description,
+            "label": self.label_key if self.classes or not self.field_requests else None,
+        }
         return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
 
     def fingerprint(self) -> str:

@@ -461,7 +461,10 @@ class ParquetSource(EncodedSource):
         return got
 
     def reopen(self) -> dict[str, Any]:
-        again = {"source": os.path.abspath(self.description), "label": self.label_column}
+        again = {
+            "source": os.path.abspath(self.description),
+            "label": self.label_column if self.classes or not self.field_requests else None,
+        }
         return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
 
     def source_files(self) -> list[Path]:

@@ -345,7 +345,7 @@ class WebDatasetSource(EncodedSource):
 
     def reopen(self) -> dict[str, Any]:
         text = self.description if is_url(self.base) else os.path.abspath(self.description)
-        again = {"source": text, "label": self.label_key}
+        again = {"source": text, "label": self.label_key if self.classes or not self.field_requests else None}
         return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
 
     def source_files(self) -> list[Path]:
