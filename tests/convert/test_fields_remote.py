@@ -100,6 +100,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     server.stop()
 
 
+@pytest.mark.slow  # two conversions and a moto server: ~25 s on this shared 2-core VM, over the 5 s default
 def test_fields_through_an_object_store(parquet: Path, local: list, s3: None, tmp_path: Path) -> None:
     url = f"s3://{BUCKET}/npz"
     conv(parquet, url, "npz")
