@@ -407,6 +407,9 @@ class ResidentLoader(CoreLoader):
         # A cache with fields: the fixed-shape ones (masks, values) in device memory like the images;
         # the variable-length ones (boxes) read per batch on the host, one copy each.
         self.fields = upload_fields(cache, self.device) if cache.spec.fields else {}
+        # A target per batch whenever the cache has fields, resident or not (boxes alone are read
+        # per batch: ``self.fields`` is then empty, and a batch still carries its boxes).
+        self.targets = bool(cache.spec.fields)
         self._graph: Any = None
 
     def __iter__(self) -> Iterator[Batch]:
@@ -421,13 +424,13 @@ class ResidentLoader(CoreLoader):
             if self.cuda_graph and len(idx) == self.batch_size:
                 yield self._replay(idx)
             else:
-                yield self.batch(idx, host[part])
+                yield self.batch(idx, host[part]) if self.targets else self.batch(idx)
 
     def batch(self, idx: torch.Tensor, host: np.ndarray | None = None) -> Batch:
         """The batch of dataset indices ``idx`` (on the device); ``host``: the same on the host, so
         the variable-length fields are read without waiting for the device."""
         x = self.images.index_select(0, idx).permute(0, 3, 1, 2)
-        if self.fields:
+        if self.targets:
             target = self.field_target(idx, host)
             return self.transform(x, target=target) if self.transform else (x, target)
         return (self.transform(x) if self.transform else x), self.labels.index_select(0, idx)
