@@ -692,7 +692,9 @@ def gpu_dlstore(
     def consume(item: Any) -> int:
         images, target = item
         if not isinstance(target, dict) or sorted(target) != sorted(names):  # the fields must be moved too
-            raise RuntimeError(f"{loader_class.__name__} yielded {type(target).__name__}, not the fields {names}")
+            raise RuntimeError(
+                f"{loader_class.__name__} yielded {type(target).__name__}, not the fields {names}"
+            )
         return len(images)
 
     return _fields_rate(lambda: loader, consume, device, seconds)
