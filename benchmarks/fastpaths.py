@@ -690,7 +690,12 @@ def gpu_dlstore(
     loader = loader_class(cache, batch_size=batch, device=device, transform=aug, fields=names, **kw)
 
     def consume(item: Any) -> int:
-        return len(item[0])
+        images, target = item
+        if not isinstance(target, dict) or sorted(target) != sorted(names):  # the fields must be moved too
+            raise RuntimeError(
+                f"{loader_class.__name__} yielded {type(target).__name__}, not the fields {names}"
+            )
+        return len(images)
 
     return _fields_rate(lambda: loader, consume, device, seconds)
 

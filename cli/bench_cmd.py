@@ -12,6 +12,7 @@ from dlstore.bench.protocol import DEFAULT_LOADERS as KINDS
 from dlstore.cli.render import StorePath, emit_json, stderr
 from dlstore.cli.shared_options import (
     demo_images_option,
+    field_option,
     label_option,
     max_megapixels_option,
     pixels_option,
@@ -230,6 +231,7 @@ def user_set(ctx: click.Context) -> tuple[str, ...]:
 )
 @root_option()
 @label_option()
+@field_option()
 @click.option(
     "--max-images",
     type=click.IntRange(0, None),
@@ -271,6 +273,7 @@ def bench_cmd(
     cache: Path | None,
     root: Path | None,
     label: str | None,
+    fields: tuple[str, ...],
     max_images: int,
     max_megapixels: float | None,
     demo_images: int | None,
@@ -292,6 +295,7 @@ def bench_cmd(
         source=source,
         root=root,
         label=label,
+        fields=fields,
         loaders=pick_loaders(loaders, formats_alias),
         workers=workers,
         size=size,

@@ -9,6 +9,7 @@ import click
 from dlstore.cli.render import StorePath, emit_json, stderr, storage_options_option
 from dlstore.cli.shared_options import (
     demo_images_option,
+    field_option,
     given_writer_options,
     label_option,
     max_megapixels_option,
@@ -68,6 +69,7 @@ from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
 @click.option("--workers", type=click.IntRange(1, 1024), default=None, help="Processes [default: all cores].")
 @root_option()
 @label_option()
+@field_option()
 @click.option(
     "--split",
     type=click.Choice(["train", "test"]),

@@ -67,6 +67,18 @@ def label_option() -> Callable[[F], F]:
     )
 
 
+def field_option() -> Callable[[F], F]:
+    return click.option(
+        "--field",
+        "fields",
+        multiple=True,
+        metavar="NAME=KEY[:KIND[:DTYPE]]",
+        help="Store a sample's extra column or key as the field NAME (repeatable): KEY is a parquet column, "
+        "a WebDataset member extension or .json key, a Dataset item's dict key; KIND values|boxes|ragged|"
+        "mask|json [default: from the first value]. See docs/fields.md.",
+    )
+
+
 def max_megapixels_option(help: str = MAX_MEGAPIXELS_HELP) -> Callable[[F], F]:
     return click.option(
         "--max-megapixels", type=click.FloatRange(0, None, min_open=True), default=None, help=help

@@ -167,6 +167,35 @@ def fields_data(root: Path) -> None:
         )
     doc = {"images": images, "annotations": anns, "categories": [{"id": 1, "name": "thing"}]}
     (root / "coco" / "ann.json").write_text(json.dumps(doc))
+    fields_parquet(root / "photos.parquet", root / "coco" / "images", root / "voc" / "SegmentationClass")
+
+
+def fields_parquet(out: Path, images: Path, masks: Path) -> None:
+    """docs/fields.md's `--field` example: images, PNG masks, boxes, their labels and tags as columns."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rows = []
+    for i in range(4):
+        with Image.open(images / f"{i}.jpg") as img:
+            w, h = img.size
+        mask = Image.open(masks / f"{i}.png").resize((w, h))
+        buf = io.BytesIO()
+        mask.save(buf, "PNG")
+        rows.append((images / f"{i}.jpg", buf.getvalue(), [[4.0, 5.0, w / 2, h / 2]], [1], [i % 2, 1]))
+    table = pa.table(
+        {
+            "image": pa.array([p.read_bytes() for p, *_ in rows], pa.binary()),
+            "seg": pa.array([r[1] for r in rows], pa.binary()),
+            "objects": pa.array([r[2] for r in rows], pa.list_(pa.list_(pa.float64()))),
+            "object_labels": pa.array([r[3] for r in rows], pa.list_(pa.int64())),
+            "tags": pa.array([r[4] for r in rows], pa.list_(pa.int64())),
+        }
+    )
+    pq.write_table(table, out)
 
 
 def test_fields_page_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,9 +91,14 @@ def rotated(specs: Sequence[RunSpec], repeat: int, repeats: int) -> list[RunSpec
     return list(specs[shift:]) + list(specs[:shift])
 
 
-def move_batch(batch: Any, device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def move_batch(batch: Any, device: torch.device, non_blocking: bool) -> tuple[torch.Tensor, Any]:
+    """The batch on the device; a cache with fields: its target dict too (boxes as lists, one copy each)."""
     x, y = batch[0], batch[1]
     with record_function("h2d_transfer"):
+        if isinstance(y, dict):
+            from dlstore.read.targets import target_to_device
+
+            return x.to(device, non_blocking=non_blocking), target_to_device(y, device)
         return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
 
 

@@ -179,10 +179,11 @@ class TrainStep:
         self.autocast_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(options.precision)
         self.scaler = torch.amp.GradScaler(device.type) if options.precision == "fp16" else None
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor, y: Any) -> None:
         with record_function("forward_backward_step"):
-            if self.device_transform is not None:
-                x = self.device_transform(x)
+            x, y = transformed(self.device_transform, x, y)
+            if not isinstance(y, torch.Tensor):  # a target dict: the classifier's loss on stand-in labels
+                y = torch.zeros(len(x), dtype=torch.long, device=x.device)
             x = x.contiguous(memory_format=self.memory_format) if x.dim() == 4 else x
             self.optimizer.zero_grad(set_to_none=True)
             with torch.autocast(
@@ -231,14 +232,24 @@ class UserStep:
         self.device_transform = device_transform
         self.model = None
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __call__(self, x: torch.Tensor, y: Any) -> None:
         with record_function("forward_backward_step"):
-            if self.device_transform is not None:
-                x = self.device_transform(x)
+            x, y = transformed(self.device_transform, x, y)
             self.fn(x, y)
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "user", "step": self.spec, "model_params": None, "optimizer": None}
+
+
+def transformed(transform: Callable[..., Any] | None, x: torch.Tensor, y: Any) -> tuple[torch.Tensor, Any]:
+    """The device transform of a batch. A cache with fields (``y`` a target dict): a transform that
+    takes a ``target`` (``GpuAugment``) moves its masks and boxes with the images, in the step, as a
+    user's loop would; the images alone otherwise."""
+    if transform is None:
+        return x, y
+    if isinstance(y, dict) and "target" in inspect.signature(transform).parameters:
+        return transform(x, target=y)  # type: ignore[no-any-return]
+    return transform(x), y
 
 
 def import_callable(spec: str, option: str) -> Callable[..., Any]:

@@ -56,6 +56,7 @@ class BenchConfig:
     source: str = "demo"
     root: Path | None = None
     label: str | None = None  # the label column/field of a parquet, WebDataset, list or Dataset source
+    fields: tuple[str, ...] = ()  # --field NAME=KEY[:KIND[:DTYPE]]: extra keys as fields (convert's)
     loaders: tuple[str, ...] = DEFAULT_LOADERS  # loader kinds (dlstore.bench.kinds), not storage formats
     workers: tuple[int, ...] | None = None
     size: int | None = None

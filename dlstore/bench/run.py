@@ -164,6 +164,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         root=config.root,
         demo_images=config.demo_images or MIN_DEMO_IMAGES,
         label=config.label,
+        fields=tuple(config.fields),
     )
     total = len(full)
     source_notes = source_warnings(full)
@@ -188,7 +189,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     phases = {"source_s": time.perf_counter() - t_start}
     prepared, prepare_notes = prepare_all(config, ctx, log)
     notes += prepare_notes
-    classes = len(source.classes)
+    classes = max(1, len(source.classes))  # a source of fields alone: one stand-in class
     steps = {name: make_step(p, config, size, classes, device) for name, p in prepared.items()}
     phases["prepare_s"] = time.perf_counter() - t_start - sum(phases.values())
     workerless = frozenset(n for n, p in prepared.items() if p.info.get("ignores_workers"))
@@ -325,7 +326,7 @@ def plan_within_budget(
     batch = synthetic_batch(
         (config.batch_size, ctx.channels, ctx.size, ctx.size),
         torch.uint8,
-        len(ctx.source.classes),
+        max(1, len(ctx.source.classes)),
         ctx.device,
     )
     costs = measure_costs(ctx, step, batch, cached_cpu_transform(config.transform, ctx.size))
@@ -370,7 +371,7 @@ def calibration_step(ctx: LoaderContext) -> Step:
     config = ctx.config
     if config.step is not None:
         return UserStep(config.step, ctx.device, ToFloat())
-    model = build_model(config.model, ctx.channels, ctx.size, len(ctx.source.classes))
+    model = build_model(config.model, ctx.channels, ctx.size, max(1, len(ctx.source.classes)))
     options = resolve_step_options(config.precision, config.channels_last, config.compile, ctx.device, model)
     return TrainStep(model, ctx.device, ToFloat(), options)
 

@@ -37,8 +37,10 @@ def raw_transform(kind: str, size: int, native: int | None) -> Any:
     return T.Compose([*fit, T.PILToTensor()])  # gpu-augment: uint8 to the device
 
 
-def cached_cpu_transform(kind: str, size: int) -> Any:
-    """Per-sample CPU augmentation of uint8 CHW tensors (torchvision v2), for cached kinds."""
+def cached_cpu_transform(kind: str, size: int, boxes: bool = False) -> Any:
+    """Per-sample CPU augmentation of uint8 CHW tensors (torchvision v2), for cached kinds. A cache with
+    fields hands it (image, target): v2 moves the masks and boxes too, and with ``boxes`` drops the ones
+    left with no area (``SanitizeBoundingBoxes``), as a detection pipeline does."""
     if kind != "augment":
         return None
     from torchvision.transforms import v2
@@ -48,8 +50,25 @@ def cached_cpu_transform(kind: str, size: int) -> Any:
             v2.RandomResizedCrop(size, scale=AUGMENT_SCALE, antialias=True),
             v2.RandomRotation(AUGMENT_DEGREES),
             v2.RandomHorizontalFlip(),
+            *([v2.SanitizeBoundingBoxes()] if boxes else []),
         ]
     )
+
+
+def raw_field_transform(kind: str, size: int, boxes: bool) -> Any:
+    """``raw_transform`` for a source of fields, in torchvision v2 (the v1 transforms take no target):
+    the image and its masks and boxes resized, cropped, augmented together."""
+    from torchvision.transforms import v2
+
+    fit = [v2.Resize(size), v2.CenterCrop(size)]
+    if kind == "augment":
+        fit = [
+            v2.RandomResizedCrop(size, scale=AUGMENT_SCALE),
+            v2.RandomRotation(AUGMENT_DEGREES),
+            v2.RandomHorizontalFlip(),
+        ]
+    tail = [] if kind == "gpu-augment" else [v2.ToDtype(torch.float32, scale=True)]
+    return v2.Compose([v2.ToImage(), *fit, *([v2.SanitizeBoundingBoxes()] if boxes else []), *tail])
 
 
 def device_transform(kind: str, size: int, device: torch.device) -> torch.nn.Module:

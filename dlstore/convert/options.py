@@ -52,7 +52,9 @@ class ConvertOptions:
     source (torchvision files or a file list's images, split, demo size, the label column or field).
     ``storage_options``: fsspec options for a URL DEST (never recorded, never shown). ``pixels``:
     "dlstore" (upright by EXIF, 16-bit scaled, alpha composited) or "torchvision" (stock ImageFolder +
-    transforms, bit for bit).
+    transforms, bit for bit). ``fields``: ``("NAME=KEY[:KIND[:DTYPE]]", ...)`` or ``{NAME:
+    "KEY[:KIND[:DTYPE]]"}``, a parquet, WebDataset or Dataset source's extra columns or keys stored as
+    named fields (``dlstore.convert.sources.fieldmap``); part of the source's fingerprint.
     """
 
     size: int
@@ -78,6 +80,7 @@ class ConvertOptions:
     label: str | None = None
     storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
     pixels: str = "dlstore"
+    fields: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.size is None:
@@ -97,6 +100,7 @@ class ConvertOptions:
 
             parse_scheduler(self.scheduler)
         object.__setattr__(self, "writer_options", dict(self.writer_options))
+        object.__setattr__(self, "fields", parse_fields(self.fields))
         if self.root is not None:
             object.__setattr__(self, "root", Path(self.root))
 
@@ -218,3 +222,14 @@ def from_old_plan(plan: Mapping[str, Any]) -> ConvertOptions:
         seed=plan.get("seed", 0),
         max_megapixels=plan.get("max_megapixels"),
     )
+
+
+def parse_fields(value: Any) -> tuple[str, ...]:
+    """``fields`` as its one form, each ``NAME=KEY[:KIND[:DTYPE]]`` checked (SpecError naming it)."""
+    from dlstore.convert.sources.fieldmap import field_texts
+    from dlstore.errors import SourceError
+
+    try:
+        return field_texts(value)
+    except SourceError as e:
+        raise SpecError(str(e)) from None

@@ -45,7 +45,7 @@ def open_plan_source(source: str | Path | Source | Any, options: ConvertOptions)
     if isinstance(source, Source):
         return source
     if not isinstance(source, (str, Path)):
-        return DatasetSource.of(source, args=SourceArgs(label=options.label))
+        return DatasetSource.of(source, args=SourceArgs(label=options.label, fields=options.fields))
     return open_source(
         source,
         root=options.root,
@@ -54,6 +54,7 @@ def open_plan_source(source: str | Path | Source | Any, options: ConvertOptions)
         label=options.label,
         strict=options.strict,
         storage_options=dict(options.storage_options or {}),
+        fields=options.fields,
     )
 
 

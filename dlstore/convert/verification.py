@@ -163,7 +163,12 @@ def reopened_problems(record: SourceRecord, reopen: dict[str, Any]) -> tuple[lis
 
     try:
         root = reopen.get("root")
-        src = open_source(reopen["source"], root=Path(root) if root else None, label=reopen.get("label"))
+        src = open_source(
+            reopen["source"],
+            root=Path(root) if root else None,
+            label=reopen.get("label"),
+            fields=tuple(reopen.get("fields") or ()),
+        )
     except (DlstoreError, OSError, KeyError) as e:
         return [f"source {reopen.get('source')}: cannot open it again to check by content ({e})"], 0
     where = {name: i for i, name in enumerate(src.names)}

@@ -192,18 +192,28 @@ class CacheReader(ABC):
         """Fill ``out`` (B,H,W,C) uint8 with the images at ``positions`` (any order, duplicates allowed)."""
 
     def read_fields(
-        self, positions: np.ndarray, fields: dict[str, FieldSpec] | None = None
+        self,
+        positions: np.ndarray,
+        fields: dict[str, FieldSpec] | None = None,
+        out: dict[str, np.ndarray] | None = None,
     ) -> dict[str, Any]:
         """The stored fields (of ``fields``, default all) of the samples at ``positions`` (any order):
         name → a (B, ...) array for a fixed-shape field, a list of B arrays for a variable-length one;
-        {} for a cache without fields."""
+        {} for a cache without fields. ``out``: arrays to fill for some fixed-shape fields (a loader's
+        pinned buffers), returned in their place."""
         if not self.spec.fields:
             return {}
         if self._fields is None:
             unit = int(self.spec.format_options.get("unit_size", 1))
             self._fields = FIELD_READERS[self.field_layout](self.root, self.spec, unit)
+            self._fields.parallel = self.parallel  # row gathers in this reader's threads
         chosen = self.spec.fields if fields is None else fields
-        return self._fields.read(positions, {k: f for k, f in chosen.items() if f.kind != "class"})
+        got = self._fields.read(positions, {k: f for k, f in chosen.items() if f.kind != "class"}, out)
+        for name, dest in (out or {}).items():
+            if name in got and got[name] is not dest:
+                np.copyto(dest, got[name])
+                got[name] = dest
+        return got
 
     @classmethod
     def unit_files(cls, spec: CacheSpec) -> list[str]:

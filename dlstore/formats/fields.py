@@ -301,9 +301,19 @@ class FieldReader:
         self.max_units = max(2, cache_bytes // max(1, per_unit))
         self._units: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
 
-    def read(self, positions: np.ndarray, fields: dict[str, FieldSpec] | None = None) -> dict[str, Any]:
+    def parallel(self, fn: Any, items: list[Any], nbytes: int) -> None:
+        """Run ``fn`` over ``items`` (the format reader hands its threads in: ``read_fields``)."""
+        for item in items:
+            fn(item)
+
+    def read(
+        self,
+        positions: np.ndarray,
+        fields: dict[str, FieldSpec] | None = None,
+        out: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, Any]:
         """name → (B, ...) array for a fixed-shape field, a list of B arrays otherwise (of ``fields``,
-        default all)."""
+        default all). ``out``: arrays some fixed-shape fields may be gathered into (else copied)."""
         positions = np.asarray(positions, np.int64).reshape(-1)
         units = positions // self.unit
         out: dict[str, Any] = {}
@@ -344,19 +354,41 @@ class ArrayFieldReader(FieldReader):
         super().__init__(root, spec, unit_size, cache_bytes)
         self._arrays: dict[str, np.ndarray] = {}
 
-    def read(self, positions: np.ndarray, fields: dict[str, FieldSpec] | None = None) -> dict[str, Any]:
-        """Fixed-shape fields: one row gather from the mapped array; the rest per unit file."""
+    def read(
+        self,
+        positions: np.ndarray,
+        fields: dict[str, FieldSpec] | None = None,
+        out: dict[str, np.ndarray] | None = None,
+    ) -> dict[str, Any]:
+        """Fixed-shape fields: a row gather from the mapped array, in the reader's threads, straight
+        into ``out[name]`` when given (a loader's pinned buffer); the rest per unit file."""
         positions = np.asarray(positions, np.int64).reshape(-1)
         chosen = self.fields if fields is None else fields
         rest = {k: f for k, f in chosen.items() if is_variable(f, self.ragged)}
-        out = super().read(positions, rest) if rest else {}
+        got = super().read(positions, rest) if rest else {}
         for name, f in chosen.items():
             if name not in rest:
                 arr = self._arrays.get(name)
                 if arr is None:
                     arr = self._arrays[name] = load_array(self.root / array_file(name), f, self.spec)
-                out[name] = np.take(arr, positions, axis=0)
-        return out
+                dest = (out or {}).get(name)
+                if dest is None:
+                    dest = np.empty((len(positions), *arr.shape[1:]), arr.dtype)
+                got[name] = gather_rows(arr, positions, dest, self.parallel)
+        return got
+
+
+def gather_rows(arr: np.ndarray, positions: np.ndarray, dest: np.ndarray, parallel: Any) -> np.ndarray:
+    """``dest[:] = arr[positions]`` in slices over ``parallel``'s threads. ``mode="clip"``: positions are
+    checked by the Cache, and the default "raise" makes numpy buffer ``dest`` (a second copy)."""
+    step = max(1, -(-len(positions) // 8))
+    parts = [slice(i, i + step) for i in range(0, len(positions), step)]
+
+    def take(part: slice) -> None:
+        np.take(arr, positions[part], axis=0, out=dest[part], mode="clip")
+
+    parallel(take, parts, dest.nbytes)
+    return dest
 
 
 def load_array(path: Path, f: FieldSpec, spec: CacheSpec) -> np.ndarray:

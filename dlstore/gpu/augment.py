@@ -353,35 +353,41 @@ class GpuAugment(torch.nn.Module):
         """
         if target is None:
             return self._images(batch_uint8, params)[0]
-        out, params, rotated = self._images(batch_uint8, params)
-        h, w = batch_uint8.shape[2:]
+        _check_batch(batch_uint8)
+        b, _, h, w = batch_uint8.shape
+        drawn = params is None
+        p = self.sample_params(b, h, w, batch_uint8.device) if params is None else params
+        rotated = self.degrees > 0 or (not drawn and bool((p.angle != 0).any()))
 
         def masks(value: Any) -> torch.Tensor:
             m = mask_batch(value).to(batch_uint8.device)
             starts = torch.arange(m.shape[0], device=m.device) * (h * w)
             widths = torch.full_like(starts, w)
-            p = params
             cropped = crop_masks(
                 m.reshape(-1), starts, widths, p.top, p.left, p.height, p.width, p.flip, self.size
             )
             return rotate_masks(cropped, p.angle) if rotated and m.shape[0] else cropped
 
         def boxes(value: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            p = params
             angle = p.angle if rotated else None
             return crop_boxes(value, p.top, p.left, p.height, p.width, p.flip, self.size, angle)
 
-        return out, move_target(target, self.size, masks, boxes)
+        # The target first: the box crop's one host sync then waits for the small kernels queued
+        # so far, and this batch's image resample runs on the device while the host prepares the
+        # next batch (after the images, the sync held the host for the whole resample).
+        moved = move_target(target, self.size, masks, boxes)
+        return self._images(batch_uint8, p, explicit=not drawn)[0], moved
 
     def _images(
-        self, batch_uint8: torch.Tensor, params: AugmentParams | None
+        self, batch_uint8: torch.Tensor, params: AugmentParams | None, explicit: bool | None = None
     ) -> tuple[torch.Tensor, AugmentParams, bool]:
-        """(the augmented batch, the parameters used, whether any sample is rotated)."""
+        """(the augmented batch, the parameters used, whether any sample is rotated); ``explicit``:
+        the parameters were given by the caller (default: whether ``params`` is given)."""
         _check_batch(batch_uint8)
         b, c, h, w = batch_uint8.shape
         _check_channels(self._mul, c)
         dev = batch_uint8.device
-        explicit = params is not None
+        explicit = params is not None if explicit is None else explicit
         if params is None:
             params = self.sample_params(b, h, w, dev)
         out_h, out_w = self.size

@@ -206,17 +206,20 @@ class Cache:
         names = self.field_names
         return {k: f for k, f in self.spec.fields.items() if names is None or k in names}
 
-    def read_fields(self, indices: np.ndarray | list[int]) -> dict[str, Any]:
+    def read_fields(
+        self, indices: np.ndarray | list[int], into: dict[str, np.ndarray] | None = None
+    ) -> dict[str, Any]:
         """The named fields (``fields``: the manifest's, or those selected) of ``indices``, in their
         order: name → a (B, ...) array for a fixed-shape field (a class field is the labels), a list of
         B arrays for a variable-length one (boxes, their labels, JSON bytes; masks of a ragged cache).
-        {} for a classification cache."""
+        {} for a classification cache. ``into``: (B, ...) arrays to fill for fixed-shape fields (a
+        loader's pinned buffers), returned in their place."""
         if not self.spec.fields:
             return {}
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
         pos = self.storage_positions(index)
         with self._read_errors(lambda e: f"the fields of indices {_short(index)}", dataset=False):
-            out = self.reader.read_fields(pos, self.fields)
+            out = self.reader.read_fields(pos, self.fields, into)
         for name, f in self.fields.items():
             if f.kind == "class":
                 out[name] = self.labels[index]

@@ -111,11 +111,58 @@ class BufferRing:
     device copy that reads it, and the producer waits on that event before overwriting it."""
 
     def __init__(self, k: int, shape: tuple[int, ...], pin: bool) -> None:
+        self.pin = pin
         self.images = [torch.empty(shape, dtype=torch.uint8, pin_memory=pin) for _ in range(k)]
         self.labels = [torch.empty(shape[0], dtype=torch.int64, pin_memory=pin) for _ in range(k)]
+        # Per slot, a buffer for each fixed-shape field (masks, values), made on first use and kept.
+        self.fields: list[dict[str, torch.Tensor]] = [{} for _ in range(k)]
         self.free: queue.Queue[tuple[int, Any]] = queue.Queue()
         for i in range(k):
             self.free.put((i, None))
+
+    def field_buffers(self, slot: int, cache: Cache, n: int) -> dict[str, torch.Tensor]:
+        """This slot's buffers (the first ``n`` rows) for the cache's chosen fixed-shape fields (masks,
+        values) of a fixed-size cache, which ``read_target`` reads straight into."""
+        if cache.spec.ragged:
+            return {}
+        buffers = self.fields[slot]
+        out = {}
+        for name, f in cache.fields.items():
+            if f.ragged or f.kind == "class":
+                continue
+            shape = (len(self.images[slot]), *(cache.spec.shape[:2] if f.kind == "mask" else f.shape))
+            dtype = getattr(torch, f.dtype)
+            buf = buffers.get(name)
+            if buf is None or tuple(buf.shape) != shape or buf.dtype != dtype:
+                buf = buffers[name] = torch.empty(shape, dtype=dtype, pin_memory=self.pin)
+            out[name] = buf[:n]
+        return out
+
+    def stage(
+        self, slot: int, target: dict[str, Any], copy: Callable[[np.ndarray, np.ndarray], None]
+    ) -> None:
+        """Move ``target``'s stacked tensors (a batch's masks, values) into this slot's buffers, in
+        place, with ``copy(dst, src)``: the device copy then reads pinned memory as the images' does,
+        instead of the training thread pinning a fresh copy of each per batch (16 MB of 512 px masks
+        per 64 images). The buffers are overwritten with the slot, after the event ``release`` got."""
+        buffers = self.fields[slot]
+        for name, value in target.items():
+            if not isinstance(value, torch.Tensor) or value.is_pinned():
+                continue
+            plain = value.as_subclass(torch.Tensor)
+            buf = buffers.get(name)
+            if (
+                buf is None
+                or buf.dtype != plain.dtype
+                or buf.shape[1:] != plain.shape[1:]
+                or len(buf) < len(plain)
+            ):
+                buf = buffers[name] = torch.empty(
+                    (len(self.images[slot]), *plain.shape[1:]), dtype=plain.dtype, pin_memory=self.pin
+                )
+            dst = buf[: len(plain)]
+            copy(dst.numpy(), plain.numpy())
+            target[name] = type(value)(dst) if type(value) is not torch.Tensor else dst
 
     def acquire(self) -> int:
         slot, event = self.free.get()
@@ -166,7 +213,7 @@ class _Producer:
             n = len(index)
             self.cache.read(index, out=self.ring.images[slot][:n].numpy())
             self.ring.labels[slot][:n] = torch.from_numpy(self.cache.labels[index])
-            self.ready.put((slot, n, self.target(index)))
+            self.ready.put((slot, n, self.target(index, slot)))
 
     def run_decoded(self) -> None:
         """Batches decoded by worker processes into shared memory (Cache.read_batches): copy each
@@ -182,13 +229,20 @@ class _Producer:
                 n = len(index)
                 copy_parallel(self.cache.reader, self.ring.images[slot][:n].numpy(), images)
                 self.ring.labels[slot][:n] = torch.from_numpy(self.cache.labels[index])
-                self.ready.put((slot, n, self.target(index)))
+                self.ready.put((slot, n, self.target(index, slot)))
         finally:
             batches.close()  # type: ignore[attr-defined]
 
-    def target(self, index: np.ndarray) -> dict[str, Any] | None:
-        """The batch's collated fields on the host (``dlstore.read.targets``); None without fields."""
-        return read_target(self.cache, index) if self.cache.spec.fields else None
+    def target(self, index: np.ndarray, slot: int) -> dict[str, Any] | None:
+        """The batch's collated fields on the host (``dlstore.read.targets``), its stacked ones in the
+        slot's pinned buffers; None without fields."""
+        if not self.cache.spec.fields:
+            return None
+        into = self.ring.field_buffers(slot, self.cache, len(index)) if self.ring.pin else None
+        target = read_target(self.cache, index, into)
+        if self.ring.pin:  # whatever is not in the slot's buffers yet
+            self.ring.stage(slot, target, lambda dst, src: copy_parallel(self.cache.reader, dst, src))
+        return target
 
     def close(self) -> None:
         """Stop and join: hand back every buffer the thread filled so it is never left waiting."""
@@ -353,27 +407,31 @@ class ResidentLoader(CoreLoader):
         # A cache with fields: the fixed-shape ones (masks, values) in device memory like the images;
         # the variable-length ones (boxes) read per batch on the host, one copy each.
         self.fields = upload_fields(cache, self.device) if cache.spec.fields else {}
+        # A target per batch whenever the cache has fields, resident or not (boxes alone are read
+        # per batch: ``self.fields`` is then empty, and a batch still carries its boxes).
+        self.targets = bool(cache.spec.fields)
         self._graph: Any = None
 
     def __iter__(self) -> Iterator[Batch]:
-        order = self._epoch_order()
+        host = self._take_pass().astype(np.int64, copy=False)
+        # This rank's dataset indices for the rest of the epoch, moved to the device once: the same
+        # global order as every other loader's (``dlstore.read.order``), built on the host in O(n).
+        order = torch.from_numpy(host).to(self.device)
         assert self._pass is not None
         for i in range(self._pass.batches):
-            idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+            part = slice(i * self.batch_size, (i + 1) * self.batch_size)
+            idx = order[part]
             if self.cuda_graph and len(idx) == self.batch_size:
                 yield self._replay(idx)
             else:
-                yield self.batch(idx)
+                yield self.batch(idx, host[part]) if self.targets else self.batch(idx)
 
-    def _epoch_order(self) -> torch.Tensor:
-        """This rank's dataset indices for the rest of the epoch, moved to the device once: the same
-        global order as every other loader's (``dlstore.read.order``), built on the host in O(n)."""
-        return torch.from_numpy(self._take_pass().astype(np.int64, copy=False)).to(self.device)
-
-    def batch(self, idx: torch.Tensor) -> Batch:
+    def batch(self, idx: torch.Tensor, host: np.ndarray | None = None) -> Batch:
+        """The batch of dataset indices ``idx`` (on the device); ``host``: the same on the host, so
+        the variable-length fields are read without waiting for the device."""
         x = self.images.index_select(0, idx).permute(0, 3, 1, 2)
-        if self.fields:
-            target = self.field_target(idx)
+        if self.targets:
+            target = self.field_target(idx, host)
             return self.transform(x, target=target) if self.transform else (x, target)
         return (self.transform(x) if self.transform else x), self.labels.index_select(0, idx)
 
@@ -386,14 +444,14 @@ class ResidentLoader(CoreLoader):
         finally:
             cache.field_names = chosen
 
-    def field_target(self, idx: torch.Tensor) -> dict[str, Any]:
+    def field_target(self, idx: torch.Tensor, host: np.ndarray | None = None) -> dict[str, Any]:
         """The batch's collated target: resident fields gathered on the device, the rest read."""
         spec = self.cache.spec
         chosen = self.cache.fields
         variable = {k: f for k, f in chosen.items() if k not in self.fields}
         target = {}
-        if variable:  # read on the host: one wait for the device's index order
-            host = idx.cpu().numpy()
+        if variable:  # read on the host
+            host = idx.cpu().numpy() if host is None else host
             partial = dataclasses.replace(spec, fields=variable)
             sizes = [tuple(spec.shape[:2])] * len(host)
             target = target_to_device(

@@ -123,8 +123,10 @@ def batch_target(spec: CacheSpec, fields: dict[str, Any], sizes: Sequence[tuple[
     return out
 
 
-def read_target(cache: Any, index: np.ndarray) -> Any:
-    """The labels of ``index`` (a cache without fields), or its collated target on the host."""
+def read_target(cache: Any, index: np.ndarray, into: dict[str, torch.Tensor] | None = None) -> Any:
+    """The labels of ``index`` (a cache without fields), or its collated target on the host; ``into``:
+    (B, ...) tensors the fixed-shape fields are read straight into (a loader's pinned buffers), which
+    the target then holds."""
     if not cache.spec.fields:
         return cache.labels[index]
     spec = dataclasses.replace(cache.spec, fields=cache.fields)
@@ -132,7 +134,12 @@ def read_target(cache: Any, index: np.ndarray) -> Any:
         sizes = [tuple(s) for s in cache.payload_extents(index).shapes[:, :2].tolist()]
     else:
         sizes = [tuple(cache.spec.shape[:2])] * len(index)
-    return batch_target(spec, cache.read_fields(index), sizes)
+    target = batch_target(
+        spec, cache.read_fields(index, {k: t.numpy() for k, t in (into or {}).items()}), sizes
+    )
+    for name, t in (into or {}).items():  # the very tensors (pinned), not views made by from_numpy
+        target[name] = type(target[name])(t) if type(target[name]) is not torch.Tensor else t
+    return target
 
 
 def target_to_device(target: dict[str, Any], device: torch.device) -> dict[str, Any]:

@@ -155,8 +155,41 @@ def test_decode_loader_moves_ragged_masks_with_its_crop(ragged_cache: Path) -> N
 def test_fields_selects_what_is_read(fixed_cache: Path) -> None:
     x, target = next(iter(ResidentLoader(fixed_cache, batch_size=4, device="cpu", fields=("mask",))))
     assert list(target) == ["mask"]
-    _, target = next(iter(PinnedLoader(fixed_cache, batch_size=4, device="cpu", fields=("boxes", "labels"))))
-    assert list(target) == ["boxes", "labels"]
+    for loader_class in (PinnedLoader, ResidentLoader):  # boxes alone: nothing resident, still a target
+        _, target = next(
+            iter(loader_class(fixed_cache, batch_size=4, device="cpu", fields=("boxes", "labels")))
+        )
+        assert list(target) == ["boxes", "labels"] and len(target["boxes"]) == 4
     assert list(CachedDataset(fixed_cache, fields=["labels"])[0][1]) == ["labels"]
     with pytest.raises(ValueError, match="no field"):
         PinnedLoader(fixed_cache, batch_size=4, device="cpu", fields=("masks",))
+
+
+def test_pinned_ring_stages_stacked_fields_in_its_own_buffers(fixed_cache: Path) -> None:
+    """PinnedLoader on CUDA: the gather thread reads a batch's masks straight into the slot's (pinned)
+    buffer, or copies them there, so the device copy reads pinned memory; the buffer is the slot's,
+    reused, and holds the ids a plain read gives."""
+    from dlstore.read.cache import open_cache
+    from dlstore.read.loaders import BufferRing
+    from dlstore.read.targets import read_target
+
+    cache = open_cache(fixed_cache)
+    ring = BufferRing(2, (5, *cache.spec.shape), pin=False)  # the staging, without a GPU to pin for
+    copies = []
+
+    def copy(dst: np.ndarray, src: np.ndarray) -> None:
+        copies.append(src.shape)
+        np.copyto(dst, src)
+
+    for index in (np.array([0, 3, 4]), np.array([7, 1, 2, 9, 11])):
+        target = read_target(cache, index)
+        want = target["mask"].clone()
+        ring.stage(1, target, copy)
+        assert isinstance(target["mask"], tv_tensors.Mask) and torch.equal(target["mask"], want)
+        assert target["mask"].data_ptr() == ring.fields[1]["mask"].data_ptr()  # the slot's buffer
+        assert isinstance(target["boxes"], list) and len(target["boxes"]) == len(index)  # lists stay
+        into = ring.field_buffers(0, cache, len(index))
+        read = read_target(cache, index, into)  # read straight into slot 0's buffer, no copy
+        assert list(into) == ["mask"] and read["mask"].data_ptr() == ring.fields[0]["mask"].data_ptr()
+        assert isinstance(read["mask"], tv_tensors.Mask) and torch.equal(read["mask"], want)
+    assert copies == [(3, 16, 16), (5, 16, 16)]

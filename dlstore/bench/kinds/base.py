@@ -53,8 +53,18 @@ def dataloader_factory(dataset: Dataset, workers: int, pin_memory: bool, config:
         num_workers=workers,
         pin_memory=pin_memory,
         drop_last=True,
+        collate_fn=fields_collate(dataset),
         **kwargs,
     )
+
+
+def fields_collate(dataset: Dataset) -> Callable[[Any], Any] | None:
+    """A dataset of (image, target dict) samples (a cache or source with fields): its own collate, which
+    stacks the masks and keeps the boxes as lists (``dlstore.read.targets.collate_fields``); None (the
+    default collate) otherwise."""
+    if getattr(getattr(dataset, "spec", None), "fields", None) or getattr(dataset, "fields", None):
+        return dataset.collate_fn  # type: ignore[attr-defined, no-any-return]
+    return None
 
 
 @dataclass
@@ -161,6 +171,7 @@ def convert_command(ctx: LoaderContext, fmt: str) -> str:
     mp, pixels = ctx.config.max_megapixels, ctx.config.pixels
     return (
         f"dlstore convert {src} DEST --format {fmt} --size {ctx.size}"
+        + "".join(f" --field {f}" for f in ctx.config.fields)
         + (f" --max-megapixels {mp:g}" if mp is not None else "")
         + (f" --pixels {pixels}" if pixels != "dlstore" else "")
     )

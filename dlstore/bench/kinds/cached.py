@@ -120,7 +120,7 @@ def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
         h, w, c = spec.shape
         tf_name = ctx.config.transform
         in_memory = get_format(fmt).traits.loads_into_ram
-        cpu_tf = cached_cpu_transform(tf_name, ctx.size)
+        cpu_tf = cached_cpu_transform(tf_name, ctx.size, any(f.kind == "boxes" for f in spec.fields.values()))
 
         def new_dataset() -> Dataset:
             return CachedDataset(path, transform=cpu_tf, in_memory=in_memory)
@@ -145,6 +145,7 @@ def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
                 **info,
                 "shape": list(spec.shape),
                 "loads_once": in_memory,
+                **({"fields": list(spec.fields)} if spec.fields else {}),
                 "apply": f"{convert_command(ctx, fmt)}, then CachedDataset(DEST"
                 + (", in_memory=True)" if in_memory else ")"),
             },

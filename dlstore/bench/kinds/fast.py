@@ -35,9 +35,10 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code:
             f"(--transform {ctx.config.transform}): {name} has no workers to run it"
         )
     if tf == "gpu-augment":
+        moved = "x, y = aug(x, target=y)" if ctx.source.fields else "x = aug(x)"  # masks, boxes move too
         code += (
             f"; from dlstore.gpu import GpuAugment; aug = GpuAugment({ctx.size}, scale={AUGMENT_SCALE}, "
-            f"degrees={AUGMENT_DEGREES}).to('{ctx.device.type}'); for x, y in loader: x = aug(x)"
+            f"degrees={AUGMENT_DEGREES}).to('{ctx.device.type}'); for x, y in loader: {moved}"
         )
     files = sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name not in META_FILES)
     return PreparedLoader(

@@ -8,12 +8,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
 from dlstore.bench.kinds.base import NATIVE_SIZES, LoaderContext, PreparedLoader
-from dlstore.bench.transforms import device_transform, raw_transform
+from dlstore.bench.transforms import device_transform, raw_field_transform, raw_transform
 from dlstore.convert.sources import FolderSource
 from dlstore.convert.sources.encoded import EncodedSource
 from dlstore.errors import DlstoreError
@@ -23,6 +24,8 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
     tf_name, size = ctx.config.transform, ctx.size
     dtype = torch.uint8 if tf_name == "gpu-augment" else torch.float32
     dev_tf = device_transform(tf_name, size, ctx.device) if tf_name == "gpu-augment" else None
+    if ctx.source.fields:
+        return fields_kind(ctx, tf_name, dtype, dev_tf)
     if isinstance(ctx.source, FolderSource):
         root = ctx.source.root
         files = [root / n for n in ctx.source.names]
@@ -126,6 +129,77 @@ def encoded_kind(
         fresh_for_cold=False,
         info={"source": source.description},
     )
+
+
+def fields_kind(ctx: LoaderContext, tf_name: str, dtype: torch.dtype, dev_tf: Any) -> PreparedLoader:
+    """A source of fields read as its users read it: the image and its annotations per sample, then a
+    torchvision v2 pipeline that moves the masks and boxes with the image (``raw_field_transform``)."""
+    source, size = ctx.source, ctx.size
+    boxes = any(f.kind == "boxes" for f in source.fields.values())
+
+    def new_dataset() -> Dataset:
+        return SourceFieldSamples(source, raw_field_transform(tf_name, size, boxes))
+
+    files = source.source_files() if isinstance(source, EncodedSource) else []
+    if isinstance(source, FolderSource):
+        files = [source.root / n for n in source.names]
+    return PreparedLoader(
+        "raw",
+        f"{source.kind} {source.description} read per sample (image + {', '.join(source.fields)}) + v2 {tf_name}",
+        len(source),
+        files,
+        True,
+        dtype,
+        (3, size, size),
+        new_dataset,
+        dev_tf,
+        fresh_for_cold=False,
+        info={"source": source.description, "fields": list(source.fields)},
+    )
+
+
+class SourceFieldSamples(Dataset):
+    """(image, target dict) of a source's sample i: its file opened with PIL, its fields as
+    ``tv_tensors`` in the file's frame (boxes, masks), through a v2 ``transform``."""
+
+    def __init__(self, source: Any, transform: Any) -> None:
+        self.source, self.transform, self.fields = source, transform, source.fields
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def collate_fn(self) -> Any:
+        import functools
+
+        from dlstore.read.targets import collate_fields
+
+        ragged = frozenset(k for k, f in self.fields.items() if f.ragged)
+        return functools.partial(collate_fields, ragged=ragged)
+
+    def __getitem__(self, i: int) -> tuple[Any, dict[str, Any]]:
+        from torchvision import tv_tensors
+
+        src = self.source
+        opened = src.open_image(i) if hasattr(src, "open_image") else Image.open(src.root / src.names[i])
+        img = opened.convert("RGB")
+        h, w = img.height, img.width
+        target: dict[str, Any] = {}
+        for name, value in src.raw_targets(i).items():
+            kind = self.fields[name].kind
+            if kind == "boxes":
+                b = torch.as_tensor(value, dtype=torch.float32).reshape(-1, 4)
+                target[name] = tv_tensors.BoundingBoxes(b, format="XYXY", canvas_size=(h, w))
+            elif kind == "mask":
+                ids = np.zeros((h, w), np.uint8) if value is None else np.asarray(value)
+                target[name] = tv_tensors.Mask(
+                    torch.from_numpy(ids.astype(np.int64 if ids.itemsize > 1 else np.uint8))
+                )
+            elif kind == "json":
+                target[name] = value
+            else:
+                target[name] = torch.as_tensor(value)
+        return self.transform(img, target)
 
 
 def tolerant_loader(path: str) -> Image.Image:

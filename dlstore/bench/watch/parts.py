@@ -72,6 +72,10 @@ def _split(ds: Any, indices: Sequence[int], budget_s: float) -> dict[str, Any]:
         finally:
             ds.transform = transform
         images = [s[0] if isinstance(s, (tuple, list)) else s for s in loaded]
+        if all(isinstance(s, (tuple, list)) and len(s) > 1 and isinstance(s[1], dict) for s in loaded):
+            # (image, target dict): a v2 transform moves the masks and boxes too; time that work with it
+            out["transform_s"], _ = time_calls(lambda s: transform(s[0], s[1]), loaded, budget_s / 3)
+            return out
     else:
         return out
     if transform is not None and images:

@@ -19,6 +19,7 @@ import numpy as np
 
 from dlstore.convert.geometry import Geometry
 from dlstore.convert.imageops import array_to_image, prepare
+from dlstore.convert.sources.fieldmap import FieldRequest, raw_value
 from dlstore.convert.targets import place_targets
 from dlstore.spec import FieldSpec, ImagePolicy
 
@@ -40,11 +41,15 @@ class Source:
     # Named per-sample fields the source brings beside its images (boxes, masks, ...); none for a
     # classification source. ``raw_targets(i)`` gives sample i's, in its file's stored frame.
     fields: dict[str, FieldSpec] = field(default_factory=dict)
+    # ``--field NAME=KEY[:KIND[:DTYPE]]`` requests (``fieldmap``): which of ``fields`` come from a key.
+    field_requests: tuple[FieldRequest, ...] = ()
 
     # The kind's declaration: when it is asked (lower first), the SOURCE form it reads (for messages
     # and --help), which arguments it claims and how it opens one.
     claim_order: ClassVar[int] = 500
     form: ClassVar[str] = ""
+    # What KEY names in ``--field NAME=KEY`` for this kind; "" for a kind that takes no --field.
+    field_form: ClassVar[str] = ""
 
     @classmethod
     def claims(cls, text: str) -> bool:
@@ -84,8 +89,15 @@ class Source:
 
     def raw_targets(self, i: int) -> dict[str, Any]:
         """Sample i's fields as ``dlstore.convert.targets.place_targets`` takes them (boxes XYXY in
-        the stored file's pixels, masks (H, W) of the stored file's size, values, JSON records)."""
-        return {}
+        the stored file's pixels, masks (H, W) of the stored file's size, values, JSON records).
+        Default: the ``--field`` requests' values (``field_value``)."""
+        return {
+            r.name: raw_value(self.fields[r.name], self.field_value(i, r.key)) for r in self.field_requests
+        }
+
+    def field_value(self, i: int, key: str) -> Any:
+        """Sample i's raw value of ``--field`` KEY (None when it has none): kinds with a ``field_form``."""
+        raise NotImplementedError(f"{type(self).__name__} takes no --field")
 
     def decode_geometry(
         self, i: int, policy: ImagePolicy, data: bytes | None = None

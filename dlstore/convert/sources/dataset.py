@@ -29,9 +29,19 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from dlstore.convert.imageops import DECODE_ERRORS, array_to_image, decode_file, prepare
+from dlstore.convert.geometry import Geometry
+from dlstore.convert.imageops import (
+    DECODE_ERRORS,
+    array_to_image,
+    decode_file,
+    decode_with_geometry,
+    image_geometry,
+    prepare,
+)
 from dlstore.convert.sources.encoded import EncodedSource, IndexedNames, labels_from_values
+from dlstore.convert.sources.fieldmap import declare, raw_value, requests_of
 from dlstore.convert.sources.registry import SourceArgs, register_source
+from dlstore.convert.targets import place_targets
 from dlstore.errors import ImageDecodeError, SourceError
 from dlstore.spec import ImagePolicy
 
@@ -61,6 +71,7 @@ def load_callable(text: str) -> Any:
 class DatasetSource(EncodedSource):
     claim_order = 130
     form = "MODULE:CALLABLE returning a map-style Dataset of (image, int label)"
+    field_form = "a key of each item's dict, or of its target dict for (image, target) items"
 
     dataset: Any = None
     label_key: str = DEFAULT_LABEL
@@ -88,6 +99,7 @@ class DatasetSource(EncodedSource):
         n = len(dataset)
         label = args.label or DEFAULT_LABEL
         targets = getattr(dataset, "targets", None)
+        requests = requests_of(args.fields)
         src = cls(
             description=where,
             classes=(),
@@ -96,29 +108,53 @@ class DatasetSource(EncodedSource):
             kind="dataset",
             dataset=dataset,
             label_key=label,
+            field_requests=requests,
         )
-        if targets is not None and len(targets) == n:
+        # With --field and no --label an item's label is read where it has one (none at all: no classes)
+        optional = bool(requests) and args.label is None
+        items: dict[int, Any] = {}
+        if targets is not None and len(targets) == n and not (optional and not is_label_list(targets)):
             values = [int(t) for t in targets]
         else:
-            values = [src._target(dataset[i], i) for i in range(n)]
+            items = {i: dataset[i] for i in range(n)}
+            values = [src._target(items[i], i, optional) for i in range(n)]
         declared = getattr(dataset, "classes", None)
-        if declared is not None and all(isinstance(v, int) and 0 <= v < len(declared) for v in values):
+        if optional and all(v is None for v in values):
+            src.classes, src.labels = (), np.zeros(n, np.int64)
+        elif declared is not None and all(isinstance(v, int) and 0 <= v < len(declared) for v in values):
             src.classes, src.labels = tuple(str(c) for c in declared), np.asarray(values, np.int64)
         else:
+            if any(v is None for v in values):
+                i = values.index(None)
+                raise SourceError(
+                    f"{where}[{i}]: no {label!r} label while other items have one; name it with --label"
+                )
             src.classes, src.labels = labels_from_values(values, f"{where} targets")
+        if requests:
+            first = {}
+            for r in requests:
+                found = (item_fields(items.get(i, dataset[i])).get(r.key) for i in range(min(n, 64)))
+                first[r.name] = next((v for v in found if v is not None), None)
+            src.fields = declare(requests, first, where)
         own = getattr(dataset, "fingerprint", None)
         src.fingerprint_check = "declared" if callable(own) else "length and labels only"
         return src
 
-    def _target(self, item: Any, i: int) -> Any:
+    def _target(self, item: Any, i: int, optional: bool = False) -> Any:
         if isinstance(item, dict):
             if self.label_key not in item:
+                if optional:
+                    return None
                 raise SourceError(
                     f"{self.description}[{i}]: no {self.label_key!r} key; name it with --label KEY"
                 )
             return item[self.label_key]
         if isinstance(item, (tuple, list)) and len(item) >= 2:
             t = item[1]
+            if isinstance(t, dict) and optional:  # (image, target dict): its fields, maybe a label
+                t = t.get(self.label_key)
+                if t is None:
+                    return None
             return int(t) if hasattr(t, "__index__") or (hasattr(t, "item") and np.ndim(t) == 0) else t
         raise SourceError(
             f"{self.description}[{i}]: an item must be (image, target) or a dict; found {type(item).__name__}"
@@ -143,6 +179,44 @@ class DatasetSource(EncodedSource):
 
     def decode(self, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
         return self._decode_image(self._image(i), i, policy)
+
+    # --- fields: the image and its target from one ds[i] ----------------------------------------------
+    def _item(self, i: int) -> Any:
+        try:
+            return self.dataset[self._index(i)]
+        except Exception as e:  # noqa: BLE001 - the user's __getitem__ may raise anything
+            raise ImageDecodeError(f"{self.names[i]}: the Dataset raised {type(e).__name__}: {e}") from e
+
+    def field_value(self, i: int, key: str) -> Any:
+        return item_fields(self._item(i)).get(key)
+
+    def decode_geometry(
+        self, i: int, policy: ImagePolicy, data: bytes | None = None
+    ) -> tuple[np.ndarray, Geometry]:
+        return self._image_geometry(self._image(i), i, policy)
+
+    def _image_geometry(self, image: Any, i: int, policy: ImagePolicy) -> tuple[np.ndarray, Geometry]:
+        if isinstance(image, (bytes, bytearray, memoryview)):
+            pixels, geometry = decode_with_geometry(self.names[i], policy, bytes(image))
+            return pixels, geometry  # type: ignore[return-value]
+        img = self._pil(image, i)
+        try:
+            return prepare(img, policy), image_geometry(img, policy)
+        except DECODE_ERRORS as e:
+            raise ImageDecodeError(f"{self.names[i]}: cannot decode image ({type(e).__name__}: {e})") from e
+
+    def decode_targets_and_digest(
+        self, i: int, policy: ImagePolicy
+    ) -> tuple[np.ndarray, str, float, dict[str, np.ndarray], dict[str, int]]:
+        """One ``ds[i]``: its image decoded and hashed, its fields placed in the cache image's frame."""
+        item = self._item(i)
+        image = item.get("image") if isinstance(item, dict) else item[0]
+        digest = hashlib.sha256(self._bytes_of(image, i)).hexdigest()
+        pixels, geometry = self._image_geometry(image, i, policy)
+        values = item_fields(item)
+        raw = {r.name: raw_value(self.fields[r.name], values.get(r.key)) for r in self.field_requests}
+        rows, dropped = place_targets(raw, self.fields, geometry, policy, self.names[i])
+        return pixels, digest, 0.0, rows, dropped
 
     def _decode_image(self, image: Any, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
         name = self.names[i]
@@ -200,15 +274,19 @@ class DatasetSource(EncodedSource):
             raise
 
     def reopen(self) -> dict[str, Any] | None:
-        return (
-            {"source": self.description, "label": self.label_key}
-            if _CALLABLE.match(self.description)
-            else None
-        )
+        if not _CALLABLE.match(self.description):
+            return None
+        again = {
+            "source": self.description,
+            "label": self.label_key if self.classes or not self.field_requests else None,
+        }
+        return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
 
     def fingerprint(self) -> str:
         own = getattr(self.dataset, "fingerprint", None)
         doc = [self.classes, len(self), own() if callable(own) else self.description]
+        if self.field_requests:  # a classification source's fingerprint stays what it was
+            doc.append([r.text for r in self.field_requests])
         h = hashlib.sha256(json.dumps(doc).encode())
         h.update(self.labels.astype(np.int64).tobytes())
         if self.indices is not None:
@@ -220,3 +298,20 @@ class DatasetSource(EncodedSource):
 
     def info(self) -> dict[str, Any]:
         return {**super().info(), "fingerprint_check": self.fingerprint_check}
+
+
+def item_fields(item: Any) -> dict[str, Any]:
+    """What --field KEYs name in an item: its own dict, or the target dict of an (image, target) item."""
+    if isinstance(item, dict):
+        return item
+    if isinstance(item, (tuple, list)) and len(item) >= 2 and isinstance(item[1], dict):
+        return item[1]
+    return {}
+
+
+def is_label_list(targets: Any) -> bool:
+    """``ds.targets`` holds one int label per item (not, say, a list of annotation dicts)."""
+    try:
+        return all(hasattr(t, "__index__") or np.ndim(t) == 0 for t in list(targets)[:64])
+    except TypeError:
+        return False

@@ -18,8 +18,10 @@ from typing import Any, overload
 
 import numpy as np
 
-from dlstore.convert.imageops import decode_file
+from dlstore.convert.geometry import Geometry
+from dlstore.convert.imageops import decode_file, decode_with_geometry
 from dlstore.convert.sources.base import Source
+from dlstore.convert.targets import place_targets
 from dlstore.errors import ImageDecodeError, SourceError
 from dlstore.spec import ImagePolicy
 
@@ -40,6 +42,26 @@ class EncodedSource(Source):
         digest = hashlib.sha256(data).hexdigest()
         hashed = time.perf_counter() - t0
         return self.decode(i, policy, data), digest, hashed
+
+    def decode_geometry(
+        self, i: int, policy: ImagePolicy, data: bytes | None = None
+    ) -> tuple[np.ndarray, Geometry]:
+        image, geometry = decode_with_geometry(
+            self.names[i], policy, self.read_bytes(i) if data is None else data
+        )
+        return image, geometry  # type: ignore[return-value]
+
+    def decode_targets_and_digest(
+        self, i: int, policy: ImagePolicy
+    ) -> tuple[np.ndarray, str, float, dict[str, np.ndarray], dict[str, int]]:
+        """``Source.decode_targets_and_digest`` with the bytes read once (decoded and hashed)."""
+        data = self.read_bytes(i)
+        t0 = time.perf_counter()
+        digest = hashlib.sha256(data).hexdigest()
+        hashed = time.perf_counter() - t0
+        image, geometry = self.decode_geometry(i, policy, data)
+        rows, dropped = place_targets(self.raw_targets(i), self.fields, geometry, policy, self.names[i])
+        return image, digest, hashed, rows, dropped
 
     def reopen(self) -> dict[str, Any] | None:
         """How ``verify --deep`` opens this source again (``open_source`` arguments), or None."""

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from dlstore.convert.sources.encoded import EncodedSource, IndexedNames, labels_from_values, unreadable
+from dlstore.convert.sources.fieldmap import declare, requests_of
 from dlstore.convert.sources.registry import SourceArgs, register_source
 from dlstore.errors import ImageDecodeError, SourceError
 
@@ -141,6 +142,7 @@ def image_column(schema: Any, features: dict[str, Any], where: str) -> tuple[str
 class ParquetSource(EncodedSource):
     claim_order = 100
     form = "data.parquet | a folder of .parquet files | 'data/*.parquet' [--label COLUMN]"
+    field_form = "a column (numbers, lists, [[x0, y0, x1, y1], ...], an image column for a mask)"
 
     files: list[str] = field(default_factory=list)  # absolute paths
     image_col: str = ""
@@ -158,6 +160,10 @@ class ParquetSource(EncodedSource):
     spool_len: np.ndarray | None = None
     label_column: str = DEFAULT_LABEL
     scan_errors: list[tuple[str, str]] = field(default_factory=list)
+    # --field columns: the small ones read at open (key → a pyarrow array, one item per sample); the
+    # image-like ones (masks) read per row group, as the images are.
+    field_columns: dict[str, Any] = field(default_factory=dict)
+    field_images: tuple[str, ...] = ()
 
     @classmethod
     def claims(cls, text: str) -> bool:
@@ -171,6 +177,12 @@ class ParquetSource(EncodedSource):
         pq = import_pyarrow()
         base, files = parquet_files(text)
         label = args.label or DEFAULT_LABEL
+        requests = requests_of(args.fields)
+        keys = list(dict.fromkeys(r.key for r in requests))
+        field_values: dict[str, list[Any]] = {k: [] for k in keys}
+        images: set[str] = set()
+        # With --field and no --label, a file without the default label column has no classes.
+        unlabelled = bool(requests) and args.label is None
         footers, rg_file, rg_local, rg_rows, values, valid = [], [], [], [], [], []
         classes: tuple[str, ...] | None = None
         image_col, hf_struct = "", True
@@ -186,7 +198,15 @@ class ParquetSource(EncodedSource):
                 image_col, hf_struct = image_column(schema, features, str(path))
                 names = features.get(label, {}).get("names")
                 classes = tuple(names) if features.get(label, {}).get("_type") == "ClassLabel" else None
-            if label not in schema.names:
+            for key in keys:
+                if key not in schema.names:
+                    raise SourceError(
+                        f"{path}: no column {key!r} for --field; columns: {', '.join(schema.names)}"
+                    )
+                if image_like(schema.field(key).type):
+                    images.add(key)
+            unlabelled = unlabelled and label not in schema.names
+            if label not in schema.names and not unlabelled:
                 raise SourceError(
                     f"{path}: no label column {label!r}; columns: {', '.join(schema.names)}; "
                     "name the class column with --label COLUMN"
@@ -197,7 +217,16 @@ class ParquetSource(EncodedSource):
                 rg_file.append(k)
                 rg_local.append(g)
                 rg_rows.append(md.row_group(g).num_rows)
-            col = pf.read(columns=[label]).column(0)
+            small = [k for k in keys if k not in images]
+            table = pf.read(columns=list(dict.fromkeys(([] if unlabelled else [label]) + small)))
+            for k in small:
+                field_values[k].append(table.column(k))
+            if unlabelled:
+                n_rows = md.num_rows
+                valid.append(np.ones(n_rows, bool))
+                values.append(np.zeros(n_rows, np.int64))
+                continue
+            col = table.column(label)
             valid.append(col.is_valid().to_numpy(zero_copy_only=False))
             values.append(fill_nulls(col).to_numpy(zero_copy_only=False))
         rg_start = np.concatenate([[0], np.cumsum(rg_rows, dtype=np.int64)]).astype(np.int64)
@@ -205,7 +234,9 @@ class ParquetSource(EncodedSource):
         raw = np.concatenate(values) if values else np.zeros(0, np.int64)
         ok = np.concatenate(valid) if valid else np.zeros(0, bool)
         present = ok.copy()
-        if classes is not None:
+        if unlabelled:
+            classes, labels = (), np.zeros(len(raw), np.int64)
+        elif classes is not None:
             filled = np.where(ok, raw, -1).astype(np.int64)
             ok &= (filled >= 0) & (filled < len(classes))
             labels = filled
@@ -231,7 +262,7 @@ class ParquetSource(EncodedSource):
             errors.append((f"{text}", f"{missing - len(errors)} more rows without a label"))
         if errors and args.strict:
             raise SourceError(f"{errors[0][0]}: {errors[0][1]}; stopped (--strict)")
-        return cls(
+        src = cls(
             description=str(text),
             classes=tuple(classes),
             names=names,  # type: ignore[arg-type]
@@ -248,7 +279,39 @@ class ParquetSource(EncodedSource):
             label_column=label,
             scan_errors=errors,
             data_bytes=data_bytes,
+            field_requests=requests,
+            field_columns={k: take_rows(v, rows) for k, v in field_values.items() if k not in images},
+            field_images=tuple(sorted(images)),
         )
+        if requests:
+            src.fields = declare(requests, src.first_values(), text)
+        return src
+
+    # --- fields -------------------------------------------------------------------------------------
+    def field_value(self, i: int, key: str) -> Any:
+        if key in self.field_columns:
+            return self.field_columns[key][i].as_py()
+        r = int(self.rows[i])
+        g = int(np.searchsorted(self.rg_start, r, side="right") - 1)
+        col, j = self._row_group(g, key), r - int(self.rg_start[g])
+        if not col[j].is_valid:
+            return None  # a null mask: the field's empty value
+        got = self._item(col, j, i)
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def first_values(self) -> dict[str, Any]:
+        """Each request's first non-null value (an image column's first row), for ``declare``."""
+        out: dict[str, Any] = {}
+        for r in self.field_requests:
+            col = self.field_columns.get(r.key)
+            if col is None:
+                out[r.name] = self.field_value(0, r.key) if len(self) else None
+                continue
+            valid = np.flatnonzero(col.is_valid().to_numpy(zero_copy_only=False))
+            out[r.name] = col[int(valid[0])].as_py() if len(valid) else None
+        return out
 
     # --- reading ----------------------------------------------------------------------------------
     def _cache(self) -> OrderedDict[int, Any]:
@@ -257,24 +320,16 @@ class ParquetSource(EncodedSource):
             c = self.__dict__["_rg_cache"] = OrderedDict()
         return c
 
-    def _row_group(self, g: int) -> Any:
-        """Row group g's image column (bytes, and paths for HF structs), cached per process."""
+    def _row_group(self, g: int, column: str | None = None) -> Any:
+        """Row group g's image column (bytes, and paths for HF structs), or another image-like
+        ``column`` (a --field mask), cached per process."""
         cache = self._cache()
-        if g in cache:
-            cache.move_to_end(g)
-            return cache[g]
-        pq = import_pyarrow()
-        files = self.__dict__.setdefault("_open_files", {})
-        k = int(self.rg_file[g])
-        if k not in files:
-            files[k] = pq.ParquetFile(self.files[k])
-        col = (
-            files[k]
-            .read_row_group(int(self.rg_local[g]), columns=[self.image_col])
-            .column(0)
-            .combine_chunks()
-        )
-        cache[g] = col
+        key = g if column is None else (g, column)
+        if key in cache:
+            cache.move_to_end(key)
+            return cache[key]
+        col = self._read_row_group(g, column)
+        cache[key] = col
         while len(cache) > 1 and sum(c.nbytes for c in cache.values()) > CACHE_BYTES:
             cache.popitem(last=False)
         return col
@@ -283,6 +338,8 @@ class ParquetSource(EncodedSource):
         """Spool the samples of ``units`` by unit, reading each row group once (module docstring)."""
         n = len(self)
         if self.data_bytes <= CACHE_BYTES or not units or np.array_equal(order, np.arange(n)):
+            return
+        if self.field_images:  # the spool holds the images only: masks are read by row group
             return
         pos = np.empty(n, np.int64)
         pos[order] = np.arange(n, dtype=np.int64)
@@ -347,7 +404,7 @@ class ParquetSource(EncodedSource):
                 out[i] = blob[o : o + n]
         return out
 
-    def _read_row_group(self, g: int) -> Any:
+    def _read_row_group(self, g: int, column: str | None = None) -> Any:
         pq = import_pyarrow()
         files = self.__dict__.setdefault("_open_files", {})
         k = int(self.rg_file[g])
@@ -355,7 +412,7 @@ class ParquetSource(EncodedSource):
             files[k] = pq.ParquetFile(self.files[k])
         return (
             files[k]
-            .read_row_group(int(self.rg_local[g]), columns=[self.image_col])
+            .read_row_group(int(self.rg_local[g]), columns=[column or self.image_col])
             .column(0)
             .combine_chunks()
         )
@@ -378,7 +435,7 @@ class ParquetSource(EncodedSource):
 
     def _item(self, col: Any, j: int, i: int) -> bytes | BaseException:
         try:
-            if self.hf_struct:
+            if hasattr(col, "field"):  # HF's Image struct (the image column's or a mask column's)
                 data = col.field("bytes")[j].as_py()
                 if data is None:
                     path = col.field("path")[j].as_py()
@@ -404,7 +461,11 @@ class ParquetSource(EncodedSource):
         return got
 
     def reopen(self) -> dict[str, Any]:
-        return {"source": os.path.abspath(self.description), "label": self.label_column}
+        again = {
+            "source": os.path.abspath(self.description),
+            "label": self.label_column if self.classes or not self.field_requests else None,
+        }
+        return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
 
     def source_files(self) -> list[Path]:
         return [Path(f) for f in self.files]
@@ -419,10 +480,18 @@ class ParquetSource(EncodedSource):
         h = hashlib.sha256(json.dumps([self.classes, self.label_column, self.image_col]).encode())
         h.update(json.dumps(self.footers).encode())
         h.update(self.rows.tobytes())
+        if self.field_requests:  # a classification source's fingerprint stays what it was
+            h.update(json.dumps([r.text for r in self.field_requests]).encode())
         return h.hexdigest()
 
     def _subset_fields(self, idx: np.ndarray) -> dict[str, Any]:
-        return {"rows": self.rows[idx], "spool_offset": None, "spool_unit": None, "spool_len": None}
+        return {
+            "rows": self.rows[idx],
+            "spool_offset": None,
+            "spool_unit": None,
+            "spool_len": None,
+            "field_columns": {k: take_rows(v, idx) for k, v in self.field_columns.items()},
+        }
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -436,3 +505,24 @@ class ParquetSource(EncodedSource):
             "files": len(self.files),
             "label_column": self.label_column,
         }
+
+
+def image_like(t: Any) -> bool:
+    """A column of encoded images: binary, or HF's Image struct (bytes + path)."""
+    import pyarrow as pa
+
+    if pa.types.is_struct(t):
+        return t.get_field_index("bytes") >= 0
+    return bool(pa.types.is_binary(t) or pa.types.is_large_binary(t))
+
+
+def take_rows(column: Any, rows: np.ndarray) -> Any:
+    """A column's items at ``rows`` (of all the files' rows, chunks or a list of them), one array."""
+    import pyarrow as pa
+
+    if isinstance(column, list):
+        column = pa.chunked_array(
+            [c for part in column for c in (part.chunks if hasattr(part, "chunks") else [part])]
+        )
+    taken = column.take(pa.array(np.asarray(rows, np.int64)))
+    return taken.combine_chunks() if hasattr(taken, "combine_chunks") else taken

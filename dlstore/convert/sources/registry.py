@@ -33,6 +33,7 @@ class SourceArgs:
     label: str | None = None
     strict: bool = False
     storage_options: dict[str, Any] | None = field(default=None, repr=False)  # for URL sources
+    fields: tuple[str, ...] = ()  # --field NAME=KEY[:KIND[:DTYPE]] texts (``fieldmap``)
 
 
 def register_source(cls: K) -> K:
@@ -64,10 +65,25 @@ def open_source(
     label: str | None = None,
     strict: bool = False,
     storage_options: dict[str, Any] | None = None,
+    fields: tuple[str, ...] = (),
 ) -> Source:
     """Resolve a SOURCE argument through the kind that claims it (``SourceArgs`` lists the rest)."""
     text = str(source)
-    return kind_for(text).open(text, SourceArgs(root, train, demo_images, label, strict, storage_options))
+    kind = kind_for(text)
+    check_fields_taken(kind, text, fields)
+    return kind.open(
+        text, SourceArgs(root, train, demo_images, label, strict, storage_options, tuple(fields))
+    )
+
+
+def check_fields_taken(kind: type[Source], text: str, fields: tuple[str, ...]) -> None:
+    """``--field`` only for the kinds that declare what its KEY names (``field_form``)."""
+    if fields and not kind.field_form:
+        takers = "; ".join(f"{k.form}: KEY is {k.field_form}" for k in _KINDS if k.field_form)
+        raise SourceError(
+            f"{text}: --field {fields[0]!r}: this kind of SOURCE brings no extra keys to take fields from "
+            f"(its fields, if any, are its own); --field is for: {takers}"
+        )
 
 
 def local_root(source: str | Path) -> Path | None:

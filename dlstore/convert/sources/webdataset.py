@@ -26,6 +26,7 @@ from typing import IO, Any
 import numpy as np
 
 from dlstore.convert.sources.encoded import EncodedSource, IndexedNames, labels_from_values, unreadable
+from dlstore.convert.sources.fieldmap import declare, requests_of
 from dlstore.convert.sources.registry import SourceArgs, register_source
 from dlstore.errors import SourceError
 from dlstore.sourcefiles import IMAGE_EXTENSIONS
@@ -81,6 +82,7 @@ def join_arrays(parts: list[np.ndarray], dtype: Any = None) -> np.ndarray:
 class WebDatasetSource(EncodedSource):
     claim_order = 110
     form = "'shards-{000000..000099}.tar' (local, s3://, gs://) [--label cls|txt|JSON_FIELD]"
+    field_form = "a member extension (seg.png for a mask, boxes.json, ...) or else a key of the .json"
 
     base: str = "."  # the shards' folder or URL prefix
     shards: list[str] = field(default_factory=list)  # names under ``base``
@@ -91,6 +93,8 @@ class WebDatasetSource(EncodedSource):
     label_key: str = DEFAULT_LABEL
     storage_options: dict[str, Any] | None = field(default=None, repr=False)
     scan_errors: list[tuple[str, str]] = field(default_factory=list)
+    # --field values per sample: KEY → a JSON value, or an image member's (offset, size) as a Member
+    field_data: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
     def claims(cls, text: str) -> bool:
@@ -110,7 +114,10 @@ class WebDatasetSource(EncodedSource):
             shards=shards,
             label_key=label,
             storage_options=args.storage_options,
+            field_requests=requests_of(args.fields),
         )
+        # With --field and no --label a sample's label is read where it has one; none at all: no classes
+        src.__dict__["_label_optional"] = bool(args.fields) and args.label is None
         # Each shard's listing becomes arrays as soon as it is read: Python objects for one shard's
         # samples at a time, never one per sample of the whole source.
         parts: dict[str, list[np.ndarray]] = {
@@ -141,10 +148,44 @@ class WebDatasetSource(EncodedSource):
         src.shard_of = join_arrays(parts["shard_of"], np.int32)
         src.offsets = join_arrays(parts["offsets"], np.int64)
         src.sizes = join_arrays(parts["sizes"], np.int64)
-        src.classes, src.labels = labels_from_values(join_arrays(parts["values"]), f"{text} label {label!r}")
         src.names = IndexedNames(shards, src.shard_of, join_arrays(parts["keys"], str))  # type: ignore[assignment]
+        src.classes, src.labels = src._classes(parts["values"], f"{text} label {label!r}")
         src.scan_errors = errors
+        src.__dict__.pop("_label_optional", None)
+        if src.field_requests:
+            first = {r.name: src.first_value(r.key) for r in src.field_requests}
+            src.fields = declare(src.field_requests, first, text)
         return src
+
+    def _classes(self, parts: list[np.ndarray], where: str) -> tuple[tuple[str, ...], np.ndarray]:
+        """Classes and labels from the shards' label values; a sample without one (None: --field and no
+        --label) leaves the source without classes when no sample has one, and is refused otherwise."""
+        missing = np.concatenate(
+            [np.array([v is None for v in p.tolist()], bool) if p.dtype == object else np.zeros(len(p), bool)
+             for p in parts] or [np.zeros(0, bool)]
+        )  # fmt: skip
+        if len(missing) and missing.all():  # --field without labels: no classes
+            return (), np.zeros(len(missing), np.int64)
+        if missing.any():
+            raise SourceError(
+                f"{self.names[int(np.flatnonzero(missing)[0])]}: no label (.{self.label_key} member or .json "
+                f"field) while others have one; give every sample one, or name another with --label"
+            )
+        return labels_from_values(join_arrays(parts), where)
+
+    # --- fields -------------------------------------------------------------------------------------
+    def field_value(self, i: int, key: str) -> Any:
+        value = self.field_data[i].get(key)
+        if isinstance(value, Member):
+            return self._read_range(i, int(self.shard_of[i]), value.offset, value.size)
+        return value
+
+    def first_value(self, key: str) -> Any:
+        """The first sample's value of ``key`` that has one (for ``declare``)."""
+        for i, row in enumerate(self.field_data):
+            if row.get(key) is not None:
+                return self.field_value(i, key)
+        return None
 
     def _list_shard(
         self,
@@ -160,19 +201,27 @@ class WebDatasetSource(EncodedSource):
         current: str | None = None
         image: tuple[int, int] | None = None
         found: dict[str, bytes] = {}
+        members: dict[str, Member] = {}
+        wanted = {r.key for r in self.field_requests}
+        optional = bool(self.__dict__.get("_label_optional"))
 
         def close() -> None:
             if current is None:
                 return
             name = f"{shard}#{current}"
-            value = self._label(found, name, errors)
+            value = self._label(found, name, errors, optional)
             if image is None:
                 errors.append((name, f"no image member (extensions {', '.join(sorted(IMAGE_EXTS))})"))
-            elif value is not None:
+            elif value is not None or optional:
+                row = self._field_row(found, members, name, errors) if wanted else {}
+                if row is None:
+                    return
                 keys.append(current)
                 offsets.append(image[0])
                 sizes.append(image[1])
                 values.append(value)
+                if wanted:
+                    self.field_data.append(row)
 
         try:
             with tarfile.open(fileobj=f, mode="r|") as tar:
@@ -185,11 +234,13 @@ class WebDatasetSource(EncodedSource):
                     key, ext = m.group(1), m.group(2).lower()
                     if key != current:
                         close()
-                        current, image, found = key, None, {}
+                        current, image, found, members = key, None, {}, {}
                     last = ext.rsplit(".", 1)[-1]
-                    if last in IMAGE_EXTS and image is None:
+                    if ext in wanted and last in IMAGE_EXTS:  # a mask: read when its sample is
+                        members[ext] = Member(member.offset_data, member.size)
+                    elif last in IMAGE_EXTS and image is None:
                         image = (member.offset_data, member.size)
-                    elif ext in (self.label_key, "json") and member.size <= 1 << 20:
+                    elif ext in wanted or ext in (self.label_key, "json") and member.size <= 1 << 20:
                         data = tar.extractfile(member)
                         found[ext] = data.read() if data is not None else b""
                 close()
@@ -198,7 +249,9 @@ class WebDatasetSource(EncodedSource):
                 (shard, f"shard cut off or corrupt after {len(keys)} samples ({type(e).__name__}: {e})")
             )
 
-    def _label(self, found: dict[str, bytes], name: str, errors: list[tuple[str, str]]) -> Any:
+    def _label(
+        self, found: dict[str, bytes], name: str, errors: list[tuple[str, str]], optional: bool = False
+    ) -> Any:
         if self.label_key in found:
             return label_value(found[self.label_key])
         if "json" in found:
@@ -209,10 +262,37 @@ class WebDatasetSource(EncodedSource):
                 return None
             if isinstance(doc, dict) and isinstance(doc.get(self.label_key), (int, str)):
                 return doc[self.label_key]
-        errors.append(
-            (name, f"no label: no .{self.label_key} member and no {self.label_key!r} field in a .json")
-        )
+        if not optional:
+            errors.append(
+                (name, f"no label: no .{self.label_key} member and no {self.label_key!r} field in a .json")
+            )
         return None
+
+    def _field_row(
+        self, found: dict[str, bytes], members: dict[str, Member], name: str, errors: list[tuple[str, str]]
+    ) -> dict[str, Any] | None:
+        """A sample's --field values: a member (an image member by position), else its .json's key;
+        None (and the sample named in ``errors``) when a member is not readable as a value."""
+        doc: Any = None
+        row: dict[str, Any] = {}
+        for r in self.field_requests:
+            if r.key in members:
+                row[r.key] = members[r.key]
+            elif r.key in found:
+                try:
+                    row[r.key] = member_value(r.key, found[r.key])
+                except ValueError as e:
+                    errors.append((name, f"its .{r.key} (--field {r.text}) is not JSON ({e})"))
+                    return None
+            elif "json" in found:
+                if doc is None:
+                    try:
+                        doc = json.loads(found["json"])
+                    except ValueError as e:
+                        errors.append((name, f"its .json is not JSON ({e})"))
+                        return None
+                row[r.key] = doc.get(r.key) if isinstance(doc, dict) else None
+        return row
 
     # --- the shards, local or remote --------------------------------------------------------------
     def _store(self) -> RemoteStore:
@@ -241,8 +321,11 @@ class WebDatasetSource(EncodedSource):
         return open(os.path.join(self.base, shard), "rb")
 
     def read_bytes(self, i: int) -> bytes:
-        shard = self.shards[int(self.shard_of[i])]
-        start, size = int(self.offsets[i]), int(self.sizes[i])
+        return self._read_range(i, int(self.shard_of[i]), int(self.offsets[i]), int(self.sizes[i]))
+
+    def _read_range(self, i: int, k: int, start: int, size: int) -> bytes:
+        """``size`` bytes at ``start`` of shard k, for sample i (named in errors)."""
+        shard = self.shards[k]
         try:
             if is_url(self.base):
                 store = self._store()
@@ -262,7 +345,8 @@ class WebDatasetSource(EncodedSource):
 
     def reopen(self) -> dict[str, Any]:
         text = self.description if is_url(self.base) else os.path.abspath(self.description)
-        return {"source": text, "label": self.label_key}
+        again = {"source": text, "label": self.label_key if self.classes or not self.field_requests else None}
+        return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
 
     def source_files(self) -> list[Path]:
         return [] if is_url(self.base) else [Path(self.base) / s for s in self.shards]
@@ -274,10 +358,18 @@ class WebDatasetSource(EncodedSource):
     def fingerprint(self) -> str:
         h = hashlib.sha256(json.dumps([self.classes, self.label_key, self.shard_stats], default=str).encode())
         h.update(self.offsets.tobytes())
+        if self.field_requests:  # a classification source's fingerprint stays what it was
+            h.update(json.dumps([r.text for r in self.field_requests]).encode())
         return h.hexdigest()
 
     def _subset_fields(self, idx: np.ndarray) -> dict[str, Any]:
-        return {"shard_of": self.shard_of[idx], "offsets": self.offsets[idx], "sizes": self.sizes[idx]}
+        rows = {"field_data": [self.field_data[i] for i in idx]} if self.field_data else {}
+        return {
+            "shard_of": self.shard_of[idx],
+            "offsets": self.offsets[idx],
+            "sizes": self.sizes[idx],
+            **rows,
+        }
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in super().__getstate__().items() if k != "_store_obj"}
@@ -289,3 +381,22 @@ class WebDatasetSource(EncodedSource):
             "shards": len(self.shards),
             "label": self.label_key,
         }
+
+
+@dataclass(frozen=True)
+class Member:
+    """An image member of a sample (a --field mask): where its bytes are in the shard."""
+
+    offset: int
+    size: int
+
+
+def member_value(ext: str, data: bytes) -> Any:
+    """A --field member's bytes as a value: JSON (a .json, or text that parses), else its text."""
+    text = data.decode("utf-8", "replace").strip()
+    if ext.endswith("json"):
+        return json.loads(text)
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

@@ -1,0 +1,240 @@
+"""``--field NAME=KEY[:KIND[:DTYPE]]``: a sample's extra columns or keys as named fields of the cache
+(``ConvertOptions(fields=...)``, the same text from Python). A source kind whose samples carry such
+values declares what KEY means for it (``Source.field_form``: a parquet column, a WebDataset member
+extension or ``.json`` key, a Dataset item's dict key) and gives sample i's raw value of a key
+(``Source.field_value``); the rest is here: the declarations and the values as ``place_targets`` takes
+them, so the masks and boxes follow the image's geometry as every other field source's do.
+
+KIND (``dlstore.spec.FIELD_KINDS``):
+
+- ``values``: a number or a fixed-length list (a multi-hot vector, floats, a regression target);
+- ``boxes``: N x 4 XYXY boxes in the stored image's pixels (a ``tv_tensors.BoundingBoxes`` of another
+  format is converted);
+- ``ragged``: one row per box of the (one) boxes field, such as the boxes' labels;
+- ``mask``: an image of ids matching the sample's image in size (PNG bytes, a PIL image, an (H, W)
+  array or tensor); the first channel of a colour one; torchvision's (N, H, W) instance
+  ``tv_tensors.Mask`` becomes one map of ids 1..N;
+- ``json``: any JSON value.
+
+Left out, KIND is read from the first sample's value: bytes or an image → mask, a BoundingBoxes or an
+N x 4 array → boxes, another (H, W) array → mask, a number or a flat list → values, anything else →
+json. DTYPE defaults: values and ragged int64 for integers, float32 for floats, uint8 for booleans;
+mask uint8, or uint16 when the first mask's ids exceed 255 (``:mask:uint16`` for later ones). A sample
+without the key gets the field's empty value (no boxes, a zero mask, zeros, null).
+
+    dlstore convert data.parquet cache/ --size 256 --field tags=tags:values --field boxes=objects
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from dlstore.errors import SourceError
+from dlstore.spec import FIELD_DTYPES, FIELD_KINDS, FieldSpec
+
+__all__ = ["FieldRequest", "declare", "field_texts", "parse_field", "raw_value"]
+
+KINDS = tuple(k for k in FIELD_KINDS if k != "class")
+FORM = "NAME=KEY[:KIND[:DTYPE]]"
+
+
+@dataclass(frozen=True)
+class FieldRequest:
+    """One ``--field``: the cache's field ``name`` from the sample's ``key``, its kind and dtype
+    when given (None: read from the first sample's value)."""
+
+    name: str
+    key: str
+    kind: str | None = None
+    dtype: str | None = None
+
+    @property
+    def text(self) -> str:
+        tail = "".join(f":{p}" for p in (self.kind, self.dtype) if p)
+        return f"{self.name}={self.key}{tail}"
+
+
+def parse_field(text: str) -> FieldRequest:
+    """``NAME=KEY[:KIND[:DTYPE]]`` (``NAME`` alone: the key of that name) → a request, or SpecError-like
+    SourceError naming the text and the form."""
+    name, eq, rest = str(text).partition("=")
+    name = name.strip()
+    parts = (rest if eq else name).split(":")
+    key = parts[0].strip()
+    kind = parts[1].strip() if len(parts) > 1 and parts[1].strip() else None
+    dtype = parts[2].strip() if len(parts) > 2 and parts[2].strip() else None
+    if not name.isidentifier() or not key or len(parts) > 3:
+        raise SourceError(f"--field {text!r}: expected {FORM}, e.g. tags=labels:values or mask=seg.png:mask")
+    if kind is not None and kind not in KINDS:
+        raise SourceError(f"--field {text!r}: KIND {kind!r} is not one of {', '.join(KINDS)}")
+    if dtype is not None and dtype not in FIELD_DTYPES:
+        raise SourceError(f"--field {text!r}: DTYPE {dtype!r} is not one of {', '.join(FIELD_DTYPES)}")
+    return FieldRequest(name, key, kind, dtype)
+
+
+def field_texts(given: Iterable[str] | Mapping[str, str] | None) -> tuple[str, ...]:
+    """The one form ``ConvertOptions.fields`` keeps: ``("NAME=KEY[:KIND[:DTYPE]]", ...)``, from those
+    texts or a ``{NAME: "KEY[:KIND[:DTYPE]]"}`` mapping, each parsed (so a bad one fails at once)."""
+    if not given:
+        return ()
+    if isinstance(given, str):
+        given = [given]
+    items = [f"{k}={v}" for k, v in given.items()] if isinstance(given, Mapping) else list(given)
+    requests = [parse_field(t) for t in items]
+    names = [r.name for r in requests]
+    if len(set(names)) != len(names):
+        raise SourceError(f"--field: a name is given twice ({', '.join(names)}); each field needs its own")
+    return tuple(r.text for r in requests)
+
+
+def requests_of(texts: Iterable[str]) -> tuple[FieldRequest, ...]:
+    return tuple(parse_field(t) for t in texts)
+
+
+# --- declarations ---------------------------------------------------------------------------------
+
+
+def plain(value: Any) -> Any:
+    """A tensor (tv_tensors included) as numpy; BoundingBoxes of any format as XYXY."""
+    if type(value).__name__ == "BoundingBoxes" and hasattr(value, "format"):
+        import torch
+        from torchvision.ops import box_convert
+
+        fmt = str(getattr(value.format, "name", value.format)).lower()
+        boxes = value.as_subclass(torch.Tensor).detach().cpu()
+        return (box_convert(boxes, fmt, "xyxy") if fmt != "xyxy" else boxes).numpy()
+    if type(value).__name__ == "Mask" and getattr(value, "ndim", 0) == 3:
+        return instance_ids(value.detach().cpu().numpy())
+    if hasattr(value, "numpy") and hasattr(value, "detach"):
+        return value.detach().cpu().numpy()
+    return value
+
+
+def instance_ids(masks: np.ndarray) -> np.ndarray:
+    """torchvision's instance masks (N, H, W), one per object, as one (H, W) map of ids 1..N (0: none;
+    a later object paints over an earlier one, as COCO's rasterisation here does)."""
+    ids = np.zeros(masks.shape[1:], np.int64)
+    for k, m in enumerate(masks, 1):
+        ids[m.astype(bool)] = k
+    return ids
+
+
+def is_image_like(value: Any) -> bool:
+    return isinstance(value, (bytes, bytearray, memoryview)) or type(value).__module__.startswith("PIL.")
+
+
+def declare(requests: Iterable[FieldRequest], first: Mapping[str, Any], where: str) -> dict[str, FieldSpec]:
+    """The fields' declarations: each request's given kind and dtype, or those its first sample's
+    value (``first[name]``; absent when no sample has the key) implies."""
+    out: dict[str, FieldSpec] = {}
+    requests = list(requests)
+    boxes = [r.name for r in requests if (r.kind or guess_kind(first.get(r.name), r, where)) == "boxes"]
+    for r in requests:
+        value = plain(first.get(r.name))
+        kind = r.kind or guess_kind(value, r, where)
+        try:
+            if kind == "ragged":
+                if len(boxes) != 1:
+                    raise SourceError(
+                        f"{where}: --field {r.text}: a ragged field's rows follow the boxes field, and "
+                        f"there are {len(boxes)} ({', '.join(boxes) or 'none'}); give exactly one :boxes"
+                    )
+                arr = np.asarray([] if value is None else value)
+                out[r.name] = FieldSpec(
+                    "ragged", r.dtype or number_dtype(arr, r), tuple(arr.shape[1:]), follows=boxes[0]
+                )
+            elif kind == "values":
+                arr = np.asarray(0 if value is None else value)
+                out[r.name] = FieldSpec("values", r.dtype or number_dtype(arr, r), tuple(arr.shape))
+            elif kind == "mask":
+                out[r.name] = FieldSpec("mask", r.dtype or mask_dtype(value))
+            elif kind == "boxes":
+                out[r.name] = FieldSpec("boxes", r.dtype or "float32")
+            else:
+                out[r.name] = FieldSpec("json", "uint8")
+        except (ValueError, TypeError) as e:
+            raise SourceError(f"{where}: --field {r.text}: {e}") from None
+    return out
+
+
+def guess_kind(value: Any, r: FieldRequest, where: str) -> str:
+    if r.kind:
+        return r.kind
+    value = plain(value)
+    if value is None:
+        raise SourceError(
+            f"{where}: --field {r.text}: no sample has {r.key!r}, so its kind cannot be read from a value; "
+            f"give it ({FORM}, KIND one of {', '.join(KINDS)})"
+        )
+    if is_image_like(value):
+        return "mask"
+    if isinstance(value, (str, dict)):
+        return "json"
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError):
+        return "json"
+    if arr.dtype.kind not in "biuf":
+        return "json"
+    if arr.ndim == 2:
+        return "boxes" if arr.shape[1] == 4 else "mask"  # no mask is 4 pixels wide
+    if arr.ndim <= 1 and (arr.ndim == 0 or len(arr)):
+        return "values"
+    raise SourceError(
+        f"{where}: --field {r.text}: cannot tell the kind from a value of shape {arr.shape}; give it "
+        f"({FORM}, KIND one of {', '.join(KINDS)})"
+    )
+
+
+def number_dtype(arr: np.ndarray, r: FieldRequest) -> str:
+    if arr.dtype.kind == "b":
+        return "uint8"
+    if arr.dtype.kind in "iu":
+        return "int64"
+    if arr.dtype.kind == "f" or arr.size == 0:
+        return "float32"
+    raise ValueError(f"values of {r.key!r} are {arr.dtype}, not numbers; give KIND json for other values")
+
+
+def mask_dtype(value: Any) -> str:
+    if value is None:
+        return "uint8"
+    ids = mask_array(value)
+    return "uint16" if ids.size and int(ids.max()) > 255 else "uint8"
+
+
+# --- values -----------------------------------------------------------------------------------------
+
+
+def mask_array(value: Any) -> np.ndarray:
+    """An image of ids (bytes, PIL, array) → (H, W) ids; a colour image's first channel."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        from PIL import Image
+
+        with Image.open(io.BytesIO(bytes(value))) as img:
+            arr = np.asarray(img)
+    elif type(value).__module__.startswith("PIL."):
+        arr = np.asarray(value)
+    else:
+        arr = np.asarray(plain(value))
+    if arr.ndim == 3:
+        arr = arr[:, :, 0]
+    return arr
+
+
+def raw_value(f: FieldSpec, value: Any) -> Any:
+    """A sample's raw value of a field as ``place_targets`` takes it (None: the field's empty value)."""
+    if value is None:
+        return None
+    if f.kind == "mask":
+        return mask_array(value)
+    value = plain(value)
+    if f.kind == "json":
+        return json.loads(json.dumps(value, default=lambda o: plain(o).tolist()))
+    return np.asarray(value)
