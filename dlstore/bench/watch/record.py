@@ -354,8 +354,10 @@ def _sample_workers(rec: LoaderRecord, t: float) -> None:
             rec.worker_cpu[pid] = max(cpu, rec.worker_cpu.get(pid, 0.0))
         mem = smaps_mb(pid)
         rss, pss, shared = rss + mem["rss"], pss + mem["pss"], shared + mem["shared"]
-    if pids or rec.worker_cpu:
+    if pids:
         rec.worker_samples.append([t, sum(rec.worker_cpu.values()), rss, pss, shared, float(len(pids))])
+    elif rec.worker_cpu:  # the workers have ended: their CPU stays counted, their memory is unknown, not 0
+        rec.worker_samples.append([t, sum(rec.worker_cpu.values()), None, None, None, 0.0])
 
 
 def smaps_mb(pid: int) -> dict[str, float]:
