@@ -24,6 +24,7 @@ from dlstore.bench.watch.describe import base_dataset
 SAMPLE_IMAGES = 2048  # at most: enough for a steady loader, converted in seconds
 SAMPLE_BATCHES = 4  # at least this many batches of the user's size
 WARM_BATCHES = 2
+EPOCH_BATCHES = 64  # batches per epoch of the loader timed on a sample
 HARD_LIMIT = 3  # × the budget: a loader slower than that is timed on fewer batches
 
 
@@ -103,17 +104,24 @@ def time_loader(
     """The recommended loader alone over the cache at ``dest`` (epochs repeated until ``budget_s``): per
     batch its period, the main thread's time in next() (plus the GPU augmentation's launch) and, on a
     GPU, the augmentation's device time (``time_batches``)."""
-    from torch.utils.data import DataLoader
+    from torch.utils.data import DataLoader, RandomSampler
 
     from dlstore.read.dataset import CachedDataset
 
     ds = CachedDataset(
         dest, transform=transform, pil=transform is not None, in_memory=plan.get("in_memory", False)
     )
+    # a sample (or a probe's synthetic images) holds a few batches: drawn with replacement into epochs of
+    # EPOCH_BATCHES, or the workers' pipeline would drain and refill at every few batches, as the loop's
+    # own longer epochs do not
+    n = len(ds)
+    sampler = RandomSampler(
+        ds, replacement=n < EPOCH_BATCHES * batch, num_samples=max(n, EPOCH_BATCHES * batch)
+    )
     dl = DataLoader(
         ds,
         batch_size=batch,
-        shuffle=True,
+        sampler=sampler,
         drop_last=True,
         num_workers=workers,
         persistent_workers=workers > 0,
