@@ -1,7 +1,7 @@
 """How right is ``dlstore watch`` on ordinary training scripts (benchmarks/watch_scripts/, no dlstore
-inside)? One command runs the whole study, inside ``--budget`` seconds (380 by default):
+inside)? One command runs the whole study, inside ``--budget`` seconds (360 by default):
 
-    python benchmarks/watch_scripts/accuracy.py --out $OUT [--budget 380] [--quick] [--cpu]
+    python benchmarks/watch_scripts/accuracy.py --out $OUT [--budget 360] [--quick] [--cpu]
 
 For each case: the script alone with its own hand timing of next() and its own replay of its last 4
 batches (the independent measurements), then the same script under ``dlstore watch --json --try-cache``,
@@ -428,11 +428,11 @@ def sizes_for(quick: bool) -> dict[str, Any]:
         "steps_for": {"smallcnn_augment_w0": (50, 60), "resnet50": (80, 30)},
         # seconds each case may take (its runs are killed past it); the first case makes the 20,000 PNGs
         "case_s": {
-            "smallcnn_augment_w0": 105,
-            "resnet50": 45,
-            "overhead": 75,
+            "smallcnn_augment_w0": 100,
+            "resnet50": 40,
+            "overhead": 70,
             "smallcnn_augment_w4": 80,
-            "item_every_step": 60,
+            "item_every_step": 55,
         },
         "args": {"smallcnn_augment.py": ["--root", "/tmp/watch_fmnist_folder"]},
     }
@@ -444,7 +444,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "watch_accuracy_out")))
     p.add_argument("--cases", default=",".join([*list(CASES)[:2], "overhead", *list(CASES)[2:]]))
     p.add_argument("--rounds", type=int, default=3, help="alternated plain/watched rounds for the overhead")
-    p.add_argument("--budget", type=float, default=380.0, help="seconds for the whole study")
+    p.add_argument("--budget", type=float, default=360.0, help="seconds for the whole study")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every path")
     p.add_argument("--cpu", action="store_true", help="run the scripts on the CPU (WATCH_SCRIPTS_CPU=1)")
     a = p.parse_args()

@@ -17,6 +17,7 @@ Each probe's timings land under the loader's ``probes`` in the raw record; ``ana
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -43,6 +44,7 @@ def attach_probes(doc: dict[str, Any], session: Any) -> None:
         key = "workers" if a.get("workers") is not None else "cache" if a.get("cache") else None
         if key is None or not images:
             continue
+        t = time.perf_counter()
         try:
             if key == "workers":
                 probes[key] = probe_workers(rec.loader, int(a["workers"]), images, cuda, budget)
@@ -50,6 +52,7 @@ def attach_probes(doc: dict[str, Any], session: Any) -> None:
                 probes[key] = probe_cache(rec.loader, a["cache"], images, cuda, budget)
         except Exception as e:  # advice only: a failed probe leaves the modelled prediction
             probes[key] = {"skipped": f"the probe failed: {type(e).__name__}: {e}"}
+        probes[key]["probe_s"] = time.perf_counter() - t
     ld["probes"] = probes
 
 

@@ -172,6 +172,7 @@ class Session:
         self._profiled = 0
         self.profile_trace: str | None = None
         self._cuda = False
+        self._cuda_possible: bool | None = None
         self.finished: dict[str, Any] | None = None
 
     # -- entry points ---------------------------------------------------------------------------------
@@ -206,9 +207,13 @@ class Session:
 
     # -- decisions in next() --------------------------------------------------------------------------
     def cuda_in_use(self) -> bool:
-        # once CUDA is up it stays up; until then one cheap call per step
+        # once CUDA is up it stays up; until then one cheap call per step. Whether CUDA exists at all is
+        # asked once, at the first step (after the script set its CUDA_VISIBLE_DEVICES): is_available()
+        # reads the environment each call, ~1 µs a step on a CPU-only run for nothing
         if not self._cuda:
-            self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            if self._cuda_possible is None:
+                self._cuda_possible = torch.cuda.is_available()
+            self._cuda = self._cuda_possible and torch.cuda.is_initialized()
         return self._cuda
 
     def event(self) -> Any:
@@ -247,10 +252,11 @@ class Session:
             rec.kept.append(batch)
         elif rec.sample_batch is None and phase != "warmup":
             rec.sample_batch = batch  # for the copy timing at the end
-        self._profile_step(rec, phase)
+        if self.config.profile:
+            self._profile_step(rec, phase)
 
     def _profile_step(self, rec: LoaderRecord, phase: str) -> None:
-        if not self.config.profile or rec.index != 0:
+        if rec.index != 0:
             return
         if self._profiler is None and not self._profile_started and rec.real >= self.config.warmup:
             self._profile_started = True
