@@ -354,21 +354,27 @@ class _Sampler(threading.Thread):
 def _sample_workers(rec: LoaderRecord, t: float) -> None:
     rss = pss = shared = 0.0
     pids = rec.worker_pids()
+    seen = 0  # workers whose memory was readable: one that is exiting has none, which is not 0 MB
     for pid in pids:
         cpu = process_cpu_s(pid)
         if cpu is not None:
             rec.worker_cpu[pid] = max(cpu, rec.worker_cpu.get(pid, 0.0))
         mem = smaps_mb(pid)
-        rss, pss, shared = rss + mem["rss"], pss + mem["pss"], shared + mem["shared"]
-    if pids:
-        rec.worker_samples.append([t, sum(rec.worker_cpu.values()), rss, pss, shared, float(len(pids))])
-    elif rec.worker_cpu:  # the workers have ended: their CPU stays counted, their memory is unknown, not 0
-        rec.worker_samples.append([t, sum(rec.worker_cpu.values()), None, None, None, 0.0])
+        if mem is not None:
+            seen += 1
+            rss, pss, shared = rss + mem["rss"], pss + mem["pss"], shared + mem["shared"]
+    if not pids and not rec.worker_cpu:
+        return
+    # the workers' CPU stays counted after they end; their memory only where it was read
+    memory: list[float | None] = [rss, pss, shared] if seen else [None, None, None]
+    rec.worker_samples.append([t, sum(rec.worker_cpu.values()), *memory, float(len(pids))])
 
 
-def smaps_mb(pid: int) -> dict[str, float]:
-    """Rss, Pss and shared (clean + dirty) of one process in MB, from smaps_rollup (0 when unreadable)."""
+def smaps_mb(pid: int) -> dict[str, float] | None:
+    """Rss, Pss and shared (clean + dirty) of one process in MB, from smaps_rollup; None when unreadable
+    or empty (the process is exiting)."""
     out = {"rss": 0.0, "pss": 0.0, "shared": 0.0}
+    found = False
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
@@ -376,13 +382,14 @@ def smaps_mb(pid: int) -> dict[str, float]:
                 kb = value.split()[0] if value.split() else "0"
                 if key == "Rss":
                     out["rss"] = int(kb) / 1024
+                    found = True
                 elif key == "Pss":
                     out["pss"] = int(kb) / 1024
                 elif key in ("Shared_Clean", "Shared_Dirty"):
                     out["shared"] += int(kb) / 1024
     except (OSError, ValueError):
-        pass
-    return out
+        return None
+    return out if found and out["rss"] > 0 else None
 
 
 def _nvml_handle() -> tuple[Any, Any] | None:
