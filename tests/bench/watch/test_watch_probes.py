@@ -136,3 +136,28 @@ def test_probe_cache_reads_a_synthetic_cache_of_the_advised_shape() -> None:
     assert got["synthetic"] and got["images"] == 16 and got["workers"] == 0
     assert got["batches_timed"] >= 3 and got["main_s"] > 0
     assert "skipped" in probe_cache(loop, {**plan, "jpeg": True}, 8, cuda=False, budget_s=0.2)
+
+
+class CallsItsTransform(Dataset):
+    """A Dataset that calls ``self.transform`` unconditionally (not torchvision's ``if transform``)."""
+
+    def __init__(self) -> None:
+        self.transform = T.PILToTensor()
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        from PIL import Image
+
+        return self.transform(Image.new("RGB", (8, 8), (i, 0, 0))), i % 2
+
+
+def test_parts_of_a_dataset_whose_transform_cannot_be_left_out() -> None:
+    from dlstore.bench.watch.parts import measure_parts
+
+    loop = DataLoader(CallsItsTransform(), batch_size=4)
+    got = measure_parts(loop, next(iter(loop)), cuda=False, budget_s=0.1)
+    assert "skipped" not in got and got["getitem_s"] > 0 and got["collate_s"] is not None
+    assert "load_s" not in got  # no split: __getitem__ whole
+    assert isinstance(loop.dataset.transform, T.PILToTensor)  # put back
