@@ -17,6 +17,7 @@ NOT_INPUT_BOUND, HIGHLY_INPUT_BOUND = 0.05, 0.20
 # A DataLoader worker's hand-over to the main thread (unpickling shared-memory handles): used only when
 # the loop ran with 0 workers, so none was measured. ~0.1–1 ms per batch on the machines measured.
 HANDOVER_S = 0.3e-3
+DEVICE_BUSY = 0.95  # a replayed device span this share of the period: the device never idled
 CACHE_READ_BYTES_PER_S = 4e9  # a RAM cache's gather + collate, about half of memcpy (PERFORMANCE.md)
 WORKER_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -243,6 +244,12 @@ def binding(rep: dict[str, Any], parts: LoopParts, pred: Prediction, p: dict[str
     model = rep["model"]
     b = parts.batch
     stage = pred.bottleneck
+    fed = parts.fed
+    if stage == "host" and fed.device_s is not None and fed.device_s >= DEVICE_BUSY * fed.period_s:
+        # the device ran the whole replayed period: the main thread's time there is its wait for the
+        # device (back-pressure), not its own work, so the step's compute binds (ResNet-50 on the H200:
+        # main 29.51 vs device 29.48 ms, the hand-over tipping it)
+        stage = "compute"
     out: dict[str, Any] = {"stage": stage, "words": STAGE_WORDS.get(stage, stage)}
     split = stage_split(p, b)
     if stage in ("transform", "cores") and split:

@@ -161,3 +161,14 @@ def test_parts_of_a_dataset_whose_transform_cannot_be_left_out() -> None:
     assert "skipped" not in got and got["getitem_s"] > 0 and got["collate_s"] is not None
     assert "load_s" not in got  # no split: __getitem__ whole
     assert isinstance(loop.dataset.transform, T.PILToTensor)  # put back
+
+
+def test_a_device_busy_through_the_replay_names_compute_not_the_host() -> None:
+    # replayed steps of 20 ms whose device span covers them: the host's 20 ms is its wait for the device,
+    # and the workers' hand-over tips the main term over the device's
+    doc = raw(wait=0.0001, host=0.020, workers=4, replay_period=0.020, getitem=0.001 / 32, cuda=True)
+    ld = doc["loaders"][0]
+    ld["device_s"] = [0.0199] * len(ld["t_call"])
+    rep = analyse([doc])["loaders"][0]
+    assert rep["model"]["bottleneck"] == "host"  # the parts model's tie
+    assert rep["binding"]["stage"] == "compute"
