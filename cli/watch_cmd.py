@@ -34,14 +34,18 @@ from dlstore.cli.render import emit_json, stderr
     "--replay-batches", type=click.IntRange(1), default=4, show_default=True, help="Batches kept to replay."
 )
 @click.option(
-    "--no-parts", "no_parts", is_flag=True, help="Skip timing the dataset's parts alone at the end."
+    "--no-parts",
+    "no_parts",
+    is_flag=True,
+    help="Skip timing the dataset's parts and the advised loaders alone at the end.",
 )
 @click.option(
     "--parts-budget",
     type=click.FloatRange(0.05, 600),
     default=3.0,
     show_default=True,
-    help="Seconds for timing the dataset's parts alone (and the loader --try-cache tries).",
+    help="Seconds for timing the dataset's parts alone, and each advised loader (more workers; a cache, on "
+    "synthetic images; the loader --try-cache tries).",
 )
 @click.option(
     "--try-cache",

@@ -1,14 +1,18 @@
 """How right is ``dlstore watch`` on ordinary training scripts (benchmarks/watch_scripts/, no dlstore
-inside)? One command runs the whole study:
+inside)? One command runs the whole study, inside ``--budget`` seconds (385 by default):
 
-    python benchmarks/watch_scripts/accuracy.py --out $OUT [--budget 330] [--quick] [--cpu]
+    python benchmarks/watch_scripts/accuracy.py --out $OUT [--budget 385] [--quick] [--cpu]
 
 For each case: the script alone with its own hand timing of next() and its own replay of its last 4
 batches (the independent measurements), then the same script under ``dlstore watch --json --try-cache``,
 then each recommendation applied and the script re-run (DataLoader flags; a cache converted with the
 advised ``dlstore convert`` command and read with ``--cache``). The overhead case runs a launch-bound
-SmallCNN alone and under watch (no replay, no parts), alternated. ``--quick --cpu`` is the dry run (tiny
-sizes, CPU). Writes $OUT/watch_accuracy.json after each case and prints a table last.
+SmallCNN alone and under watch (no replay, no parts), alternated at least ``--rounds`` times; the median
+of the pairs' step-time ratios. Each case has a time budget (``case_s``): its runs are killed past it
+and the case keeps what finished. ``$OUT/watch_accuracy.json`` is rewritten after every run, so a cut
+study still returns what finished; the watched runs' measured parts and probes are kept in it
+(``raw_parts``), so the predictions can be recomputed offline. ``--quick --cpu`` is the dry run (tiny
+sizes, CPU). Prints a table last.
 
 Targets (issue 23): data-wait share within ±5 points of the hand timing; rate with data free within ±10%
 of the script's own replay; the verdict names input for the 0-worker augment case and compute for
@@ -23,6 +27,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -62,8 +67,46 @@ def env() -> dict[str, str]:
     return e
 
 
-def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=HERE, env=env())
+class Clock:
+    """The study's time: a global deadline and the current case's; each run gets what is left of both."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.t0 = time.monotonic()
+        self.end = self.t0 + budget_s
+        self.case_end = self.end
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.t0
+
+    def left(self) -> float:
+        """What the current case may still use."""
+        return min(self.end, self.case_end) - time.monotonic()
+
+    def study_left(self) -> float:
+        return self.end - time.monotonic()
+
+    def start_case(self, budget_s: float) -> None:
+        self.case_end = min(self.end, time.monotonic() + budget_s)
+
+
+CLOCK = Clock(float("inf"))
+
+
+def run(cmd: list[str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``cmd`` in its own process group, killed whole (a watched script's child too) once the case's
+    or the study's time is out; exit code -9 then, and a "timed out" line in stderr."""
+    limit = max(1.0, CLOCK.left() if timeout is None else min(timeout, CLOCK.left()))
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE, env=env(),
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        err += f"\ntimed out after {limit:.0f} s (the case's time budget)"
+    p = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
     if p.returncode != 0:
         print(f"! exit {p.returncode}: {' '.join(cmd[-8:])}\n{p.stderr[-1500:]}", file=sys.stderr)
     return p
@@ -125,7 +168,7 @@ def apply_cache(advice: dict[str, Any], work: Path) -> tuple[list[str] | None, d
     dest = work / f"cache-s{plan['size']}-c{plan['channels']}"
     t = time.perf_counter()
     if not (dest / "dlstore.json").is_file():
-        p = run([*dlstore_cli(), "convert", m.group(1), str(dest), *m.group(2).split()], timeout=600)
+        p = run([*dlstore_cli(), "convert", m.group(1), str(dest), *m.group(2).split()])
         if p.returncode != 0:
             return None, {"why": f"convert failed: {p.stderr[-300:]}"}
     info = {
@@ -136,32 +179,42 @@ def apply_cache(advice: dict[str, Any], work: Path) -> tuple[list[str] | None, d
     return flags, info
 
 
-def applied(script: str, args: list[str], advice: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each recommendation with a predicted rate, applied to the script and re-run."""
-    rows = []
+def applied(
+    script: str, args: list[str], advice: list[dict[str, Any]], rows: list[dict[str, Any]], save: Any
+) -> None:
+    """Each recommendation with a predicted rate, applied to the script and re-run; a row appended to
+    ``rows`` (and saved) as each finishes."""
     for a in advice:
         row: dict[str, Any] = {"text": a["text"], "expected_img_per_s": a.get("expected_img_per_s")}
+        rows.append(row)
+        if not a.get("expected_img_per_s"):
+            continue
         flags, info = apply_cache(a, WORK) if a.get("cache") else (flags_for(a.get("command") or ""), {})
         row.update(info, flags=flags)
-        if flags and a.get("expected_img_per_s"):
+        if flags:
             got = plain(script, override(args, flags))
+            row["measured"] = got
             if got:
                 row["measured_img_per_s"] = got["img_per_s"]
                 row["error"] = got["img_per_s"] / a["expected_img_per_s"] - 1
                 if a.get("grounded_img_per_s"):  # --try-cache's measured loader composed with the step
                     row["grounded_img_per_s"] = a["grounded_img_per_s"]
                     row["grounded_error"] = got["img_per_s"] / a["grounded_img_per_s"] - 1
-        rows.append(row)
-    return rows
+        save()
 
 
-def measure_case(name: str, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
+def measure_case(name: str, sizes: dict[str, Any], out: Path, case: dict[str, Any], save: Any) -> None:
+    """One case into ``case`` (saved after each run): the script's own timing, the watched run, each
+    recommendation applied."""
     script, base, want = CASES[name]
     steps, m = sizes["steps_for"].get(name, (sizes["steps"], sizes["replay_steps"]))
     args = [*base, *sizes["args"].get(script, []), "--warmup", str(sizes["warmup"]), "--steps", str(steps)]
-    hand = plain(
-        script, [*args, "--hand", str(out / f"{name}-hand.json"), "--replay", "4", "--replay-steps", str(m)]
-    )
+    case.update(script=script, args=args)
+    hand_args = [*args, "--replay", "4", "--replay-steps", str(m)]
+    t = time.monotonic()
+    case["hand"] = plain(script, [*hand_args, "--hand", str(out / f"{name}-hand.json")])
+    hand_s = time.monotonic() - t
+    save()
     watch_args = [
         "--warmup", str(sizes["warmup"]),
         "--replay-at", str(sizes["warmup"] + steps // 2),
@@ -172,10 +225,9 @@ def measure_case(name: str, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
         "--out", str(out / name),
     ]  # fmt: skip
     _, doc = watched(script, args, watch_args)
-    case: dict[str, Any] = {"script": script, "args": args, "hand": hand}
     if doc is None or not doc.get("loaders"):
         case["error"] = "watch gave no report"
-        return case
+        return
     rep = primary(doc)
     model, binding = rep.get("model") or {}, rep.get("binding") or {}
     case["watch"] = {
@@ -186,12 +238,30 @@ def measure_case(name: str, sizes: dict[str, Any], out: Path) -> dict[str, Any]:
         "stage": binding.get("stage"),
         "binds": binding.get("text"),
         "predicted_img_per_s": model.get("predicted_img_per_s"),
+        "model": model,
         "try_cache": rep.get("try_cache"),
         "advice": doc["advice"],
     }
+    case["raw_parts"] = raw_parts(out / name)
     case["checks"] = checks(want, case)
-    case["recommendations"] = applied(script, args, doc["advice"])
-    return case
+    save()
+    case["recommendations"] = []
+    applied(script, args, doc["advice"], case["recommendations"], save)
+    if CLOCK.left() > 1.5 * hand_s + 5:  # the machine's speed drifts (±30% within seconds on the H200):
+        # the script alone once more, after the rest, shows how far
+        case["hand_after"] = plain(script, [*hand_args, "--hand", str(out / f"{name}-hand-after.json")])
+        case["checks"] = checks(want, case)
+        save()
+
+
+def raw_parts(result: Path) -> dict[str, Any] | None:
+    """The watched process's measured parts and probes (its raw record), to recompute the predictions."""
+    path = result / "ranks" / "watch-rank0.json"
+    if not path.is_file():
+        return None
+    doc = json.loads(path.read_text())
+    keep = ("index", "images_per_batch", "settings", "parts", "probes", "try_cache")
+    return {"cores": doc.get("cores"), "loaders": [{k: ld.get(k) for k in keep} for ld in doc["loaders"]]}
 
 
 def checks(want: str | None, case: dict[str, Any]) -> dict[str, Any]:
@@ -202,6 +272,14 @@ def checks(want: str | None, case: dict[str, Any]) -> dict[str, Any]:
         out["rate_vs_hand"] = w["img_per_s"] / hand["img_per_s"] - 1
         if w["data_free_img_per_s"] and hand.get("replay_img_per_s"):
             out["data_free_error"] = w["data_free_img_per_s"] / hand["replay_img_per_s"] - 1
+    after = case.get("hand_after")
+    if after:  # the same figures against the script's second run alone (after the watched one)
+        out["wait_share_points_after"] = 100 * (w["wait_share"] - after["wait_share"])
+        out["rate_vs_hand_after"] = w["img_per_s"] / after["img_per_s"] - 1
+        if w["data_free_img_per_s"] and after.get("replay_img_per_s"):
+            out["data_free_error_after"] = w["data_free_img_per_s"] / after["replay_img_per_s"] - 1
+        if hand:
+            out["hand_drift"] = after["img_per_s"] / hand["img_per_s"] - 1
     if want == "input":
         out["verdict_ok"] = w["wait_share"] >= 0.20 and w["stage"] in INPUT_STAGES
     elif want == "compute":
@@ -209,30 +287,33 @@ def checks(want: str | None, case: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def overhead(sizes: dict[str, Any], rounds: int) -> dict[str, Any]:
-    """The launch-bound script alone and under watch (no replay, no parts; CUDA events
-    on one step in 4, the default, and on every step), alternated; the script's own rate over its timed
-    steps."""
+def overhead(sizes: dict[str, Any], rounds: int, res: dict[str, Any], save: Any) -> None:
+    """The launch-bound script alone and under watch (no replay, no parts; CUDA events on one step in 4,
+    the default), alternated ``rounds`` times (more while the case's time lasts, up to twice that); the
+    script's own rate over its timed steps; the median ratio."""
     script, base = OVERHEAD_CASE
     args = [*base, *sizes["args"].get(script, []), "--warmup", "50", "--steps", str(sizes["overhead_steps"])]
-    variants = {"watched": ["--event-every", "4"], "watched_events_every_step": ["--event-every", "1"]}
-    rates: dict[str, list[float]] = {"plain": [], **{k: [] for k in variants}}
-    for _ in range(rounds):
+    res.update(script=script, args=args, rates={"plain": [], "watched": []}, ratios=[])
+    rates = res["rates"]
+    for i in range(2 * rounds):
+        if i >= rounds and CLOCK.left() < 2.5 * res.get("round_s", 0.0):
+            break
+        t = time.monotonic()
         got = {"plain": plain(script, args)}
-        for k, flags in variants.items():
-            got[k], _ = watched(script, args, ["--no-replay", "--no-parts", "--warmup", "50", *flags])
-        if all(got.values()):
-            for k, r in got.items():
-                rates[k].append(r["img_per_s"])
-    res: dict[str, Any] = {"script": script, "args": args, "rates": rates}
-    if rates["plain"]:
+        got["watched"], _ = watched(script, args, ["--no-replay", "--no-parts", "--warmup", "50"])
+        if not all(got.values()):
+            break
+        for k, r in got.items():
+            rates[k].append(r["img_per_s"])
+        # watched step time / plain step time, this round
+        res["ratios"].append(got["plain"]["img_per_s"] / got["watched"]["img_per_s"])
+        res["round_s"] = time.monotonic() - t
         p = statistics.median(rates["plain"])
         res["step_ms_plain"] = 1e3 * sizes["batch"] / p
-        for k in variants:
-            res["overhead" if k == "watched" else f"overhead_{k.removeprefix('watched_')}"] = (
-                1 - statistics.median(rates[k]) / p
-            )
-    return res
+        # the step time watching adds: the median of the alternated pairs' ratios, less 1
+        res["overhead"] = statistics.median(res["ratios"]) - 1
+        res["rounds"] = len(res["ratios"])
+        save()
 
 
 def per_step_cost(steps: int = 3000) -> dict[str, Any]:
@@ -311,6 +392,11 @@ def table(results: dict[str, Any]) -> str:
             f"{name:22s} {_f(k.get('wait_share_points'), '{:+.1f}'):>9s} {_f(k.get('data_free_error'), '{:+.1%}'):>9s} "
             f"{stage:>9s} {str(k.get('verdict_ok', '-')):>8s}  {recs or '-'}"
         )
+        if "hand_drift" in k:
+            lines.append(
+                f"{'':22s} vs the script alone again: wait {_f(k.get('wait_share_points_after'), '{:+.1f}')} pts, "
+                f"free err {_f(k.get('data_free_error_after'), '{:+.1%}')}; its rate moved {k['hand_drift']:+.1%}"
+            )
         tried = ((c.get("watch") or {}).get("try_cache")) or {}
         if tried and "skipped" not in tried:
             lines.append(
@@ -319,9 +405,9 @@ def table(results: dict[str, Any]) -> str:
     ov = results.get("overhead") or {}
     if "overhead" in ov:
         lines.append(
-            f"overhead ({ov['script']}, step {ov['step_ms_plain']:.2f} ms): {ov['overhead']:+.2%}, "
-            f"events on every step: {ov['overhead_events_every_step']:+.2%}; rates "
-            + "; ".join(f"{k} {', '.join(f'{v:,.0f}' for v in vs)}" for k, vs in ov["rates"].items())
+            f"overhead ({ov['script']}, step {ov['step_ms_plain']:.2f} ms, {ov['rounds']} alternated rounds): "
+            f"median {ov['overhead']:+.2%} step time; per round "
+            + ", ".join(f"{r - 1:+.2%}" for r in ov["ratios"])
         )
     if results.get("per_step"):
         ps = results["per_step"]
@@ -346,6 +432,9 @@ def sizes_for(quick: bool) -> dict[str, Any]:
             "overhead_steps": 60,
             "batch": 16,
             "steps_for": {},
+            # shares kept for later cases (``--cases resnet50,overhead --budget 45`` cuts ResNet-50 on a CPU:
+            # the dry run of the timeout path)
+            "case_s": {"smallcnn_augment_w0": 60, "resnet50": 60, "overhead": 30, "smallcnn_augment_w4": 60, "item_every_step": 40},
             "args": {
                 "smallcnn_augment.py": ["--images", "400", "--batch-size", "16", "--root", "/tmp/watch_fmnist_quick"],
                 "resnet50.py": ["--images", "16", "--batch-size", "2", "--workers", "2"],
@@ -355,53 +444,78 @@ def sizes_for(quick: bool) -> dict[str, Any]:
         }  # fmt: skip
     return {
         "warmup": 20,
-        "steps": 160,
+        "steps": 120,
         "replay_steps": 60,
         "parts_budget": 1.5,
-        "overhead_steps": 1000,
+        "overhead_steps": 1500,
         "batch": 256,
         # (timed steps, replayed steps) where a step is long: ~100 ms at 0 workers, ~30 ms for ResNet-50
-        "steps_for": {"smallcnn_augment_w0": (60, 60), "resnet50": (80, 30)},
+        "steps_for": {"smallcnn_augment_w0": (50, 60), "resnet50": (80, 30)},
+        # seconds each case may take (its runs are killed past it); the first case makes the 20,000 PNGs
+        "case_s": {
+            "smallcnn_augment_w0": 95,  # 85 s on the H200 (the PNGs made first)
+            "resnet50": 65,  # ~17 s alone, ~25 s watched (start-up), 40 s cut it
+            "overhead": 65,
+            "smallcnn_augment_w4": 75,
+            "item_every_step": 55,
+        },
         "args": {"smallcnn_augment.py": ["--root", "/tmp/watch_fmnist_folder"]},
     }
 
 
 def main() -> None:
+    global CLOCK
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "watch_accuracy_out")))
-    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--cases", default=",".join([*list(CASES)[:2], "overhead", *list(CASES)[2:]]))
     p.add_argument("--rounds", type=int, default=3, help="alternated plain/watched rounds for the overhead")
-    p.add_argument(
-        "--budget", type=float, default=240.0, help="seconds: cases not started by then are skipped"
-    )
+    p.add_argument("--budget", type=float, default=385.0, help="seconds for the whole study")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every path")
     p.add_argument("--cpu", action="store_true", help="run the scripts on the CPU (WATCH_SCRIPTS_CPU=1)")
     a = p.parse_args()
     if a.cpu:
         os.environ["WATCH_SCRIPTS_CPU"] = "1"
-    t0 = time.monotonic()
+    CLOCK = Clock(a.budget)
     sizes = sizes_for(a.quick)
     a.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"machine": machine(), "sizes": sizes, "cases": {}, "skipped": []}
-    results["per_step"] = per_step_cost(300 if a.quick else 3000)
+    results: dict[str, Any] = {
+        "machine": machine(),
+        "sizes": sizes,
+        "cases": {},
+        "skipped": [],
+        "case_wall_s": {},
+    }
 
     def save() -> None:
-        results["wall_s"] = time.monotonic() - t0
-        (a.out / "watch_accuracy.json").write_text(json.dumps(results, indent=1, default=str))
+        results["wall_s"] = CLOCK.elapsed()
+        tmp = a.out / "watch_accuracy.json.tmp"
+        tmp.write_text(json.dumps(results, indent=1, default=str))
+        tmp.replace(a.out / "watch_accuracy.json")
 
-    names = a.cases.split(",")
-    order = names[:2] + ["overhead"] + names[2:]  # the verdict cases first, the overhead next
-    for name in order:
-        if time.monotonic() - t0 > a.budget:
-            results["skipped"].append(name)
-            continue
-        print(f"[{time.monotonic() - t0:6.1f} s] {name}", file=sys.stderr, flush=True)
-        if name == "overhead":
-            results["overhead"] = overhead(sizes, 1 if a.quick else a.rounds)
-        else:
-            results["cases"][name] = measure_case(name, sizes, a.out)
-        save()
+    results["per_step"] = per_step_cost(300 if a.quick else 3000)
     save()
+    names = a.cases.split(",")
+    for i, name in enumerate(names):
+        if CLOCK.study_left() < 10:
+            results["skipped"] += names[i:]
+            break
+        # a case gets what the study has left less the later cases' shares: the time earlier cases did not
+        # use is its too, the later cases' never
+        later = sum(sizes["case_s"].get(n, 0) for n in names[i + 1 :])
+        CLOCK.start_case(max(10.0, CLOCK.study_left() - later))
+        print(f"[{CLOCK.elapsed():6.1f} s] {name}", file=sys.stderr, flush=True)
+        t = time.monotonic()
+        if name == "overhead":
+            results["overhead"] = {}
+            overhead(sizes, 1 if a.quick else a.rounds, results["overhead"], save)
+        else:
+            results["cases"][name] = {}
+            try:
+                measure_case(name, sizes, a.out, results["cases"][name], save)
+            except Exception as e:  # one case's failure (a bad report) must not lose the others
+                results["cases"][name]["error"] = f"{type(e).__name__}: {e}"
+        results["case_wall_s"][name] = time.monotonic() - t
+        save()
     print(table(results))
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, Prediction, compose, prediction_error
 from dlstore.bench.verdict import STAGE_WORDS, WORTH_FRACTION, rank
+from dlstore.bench.watch.grounding import tried_parts
 from dlstore.bench.watch.steps import by_phase, epoch_start_excess, slope, step_rows, window_max, window_mean
 
 # TF profiler's input-pipeline analyser classes (share of step time waiting for input)
@@ -16,6 +17,7 @@ NOT_INPUT_BOUND, HIGHLY_INPUT_BOUND = 0.05, 0.20
 # A DataLoader worker's hand-over to the main thread (unpickling shared-memory handles): used only when
 # the loop ran with 0 workers, so none was measured. ~0.1–1 ms per batch on the machines measured.
 HANDOVER_S = 0.3e-3
+DEVICE_BUSY = 0.95  # a replayed device span this share of the period: the device never idled
 CACHE_READ_BYTES_PER_S = 4e9  # a RAM cache's gather + collate, about half of memcpy (PERFORMANCE.md)
 WORKER_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -242,6 +244,12 @@ def binding(rep: dict[str, Any], parts: LoopParts, pred: Prediction, p: dict[str
     model = rep["model"]
     b = parts.batch
     stage = pred.bottleneck
+    fed = parts.fed
+    if stage == "host" and fed.device_s is not None and fed.device_s >= DEVICE_BUSY * fed.period_s:
+        # the device ran the whole replayed period: the main thread's time there is its wait for the
+        # device (back-pressure), not its own work, so the step's compute binds (ResNet-50 on the H200:
+        # main 29.51 vs device 29.48 ms, the hand-over tipping it)
+        stage = "compute"
     out: dict[str, Any] = {"stage": stage, "words": STAGE_WORDS.get(stage, stage)}
     split = stage_split(p, b)
     if stage in ("transform", "cores") and split:
@@ -352,8 +360,9 @@ def _rate(parts: LoopParts) -> float:
 def _workers_advice(
     rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
 ) -> dict[str, Any] | None:
-    """More workers while cores are idle: each candidate composed with the loader's per-batch CPU cost
-    spread over N workers; the fewest within 5% of the best."""
+    """More workers while cores are idle: N picked by composing each candidate with the loader's per-batch
+    CPU cost spread over N workers (the fewest within 5% of the best); the predicted rate from the loader
+    timed alone at N (``probes``) when it was, since workers contend for the cores."""
     cost = parts.loader.cpu_s if parts.workers else parts.loader.main_s
     if cost <= 0:
         return None
@@ -367,17 +376,35 @@ def _workers_advice(
     }
     best = max(rates.values())
     n = next(k for k in cands if rates[k] >= best / WORTH_FRACTION)
-    if rates[n] < WORTH_FRACTION * parts.batch / compose(parts).period_s:
+    probe = _probe(ld, "workers")
+    measured = probe is not None and probe.get("n") == n
+    expected = _rate(tried_parts(parts, probe)) if measured else rates[n]
+    if expected < WORTH_FRACTION * parts.batch / compose(parts).period_s:
         return None
     busy = _cores_busy(rep)
     idle = f" ({busy:.1f} of {parts.cores} cores busy now)" if busy is not None else ""
     pin = ", pin_memory=True" if doc["cuda"] else ""
-    return _advice(
-        f"Use {n} DataLoader worker{'s' if n > 1 else ''}{idle}: predicted {_fmt(rates[n])} img/s (now {_fmt(now)}).",
-        f"DataLoader(..., num_workers={n}, persistent_workers=True{pin})",
-        now,
-        rates[n],
+    how = (
+        f"; the loader alone at {n} workers: {_fmt(probe['loader_img_per_s'])} img/s"
+        if measured
+        else "; modelled, the loader not timed at that count"
     )
+    return {
+        **_advice(
+            f"Use {n} DataLoader worker{'s' if n > 1 else ''}{idle}: predicted {_fmt(expected)} img/s "
+            f"(now {_fmt(now)}{how}).",
+            f"DataLoader(..., num_workers={n}, persistent_workers=True{pin})",
+            now,
+            expected,
+        ),
+        "workers": n,
+    }
+
+
+def _probe(ld: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """The advised loader's timings (``probes.attach_probes``), None when not probed or skipped."""
+    got = (ld.get("probes") or {}).get(key)
+    return got if got and "skipped" not in got else None
 
 
 def _cores_busy(rep: dict[str, Any]) -> float | None:
@@ -501,7 +528,8 @@ def _cache_advice(
             ),
         )
     )
-    expected = _rate(cached)
+    probe = _probe(ld, "cache")
+    expected = _rate(tried_parts(parts, probe) if probe else cached)
     if expected < WORTH_FRACTION * now:
         return None
     command = _convert_command(src, size, ds.get("len"), channels)
@@ -512,7 +540,7 @@ def _cache_advice(
         text = (
             f"CPU augmentation ({', '.join(t['name'] for t in random_steps)}) on decoded files binds: cache the "
             f"images pre-resized (size {size}, from {why}) and augment on the GPU: predicted {_fmt(expected)} "
-            "img/s (the cache's gather; the GPU augmentation's own cost not included)."
+            f"img/s ({_cache_how(probe, gpu)})."
         )
         code = (
             f"ds = dlstore.CachedDataset(DEST{memory}); aug = dlstore.gpu.GpuAugment({crop}, degrees={deg:g}).to('cuda'); "
@@ -523,10 +551,24 @@ def _cache_advice(
     share = sum(v for k, v in split.items() if k in ("read_s", "decode_s")) / (sum(split.values()) or 1.0)
     text = (
         f"A dlstore cache pre-resized to {size} (from {why}) removes the file read and decode "
-        f"({100 * share:.0f}% of the loader's work): predicted {_fmt(expected)} img/s with your transforms kept."
+        f"({100 * share:.0f}% of the loader's work): predicted {_fmt(expected)} img/s with your transforms kept "
+        f"({_cache_how(probe, gpu)})."
     )
     code = f"ds = dlstore.CachedDataset(DEST, transform=..., pil=True{memory})"
     return {**_advice(text, f"{command}; {code}", now, expected), "cache": plan}
+
+
+def _cache_how(probe: dict[str, Any] | None, gpu: bool) -> str:
+    """How the cache prediction was made: its loader timed on synthetic images, or modelled."""
+    if probe is None:
+        return "modelled: the cache's gather alone, its loader not timed" + (
+            ", the GPU augmentation's cost not included" if gpu else ""
+        )
+    aug = " + GpuAugment" if gpu else ""
+    return (
+        f"its loader{aug} timed on {probe['images']:,} synthetic images of that shape: "
+        f"{_fmt(probe['loader_img_per_s'])} img/s alone"
+    )
 
 
 def _convert_command(src: tuple[str, str], size: int, n: int | None, channels: int) -> str:

@@ -10,18 +10,23 @@ from dlstore.bench.predict import LoaderTiming, LoopParts, compose, prediction_e
 
 
 def tried_parts(parts: LoopParts, tried: dict[str, Any]) -> LoopParts:
-    """The observed loop with its loader replaced by the tried one (and the GPU augmentation's device time
-    added to the step's, when the advice moved the augmentation there)."""
+    """The observed loop with its loader replaced by one timed alone (``try_cache.time_batches``: a tried
+    or probed cache loader, or the loop's loader at other workers), and the GPU augmentation's device time
+    added to the step's when the advice moved the augmentation there."""
     workers = int(tried["workers"])
     if workers == 0:  # in the caller: next() and the augmentation's launch are the main thread's
         loader = LoaderTiming(tried["main_s"], tried["main_s"], tried["main_s"], in_caller=True)
-    else:
-        handover = parts.loader.main_s if parts.workers else tried["main_s"] / workers
-        loader = LoaderTiming(tried["period_s"], handover, tried["period_s"] * workers, in_caller=False)
+    else:  # the main thread's share: its CPU in next() (the hand-over); the CPU: the workers' and that
+        cpu = tried.get("workers_cpu_s")
+        cpu = tried["period_s"] * workers if cpu is None else cpu  # older records: a full core each
+        loader = LoaderTiming(tried["period_s"], tried["main_s"], cpu + tried["main_s"], in_caller=False)
     fed = parts.fed
     aug = tried.get("augment_device_s")
-    if aug:
-        fed = replace(fed, period_s=fed.period_s + aug, device_s=(fed.device_s or 0.0) + aug)
+    if aug:  # the device's own time grows by it; a step bound by the host keeps its period (the main
+        # thread's share above holds the augmentation's launch)
+        device = (fed.device_s or 0.0) + aug
+        period = max(fed.period_s, device) if fed.device_s is not None else fed.period_s + aug
+        fed = replace(fed, period_s=period, device_s=device)
     return replace(parts, workers=workers, loader=loader, fed=fed)
 
 

@@ -69,6 +69,8 @@ def _split(ds: Any, indices: Sequence[int], budget_s: float) -> dict[str, Any]:
         ds.transform = None  # the same __getitem__ without its transform: the load part alone
         try:
             out["load_s"], loaded = time_calls(ds.__getitem__, indices, budget_s / 2)
+        except Exception:  # a Dataset that calls self.transform unconditionally: no split, __getitem__ whole
+            return out
         finally:
             ds.transform = transform
         images = [s[0] if isinstance(s, (tuple, list)) else s for s in loaded]

@@ -24,6 +24,7 @@ from dlstore.bench.watch.config import WatchConfig
 from dlstore.bench.watch.describe import batch_images, dataset_info, loader_settings
 
 PHASES = ("warmup", "profiled", "real", "replay", "refill")
+NVML_EVERY = 4  # GPU utilisation on one sampler tick in 4 (every 2 s at the default 0.5 s)
 
 
 class WatchStop(SystemExit):
@@ -172,6 +173,7 @@ class Session:
         self._profiled = 0
         self.profile_trace: str | None = None
         self._cuda = False
+        self._cuda_possible: bool | None = None
         self.finished: dict[str, Any] | None = None
 
     # -- entry points ---------------------------------------------------------------------------------
@@ -206,9 +208,13 @@ class Session:
 
     # -- decisions in next() --------------------------------------------------------------------------
     def cuda_in_use(self) -> bool:
-        # once CUDA is up it stays up; until then one cheap call per step
+        # once CUDA is up it stays up; until then one cheap call per step. Whether CUDA exists at all is
+        # asked once, at the first step (after the script set its CUDA_VISIBLE_DEVICES): is_available()
+        # reads the environment each call, ~1 µs a step on a CPU-only run for nothing
         if not self._cuda:
-            self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+            if self._cuda_possible is None:
+                self._cuda_possible = torch.cuda.is_available()
+            self._cuda = self._cuda_possible and torch.cuda.is_initialized()
         return self._cuda
 
     def event(self) -> Any:
@@ -247,10 +253,11 @@ class Session:
             rec.kept.append(batch)
         elif rec.sample_batch is None and phase != "warmup":
             rec.sample_batch = batch  # for the copy timing at the end
-        self._profile_step(rec, phase)
+        if self.config.profile:
+            self._profile_step(rec, phase)
 
     def _profile_step(self, rec: LoaderRecord, phase: str) -> None:
-        if not self.config.profile or rec.index != 0:
+        if rec.index != 0:
             return
         if self._profiler is None and not self._profile_started and rec.real >= self.config.warmup:
             self._profile_started = True
@@ -320,6 +327,7 @@ class _Sampler(threading.Thread):
         self.main_cpu: list[list[float | None]] = []
         self.gpu_util: list[list[float]] = []
         self.nvml: Any = None
+        self.ticks = 0
 
     def run(self) -> None:
         self.nvml = _nvml_handle()
@@ -338,7 +346,11 @@ class _Sampler(threading.Thread):
         self.main_cpu.append([t, process_cpu_s(os.getpid())])
         for rec in list(s.records.values()):
             _sample_workers(rec, t)
-        if self.nvml is not None and s.cuda_in_use():
+        self.ticks += 1
+        # NVML's queries contend with kernel launches (the bench's loop ran a launch-bound step slower with
+        # them): one in NVML_EVERY samples. The utilisation it reads is the driver's own average over its
+        # last period, so a sparser sample still reads the loop's
+        if self.nvml is not None and s.cuda_in_use() and self.ticks % NVML_EVERY == 1:
             try:
                 self.gpu_util.append([t, float(self.nvml[0].nvmlDeviceGetUtilizationRates(self.nvml[1]).gpu)])
             except Exception:
@@ -348,19 +360,27 @@ class _Sampler(threading.Thread):
 def _sample_workers(rec: LoaderRecord, t: float) -> None:
     rss = pss = shared = 0.0
     pids = rec.worker_pids()
+    seen = 0  # workers whose memory was readable: one that is exiting has none, which is not 0 MB
     for pid in pids:
         cpu = process_cpu_s(pid)
         if cpu is not None:
             rec.worker_cpu[pid] = max(cpu, rec.worker_cpu.get(pid, 0.0))
         mem = smaps_mb(pid)
-        rss, pss, shared = rss + mem["rss"], pss + mem["pss"], shared + mem["shared"]
-    if pids or rec.worker_cpu:
-        rec.worker_samples.append([t, sum(rec.worker_cpu.values()), rss, pss, shared, float(len(pids))])
+        if mem is not None:
+            seen += 1
+            rss, pss, shared = rss + mem["rss"], pss + mem["pss"], shared + mem["shared"]
+    if not pids and not rec.worker_cpu:
+        return
+    # the workers' CPU stays counted after they end; their memory only where it was read
+    memory: list[float | None] = [rss, pss, shared] if seen else [None, None, None]
+    rec.worker_samples.append([t, sum(rec.worker_cpu.values()), *memory, float(len(pids))])
 
 
-def smaps_mb(pid: int) -> dict[str, float]:
-    """Rss, Pss and shared (clean + dirty) of one process in MB, from smaps_rollup (0 when unreadable)."""
+def smaps_mb(pid: int) -> dict[str, float] | None:
+    """Rss, Pss and shared (clean + dirty) of one process in MB, from smaps_rollup; None when unreadable
+    or empty (the process is exiting)."""
     out = {"rss": 0.0, "pss": 0.0, "shared": 0.0}
+    found = False
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
@@ -368,13 +388,14 @@ def smaps_mb(pid: int) -> dict[str, float]:
                 kb = value.split()[0] if value.split() else "0"
                 if key == "Rss":
                     out["rss"] = int(kb) / 1024
+                    found = True
                 elif key == "Pss":
                     out["pss"] = int(kb) / 1024
                 elif key in ("Shared_Clean", "Shared_Dirty"):
                     out["shared"] += int(kb) / 1024
     except (OSError, ValueError):
-        pass
-    return out
+        return None
+    return out if found and out["rss"] > 0 else None
 
 
 def _nvml_handle() -> tuple[Any, Any] | None:

@@ -24,6 +24,8 @@ from dlstore.bench.watch.describe import base_dataset
 SAMPLE_IMAGES = 2048  # at most: enough for a steady loader, converted in seconds
 SAMPLE_BATCHES = 4  # at least this many batches of the user's size
 WARM_BATCHES = 2
+EPOCH_BATCHES = 64  # batches per epoch of the loader timed on a sample
+HARD_LIMIT = 3  # × the budget: a loader slower than that is timed on fewer batches
 
 
 def sample_source(ds_info: dict[str, Any], dataset: Any, batch: int, seed: int = 0) -> Any:
@@ -55,6 +57,15 @@ def try_cache(
     source = sample_source(ds_info, dataset, batch)
     if len(source) < batch + 1:
         return {"skipped": f"the dataset holds {len(source)} images, fewer than two batches of {batch}"}
+    return convert_and_time(loader, source, plan, batch, cuda, budget_s)
+
+
+def convert_and_time(
+    loader: Any, source: Any, plan: dict[str, Any], batch: int, cuda: bool, budget_s: float
+) -> dict[str, Any]:
+    """``source`` converted as ``plan`` says into a temporary folder (removed after), and the advised
+    loader timed on it: with GpuAugment at 0 workers, else with the loop's transform and workers."""
+    dataset = base_dataset(getattr(loader, "dataset", None))
     tmp = Path(tempfile.mkdtemp(prefix="dlstore-try-cache-"))
     try:
         t0 = time.perf_counter()
@@ -90,20 +101,27 @@ def time_loader(
     cuda: bool,
     budget_s: float,
 ) -> dict[str, Any]:
-    """The recommended loader alone over the sample (epochs repeated until ``budget_s``): per batch its
-    period, the main thread's time in next() (plus the GPU augmentation's launch) and, on a GPU, the
-    augmentation's device time."""
-    from torch.utils.data import DataLoader
+    """The recommended loader alone over the cache at ``dest`` (epochs repeated until ``budget_s``): per
+    batch its period, the main thread's time in next() (plus the GPU augmentation's launch) and, on a
+    GPU, the augmentation's device time (``time_batches``)."""
+    from torch.utils.data import DataLoader, RandomSampler
 
     from dlstore.read.dataset import CachedDataset
 
     ds = CachedDataset(
         dest, transform=transform, pil=transform is not None, in_memory=plan.get("in_memory", False)
     )
+    # a sample (or a probe's synthetic images) holds a few batches: drawn with replacement into epochs of
+    # EPOCH_BATCHES, or the workers' pipeline would drain and refill at every few batches, as the loop's
+    # own longer epochs do not
+    n = len(ds)
+    sampler = RandomSampler(
+        ds, replacement=n < EPOCH_BATCHES * batch, num_samples=max(n, EPOCH_BATCHES * batch)
+    )
     dl = DataLoader(
         ds,
         batch_size=batch,
-        shuffle=True,
+        sampler=sampler,
         drop_last=True,
         num_workers=workers,
         persistent_workers=workers > 0,
@@ -115,17 +133,34 @@ def time_loader(
 
         device = torch.device("cuda", torch.cuda.current_device())
         augment = GpuAugment(plan["crop"], degrees=plan.get("degrees", 0.0)).to(device)
+    try:
+        return time_batches(dl, batch, budget_s, augment, device)
+    finally:
+        del dl
+
+
+def time_batches(
+    dl: Any, batch: int, budget_s: float, augment: Any = None, device: torch.device | None = None
+) -> dict[str, Any]:
+    """A loader alone (epochs repeated until ``budget_s``, past the batches its workers queued ahead),
+    as the bench times a loader alone: per batch its period, the main thread's share (the wall time in
+    next() and the augmentation's launch with 0 workers, where the loader works in the caller; the main
+    thread's CPU time there with workers, whose wait is not work), its workers' CPU seconds (/proc) and,
+    with ``augment`` (a module on the CUDA ``device``), the augmentation's device time."""
+    workers = int(getattr(dl, "num_workers", 0) or 0)
     main = _Timer()
     events: list[tuple[Any, Any]] = []  # the augmentation's device span per timed batch
-    n, t_start, deadline = 0, 0.0, float("inf")
+    n, t_start, deadline, cpu0 = 0, 0.0, float("inf"), 0.0
     # past the batches the workers queued ahead (prefetch), or the first timed batches cost nothing
     least = WARM_BATCHES + max(3, 2 * workers * (getattr(dl, "prefetch_factor", None) or 2))
+    hard = time.perf_counter() + HARD_LIMIT * budget_s + 60.0  # a very slow loader: stop short of ``least``
+    its: list[Any] = []
     while True:
-        for x, _ in _iterate(dl, main):
+        for x in _iterate(dl, main, its):
             if augment is not None:
                 with main:
                     e0 = _event()
-                    augment(x.to(device, non_blocking=True))
+                    augment(_first_tensor(x).to(device, non_blocking=True))
                     if n >= WARM_BATCHES:
                         events.append((e0, _event()))
             n += 1
@@ -133,9 +168,11 @@ def time_loader(
                 if device is not None:
                     torch.cuda.synchronize(device)
                 main.reset()
+                cpu0 = workers_cpu_s(its[-1])
                 t_start = time.perf_counter()
                 deadline = t_start + budget_s
-            if n >= least and time.perf_counter() >= deadline:
+            now = time.perf_counter()
+            if (n >= least and now >= deadline) or (n > WARM_BATCHES and now >= hard):
                 break
         else:
             continue
@@ -144,13 +181,15 @@ def time_loader(
         torch.cuda.synchronize(device)
     timed = n - WARM_BATCHES
     wall = time.perf_counter() - t_start
-    del dl
+    cpu = workers_cpu_s(its[-1]) - cpu0
+    main_s = (main.cpu if workers else main.total) / timed
     out = {
         "workers": workers,
         "gpu_augment": augment is not None,
         "batches_timed": timed,
         "period_s": wall / timed,
-        "main_s": main.total / timed,
+        "main_s": main_s,
+        "workers_cpu_s": cpu / timed if workers else None,
         "loader_img_per_s": batch * timed / wall,
     }
     if events:
@@ -158,26 +197,49 @@ def time_loader(
     return out
 
 
+def workers_cpu_s(it: Any) -> float:
+    """The CPU seconds (user + system) of a DataLoader iterator's live worker processes."""
+    from dlstore.bench.monitor import process_cpu_s
+
+    total = 0.0
+    for w in getattr(it, "_workers", None) or ():
+        got = process_cpu_s(w.pid) if getattr(w, "pid", None) else None
+        total += got or 0.0
+    return total
+
+
+def _first_tensor(batch: Any) -> torch.Tensor:
+    from dlstore.bench.watch.parts import tensors_of
+
+    return tensors_of(batch)[0]
+
+
 class _Timer:
-    """Seconds spent inside ``with timer:`` blocks, summed."""
+    """Seconds spent inside ``with timer:`` blocks, summed: wall (``total``) and this thread's CPU (``cpu``)."""
 
     def __init__(self) -> None:
         self.total = 0.0
+        self.cpu = 0.0
         self._t = 0.0
+        self._c = 0.0
 
     def __enter__(self) -> None:
         self._t = time.perf_counter()
+        self._c = time.thread_time()
 
     def __exit__(self, *exc: Any) -> None:
         self.total += time.perf_counter() - self._t
+        self.cpu += time.thread_time() - self._c
 
     def reset(self) -> None:
         self.total = 0.0
+        self.cpu = 0.0
 
 
-def _iterate(dl: Any, main: _Timer) -> Any:
-    """The loader's batches, the time in each next() counted in ``main``."""
+def _iterate(dl: Any, main: _Timer, its: list[Any]) -> Any:
+    """The loader's batches, the time in each next() counted in ``main``; the iterator goes in ``its``."""
     it = iter(dl)
+    its.append(it)
     while True:
         with main:
             try:
