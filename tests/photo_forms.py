@@ -67,7 +67,15 @@ def scikit_pictures() -> dict[str, Image.Image]:
     """scikit-image's and scikit-learn's bundled photographs, those this install has ({} without them)."""
     import socket
 
+    before = socket.getdefaulttimeout()
     socket.setdefaulttimeout(5)  # a picture that needs a download fails fast offline, and is left out
+    try:  # process-wide: left at 5 s it breaks later tests' idle sockets (batch_procs' workers)
+        return _scikit_pictures()
+    finally:
+        socket.setdefaulttimeout(before)
+
+
+def _scikit_pictures() -> dict[str, Image.Image]:
     out = {}
     try:
         import skimage.data as data

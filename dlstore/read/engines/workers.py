@@ -130,6 +130,8 @@ def _hang_up(conn: Connection) -> None:
 
 def _start(module: str) -> tuple[Connection, subprocess.Popen[bytes]]:
     here, there = socket.socketpair()
+    for end in (here, there):  # blocking fds whatever socket.setdefaulttimeout the program set: a timeout
+        end.setblocking(True)  # makes the fd non-blocking, and Connection's raw reads then fail with EAGAIN
     cmd = [sys.executable, "-c", f"from {module} import main; main()", str(there.fileno())]
     proc = subprocess.Popen(cmd, pass_fds=[there.fileno()], env=_child_env(), close_fds=True)
     there.close()

@@ -75,6 +75,30 @@ def test_a_short_last_shard_is_decoded_by_the_workers_too(npz_cache: Path) -> No
     cache.close()
 
 
+def test_a_program_wide_socket_timeout_leaves_the_workers_decoding(
+    npz_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """socket.setdefaulttimeout(...) in the user's program made the worker sockets non-blocking, every
+    worker read failed with EAGAIN, and each unit was decoded in the reading process instead."""
+    import socket
+
+    before = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(5)
+    try:
+        batches = index_batches(npz_cache, "chunk")
+        cache = open_cache(npz_cache)
+        expected = [cache.read(b) for b in batches]
+        calls: list[int] = []
+        load = cache.reader.load_unit
+        cache.reader.load_unit = lambda k: (calls.append(k), load(k))[1]  # type: ignore[method-assign]
+        got = [x.copy() for x in cache.read_batches(batches, processes=2)]
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected))
+        assert calls == []
+        cache.close()
+    finally:
+        socket.setdefaulttimeout(before)
+
+
 def index_batches(root: Path, order: str, size: int = 32) -> list[np.ndarray]:
     cache = open_cache(root)
     idx = list(make_sampler(cache, order, seed=2))
