@@ -6,7 +6,6 @@ columns become the fields (``--field``), so the Dask workers get the source's fi
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from s3server import aws_env, start_server
 
 from dlstore import CachedDataset, convert, verify
 from dlstore.read.loaders import PinnedLoader
@@ -87,17 +85,9 @@ def local(parquet: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[
 
 
 @pytest.fixture(scope="module")
-def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    pytest.importorskip("moto.server")
-    pytest.importorskip("s3fs")
-    server = start_server()
-    with pytest.MonkeyPatch.context() as mp:
-        for name, value in aws_env(server).items():
-            mp.setenv(name, value)
-        mp.setenv("DLSTORE_SPOOL", str(tmp_path_factory.mktemp("spool")))
-        RemoteStore(f"s3://{BUCKET}").fs.mkdir(BUCKET)
-        yield
-    server.stop()
+def s3(server: Any) -> None:
+    """conftest's moto server, with the bucket this module writes to."""
+    RemoteStore(f"s3://{BUCKET}").fs.mkdir(BUCKET)
 
 
 @pytest.mark.slow  # two conversions and a moto server: ~25 s on this shared 2-core VM, over the 5 s default
