@@ -209,6 +209,10 @@ class DecodeLoader(CoreLoader):
         self._asked, self._yielded = 0.0, 0  # when the caller asked for this epoch's last batch; how many
         self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
         self._refs: list[Any] = []
+        # A transform that takes FlatImages gets each batch where the lanes decoded it (the CPU share's
+        # buffer, nvJPEG's tensors, the hardware lane's slots: ragged.scattered_flat), with no per-image
+        # tensor or copy; False: copied into one buffer first (the design before; kept to compare).
+        self.scatter = True
 
     def _setup_lanes(self) -> None:
         """The lanes that exist here and the split over them (again if ``gpu`` was changed since)."""
@@ -460,20 +464,28 @@ class DecodeLoader(CoreLoader):
         if self.gpu:
             payloads, tensors, share, parts = data
             first = share.count if share is not None else 0
-            images: list[torch.Tensor] = []
+            takes_flat = getattr(self.transform, "takes_flat", False)
+            scatter = self.scatter and takes_flat
+            images: list[Any] = []
             if payloads:
                 t0 = time.perf_counter()
-                images = self._decode_device_part(index[first:], payloads, tensors, shapes, parts, launching)
+                images = self._decode_device_part(
+                    index[first:], payloads, tensors, shapes, parts, launching, scatter
+                )
                 self.stats.decode_seconds += time.perf_counter() - t0
             launching()  # all on the CPU decoders: no device call to wait for
             self._refs = images
+            flat = None
             if share is None:
                 self._balance(0, len(images), 0.0, 0.0)
             else:
                 flat, waited, busy = self._cpu_share_on_device(share, index)
                 self._balance(share.count, len(images), waited, busy)
                 self._refs = [*images, flat]
-                if getattr(self.transform, "takes_flat", False):  # no per-image tensors, no cat of them
+            if scatter:  # where the lanes left them: no per-image tensors, no copy
+                return self._out(self._scattered(flat, share, images, shapes), labels)
+            if share is not None:
+                if takes_flat:  # no per-image tensors for the CPU share, one cat
                     flat_images = self._flat_images(flat, share, images, shapes)
                     return self._out(flat_images, labels)
                 images = _views(flat, share.offsets, share.shapes) + images
@@ -544,6 +556,36 @@ class DecodeLoader(CoreLoader):
         meta_t = to_device(torch.from_numpy(meta), self.device)
         return FlatImages(flat, meta_t[0], meta_t[1], meta_t[2], int(hwc[0, 2]), host=meta)
 
+    def _scattered(
+        self, cpu_flat: torch.Tensor | None, share: CpuShare | None, images: list[Any], shapes: Any
+    ) -> FlatImages:
+        """The batch where its lanes decoded it (``ragged.scattered_flat``): the CPU share in its flat
+        buffer, then each device image at its address (a tensor's, or the hardware lane's slot)."""
+        from dlstore.gpu.ragged import scattered_flat
+
+        hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
+        addresses = np.fromiter(
+            (x if type(x) is int else x.data_ptr() for x in images), np.int64, len(images)
+        )
+        if share is not None and cpu_flat is not None:
+            base = cpu_flat
+            addresses = np.concatenate([share.offsets.astype(np.int64) + base.data_ptr(), addresses])
+            hwc = np.concatenate([np.asarray(share.shapes, np.int64).reshape(-1, 3), hwc])
+        else:
+            base = next((x for x in images if type(x) is not int), None)
+            if base is None:
+                assert self.hw is not None and self.hw.slots is not None
+                base = self.hw.slots
+        hw, device_hwc = self.hw, np.asarray(shapes, np.int64).reshape(-1, 3)
+
+        def sources() -> list[torch.Tensor]:
+            out = [] if share is None or cpu_flat is None else _views(cpu_flat, share.offsets, share.shapes)
+            for x, (h, w, c) in zip(images, device_hwc.tolist()):
+                out.append(hw.view(x, (c, h, w)) if type(x) is int else x)  # type: ignore[union-attr]
+            return out
+
+        return scattered_flat(base, addresses, hwc, sources)
+
     def _decode_device_part(
         self,
         index: np.ndarray,
@@ -552,12 +594,15 @@ class DecodeLoader(CoreLoader):
         shapes: Any,
         parts: list[tuple[str, int, int]],
         launching: Callable[[], None],
-    ) -> list[torch.Tensor]:
+        scatter: bool = False,
+    ) -> list[Any]:
         """The device lanes' parts of a batch, decoded at once (the hardware lane in its thread beside
         nvJPEG in this one); a failed lane's part and the images a lane refuses go to the next lane, and
-        to the CPU in this thread when none is left."""
+        to the CPU in this thread when none is left. With ``scatter`` the hardware lane decodes into its
+        slots and gives each image's address (an int) instead of a tensor."""
         positions = self.cache.positions[index]
-        expected = [(c, h, w) for h, w, c in np.asarray(shapes).tolist()]
+        hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
+        expected = [(c, h, w) for h, w, c in hwc.tolist()]
 
         def nvjpeg(a: int, b: int) -> list[Any]:
             out, fallbacks = decode_on_device(
@@ -575,6 +620,8 @@ class DecodeLoader(CoreLoader):
 
         def hardware(a: int, b: int) -> list[Any]:  # in the pool's thread: no stats here
             launching()
+            if scatter and self.hw.into:
+                return self.hw.decode_into(payloads[a:b], np.prod(hwc[a:b], axis=1))
             out = self.hw.decode(payloads[a:b])
             return [
                 img if img is not None and tuple(img.shape) == expected[a + i] else None
