@@ -1615,6 +1615,13 @@ def _engines_bare(args: argparse.Namespace, path: Path, batch: int) -> dict[str,
         hw = lanes["hw"]
         fns = [lambda i: hw.decode_into(views[i], nbytes[i]), lambda i: decode_jpeg(tensors[i], device=DEV)]
         out["hw+nvjpeg"] = _together(fns, nb, batch, secs)
+        # Beside a thread running Python (a training loop's launches): nvImageCodec takes the GIL back
+        # per image inside its batched call, torchvision's call does not; and with a 0.5 ms switch interval
+        out["beside_python"] = {
+            "hw_slots": _beside_python(fns[0], nb, batch, secs),
+            "nvjpeg": _beside_python(fns[1], nb, batch, secs),
+            "hw_slots_switch_0.5ms": _beside_python(fns[0], nb, batch, secs, switch=0.0005),
+        }
     log(f"bare {path.name}: " + ", ".join(f"{k} {v:,.0f}" for k, v in out.items() if isinstance(v, float)))
     return out
 
@@ -1637,6 +1644,27 @@ def _together(fns: list[Any], nb: int, batch: int, seconds: float) -> float:
         t.join()
     sync()
     return sum(counts) * batch / (time.perf_counter() - t0)
+
+
+def _beside_python(fn: Any, nb: int, batch: int, seconds: float, switch: float | None = None) -> float:
+    """img/s of ``fn`` over the batches while another thread runs Python all the time."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            busy_python(0.001)
+
+    old = sys.getswitchinterval()
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    try:
+        if switch is not None:
+            sys.setswitchinterval(switch)
+        return _rate(fn, nb, batch, seconds)
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        t.join()
 
 
 def _ms(fn: Callable[[], Any], reps: int = 10) -> float:
@@ -1799,6 +1827,7 @@ def section_engines(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     for px, _res, batch in geometry:
         out[f"bare_{px}px"] = _engines_bare(args, work / f"jpeg_short{px}", batch // args.batch_div)
     out["python_costs_128px"] = _python_costs(work / "jpeg_short128", 512 // args.batch_div)
+    (args.out / "engines_partial.json").write_text(json.dumps(out, indent=1, default=str))
     for px, res, batch in geometry:
         r = out[f"loader_{px}px"] = _engines_loader(
             args, work / f"jpeg_short{px}", res, batch // args.batch_div
