@@ -1729,29 +1729,50 @@ ENGINE_SETS = {
 }
 
 
-def _engines_loader(args: argparse.Namespace, path: Path, res: int, batch: int) -> dict[str, Any]:
+def _best_mixed(bare: dict[str, Any]) -> str | None:
+    """The nvImageCodec multi-backend decoder that decoded fastest bare (into slots), if any ran."""
+    rates = {
+        k.removesuffix("_slots"): v
+        for k, v in bare.items()
+        if k.endswith("_slots") and k != "hw_slots" and isinstance(v, float)
+    }
+    return max(rates, key=rates.get) if rates else None  # type: ignore[arg-type]
+
+
+def _engines_loader(
+    args: argparse.Namespace, path: Path, res: int, batch: int, mixed: str | None
+) -> dict[str, Any]:
     """DecodeLoader alone per lane set (measured split), scattered batches (this design) and copied into
-    one buffer (the design before), alternated; and the bare batched decode_jpeg loop."""
+    one buffer (the design before), alternated; the ``mixed`` nvImageCodec decoder (hardware + CUDA
+    backends in one call) as the only GPU lane, alone and beside the CPU; the bare decode_jpeg loop."""
     rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
         DEV
     )
     cpu = decoder_counts(args)[0] if decoder_counts(args) else 0
     out: dict[str, Any] = {"bare_decode_jpeg": bare_rate(path, batch, passes=args.lanes_epochs)}
-    for name, lanes in ENGINE_SETS.items():
-        for scatter in (True, False):
-            key = f"{name}{'' if scatter else '_copied'}"
-            ld = _loader(path, batch, rrc, lanes, cpu)
-            ld.scatter = scatter
-            try:
-                t = timed_loader(ld, args.lanes_epochs)
-            finally:
+    plan = [(name, lanes, scatter) for name, lanes in ENGINE_SETS.items() for scatter in (True, False)]
+    if mixed is not None and DEV == "cuda":
+        plan += [(f"mixed:{mixed}", ["hw"], True), (f"cpu+mixed:{mixed}", ["cpu", "hw"], True)]
+    for name, lanes, scatter in plan:
+        key = f"{name}{'' if scatter else '_copied'}"
+        ld = _loader(path, batch, rrc, lanes, cpu)
+        ld.scatter = scatter
+        if name.startswith(("mixed", "cpu+mixed")):  # the hardware lane's decoder swapped
+            engine = _engine(*ENGINES[mixed]) if ld.hw is not None else None  # type: ignore[index]
+            if engine is None:
                 ld.close()
-            out[key] = t | {
-                "lanes": ld.split.lanes,
-                "shares": ld.split.shares(),
-                "rerouted": ld.stats.rerouted,
-            }
-            log(f"loader {path.name} {key} ({'+'.join(ld.split.lanes)}): {t['img_s']:,.0f} img/s")
+                continue
+            ld.hw = engine
+        try:
+            t = timed_loader(ld, args.lanes_epochs)
+        finally:
+            ld.close()
+        out[key] = t | {
+            "lanes": ld.split.lanes,
+            "shares": ld.split.shares(),
+            "rerouted": ld.stats.rerouted,
+        }
+        log(f"loader {path.name} {key} ({'+'.join(ld.split.lanes)}): {t['img_s']:,.0f} img/s")
     return out
 
 
@@ -1829,8 +1850,9 @@ def section_engines(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["python_costs_128px"] = _python_costs(work / "jpeg_short128", 512 // args.batch_div)
     (args.out / "engines_partial.json").write_text(json.dumps(out, indent=1, default=str))
     for px, res, batch in geometry:
+        mixed = _best_mixed(out[f"bare_{px}px"])
         r = out[f"loader_{px}px"] = _engines_loader(
-            args, work / f"jpeg_short{px}", res, batch // args.batch_div
+            args, work / f"jpeg_short{px}", res, batch // args.batch_div, mixed
         )
         (args.out / "engines_partial.json").write_text(json.dumps(out, indent=1, default=str))
         _engines_loader_targets(px, batch, r)
