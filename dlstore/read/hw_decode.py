@@ -166,10 +166,12 @@ class HardwareJpeg:
         return images
 
     def _ensure_slots(self, n: int, largest: int) -> None:
-        """At least ``n`` slots; on the first call each holds twice the batch's largest image (a later,
-        larger one gets an allocation of its own, as nvImageCodec makes it)."""
+        """At least ``n`` slots (twice as many as before when they grow: a split that moves does not
+        reallocate every batch); on the first call each holds twice the batch's largest image (a
+        later, larger one gets an allocation of its own, as nvImageCodec makes it)."""
         if len(self._wraps) >= n:
             return
+        n = max(n, 2 * len(self._wraps))
         self.slot_bytes = max(self.slot_bytes, 2 * largest + 255 & ~255)  # 256-byte aligned slots
         self.slots = torch.empty(n * self.slot_bytes, dtype=torch.uint8, device=self.device)
         views = [self.slots[i * self.slot_bytes : (i + 1) * self.slot_bytes].view(1, -1) for i in range(n)]
