@@ -421,12 +421,13 @@ class DecodeLoader(CoreLoader):
             if first == len(index)
             else self.cache.read_payloads(index[first:])
         )
-        return (
-            index,
-            (payloads, as_tensors(payloads), share, self._parts(counts, len(payloads))),
-            shapes,
-            labels,
-        )
+        parts = self._parts(counts, len(payloads))
+        # tensors over the payloads for nvJPEG's part only (the hardware lane takes the bytes as they are)
+        tensors: list[Any] = [None] * len(payloads)
+        for name, a, b in parts:
+            if name == "nvjpeg":
+                tensors[a:b] = as_tensors(payloads[a:b])
+        return index, (payloads, tensors, share, parts), shapes, labels
 
     def _parts(self, counts: dict[str, int], n: int) -> list[tuple[str, int, int]]:
         """The device lanes' (lane, start, stop) parts of the ``n`` images the CPU share left; what the
@@ -605,13 +606,16 @@ class DecodeLoader(CoreLoader):
         expected = [(c, h, w) for h, w, c in hwc.tolist()]
 
         def nvjpeg(a: int, b: int) -> list[Any]:
+            data = tensors[a:b]
+            if any(t is None for t in data):  # another lane's images (it failed, or refused them)
+                data = as_tensors(payloads[a:b])
             out, fallbacks = decode_on_device(
                 self.cache,
                 payloads[a:b],
                 shapes[a:b],
                 positions[a:b],
                 self.device,
-                tensors[a:b],
+                data,
                 launching=launching,
             )
             self.stats.cpu_fallbacks += fallbacks
