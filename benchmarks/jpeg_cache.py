@@ -1743,43 +1743,60 @@ def _best_mixed(bare: dict[str, Any]) -> str | None:
 def _engines_loader(
     args: argparse.Namespace, path: Path, res: int, batch: int, mixed: str | None
 ) -> dict[str, Any]:
-    """DecodeLoader alone per lane set (measured split), scattered batches (this design) and copied into
-    one buffer (the design before), alternated; the ``mixed`` nvImageCodec decoder (hardware + CUDA
-    backends in one call) as the only GPU lane, alone and beside the CPU; the bare decode_jpeg loop."""
+    """DecodeLoader alone per lane set (measured split): scattered batches (this design) and copied into
+    one buffer (``_copied``, the design before); without CPU decoders, reads also held until the
+    device call returns (``_reads_after``); the ``mixed`` nvImageCodec decoder (hardware + CUDA
+    backends in one call) as the only GPU lane, alone and beside the CPU; the bare decode_jpeg loop.
+    ``--engines-repeats`` rounds, the order rotated; the median."""
     rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
         DEV
     )
     cpu = decoder_counts(args)[0] if decoder_counts(args) else 0
-    out: dict[str, Any] = {"bare_decode_jpeg": bare_rate(path, batch, passes=args.lanes_epochs)}
-    plan = [(name, lanes, scatter, None) for name, lanes in ENGINE_SETS.items() for scatter in (True, False)]
+    sets = (
+        ENGINE_SETS
+        if args.engines_sets == "all"
+        else {k: ENGINE_SETS[k] for k in args.engines_sets.split(",")}
+    )
+    variants = [v for v in args.engines_variants.split(",") if v]
+    plan = [(name, lanes, "") for name, lanes in sets.items()]
+    plan += [
+        (name, lanes, v)
+        for name, lanes in sets.items()
+        for v in variants
+        if v != "_reads_after" or "cpu" not in lanes
+    ]
     if mixed is not None and DEV == "cuda":
-        plan += [(f"mixed:{mixed}", ["hw"], True, None), (f"cpu+mixed:{mixed}", ["cpu", "hw"], True, None)]
-    # a C call (a batched decode) that ends while another thread runs Python waits up to the switch
-    # interval (5 ms) for the GIL; nvImageCodec takes it per image: these sets again at 0.5 ms
-    plan += [(name, ENGINE_SETS[name], True, 0.0005) for name in ("nvjpeg", "hw", "cpu+hw+nvjpeg")]
-    for name, lanes, scatter, switch in plan:
-        key = f"{name}{'' if scatter else '_copied'}{'' if switch is None else '_switch0.5ms'}"
-        ld = _loader(path, batch, rrc, lanes, cpu)
-        ld.scatter = scatter
-        if name.startswith(("mixed", "cpu+mixed")):  # the hardware lane's decoder swapped
-            engine = _engine(*ENGINES[mixed]) if ld.hw is not None else None  # type: ignore[index]
-            if engine is None:
+        plan += [(f"mixed:{mixed}", ["hw"], ""), (f"cpu+mixed:{mixed}", ["cpu", "hw"], "")]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    bare: list[float] = []
+    for r in range(args.engines_repeats):
+        bare.append(bare_rate(path, batch, passes=args.lanes_epochs))
+        for name, lanes, variant in plan[r % len(plan) :] + plan[: r % len(plan)]:
+            key = name + variant
+            ld = _loader(path, batch, rrc, lanes, cpu)
+            ld.scatter = variant != "_copied"
+            ld.read_during_decode = variant != "_reads_after"
+            if name.startswith(("mixed", "cpu+mixed")):  # the hardware lane's decoder swapped
+                engine = _engine(*ENGINES[mixed]) if ld.hw is not None else None  # type: ignore[index]
+                if engine is None:
+                    ld.close()
+                    continue
+                ld.hw = engine
+            try:
+                t = timed_loader(ld, args.lanes_epochs)
+            finally:
                 ld.close()
-                continue
-            ld.hw = engine
-        interval = sys.getswitchinterval()
-        try:
-            sys.setswitchinterval(switch or interval)
-            t = timed_loader(ld, args.lanes_epochs)
-        finally:
-            sys.setswitchinterval(interval)
-            ld.close()
-        out[key] = t | {
-            "lanes": ld.split.lanes,
-            "shares": ld.split.shares(),
-            "rerouted": ld.stats.rerouted,
+            runs.setdefault(key, []).append(
+                t | {"lanes": ld.split.lanes, "shares": ld.split.shares(), "rerouted": ld.stats.rerouted}
+            )
+            log(f"loader {path.name} {key} ({'+'.join(ld.split.lanes)}): {t['img_s']:,.0f} img/s")
+    out: dict[str, Any] = {"bare_decode_jpeg": float(np.median(bare)), "bare_runs": bare}
+    for key, rs in runs.items():
+        best = sorted(rs, key=lambda t: t["img_s"])[len(rs) // 2]  # the median run (upper, of two)
+        out[key] = best | {
+            "img_s": float(np.median([t["img_s"] for t in rs])),
+            "img_s_runs": [t["img_s"] for t in rs],
         }
-        log(f"loader {path.name} {key} ({'+'.join(ld.split.lanes)}): {t['img_s']:,.0f} img/s")
     return out
 
 
@@ -1795,6 +1812,8 @@ def _engines_train(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, 
         loaders["auto_gpu_lanes"] = _loader(path, batch, rrc, ["hw", "nvjpeg"], 0)
         copied = loaders["auto_gpu_lanes_copied"] = _loader(path, batch, rrc, ["hw", "nvjpeg"], 0)
         copied.scatter = False
+        after = loaders["auto_gpu_lanes_reads_after"] = _loader(path, batch, rrc, ["hw", "nvjpeg"], 0)
+        after.read_during_decode = False
         for share in (0.5, 0.7, 0.85, 1.0):
             split = {"hw": share, "nvjpeg": 1.0 - share}
             loaders[f"fixed_hw{share:.2f}_nvjpeg{1 - share:.2f}"] = _loader(
@@ -1826,6 +1845,7 @@ def _engines_train(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, 
     }
     log(f"resnet50@224 GPU lanes only: {r50['of_ceiling']}")
     out: dict[str, Any] = {"resnet50_224_gpu_lanes": r50}
+    (args.out / "engines_train_partial.json").write_text(json.dumps(out, indent=1, default=str))
     cpu = decoder_counts(args)[0] if decoder_counts(args) else 0
     if cpu:
         short, args.lanes_short_sweep = args.lanes_short_sweep, True
@@ -1852,17 +1872,21 @@ def section_engines(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"nvimgcodec": version, "hw_lane": hw}
     sizes = [int(v) for v in args.lanes_sizes.split(",")]
     geometry = [g for g in ((128, 112, 512), (256, 224, 256)) if g[0] in sizes]
-    for px, _res, batch in geometry:
+    parts = args.engines_parts.split(",")
+    for px, _res, batch in geometry if "bare" in parts else []:
         out[f"bare_{px}px"] = _engines_bare(args, work / f"jpeg_short{px}", batch // args.batch_div)
-    out["python_costs_128px"] = _python_costs(work / "jpeg_short128", 512 // args.batch_div)
+    if "costs" in parts:
+        out["python_costs_128px"] = _python_costs(work / "jpeg_short128", 512 // args.batch_div)
     (args.out / "engines_partial.json").write_text(json.dumps(out, indent=1, default=str))
-    for px, res, batch in geometry:
-        mixed = _best_mixed(out[f"bare_{px}px"])
+    for px, res, batch in geometry if "loader" in parts else []:
+        mixed = _best_mixed(out[f"bare_{px}px"]) if f"bare_{px}px" in out else args.engines_mixed
         r = out[f"loader_{px}px"] = _engines_loader(
             args, work / f"jpeg_short{px}", res, batch // args.batch_div, mixed
         )
         (args.out / "engines_partial.json").write_text(json.dumps(out, indent=1, default=str))
         _engines_loader_targets(px, batch, r)
+    if "train" not in parts:
+        return out
     out["train"] = _engines_train(args, work, hw)
     r50 = out["train"]["resnet50_224_gpu_lanes"]
     best = max((k for k in r50["median"] if k != "synthetic"), key=r50["median"].get)
@@ -1897,12 +1921,13 @@ def _engines_loader_targets(px: int, batch: int, r: dict[str, Any]) -> None:
     )
     goal = 2.0 if px == 128 else 1.5
     target(f"engines: loader alone {px}px bs{batch}, best ({a}) vs DALI run 3", every[a], DALI_RUN3[px], goal)
-    target(
-        f"engines: loader nvJPEG only vs bare batched decode_jpeg, {px}px bs{batch}",
-        r["nvjpeg"]["img_s"],
-        r["bare_decode_jpeg"],
-        0.9,
-    )
+    for key in (k for k in ("nvjpeg", "nvjpeg_reads_after") if k in r):
+        target(
+            f"engines: loader {key} vs bare batched decode_jpeg, {px}px bs{batch}",
+            r[key]["img_s"],
+            r["bare_decode_jpeg"],
+            0.9,
+        )
 
 
 # --- issue 27: DALI side by side (the same photographs, one run) ---------------------------------------
@@ -2299,6 +2324,17 @@ def main() -> None:
     ap.add_argument("--lanes-sizes", default="128,256", help="lanes_loader: cache sizes")
     ap.add_argument("--lanes-sets", default="all", help="lanes_loader: lane sets (comma list)")
     ap.add_argument("--side-models", default="all", help="side_by_side: resnet50_224,resnet18_112 (or all)")
+    ap.add_argument("--engines-parts", default="bare,costs,loader,train", help="engines: which parts")
+    ap.add_argument("--engines-sets", default="all", help="engines loader: lane sets (comma list)")
+    ap.add_argument(
+        "--engines-variants", default="_copied", help="engines loader: _copied, _reads_after (comma list)"
+    )
+    ap.add_argument("--engines-repeats", type=int, default=1, help="engines loader: rotated rounds")
+    ap.add_argument(
+        "--engines-mixed",
+        default=None,
+        help="engines loader without the bare part: the mixed decoder (ENGINES)",
+    )
     args = ap.parse_args()
     work = harness.work_dir(args, "dlstore-jpeg-")
     RESULTS["environment"] = environment()

@@ -10,8 +10,8 @@ N worker processes on the CPU (``dlstore.read.cpu_decode``; started when the fir
 nvJPEG decodes the rest, both feeding the same crop (as one flat buffer when the transform takes
 ``FlatImages``). Where nvImageCodec is installed (the ``nvimgcodec`` extra) and the GPU has hardware JPEG
 engines (A100, H100, H200), a third lane decodes part of each batch on them (``dlstore.read.hw_decode``),
-at the same time as nvJPEG. ``lanes`` picks the lanes (default: the CPU processes where ``cpu_decoders``
-> 0, and nvJPEG; the hardware lane is asked for by name, ``"hw"``); ``split`` fixes
+at the same time as nvJPEG. ``lanes`` picks the lanes (default: each of them that exists here: the CPU
+processes where ``cpu_decoders`` > 0, the hardware engines, nvJPEG); ``split`` fixes
 each lane's fraction, ``cpu_share`` the CPU's alone (the GPU lanes share the rest equally); otherwise
 ``dlstore.read.lane_split.LaneSplit`` sets them from each lane's rate measured in place, so that all
 lanes finish each batch together, or, while the training step is the slower side, the CPU takes what
@@ -60,10 +60,11 @@ DECODE_IN = ("stream", "thread")
 # The decode lanes, in the order the split fills them while the training step is the slower side
 # (cheapest for the step first): CPU processes, the hardware JPEG engines, nvJPEG on CUDA cores.
 LANES = ("cpu", "hw", "nvjpeg")
-# The hardware lane is asked for by name (lanes=["cpu", "hw", "nvjpeg"]): on the H200 it decoded
-# 27k img/s alone and raised both GPU lanes to 49k at 128 px (bare), but inside the loader it lowered
-# every configuration measured (benchmarks/RESULTS.md, "every JPEG engine at once").
-DEFAULT_LANES = ("cpu", "nvjpeg")
+# Every lane that exists here. The hardware lane was opt-in while it made a code stream and a tensor per
+# image (inside the loader it lowered every configuration); decoding into reused slots, read in place,
+# it raised 4 of the 6 loader-alone figures and both training runs on the H200 (results/jpeg_lanes_h200,
+# run 4: ResNet-18 @112 0.864 of the ceiling with it, 0.786 without).
+DEFAULT_LANES = LANES
 
 
 @dataclass
@@ -209,6 +210,12 @@ class DecodeLoader(CoreLoader):
         self._asked, self._yielded = 0.0, 0  # when the caller asked for this epoch's last batch; how many
         self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
         self._refs: list[Any] = []
+        # Without CPU decoders the read-ahead thread reads the next batch while a device decode call
+        # runs (its token is given back as the call starts). Both GPU decoders take the GIL back about
+        # once per image inside their batched call, so a read in Python then lengthens the call by
+        # about its own time (H200, run 4: nvJPEG's call 20.9 ms with reads of 6.2 ms, 13.5 ms bare).
+        # False: the token is given back when the call returns (reads then run beside the crop).
+        self.read_during_decode = True
         # A transform that takes FlatImages gets each batch where the lanes decoded it (the CPU share's
         # buffer, nvJPEG's tensors, the hardware lane's slots: ragged.scattered_flat), with no per-image
         # tensor or copy; False: copied into one buffer first (the design before; kept to compare).
@@ -228,7 +235,7 @@ class DecodeLoader(CoreLoader):
 
     def _open_hardware_lane(self, lanes: Sequence[str] | None) -> Any:
         """The hardware JPEG lane where it can run (else None: the lane is absent, not an error)."""
-        if not self.gpu or lanes is None or "hw" not in lanes:  # opt-in: see DEFAULT_LANES
+        if not self.gpu or "hw" not in (DEFAULT_LANES if lanes is None else lanes):
             return None
         from dlstore.read.hw_decode import HardwareJpeg
 
@@ -470,8 +477,9 @@ class DecodeLoader(CoreLoader):
             images: list[Any] = []
             if payloads:
                 t0 = time.perf_counter()
+                starts = launching if self.read_during_decode else _no_op
                 images = self._decode_device_part(
-                    index[first:], payloads, tensors, shapes, parts, launching, scatter
+                    index[first:], payloads, tensors, shapes, parts, starts, scatter
                 )
                 self.stats.decode_seconds += time.perf_counter() - t0
             launching()  # all on the CPU decoders: no device call to wait for
@@ -676,6 +684,10 @@ class DecodeLoader(CoreLoader):
             self.split.observe("cpu", cpu_count, busy / self.cpu.processes, waited, now - last)
         if self.cpu is not None and "cpu" in self.split.state and not self.cpu.alive():
             self.split.fail("cpu", "its decode processes exited")
+
+
+def _no_op() -> None:
+    pass
 
 
 def _views(flat: torch.Tensor, offsets: np.ndarray, shapes: np.ndarray) -> list[torch.Tensor]:
