@@ -1335,6 +1335,8 @@ def train_runs(
         loaders["nvjpeg_only"] = _loader(path, batch, rrc, ["nvjpeg"], 0)
     if args.lanes_short_sweep:  # the two ends, and the measured split without the hardware lane
         loaders["auto_cpu_nvjpeg"] = _loader(path, batch, rrc, ["cpu", "nvjpeg"], cpu)
+    for v in (v for v in getattr(args, "train_variants", "").split(",") if v):
+        loaders[f"auto{v}"] = _variant(_loader(path, batch, rrc, lanes, cpu), v)
     short = (
         [{"cpu": 1.0}]
         + ([{"cpu": 0.5, "hw": 0.25, "nvjpeg": 0.25}] if hw else [])
@@ -1436,7 +1438,7 @@ def _config_lanes(cfg: str, t: dict[str, Any]) -> tuple[list[str], dict[str, flo
     if cfg == "auto_gpu_lanes":
         return [n for n in t["lanes"] if n != "cpu"], None
     if cfg.startswith("auto"):
-        return (list(t["lanes"]) if cfg == "auto" else ["cpu", "nvjpeg"]), None
+        return (["cpu", "nvjpeg"] if cfg == "auto_cpu_nvjpeg" else list(t["lanes"])), None
     shares = {}
     for part in cfg.removeprefix("fixed_").split("_"):
         name = part.rstrip("0123456789.")
@@ -1763,7 +1765,7 @@ def _engines_loader(
         (name, lanes, v)
         for name, lanes in sets.items()
         for v in variants
-        if v != "_reads_after" or "cpu" not in lanes
+        if v == "_copied" or (v == "_reads_after") == ("cpu" not in lanes)
     ]
     if mixed is not None and DEV == "cuda":
         plan += [(f"mixed:{mixed}", ["hw"], ""), (f"cpu+mixed:{mixed}", ["cpu", "hw"], "")]
@@ -1774,8 +1776,7 @@ def _engines_loader(
         for name, lanes, variant in plan[r % len(plan) :] + plan[: r % len(plan)]:
             key = name + variant
             ld = _loader(path, batch, rrc, lanes, cpu)
-            ld.scatter = variant != "_copied"
-            ld.read_during_decode = variant != "_reads_after"
+            _variant(ld, variant)
             if name.startswith(("mixed", "cpu+mixed")):  # the hardware lane's decoder swapped
                 engine = _engine(*ENGINES[mixed]) if ld.hw is not None else None  # type: ignore[index]
                 if engine is None:
@@ -1798,6 +1799,16 @@ def _engines_loader(
             "img_s_runs": [t["img_s"] for t in rs],
         }
     return out
+
+
+def _variant(ld: DecodeLoader, variant: str) -> DecodeLoader:
+    """``_copied``: batches copied into one buffer (the design before); ``_reads_after``: reads held
+    until the device call returns; ``_gated_after``: the same with CPU decoders (reads gated)."""
+    ld.scatter = variant != "_copied"
+    ld.read_during_decode = variant not in ("_reads_after", "_gated_after")
+    if variant == "_gated_after":
+        ld.gate_reads = True
+    return ld
 
 
 def _engines_train(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, Any]:
@@ -1849,6 +1860,7 @@ def _engines_train(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, 
     cpu = decoder_counts(args)[0] if decoder_counts(args) else 0
     if cpu:
         short, args.lanes_short_sweep = args.lanes_short_sweep, True
+        args.train_variants = "_gated_after" if "_gated_after" in args.engines_variants else ""
         try:
             out["resnet18_112"] = train_runs(
                 args, work, "resnet18", 128, 112, 512 // args.batch_div, cpu, hw, False

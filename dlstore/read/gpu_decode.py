@@ -216,6 +216,7 @@ class DecodeLoader(CoreLoader):
         # about its own time (H200, run 4: nvJPEG's call 20.9 ms with reads of 6.2 ms, 13.5 ms bare).
         # False: the token is given back when the call returns (reads then run beside the crop).
         self.read_during_decode = True
+        self.gate_reads: bool | None = None  # see _read_gate
         # A transform that takes FlatImages gets each batch where the lanes decoded it (the CPU share's
         # buffer, nvJPEG's tensors, the hardware lane's slots: ragged.scattered_flat), with no per-image
         # tensor or copy; False: copied into one buffer first (the design before; kept to compare).
@@ -325,10 +326,10 @@ class DecodeLoader(CoreLoader):
         decode processes, which should run as far ahead as the queue allows. The gate was measured to
         help only nvJPEG-alone decoding; with 12 CPU decoders ResNet-18 @112 ran at 0.72 / 0.81 of its
         ceiling ungated (round D) and 0.63 / 0.69 gated (rounds E and F). Those were separate runs, not
-        side by side, so the ungated design is kept here until a side-by-side run decides."""
-        if "cpu" in self.split.lanes:
-            return None
-        return threading.Semaphore(self.read_ahead)
+        side by side, so the ungated design is kept here until a side-by-side run decides.
+        ``gate_reads`` True / False forces the gate on / off (None: as above)."""
+        gated = "cpu" not in self.split.lanes if self.gate_reads is None else self.gate_reads
+        return threading.Semaphore(self.read_ahead) if gated else None
 
     def _epoch_done(self, reads: _Pipe) -> None:
         self.stats.read_wait_seconds += reads.waited

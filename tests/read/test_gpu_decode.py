@@ -228,6 +228,19 @@ def test_split_batches_equal_the_single_path_decodes(
         loader.close()
 
 
+def test_split_batches_with_reads_gated_after_each_device_call(jpeg_cache: Path) -> None:
+    """``gate_reads = True`` with CPU decoders (and reads held until the device call returns): the
+    CPU share is submitted no further ahead than the gate allows, and every batch still equals the
+    single-path decodes, for two epochs."""
+    loader = cpu_split_loader(jpeg_cache, 0.5, read_ahead=1)
+    loader.gate_reads, loader.read_during_decode = True, False
+    try:
+        for _ in range(2):
+            assert _check_split_epoch(loader, jpeg_cache, 0.5) > 0
+    finally:
+        loader.close()
+
+
 def test_a_run_whose_worker_died_is_decoded_in_the_loader(jpeg_cache: Path) -> None:
     loader = cpu_split_loader(jpeg_cache, 1.0)
     try:
