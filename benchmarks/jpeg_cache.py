@@ -1765,7 +1765,8 @@ def _engines_loader(
         (name, lanes, v)
         for name, lanes in sets.items()
         for v in variants
-        if v == "_copied" or (v == "_reads_after") == ("cpu" not in lanes)
+        if v == "_copied"
+        or (v in ("_reads_after", "_gated_after") and (v == "_reads_after") == ("cpu" not in lanes))
     ]
     if mixed is not None and DEV == "cuda":
         plan += [(f"mixed:{mixed}", ["hw"], ""), (f"cpu+mixed:{mixed}", ["cpu", "hw"], "")]
@@ -1803,11 +1804,14 @@ def _engines_loader(
 
 def _variant(ld: DecodeLoader, variant: str) -> DecodeLoader:
     """``_copied``: batches copied into one buffer (the design before); ``_reads_after``: reads held
-    until the device call returns; ``_gated_after``: the same with CPU decoders (reads gated)."""
+    until the device call returns; ``_gated_after``: the same with CPU decoders (reads gated);
+    ``_stream``: ``decode_in="stream"``."""
     ld.scatter = variant != "_copied"
     ld.read_during_decode = variant not in ("_reads_after", "_gated_after")
     if variant == "_gated_after":
         ld.gate_reads = True
+    if variant == "_stream":  # decoded in the caller's thread between its steps (no GIL contention)
+        ld.decode_in = "stream"
     return ld
 
 
@@ -1825,7 +1829,8 @@ def _engines_train(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, 
         copied.scatter = False
         after = loaders["auto_gpu_lanes_reads_after"] = _loader(path, batch, rrc, ["hw", "nvjpeg"], 0)
         after.read_during_decode = False
-        for share in (0.5, 0.7, 0.85, 1.0):
+        loaders["auto_gpu_lanes_stream"] = _variant(_loader(path, batch, rrc, ["hw", "nvjpeg"], 0), "_stream")
+        for share in (float(v) for v in args.engines_r50_fixed.split(",") if v):
             split = {"hw": share, "nvjpeg": 1.0 - share}
             loaders[f"fixed_hw{share:.2f}_nvjpeg{1 - share:.2f}"] = _loader(
                 path, batch, rrc, ["hw", "nvjpeg"], 0, split
@@ -1860,7 +1865,7 @@ def _engines_train(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, 
     cpu = decoder_counts(args)[0] if decoder_counts(args) else 0
     if cpu:
         short, args.lanes_short_sweep = args.lanes_short_sweep, True
-        args.train_variants = "_gated_after" if "_gated_after" in args.engines_variants else ""
+        args.train_variants = ",".join(v for v in ("_gated_after", "_stream") if v in args.engines_variants)
         try:
             out["resnet18_112"] = train_runs(
                 args, work, "resnet18", 128, 112, 512 // args.batch_div, cpu, hw, False
@@ -2342,6 +2347,7 @@ def main() -> None:
         "--engines-variants", default="_copied", help="engines loader: _copied, _reads_after (comma list)"
     )
     ap.add_argument("--engines-repeats", type=int, default=1, help="engines loader: rotated rounds")
+    ap.add_argument("--engines-r50-fixed", default="0.5,0.7,0.85,1.0", help="engines train: fixed hw shares")
     ap.add_argument(
         "--engines-mixed",
         default=None,
