@@ -63,7 +63,8 @@ LANES = ("cpu", "hw", "nvjpeg")
 # Every lane that exists here. The hardware lane was opt-in while it made a code stream and a tensor per
 # image (inside the loader it lowered every configuration); decoding into reused slots, read in place,
 # it raised 4 of the 6 loader-alone figures and both training runs on the H200 (results/jpeg_lanes_h200,
-# run 4: ResNet-18 @112 0.864 of the ceiling with it, 0.786 without).
+# run 4: ResNet-18 @112 0.864 of the ceiling with it, 0.786 without). Run 5, on a busier machine, measured
+# the loader alone with CPU decoders lower with it (training was not repeated there).
 DEFAULT_LANES = LANES
 
 
@@ -214,7 +215,8 @@ class DecodeLoader(CoreLoader):
         # runs (its token is given back as the call starts). Both GPU decoders take the GIL back about
         # once per image inside their batched call, so a read in Python then lengthens the call by
         # about its own time (H200, run 4: nvJPEG's call 20.9 ms with reads of 6.2 ms, 13.5 ms bare).
-        # False: the token is given back when the call returns (reads then run beside the crop).
+        # False: the token is given back when the call returns (reads then run beside the crop); run 5
+        # measured that +17% at 128 px and -15% at 256 px (hw+nvjpeg), so the default stays.
         self.read_during_decode = True
         self.gate_reads: bool | None = None  # see _read_gate
         # A transform that takes FlatImages gets each batch where the lanes decoded it (the CPU share's
