@@ -1335,6 +1335,8 @@ def train_runs(
         loaders["nvjpeg_only"] = _loader(path, batch, rrc, ["nvjpeg"], 0)
     if args.lanes_short_sweep:  # the two ends, and the measured split without the hardware lane
         loaders["auto_cpu_nvjpeg"] = _loader(path, batch, rrc, ["cpu", "nvjpeg"], cpu)
+    for v in (v for v in getattr(args, "train_variants", "").split(",") if v):
+        loaders[f"auto{v}"] = _variant(_loader(path, batch, rrc, lanes, cpu), v)
     short = (
         [{"cpu": 1.0}]
         + ([{"cpu": 0.5, "hw": 0.25, "nvjpeg": 0.25}] if hw else [])
@@ -1436,7 +1438,7 @@ def _config_lanes(cfg: str, t: dict[str, Any]) -> tuple[list[str], dict[str, flo
     if cfg == "auto_gpu_lanes":
         return [n for n in t["lanes"] if n != "cpu"], None
     if cfg.startswith("auto"):
-        return (list(t["lanes"]) if cfg == "auto" else ["cpu", "nvjpeg"]), None
+        return (["cpu", "nvjpeg"] if cfg == "auto_cpu_nvjpeg" else list(t["lanes"])), None
     shares = {}
     for part in cfg.removeprefix("fixed_").split("_"):
         name = part.rstrip("0123456789.")
@@ -1544,6 +1546,404 @@ def auto_vs_best_target(t: dict[str, Any]) -> None:
             t["median"]["auto"],
             t["median"][best],
             0.95,
+        )
+
+
+# --- issue 27: the engines section: each decoder bare, the per-image Python, the loader without it ----------
+# python benchmarks/jpeg_cache.py --out OUT --caches jpeg_short128,jpeg_short256 --cpu-decoders 12 \
+#   --sections data,engines
+# Needs nvImageCodec (nvidia-nvimgcodec-cu13) for its hardware parts; without it (or on CPU, where its
+# CPU backend stands in: a dry run, the numbers mean nothing) they are skipped.
+
+# nvImageCodec decoders measured bare: (backends as (BackendKind, load hint), CPU threads). "default":
+# every backend nvImageCodec has (its own multi-backend choice); DALI 2.4's mixed decoder is the
+# hardware backend with hw_decoder_load 0.65-0.9 and the CUDA one behind it.
+ENGINES: dict[str, tuple[tuple[tuple[str, float], ...], int]] = {
+    "hw": ((("HW_GPU_ONLY", 1.0),), 2),
+    "hw0.65+cuda": ((("HW_GPU_ONLY", 0.65), ("GPU_ONLY", 1.0)), 2),
+    "hw0.9+cuda": ((("HW_GPU_ONLY", 0.9), ("GPU_ONLY", 1.0)), 2),
+    "hw0.65+hybrid": ((("HW_GPU_ONLY", 0.65), ("HYBRID_CPU_GPU", 1.0)), 4),
+    "default_2cpu": ((), 2),
+    "default_4cpu": ((), 4),
+    "default_8cpu": ((), 8),
+}
+# Run 3's DALI figures (pre-resized folder, loader alone, best of 12/16 threads; results/jpeg_lanes_h200)
+DALI_RUN3 = {128: 29_899.0, 256: 23_026.0}
+
+
+def _engine(backends: tuple[tuple[str, float], ...], threads: int) -> Any:
+    """An nvImageCodec lane with these backends, or None; on CPU its CPU backend (dry runs only)."""
+    if DEV == "cuda":
+        return HardwareJpeg.open(torch.device(DEV), cpu_threads=threads, backends=backends)
+    try:
+        from nvidia import nvimgcodec
+
+        return HardwareJpeg(torch.device("cpu"), nvimgcodec, cpu_threads=1, backends=(("CPU_ONLY", 1.0),))
+    except Exception:
+        return None
+
+
+def _engines_bare(args: argparse.Namespace, path: Path, batch: int) -> dict[str, Any]:
+    """img/s of each decoder alone on pre-read payloads, and of the two GPU lanes at once."""
+    from torchvision.io import decode_jpeg
+
+    views, tensors = _batches(path, batch)
+    nb = len(views)
+    hwc = open_cache(path).read_payloads(np.arange(nb * batch))[1]
+    nbytes = [np.prod(hwc[a : a + batch], axis=1) for a in range(0, nb * batch, batch)]
+    secs = args.lanes_seconds
+    out: dict[str, Any] = {"batch": batch}
+    out["nvjpeg"] = _rate(lambda i: decode_jpeg(tensors[i], device=DEV), nb, batch, secs)
+    lanes: dict[str, Any] = {}
+    for name, (backends, threads) in ENGINES.items():
+        lane = _engine(backends, threads)
+        if lane is None:
+            out[name] = None
+            continue
+        lanes[name] = lane
+        try:
+            if lane.into:
+                out[f"{name}_slots"] = _rate(
+                    lambda i, ln=lane: ln.decode_into(views[i], nbytes[i]), nb, batch, secs
+                )
+            if name == "hw" or not lane.into:  # a tensor per image (the lane as it was)
+                out[f"{name}_tensors"] = _rate(lambda i, ln=lane: ln.decode(views[i]), nb, batch, secs)
+        except Exception as e:  # record it and go on with the next decoder
+            out[f"{name}_error"] = f"{type(e).__name__}: {e}"
+        log(
+            f"bare {path.name} {name}: " + ", ".join(f"{k} {v}" for k, v in out.items() if k.startswith(name))
+        )
+    if "hw" in lanes and lanes["hw"].into:
+        hw = lanes["hw"]
+        fns = [lambda i: hw.decode_into(views[i], nbytes[i]), lambda i: decode_jpeg(tensors[i], device=DEV)]
+        out["hw+nvjpeg"] = _together(fns, nb, batch, secs)
+        # Beside a thread running Python (a training loop's launches): nvImageCodec takes the GIL back
+        # per image inside its batched call, torchvision's call does not; and with a 0.5 ms switch interval
+        out["beside_python"] = {
+            "hw_slots": _beside_python(fns[0], nb, batch, secs),
+            "nvjpeg": _beside_python(fns[1], nb, batch, secs),
+            "hw_slots_switch_0.5ms": _beside_python(fns[0], nb, batch, secs, switch=0.0005),
+            "nvjpeg_switch_0.5ms": _beside_python(fns[1], nb, batch, secs, switch=0.0005),
+        }
+    log(f"bare {path.name}: " + ", ".join(f"{k} {v:,.0f}" for k, v in out.items() if isinstance(v, float)))
+    return out
+
+
+def _together(fns: list[Any], nb: int, batch: int, seconds: float) -> float:
+    """img/s of the ``fns`` each looping over the batches in a thread of its own, all at once."""
+    counts = [0] * len(fns)
+    stop = time.perf_counter() + seconds
+
+    def run(k: int) -> None:
+        while time.perf_counter() < stop:
+            fns[k](counts[k] % nb)
+            counts[k] += 1
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(len(fns))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sync()
+    return sum(counts) * batch / (time.perf_counter() - t0)
+
+
+def _beside_python(fn: Any, nb: int, batch: int, seconds: float, switch: float | None = None) -> float:
+    """img/s of ``fn`` over the batches while another thread runs Python all the time."""
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            busy_python(0.001)
+
+    old = sys.getswitchinterval()
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    try:
+        if switch is not None:
+            sys.setswitchinterval(switch)
+        return _rate(fn, nb, batch, seconds)
+    finally:
+        sys.setswitchinterval(old)
+        stop.set()
+        t.join()
+
+
+def _ms(fn: Callable[[], Any], reps: int = 10) -> float:
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    sync()
+    return 1e3 * (time.perf_counter() - t0) / reps
+
+
+def _python_costs(path: Path, batch: int) -> dict[str, float]:
+    """ms per batch of each per-image step the loader did (or does) around its decode calls."""
+    import warnings
+
+    from torchvision.io import decode_jpeg
+
+    from dlstore.gpu.ragged import _flat_host, scattered_flat
+    from dlstore.read.gpu_decode import as_tensors
+
+    views, tensors = _batches(path, batch)
+    hwc = open_cache(path).read_payloads(np.arange(batch))[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        images = decode_jpeg(tensors[0], device=DEV)
+    out = {
+        "np_frombuffer": _ms(lambda: [np.frombuffer(p, np.uint8) for p in views[0]]),
+        "torch_frombuffer": _ms(lambda: as_tensors(views[0])),
+        "reshape_cat": _ms(lambda: torch.cat([img.reshape(-1) for img in images])),
+        "flat_host": _ms(lambda: _flat_host(images)),
+        "data_ptrs": _ms(lambda: [img.data_ptr() for img in images]),
+        "scattered_flat": _ms(
+            lambda: scattered_flat(
+                images[0], np.fromiter((t.data_ptr() for t in images), np.int64, batch), hwc, list
+            )
+        ),
+    }
+    lane = _engine(*ENGINES["hw"])
+    if lane is not None:
+        from nvidia import nvimgcodec
+
+        out["codestreams"] = _ms(
+            lambda: [nvimgcodec.CodeStream(np.frombuffer(p, np.uint8)) for p in views[0]]
+        )
+        raw = lane._call([np.frombuffer(p, np.uint8) for p in views[0]], None)
+        out["as_tensor"] = _ms(lambda: [lane._tensor(img) for img in raw])
+        key = "__cuda_array_interface__" if DEV == "cuda" else "__array_interface__"
+        out["array_interface_ptr"] = _ms(lambda: [getattr(img, key)["data"][0] for img in raw])
+        out["image_shapes"] = _ms(lambda: [img.shape for img in raw])
+    costs = ", ".join(f"{k} {v:.3f}" for k, v in out.items())
+    log(f"per batch of {batch}, ms: {costs}")
+    return out
+
+
+ENGINE_SETS = {
+    "nvjpeg": ["nvjpeg"],
+    "hw": ["hw"],
+    "hw+nvjpeg": ["hw", "nvjpeg"],
+    "cpu+nvjpeg": ["cpu", "nvjpeg"],
+    "cpu+hw+nvjpeg": ["cpu", "hw", "nvjpeg"],
+}
+
+
+def _best_mixed(bare: dict[str, Any]) -> str | None:
+    """The nvImageCodec multi-backend decoder that decoded fastest bare (into slots), if any ran."""
+    rates = {
+        k.removesuffix("_slots"): v
+        for k, v in bare.items()
+        if k.endswith("_slots") and k != "hw_slots" and isinstance(v, float)
+    }
+    return max(rates, key=rates.get) if rates else None  # type: ignore[arg-type]
+
+
+def _engines_loader(
+    args: argparse.Namespace, path: Path, res: int, batch: int, mixed: str | None
+) -> dict[str, Any]:
+    """DecodeLoader alone per lane set (measured split): scattered batches (this design) and copied into
+    one buffer (``_copied``, the design before); without CPU decoders, reads also held until the
+    device call returns (``_reads_after``); the ``mixed`` nvImageCodec decoder (hardware + CUDA
+    backends in one call) as the only GPU lane, alone and beside the CPU; the bare decode_jpeg loop.
+    ``--engines-repeats`` rounds, the order rotated; the median."""
+    rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True).to(
+        DEV
+    )
+    cpu = decoder_counts(args)[0] if decoder_counts(args) else 0
+    sets = (
+        ENGINE_SETS
+        if args.engines_sets == "all"
+        else {k: ENGINE_SETS[k] for k in args.engines_sets.split(",")}
+    )
+    variants = [v for v in args.engines_variants.split(",") if v]
+    plan = [(name, lanes, "") for name, lanes in sets.items()]
+    plan += [
+        (name, lanes, v)
+        for name, lanes in sets.items()
+        for v in variants
+        if v == "_copied"
+        or (v in ("_reads_after", "_gated_after") and (v == "_reads_after") == ("cpu" not in lanes))
+    ]
+    if mixed is not None and DEV == "cuda":
+        plan += [(f"mixed:{mixed}", ["hw"], ""), (f"cpu+mixed:{mixed}", ["cpu", "hw"], "")]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    bare: list[float] = []
+    for r in range(args.engines_repeats):
+        bare.append(bare_rate(path, batch, passes=args.lanes_epochs))
+        for name, lanes, variant in plan[r % len(plan) :] + plan[: r % len(plan)]:
+            key = name + variant
+            ld = _loader(path, batch, rrc, lanes, cpu)
+            _variant(ld, variant)
+            if name.startswith(("mixed", "cpu+mixed")):  # the hardware lane's decoder swapped
+                engine = _engine(*ENGINES[mixed]) if ld.hw is not None else None  # type: ignore[index]
+                if engine is None:
+                    ld.close()
+                    continue
+                ld.hw = engine
+            try:
+                t = timed_loader(ld, args.lanes_epochs)
+            finally:
+                ld.close()
+            runs.setdefault(key, []).append(
+                t | {"lanes": ld.split.lanes, "shares": ld.split.shares(), "rerouted": ld.stats.rerouted}
+            )
+            log(f"loader {path.name} {key} ({'+'.join(ld.split.lanes)}): {t['img_s']:,.0f} img/s")
+    out: dict[str, Any] = {"bare_decode_jpeg": float(np.median(bare)), "bare_runs": bare}
+    for key, rs in runs.items():
+        best = sorted(rs, key=lambda t: t["img_s"])[len(rs) // 2]  # the median run (upper, of two)
+        out[key] = best | {
+            "img_s": float(np.median([t["img_s"] for t in rs])),
+            "img_s_runs": [t["img_s"] for t in rs],
+        }
+    return out
+
+
+def _variant(ld: DecodeLoader, variant: str) -> DecodeLoader:
+    """``_copied``: batches copied into one buffer (the design before); ``_reads_after``: reads held
+    until the device call returns; ``_gated_after``: the same with CPU decoders (reads gated);
+    ``_stream``: ``decode_in="stream"``."""
+    ld.scatter = variant != "_copied"
+    ld.read_during_decode = variant not in ("_reads_after", "_gated_after")
+    if variant == "_gated_after":
+        ld.gate_reads = True
+    if variant == "_stream":  # decoded in the caller's thread between its steps (no GIL contention)
+        ld.decode_in = "stream"
+    return ld
+
+
+def _engines_train(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, Any]:
+    """ResNet-50 @224 (bs 256) from the GPU lanes only: nvJPEG alone, both lanes measured, hardware-heavy
+    fixed splits; and ResNet-18 @112 with the CPU decoders (issue 27's 0.85 target) with and without
+    the hardware lane."""
+    batch = 256 // args.batch_div
+    path = work / "jpeg_short256"
+    step, synthetic, rrc = training_setup("resnet50", 224, batch)
+    loaders = {"nvjpeg_only": _loader(path, batch, rrc, ["nvjpeg"], 0)}
+    if hw:
+        loaders["auto_gpu_lanes"] = _loader(path, batch, rrc, ["hw", "nvjpeg"], 0)
+        copied = loaders["auto_gpu_lanes_copied"] = _loader(path, batch, rrc, ["hw", "nvjpeg"], 0)
+        copied.scatter = False
+        after = loaders["auto_gpu_lanes_reads_after"] = _loader(path, batch, rrc, ["hw", "nvjpeg"], 0)
+        after.read_during_decode = False
+        loaders["auto_gpu_lanes_stream"] = _variant(_loader(path, batch, rrc, ["hw", "nvjpeg"], 0), "_stream")
+        for share in (float(v) for v in args.engines_r50_fixed.split(",") if v):
+            split = {"hw": share, "nvjpeg": 1.0 - share}
+            loaders[f"fixed_hw{share:.2f}_nvjpeg{1 - share:.2f}"] = _loader(
+                path, batch, rrc, ["hw", "nvjpeg"], 0, split
+            )
+    cfgs: dict[str, Callable[[], float]] = {
+        "synthetic": lambda: timed_steps(synthetic, step, args.warmup, args.steps, batch)
+    }
+    for name, ld in loaders.items():
+        cfgs[name] = lambda ld=ld: timed_steps(lambda: iter(ld), step, args.warmup, args.steps, batch)
+    runs: dict[str, list[float]] = {k: [] for k in cfgs}
+    names = list(cfgs)
+    try:
+        for name in (n for n in loaders if n.startswith("auto") and args.lanes_auto_warm > 0):
+            timed_steps(lambda n=name: iter(loaders[n]), step, 0, args.lanes_auto_warm, batch)
+        for r in range(args.repeats):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                runs[name].append(cfgs[name]())
+    finally:
+        for ld in loaders.values():
+            ld.close()
+    med = {k: float(np.median(v)) for k, v in runs.items()}
+    r50 = {
+        "runs": runs,
+        "median": med,
+        "of_ceiling": {k: v / med["synthetic"] for k, v in med.items()},
+        "stats": {k: vars(ld.stats) for k, ld in loaders.items()},
+        "shares": {k: ld.split.shares() for k, ld in loaders.items()},
+    }
+    log(f"resnet50@224 GPU lanes only: {r50['of_ceiling']}")
+    out: dict[str, Any] = {"resnet50_224_gpu_lanes": r50}
+    (args.out / "engines_train_partial.json").write_text(json.dumps(out, indent=1, default=str))
+    cpu = decoder_counts(args)[0] if decoder_counts(args) else 0
+    if cpu:
+        short, args.lanes_short_sweep = args.lanes_short_sweep, True
+        args.train_variants = ",".join(v for v in ("_gated_after", "_stream") if v in args.engines_variants)
+        try:
+            out["resnet18_112"] = train_runs(
+                args, work, "resnet18", 128, 112, 512 // args.batch_div, cpu, hw, False
+            )
+        finally:
+            args.lanes_short_sweep = short
+    return out
+
+
+def section_engines(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Each decoder bare (torchvision nvJPEG, nvImageCodec hardware-only and its multi-backend
+    decoders, both GPU lanes at once), the per-image Python steps, DecodeLoader alone per lane set
+    (scattered vs copied), ResNet-50 @224 from the GPU lanes only and ResNet-18 @112 with the CPU."""
+    try:
+        from nvidia import nvimgcodec
+
+        version = nvimgcodec.__version__
+    except Exception as e:
+        version = f"absent: {e}"
+    hw = _engine(*ENGINES["hw"]) is not None and DEV == "cuda"
+    out: dict[str, Any] = {"nvimgcodec": version, "hw_lane": hw}
+    sizes = [int(v) for v in args.lanes_sizes.split(",")]
+    geometry = [g for g in ((128, 112, 512), (256, 224, 256)) if g[0] in sizes]
+    parts = args.engines_parts.split(",")
+    for px, _res, batch in geometry if "bare" in parts else []:
+        out[f"bare_{px}px"] = _engines_bare(args, work / f"jpeg_short{px}", batch // args.batch_div)
+    if "costs" in parts:
+        out["python_costs_128px"] = _python_costs(work / "jpeg_short128", 512 // args.batch_div)
+    (args.out / "engines_partial.json").write_text(json.dumps(out, indent=1, default=str))
+    for px, res, batch in geometry if "loader" in parts else []:
+        mixed = _best_mixed(out[f"bare_{px}px"]) if f"bare_{px}px" in out else args.engines_mixed
+        r = out[f"loader_{px}px"] = _engines_loader(
+            args, work / f"jpeg_short{px}", res, batch // args.batch_div, mixed
+        )
+        (args.out / "engines_partial.json").write_text(json.dumps(out, indent=1, default=str))
+        _engines_loader_targets(px, batch, r)
+    if "train" not in parts:
+        return out
+    out["train"] = _engines_train(args, work, hw)
+    r50 = out["train"]["resnet50_224_gpu_lanes"]
+    best = max((k for k in r50["median"] if k != "synthetic"), key=r50["median"].get)
+    target(
+        f"engines: ResNet-50 @224 from the GPU lanes only ({best}) vs synthetic",
+        r50["median"][best],
+        r50["median"]["synthetic"],
+        0.97,
+    )
+    r18 = out["train"].get("resnet18_112")
+    if r18:
+        target(
+            f"engines: ResNet-18 @112 bs512, measured split (lanes {'+'.join(r18['lanes'])}) vs synthetic",
+            r18["median"]["auto"],
+            r18["median"]["synthetic"],
+            0.85,
+        )
+    return out
+
+
+def _engines_loader_targets(px: int, batch: int, r: dict[str, Any]) -> None:
+    gpu = {k: v["img_s"] for k, v in r.items() if isinstance(v, dict) and "cpu" not in k}
+    every = {k: v["img_s"] for k, v in r.items() if isinstance(v, dict)}
+    if not gpu:
+        return
+    g, a = max(gpu, key=gpu.get), max(every, key=every.get)  # type: ignore[arg-type]
+    target(
+        f"engines: loader alone {px}px bs{batch}, GPU lanes only ({g}) vs DALI run 3",
+        gpu[g],
+        DALI_RUN3[px],
+        1.0,
+    )
+    goal = 2.0 if px == 128 else 1.5
+    target(f"engines: loader alone {px}px bs{batch}, best ({a}) vs DALI run 3", every[a], DALI_RUN3[px], goal)
+    for key in (k for k in ("nvjpeg", "nvjpeg_reads_after") if k in r):
+        target(
+            f"engines: loader {key} vs bare batched decode_jpeg, {px}px bs{batch}",
+            r[key]["img_s"],
+            r["bare_decode_jpeg"],
+            0.9,
         )
 
 
@@ -1882,6 +2282,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace, Path], dict[str, Any]]] = {
     "lanes_train": section_lanes_train,
     "lanes_loader": section_lanes_loader,
     "side_by_side": section_side_by_side,
+    "engines": section_engines,
 }
 
 
@@ -1940,6 +2341,18 @@ def main() -> None:
     ap.add_argument("--lanes-sizes", default="128,256", help="lanes_loader: cache sizes")
     ap.add_argument("--lanes-sets", default="all", help="lanes_loader: lane sets (comma list)")
     ap.add_argument("--side-models", default="all", help="side_by_side: resnet50_224,resnet18_112 (or all)")
+    ap.add_argument("--engines-parts", default="bare,costs,loader,train", help="engines: which parts")
+    ap.add_argument("--engines-sets", default="all", help="engines loader: lane sets (comma list)")
+    ap.add_argument(
+        "--engines-variants", default="_copied", help="engines loader: _copied, _reads_after (comma list)"
+    )
+    ap.add_argument("--engines-repeats", type=int, default=1, help="engines loader: rotated rounds")
+    ap.add_argument("--engines-r50-fixed", default="0.5,0.7,0.85,1.0", help="engines train: fixed hw shares")
+    ap.add_argument(
+        "--engines-mixed",
+        default=None,
+        help="engines loader without the bare part: the mixed decoder (ENGINES)",
+    )
     args = ap.parse_args()
     work = harness.work_dir(args, "dlstore-jpeg-")
     RESULTS["environment"] = environment()

@@ -20,6 +20,7 @@ clamped to each crop, so the pixels equal torchvision's ``resized_crop(..., anti
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ __all__ = [
     "RaggedRandomResizedCrop",
     "flat_batch",
     "sample_crop_boxes",
+    "scattered_flat",
 ]
 
 
@@ -53,9 +55,42 @@ class FlatImages:
     # The same (starts, heights, widths) as a (3, B) int64 array on the host, when the loader knows them
     # there: the crop then draws its boxes on the host and sends them in one copy (see _RaggedCrop).
     host: np.ndarray | None = None
+    # Set when the images lie in several allocations (``scattered_flat``): each start is then the
+    # image's address minus ``flat``'s (int64, any sign), which only the fused kernel may read;
+    # ``gather()`` returns the same batch copied back to back (the PyTorch path's input).
+    gather: Callable[[], FlatImages] | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
+
+    def contiguous(self) -> FlatImages:
+        """This batch with every start inside ``flat`` (a copy only where it was scattered)."""
+        return self if self.gather is None else self.gather()
+
+
+def scattered_flat(
+    base: torch.Tensor,
+    addresses: np.ndarray,
+    hwc: np.ndarray,
+    sources: Callable[[], list[torch.Tensor]],
+) -> FlatImages:
+    """A batch of planar uint8 images that lie anywhere in device memory (a loader's decode lanes'
+    own buffers), read in place: each start is its image's address (``addresses``, int64) minus
+    ``base``'s (a tensor on the same device, kept by the caller with every buffer the images lie
+    in). No per-image tensor, no copy. ``hwc`` (B, 3) holds each image's (H, W, C); ``sources()``
+    makes the images as (C, H, W) tensors, for ``gather`` (called only where the fused kernel cannot run)."""
+    hwc = np.asarray(hwc, np.int64).reshape(-1, 3)
+    host = np.empty((3, len(hwc)), np.int64)
+    host[0] = np.asarray(addresses, np.int64) - base.data_ptr()
+    host[1], host[2] = hwc[:, 0], hwc[:, 1]
+    meta = to_device(torch.from_numpy(host), base.device)
+
+    def gather() -> FlatImages:
+        flat, packed = _flat_host(sources())
+        meta = to_device(torch.from_numpy(packed), flat.device)
+        return FlatImages(flat, meta[0], meta[1], meta[2], int(hwc[0, 2]), host=packed)
+
+    return FlatImages(base, meta[0], meta[1], meta[2], int(hwc[0, 2]), host=host, gather=gather)
 
 
 # Per-image crop parameters, one int64 row each, as the crop kernels read them.
@@ -237,6 +272,8 @@ class _RaggedCrop(torch.nn.Module):
         if isinstance(images, torch.Tensor):
             images = list(images.unbind(0))
         if isinstance(images, FlatImages):
+            if images.gather is not None and not (self.fused and fused_crop.available(images.flat.device)):
+                images = images.gather()
             flat, channels, host = images.flat, images.channels, images.host
             meta = (images.starts, images.heights, images.widths)
         else:
@@ -256,6 +293,8 @@ class _RaggedCrop(torch.nn.Module):
             done = fused_crop.try_fused_crop(flat, params, channels, mul, add, out)
             if done is not None:
                 return done, params
+            if isinstance(images, FlatImages) and images.gather is not None:  # the kernel failed
+                return self._crop(images.gather())
         starts, heights, widths, top, left, h, w, flip = params.unbind(1)
         sx, sy = crop_coords(top, left, h, w, flip.bool(), self.size)
         out = bilinear_gather(flat, starts, heights, widths, channels, sx, sy)

@@ -10,8 +10,8 @@ N worker processes on the CPU (``dlstore.read.cpu_decode``; started when the fir
 nvJPEG decodes the rest, both feeding the same crop (as one flat buffer when the transform takes
 ``FlatImages``). Where nvImageCodec is installed (the ``nvimgcodec`` extra) and the GPU has hardware JPEG
 engines (A100, H100, H200), a third lane decodes part of each batch on them (``dlstore.read.hw_decode``),
-at the same time as nvJPEG. ``lanes`` picks the lanes (default: the CPU processes where ``cpu_decoders``
-> 0, and nvJPEG; the hardware lane is asked for by name, ``"hw"``); ``split`` fixes
+at the same time as nvJPEG. ``lanes`` picks the lanes (default: each of them that exists here: the CPU
+processes where ``cpu_decoders`` > 0, the hardware engines, nvJPEG); ``split`` fixes
 each lane's fraction, ``cpu_share`` the CPU's alone (the GPU lanes share the rest equally); otherwise
 ``dlstore.read.lane_split.LaneSplit`` sets them from each lane's rate measured in place, so that all
 lanes finish each batch together, or, while the training step is the slower side, the CPU takes what
@@ -60,10 +60,12 @@ DECODE_IN = ("stream", "thread")
 # The decode lanes, in the order the split fills them while the training step is the slower side
 # (cheapest for the step first): CPU processes, the hardware JPEG engines, nvJPEG on CUDA cores.
 LANES = ("cpu", "hw", "nvjpeg")
-# The hardware lane is asked for by name (lanes=["cpu", "hw", "nvjpeg"]): on the H200 it decoded
-# 27k img/s alone and raised both GPU lanes to 49k at 128 px (bare), but inside the loader it lowered
-# every configuration measured (benchmarks/RESULTS.md, "every JPEG engine at once").
-DEFAULT_LANES = ("cpu", "nvjpeg")
+# Every lane that exists here. The hardware lane was opt-in while it made a code stream and a tensor per
+# image (inside the loader it lowered every configuration); decoding into reused slots, read in place,
+# it raised 4 of the 6 loader-alone figures and both training runs on the H200 (results/jpeg_lanes_h200,
+# run 4: ResNet-18 @112 0.864 of the ceiling with it, 0.786 without). Run 5, on a busier machine, measured
+# the loader alone with CPU decoders lower with it (training was not repeated there).
+DEFAULT_LANES = LANES
 
 
 @dataclass
@@ -209,6 +211,18 @@ class DecodeLoader(CoreLoader):
         self._asked, self._yielded = 0.0, 0  # when the caller asked for this epoch's last batch; how many
         self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
         self._refs: list[Any] = []
+        # Without CPU decoders the read-ahead thread reads the next batch while a device decode call
+        # runs (its token is given back as the call starts). Both GPU decoders take the GIL back about
+        # once per image inside their batched call, so a read in Python then lengthens the call by
+        # about its own time (H200, run 4: nvJPEG's call 20.9 ms with reads of 6.2 ms, 13.5 ms bare).
+        # False: the token is given back when the call returns (reads then run beside the crop); run 5
+        # measured that +17% at 128 px and -15% at 256 px (hw+nvjpeg), so the default stays.
+        self.read_during_decode = True
+        self.gate_reads: bool | None = None  # see _read_gate
+        # A transform that takes FlatImages gets each batch where the lanes decoded it (the CPU share's
+        # buffer, nvJPEG's tensors, the hardware lane's slots: ragged.scattered_flat), with no per-image
+        # tensor or copy; False: copied into one buffer first (the design before; kept to compare).
+        self.scatter = True
 
     def _setup_lanes(self) -> None:
         """The lanes that exist here and the split over them (again if ``gpu`` was changed since)."""
@@ -224,7 +238,7 @@ class DecodeLoader(CoreLoader):
 
     def _open_hardware_lane(self, lanes: Sequence[str] | None) -> Any:
         """The hardware JPEG lane where it can run (else None: the lane is absent, not an error)."""
-        if not self.gpu or lanes is None or "hw" not in lanes:  # opt-in: see DEFAULT_LANES
+        if not self.gpu or "hw" not in (DEFAULT_LANES if lanes is None else lanes):
             return None
         from dlstore.read.hw_decode import HardwareJpeg
 
@@ -314,10 +328,10 @@ class DecodeLoader(CoreLoader):
         decode processes, which should run as far ahead as the queue allows. The gate was measured to
         help only nvJPEG-alone decoding; with 12 CPU decoders ResNet-18 @112 ran at 0.72 / 0.81 of its
         ceiling ungated (round D) and 0.63 / 0.69 gated (rounds E and F). Those were separate runs, not
-        side by side, so the ungated design is kept here until a side-by-side run decides."""
-        if "cpu" in self.split.lanes:
-            return None
-        return threading.Semaphore(self.read_ahead)
+        side by side, so the ungated design is kept here until a side-by-side run decides.
+        ``gate_reads`` True / False forces the gate on / off (None: as above)."""
+        gated = "cpu" not in self.split.lanes if self.gate_reads is None else self.gate_reads
+        return threading.Semaphore(self.read_ahead) if gated else None
 
     def _epoch_done(self, reads: _Pipe) -> None:
         self.stats.read_wait_seconds += reads.waited
@@ -417,12 +431,13 @@ class DecodeLoader(CoreLoader):
             if first == len(index)
             else self.cache.read_payloads(index[first:])
         )
-        return (
-            index,
-            (payloads, as_tensors(payloads), share, self._parts(counts, len(payloads))),
-            shapes,
-            labels,
-        )
+        parts = self._parts(counts, len(payloads))
+        # tensors over the payloads for nvJPEG's part only (the hardware lane takes the bytes as they are)
+        tensors: list[Any] = [None] * len(payloads)
+        for name, a, b in parts:
+            if name == "nvjpeg":
+                tensors[a:b] = as_tensors(payloads[a:b])
+        return index, (payloads, tensors, share, parts), shapes, labels
 
     def _parts(self, counts: dict[str, int], n: int) -> list[tuple[str, int, int]]:
         """The device lanes' (lane, start, stop) parts of the ``n`` images the CPU share left; what the
@@ -460,20 +475,29 @@ class DecodeLoader(CoreLoader):
         if self.gpu:
             payloads, tensors, share, parts = data
             first = share.count if share is not None else 0
-            images: list[torch.Tensor] = []
+            takes_flat = getattr(self.transform, "takes_flat", False)
+            scatter = self.scatter and takes_flat
+            images: list[Any] = []
             if payloads:
                 t0 = time.perf_counter()
-                images = self._decode_device_part(index[first:], payloads, tensors, shapes, parts, launching)
+                starts = launching if self.read_during_decode else _no_op
+                images = self._decode_device_part(
+                    index[first:], payloads, tensors, shapes, parts, starts, scatter
+                )
                 self.stats.decode_seconds += time.perf_counter() - t0
             launching()  # all on the CPU decoders: no device call to wait for
             self._refs = images
+            flat = None
             if share is None:
                 self._balance(0, len(images), 0.0, 0.0)
             else:
                 flat, waited, busy = self._cpu_share_on_device(share, index)
                 self._balance(share.count, len(images), waited, busy)
                 self._refs = [*images, flat]
-                if getattr(self.transform, "takes_flat", False):  # no per-image tensors, no cat of them
+            if scatter:  # where the lanes left them: no per-image tensors, no copy
+                return self._out(self._scattered(flat, share, images, shapes), labels)
+            if share is not None:
+                if takes_flat:  # no per-image tensors for the CPU share, one cat
                     flat_images = self._flat_images(flat, share, images, shapes)
                     return self._out(flat_images, labels)
                 images = _views(flat, share.offsets, share.shapes) + images
@@ -544,6 +568,36 @@ class DecodeLoader(CoreLoader):
         meta_t = to_device(torch.from_numpy(meta), self.device)
         return FlatImages(flat, meta_t[0], meta_t[1], meta_t[2], int(hwc[0, 2]), host=meta)
 
+    def _scattered(
+        self, cpu_flat: torch.Tensor | None, share: CpuShare | None, images: list[Any], shapes: Any
+    ) -> FlatImages:
+        """The batch where its lanes decoded it (``ragged.scattered_flat``): the CPU share in its flat
+        buffer, then each device image at its address (a tensor's, or the hardware lane's slot)."""
+        from dlstore.gpu.ragged import scattered_flat
+
+        hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
+        addresses = np.fromiter(
+            (x if type(x) is int else x.data_ptr() for x in images), np.int64, len(images)
+        )
+        if share is not None and cpu_flat is not None:
+            base = cpu_flat
+            addresses = np.concatenate([share.offsets.astype(np.int64) + base.data_ptr(), addresses])
+            hwc = np.concatenate([np.asarray(share.shapes, np.int64).reshape(-1, 3), hwc])
+        else:
+            base = next((x for x in images if type(x) is not int), None)
+            if base is None:
+                assert self.hw is not None and self.hw.slots is not None
+                base = self.hw.slots
+        hw, device_hwc = self.hw, np.asarray(shapes, np.int64).reshape(-1, 3)
+
+        def sources() -> list[torch.Tensor]:
+            out = [] if share is None or cpu_flat is None else _views(cpu_flat, share.offsets, share.shapes)
+            for x, (h, w, c) in zip(images, device_hwc.tolist()):
+                out.append(hw.view(x, (c, h, w)) if type(x) is int else x)  # type: ignore[union-attr]
+            return out
+
+        return scattered_flat(base, addresses, hwc, sources)
+
     def _decode_device_part(
         self,
         index: np.ndarray,
@@ -552,21 +606,27 @@ class DecodeLoader(CoreLoader):
         shapes: Any,
         parts: list[tuple[str, int, int]],
         launching: Callable[[], None],
-    ) -> list[torch.Tensor]:
+        scatter: bool = False,
+    ) -> list[Any]:
         """The device lanes' parts of a batch, decoded at once (the hardware lane in its thread beside
         nvJPEG in this one); a failed lane's part and the images a lane refuses go to the next lane, and
-        to the CPU in this thread when none is left."""
+        to the CPU in this thread when none is left. With ``scatter`` the hardware lane decodes into its
+        slots and gives each image's address (an int) instead of a tensor."""
         positions = self.cache.positions[index]
-        expected = [(c, h, w) for h, w, c in np.asarray(shapes).tolist()]
+        hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
+        expected = [(c, h, w) for h, w, c in hwc.tolist()]
 
         def nvjpeg(a: int, b: int) -> list[Any]:
+            data = tensors[a:b]
+            if any(t is None for t in data):  # another lane's images (it failed, or refused them)
+                data = as_tensors(payloads[a:b])
             out, fallbacks = decode_on_device(
                 self.cache,
                 payloads[a:b],
                 shapes[a:b],
                 positions[a:b],
                 self.device,
-                tensors[a:b],
+                data,
                 launching=launching,
             )
             self.stats.cpu_fallbacks += fallbacks
@@ -575,6 +635,8 @@ class DecodeLoader(CoreLoader):
 
         def hardware(a: int, b: int) -> list[Any]:  # in the pool's thread: no stats here
             launching()
+            if scatter and self.hw.into:
+                return self.hw.decode_into(payloads[a:b], np.prod(hwc[a:b], axis=1))
             out = self.hw.decode(payloads[a:b])
             return [
                 img if img is not None and tuple(img.shape) == expected[a + i] else None
@@ -625,6 +687,10 @@ class DecodeLoader(CoreLoader):
             self.split.observe("cpu", cpu_count, busy / self.cpu.processes, waited, now - last)
         if self.cpu is not None and "cpu" in self.split.state and not self.cpu.alive():
             self.split.fail("cpu", "its decode processes exited")
+
+
+def _no_op() -> None:
+    pass
 
 
 def _views(flat: torch.Tensor, offsets: np.ndarray, shapes: np.ndarray) -> list[torch.Tensor]:

@@ -281,3 +281,99 @@ def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(
         hw = lane.decode(payloads[:2])  # type: ignore[attr-defined]
         gpu, _ = decode_on_device(cache, payloads[2:], shapes[2:], cache.positions[index[2:]], dev)
         torch.testing.assert_close(x, torch.stack(hw + gpu), rtol=0, atol=0, msg=f"batch {k}")
+
+
+def test_hardware_lane_slots_hold_the_same_bytes_as_its_tensors(photo_cache: Path) -> None:
+    """``decode_into`` (into the lane's reused slots, or an allocation of its own for an image larger
+    than a slot) gives byte for byte what ``decode`` (a tensor per image) gives, call after call."""
+    from dlstore.read.hw_decode import HardwareJpeg
+
+    lane = _hardware_lane()
+    cache = open_cache(photo_cache)
+    index = np.arange(len(cache))
+    payloads, shapes = cache.read_payloads(index)
+    nbytes = np.prod(shapes, axis=1)
+    want = lane.decode(payloads)  # type: ignore[attr-defined]
+    for _ in range(2):  # the second call reuses the slots
+        got = lane.decode_into(payloads, nbytes)  # type: ignore[attr-defined]
+        for address, ref in zip(got, want):
+            assert torch.equal(lane.view(address, tuple(ref.shape)), ref)  # type: ignore[attr-defined]
+    small = HardwareJpeg.open(torch.device("cuda"))
+    assert small is not None
+    small._ensure_slots(len(payloads), 1)  # slots far too small: each image gets its own allocation
+    got = small.decode_into(payloads, nbytes)
+    assert small.slots is not None and all(a is not None for a in got)
+    for address, ref in zip(got, want):
+        assert torch.equal(small.view(address, tuple(ref.shape)), ref)  # type: ignore[arg-type]
+
+
+def test_scattered_images_through_the_fused_kernel_equal_the_list_crop() -> None:
+    """Separate allocations read in place by the fused kernel (starts = address - base, some negative)."""
+    from dlstore.gpu.ragged import scattered_flat
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    images = [
+        torch.randint(0, 256, (3, h, w), generator=g, dtype=torch.uint8).to(dev)
+        for h, w in [(40, 60), (70, 33), (25, 25)]
+    ]
+    hwc = np.array([[h, w, c] for c, h, w in (t.shape for t in images)])
+    batch = scattered_flat(images[1], np.array([t.data_ptr() for t in images]), hwc, lambda: images)
+    assert (batch.host[0] < 0).any() or (batch.host[0] > 0).any()  # type: ignore[index]
+    a = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(3)).cuda()
+    b = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(3)).cuda()
+    torch.testing.assert_close(a(batch), b(images), rtol=0, atol=0)
+
+
+class _SlowCrop(RaggedRandomResizedCrop):
+    """The crop, queued behind 20 ms of GPU sleep: a decode that overwrote a buffer the crop still has
+    to read would show in its pixels."""
+
+    def forward(self, images, target=None):  # type: ignore[no-untyped-def]
+        torch.cuda._sleep(20_000_000)
+        return super().forward(images, target)
+
+
+@pytest.mark.parametrize(
+    "lanes", [["nvjpeg"], ["cpu", "nvjpeg"], ["hw", "nvjpeg"], ["hw"], ["cpu", "hw", "nvjpeg"]], ids="+".join
+)
+def test_scattered_batches_equal_copied_ones_behind_a_slow_crop(
+    image_tree: Path, tmp_path: Path, lanes: list[str]
+) -> None:
+    """The loader's scattered batches (each lane's output read where it lies, the hardware lane's
+    slots reused every batch) crop to the same pixels as the same batches copied into one buffer
+    first (``scatter = False``, the design before), behind a slow crop, for two epochs."""
+    if "hw" in lanes:
+        _hardware_lane()
+    convert(
+        image_tree,
+        tmp_path / "c",
+        ConvertOptions(format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2),
+    )
+    split = {"cpu": 0.25, "hw": 0.5, "nvjpeg": 0.25} if len(lanes) == 3 else None
+    if lanes == ["cpu", "nvjpeg"] or lanes == ["hw", "nvjpeg"]:
+        split = dict.fromkeys(lanes, 0.5)
+    got = {}
+    for scatter in (True, False):
+        crop = _SlowCrop(16, generator=torch.Generator().manual_seed(2)).cuda()
+        loader = DecodeLoader(
+            tmp_path / "c",
+            4,
+            transform=crop,
+            order="sequential",
+            lanes=lanes,
+            split=split,
+            cpu_decoders=2 if "cpu" in lanes else 0,
+        )
+        loader.scatter = scatter
+        try:
+            got[scatter] = [x.clone() for _ in range(2) for x, _y in loader]
+            assert loader.stats.rerouted == 0
+            assert loader.stats.hw_images == (0 if "hw" not in lanes else loader.stats.hw_images) and (
+                "hw" not in lanes or loader.stats.hw_images > 0
+            )
+        finally:
+            loader.close()
+    assert len(got[True]) == len(got[False]) > 0
+    for k, (a, b) in enumerate(zip(got[True], got[False])):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"batch {k}")

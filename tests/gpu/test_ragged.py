@@ -186,3 +186,35 @@ def test_to_device_moves_host_and_device_tensors() -> None:
     if torch.cuda.is_available():
         on_gpu = to_device(t, torch.device("cuda"))
         assert on_gpu.is_cuda and torch.equal(to_device(on_gpu, torch.device("cuda")).cpu(), t)
+
+
+def test_scattered_images_are_read_in_place_at_their_address_offsets() -> None:
+    """``scattered_flat``: images that lie anywhere (here: views at odd places of one buffer, and one
+    before the base) are described by address minus the base's address; read at those starts the
+    buffer gives the same crops as the list, and ``gather()`` (the copy for the PyTorch path) too."""
+    import dataclasses
+
+    from dlstore.gpu.ragged import scattered_flat
+
+    images = [_image(40, 60, 0), _image(70, 33, 1), _image(25, 25, 2)]
+    buffer = torch.zeros(20_000, dtype=torch.uint8)
+    places = [9_001, 13, 17_000]  # not in batch order; the base (below) starts after the second
+    views = []
+    for img, at in zip(images, places):
+        views.append(buffer[at : at + img.numel()].view(img.shape))
+        views[-1].copy_(img)
+    hwc = np.array([[h, w, c] for c, h, w in (v.shape for v in views)])
+    base = buffer[1_000:]
+    batch = scattered_flat(base, np.array([v.data_ptr() for v in views]), hwc, lambda: views)
+    assert batch.host is not None and batch.host[0].tolist() == [8_001, -987, 16_000]
+    assert batch.starts.tolist() == [8_001, -987, 16_000] and batch.gather is not None
+    # in place: the whole buffer with the starts moved by the base's offset (what the kernel's
+    # pointer arithmetic does), read by the PyTorch path
+    host = batch.host.copy()
+    host[0] += 1_000
+    meta = torch.from_numpy(host)
+    in_place = dataclasses.replace(batch, flat=buffer, starts=meta[0], host=host, gather=None)
+    seeds = [RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(4)) for _ in range(3)]
+    want = seeds[0](images)
+    torch.testing.assert_close(seeds[1](in_place), want, rtol=0, atol=0)
+    torch.testing.assert_close(seeds[2](batch), want, rtol=0, atol=0)  # no kernel on CPU: gathered

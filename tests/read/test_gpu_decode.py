@@ -138,6 +138,44 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
     assert loader.stats.decode_seconds >= 0.02 * batches and loader.stats.read_seconds > 0
 
 
+def test_reads_can_wait_for_the_decode_call_to_return(
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_during_decode = False``: batch j (past the first read_ahead) is read only after the decode
+    call of batch j - read_ahead has returned (the GPU decoders take the GIL back per image, so a read
+    beside the call lengthens it); every batch still arrives, in order."""
+    import time
+
+    import dlstore.read.gpu_decode as gd
+
+    real, returned, seen_at_read = gd.decode_on_device, [0], []
+
+    def slow_decode(*args, **kw):  # type: ignore[no-untyped-def]
+        out = real(*args, **kw)
+        time.sleep(0.02)
+        returned[0] += 1
+        return out
+
+    monkeypatch.setattr(gd, "decode_on_device", slow_decode)
+    loader = DecodeLoader(
+        jpeg_cache, batch_size=2, transform=lambda x: x, device="cpu", read_ahead=2, order="sequential"
+    )  # type: ignore[arg-type,return-value]
+    loader.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
+    loader.read_during_decode = False
+    read = loader._read
+
+    def counted(batch: list[int]) -> object:
+        seen_at_read.append(returned[0])
+        return read(batch)
+
+    loader._read = counted  # type: ignore[method-assign]
+    labels = [y for _x, y in loader]
+    assert len(labels) == len(loader) > 4
+    later = list(enumerate(seen_at_read))[loader.read_ahead :]
+    assert all(n >= j - loader.read_ahead + 1 for j, n in later), seen_at_read
+    assert any(n > 0 for n in seen_at_read)
+
+
 # --- a batch split between nvJPEG and CPU decode processes (cpu_decoders) ---------------------------
 # Without a GPU, the "GPU" side is torchvision's CPU decode_jpeg through the same decode_on_device call
 # (``loader.gpu`` forced on); the CPU side is the real worker processes.
@@ -186,6 +224,19 @@ def test_split_batches_equal_the_single_path_decodes(
         assert cpu_count > 0 and loader.stats.cpu_images == cpu_count
         assert loader.stats.gpu_images == n - cpu_count == sum(sent)
         assert sent == [b - round(0.5 * b) for b in [4] * (n // 4) + ([n % 4] if n % 4 else [])]
+    finally:
+        loader.close()
+
+
+def test_split_batches_with_reads_gated_after_each_device_call(jpeg_cache: Path) -> None:
+    """``gate_reads = True`` with CPU decoders (and reads held until the device call returns): the
+    CPU share is submitted no further ahead than the gate allows, and every batch still equals the
+    single-path decodes, for two epochs."""
+    loader = cpu_split_loader(jpeg_cache, 0.5, read_ahead=1)
+    loader.gate_reads, loader.read_during_decode = True, False
+    try:
+        for _ in range(2):
+            assert _check_split_epoch(loader, jpeg_cache, 0.5) > 0
     finally:
         loader.close()
 
