@@ -228,8 +228,9 @@ def _count(kind: str, n: int, facts: Facts) -> str:
 
 
 def decode_lanes(n: int) -> list[str]:
-    """DecodeLoader's lanes with ``n`` CPU decoders (the hardware lane is opt-in: ``lanes=[..., "hw", ...]``)."""
-    return ["cpu", "nvjpeg"] if n else ["nvjpeg"]
+    """DecodeLoader's lanes with ``n`` CPU decoders: its default lanes (the GPU's hardware JPEG engines
+    among them; a lane absent on the machine, e.g. "hw" without NVJPG or nvImageCodec, is skipped there)."""
+    return ["cpu", "hw", "nvjpeg"] if n else ["hw", "nvjpeg"]
 
 
 def decoder_code(n: int, batch_size: int) -> str:

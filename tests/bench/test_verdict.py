@@ -540,11 +540,11 @@ def test_the_jpeg_gpu_sweep_over_cpu_decoders_recommends_the_lanes_for_the_model
     ]
     out = analyse(stages, runs, {}, facts(cpu_decoder_kinds=frozenset({"jpeg-gpu"})))
     lanes = out["lanes"]["jpeg-gpu"]
-    assert lanes["lanes"] == ["cpu", "nvjpeg"] and lanes["cpu_decoders"] == 12
+    assert lanes["lanes"] == ["cpu", "hw", "nvjpeg"] and lanes["cpu_decoders"] == 12
     assert lanes["by_cpu_decoders"] == {0: 5_000, 4: 9_000, 12: 16_000}
     first = out["recommendations"][0]
     assert "Use jpeg-gpu with nvJPEG + 12 CPU decoders" in first
-    assert "DecodeLoader(cache, 100, transform=crop, cpu_decoders=12, lanes=['cpu', 'nvjpeg'])" in first
+    assert "DecodeLoader(cache, 100, transform=crop, cpu_decoders=12, lanes=['cpu', 'hw', 'nvjpeg'])" in first
     assert "num_workers=12" not in first and "nvJPEG + 12 CPU decoders" in out["verdict"]
     # where the CPU decoders do not help, nvJPEG alone is what it recommends
     slow = [run("jpeg-gpu", 0, 16_000, True), run("jpeg-gpu", 12, 15_900, True)]
@@ -552,9 +552,9 @@ def test_the_jpeg_gpu_sweep_over_cpu_decoders_recommends_the_lanes_for_the_model
         {"jpeg-gpu": stages["jpeg-gpu"]}, slow, {}, facts(cpu_decoder_kinds=frozenset({"jpeg-gpu"}))
     )
     assert out["lanes"]["jpeg-gpu"] | {"by_cpu_decoders": None, "img_per_s": None} == {
-        "lanes": ["nvjpeg"],
+        "lanes": ["hw", "nvjpeg"],
         "cpu_decoders": 0,
         "by_cpu_decoders": None,
         "img_per_s": None,
-        "code": "DecodeLoader(cache, 100, transform=crop, cpu_decoders=0, lanes=['nvjpeg'])",
+        "code": "DecodeLoader(cache, 100, transform=crop, cpu_decoders=0, lanes=['hw', 'nvjpeg'])",
     }
