@@ -90,8 +90,10 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
         "settings": ld["settings"],
         "dataset": ld["dataset"],
         "images_per_batch": images,
-        "steps_observed": sum(1 for r in rows if r["phase"] != "replay"),
+        "steps_observed": sum(1 for r in rows if r["phase"] not in ("replay", "trial")),
         "steps_replayed": sum(1 for r in rows if r["phase"] == "replay"),
+        "steps_trial": sum(1 for r in rows if r["phase"] == "trial"),
+        "trial": ld.get("trial"),
         "epochs": len(ld.get("epochs", [])),
         "phases": phases,
         "steady": steady,
@@ -116,6 +118,15 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
             "loop's own batches to time it with data free: the model trained on those repeated batches "
             "(turn this off with --no-replay)."
         )
+    tried = trial_of(rep)
+    if tried is not None:
+        rep["notes"].append(
+            f"{rep['steps_trial']} steps trained on real batches from a second DataLoader over the same dataset "
+            f"with {tried['workers']} workers (the in-loop trial of the workers advice, its first "
+            f"{tried['dropped']} steps dropped as its queue filled; turn this off with --no-trial)."
+        )
+    elif (ld.get("trial") or {}).get("skipped"):
+        rep["notes"].append(f"No in-loop trial: {ld['trial']['skipped']}.")
     parts = loop_parts(rep, ld, doc)
     if parts is None:
         return rep
@@ -376,9 +387,14 @@ def _workers_advice(
     }
     best = max(rates.values())
     n = next(k for k in cands if rates[k] >= best / WORTH_FRACTION)
+    tried = trial_of(rep)
+    if tried is not None and tried["workers"] in cands:
+        n = tried["workers"]  # the count tried in the loop (the advice at the pause named it)
     probe = _probe(ld, "workers")
     measured = probe is not None and probe.get("n") == n
     expected = _rate(tried_parts(parts, probe)) if measured else rates[n]
+    if tried is not None and tried["workers"] == n:
+        expected = tried["img_per_s"]  # the rate the loop itself reached with n workers
     if expected < WORTH_FRACTION * parts.batch / compose(parts).period_s:
         return None
     busy = _cores_busy(rep)
@@ -389,6 +405,11 @@ def _workers_advice(
         if measured
         else "; modelled, the loader not timed at that count"
     )
+    if tried is not None and tried["workers"] == n:
+        how = (
+            f"; tried in the loop: {tried['steps']} timed steps on a second DataLoader with {n} worker{'s' if n > 1 else ''}, "
+            f"the rate your loop reached"
+        )
     return {
         **_advice(
             f"Use {n} DataLoader worker{'s' if n > 1 else ''}{idle}: predicted {_fmt(expected)} img/s "
@@ -399,6 +420,14 @@ def _workers_advice(
         ),
         "workers": n,
     }
+
+
+def trial_of(rep: dict[str, Any]) -> dict[str, Any] | None:
+    """The in-loop trial (``trial.py``) with its timed steps' summary, None when there was none."""
+    info, timed = rep.get("trial"), rep["phases"].get("trial")
+    if not info or "skipped" in info or timed is None or not timed.get("img_per_s"):
+        return None
+    return {**info, **timed}
 
 
 def _probe(ld: dict[str, Any], key: str) -> dict[str, Any] | None:
