@@ -328,6 +328,7 @@ def overhead(sizes: dict[str, Any], rounds: int, res: dict[str, Any], save: Any)
         args=args,
         rates={"plain": [], "watched": []},
         cpu_per_step_us={"plain": [], "watched": []},
+        gc={"plain": [], "watched": []},
         ratios=[],
     )
     rates = res["rates"]
@@ -337,15 +338,22 @@ def overhead(sizes: dict[str, Any], rounds: int, res: dict[str, Any], save: Any)
         ):
             break
         t = time.monotonic()
-        got = {"plain": plain(script, args)}
-        got["watched"], _ = watched(
-            script, args, ["--no-replay", "--no-trial", "--no-parts", "--warmup", "50"]
-        )
+        got: dict[str, Any] = {}
+        for k in ("plain", "watched") if i % 2 == 0 else ("watched", "plain"):  # ABBA: drift cancels
+            if k == "plain":
+                got[k] = plain(script, args)
+            else:
+                got[k], doc = watched(
+                    script, args, ["--no-replay", "--no-trial", "--no-parts", "--warmup", "50"]
+                )
+                if doc and doc.get("loaders"):  # NVML sampled by watch's thread (it contends with launches)
+                    res["nvml"] = (primary(doc).get("resources") or {}).get("nvml")
         if not all(got.values()):
             break
         for k, r in got.items():
             rates[k].append(r["img_per_s"])
             res["cpu_per_step_us"][k].append(1e6 * r.get("cpu_per_step_s", 0.0))
+            res["gc"][k].append({x: r.get(x) for x in ("gc_s", "gc_collections", "gc_objects")})
         # watched step time / plain step time, this round
         res["ratios"].append(got["plain"]["img_per_s"] / got["watched"]["img_per_s"])
         res["round_s"] = time.monotonic() - t
@@ -379,14 +387,14 @@ def per_step_cost(steps: int = 3000) -> dict[str, Any]:
         return (time.perf_counter() - t) / steps
 
     out: dict[str, Any] = {"cuda_events": cuda}
-    for every in (1, 4):  # CUDA events on every step (the default) and on one in 4
+    for every in (1, 4, 10**9):  # CUDA events on every step, on one in 4 (the default), none
         bares, seens = [], []
         for _ in range(3):  # alternated
             bares.append(loop())
             with Watch(WatchConfig(replay=False, parts=False, warmup=0, event_every=every), quiet=True):
                 seens.append(loop())
         bare, seen = statistics.median(bares), statistics.median(seens)
-        out[f"events_every_{every}"] = {
+        out["no_events" if every == 10**9 else f"events_every_{every}"] = {
             "bare_us": 1e6 * bare,
             "watched_us": 1e6 * seen,
             "cost_us": 1e6 * (seen - bare),
