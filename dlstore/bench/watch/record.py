@@ -383,10 +383,10 @@ class _Sampler(threading.Thread):
         self.main_cpu: list[list[float | None]] = []
         self.gpu_util: list[list[float]] = []
         self.nvml: Any = None
+        self.nvml_tried = False
         self.ticks = 0
 
     def run(self) -> None:
-        self.nvml = _nvml_handle()
         while not self.halt.is_set():
             self.sample()
             self.halt.wait(self.interval)
@@ -406,7 +406,13 @@ class _Sampler(threading.Thread):
         # NVML's queries contend with kernel launches (the bench's loop ran a launch-bound step slower with
         # them): one in NVML_EVERY samples. The utilisation it reads is the driver's own average over its
         # last period, so a sparser sample still reads the loop's
-        if self.nvml is not None and s.cuda_in_use() and self.ticks % NVML_EVERY == 1:
+        # CUDA's state is read off the main thread's flag, never asked here: from this thread (started at
+        # install, before the script runs) is_available() / get_device_properties() would initialise
+        # CUDA before the script set CUDA_VISIBLE_DEVICES, and off the training thread
+        if not self.nvml_tried and s._cuda:
+            self.nvml_tried = True
+            self.nvml = _nvml_handle()
+        if self.nvml is not None and self.ticks % NVML_EVERY == 1:
             try:
                 self.gpu_util.append([t, float(self.nvml[0].nvmlDeviceGetUtilizationRates(self.nvml[1]).gpu)])
             except Exception:
