@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import json
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +184,41 @@ def test_no_trial_leaves_the_workers_advice_to_the_probe() -> None:
     workers = next((a for a in report["advice"] if a.get("workers")), None)
     if workers is not None:
         assert "tried in the loop" not in workers["text"]
+
+
+def test_steps_stops_after_the_observed_steps_the_replay_and_the_trial() -> None:
+    loader = DataLoader(Sleepy(400, 0.003), batch_size=4)
+    seen = 0
+    with dlstore.watch(steps=10, warmup=2, replay_s=0.05, trial_s=0.2, parts=False, quiet=True) as w:
+        for _ in range(3):
+            for _batch in loader:
+                seen += 1
+    rep = w.report["loaders"][0]
+    assert w.report["status"] == "stopped" and rep["steps_observed"] == 10
+    assert rep["steps_replayed"] > 0 and rep["trial"] and "skipped" not in rep["trial"], rep["notes"]
+    assert seen == 10 + rep["steps_replayed"] + rep["steps_trial"]
+
+
+def test_the_sampler_thread_never_asks_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the sampler (started at install, before the script) a CUDA query would initialise CUDA before
+    the script set CUDA_VISIBLE_DEVICES; only the training thread asks."""
+    import threading
+
+    callers: list[str] = []
+    real = torch.cuda.is_available
+
+    def spy() -> bool:
+        callers.append(threading.current_thread().name)
+        return real()
+
+    monkeypatch.setattr(torch.cuda, "is_available", spy)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: spy())
+    # NVML present (a stand-in module): the sampler opens it, and then asked CUDA for the device
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlDeviceGetHandleByIndex=lambda i: i)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    loader = DataLoader(Sleepy(40, 0.0), batch_size=4)
+    with dlstore.watch(replay=False, trial=False, parts=False, quiet=True) as w:
+        w.session._sampler.sample()  # a tick before the loop, as the thread's first
+        for _batch in loader:
+            pass
+    assert callers and set(callers) == {threading.main_thread().name}
