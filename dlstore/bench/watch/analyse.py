@@ -134,6 +134,12 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     rep["model"] = model_summary(parts, pred, steady)
     rep["binding"] = binding(rep, parts, pred, ld.get("parts") or {})
     rep["advice"] = rank(advice(rep, parts, ld, doc))
+    tried = trial_of(rep)
+    if tried is not None and not any(a.get("workers") == tried["workers"] for a in rep["advice"]):
+        rep["notes"].append(
+            f"Tried in the loop with {tried['workers']} workers: {_fmt(tried['img_per_s'])} img/s (now "
+            f"{_fmt(steady['img_per_s'])}): more workers do not speed this loop up, so they are not advised."
+        )
     if ld.get("try_cache") is not None:
         _ground_tried(rep, parts, ld["try_cache"])
     return rep

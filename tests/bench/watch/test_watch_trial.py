@@ -222,3 +222,24 @@ def test_the_sampler_thread_never_asks_cuda(monkeypatch: pytest.MonkeyPatch) -> 
         for _batch in loader:
             pass
     assert callers and set(callers) == {threading.main_thread().name}
+
+
+def test_a_trial_without_gain_drops_the_workers_advice_and_says_so() -> None:
+    doc = raw(wait=0.030, host=0.005, replay_period=0.005, getitem=0.030 / 32)
+    ld = doc["loaders"][0]
+    modelled = next(a for a in analyse([doc])["advice"] if a.get("workers"))
+    # the loop fed by the advised workers ran 40 ms a step (slower than its 35 ms now): 6 steps timed
+    t = ld["t_next"][-1]
+    for _ in range(6):
+        ld["t_call"].append(t)
+        ld["t_ret"].append(t + 1e-4)
+        t += 0.040
+        ld["t_next"].append(t)
+        ld["phase"].append("trial")
+        ld["epoch"].append(0)
+    ld["trial"] = {"workers": modelled["workers"], "dropped": 0, "steps": 6, "prefetch_factor": 2}
+    report = analyse([doc])
+    assert not any(a.get("workers") for a in report["advice"])
+    assert any(
+        f"Tried in the loop with {modelled['workers']} workers: 800 img/s" in n for n in report["notes"]
+    )
