@@ -114,7 +114,7 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     rep["resources"] = resources(ld, doc, steady)
     if "replay" in phases:
         rep["notes"].append(
-            f"{phases['replay']['steps']} steps were replayed on {doc['config']['replay_batches']} of the "
+            f"{rep['steps_replayed']} steps were replayed on {doc['config']['replay_batches']} of the "
             "loop's own batches to time it with data free: the model trained on those repeated batches "
             "(turn this off with --no-replay)."
         )
