@@ -391,7 +391,9 @@ def per_step_cost(steps: int = 3000) -> dict[str, Any]:
         bares, seens = [], []
         for _ in range(3):  # alternated
             bares.append(loop())
-            with Watch(WatchConfig(replay=False, parts=False, warmup=0, event_every=every), quiet=True):
+            with Watch(
+                WatchConfig(replay=False, trial=False, parts=False, warmup=0, event_every=every), quiet=True
+            ):
                 seens.append(loop())
         bare, seen = statistics.median(bares), statistics.median(seens)
         out["no_events" if every == 10**9 else f"events_every_{every}"] = {

@@ -38,7 +38,7 @@ def child(variant: str, target: list[str]) -> None:
         from dlstore.bench.watch.config import WatchConfig
         from dlstore.bench.watch.record import Session
 
-        config = WatchConfig(replay=False, parts=False, warmup=50)
+        config = WatchConfig(replay=False, trial=False, parts=False, warmup=50)
         if variant == "gc":
             gc.freeze()  # what the imports left: out of every later full collection
         if variant in ("install", "install_nosampler"):
@@ -49,7 +49,7 @@ def child(variant: str, target: list[str]) -> None:
         if variant == "library":
             import dlstore
 
-            w = dlstore.watch(replay=False, parts=False, warmup=50, quiet=True)
+            w = dlstore.watch(replay=False, trial=False, parts=False, warmup=50, quiet=True)
             w.__enter__()
     sys.argv = list(target)
     sys.path[0] = str(Path(target[0]).resolve().parent)
