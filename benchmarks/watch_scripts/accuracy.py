@@ -530,11 +530,16 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole study")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every path")
     p.add_argument("--cpu", action="store_true", help="run the scripts on the CPU (WATCH_SCRIPTS_CPU=1)")
+    for name in ("replay_s", "trial_s", "applied_s"):  # longer windows than the sizes' defaults
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None)
     a = p.parse_args()
     if a.cpu:
         os.environ["WATCH_SCRIPTS_CPU"] = "1"
     CLOCK = Clock(a.budget)
     sizes = sizes_for(a.quick)
+    sizes.update(
+        {k: getattr(a, k) for k in ("replay_s", "trial_s", "applied_s") if getattr(a, k) is not None}
+    )
     a.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "machine": machine(),

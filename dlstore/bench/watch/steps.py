@@ -99,11 +99,15 @@ def summarise(
 
 def by_phase(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, Any]:
     """Summaries of the warm-up, the steady real steps, the replayed steps and the trial's (their timed
-    steps: warm-up left out, the period by blocks), and the refill after them."""
+    steps: warm-up left out), and the refill after them."""
     out: dict[str, Any] = {}
     for phase in ("warmup", "real", "replay", "trial", "refill", "profiled"):
         fed = phase in ("replay", "trial")
-        s = summarise([r for r in rows if r["phase"] == phase and not (fed and r["warm"])], images, fed)
+        # the replay's period by blocks (a slow block left out); the trial's is its mean: its loader's
+        # epoch ends (a refill every epoch) recur and are part of the rate it reaches
+        s = summarise(
+            [r for r in rows if r["phase"] == phase and not (fed and r["warm"])], images, phase == "replay"
+        )
         if s is not None:
             out[phase] = s
     return out
