@@ -77,20 +77,23 @@ class LoaderRecord:
 
     def new_epoch(self, it: Any) -> int:
         self.epochs.append({"epoch": len(self.epochs), "first_step": len(self.t_call), "t_iter": self.now()})
-        self.iterators = [i for i in self.iterators if getattr(i, "_workers", None)] + [it]
+        # persistent workers: every epoch's iter() returns the same iterator, kept once (it was kept once
+        # per epoch: the workers' memory summed that many times, 56 "workers" of 8 on the H200)
+        kept = [i for i in self.iterators if i is not it and getattr(i, "_workers", None)]
+        self.iterators = [*kept, it]
         return len(self.epochs) - 1
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
     def worker_pids(self) -> list[int]:
-        pids = []
+        pids: dict[int, None] = {}
         for it in list(self.iterators):
             for w in list(getattr(it, "_workers", None) or ()):
                 pid = getattr(w, "pid", None)
                 if pid and _alive(w):
-                    pids.append(pid)
-        return pids
+                    pids[pid] = None
+        return list(pids)
 
 
 def _alive(worker: Any) -> bool:

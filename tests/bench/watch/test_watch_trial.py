@@ -265,3 +265,15 @@ def test_pin_advice_is_a_gain_on_the_rate_measured_now() -> None:
     pin = next(a for a in report["advice"] if "Pin the batches" in a["text"])
     now = report["loaders"][0]["steady"]["img_per_s"]
     assert pin["expected_img_per_s"] == pytest.approx(now * 2.1 / 1.0, rel=0.02)
+
+
+def test_persistent_workers_are_counted_once_across_epochs() -> None:
+    """Every epoch's iter() of a persistent loader returns the same iterator: its workers once, not once
+    per epoch (their memory was summed per epoch)."""
+    loader = DataLoader(Sleepy(16, 0.0), batch_size=4, num_workers=2, persistent_workers=True)
+    with dlstore.watch(replay=False, trial=False, parts=False, quiet=True) as w:
+        for _ in range(3):
+            for _batch in loader:
+                pass
+        rec = next(iter(w.session.records.values()))
+        assert len(rec.worker_pids()) == 2 and len(rec.iterators) == 1
