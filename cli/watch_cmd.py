@@ -29,7 +29,29 @@ from dlstore.cli.render import emit_json, stderr
     show_default=True,
     help="Without --steps: replay after this many real steps.",
 )
-@click.option("--replay-steps", type=click.IntRange(1), default=30, show_default=True, help="Replayed steps.")
+@click.option(
+    "--replay-s",
+    type=click.FloatRange(0),
+    default=1.5,
+    show_default=True,
+    help="Seconds of replayed steps timed (after a warm-up of theirs).",
+)
+@click.option(
+    "--replay-steps", type=click.IntRange(1), default=2000, show_default=True, help="Replayed steps at most."
+)
+@click.option(
+    "--no-trial",
+    "no_trial",
+    is_flag=True,
+    help="Do not try the workers advice in the loop (a second DataLoader with the advised workers).",
+)
+@click.option(
+    "--trial-s",
+    type=click.FloatRange(0),
+    default=1.5,
+    show_default=True,
+    help="Seconds of the in-loop trial timed (after its queue filled).",
+)
 @click.option(
     "--replay-batches", type=click.IntRange(1), default=4, show_default=True, help="Batches kept to replay."
 )
@@ -81,7 +103,10 @@ def watch_cmd(
     warmup: int,
     no_replay: bool,
     replay_at: int,
+    replay_s: float,
     replay_steps: int,
+    no_trial: bool,
+    trial_s: float,
     replay_batches: int,
     no_parts: bool,
     parts_budget: float,
@@ -103,6 +128,9 @@ def watch_cmd(
         replay=not no_replay,
         replay_at=replay_at,
         replay_steps=replay_steps,
+        replay_s=replay_s,
+        trial=not no_trial,
+        trial_s=trial_s,
         replay_batches=replay_batches,
         parts=not no_parts,
         parts_budget_s=parts_budget,

@@ -1,7 +1,7 @@
 """How right is ``dlstore watch`` on ordinary training scripts (benchmarks/watch_scripts/, no dlstore
 inside)? One command runs the whole study, inside ``--budget`` seconds (385 by default):
 
-    python benchmarks/watch_scripts/accuracy.py --out $OUT [--budget 385] [--quick] [--cpu]
+    python benchmarks/watch_scripts/accuracy.py --out $OUT [--budget 470] [--cases A,B] [--quick] [--cpu]
 
 For each case: the script alone with its own hand timing of next() and its own replay of its last 4
 batches (the independent measurements), then the same script under ``dlstore watch --json --try-cache``,
@@ -158,6 +158,22 @@ def override(args: list[str], flags: list[str]) -> list[str]:
     return out + flags
 
 
+def longer(args: list[str], expected: float, seconds: float) -> list[str]:
+    """``args`` with --steps raised to about ``seconds`` at ``expected`` img/s (2,000 at most), and
+    --warmup to the advised workers' queue (2 × workers + 1) when longer."""
+    out = list(args)
+    batch = int(out[out.index("--batch-size") + 1]) if "--batch-size" in out else 256
+    workers = int(out[out.index("--workers") + 1]) if "--workers" in out else 0
+    for flag, least in (
+        ("--steps", min(2000, round(seconds * expected / batch))),
+        ("--warmup", 2 * workers + 1),
+    ):
+        if flag in out:
+            i = out.index(flag)
+            out[i + 1] = str(max(int(out[i + 1]), least))
+    return out
+
+
 def apply_cache(advice: dict[str, Any], work: Path) -> tuple[list[str] | None, dict[str, Any]]:
     """Run the advised ``dlstore convert SOURCE DEST --size S …`` (DEST under ``work``, not $OUT: it is not
     a result); the script's flags that read it as advised."""
@@ -180,10 +196,16 @@ def apply_cache(advice: dict[str, Any], work: Path) -> tuple[list[str] | None, d
 
 
 def applied(
-    script: str, args: list[str], advice: list[dict[str, Any]], rows: list[dict[str, Any]], save: Any
+    script: str,
+    args: list[str],
+    advice: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+    save: Any,
+    seconds: float,
 ) -> None:
     """Each recommendation with a predicted rate, applied to the script and re-run; a row appended to
-    ``rows`` (and saved) as each finishes."""
+    ``rows`` (and saved) as each finishes. The re-run times about ``seconds`` at the predicted rate (its
+    --steps raised to that), after a warm-up that empties the advised workers' first queue."""
     for a in advice:
         row: dict[str, Any] = {"text": a["text"], "expected_img_per_s": a.get("expected_img_per_s")}
         rows.append(row)
@@ -192,7 +214,7 @@ def applied(
         flags, info = apply_cache(a, WORK) if a.get("cache") else (flags_for(a.get("command") or ""), {})
         row.update(info, flags=flags)
         if flags:
-            got = plain(script, override(args, flags))
+            got = plain(script, longer(override(args, flags), a["expected_img_per_s"], seconds))
             row["measured"] = got
             if got:
                 row["measured_img_per_s"] = got["img_per_s"]
@@ -207,24 +229,28 @@ def measure_case(name: str, sizes: dict[str, Any], out: Path, case: dict[str, An
     """One case into ``case`` (saved after each run): the script's own timing, the watched run, each
     recommendation applied."""
     script, base, want = CASES[name]
-    steps, m = sizes["steps_for"].get(name, (sizes["steps"], sizes["replay_steps"]))
+    steps = sizes["steps_for"].get(name, sizes["steps"])
     args = [*base, *sizes["args"].get(script, []), "--warmup", str(sizes["warmup"]), "--steps", str(steps)]
     case.update(script=script, args=args)
-    hand_args = [*args, "--replay", "4", "--replay-steps", str(m)]
+    hand_args = [*args, "--replay", "4", "--replay-s", str(sizes["replay_s"])]
     t = time.monotonic()
     case["hand"] = plain(script, [*hand_args, "--hand", str(out / f"{name}-hand.json")])
     hand_s = time.monotonic() - t
     save()
     watch_args = [
         "--warmup", str(sizes["warmup"]),
-        "--replay-at", str(sizes["warmup"] + steps // 2),
+        "--steps", str(sizes["warmup"] + steps),
         "--replay-batches", "4",
-        "--replay-steps", str(m),
+        "--replay-s", str(sizes["replay_s"]),
+        "--trial-s", str(sizes["trial_s"]),
         "--parts-budget", str(sizes["parts_budget"]),
         "--try-cache",
         "--out", str(out / name),
     ]  # fmt: skip
-    _, doc = watched(script, args, watch_args)
+    # the script is given steps enough for any window; watch's --steps ends it after the observed steps,
+    # the replay and the trial (both last a time, not a count)
+    long_args = [*args[:-1], "1000000"]
+    _, doc = watched(script, long_args, watch_args)
     if doc is None or not doc.get("loaders"):
         case["error"] = "watch gave no report"
         return
@@ -232,6 +258,10 @@ def measure_case(name: str, sizes: dict[str, Any], out: Path, case: dict[str, An
     model, binding = rep.get("model") or {}, rep.get("binding") or {}
     case["watch"] = {
         "verdict": doc["verdict"],
+        "steps_replayed": rep["steps_replayed"],
+        "steps_trial": rep.get("steps_trial"),
+        "trial": rep.get("trial"),
+        "replay": rep["phases"].get("replay"),
         "wait_share": rep["steady"]["wait_share"],
         "img_per_s": rep["steady"]["img_per_s"],
         "data_free_img_per_s": model.get("data_free_img_per_s"),
@@ -246,7 +276,7 @@ def measure_case(name: str, sizes: dict[str, Any], out: Path, case: dict[str, An
     case["checks"] = checks(want, case)
     save()
     case["recommendations"] = []
-    applied(script, args, doc["advice"], case["recommendations"], save)
+    applied(script, args, doc["advice"], case["recommendations"], save, sizes["applied_s"])
     if CLOCK.left() > 1.5 * hand_s + 5:  # the machine's speed drifts (±30% within seconds on the H200):
         # the script alone once more, after the rest, shows how far
         case["hand_after"] = plain(script, [*hand_args, "--hand", str(out / f"{name}-hand-after.json")])
@@ -293,18 +323,37 @@ def overhead(sizes: dict[str, Any], rounds: int, res: dict[str, Any], save: Any)
     script's own rate over its timed steps; the median ratio."""
     script, base = OVERHEAD_CASE
     args = [*base, *sizes["args"].get(script, []), "--warmup", "50", "--steps", str(sizes["overhead_steps"])]
-    res.update(script=script, args=args, rates={"plain": [], "watched": []}, ratios=[])
+    res.update(
+        script=script,
+        args=args,
+        rates={"plain": [], "watched": []},
+        cpu_per_step_us={"plain": [], "watched": []},
+        gc={"plain": [], "watched": []},
+        ratios=[],
+    )
     rates = res["rates"]
     for i in range(2 * rounds):
-        if i >= rounds and CLOCK.left() < 2.5 * res.get("round_s", 0.0):
+        if CLOCK.left() < 1.1 * res.get("round_s", 0.0) or (
+            i >= rounds and CLOCK.left() < 2.5 * res["round_s"]
+        ):
             break
         t = time.monotonic()
-        got = {"plain": plain(script, args)}
-        got["watched"], _ = watched(script, args, ["--no-replay", "--no-parts", "--warmup", "50"])
+        got: dict[str, Any] = {}
+        for k in ("plain", "watched") if i % 2 == 0 else ("watched", "plain"):  # ABBA: drift cancels
+            if k == "plain":
+                got[k] = plain(script, args)
+            else:
+                got[k], doc = watched(
+                    script, args, ["--no-replay", "--no-trial", "--no-parts", "--warmup", "50"]
+                )
+                if doc and doc.get("loaders"):  # NVML sampled by watch's thread (it contends with launches)
+                    res["nvml"] = (primary(doc).get("resources") or {}).get("nvml")
         if not all(got.values()):
             break
         for k, r in got.items():
             rates[k].append(r["img_per_s"])
+            res["cpu_per_step_us"][k].append(1e6 * r.get("cpu_per_step_s", 0.0))
+            res["gc"][k].append({x: r.get(x) for x in ("gc_s", "gc_collections", "gc_objects")})
         # watched step time / plain step time, this round
         res["ratios"].append(got["plain"]["img_per_s"] / got["watched"]["img_per_s"])
         res["round_s"] = time.monotonic() - t
@@ -338,14 +387,16 @@ def per_step_cost(steps: int = 3000) -> dict[str, Any]:
         return (time.perf_counter() - t) / steps
 
     out: dict[str, Any] = {"cuda_events": cuda}
-    for every in (1, 4):  # CUDA events on every step (the default) and on one in 4
+    for every in (1, 4, 10**9):  # CUDA events on every step, on one in 4 (the default), none
         bares, seens = [], []
         for _ in range(3):  # alternated
             bares.append(loop())
-            with Watch(WatchConfig(replay=False, parts=False, warmup=0, event_every=every), quiet=True):
+            with Watch(
+                WatchConfig(replay=False, trial=False, parts=False, warmup=0, event_every=every), quiet=True
+            ):
                 seens.append(loop())
         bare, seen = statistics.median(bares), statistics.median(seens)
-        out[f"events_every_{every}"] = {
+        out["no_events" if every == 10**9 else f"events_every_{every}"] = {
             "bare_us": 1e6 * bare,
             "watched_us": 1e6 * seen,
             "cost_us": 1e6 * (seen - bare),
@@ -427,7 +478,9 @@ def sizes_for(quick: bool) -> dict[str, Any]:
         return {
             "warmup": 3,
             "steps": 12,
-            "replay_steps": 8,
+            "replay_s": 0.3,
+            "trial_s": 0.3,
+            "applied_s": 0.2,
             "parts_budget": 0.3,
             "overhead_steps": 60,
             "batch": 16,
@@ -445,19 +498,24 @@ def sizes_for(quick: bool) -> dict[str, Any]:
     return {
         "warmup": 20,
         "steps": 120,
-        "replay_steps": 60,
+        # the replays (watch's and the script's own): 1.5 s timed after 0.3 s of warm-up (was 60 steps,
+        # 0.16 s, ramping); the in-loop trial 1.5 s; each advice applied timed ~2 s at its predicted rate
+        "replay_s": 1.5,
+        "trial_s": 1.5,
+        "applied_s": 2.0,
         "parts_budget": 1.5,
         "overhead_steps": 1500,
         "batch": 256,
-        # (timed steps, replayed steps) where a step is long: ~100 ms at 0 workers, ~30 ms for ResNet-50
-        "steps_for": {"smallcnn_augment_w0": (50, 60), "resnet50": (80, 30)},
+        # timed steps, >= ~1 s of real steps: ~100 ms a step at 0 workers, ~30 ms for ResNet-50, ~35 ms at
+        # 4 workers, ~5.5 ms for the loss.item() loop
+        "steps_for": {"smallcnn_augment_w0": 50, "resnet50": 80, "item_every_step": 400},
         # seconds each case may take (its runs are killed past it); the first case makes the 20,000 PNGs
         "case_s": {
-            "smallcnn_augment_w0": 95,  # 85 s on the H200 (the PNGs made first)
-            "resnet50": 65,  # ~17 s alone, ~25 s watched (start-up), 40 s cut it
-            "overhead": 65,
-            "smallcnn_augment_w4": 75,
-            "item_every_step": 55,
+            "smallcnn_augment_w0": 110,  # 85 s on the H200 (the PNGs made first), + the longer windows
+            "resnet50": 90,  # 87 s on the H200 (no advice to apply)
+            "overhead": 115,  # 3 rounds of ~37 s
+            "smallcnn_augment_w4": 90,  # 74 s
+            "item_every_step": 70,  # 55 s
         },
         "args": {"smallcnn_augment.py": ["--root", "/tmp/watch_fmnist_folder"]},
     }
@@ -469,14 +527,19 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "watch_accuracy_out")))
     p.add_argument("--cases", default=",".join([*list(CASES)[:2], "overhead", *list(CASES)[2:]]))
     p.add_argument("--rounds", type=int, default=3, help="alternated plain/watched rounds for the overhead")
-    p.add_argument("--budget", type=float, default=385.0, help="seconds for the whole study")
+    p.add_argument("--budget", type=float, default=470.0, help="seconds for the whole study")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a dry run of every path")
     p.add_argument("--cpu", action="store_true", help="run the scripts on the CPU (WATCH_SCRIPTS_CPU=1)")
+    for name in ("replay_s", "trial_s", "applied_s"):  # longer windows than the sizes' defaults
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None)
     a = p.parse_args()
     if a.cpu:
         os.environ["WATCH_SCRIPTS_CPU"] = "1"
     CLOCK = Clock(a.budget)
     sizes = sizes_for(a.quick)
+    sizes.update(
+        {k: getattr(a, k) for k in ("replay_s", "trial_s", "applied_s") if getattr(a, k) is not None}
+    )
     a.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "machine": machine(),

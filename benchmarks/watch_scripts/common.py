@@ -3,14 +3,16 @@ one exception: it applies watch's cache recommendation, as a user would, and imp
 
 Each script takes ``--workers``, ``--steps``, ``--batch-size``; ``--hand PATH`` writes what the script
 timed by hand (perf_counter around next(): the independent wait measurement) and ``--replay K`` trains on
-its last K batches for ``--replay-steps`` more steps after the timed ones (an independent rate with data
-free). ``--cpu`` (or WATCH_SCRIPTS_CPU=1) runs on the CPU: the dry run with tiny sizes."""
+its last K batches after the timed ones (an independent rate with data free: ``--replay-warmup-s`` of
+warm-up, then three synchronised blocks of ``--replay-s`` / 3 seconds each, the median block). ``--cpu`` (or WATCH_SCRIPTS_CPU=1) runs on the CPU: the dry run with tiny sizes."""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +34,9 @@ def parse(default_workers: int, default_batch: int, default_steps: int) -> argpa
     p.add_argument("--pin", action="store_true")
     p.add_argument("--hand", default=None, help="write the hand timing here (JSON)")
     p.add_argument("--replay", type=int, default=0, help="then train on its last K batches (data free)")
-    p.add_argument("--replay-steps", type=int, default=60)
+    p.add_argument("--replay-s", type=float, default=1.5, help="seconds of replay timed, in 3 blocks")
+    p.add_argument("--replay-warmup-s", type=float, default=0.3, help="replayed first, not timed")
+    p.add_argument("--replay-steps", type=int, default=5000, help="steps per timed block at most")
     p.add_argument("--images", type=int, default=20_000)
     p.add_argument("--root", default=None, help="the ImageFolder (made here when missing)")
     p.add_argument("--cache", default=None, help="read this dlstore cache instead (watch's advice)")
@@ -101,6 +105,22 @@ class SmallCNN(torch.nn.Module):
         return self.head(self.features(x))
 
 
+class GcTime:
+    """Seconds spent in the garbage collector and collections per generation (gc.callbacks): how a
+    larger heap (more modules imported) shows in a launch-bound loop."""
+
+    def __init__(self) -> None:
+        self.seconds, self.collections, self._t = 0.0, [0, 0, 0], 0.0
+        gc.callbacks.append(self)
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+            self.collections[info["generation"]] += 1
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -117,12 +137,14 @@ def train(
     waits: list[float] = []
     kept: list[Any] = []
     total = args.warmup + args.steps
-    done, t_start = 0, 0.0
+    done, t_start, cpu_start, gc_time = 0, 0.0, 0.0, GcTime()
     it = iter(loader)
     while done < total:
         if done == args.warmup:
             _sync(device)
             t_start = time.perf_counter()
+            cpu_start = time.process_time()
+            gc_time = GcTime()
         t = time.perf_counter()
         try:
             x, y = next(it)
@@ -137,12 +159,17 @@ def train(
         done += 1
     _sync(device)
     wall = time.perf_counter() - t_start
+    cpu = time.process_time() - cpu_start  # this process's CPU (all its threads) over the timed steps
     result: dict[str, Any] = {
         "steps": len(waits),
         "wall_s": wall,
         "wait_s": sum(waits),
         "wait_share": sum(waits) / wall,
         "img_per_s": args.batch_size * len(waits) / wall,
+        "cpu_per_step_s": cpu / max(1, len(waits)),
+        "gc_s": gc_time.seconds,
+        "gc_collections": gc_time.collections,
+        "gc_objects": len(gc.get_objects()),
     }
     if args.replay:
         result["replay_img_per_s"] = replay(kept, step, args, device)
@@ -154,13 +181,27 @@ def train(
 def replay(
     kept: list[Any], step: Callable[[torch.Tensor, torch.Tensor], None], args: argparse.Namespace, device: Any
 ) -> float:
-    """The same step on the kept batches, the loader out of the loop: images/s with data free."""
-    for x, y in kept[:2]:  # the kept batches' first copies, not timed
-        step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-    _sync(device)
-    t = time.perf_counter()
-    for i in range(args.replay_steps):
+    """The same step on the kept batches, the loader out of the loop: images/s with data free. A warm-up
+    first (the device's clocks and caches wake after a data-bound phase), then three synchronised blocks
+    of at least ``--replay-s`` / 3 seconds; the median block's rate."""
+    i = 0
+
+    def one() -> None:
+        nonlocal i
         x, y = kept[i % len(kept)]
         step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        i += 1
+
+    t = time.perf_counter()
+    while i < 5 or time.perf_counter() - t < args.replay_warmup_s:
+        one()
     _sync(device)
-    return args.batch_size * args.replay_steps / (time.perf_counter() - t)
+    rates = []
+    for _ in range(3):
+        t, n = time.perf_counter(), 0
+        while n < args.replay_steps and (n < 3 or time.perf_counter() - t < args.replay_s / 3):
+            one()
+            n += 1
+        _sync(device)
+        rates.append(args.batch_size * n / (time.perf_counter() - t))
+    return statistics.median(rates)

@@ -10,7 +10,8 @@ From the shell, ``dlstore watch -- python train.py ARGS…``. In code, around th
 
 Each step's data wait, host work and device span are timed with perf_counter and CUDA events (no
 synchronisation added); after ``replay_at`` steps the loop's own batches are replayed to it (its rate with
-data free); at the end the dataset's parts are timed alone and composed through the bench's parts model
+data free) and, when the advice says more workers, it is fed from a second loader with them (the rate it
+reaches: the advice's prediction); at the end the dataset's parts are timed alone and composed through the bench's parts model
 into a verdict and at most five recommendations.
 """
 
@@ -114,7 +115,10 @@ def watch(
     replay: bool = True,
     replay_at: int = 100,
     replay_batches: int = 4,
-    replay_steps: int = 30,
+    replay_steps: int = 2000,
+    replay_s: float = 1.5,
+    trial: bool = True,
+    trial_s: float = 1.5,
     parts: bool = True,
     try_cache: bool = False,
     out: str | Path | None = None,
@@ -122,7 +126,10 @@ def watch(
 ) -> Any:
     """``with watch(...) as w:`` watches every DataLoader iterated in the block; ``watch(loader)`` returns
     the same loader, watched, and reports when the script ends. ``steps`` stops the loop (the block, or
-    the script for a loader) after that many real steps, once the replay is done. ``try_cache``: when a
+    the script for a loader) after that many real steps, once the replay and the trial are done. The
+    replay runs at least ``replay_s`` seconds timed (``replay_steps`` steps at most); ``trial``: when the
+    advice says more workers, the loop is fed from a second loader with them for ``trial_s`` seconds (the
+    rate it reaches is the advice's prediction). ``try_cache``: when a
     dlstore cache is advised, convert a sample that way and time the advised loader (``--try-cache``)."""
     config = WatchConfig(
         steps=steps,
@@ -131,6 +138,9 @@ def watch(
         replay_at=replay_at,
         replay_batches=replay_batches,
         replay_steps=replay_steps,
+        replay_s=replay_s,
+        trial=trial,
+        trial_s=trial_s,
         parts=parts,
         try_cache=try_cache,
     )

@@ -23,8 +23,13 @@ class WatchConfig:
 
     ``steps``: stop the script after this many real (non-replayed) steps; None lets it run to its end.
     ``warmup``: the first steps of the first epoch, kept apart (worker start, cudnn tuning), as the bench does.
-    ``replay``: after ``replay_at`` real steps, feed ``replay_batches`` of the loop's own batches back to it
-    for ``replay_steps`` steps: the loop's rate with data free.
+    ``replay``: after ``replay_at`` real steps, feed ``replay_batches`` of the loop's own batches back to it:
+    first ``replay_warmup_s`` seconds of warm-up (clocks and caches waking after a data-bound phase), then
+    at least ``replay_s`` seconds timed, ``replay_steps`` steps at most in all: the loop's rate with data
+    free (the median of three blocks of the timed steps).
+    ``trial``: then, when the advice so far says more workers, feed the loop for ``trial_s`` seconds from
+    a second DataLoader over the same dataset with the advised workers (its queue's filling dropped): the
+    rate the loop itself reaches with them (``trial.py``).
     ``parts``: time the dataset's parts alone at the end (``parts_budget_s`` seconds at most).
     ``try_cache``: when a dlstore cache is advised, convert a sample of the dataset that way and time the
     recommended loader (``parts_budget_s`` seconds of timing too, after the conversion).
@@ -36,7 +41,12 @@ class WatchConfig:
     replay: bool = True
     replay_at: int = 100
     replay_batches: int = 4
-    replay_steps: int = 30
+    replay_steps: int = 2000  # the most replayed steps (warm-up included): a cap on the time window
+    replay_s: float = 1.5
+    replay_warmup_s: float = 0.3
+    trial: bool = True
+    trial_s: float = 1.5
+    trial_steps: int = 2000
     parts: bool = True
     parts_budget_s: float = 3.0
     profile: bool = False
@@ -56,8 +66,16 @@ class WatchConfig:
         parse_positive("--replay-steps", self.replay_steps)
         parse_positive("--replay-batches", self.replay_batches)
         parse_positive("event_every", self.event_every)
+        parse_positive("--trial-steps", self.trial_steps)
+        for name, value in (("--replay-s", self.replay_s), ("--trial-s", self.trial_s)):
+            if not value >= 0:
+                raise WatchError(f"{name} must be ≥ 0 seconds, got {value!r}")
         if self.warmup < 0:
             raise WatchError(f"--warmup must be ≥ 0, got {self.warmup}")
+
+    def pauses(self) -> bool:
+        """Whether the loop is paused once (at ``replay_start``) for a replay or a trial."""
+        return self.replay or self.trial
 
     def replay_start(self) -> int:
         """The real step count after which the replay runs: at --steps when given, else ``replay_at``

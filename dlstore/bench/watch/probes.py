@@ -29,7 +29,7 @@ PROBE_BATCHES = 2  # synthetic cache images, in batches of the loop's size
 def attach_probes(doc: dict[str, Any], session: Any) -> None:
     """In the watched process, once its record is made: time each advised loader the advice names
     (``workers``, ``cache``) and put the timings under the primary loader's ``probes``."""
-    from dlstore.bench.watch.analyse import analyse
+    from dlstore.bench.watch.analyse import analyse, trial_of
 
     report = analyse([doc])
     if not report["loaders"] or report.get("primary") is None:
@@ -44,6 +44,9 @@ def attach_probes(doc: dict[str, Any], session: Any) -> None:
         key = "workers" if a.get("workers") is not None else "cache" if a.get("cache") else None
         if key is None or not images:
             continue
+        tried = trial_of(primary)
+        if key == "workers" and tried is not None and tried["workers"] == a["workers"]:
+            continue  # tried in the loop itself: the better measurement (trial.py)
         t = time.perf_counter()
         try:
             if key == "workers":

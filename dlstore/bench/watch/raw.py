@@ -18,8 +18,10 @@ VERSION = 1
 
 
 def raw_document(
-    session: Session, status: str, exit_code: int | None, error: str | None, t_end: float
+    session: Session, status: str, exit_code: int | None, error: str | None, t_end: float, side: bool = True
 ) -> dict[str, Any]:
+    """The record; ``side=False``: what was observed only (no parts, probes or --try-cache timed now:
+    the trial's decision mid-loop)."""
     rank, world = rank_info()
     cuda = session.cuda_in_use()
     sampler = session._sampler
@@ -39,7 +41,19 @@ def raw_document(
         "python": platform.python_version(),
         "config": {
             k: getattr(session.config, k)
-            for k in ("steps", "warmup", "replay", "replay_steps", "replay_batches", "profile", "try_cache")
+            for k in (
+                "steps",
+                "warmup",
+                "replay",
+                "replay_steps",
+                "replay_batches",
+                "replay_s",
+                "replay_warmup_s",
+                "trial",
+                "trial_s",
+                "profile",
+                "try_cache",
+            )  # fmt: skip
         },
         "main_cpu": sampler.main_cpu if sampler else [],
         "gpu_util": sampler.gpu_util if sampler else [],
@@ -48,7 +62,9 @@ def raw_document(
         "loaders": [],
     }
     for rec in session.records.values():
-        doc["loaders"].append(loader_document(rec, session, cuda, interrupted=status == "interrupted"))
+        doc["loaders"].append(loader_document(rec, session, cuda, status == "interrupted", side))
+    if not side:
+        return doc
     if session.config.parts and status != "interrupted" and rank == 0:  # rank 0 reports: its probes
         from dlstore.bench.watch.probes import attach_probes
 
@@ -63,11 +79,13 @@ def raw_document(
     return doc
 
 
-def loader_document(rec: LoaderRecord, session: Session, cuda: bool, interrupted: bool) -> dict[str, Any]:
+def loader_document(
+    rec: LoaderRecord, session: Session, cuda: bool, interrupted: bool, side: bool = True
+) -> dict[str, Any]:
     device, gap = device_spans(rec) if cuda else (None, None)
-    parts: dict[str, Any] | None = None
-    if session.config.parts and rec.t_call and not interrupted:
-        parts = _parts(rec, cuda, session.config.parts_budget_s)
+    parts = rec.parts
+    if parts is None and side and session.config.parts and rec.t_call and not interrupted:
+        parts = measure_record_parts(rec, cuda, session.config.parts_budget_s)
     return {
         "index": rec.index,
         "settings": rec.settings,
@@ -83,9 +101,13 @@ def loader_document(rec: LoaderRecord, session: Session, cuda: bool, interrupted
         "epochs": rec.epochs,
         "worker_samples": rec.worker_samples,
         "replayed": rec.replayed,
+        "window_warm": list(rec.window_warm),
+        "trial": rec.trial_info,
         "parts": parts
         if parts is not None
-        else {"skipped": "interrupted" if interrupted else "not measured"},
+        else {
+            "skipped": "interrupted" if interrupted else "not measured yet" if not side else "not measured"
+        },
     }
 
 
@@ -110,7 +132,7 @@ def device_spans(rec: LoaderRecord) -> tuple[list[float | None], list[float | No
     return span, gap
 
 
-def _parts(rec: LoaderRecord, cuda: bool, budget: float) -> dict[str, Any]:
+def measure_record_parts(rec: LoaderRecord, cuda: bool, budget: float) -> dict[str, Any]:
     from dlstore.bench.watch.parts import measure_parts
 
     batch = rec.sample_batch if rec.sample_batch is not None else (rec.kept[0] if rec.kept else None)

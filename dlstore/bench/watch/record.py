@@ -1,7 +1,8 @@
 """The observer: every DataLoader iteration timed in ``__next__`` with ``time.perf_counter`` only, CUDA
 events recorded at each batch hand-over on the current stream (read at the end, never synchronised on the
 way), worker CPU and memory sampled from /proc by a background thread, the loop's own batches replayed to
-it for a while to get its rate with data free.
+it for a while to get its rate with data free, then (when the advice says more workers) fed from a
+second loader with them for a while (``trial.py``): the loop paused once, at ``replay_start``.
 
 Per step i of one iterator: ``t_call`` (next() called), ``t_ret`` (the batch handed over), ``t_next`` (the
 following next() call, the end of the loop's own work on the batch). Wait = t_ret − t_call; host work =
@@ -20,10 +21,13 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlstore.bench.monitor import process_cpu_s
-from dlstore.bench.watch.config import WatchConfig
+from dlstore.bench.watch import trial
+from dlstore.bench.watch.config import WatchConfig, rank_info
 from dlstore.bench.watch.describe import batch_images, dataset_info, loader_settings
+from dlstore.bench.watch.window import Window
 
-PHASES = ("warmup", "profiled", "real", "replay", "refill")
+PHASES = ("warmup", "profiled", "real", "replay", "trial", "refill")
+FED = ("replay", "trial")  # steps watch fed the loop itself (not the user's loader's batches)
 NVML_EVERY = 4  # GPU utilisation on one sampler tick in 4 (every 2 s at the default 0.5 s)
 
 
@@ -57,30 +61,39 @@ class LoaderRecord:
         self.sample_batch: Any = None
         self.images: int | None = None
         self.real = 0
-        self.replay_left = 0
+        self.mode: str | None = None  # "replay" or "trial" while watch feeds the loop
+        self.paused = False  # the one pause (replay, side measurement, trial) is done
+        self.window: Any = None  # the replay's Window
         self.replay_index = 0
         self.replayed = False
         self.refill_left = 0
+        self.parts: dict[str, Any] | None = None  # the side measurement, once made (at the pause)
+        self.trial: Any = None  # the running trial.Trial
+        self.trial_info: dict[str, Any] | None = None
+        self.window_warm: list[int] = []  # steps of the replay's and the trial's warm-up
         self.worker_cpu: dict[int, float] = {}  # pid → last CPU seconds seen (dead workers keep theirs)
         self.worker_samples: list[list[float | None]] = []  # [t, Σ CPU s, rss MB, pss MB, shared MB, n]
         self.iterators: list[Any] = []
 
     def new_epoch(self, it: Any) -> int:
         self.epochs.append({"epoch": len(self.epochs), "first_step": len(self.t_call), "t_iter": self.now()})
-        self.iterators = [i for i in self.iterators if getattr(i, "_workers", None)] + [it]
+        # persistent workers: every epoch's iter() returns the same iterator, kept once (it was kept once
+        # per epoch: the workers' memory summed that many times, 56 "workers" of 8 on the H200)
+        kept = [i for i in self.iterators if i is not it and getattr(i, "_workers", None)]
+        self.iterators = [*kept, it]
         return len(self.epochs) - 1
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
     def worker_pids(self) -> list[int]:
-        pids = []
+        pids: dict[int, None] = {}
         for it in list(self.iterators):
             for w in list(getattr(it, "_workers", None) or ()):
                 pid = getattr(w, "pid", None)
                 if pid and _alive(w):
-                    pids.append(pid)
-        return pids
+                    pids[pid] = None
+        return list(pids)
 
 
 def _alive(worker: Any) -> bool:
@@ -117,8 +130,6 @@ class WatchedIterator:
             rec.t_next[self._last] = t_call - rec.t0
             if cuda and rec.events and rec.events[-1][0] == self._last and rec.events[-1][2] is None:
                 rec.events[-1] = (self._last, rec.events[-1][1], s.event())
-        if rec.replay_left == 0 and s.should_stop(rec):
-            raise WatchStop(rec.real)
         batch, phase = self._fetch(rec, t_call)
         t_ret = time.perf_counter()
         i = len(rec.t_call)
@@ -134,26 +145,26 @@ class WatchedIterator:
         return batch
 
     def _fetch(self, rec: LoaderRecord, t_call: float) -> tuple[Any, str]:
-        if rec.replay_left == 0 and self._session.should_replay(rec):
-            rec.replay_left = rec.config.replay_steps
-            rec.replayed = True
-        if rec.replay_left > 0:
-            rec.replay_left -= 1
-            batch = rec.kept[rec.replay_index % len(rec.kept)]
-            rec.replay_index += 1
-            if rec.replay_left == 0:
-                # workers kept filling their queue meanwhile: the next steps drain it, not the steady state
-                w = rec.settings["num_workers"]
-                rec.refill_left = w * (rec.settings["prefetch_factor"] or 2) + 1 if w else 0
-                rec.kept.clear()  # the references held the batches' memory (pinned, shared) alive
-            return batch, "replay"
+        s = self._session
+        while True:
+            if rec.mode is not None:
+                got = s.fed(rec, t_call)
+                if got is not None:
+                    return got
+                continue  # its window just ended: the next one, or the loop's own data
+            if not rec.paused and s.should_pause(rec):
+                s.pause(rec, t_call)
+                continue
+            if s.should_stop(rec):
+                raise WatchStop(rec.real)
+            break
         try:
             batch = next(self._it)
         except StopIteration:
             rec.epochs[self._epoch]["t_end"] = t_call - rec.t0
             self._last = None
             raise
-        return batch, self._session.phase_of(rec)
+        return batch, s.phase_of(rec)
 
 
 class Session:
@@ -163,6 +174,7 @@ class Session:
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
         self.replay_start = config.replay_start()  # read at every step: computed once
+        self.world = rank_info()[1]
         self.t0 = time.perf_counter()
         self.wall0 = time.time()
         self.records: dict[int, LoaderRecord] = {}
@@ -233,18 +245,65 @@ class Session:
             return "profiled"
         return "real"
 
-    def should_replay(self, rec: LoaderRecord) -> bool:
-        c = self.config
-        return c.replay and not rec.replayed and rec.real >= self.replay_start and len(rec.kept) > 0
+    def should_pause(self, rec: LoaderRecord) -> bool:
+        return self.config.pauses() and rec.real >= self.replay_start
 
     def should_stop(self, rec: LoaderRecord) -> bool:
         c = self.config
-        if c.steps is None or rec.real < c.steps:
-            return False
-        return not (c.replay and not rec.replayed and len(rec.kept) > 0)
+        return c.steps is not None and rec.real >= c.steps and (rec.paused or not c.pauses())
+
+    def pause(self, rec: LoaderRecord, t: float) -> None:
+        """The loop's one pause: the replay when batches were kept, then ``after_replay``."""
+        rec.paused = True
+        c = self.config
+        if c.replay and rec.kept:
+            rec.mode, rec.replayed = "replay", True
+            fixed = self.world > 1  # ranks must take the same number of steps
+            rec.window = Window(len(rec.t_call), 1, c.replay_warmup_s, c.replay_s, c.replay_steps, fixed)
+        else:
+            self.after_replay(rec)
+
+    def fed(self, rec: LoaderRecord, t: float) -> tuple[Any, str] | None:
+        """A batch watch feeds the loop (replayed, or the trial's), None when the current window ended."""
+        if rec.mode == "replay":
+            if rec.window.more(t):
+                batch = rec.kept[rec.replay_index % len(rec.kept)]
+                rec.replay_index += 1
+                return batch, "replay"
+            rec.window_warm += rec.window.warm()
+            rec.mode = None
+            self.after_replay(rec)
+            return None
+        got = trial.step(rec, t)
+        if got is None:
+            rec.mode = None
+        return got
+
+    def after_replay(self, rec: LoaderRecord) -> None:
+        """Still paused inside next(), nothing running beside it: the dataset's parts timed alone, then
+        the trial of the workers advice (``trial.py``)."""
+        c = self.config
+        cuda = self.cuda_in_use()
+        if c.parts and rec.parts is None:
+            from dlstore.bench.watch.raw import measure_record_parts
+
+            rec.parts = measure_record_parts(rec, cuda, c.parts_budget_s)
+        rec.kept.clear()  # the references held the batches' memory (pinned, shared) alive
+        if c.trial and self.world == 1:
+            trial.start(self, rec)
+            if rec.trial is not None:
+                rec.mode = "trial"
+        # the user's workers kept filling their queue meanwhile: the next steps drain it, not the steady
+        # state; at 0 workers the next step's wait holds the end of this pause
+        w = rec.settings["num_workers"]
+        rec.refill_left = w * (rec.settings["prefetch_factor"] or 2) + 1 if w else 1
+
+    def original_iter(self) -> Any:
+        """``DataLoader.__iter__`` unwatched (a loader watch makes itself is not the user's)."""
+        return self._original_iter if self._original_iter is not None else DataLoader.__iter__
 
     def after_step(self, rec: LoaderRecord, batch: Any, phase: str) -> None:
-        if phase == "replay":
+        if phase in FED:
             return
         rec.real += 1
         if rec.images is None:
@@ -327,10 +386,10 @@ class _Sampler(threading.Thread):
         self.main_cpu: list[list[float | None]] = []
         self.gpu_util: list[list[float]] = []
         self.nvml: Any = None
+        self.nvml_tried = False
         self.ticks = 0
 
     def run(self) -> None:
-        self.nvml = _nvml_handle()
         while not self.halt.is_set():
             self.sample()
             self.halt.wait(self.interval)
@@ -350,7 +409,13 @@ class _Sampler(threading.Thread):
         # NVML's queries contend with kernel launches (the bench's loop ran a launch-bound step slower with
         # them): one in NVML_EVERY samples. The utilisation it reads is the driver's own average over its
         # last period, so a sparser sample still reads the loop's
-        if self.nvml is not None and s.cuda_in_use() and self.ticks % NVML_EVERY == 1:
+        # CUDA's state is read off the main thread's flag, never asked here: from this thread (started at
+        # install, before the script runs) is_available() / get_device_properties() would initialise
+        # CUDA before the script set CUDA_VISIBLE_DEVICES, and off the training thread
+        if not self.nvml_tried and s._cuda:
+            self.nvml_tried = True
+            self.nvml = _nvml_handle()
+        if self.nvml is not None and self.ticks % NVML_EVERY == 1:
             try:
                 self.gpu_util.append([t, float(self.nvml[0].nvmlDeviceGetUtilizationRates(self.nvml[1]).gpu)])
             except Exception:

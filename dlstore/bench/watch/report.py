@@ -69,6 +69,7 @@ def _loader_lines(rep: dict[str, Any], primary: bool) -> list[str]:
         out.append("  transform: " + " ".join(d["transform"].split()))
     out.append(
         f"  steps: {rep['steps_observed']} observed over {rep['epochs']} epoch(s), {rep['steps_replayed']} replayed"
+        + (f", {rep['steps_trial']} in the workers trial" if rep.get("steps_trial") else "")
     )
     for phase, s_ in rep["phases"].items():
         out.append(

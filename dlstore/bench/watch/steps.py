@@ -12,6 +12,7 @@ def step_rows(loader: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     device = loader.get("device_s") or [None] * len(loader["t_call"])
     gap = loader.get("device_gap_s") or [None] * len(loader["t_call"])
+    warm = set(loader.get("window_warm") or ())
     for i, (tc, tr, tn) in enumerate(zip(loader["t_call"], loader["t_ret"], loader["t_next"])):
         rows.append(
             {
@@ -24,6 +25,7 @@ def step_rows(loader: dict[str, Any]) -> list[dict[str, Any]]:
                 "period_s": None if tn is None else tn - tc,
                 "device_s": device[i],
                 "device_wait_s": gap[i],
+                "warm": i in warm,  # a replay's or trial's warm-up step, not timed
             }
         )
     _mark_epoch_starts(rows, loader)
@@ -49,18 +51,38 @@ def mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarise(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, Any] | None:
-    """Σwait/Σperiod, means and p95 of a group of steps (those with a complete period only)."""
+def block_period(periods: Sequence[float], blocks: int = 3) -> float:
+    """The median of the mean periods of ``blocks`` consecutive blocks of steps: a window's steady period,
+    one slow block (a collection, a clock change) left out."""
+    n = len(periods)
+    if n < blocks:
+        return sum(periods) / n
+    means = []
+    for b in range(blocks):
+        part = periods[b * n // blocks : (b + 1) * n // blocks]
+        means.append(sum(part) / len(part))
+    return sorted(means)[blocks // 2]
+
+
+def summarise(
+    rows: Sequence[dict[str, Any]], images: int | None, blocks: bool = False
+) -> dict[str, Any] | None:
+    """Σwait/Σperiod, means and p95 of a group of steps (those with a complete period only); ``blocks``:
+    the period is the median of three blocks' (a window watch fed, ``block_period``)."""
     done = [r for r in rows if r["period_s"] is not None]
     if not done:
         return None
     wait = [r["wait_s"] for r in done]
     period = sum(r["period_s"] for r in done) / len(done)
+    mean_period = period
+    if blocks:
+        period = block_period([r["period_s"] for r in done])
     device = [r["device_s"] for r in done if r["device_s"] is not None]
     dwait = [r["device_wait_s"] for r in done if r["device_wait_s"] is not None]
     return {
         "steps": len(done),
         "period_s": period,
+        "period_mean_s": mean_period,
         "img_per_s": images / period if images and period > 0 else None,
         "wait_share": sum(wait) / sum(r["period_s"] for r in done) if period > 0 else 0.0,
         "wait_mean_s": mean(wait),
@@ -76,10 +98,16 @@ def summarise(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, A
 
 
 def by_phase(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, Any]:
-    """Summaries of the warm-up, the steady real steps, the replayed steps (and the refill after them)."""
+    """Summaries of the warm-up, the steady real steps, the replayed steps and the trial's (their timed
+    steps: warm-up left out), and the refill after them."""
     out: dict[str, Any] = {}
-    for phase in ("warmup", "real", "replay", "refill", "profiled"):
-        s = summarise([r for r in rows if r["phase"] == phase], images)
+    for phase in ("warmup", "real", "replay", "trial", "refill", "profiled"):
+        fed = phase in ("replay", "trial")
+        # the replay's period by blocks (a slow block left out); the trial's is its mean: its loader's
+        # epoch ends (a refill every epoch) recur and are part of the rate it reaches
+        s = summarise(
+            [r for r in rows if r["phase"] == phase and not (fed and r["warm"])], images, phase == "replay"
+        )
         if s is not None:
             out[phase] = s
     return out
@@ -89,7 +117,7 @@ def epoch_start_excess(rows: Sequence[dict[str, Any]], steady_wait: float | None
     """Mean extra wait of an epoch's first step beyond the steady wait, after the first epoch (worker
     start-up each epoch when workers are not persistent); the first epoch's is counted too when it is
     the only one (its start is the same cost)."""
-    firsts = [r for r in rows if r["epoch_first"] and r["phase"] != "replay"]
+    firsts = [r for r in rows if r["epoch_first"] and r["phase"] not in ("replay", "trial")]
     later = [r for r in firsts if r["epoch"] > 0] or firsts
     if not later or steady_wait is None:
         return None
