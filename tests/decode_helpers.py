@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
-from dlstore.read.gpu_decode import DecodeLoader
+import torch
+
+from dlstore.read.gpu_decode import DecodeLoader, decode_on_device
+from dlstore.read.loaders import storage_sorted
 
 
 def cpu_split_loader(
@@ -26,3 +30,16 @@ def cpu_split_loader(
     )
     loader.gpu = True
     return loader
+
+
+def split_reference(cache: Any, seen: int, n: int, cpu_fraction: float) -> list[torch.Tensor]:
+    """The ``n`` images of a sequential split loader's batch starting at sample ``seen``, decoded apart:
+    its first ``cpu_fraction`` by the cache's own CPU reader, the rest by ``decode_on_device`` on the CPU
+    (the loader's order within a batch: the CPU share first)."""
+    index = storage_sorted(cache, list(range(seen, seen + n)))
+    first = int(round(cpu_fraction * len(index)))
+    payloads, shapes = cache.read_payloads(index)
+    rest, _ = decode_on_device(
+        cache, payloads[first:], shapes[first:], cache.positions[index[first:]], torch.device("cpu")
+    )
+    return [torch.from_numpy(a).permute(2, 0, 1) for a in cache.read_images(index[:first])] + rest

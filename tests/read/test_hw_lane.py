@@ -183,12 +183,11 @@ def test_the_crop_reads_each_lane_where_it_decoded_and_a_failed_lane_loses_nothi
     CPU decode_jpeg) split each batch; the crop gets it as one scattered FlatImages (no per-image tensor,
     no copy) and its crops equal the same-seeded crop of the list of each part's own decode. The
     hardware lane fails at its third call: its part goes to nvJPEG, counted, nothing lost or doubled."""
-    from decode_helpers import cpu_split_loader
+    from decode_helpers import cpu_split_loader, split_reference
 
     from dlstore import open_cache
     from dlstore.gpu.ragged import FlatImages, RaggedRandomResizedCrop
     from dlstore.read import hw_decode
-    from dlstore.read.gpu_decode import decode_on_device
     from dlstore.read.loaders import storage_sorted
 
     lane = HardwareJpeg(torch.device("cpu"), fake_nvimgcodec(_torchvision_chw), backends=(("CPU_ONLY", 1.0),))
@@ -219,16 +218,12 @@ def test_the_crop_reads_each_lane_where_it_decoded_and_a_failed_lane_loses_nothi
     seen = 0
     try:
         for x, labels in loader:
-            index = storage_sorted(cache, list(range(seen, seen + len(x))))
-            seen += len(x)
-            first = int(round(0.25 * len(index)))
-            payloads, shapes = cache.read_payloads(index)
-            rest, _ = decode_on_device(
-                cache, payloads[first:], shapes[first:], cache.positions[index[first:]], torch.device("cpu")
+            torch.testing.assert_close(
+                x, ref_crop(split_reference(cache, seen, len(x), 0.25)), rtol=0, atol=0
             )
-            cpu = [torch.from_numpy(a).permute(2, 0, 1) for a in cache.read_images(index[:first])]
-            torch.testing.assert_close(x, ref_crop(cpu + rest), rtol=0, atol=0)
+            index = storage_sorted(cache, list(range(seen, seen + len(x))))
             assert labels.tolist() == cache.labels[index].tolist()
+            seen += len(x)
         assert seen == len(cache) and seen_kinds and all(seen_kinds)
         assert calls[0] >= 3 and not loader.split.state["hw"].alive
         assert loader.stats.hw_images == 2 * 2 and loader.stats.rerouted >= 2
