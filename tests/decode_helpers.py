@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dlstore import open_cache
 from dlstore.read.gpu_decode import DecodeLoader, decode_on_device
 from dlstore.read.loaders import storage_sorted
 
@@ -43,3 +44,20 @@ def split_reference(cache: Any, seen: int, n: int, cpu_fraction: float) -> list[
         cache, payloads[first:], shapes[first:], cache.positions[index[first:]], torch.device("cpu")
     )
     return [torch.from_numpy(a).permute(2, 0, 1) for a in cache.read_images(index[:first])] + rest
+
+
+def corrupt_payload(path: Path, index: int) -> tuple[int, Path]:
+    """Change one value of one image's JPEG quantisation table in its unit file, so the payload still
+    decodes, to wrong pixels: only its CRC tells. Returns (its chunk, the file)."""
+    cache = open_cache(path)
+    reader: Any = cache.reader
+    position = int(cache.positions[index])
+    k, j = divmod(position, reader.unit)
+    payload = bytes(reader.payload_unit(k).payload(j))
+    unit_file = reader.unit_path(k)
+    cache.close()
+    blob = bytearray(unit_file.read_bytes())
+    at = blob.find(payload) + payload.find(b"\xff\xdb") + 4 + 1 + 10  # marker, length, Pq/Tq, 11th value
+    blob[at] = blob[at] + 1 if blob[at] < 128 else blob[at] - 1
+    unit_file.write_bytes(bytes(blob))
+    return k, unit_file

@@ -56,7 +56,7 @@ if TYPE_CHECKING:
     from dlstore.gpu.ragged import FlatImages
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
-DECODE_IN = ("stream", "thread")
+DECODE_IN = ("stream", "thread", "process")
 # The decode lanes, in the order the split fills them while the training step is the slower side
 # (cheapest for the step first): CPU processes, the hardware JPEG engines, nvJPEG on CUDA cores.
 LANES = ("cpu", "hw", "nvjpeg")
@@ -197,7 +197,26 @@ class DecodeLoader(CoreLoader):
         # on an event); "thread": a second thread does that, so the caller's next step is queued while
         # the next batch decodes. Never on the caller's own stream: the crop would queue behind the
         # training step, and nvJPEG's outputs could reuse memory that step still reads (see below).
+        # "process": all of it in a process of its own (dlstore.read.decode_process), out of reach of
+        # the training loop's GIL; this process keeps the order and the counts.
         self.decode_in = decode_in
+        self._proc: Any = None
+        self._recipe = {
+            "path": self.core.path,
+            "batch_size": batch_size,
+            "transform": transform,
+            "device": str(self.device),
+            "options": {
+                "read_ahead": read_ahead,
+                "threads": threads,
+                "cpu_decoders": cpu_decoders,
+                "cpu_share": cpu_share,
+                "fields": fields,
+                "lanes": lanes,
+                "split": split,
+                **{k: v for k, v in core.items() if k in ("storage_options", "cache_dir", "cache_bytes")},
+            },
+        }
         self._stream: Any = None
         self.stats = DecodeStats()
         if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
@@ -240,6 +259,8 @@ class DecodeLoader(CoreLoader):
         """The hardware JPEG lane where it can run (else None: the lane is absent, not an error)."""
         if not self.gpu or "hw" not in (DEFAULT_LANES if lanes is None else lanes):
             return None
+        if self.decode_in == "process":  # the decode process opens it (this process reports its split)
+            return None
         from dlstore.read.hw_decode import HardwareJpeg
 
         return HardwareJpeg.open(self.device, int(self.cache.spec.shape[2]))
@@ -271,6 +292,41 @@ class DecodeLoader(CoreLoader):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batches = list(self._next_epoch())
+        if self.decode_in == "process":
+            yield from self._process_epoch(batches)
+        else:
+            yield from self._decode_epoch(batches)
+
+    def _process_epoch(self, batches: list[list[int]]) -> Iterator[tuple[Any, Any]]:
+        """The epoch decoded in the decode process (started on first use, again after it died)."""
+        from dlstore.read.decode_process import DecodeProcess
+
+        if self._proc is not None and not self._proc.alive:
+            self._proc.close()
+            self._proc = None
+        if self._proc is None:
+            from dlstore.read.cache import Cache
+
+            if isinstance(self._recipe["path"], Cache):
+                raise ValueError(
+                    "decode_in='process' opens the cache again in its own process: pass the cache's "
+                    "path or URL to DecodeLoader, not an open Cache"
+                )
+            self._proc = DecodeProcess(self._recipe, self.device)
+        tunables = {
+            "read_during_decode": self.read_during_decode,
+            "gate_reads": self.gate_reads,
+            "scatter": self.scatter,
+        }
+        proc = self._proc
+        try:
+            yield from proc.epoch(batches, tunables)
+        finally:
+            if proc.stats is not None:
+                self.stats, self.split = proc.stats, proc.split
+
+    def _decode_epoch(self, batches: list[list[int]]) -> Iterator[tuple[Any, Any]]:
+        """The batches decoded in this process (the decode process runs this too)."""
         self._last_batch, self._epoch_batches = None, 0
         self._asked, self._yielded = time.perf_counter(), 0
         if self._lanes_for != self.gpu:
@@ -383,7 +439,10 @@ class DecodeLoader(CoreLoader):
         return images, labels, event
 
     def close(self) -> None:
-        """Stop the CPU decode workers (if any); iterating again starts new ones."""
+        """Stop the CPU decode workers and the decode process (if any); iterating again starts new ones."""
+        if self._proc is not None:
+            self._proc.close()
+            self._proc = None
         if self.cpu is not None:
             self.cpu.close()
             self.cpu = None

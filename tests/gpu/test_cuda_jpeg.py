@@ -377,3 +377,34 @@ def test_scattered_batches_equal_copied_ones_behind_a_slow_crop(
     assert len(got[True]) == len(got[False]) > 0
     for k, (a, b) in enumerate(zip(got[True], got[False])):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"batch {k}")
+
+
+def test_the_decode_process_equals_this_process_behind_a_slow_consumer(jpeg_cache: Path) -> None:
+    """decode_in="process" on CUDA: the ring's slots cross by CUDA IPC with an event each way; a training
+    stream that queues 20 ms before each batch must still get every batch intact (the child writes a
+    slot again only after this stream copied it out), equal to decoding in this process."""
+
+    def loader(decode_in: str) -> DecodeLoader:
+        crop = RaggedRandomResizedCrop(
+            16, out_dtype=torch.bfloat16, channels_last=True, generator=torch.Generator().manual_seed(1)
+        ).cuda()
+        return DecodeLoader(
+            jpeg_cache, 4, transform=crop, order="random", seed=2, lanes=["nvjpeg"], decode_in=decode_in
+        )
+
+    here, there = loader("thread"), loader("process")
+    try:
+        expected = [(x.clone(), y.clone()) for x, y in here]
+        got = []
+        for x, y in there:
+            torch.cuda._sleep(40_000_000)  # the step, queued before the copy of the next batch
+            got.append((x.clone(), y.clone()))
+        torch.cuda.synchronize()
+    finally:
+        here.close()
+        there.close()
+    assert len(got) == len(expected)
+    for k, ((a, la), (b, lb)) in enumerate(zip(expected, got)):
+        assert b.is_cuda and lb.is_cuda and b.is_contiguous(memory_format=torch.channels_last)
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"batch {k}")
+        assert torch.equal(la, lb)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from decode_helpers import cpu_split_loader
+from decode_helpers import corrupt_payload, cpu_split_loader
 
 from dlstore import convert, open_cache
 from dlstore.convert.options import ConvertOptions
@@ -98,23 +98,6 @@ def test_split_epoch_equals_cpu_decode_from_files_or_copied(
     assert sent and (all(sent) if from_files else not any(sent))
 
 
-def _corrupt(path: Path, index: int) -> tuple[int, Path]:
-    """Change one value of one image's JPEG quantisation table in its unit file, so the payload still
-    decodes, to wrong pixels: only its CRC tells. Returns (its chunk, the file)."""
-    cache = open_cache(path)
-    reader: Any = cache.reader
-    position = int(cache.positions[index])
-    k, j = divmod(position, reader.unit)
-    payload = bytes(reader.payload_unit(k).payload(j))
-    unit_file = reader.unit_path(k)
-    cache.close()
-    blob = bytearray(unit_file.read_bytes())
-    at = blob.find(payload) + payload.find(b"\xff\xdb") + 4 + 1 + 10  # marker, length, Pq/Tq, 11th value
-    blob[at] = blob[at] + 1 if blob[at] < 128 else blob[at] - 1
-    unit_file.write_bytes(bytes(blob))
-    return k, unit_file
-
-
 @pytest.mark.parametrize("from_files", [True, False])
 def test_a_corrupt_payload_read_by_a_worker_is_the_named_error(
     jpeg_cache: Path, tmp_path: Path, from_files: bool, monkeypatch: pytest.MonkeyPatch
@@ -139,7 +122,7 @@ def test_a_corrupt_payload_read_by_a_worker_is_the_named_error(
     bad = tmp_path / "bad"
     shutil.copytree(jpeg_cache, bad)
     index = 9
-    k, unit_file = _corrupt(bad, index)
+    k, unit_file = corrupt_payload(bad, index)
     loader = cpu_split_loader(bad, 1.0, batch=8, order="random")
     try:
         with pytest.raises(SampleReadError) as err:
