@@ -61,3 +61,14 @@ def corrupt_payload(path: Path, index: int) -> tuple[int, Path]:
     blob[at] = blob[at] + 1 if blob[at] < 128 else blob[at] - 1
     unit_file.write_bytes(bytes(blob))
     return k, unit_file
+
+
+class RandomDraws:
+    """A transform whose batch is two random numbers per image, one from ``generator`` and one from
+    torch's RNG, to see which random streams a decode process draws from."""
+
+    def __init__(self, generator: torch.Generator) -> None:
+        self.generator = generator
+
+    def __call__(self, images: list[torch.Tensor]) -> torch.Tensor:
+        return torch.stack([torch.rand(len(images), generator=self.generator), torch.rand(len(images))], 1)

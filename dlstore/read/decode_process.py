@@ -20,6 +20,7 @@ nothing behind.
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
 import signal
@@ -54,20 +55,34 @@ class DecodeProcess:
         payload = _dumps(recipe)
         self.conn, self.proc = start_interpreter("dlstore.read.decode_process")
         self._finalizer = weakref.finalize(self, _shutdown, self.conn, self.proc)
+        self._ready = False
         try:
             self.conn.send_bytes(payload)
-            kind, *rest = self._recv(START_TIMEOUT_S, "starting")
-            if kind != "ready":
-                raise _as_error(rest[0], "while opening the cache in the decode process")
         except BaseException:
             self.close()
             raise
 
+    def wait_ready(self) -> DecodeProcess:
+        """Until the child has built its loader (processes started together start in parallel)."""
+        if not self._ready:
+            try:
+                kind, *rest = self._recv(START_TIMEOUT_S, "starting")
+                if kind != "ready":
+                    raise _as_error(rest[0], "while opening the cache in the decode process")
+            except BaseException:
+                self.close()
+                raise
+            self._ready = True
+        return self
+
     def epoch(self, batches: list[list[int]], tunables: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
-        """The batches decoded in the child, in order, each on this process's current stream."""
+        """The batches decoded in the child, in order, each on this process's current stream (the
+        child starts on them now, not at the first ``next``)."""
         self._tag += 1
-        tag = self._tag
-        _send(self.conn, ("epoch", tag, batches, tunables))
+        _send(self.conn, ("epoch", self._tag, batches, tunables))
+        return self._receive(self._tag)
+
+    def _receive(self, tag: int) -> Iterator[tuple[Any, Any]]:
         ended = False
         try:
             while True:
@@ -143,6 +158,36 @@ class DecodeProcess:
         """Drop the shared slots (before the child that owns them exits), then stop the child."""
         self.ring = None
         self._finalizer()
+
+
+def interleaved(
+    procs: list[DecodeProcess], batches: list[list[int]], tunables: dict[str, Any]
+) -> Iterator[tuple[Any, Any]]:
+    """The epoch through ``procs`` at once: process i decodes batches i, i + n, ...; yielded in order."""
+    n = len(procs)
+    parts = [p.epoch(batches[i::n], tunables) for i, p in enumerate(procs)]
+    try:
+        for j in range(len(batches)):
+            yield next(parts[j % n])
+        for part in parts:  # each child's end of epoch: its stats, and any error it met
+            for _ in part:
+                raise AssertionError("a decode process sent more batches than it was given")
+    finally:
+        for part in parts:
+            part.close()
+
+
+def merged_stats(procs: list[DecodeProcess]) -> Any:
+    """The children's DecodeStats summed (the CPU share averaged; the lanes of the first)."""
+    stats = [p.stats for p in procs if p.stats is not None]
+    if not stats:
+        return None
+    out = copy.copy(stats[0])
+    for name, value in vars(out).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            total = sum(getattr(s, name) for s in stats)
+            setattr(out, name, total / len(stats) if name == "cpu_share" else total)
+    return out
 
 
 def _shutdown(conn: Connection, proc: Any) -> None:
@@ -337,6 +382,7 @@ def main() -> None:
             torch.cuda.set_device(device)
             stream = torch.cuda.Stream(device)  # batches handed over and copied out here, not stream 0
             torch.cuda.set_stream(stream)
+        _seed(recipe["transform"], recipe.get("seed"), recipe.get("rank", 0))
         loader = DecodeLoader(
             recipe["path"], recipe["batch_size"], recipe["transform"], device, **recipe["options"]
         )
@@ -352,6 +398,17 @@ def main() -> None:
     finally:
         server.ring = None
         loader.close()
+
+
+def _seed(transform: Any, seed: int | None, rank: int) -> None:
+    """This process's random numbers: torch's from ``seed + rank``; a transform's own generator is
+    reseeded too, except in the first process (which then draws as the loader in one process would)."""
+    if seed is None:
+        return
+    torch.manual_seed(seed + rank)
+    generator = getattr(transform, "generator", None)
+    if rank > 0 and isinstance(generator, torch.Generator):
+        generator.manual_seed(seed + rank)
 
 
 class _Server:

@@ -15,7 +15,9 @@ processes where ``cpu_decoders`` > 0, the hardware engines, nvJPEG); ``split`` f
 each lane's fraction, ``cpu_share`` the CPU's alone (the GPU lanes share the rest equally); otherwise
 ``dlstore.read.lane_split.LaneSplit`` sets them from each lane's rate measured in place, so that all
 lanes finish each batch together, or, while the training step is the slower side, the CPU takes what
-it decodes in one step. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
+it decodes in one step. ``decode_in="process"`` runs all of that in ``decode_processes`` processes of
+their own, batches to them in turn (``dlstore.read.decode_process``), out of reach of the training loop's
+GIL. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
 decoded (C, H_i, W_i) uint8 tensors into one batch::
 
     from dlstore.gpu import RaggedRandomResizedCrop
@@ -167,6 +169,7 @@ class DecodeLoader(CoreLoader):
         read_ahead: int = 4,
         threads: int | None = None,
         decode_in: str = "thread",
+        decode_processes: int = 1,
         cpu_decoders: int = 0,
         cpu_share: float | None = None,
         fields: Sequence[str] | None = None,
@@ -200,6 +203,14 @@ class DecodeLoader(CoreLoader):
         # "process": all of it in a process of its own (dlstore.read.decode_process), out of reach of
         # the training loop's GIL; this process keeps the order and the counts.
         self.decode_in = decode_in
+        if (
+            isinstance(decode_processes, bool)
+            or not isinstance(decode_processes, int)
+            or decode_processes < 1
+        ):
+            raise ValueError(f"decode_processes is a count >= 1, got {decode_processes!r}")
+        self.decode_processes = decode_processes  # with "process": batches go to them in turn
+        self.process_decode_in = "thread"  # how each decode process decodes (its own threads)
         self._proc: Any = None
         self._recipe = {
             "path": self.core.path,
@@ -298,32 +309,55 @@ class DecodeLoader(CoreLoader):
             yield from self._decode_epoch(batches)
 
     def _process_epoch(self, batches: list[list[int]]) -> Iterator[tuple[Any, Any]]:
-        """The epoch decoded in the decode process (started on first use, again after it died)."""
+        """The epoch decoded in the decode processes (started on first use, again after one died)."""
+        from dlstore.read.decode_process import interleaved, merged_stats
+
+        procs = self._start_processes()
+        tunables = {
+            "read_during_decode": self.read_during_decode,
+            "gate_reads": self.gate_reads,
+            "scatter": self.scatter,
+            "decode_in": self.process_decode_in,
+        }
+        try:
+            yield from interleaved(procs, batches, tunables)
+        finally:
+            stats = merged_stats(procs)
+            if stats is not None:
+                self.stats, self.split = stats, procs[0].split
+
+    def _start_processes(self) -> list[Any]:
+        """The decode processes, each with its share of the CPU decoders."""
+        from dlstore.read.cache import Cache
         from dlstore.read.decode_process import DecodeProcess
 
-        if self._proc is not None and not self._proc.alive:
-            self._proc.close()
-            self._proc = None
+        if self._proc is not None and not all(p.alive for p in self._proc):
+            self.close()
         if self._proc is None:
-            from dlstore.read.cache import Cache
-
             if isinstance(self._recipe["path"], Cache):
                 raise ValueError(
                     "decode_in='process' opens the cache again in its own process: pass the cache's "
                     "path or URL to DecodeLoader, not an open Cache"
                 )
-            self._proc = DecodeProcess(self._recipe, self.device)
-        tunables = {
-            "read_during_decode": self.read_during_decode,
-            "gate_reads": self.gate_reads,
-            "scatter": self.scatter,
-        }
-        proc = self._proc
-        try:
-            yield from proc.epoch(batches, tunables)
-        finally:
-            if proc.stats is not None:
-                self.stats, self.split = proc.stats, proc.split
+            n = self.decode_processes
+            recipe = dict(self._recipe)
+            cpu = recipe["options"]["cpu_decoders"]
+            recipe["options"] = recipe["options"] | {"cpu_decoders": -(-cpu // n) if cpu else 0}
+            # Each process draws its own random numbers (crops, flips), from a seed of this process's
+            # RNG (reproducible under torch.manual_seed), as DataLoader seeds its workers.
+            recipe["seed"] = int(torch.randint(0, 2**62, ()).item())
+            procs: list[DecodeProcess] = []
+            try:
+                for rank in range(n):
+                    procs.append(DecodeProcess(recipe | {"rank": rank}, self.device))
+                for proc in procs:
+                    proc.wait_ready()
+            except BaseException:
+                for proc in procs:
+                    proc.close()
+                raise
+            self._proc = procs
+        return self._proc  # type: ignore[no-any-return]
 
     def _decode_epoch(self, batches: list[list[int]]) -> Iterator[tuple[Any, Any]]:
         """The batches decoded in this process (the decode process runs this too)."""
@@ -441,7 +475,8 @@ class DecodeLoader(CoreLoader):
     def close(self) -> None:
         """Stop the CPU decode workers and the decode process (if any); iterating again starts new ones."""
         if self._proc is not None:
-            self._proc.close()
+            for proc in self._proc:
+                proc.close()
             self._proc = None
         if self.cpu is not None:
             self.cpu.close()

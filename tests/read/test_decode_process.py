@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_helpers import corrupt_payload
+from decode_helpers import RandomDraws, corrupt_payload
 
 from dlstore import convert
 from dlstore.convert.options import ConvertOptions
@@ -66,12 +66,12 @@ def test_the_process_yields_the_same_batches_as_this_process(jpeg_cache: Path) -
         for (a, la), (b, lb) in zip(expected, got):
             assert torch.equal(la, lb) and torch.equal(a, b)
         assert there.stats.cpu_images > 0 and there.stats.batches > 0  # the child's stats came back
-        child = there._proc.proc  # type: ignore[union-attr]
+        child = there._proc[0].proc  # type: ignore[union-attr]
         there.set_epoch(5)
         first = [b[1].clone() for _, b in zip(range(2), there)]  # left after two batches
         state = there.state_dict()
         assert len([y for _, y in there]) == len(there)  # the next epoch, whole, from the same child
-        assert there._proc.proc is child  # type: ignore[union-attr]
+        assert there._proc[0].proc is child  # type: ignore[union-attr]
         here.set_epoch(5)
         whole = torch.cat([y for _, y in here])
     finally:
@@ -86,6 +86,38 @@ def test_the_process_yields_the_same_batches_as_this_process(jpeg_cache: Path) -
         resumed.close()
 
 
+def test_two_decode_processes_take_batches_in_turn_each_with_its_own_random_numbers(
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches in the loader's order, the CPU decoders shared out, the stats summed; the two processes
+    must not crop alike (the transform's generator and torch's RNG, each the same in both before they
+    are seeded apart); under torch.manual_seed the draws repeat."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))  # the children import decode_helpers
+
+    def loader(**kw: object) -> DecodeLoader:
+        torch.manual_seed(0)
+        transform = RandomDraws(torch.Generator().manual_seed(5))
+        return DecodeLoader(jpeg_cache, 4, transform=transform, device="cpu", order="random", seed=3, **kw)  # type: ignore[arg-type]
+
+    def epoch(ld: DecodeLoader) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        try:
+            return [(x, y) for x, y in ld]
+        finally:
+            ld.close()
+
+    expected = epoch(loader())
+    there = loader(decode_in="process", decode_processes=2, cpu_decoders=2)
+    first = epoch(there)
+    assert [y.tolist() for _, y in first] == [y.tolist() for _, y in expected]
+    assert there.stats.batches == len(first)
+    for column in range(2):  # batch 0 from one process, batch 1 from the other
+        assert not torch.equal(first[0][0][:, column], first[1][0][:, column])
+    again = epoch(loader(decode_in="process", decode_processes=2, cpu_decoders=2))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(first, again))
+    with pytest.raises(ValueError, match="decode_processes"):
+        loader(decode_in="process", decode_processes=0)
+
+
 def test_a_corrupt_payload_is_the_readers_error_in_this_process(jpeg_cache: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     shutil.copytree(jpeg_cache, bad)
@@ -96,7 +128,7 @@ def test_a_corrupt_payload_is_the_readers_error_in_this_process(jpeg_cache: Path
             for _ in loader:
                 pass
         assert "index 9 " in str(err.value) and unit_file.name in str(err.value)
-        assert loader._proc is not None and loader._proc.alive  # the child reported it and lives on
+        assert loader._proc is not None and loader._proc[0].alive  # the child reported it and lives on
     finally:
         loader.close()
 
@@ -106,13 +138,13 @@ def test_a_killed_decode_process_is_a_clear_error_and_the_next_epoch_starts_anot
     try:
         it = iter(loader)
         next(it)
-        first = loader._proc.proc  # type: ignore[union-attr]
+        first = loader._proc[0].proc  # type: ignore[union-attr]
         os.kill(first.pid, signal.SIGKILL)
         with pytest.raises(DlstoreError, match="decode process exited"):
             for _ in it:
                 pass
         assert len([y for _, y in loader]) == len(loader)  # a new child, the whole next epoch
-        assert loader._proc.proc is not first  # type: ignore[union-attr]
+        assert loader._proc[0].proc is not first  # type: ignore[union-attr]
     finally:
         loader.close()
 
