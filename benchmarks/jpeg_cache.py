@@ -1186,9 +1186,12 @@ def _bare_lanes(args: argparse.Namespace, path: Path, hw: HardwareJpeg | None) -
 
 
 def _loader(
-    path: Path, batch: int, rrc: Any, lanes: list[str], cpu: int, split: dict | None = None
+    path: Path, batch: int, rrc: Any, lanes: list[str], cpu: int, split: dict | None = None, variant: str = ""
 ) -> DecodeLoader:
-    return DecodeLoader(
+    """``variant`` ``_processN``: decoded in N decode processes (``decode_in="process"``); others see
+    ``_variant``."""
+    processes = int(variant[len("_process") :] or 1) if variant.startswith("_process") else 0
+    ld = DecodeLoader(
         path,
         batch,
         transform=rrc,
@@ -1196,7 +1199,10 @@ def _loader(
         cpu_decoders=cpu if "cpu" in lanes else 0,
         lanes=lanes,
         split=split,
+        decode_in="process" if processes else "thread",
+        decode_processes=max(1, processes),
     )
+    return _variant(ld, variant)
 
 
 def _lane_sets(hw: bool) -> dict[str, list[str]]:
@@ -1336,7 +1342,7 @@ def train_runs(
     if args.lanes_short_sweep:  # the two ends, and the measured split without the hardware lane
         loaders["auto_cpu_nvjpeg"] = _loader(path, batch, rrc, ["cpu", "nvjpeg"], cpu)
     for v in (v for v in getattr(args, "train_variants", "").split(",") if v):
-        loaders[f"auto{v}"] = _variant(_loader(path, batch, rrc, lanes, cpu), v)
+        loaders[f"auto{v}"] = _loader(path, batch, rrc, lanes, cpu, variant=v)
     short = (
         [{"cpu": 1.0}]
         + ([{"cpu": 0.5, "hw": 0.25, "nvjpeg": 0.25}] if hw else [])
@@ -1766,6 +1772,7 @@ def _engines_loader(
         for name, lanes in sets.items()
         for v in variants
         if v == "_copied"
+        or v.startswith("_process")
         or (v in ("_reads_after", "_gated_after") and (v == "_reads_after") == ("cpu" not in lanes))
     ]
     if mixed is not None and DEV == "cuda":
@@ -1776,8 +1783,7 @@ def _engines_loader(
         bare.append(bare_rate(path, batch, passes=args.lanes_epochs))
         for name, lanes, variant in plan[r % len(plan) :] + plan[: r % len(plan)]:
             key = name + variant
-            ld = _loader(path, batch, rrc, lanes, cpu)
-            _variant(ld, variant)
+            ld = _loader(path, batch, rrc, lanes, cpu, variant=variant)
             if name.startswith(("mixed", "cpu+mixed")):  # the hardware lane's decoder swapped
                 engine = _engine(*ENGINES[mixed]) if ld.hw is not None else None  # type: ignore[index]
                 if engine is None:
@@ -1805,7 +1811,7 @@ def _engines_loader(
 def _variant(ld: DecodeLoader, variant: str) -> DecodeLoader:
     """``_copied``: batches copied into one buffer (the design before); ``_reads_after``: reads held
     until the device call returns; ``_gated_after``: the same with CPU decoders (reads gated);
-    ``_stream``: ``decode_in="stream"``."""
+    ``_stream``: ``decode_in="stream"``; ``_processN``: set when the loader is made (``_loader``)."""
     ld.scatter = variant != "_copied"
     ld.read_during_decode = variant not in ("_reads_after", "_gated_after")
     if variant == "_gated_after":
@@ -1830,6 +1836,10 @@ def _engines_train(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, 
         after = loaders["auto_gpu_lanes_reads_after"] = _loader(path, batch, rrc, ["hw", "nvjpeg"], 0)
         after.read_during_decode = False
         loaders["auto_gpu_lanes_stream"] = _variant(_loader(path, batch, rrc, ["hw", "nvjpeg"], 0), "_stream")
+    for v in (v for v in args.engines_variants.split(",") if v.startswith("_process")):
+        loaders[f"auto_gpu_lanes{v}"] = _loader(
+            path, batch, rrc, ["hw", "nvjpeg"] if hw else ["nvjpeg"], 0, variant=v
+        )
         for share in (float(v) for v in args.engines_r50_fixed.split(",") if v):
             split = {"hw": share, "nvjpeg": 1.0 - share}
             loaders[f"fixed_hw{share:.2f}_nvjpeg{1 - share:.2f}"] = _loader(
@@ -1865,7 +1875,11 @@ def _engines_train(args: argparse.Namespace, work: Path, hw: bool) -> dict[str, 
     cpu = decoder_counts(args)[0] if decoder_counts(args) else 0
     if cpu:
         short, args.lanes_short_sweep = args.lanes_short_sweep, True
-        args.train_variants = ",".join(v for v in ("_gated_after", "_stream") if v in args.engines_variants)
+        args.train_variants = ",".join(
+            v
+            for v in args.engines_variants.split(",")
+            if v in ("_gated_after", "_stream") or v.startswith("_process")
+        )
         try:
             out["resnet18_112"] = train_runs(
                 args, work, "resnet18", 128, 112, 512 // args.batch_div, cpu, hw, False
@@ -2063,6 +2077,24 @@ SIDE_MODELS = {  # model -> (res, batch, dlstore's cache px, DALI's pre-resized 
 }
 
 
+# dlstore's rows (``--side-loaders``): row -> (lanes, variant); lanes absent here (no NVJPG) are left out
+SIDE_LOADERS: dict[str, tuple[list[str], str]] = {
+    "dlstore_nvjpeg": (["nvjpeg"], ""),
+    "dlstore_nvjpeg_cpu": (["cpu", "nvjpeg"], ""),
+    "dlstore_gpu_lanes": (["hw", "nvjpeg"], ""),
+    "dlstore_all_lanes": (["cpu", "hw", "nvjpeg"], ""),
+    "dlstore_gpu_lanes_process": (["hw", "nvjpeg"], "_process"),
+    "dlstore_all_lanes_process": (["cpu", "hw", "nvjpeg"], "_process"),
+    "dlstore_gpu_lanes_process2": (["hw", "nvjpeg"], "_process2"),
+    "dlstore_all_lanes_process2": (["cpu", "hw", "nvjpeg"], "_process2"),
+}
+
+
+def _side_loaders(args: argparse.Namespace) -> dict[str, tuple[list[str], str]]:
+    names = list(SIDE_LOADERS) if args.side_loaders == "all" else args.side_loaders.split(",")
+    return {n: SIDE_LOADERS[n] for n in names}
+
+
 def section_side_by_side(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Issue 27's two tables in one run: the synthetic ceiling, DALI on the full-size and the pre-resized
     folder, dlstore's DecodeLoader with nvJPEG only and with nvJPEG + CPU decoders (measured split), per
@@ -2104,8 +2136,8 @@ def _side_train(
     step, synthetic, rrc = training_setup(model, res, batch)
     path = work / f"jpeg_short{px}"
     loaders = {
-        "dlstore_nvjpeg": _loader(path, batch, rrc, ["nvjpeg"], 0),
-        "dlstore_nvjpeg_cpu": _loader(path, batch, rrc, ["cpu", "nvjpeg"], cpu),
+        name: _loader(path, batch, rrc, lanes, cpu, variant=v)
+        for name, (lanes, v) in _side_loaders(args).items()
     }
     cfgs: dict[str, Callable[[], float]] = {
         "synthetic": lambda: timed_steps(synthetic, step, args.warmup, args.steps, batch),
@@ -2119,8 +2151,12 @@ def _side_train(
         cfgs["dali_short"] = lambda: _dali_train((folders[f"short{px}"], batch, res, threads), step, args)
     runs: dict[str, list[Any]] = {k: [] for k in cfgs}
     names = list(cfgs)
-    ld = loaders["dlstore_nvjpeg_cpu"]  # the measured split settles first, untimed (as in lanes_train)
-    warm = _fail_soft("warm", lambda: timed_steps(lambda: iter(ld), step, 0, args.lanes_auto_warm, batch))
+    warm = {  # the measured split settles first, untimed (as in lanes_train)
+        name: _fail_soft(
+            f"warm {name}", lambda ld=ld: timed_steps(lambda: iter(ld), step, 0, args.lanes_auto_warm, batch)
+        )
+        for name, ld in loaders.items()
+    }
     try:
         for r in range(args.repeats):
             for name in names[r % len(names) :] + names[: r % len(names)]:
@@ -2155,8 +2191,8 @@ def _side_alone(
     rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True)
     rrc = rrc.to(DEV)
     r: dict[str, Any] = {}
-    for name, lanes, c in (("dlstore_nvjpeg", ["nvjpeg"], 0), ("dlstore_nvjpeg_cpu", ["cpu", "nvjpeg"], cpu)):
-        ld = _loader(work / f"jpeg_short{px}", batch, rrc, lanes, c)
+    for name, (lanes, v) in _side_loaders(args).items():
+        ld = _loader(work / f"jpeg_short{px}", batch, rrc, lanes, cpu, variant=v)
         try:
             r[name] = _fail_soft(name, lambda ld=ld: loader_alone(ld, epochs=args.lanes_epochs)[0])
         finally:
@@ -2177,22 +2213,34 @@ def _side_alone(
 
 
 def _side_targets(out: dict[str, Any]) -> None:
-    """Issue 27's targets from this section's figures (where both sides were measured)."""
+    """Issue 27's targets from this section's figures (where both sides were measured): the best dlstore
+    row of each kind, named (every row has the measured split); the default loader's row beside it."""
     tr, al = out["train"], out["alone"]
-    if "dlstore_nvjpeg_cpu" in tr.get("resnet18_112", {}).get("of_ceiling", {}):
-        m = tr["resnet18_112"]["median"]
+
+    def best(figures: dict[str, Any], gpu_only: bool) -> str | None:
+        rows = [
+            n
+            for n in SIDE_LOADERS
+            if isinstance(figures.get(n), float) and (not gpu_only or "cpu" not in SIDE_LOADERS[n][0])
+        ]
+        return max(rows, key=figures.get) if rows else None  # type: ignore[arg-type]
+
+    m = tr.get("resnet18_112", {}).get("median", {})
+    for name in {best(m, False), "dlstore_all_lanes"} - {None}:
+        if name in m and "synthetic" in m:
+            target(
+                f"side by side: ResNet-18 @112 bs512 from the JPEG cache short-128, {name} (measured split)",
+                m[name],
+                m["synthetic"],
+                0.85,
+                note=f"DALI pre-resized {m.get('dali_short', float('nan')):,.0f} img/s",
+            )
+    m = tr.get("resnet50_224", {}).get("median", {})
+    name = best(m, True)
+    if name and "synthetic" in m:
         target(
-            f"lanes: ResNet-18 @112 bs512 from JPEG cache short-128, nvJPEG + {out['cpu_decoders']} CPU (auto split)",
-            m["dlstore_nvjpeg_cpu"],
-            m["synthetic"],
-            0.85,
-            note=f"DALI pre-resized {m.get('dali_short', float('nan')):,.0f} img/s",
-        )
-    if "dlstore_nvjpeg" in tr.get("resnet50_224", {}).get("of_ceiling", {}):
-        m = tr["resnet50_224"]["median"]
-        target(
-            "lanes: ResNet-50 @224 bs256 from GPU lanes alone (nvJPEG)",
-            m["dlstore_nvjpeg"],
+            f"side by side: ResNet-50 @224 bs256 from the GPU lanes alone, {name}",
+            m[name],
             m["synthetic"],
             0.97,
         )
@@ -2201,20 +2249,16 @@ def _side_targets(out: dict[str, Any]) -> None:
         dali = r.get("dali_short_best")
         if not dali:
             continue
-        if isinstance(r.get("dlstore_nvjpeg_cpu"), float):
-            target(
-                f"lanes: loader alone {px}, nvJPEG + CPU vs DALI's best on the same bytes",
-                r["dlstore_nvjpeg_cpu"],
-                dali,
-                goal,
-            )
-        if isinstance(r.get("dlstore_nvjpeg"), float):
-            target(
-                f"lanes: loader alone {px}, GPU lanes only vs DALI on the same bytes",
-                r["dlstore_nvjpeg"],
-                dali,
-                1.0,
-            )
+        for gpu_only, want in ((False, goal), (True, 1.0)):
+            name = best(r, gpu_only)
+            if name:
+                kind = "GPU lanes only" if gpu_only else "best"
+                target(
+                    f"side by side: loader alone {px}, {kind} ({name}) vs DALI's best on the same bytes",
+                    r[name],
+                    dali,
+                    want,
+                )
 
 
 def _fmt(v: Any, ceiling: float | None = None) -> str:
@@ -2228,12 +2272,12 @@ def side_tables(out: dict[str, Any]) -> str:
     tr, al = out["train"], out["alone"]
     keys = [k for k in SIDE_MODELS if k in tr]
     heads = {"resnet50_224": "ResNet-50 @224, bs 256", "resnet18_112": "ResNet-18 @112, bs 512"}
+    mine = [n for n in SIDE_LOADERS if any(n in tr[k].get("median", {}) for k in keys)]
     rows = [
         ("synthetic ceiling", "synthetic"),
         ("DALI, full-size folder", "dali_full"),
         ("DALI, pre-resized folder (short 256 / 128)", "dali_short"),
-        ("dlstore, nvJPEG only", "dlstore_nvjpeg"),
-        (f"dlstore, nvJPEG + {out['cpu_decoders']} CPU decoders (auto split)", "dlstore_nvjpeg_cpu"),
+        *((_side_label(n, out["cpu_decoders"]), n) for n in mine),
     ]
     lines = [
         f"{out['dali']}",
@@ -2250,14 +2294,24 @@ def side_tables(out: dict[str, Any]) -> str:
     sizes = [px for px in ("256px", "128px") if px in al]
     lines += ["", "| img/s, loader alone | " + " | ".join(f"from short {p[:-2]}" for p in sizes) + " |"]
     lines.append("|---|" + "---|" * len(sizes))
+    alone = [n for n in SIDE_LOADERS if any(n in al[p] for p in sizes)]
     for label, name in (
         ("DALI, pre-resized folder (best of 12/16 threads)", "dali_short_best"),
         ("DALI, full-size folder (12 threads)", "dali_full_12t"),
-        ("dlstore nvJPEG only", "dlstore_nvjpeg"),
-        (f"dlstore nvJPEG + {out['cpu_decoders']} CPU decoders", "dlstore_nvjpeg_cpu"),
+        *((_side_label(n, out["cpu_decoders"]), n) for n in alone),
     ):
         lines.append(f"| {label} | " + " | ".join(_fmt(al[p].get(name)) for p in sizes) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _side_label(name: str, cpu: int) -> str:
+    """A dlstore row's words: its lanes (measured split) and where it decodes."""
+    lanes, variant = SIDE_LOADERS[name]
+    words = {"cpu": f"{cpu} CPU decoders", "hw": "hardware engines", "nvjpeg": "nvJPEG"}
+    where = (
+        f", in {variant[len('_process') :] or 1} decode process(es)" if variant.startswith("_process") else ""
+    )
+    return "dlstore, " + " + ".join(words[n] for n in lanes) + where
 
 
 def _write_side(args: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -2341,6 +2395,9 @@ def main() -> None:
     ap.add_argument("--lanes-sizes", default="128,256", help="lanes_loader: cache sizes")
     ap.add_argument("--lanes-sets", default="all", help="lanes_loader: lane sets (comma list)")
     ap.add_argument("--side-models", default="all", help="side_by_side: resnet50_224,resnet18_112 (or all)")
+    ap.add_argument(
+        "--side-loaders", default="all", help=f"side_by_side: dlstore rows, some of {','.join(SIDE_LOADERS)}"
+    )
     ap.add_argument("--engines-parts", default="bare,costs,loader,train", help="engines: which parts")
     ap.add_argument("--engines-sets", default="all", help="engines loader: lane sets (comma list)")
     ap.add_argument(
