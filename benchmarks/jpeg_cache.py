@@ -1952,7 +1952,7 @@ def _engines_loader_targets(px: int, batch: int, r: dict[str, Any]) -> None:
     )
     goal = 2.0 if px == 128 else 1.5
     target(f"engines: loader alone {px}px bs{batch}, best ({a}) vs DALI run 3", every[a], DALI_RUN3[px], goal)
-    for key in (k for k in ("nvjpeg", "nvjpeg_reads_after") if k in r):
+    for key in (k for k in r if k == "nvjpeg" or k.startswith(("nvjpeg_reads_after", "nvjpeg_process"))):
         target(
             f"engines: loader {key} vs bare batched decode_jpeg, {px}px bs{batch}",
             r[key]["img_s"],
