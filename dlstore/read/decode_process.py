@@ -379,7 +379,8 @@ def main() -> None:
 
         device = torch.device(recipe["device"])
         if device.type == "cuda":
-            torch.cuda.set_device(device)
+            if device.index is not None:
+                torch.cuda.set_device(device.index)
             stream = torch.cuda.Stream(device)  # batches handed over and copied out here, not stream 0
             torch.cuda.set_stream(stream)
         _seed(recipe["transform"], recipe.get("seed"), recipe.get("rank", 0))
