@@ -4,11 +4,13 @@ one exception: it applies watch's cache recommendation, as a user would, and imp
 Each script takes ``--workers``, ``--steps``, ``--batch-size``; ``--hand PATH`` writes what the script
 timed by hand (perf_counter around next(): the independent wait measurement) and ``--replay K`` trains on
 its last K batches after the timed ones (an independent rate with data free: ``--replay-warmup-s`` of
-warm-up, then three synchronised blocks of ``--replay-s`` / 3 seconds each, the median block). ``--cpu`` (or WATCH_SCRIPTS_CPU=1) runs on the CPU: the dry run with tiny sizes."""
+warm-up, then three synchronised blocks of ``--replay-s`` / 3 seconds each, the median block;
+``--replay-rounds R``: at R epochs' ends, ``replay_rounds``). ``--cpu`` (or WATCH_SCRIPTS_CPU=1) runs on the CPU: the dry run with tiny sizes."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -37,6 +39,13 @@ def parse(default_workers: int, default_batch: int, default_steps: int) -> argpa
     p.add_argument("--replay-s", type=float, default=1.5, help="seconds of replay timed, in 3 blocks")
     p.add_argument("--replay-warmup-s", type=float, default=0.3, help="replayed first, not timed")
     p.add_argument("--replay-steps", type=int, default=5000, help="steps per timed block at most")
+    p.add_argument(
+        "--replay-rounds",
+        type=int,
+        default=1,
+        help="with R > 1: after the timed steps, R times: train to the epoch's end, then replay its last K "
+        "batches (under watch's --replay-rounds R at the same epochs' ends: the pairs of the study)",
+    )
     p.add_argument("--images", type=int, default=20_000)
     p.add_argument("--root", default=None, help="the ImageFolder (made here when missing)")
     p.add_argument("--cache", default=None, help="read this dlstore cache instead (watch's advice)")
@@ -171,11 +180,35 @@ def train(
         "gc_collections": gc_time.collections,
         "gc_objects": len(gc.get_objects()),
     }
-    if args.replay:
+    result["steps_per_epoch"] = len(loader)
+    if args.replay and args.replay_rounds > 1:
+        result["replay_rounds_img_per_s"] = replay_rounds(it, loader, step, args, device)
+    elif args.replay:
         result["replay_img_per_s"] = replay(kept, step, args, device)
     print(json.dumps({"script_result": result}), flush=True)
     if args.hand:
         Path(args.hand).write_text(json.dumps(result))
+
+
+def replay_rounds(
+    it: Any,
+    loader: Any,
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+    args: argparse.Namespace,
+    device: Any,
+) -> list[float]:
+    """``--replay-rounds R``: R times, the loop trained to its epoch's end, then ``replay`` on that epoch's
+    last K batches; each round's rate. Epochs, not step counts, mark the rounds: under ``dlstore watch``
+    the loop also gets the steps watch feeds it, and an epoch ends the same whether or not it did."""
+    rates = []
+    for _ in range(args.replay_rounds):
+        kept: collections.deque[Any] = collections.deque(maxlen=args.replay)
+        for x, y in it:
+            kept.append((x, y))
+            step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+        rates.append(replay(list(kept), step, args, device))
+        it = iter(loader)
+    return rates
 
 
 def replay(

@@ -62,8 +62,9 @@ class LoaderRecord:
         self.images: int | None = None
         self.real = 0
         self.mode: str | None = None  # "replay" or "trial" while watch feeds the loop
-        self.paused = False  # the one pause (replay, side measurement, trial) is done
-        self.window: Any = None  # the replay's Window
+        self.pauses = 0  # pauses begun: one per replay round (the first also times the parts, the trial)
+        self.paused = False  # every pause is done
+        self.window: Any = None  # the current replay round's Window
         self.replay_index = 0
         self.replayed = False
         self.refill_left = 0
@@ -246,16 +247,21 @@ class Session:
         return "real"
 
     def should_pause(self, rec: LoaderRecord) -> bool:
-        return self.config.pauses() and rec.real >= self.replay_start
+        return self.config.pauses() and rec.real >= self.next_pause(rec)
+
+    def next_pause(self, rec: LoaderRecord) -> int:
+        """The real step count after which the next pause (replay round) begins."""
+        return self.replay_start + rec.pauses * self.config.replay_every
 
     def should_stop(self, rec: LoaderRecord) -> bool:
         c = self.config
         return c.steps is not None and rec.real >= c.steps and (rec.paused or not c.pauses())
 
     def pause(self, rec: LoaderRecord, t: float) -> None:
-        """The loop's one pause: the replay when batches were kept, then ``after_replay``."""
-        rec.paused = True
+        """One pause of the loop: a replay round when batches were kept, then ``after_replay``."""
         c = self.config
+        rec.pauses += 1
+        rec.paused = rec.pauses >= c.pauses_total()
         if c.replay and rec.kept:
             rec.mode, rec.replayed = "replay", True
             fixed = self.world > 1  # ranks must take the same number of steps
@@ -289,7 +295,7 @@ class Session:
 
             rec.parts = measure_record_parts(rec, cuda, c.parts_budget_s)
         rec.kept.clear()  # the references held the batches' memory (pinned, shared) alive
-        if c.trial and self.world == 1:
+        if c.trial and self.world == 1 and rec.pauses == 1:
             trial.start(self, rec)
             if rec.trial is not None:
                 rec.mode = "trial"
@@ -308,7 +314,7 @@ class Session:
         rec.real += 1
         if rec.images is None:
             rec.images = batch_images(batch)
-        if self.config.replay and not rec.replayed and rec.real > self.replay_start - len_kept(self):
+        if self.config.replay and not rec.paused and rec.real > self.next_pause(rec) - len_kept(self):
             rec.kept.append(batch)
         elif rec.sample_batch is None and phase != "warmup":
             rec.sample_batch = batch  # for the copy timing at the end
