@@ -314,9 +314,10 @@ def epoch_steps(script: str, args: list[str]) -> int:
 def paired_data_free(script: str, args: list[str], sizes: dict[str, Any], out: Path) -> dict[str, Any]:
     """Watch's rate with data free against the script's own replay, in one process, alternated: the script
     under ``dlstore watch --replay-rounds R`` with its own ``--replay-rounds R``. Each round, at an epoch's
-    end: watch replays inside the next() call that ends the epoch, then the script (which saw those as
-    training steps) replays its epoch's last 4 batches by its own clock, synchronised. The pairs'
-    ratios, their median and spread. The script's figures are its own (printed by it), never watch's."""
+    end: watch replays inside the next() call that ends the epoch, and the script replays its epoch's
+    last 4 batches by its own clock, synchronised, right after that call (rounds 1, 3, 5) or right before
+    it (rounds 2, 4: ABBA; common.replay_rounds). The pairs' ratios, their median and spread. The
+    script's figures are its own (printed by it), never watch's."""
     rounds, replay_s = sizes["free_rounds"], str(sizes["replay_s"])
     per_epoch = epoch_steps(script, args)
     warmup = int(args[args.index("--warmup") + 1])
@@ -341,7 +342,8 @@ def paired_data_free(script: str, args: list[str], sizes: dict[str, Any], out: P
     watch_rates = [r["img_per_s"] for r in replay.get("rounds") or []]
     own_rates = own.get("replay_rounds_img_per_s") or []
     ratios = [w / o for w, o in zip(watch_rates, own_rates)]
-    res.update(watch_img_per_s=watch_rates, own_img_per_s=own_rates, ratios=ratios)
+    order = ["watch first" if r % 2 == 0 else "own first" for r in range(len(ratios))]
+    res.update(watch_img_per_s=watch_rates, own_img_per_s=own_rates, ratios=ratios, order=order)
     if ratios:
         res["error_median"] = statistics.median(ratios) - 1
         res["error_spread"] = [min(ratios) - 1, max(ratios) - 1]
@@ -533,7 +535,7 @@ def table(results: dict[str, Any]) -> str:
         pr = c.get("paired") or {}
         if pr.get("ratios"):
             lines.append(
-                f"{'':22s} data free, watch / own replay in {len(pr['ratios'])} alternated rounds: "
+                f"{'':22s} data free, watch / own replay in {len(pr['ratios'])} ABBA rounds: "
                 + ", ".join(f"{r - 1:+.1%}" for r in pr["ratios"])
                 + f" (median {pr['error_median']:+.1%}; the own replay moved {pr['own_spread']:.1%} between rounds)"
             )

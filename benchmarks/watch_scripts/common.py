@@ -147,7 +147,7 @@ def train(
     kept: list[Any] = []
     total = args.warmup + args.steps
     done, t_start, cpu_start, gc_time = 0, 0.0, 0.0, GcTime()
-    it = iter(loader)
+    it, in_epoch = iter(loader), 0
     while done < total:
         if done == args.warmup:
             _sync(device)
@@ -158,8 +158,9 @@ def train(
         try:
             x, y = next(it)
         except StopIteration:
-            it = iter(loader)  # a new epoch: its start (worker start-up) is the loop's cost too
+            it, in_epoch = iter(loader), 0  # a new epoch: its start (worker start-up) is the loop's cost too
             x, y = next(it)
+        in_epoch += 1
         if done >= args.warmup:
             waits.append(time.perf_counter() - t)
         if args.replay and done >= total - args.replay:
@@ -182,7 +183,7 @@ def train(
     }
     result["steps_per_epoch"] = len(loader)
     if args.replay and args.replay_rounds > 1:
-        result["replay_rounds_img_per_s"] = replay_rounds(it, loader, step, args, device)
+        result["replay_rounds_img_per_s"] = replay_rounds(it, in_epoch, loader, step, args, device)
     elif args.replay:
         result["replay_img_per_s"] = replay(kept, step, args, device)
     print(json.dumps({"script_result": result}), flush=True)
@@ -192,22 +193,34 @@ def train(
 
 def replay_rounds(
     it: Any,
+    in_epoch: int,
     loader: Any,
     step: Callable[[torch.Tensor, torch.Tensor], None],
     args: argparse.Namespace,
     device: Any,
 ) -> list[float]:
-    """``--replay-rounds R``: R times, the loop trained to its epoch's end, then ``replay`` on that epoch's
-    last K batches; each round's rate. Epochs, not step counts, mark the rounds: under ``dlstore watch``
-    the loop also gets the steps watch feeds it, and an epoch ends the same whether or not it did."""
+    """``--replay-rounds R``: R times, ``replay`` on the last K batches of an epoch, at its end; each
+    round's rate. ``it`` has yielded ``in_epoch`` batches of its epoch so far.
+
+    Under ``dlstore watch --replay-rounds R`` at the same epochs' ends, watch's replay runs inside the
+    next() call that ends the epoch (after its last real batch: the loop gets watch's steps, then
+    StopIteration). So in odd rounds this replay runs after the epoch's last batch, before that call
+    (before watch's), in even ones after it (after watch's): ABBA, a drift within a pair cancels. The
+    epoch's batches are counted up to ``len(loader)`` only: watch's steps come after them."""
     rates = []
-    for _ in range(args.replay_rounds):
+    per_epoch = len(loader)
+    for r in range(args.replay_rounds):
         kept: collections.deque[Any] = collections.deque(maxlen=args.replay)
+        first = r % 2 == 1  # this replay before watch's
         for x, y in it:
             kept.append((x, y))
             step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        rates.append(replay(list(kept), step, args, device))
-        it = iter(loader)
+            in_epoch += 1
+            if first and in_epoch == per_epoch:
+                rates.append(replay(list(kept), step, args, device))
+        if not first:
+            rates.append(replay(list(kept), step, args, device))
+        it, in_epoch = iter(loader), 0
     return rates
 
 
