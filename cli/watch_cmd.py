@@ -94,7 +94,7 @@ from dlstore.cli.render import emit_json, stderr
 @click.option(
     "--event-every",
     type=click.IntRange(1),
-    default=4,
+    default=8,
     show_default=True,
     help="Time the device's span with CUDA events on one step in N (1: every step, ~20 µs more each, "
     "and the device's wait between steps in steps.csv).",

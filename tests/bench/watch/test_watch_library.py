@@ -85,3 +85,16 @@ def test_replay_rounds_are_spaced_and_the_rate_is_the_median_round() -> None:
     assert len(rounds) == 3
     assert rep["phases"]["replay"]["period_s"] == sorted(r["period_s"] for r in rounds)[1]
     assert "the median of 3 rounds" in w.report["verdict"]
+
+
+def test_steps_stops_after_the_last_replay_round() -> None:
+    loader = DataLoader(TensorDataset(torch.randn(400, 3)), batch_size=4)
+    with dlstore.watch(
+        steps=15, replay_rounds=2, replay_every=5, replay_s=0.0, replay_steps=4, replay_batches=2,
+        trial=False, parts=False, quiet=True,
+    ) as w:  # fmt: skip
+        for _batch in loader:
+            pass
+    rep = w.report["loaders"][0]
+    assert w.report["status"] == "stopped"
+    assert rep["steps_observed"] == 20 and len(rep["phases"]["replay"]["rounds"]) == 2
