@@ -389,7 +389,7 @@ def checks(want: str | None, case: dict[str, Any]) -> dict[str, Any]:
 
 def spread(ratios: list[float]) -> list[float]:
     """The quartiles of the pairs' ratios, less 1 (both the one ratio when there is one)."""
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     return [q[0] - 1, q[2] - 1]
 
 

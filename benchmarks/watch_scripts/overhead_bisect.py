@@ -175,7 +175,7 @@ def inprocess(
             w, p = watched(), block()
         plain_s.append(p)
         ratios.append(w / p)
-    q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
     return {
         "target": target,
         "device": device.type,
