@@ -371,6 +371,11 @@ def checks(want: str | None, case: dict[str, Any]) -> dict[str, Any]:
         out["data_free_error_spread"] = paired["error_spread"]
     if w is None:
         return out
+    if paired.get("own_img_per_s") and w["data_free_img_per_s"]:
+        # the full run's one replay (mid-epoch, in another process) against the paired run's own replays
+        out["data_free_error_unpaired"] = (
+            w["data_free_img_per_s"] / statistics.median(paired["own_img_per_s"]) - 1
+        )
     if hand:
         out["wait_share_points"] = 100 * (w["wait_share"] - hand["wait_share"])
         out["rate_vs_hand"] = w["img_per_s"] / hand["img_per_s"] - 1
@@ -538,6 +543,11 @@ def table(results: dict[str, Any]) -> str:
                 f"{'':22s} data free, watch / own replay in {len(pr['ratios'])} ABBA rounds: "
                 + ", ".join(f"{r - 1:+.1%}" for r in pr["ratios"])
                 + f" (median {pr['error_median']:+.1%}; the own replay moved {pr['own_spread']:.1%} between rounds)"
+                + (
+                    f"; the full run's one replay vs their median {k['data_free_error_unpaired']:+.1%}"
+                    if "data_free_error_unpaired" in k
+                    else ""
+                )
             )
         elif pr.get("error"):
             lines.append(f"{'':22s} paired replays: {pr['error']}")

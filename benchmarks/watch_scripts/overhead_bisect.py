@@ -8,7 +8,7 @@ Variants: ``runpy`` (the script through runpy.run_path, as boot runs it, nothing
 (+ the modules the watched child imports), ``gc`` (+ gc.freeze() of what was imported before the script
 starts), ``install_nosampler`` (+ the DataLoader patch and the per-next() timing, no sampler thread),
 ``install`` (+ the sampler thread: boot as it is), ``watch`` (the real ``dlstore watch --no-replay
---no-parts`` CLI: the parent process and its environment too), ``library`` (``dlstore.watch`` around the
+--no-trial --no-parts`` CLI: the parent process and its environment too), ``library`` (``dlstore.watch`` around the
 script, in-process). Figures go to ``--out`` (JSON) and a table on stdout.
 
 ``--inprocess``: watch's cost inside the loop alone, without a process start per sample (the runs above
@@ -101,6 +101,7 @@ def command(variant: str, target: list[str]) -> list[str]:
             *dlstore_cli(),
             "watch",
             "--no-replay",
+            "--no-trial",
             "--no-parts",
             "--warmup",
             "50",

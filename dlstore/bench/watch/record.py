@@ -27,8 +27,8 @@ from dlstore.bench.watch.describe import batch_images, dataset_info, loader_sett
 from dlstore.bench.watch.window import Window
 
 PHASES = ("warmup", "profiled", "real", "replay", "trial", "refill")
-FED = ("replay", "trial")
-NEVER = float("inf")  # steps watch fed the loop itself (not the user's loader's batches)
+FED = ("replay", "trial")  # steps watch fed the loop itself (not the user's loader's batches)
+NEVER = float("inf")  # a step count never reached (no pause or stop due)
 NVML_EVERY = 4  # GPU utilisation on one sampler tick in 4 (every 2 s at the default 0.5 s)
 
 

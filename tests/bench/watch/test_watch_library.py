@@ -98,3 +98,11 @@ def test_steps_stops_after_the_last_replay_round() -> None:
     rep = w.report["loaders"][0]
     assert w.report["status"] == "stopped"
     assert rep["steps_observed"] == 20 and len(rep["phases"]["replay"]["rounds"]) == 2
+
+
+@pytest.mark.parametrize("field", ["replay_rounds", "replay_every"])
+def test_replay_rounds_and_spacing_must_be_positive(field: str) -> None:
+    from dlstore.bench.watch.config import WatchConfig, WatchError
+
+    with pytest.raises(WatchError, match="positive"):
+        WatchConfig(**{field: 0})
