@@ -40,6 +40,21 @@ from dlstore.cli.render import emit_json, stderr
     "--replay-steps", type=click.IntRange(1), default=2000, show_default=True, help="Replayed steps at most."
 )
 @click.option(
+    "--replay-rounds",
+    type=click.IntRange(1),
+    default=1,
+    show_default=True,
+    help="Replay this many times, --replay-every real steps apart; the rate with data free is the median "
+    "round's (a machine whose speed drifts between windows).",
+)
+@click.option(
+    "--replay-every",
+    type=click.IntRange(1),
+    default=100,
+    show_default=True,
+    help="Real steps from one replay round's start to the next's.",
+)
+@click.option(
     "--no-trial",
     "no_trial",
     is_flag=True,
@@ -79,7 +94,7 @@ from dlstore.cli.render import emit_json, stderr
 @click.option(
     "--event-every",
     type=click.IntRange(1),
-    default=4,
+    default=8,
     show_default=True,
     help="Time the device's span with CUDA events on one step in N (1: every step, ~20 µs more each, "
     "and the device's wait between steps in steps.csv).",
@@ -105,6 +120,8 @@ def watch_cmd(
     replay_at: int,
     replay_s: float,
     replay_steps: int,
+    replay_rounds: int,
+    replay_every: int,
     no_trial: bool,
     trial_s: float,
     replay_batches: int,
@@ -129,6 +146,8 @@ def watch_cmd(
         replay_at=replay_at,
         replay_steps=replay_steps,
         replay_s=replay_s,
+        replay_rounds=replay_rounds,
+        replay_every=replay_every,
         trial=not no_trial,
         trial_s=trial_s,
         replay_batches=replay_batches,

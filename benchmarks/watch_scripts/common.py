@@ -4,11 +4,13 @@ one exception: it applies watch's cache recommendation, as a user would, and imp
 Each script takes ``--workers``, ``--steps``, ``--batch-size``; ``--hand PATH`` writes what the script
 timed by hand (perf_counter around next(): the independent wait measurement) and ``--replay K`` trains on
 its last K batches after the timed ones (an independent rate with data free: ``--replay-warmup-s`` of
-warm-up, then three synchronised blocks of ``--replay-s`` / 3 seconds each, the median block). ``--cpu`` (or WATCH_SCRIPTS_CPU=1) runs on the CPU: the dry run with tiny sizes."""
+warm-up, then three synchronised blocks of ``--replay-s`` / 3 seconds each, the median block;
+``--replay-rounds R``: at R epochs' ends, ``replay_rounds``). ``--cpu`` (or WATCH_SCRIPTS_CPU=1) runs on the CPU: the dry run with tiny sizes."""
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import json
 import os
@@ -37,6 +39,13 @@ def parse(default_workers: int, default_batch: int, default_steps: int) -> argpa
     p.add_argument("--replay-s", type=float, default=1.5, help="seconds of replay timed, in 3 blocks")
     p.add_argument("--replay-warmup-s", type=float, default=0.3, help="replayed first, not timed")
     p.add_argument("--replay-steps", type=int, default=5000, help="steps per timed block at most")
+    p.add_argument(
+        "--replay-rounds",
+        type=int,
+        default=1,
+        help="with R > 1: after the timed steps, R times: train to the epoch's end, then replay its last K "
+        "batches (under watch's --replay-rounds R at the same epochs' ends: the pairs of the study)",
+    )
     p.add_argument("--images", type=int, default=20_000)
     p.add_argument("--root", default=None, help="the ImageFolder (made here when missing)")
     p.add_argument("--cache", default=None, help="read this dlstore cache instead (watch's advice)")
@@ -138,7 +147,7 @@ def train(
     kept: list[Any] = []
     total = args.warmup + args.steps
     done, t_start, cpu_start, gc_time = 0, 0.0, 0.0, GcTime()
-    it = iter(loader)
+    it, in_epoch = iter(loader), 0
     while done < total:
         if done == args.warmup:
             _sync(device)
@@ -149,8 +158,9 @@ def train(
         try:
             x, y = next(it)
         except StopIteration:
-            it = iter(loader)  # a new epoch: its start (worker start-up) is the loop's cost too
+            it, in_epoch = iter(loader), 0  # a new epoch: its start (worker start-up) is the loop's cost too
             x, y = next(it)
+        in_epoch += 1
         if done >= args.warmup:
             waits.append(time.perf_counter() - t)
         if args.replay and done >= total - args.replay:
@@ -171,11 +181,47 @@ def train(
         "gc_collections": gc_time.collections,
         "gc_objects": len(gc.get_objects()),
     }
-    if args.replay:
+    result["steps_per_epoch"] = len(loader)
+    if args.replay and args.replay_rounds > 1:
+        result["replay_rounds_img_per_s"] = replay_rounds(it, in_epoch, loader, step, args, device)
+    elif args.replay:
         result["replay_img_per_s"] = replay(kept, step, args, device)
     print(json.dumps({"script_result": result}), flush=True)
     if args.hand:
         Path(args.hand).write_text(json.dumps(result))
+
+
+def replay_rounds(
+    it: Any,
+    in_epoch: int,
+    loader: Any,
+    step: Callable[[torch.Tensor, torch.Tensor], None],
+    args: argparse.Namespace,
+    device: Any,
+) -> list[float]:
+    """``--replay-rounds R``: R times, ``replay`` on the last K batches of an epoch, at its end; each
+    round's rate. ``it`` has yielded ``in_epoch`` batches of its epoch so far.
+
+    Under ``dlstore watch --replay-rounds R`` at the same epochs' ends, watch's replay runs inside the
+    next() call that ends the epoch (after its last real batch: the loop gets watch's steps, then
+    StopIteration). So in odd rounds this replay runs after the epoch's last batch, before that call
+    (before watch's), in even ones after it (after watch's): ABBA, a drift within a pair cancels. The
+    epoch's batches are counted up to ``len(loader)`` only: watch's steps come after them."""
+    rates = []
+    per_epoch = len(loader)
+    for r in range(args.replay_rounds):
+        kept: collections.deque[Any] = collections.deque(maxlen=args.replay)
+        first = r % 2 == 1  # this replay before watch's
+        for x, y in it:
+            kept.append((x, y))
+            step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
+            in_epoch += 1
+            if first and in_epoch == per_epoch:
+                rates.append(replay(list(kept), step, args, device))
+        if not first:
+            rates.append(replay(list(kept), step, args, device))
+        it, in_epoch = iter(loader), 0
+    return rates
 
 
 def replay(

@@ -3,6 +3,9 @@ launches bind. The case for watch's own overhead, which shows most where a step 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from common import SmallCNN, device_of, parse, train
 from torch.utils.data import DataLoader, Dataset
@@ -23,8 +26,8 @@ class Batches(Dataset):
         return self.x[i], self.y[i]
 
 
-def main() -> None:
-    args = parse(default_workers=0, default_batch=256, default_steps=1500)
+def build(args: Any) -> tuple[DataLoader, Callable[[torch.Tensor, torch.Tensor], None], torch.device]:
+    """The loader, the step and the device (overhead_bisect.py's in-process alternation runs them too)."""
     device = device_of(args)
     loader = DataLoader(Batches(args.images, args.batch_size), batch_size=None, shuffle=True)
     model = SmallCNN().to(device)
@@ -36,6 +39,12 @@ def main() -> None:
         loss.backward()
         opt.step()
 
+    return loader, step, device
+
+
+def main() -> None:
+    args = parse(default_workers=0, default_batch=256, default_steps=1500)
+    loader, step, device = build(args)
     train(loader, step, args, device)
 
 

@@ -117,6 +117,8 @@ def watch(
     replay_batches: int = 4,
     replay_steps: int = 2000,
     replay_s: float = 1.5,
+    replay_rounds: int = 1,
+    replay_every: int = 100,
     trial: bool = True,
     trial_s: float = 1.5,
     parts: bool = True,
@@ -127,7 +129,8 @@ def watch(
     """``with watch(...) as w:`` watches every DataLoader iterated in the block; ``watch(loader)`` returns
     the same loader, watched, and reports when the script ends. ``steps`` stops the loop (the block, or
     the script for a loader) after that many real steps, once the replay and the trial are done. The
-    replay runs at least ``replay_s`` seconds timed (``replay_steps`` steps at most); ``trial``: when the
+    replay runs at least ``replay_s`` seconds timed (``replay_steps`` steps at most), ``replay_rounds``
+    times ``replay_every`` real steps apart (the median round's rate); ``trial``: when the
     advice says more workers, the loop is fed from a second loader with them for ``trial_s`` seconds (the
     rate it reaches is the advice's prediction). ``try_cache``: when a
     dlstore cache is advised, convert a sample that way and time the advised loader (``--try-cache``)."""
@@ -139,6 +142,8 @@ def watch(
         replay_batches=replay_batches,
         replay_steps=replay_steps,
         replay_s=replay_s,
+        replay_rounds=replay_rounds,
+        replay_every=replay_every,
         trial=trial,
         trial_s=trial_s,
         parts=parts,

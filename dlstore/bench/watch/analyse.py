@@ -307,6 +307,9 @@ def verdict_text(primary: dict[str, Any], ranks: dict[str, Any] | None) -> str:
     if model:
         free = primary["phases"].get("replay")
         how = "measured on replayed batches" if free else "estimated from the step's own time (no replay)"
+        if free and free.get("rounds"):
+            each = ", ".join(_fmt(r["img_per_s"]) for r in free["rounds"])
+            how += f"; the median of {len(free['rounds'])} rounds: {each}"
         text.append(
             f"Now {_fmt(steady['img_per_s'])} img/s; with data free {_fmt(model['data_free_img_per_s'])} img/s "
             f"({how})."

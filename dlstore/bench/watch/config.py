@@ -26,7 +26,9 @@ class WatchConfig:
     ``replay``: after ``replay_at`` real steps, feed ``replay_batches`` of the loop's own batches back to it:
     first ``replay_warmup_s`` seconds of warm-up (clocks and caches waking after a data-bound phase), then
     at least ``replay_s`` seconds timed, ``replay_steps`` steps at most in all: the loop's rate with data
-    free (the median of three blocks of the timed steps).
+    free (the median of three blocks of the timed steps). ``replay_rounds``: the replay runs that many
+    times, ``replay_every`` real steps apart, the rate with data free the median round's: on a machine
+    whose speed moves between windows seconds apart (a shared GPU: ±15%) one window is that noisy.
     ``trial``: then, when the advice so far says more workers, feed the loop for ``trial_s`` seconds from
     a second DataLoader over the same dataset with the advised workers (its queue's filling dropped): the
     rate the loop itself reaches with them (``trial.py``).
@@ -44,6 +46,8 @@ class WatchConfig:
     replay_steps: int = 2000  # the most replayed steps (warm-up included): a cap on the time window
     replay_s: float = 1.5
     replay_warmup_s: float = 0.3
+    replay_rounds: int = 1
+    replay_every: int = 100  # real steps from one round's start to the next's
     trial: bool = True
     trial_s: float = 1.5
     trial_steps: int = 2000
@@ -57,14 +61,18 @@ class WatchConfig:
     # whole cost per next() 27.8 µs with events on every step, 8.2 µs on one in 4: 1.0% / 0.3% of a 2.7 ms
     # SmallCNN step; benchmarks/RESULTS.md, "dlstore watch: accuracy"). The device span is a mean: a
     # sample of the steps gives it. The device's wait between two steps (steps.csv's device_wait_ms) needs
-    # events on consecutive steps: every step (1).
-    event_every: int = 4
+    # events on consecutive steps: every step (1). One in 8 since watch8: a later H200 run read 9-15 µs per
+    # next() at one in 4 (2-3 µs without events), the events most of watch's cost on a launch-bound step;
+    # a window of 1.5 s still holds dozens of sampled steps (ResNet-50's ~30 ms steps: ~6)
+    event_every: int = 8
     sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread
 
     def __post_init__(self) -> None:
         parse_positive("--steps", self.steps, allow_none=True)
         parse_positive("--replay-steps", self.replay_steps)
         parse_positive("--replay-batches", self.replay_batches)
+        parse_positive("--replay-rounds", self.replay_rounds)
+        parse_positive("--replay-every", self.replay_every)
         parse_positive("event_every", self.event_every)
         parse_positive("--trial-steps", self.trial_steps)
         for name, value in (("--replay-s", self.replay_s), ("--trial-s", self.trial_s)):
@@ -76,6 +84,10 @@ class WatchConfig:
     def pauses(self) -> bool:
         """Whether the loop is paused once (at ``replay_start``) for a replay or a trial."""
         return self.replay or self.trial
+
+    def pauses_total(self) -> int:
+        """How many times the loop is paused: once per replay round (once when only the trial runs)."""
+        return self.replay_rounds if self.replay else 1
 
     def replay_start(self) -> int:
         """The real step count after which the replay runs: at --steps when given, else ``replay_at``

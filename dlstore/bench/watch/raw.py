@@ -49,6 +49,8 @@ def raw_document(
                 "replay_batches",
                 "replay_s",
                 "replay_warmup_s",
+                "replay_rounds",
+                "replay_every",
                 "trial",
                 "trial_s",
                 "profile",

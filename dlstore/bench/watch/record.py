@@ -28,6 +28,7 @@ from dlstore.bench.watch.window import Window
 
 PHASES = ("warmup", "profiled", "real", "replay", "trial", "refill")
 FED = ("replay", "trial")  # steps watch fed the loop itself (not the user's loader's batches)
+NEVER = float("inf")  # a step count never reached (no pause or stop due)
 NVML_EVERY = 4  # GPU utilisation on one sampler tick in 4 (every 2 s at the default 0.5 s)
 
 
@@ -62,8 +63,11 @@ class LoaderRecord:
         self.images: int | None = None
         self.real = 0
         self.mode: str | None = None  # "replay" or "trial" while watch feeds the loop
-        self.paused = False  # the one pause (replay, side measurement, trial) is done
-        self.window: Any = None  # the replay's Window
+        self.pauses = 0  # pauses begun: one per replay round (the first also times the parts, the trial)
+        self.paused = False  # every pause is done
+        self.gate: float = 0  # real steps before which no pause or stop is due (``Session.set_gate``)
+        self.keep_from: float = NEVER  # real steps after which batches are kept for the next replay round
+        self.window: Any = None  # the current replay round's Window
         self.replay_index = 0
         self.replayed = False
         self.refill_left = 0
@@ -146,7 +150,9 @@ class WatchedIterator:
 
     def _fetch(self, rec: LoaderRecord, t_call: float) -> tuple[Any, str]:
         s = self._session
-        while True:
+        # the common step: nothing fed, no pause or stop due (``gate``: the next real step count at which
+        # watch has something to decide), so the checks below are skipped
+        while rec.mode is not None or rec.real >= rec.gate:
             if rec.mode is not None:
                 got = s.fed(rec, t_call)
                 if got is not None:
@@ -157,7 +163,7 @@ class WatchedIterator:
                 continue
             if s.should_stop(rec):
                 raise WatchStop(rec.real)
-            break
+            break  # past the gate with nothing due now (a stop waiting for a pause): this step is real
         try:
             batch = next(self._it)
         except StopIteration:
@@ -215,7 +221,8 @@ class Session:
         self._start_sampler()
         key = id(loader)
         if key not in self.records:
-            self.records[key] = LoaderRecord(len(self.records), loader, self.config, self.t0)
+            self.records[key] = rec = LoaderRecord(len(self.records), loader, self.config, self.t0)
+            self.set_gate(rec)
         return WatchedIterator(self, self.records[key], it)
 
     # -- decisions in next() --------------------------------------------------------------------------
@@ -246,16 +253,30 @@ class Session:
         return "real"
 
     def should_pause(self, rec: LoaderRecord) -> bool:
-        return self.config.pauses() and rec.real >= self.replay_start
+        return self.config.pauses() and rec.real >= self.next_pause(rec)
+
+    def next_pause(self, rec: LoaderRecord) -> int:
+        """The real step count after which the next pause (replay round) begins."""
+        return self.replay_start + rec.pauses * self.config.replay_every
+
+    def set_gate(self, rec: LoaderRecord) -> None:
+        """``rec.gate``: the real step count from which next() checks for a pause or the stop;
+        ``rec.keep_from``: after which real batches are kept for the next replay round."""
+        c = self.config
+        pause = self.next_pause(rec) if c.pauses() and not rec.paused else NEVER
+        rec.gate = min(pause, NEVER if c.steps is None else c.steps)
+        rec.keep_from = pause - c.replay_batches if c.replay else NEVER
 
     def should_stop(self, rec: LoaderRecord) -> bool:
         c = self.config
         return c.steps is not None and rec.real >= c.steps and (rec.paused or not c.pauses())
 
     def pause(self, rec: LoaderRecord, t: float) -> None:
-        """The loop's one pause: the replay when batches were kept, then ``after_replay``."""
-        rec.paused = True
+        """One pause of the loop: a replay round when batches were kept, then ``after_replay``."""
         c = self.config
+        rec.pauses += 1
+        rec.paused = rec.pauses >= c.pauses_total()
+        self.set_gate(rec)
         if c.replay and rec.kept:
             rec.mode, rec.replayed = "replay", True
             fixed = self.world > 1  # ranks must take the same number of steps
@@ -289,7 +310,7 @@ class Session:
 
             rec.parts = measure_record_parts(rec, cuda, c.parts_budget_s)
         rec.kept.clear()  # the references held the batches' memory (pinned, shared) alive
-        if c.trial and self.world == 1:
+        if c.trial and self.world == 1 and rec.pauses == 1:
             trial.start(self, rec)
             if rec.trial is not None:
                 rec.mode = "trial"
@@ -308,7 +329,7 @@ class Session:
         rec.real += 1
         if rec.images is None:
             rec.images = batch_images(batch)
-        if self.config.replay and not rec.replayed and rec.real > self.replay_start - len_kept(self):
+        if rec.real > rec.keep_from:
             rec.kept.append(batch)
         elif rec.sample_batch is None and phase != "warmup":
             rec.sample_batch = batch  # for the copy timing at the end
@@ -359,10 +380,6 @@ class Session:
 
         self.finished = raw_document(self, status, exit_code, error, t_end)
         return self.finished
-
-
-def len_kept(session: Session) -> int:
-    return session.config.replay_batches
 
 
 def start_profiler(cuda: bool) -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -110,7 +111,38 @@ def by_phase(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, An
         )
         if s is not None:
             out[phase] = s
+    if "replay" in out:
+        _replay_rounds(out["replay"], rows, images)
     return out
+
+
+def contiguous(rows: Sequence[dict[str, Any]], phase: str) -> list[list[dict[str, Any]]]:
+    """The runs of consecutive steps in ``phase`` (a replay round each)."""
+    runs: list[list[dict[str, Any]]] = []
+    last = None
+    for r in rows:
+        if r["phase"] != phase:
+            continue
+        if last is None or r["step"] != last + 1:
+            runs.append([])
+        runs[-1].append(r)
+        last = r["step"]
+    return runs
+
+
+def _replay_rounds(replay: dict[str, Any], rows: Sequence[dict[str, Any]], images: int | None) -> None:
+    """With several replay rounds: each round's steady period (``rounds``), and the replay's period the
+    median round's (a round on a slow stretch of a shared machine left out)."""
+    rounds = [
+        summarise([r for r in run if not r["warm"]], images, True) for run in contiguous(rows, "replay")
+    ]
+    done = [r for r in rounds if r is not None]
+    if len(done) < 2:
+        return
+    replay["rounds"] = [{k: r[k] for k in ("steps", "period_s", "img_per_s", "t_first_s")} for r in done]
+    period = statistics.median(r["period_s"] for r in done)
+    replay["period_s"] = period
+    replay["img_per_s"] = images / period if images and period > 0 else None
 
 
 def epoch_start_excess(rows: Sequence[dict[str, Any]], steady_wait: float | None) -> float | None:

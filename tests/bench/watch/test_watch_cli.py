@@ -112,6 +112,24 @@ def test_steps_stops_the_script_after_the_replay(scripts: dict[str, Path], tmp_p
     assert not marker.exists()
 
 
+def test_replay_rounds_from_the_command_line(scripts: dict[str, Path], tmp_path: Path) -> None:
+    args = [
+        "--steps",
+        "12",
+        "--replay-steps",
+        "5",
+        "--replay-rounds",
+        "2",
+        "--replay-every",
+        "4",
+        "--no-trial",
+    ]
+    code, doc = watch(args, ["python", str(scripts["long"]), str(tmp_path / "ended")])
+    rep = primary(doc)
+    assert code == 0 and rep["steps_observed"] == 16 and rep["steps_replayed"] == 10
+    assert len(rep["phases"]["replay"]["rounds"]) == 2
+
+
 def test_module_form_runs_as_python_dash_m(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pkg = tmp_path / "trainpkg"
     pkg.mkdir()

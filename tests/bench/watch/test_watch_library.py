@@ -59,3 +59,50 @@ def test_parts_split_read_decode_transform(tiny_folder: Path) -> None:
     for key in ("getitem_s", "load_s", "read_s", "decode_s", "transform_s", "collate_s"):
         assert parts[key] is not None and parts[key] > 0, key
     assert parts["collate_batch"] == 4 and "h2d" not in parts
+
+
+def test_replay_rounds_are_spaced_and_the_rate_is_the_median_round() -> None:
+    loader = DataLoader(TensorDataset(torch.randn(40, 3)), batch_size=4)  # 10 steps an epoch
+    with dlstore.watch(
+        replay_at=10, replay_every=10, replay_rounds=3, replay_s=0.0, replay_steps=6, replay_batches=2,
+        trial=False, parts=False, warmup=0, quiet=True,
+    ) as w:  # fmt: skip
+        for _ in range(4):
+            for _batch in loader:
+                pass
+    rep = w.report["loaders"][0]
+    rows = rep["rows"]
+    starts = [r["step"] for r in rows if r["phase"] == "replay" and rows[r["step"] - 1]["phase"] != "replay"]
+    assert rep["steps_observed"] == 40 and len(starts) == 3
+    for k, first in enumerate(starts, 1):
+        # each round ran inside the call that ended epoch k-1 (at 10, 20, 30 real steps): right before
+        # the loop's own code after the epoch (the accuracy study's independent replay runs there)
+        assert sum(r["phase"] not in ("replay", "trial") for r in rows[:first]) == 10 * k
+        assert rows[first]["epoch"] == k - 1
+        end = next(r["step"] for r in rows[first:] if r["phase"] != "replay")
+        assert rows[end]["epoch"] == k
+    rounds = rep["phases"]["replay"]["rounds"]
+    assert len(rounds) == 3
+    assert rep["phases"]["replay"]["period_s"] == sorted(r["period_s"] for r in rounds)[1]
+    assert "the median of 3 rounds" in w.report["verdict"]
+
+
+def test_steps_stops_after_the_last_replay_round() -> None:
+    loader = DataLoader(TensorDataset(torch.randn(400, 3)), batch_size=4)
+    with dlstore.watch(
+        steps=15, replay_rounds=2, replay_every=5, replay_s=0.0, replay_steps=4, replay_batches=2,
+        trial=False, parts=False, quiet=True,
+    ) as w:  # fmt: skip
+        for _batch in loader:
+            pass
+    rep = w.report["loaders"][0]
+    assert w.report["status"] == "stopped"
+    assert rep["steps_observed"] == 20 and len(rep["phases"]["replay"]["rounds"]) == 2
+
+
+@pytest.mark.parametrize("field", ["replay_rounds", "replay_every"])
+def test_replay_rounds_and_spacing_must_be_positive(field: str) -> None:
+    from dlstore.bench.watch.config import WatchConfig, WatchError
+
+    with pytest.raises(WatchError, match="positive"):
+        WatchConfig(**{field: 0})
