@@ -201,7 +201,10 @@ class DecodeLoader(CoreLoader):
         # the next batch decodes. Never on the caller's own stream: the crop would queue behind the
         # training step, and nvJPEG's outputs could reuse memory that step still reads (see below).
         # "process": all of it in a process of its own (dlstore.read.decode_process), out of reach of
-        # the training loop's GIL; this process keeps the order and the counts.
+        # the training loop's GIL; this process keeps the order and the counts. Not the default: on the
+        # H200 (results/jpeg_lanes_h200 run 6) the loader alone ran faster in 2 of them, but training
+        # slower, as two CUDA contexts time-slice the GPU (ResNet-50 from the GPU lanes 0.74-0.80 of its
+        # ceiling, 0.97-0.98 here).
         self.decode_in = decode_in
         if (
             isinstance(decode_processes, bool)
