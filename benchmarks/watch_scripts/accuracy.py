@@ -563,6 +563,11 @@ def table(results: dict[str, Any]) -> str:
             f"overhead in one process ({ip['pairs']} ABBA pairs of {ip['block_steps']} steps, step "
             f"{ip['step_ms_plain']:.2f} ms): median {ip['median_overhead']:+.2%} step time, quartiles "
             f"{ip['quartiles'][0]:+.2%} / {ip['quartiles'][1]:+.2%}"
+            + (
+                f"; position taken out {ip['abba_overhead']:+.2%} ± {ip['abba_overhead_se']:.2%}"
+                if "abba_overhead" in ip
+                else ""
+            )
         )
     if "overhead" in ov:
         lines.append(
