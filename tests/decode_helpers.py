@@ -72,3 +72,15 @@ class RandomDraws:
 
     def __call__(self, images: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack([torch.rand(len(images), generator=self.generator), torch.rand(len(images))], 1)
+
+
+def ragged_jpeg_cache(image_tree: Path, tmp: Path) -> Path:
+    """The JPEG ``--resize shorter`` cache (24 px, a ragged format) of ``image_tree`` under ``tmp``."""
+    from dlstore import convert
+    from dlstore.convert.options import ConvertOptions
+    from dlstore.formats import FORMATS
+
+    fmt = next(f.name for f in FORMATS.values() if f.ragged_ok)
+    dest = tmp / "c"
+    convert(image_tree, dest, ConvertOptions(format=fmt, size=24, resize="shorter", codec="jpeg", workers=2))
+    return dest

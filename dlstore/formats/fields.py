@@ -32,6 +32,7 @@ import numpy as np
 
 from dlstore.durable import fsync_path, write_bytes_durably
 from dlstore.errors import CacheCorruptError
+from dlstore.formats.npy_headers import NPY_HEADERS
 from dlstore.formats.zarr_shards import load_array_meta
 from dlstore.spec import CacheSpec, FieldSpec
 
@@ -92,7 +93,7 @@ def save_npz(path: Path, members: dict[str, np.ndarray], compress: bool) -> None
 
 def load_npz(path: Path, what: str) -> dict[str, np.ndarray]:
     try:
-        with np.load(path, allow_pickle=False) as z:
+        with NPY_HEADERS, np.load(path, allow_pickle=False) as z:
             return {k: z[k] for k in z.files}
     except FileNotFoundError:
         raise CacheCorruptError(

@@ -17,6 +17,7 @@ from dlstore.errors import CacheCorruptError
 from dlstore.formats.base import CacheWriter, ChunkedReader, clamp_units
 from dlstore.formats.codecs import quality_option
 from dlstore.formats.describe import Codec, CodecTable
+from dlstore.formats.npy_headers import NPY_HEADERS
 from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter
 
 SHARD_DIR = "shards"
@@ -110,7 +111,8 @@ def read_member_checked(path: Path, member: str, expected: tuple[int, ...]) -> n
         read_header = (
             np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         )
-        shape, fortran, dtype = read_header(f)
+        with NPY_HEADERS:
+            shape, fortran, dtype = read_header(f)
         if tuple(shape) != tuple(expected) or dtype != np.uint8 or fortran:
             raise ValueError(
                 f"{member} declares {dtype}{tuple(shape)}, the manifest says uint8{tuple(expected)}"
@@ -201,7 +203,7 @@ class NpzPayloadReader(PayloadReader):
 
     def load_payload_unit(self, k: int) -> PayloadUnit:
         path = self.unit_path(k)
-        with shard_errors(path, k, self.root):
+        with shard_errors(path, k, self.root), NPY_HEADERS:
             data = map_stored_member(path, "data.npy")
             with np.load(path, allow_pickle=False) as z:
                 if data is None:

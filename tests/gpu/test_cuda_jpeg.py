@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from decode_helpers import ragged_jpeg_cache
 
 from dlstore import convert, open_cache
 from dlstore.convert.options import ConvertOptions
@@ -20,11 +21,7 @@ FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
 
 @pytest.fixture(scope="module")
 def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dest = tmp_path_factory.mktemp("cuda-jpeg") / "c"
-    convert(
-        image_tree, dest, ConvertOptions(format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2)
-    )
-    return dest
+    return ragged_jpeg_cache(image_tree, tmp_path_factory.mktemp("cuda-jpeg"))
 
 
 @pytest.fixture(scope="module")

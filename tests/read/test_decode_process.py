@@ -11,26 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_helpers import RandomDraws, corrupt_payload
+from decode_helpers import RandomDraws, corrupt_payload, ragged_jpeg_cache
 
-from dlstore import convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.errors import DlstoreError, SampleReadError
-from dlstore.formats import FORMATS
 from dlstore.gpu.ragged import RaggedRandomResizedCrop
 from dlstore.read.decode_process import _target_to, _to_host
 from dlstore.read.gpu_decode import DecodeLoader
 
-FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
-
 
 @pytest.fixture(scope="module")
 def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dest = tmp_path_factory.mktemp("decode-process") / "c"
-    convert(
-        image_tree, dest, ConvertOptions(format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2)
-    )
-    return dest
+    return ragged_jpeg_cache(image_tree, tmp_path_factory.mktemp("decode-process"))
 
 
 def _loader(path: Path, decode_in: str, **kw: object) -> DecodeLoader:

@@ -8,24 +8,16 @@ import numpy as np
 import pytest
 import torch
 import torchvision.io
-from decode_helpers import cpu_split_loader, split_reference
+from decode_helpers import cpu_split_loader, ragged_jpeg_cache, split_reference
 
-from dlstore import convert, open_cache
-from dlstore.convert.options import ConvertOptions
-from dlstore.formats import FORMATS
+from dlstore import open_cache
 from dlstore.gpu.ragged import RaggedRandomResizedCrop
 from dlstore.read.gpu_decode import DecodeLoader, decode_on_device
-
-FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
 
 
 @pytest.fixture(scope="module")
 def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    dest = tmp_path_factory.mktemp("gpu-decode") / "c"
-    convert(
-        image_tree, dest, ConvertOptions(format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2)
-    )
-    return dest
+    return ragged_jpeg_cache(image_tree, tmp_path_factory.mktemp("gpu-decode"))
 
 
 @pytest.mark.parametrize("decode_in", ["stream", "thread"])

@@ -155,14 +155,9 @@ def test_payloads_go_in_without_a_code_stream_each() -> None:
 
 @pytest.fixture(scope="module")
 def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from dlstore import convert
-    from dlstore.convert.options import ConvertOptions
-    from dlstore.formats import FORMATS
+    from decode_helpers import ragged_jpeg_cache
 
-    fmt = next(f.name for f in FORMATS.values() if f.ragged_ok)
-    dest = tmp_path_factory.mktemp("hw-lane") / "c"
-    convert(image_tree, dest, ConvertOptions(format=fmt, size=24, resize="shorter", codec="jpeg", workers=2))
-    return dest
+    return ragged_jpeg_cache(image_tree, tmp_path_factory.mktemp("hw-lane"))
 
 
 def _torchvision_chw(payload: bytes) -> np.ndarray:
