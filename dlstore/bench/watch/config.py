@@ -61,9 +61,9 @@ class WatchConfig:
     # whole cost per next() 27.8 µs with events on every step, 8.2 µs on one in 4: 1.0% / 0.3% of a 2.7 ms
     # SmallCNN step; benchmarks/RESULTS.md, "dlstore watch: accuracy"). The device span is a mean: a
     # sample of the steps gives it. The device's wait between two steps (steps.csv's device_wait_ms) needs
-    # events on consecutive steps: every step (1). One in 8 since watch8: a later H200 run read 9-15 µs per
-    # next() at one in 4 (2-3 µs without events), the events most of watch's cost on a launch-bound step;
-    # a window of 1.5 s still holds dozens of sampled steps (ResNet-50's ~30 ms steps: ~6)
+    # events on consecutive steps: every step (1). One in 8 since watch8: the H200 then read 40.5 / 15.3 /
+    # 9.1 / 3.2 µs per next() with events on every step / 1 in 4 / 1 in 8 / none (watch r3; 0.45% of a
+    # 2.1 ms step at 1 in 8); a window of 1.5 s still holds dozens of sampled steps (ResNet-50's ~30 ms: ~6)
     event_every: int = 8
     sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread
 
