@@ -88,7 +88,7 @@ class DecodeProcess:
             while True:
                 msg = self._recv(None, "decoding")
                 if msg[0] == "ring":
-                    self.ring = _Ring.open(msg[1], self.device)
+                    self._new_ring(msg[1])
                 elif msg[0] == "batch":
                     yield self._take(*msg[2:])
                 elif msg[0] == "end":
@@ -98,6 +98,17 @@ class DecodeProcess:
         finally:
             if not ended and self.proc.poll() is None:
                 self._stop(tag)
+
+    def _new_ring(self, handle: bytes) -> None:
+        self._drop_ring()
+        self.ring = _Ring.open(handle, self.device)
+
+    def _drop_ring(self) -> None:
+        """Let go of the child's slots once this process's copies out of them have run: the child frees
+        (and may reuse) their memory when this process lets go."""
+        if self.ring is not None and self.ring.ready:
+            torch.cuda.synchronize(self.ring.tensors[0].device)
+        self.ring = None
 
     def _take(self, slot: int, count: int, target: Any) -> tuple[Any, Any]:
         assert self.ring is not None
@@ -117,7 +128,7 @@ class DecodeProcess:
             while True:
                 msg = self._recv(DRAIN_TIMEOUT_S, "stopping an epoch")
                 if msg[0] == "ring":
-                    self.ring = _Ring.open(msg[1], self.device)
+                    self._new_ring(msg[1])
                 elif msg[0] == "batch":
                     _send(self.conn, ("free", msg[2]))
                 elif msg[0] == "end":
@@ -156,8 +167,10 @@ class DecodeProcess:
 
     def close(self) -> None:
         """Drop the shared slots (before the child that owns them exits), then stop the child."""
-        self.ring = None
-        self._finalizer()
+        try:
+            self._drop_ring()
+        finally:
+            self._finalizer()
 
 
 def interleaved(

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from decode_helpers import RandomDraws, corrupt_payload, ragged_jpeg_cache
+from decode_helpers import RandomDraws, WideningBatch, corrupt_payload, ragged_jpeg_cache
 
 from dlstore.errors import DlstoreError, SampleReadError
 from dlstore.gpu.ragged import RaggedRandomResizedCrop
@@ -107,6 +107,23 @@ def test_two_decode_processes_take_batches_in_turn_each_with_its_own_random_numb
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(first, again))
     with pytest.raises(ValueError, match="decode_processes"):
         loader(decode_in="process", decode_processes=0)
+
+
+def test_batches_that_change_shape_get_new_slots(jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))  # the child imports decode_helpers
+
+    def epoch(decode_in: str) -> list[torch.Tensor]:
+        ld = DecodeLoader(
+            jpeg_cache, 2, transform=WideningBatch(), device="cpu", order="sequential", decode_in=decode_in
+        )
+        try:
+            return [x.clone() for x, _ in ld]
+        finally:
+            ld.close()
+
+    here, there = epoch("thread"), epoch("process")
+    assert len({x.shape[1] for x in there}) > 2  # the slots were made again more than once
+    assert all(torch.equal(a, b) for a, b in zip(here, there)) and len(here) == len(there)
 
 
 def test_a_corrupt_payload_is_the_readers_error_in_this_process(jpeg_cache: Path, tmp_path: Path) -> None:
