@@ -224,20 +224,25 @@ def test_the_sampler_thread_never_asks_cuda(monkeypatch: pytest.MonkeyPatch) -> 
     assert callers and set(callers) == {threading.main_thread().name}
 
 
+def add_trial(ld: dict[str, Any], workers: int, step_s: float, start: float, steps: int = 6) -> None:
+    """``steps`` in-loop trial steps of ``step_s`` each with ``workers``, recorded after the loop's own."""
+    t = start
+    for _ in range(steps):
+        ld["t_call"].append(t)
+        ld["t_ret"].append(t + 1e-4)
+        t += step_s
+        ld["t_next"].append(t)
+        ld["phase"].append("trial")
+        ld["epoch"].append(0)
+    ld["trial"] = {"workers": workers, "dropped": 0, "steps": steps, "prefetch_factor": 2}
+
+
 def test_a_trial_without_gain_drops_the_workers_advice_and_says_so() -> None:
     doc = raw(wait=0.030, host=0.005, replay_period=0.005, getitem=0.030 / 32)
     ld = doc["loaders"][0]
     modelled = next(a for a in analyse([doc])["advice"] if a.get("workers"))
     # the loop fed by the advised workers ran 40 ms a step (slower than its 35 ms now): 6 steps timed
-    t = ld["t_next"][-1]
-    for _ in range(6):
-        ld["t_call"].append(t)
-        ld["t_ret"].append(t + 1e-4)
-        t += 0.040
-        ld["t_next"].append(t)
-        ld["phase"].append("trial")
-        ld["epoch"].append(0)
-    ld["trial"] = {"workers": modelled["workers"], "dropped": 0, "steps": 6, "prefetch_factor": 2}
+    add_trial(ld, modelled["workers"], step_s=0.040, start=ld["t_next"][-1])
     report = analyse([doc])
     assert not any(a.get("workers") for a in report["advice"])
     assert any(
@@ -287,18 +292,9 @@ def test_a_trial_with_gain_is_advised_against_the_rate_now_not_the_model() -> No
     ld = doc["loaders"][0]
     for i in range(0, len(ld["phase"]), 2):  # waits of 0.1 and 50 ms: the hand-over's p10 is short
         if ld["phase"][i] != "replay":
-            shift = ld["t_ret"][i] - ld["t_call"][i] - 0.0001
-            for k in ("t_call",):
-                ld[k][i] += shift
-    t = ld["t_next"][-1] + 1.0
-    for _ in range(6):  # the trial at 8 workers: 10 ms a step (now: 17.5 ms, 30 and 5 ms alternating)
-        ld["t_call"].append(t)
-        ld["t_ret"].append(t + 1e-4)
-        t += 0.010
-        ld["t_next"].append(t)
-        ld["phase"].append("trial")
-        ld["epoch"].append(0)
-    ld["trial"] = {"workers": 8, "dropped": 0, "steps": 6, "prefetch_factor": 2}
+            ld["t_call"][i] = ld["t_ret"][i] - 0.0001
+    # the trial at 8 workers: 10 ms a step (now: 17.5 ms, 30 and 5 ms alternating)
+    add_trial(ld, 8, step_s=0.010, start=ld["t_next"][-1] + 1.0)
     report = analyse([doc])
     rep = report["loaders"][0]
     assert rep["model"]["predicted_img_per_s"] > 2 * rep["steady"]["img_per_s"]
