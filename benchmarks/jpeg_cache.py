@@ -2087,6 +2087,8 @@ SIDE_LOADERS: dict[str, tuple[list[str], str]] = {
     "dlstore_all_lanes_process": (["cpu", "hw", "nvjpeg"], "_process"),
     "dlstore_gpu_lanes_process2": (["hw", "nvjpeg"], "_process2"),
     "dlstore_all_lanes_process2": (["cpu", "hw", "nvjpeg"], "_process2"),
+    "dlstore_nvjpeg_process2": (["nvjpeg"], "_process2"),
+    "dlstore_nvjpeg_cpu_process2": (["cpu", "nvjpeg"], "_process2"),
 }
 
 
@@ -2098,13 +2100,16 @@ SIDE_DEFAULT = (
 )  # in-process
 
 
-def _side_loaders(args: argparse.Namespace) -> dict[str, tuple[list[str], str]]:
+def _side_loaders(args: argparse.Namespace, alone: bool = False) -> dict[str, tuple[list[str], str]]:
     """The rows asked for: ``default`` (decoding in the training process, DecodeLoader's default; the
-    decode-process rows trained slower in run 6), ``all``, or a comma list."""
+    decode-process rows trained slower in run 6), ``all``, or a comma list; ``alone``: with the rows of
+    ``--side-alone-extra`` (the loader-alone table only)."""
     spec = args.side_loaders
     names = (
         list(SIDE_DEFAULT) if spec == "default" else list(SIDE_LOADERS) if spec == "all" else spec.split(",")
     )
+    if alone and args.side_alone_extra:
+        names += [n for n in args.side_alone_extra.split(",") if n not in names]
     return {n: SIDE_LOADERS[n] for n in names}
 
 
@@ -2204,7 +2209,7 @@ def _side_alone(
     rrc = RaggedRandomResizedCrop(res, mean=MEAN, std=STD, out_dtype=torch.bfloat16, channels_last=True)
     rrc = rrc.to(DEV)
     r: dict[str, Any] = {}
-    for name, (lanes, v) in _side_loaders(args).items():
+    for name, (lanes, v) in _side_loaders(args, alone=True).items():
         ld = _loader(work / f"jpeg_short{px}", batch, rrc, lanes, cpu, variant=v)
         try:
             r[name] = _fail_soft(name, lambda ld=ld: loader_alone(ld, epochs=args.lanes_epochs)[0])
@@ -2412,6 +2417,11 @@ def main() -> None:
         "--side-loaders",
         default="default",
         help=f"side_by_side: dlstore rows: default ({','.join(SIDE_DEFAULT)}), all, or some of {','.join(SIDE_LOADERS)}",
+    )
+    ap.add_argument(
+        "--side-alone-extra",
+        default="",
+        help="side_by_side: more dlstore rows for the loader-alone table only (comma list)",
     )
     ap.add_argument("--engines-parts", default="bare,costs,loader,train", help="engines: which parts")
     ap.add_argument("--engines-sets", default="all", help="engines loader: lane sets (comma list)")
