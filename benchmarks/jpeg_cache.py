@@ -20,6 +20,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import os
+import re
 import sys
 import threading
 import time
@@ -965,6 +966,10 @@ def timed_loader(loader: DecodeLoader, epochs: int, busy: float = 0.0) -> dict[s
         "read_ms": 1e3 * st["read_seconds"] / n,
         "read_wait_ms": 1e3 * st["read_wait_seconds"] / n,
         "cpu_worker_us_per_image": 1e6 * st["cpu_busy_seconds"] / max(1, st["cpu_images"]),
+        "sync_ms": 1e3 * st.get("sync_seconds", 0.0) / n,
+        "share_wait_ms": 1e3 * st.get("share_wait_seconds", 0.0) / n,
+        "transform_ms": 1e3 * st.get("transform_seconds", 0.0) / n,
+        "early_copies": st.get("early_copies", 0) / n,
     }
 
 
@@ -1771,19 +1776,26 @@ def _engines_loader(
         (name, lanes, v)
         for name, lanes in sets.items()
         for v in variants
-        if v == "_copied"
+        if v in ("_copied", "_late_copy")
         or v.startswith("_process")
         or (v in ("_reads_after", "_gated_after") and (v == "_reads_after") == ("cpu" not in lanes))
     ]
     if mixed is not None and DEV == "cuda":
         plan += [(f"mixed:{mixed}", ["hw"], ""), (f"cpu+mixed:{mixed}", ["cpu", "hw"], "")]
+    fixed = _fixed_splits(args.engines_loader_fixed)
+    plan += [(f"fixed:{spec}", list(split), "") for spec, split in fixed.items()]
     runs: dict[str, list[dict[str, Any]]] = {}
     bare: list[float] = []
     for r in range(args.engines_repeats):
         bare.append(bare_rate(path, batch, passes=args.lanes_epochs))
         for name, lanes, variant in plan[r % len(plan) :] + plan[: r % len(plan)]:
             key = name + variant
-            ld = _loader(path, batch, rrc, lanes, cpu, variant=variant)
+            ld = _loader(
+                path, batch, rrc, lanes, cpu, split=fixed.get(name[len("fixed:") :]), variant=variant
+            )
+            if name.startswith("fixed:") and set(ld.split.lanes) != set(lanes):  # a lane absent here
+                ld.close()
+                continue
             if name.startswith(("mixed", "cpu+mixed")):  # the hardware lane's decoder swapped
                 engine = _engine(*ENGINES[mixed]) if ld.hw is not None else None  # type: ignore[index]
                 if engine is None:
@@ -1808,11 +1820,24 @@ def _engines_loader(
     return out
 
 
+def _fixed_splits(spec: str) -> dict[str, dict[str, float]]:
+    """``--engines-loader-fixed`` ("cpu0.4+nvjpeg0.6,cpu0.3+hw0.35+nvjpeg0.35") as {spec: {lane: share}}."""
+    out: dict[str, dict[str, float]] = {}
+    for item in (v for v in spec.split(",") if v):
+        parts = [re.fullmatch(r"([a-z]+)([0-9.]+)", p) for p in item.split("+")]
+        if not all(parts):
+            raise SystemExit(f"--engines-loader-fixed: {item!r} is not like cpu0.4+nvjpeg0.6")
+        out[item] = {m.group(1): float(m.group(2)) for m in parts if m}
+    return out
+
+
 def _variant(ld: DecodeLoader, variant: str) -> DecodeLoader:
     """``_copied``: batches copied into one buffer (the design before); ``_reads_after``: reads held
     until the device call returns; ``_gated_after``: the same with CPU decoders (reads gated);
-    ``_stream``: ``decode_in="stream"``; ``_processN``: set when the loader is made (``_loader``)."""
+    ``_stream``: ``decode_in="stream"``; ``_late_copy``: the CPU share copied to the device after the
+    device decode call always; ``_processN``: set when the loader is made (``_loader``)."""
     ld.scatter = variant != "_copied"
+    ld.early_copy = variant != "_late_copy"
     ld.read_during_decode = variant not in ("_reads_after", "_gated_after")
     if variant == "_gated_after":
         ld.gate_reads = True
@@ -2427,6 +2452,11 @@ def main() -> None:
     ap.add_argument("--engines-sets", default="all", help="engines loader: lane sets (comma list)")
     ap.add_argument(
         "--engines-variants", default="_copied", help="engines loader: _copied, _reads_after (comma list)"
+    )
+    ap.add_argument(
+        "--engines-loader-fixed",
+        default="",
+        help="engines loader: fixed splits too, e.g. cpu0.4+nvjpeg0.6,cpu0.3+hw0.35+nvjpeg0.35",
     )
     ap.add_argument("--engines-repeats", type=int, default=1, help="engines loader: rotated rounds")
     ap.add_argument("--engines-r50-fixed", default="0.5,0.7,0.85,1.0", help="engines train: fixed hw shares")

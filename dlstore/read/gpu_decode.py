@@ -91,6 +91,13 @@ class DecodeStats:
     # The CPU decode workers' own time decoding this loader's images (summed over workers): over
     # cpu_images, their per-image cost in place, to compare with one core decoding alone.
     cpu_busy_seconds: float = 0.0
+    # The decoding thread's other waits and work per batch: for the previous batch's crop to finish on
+    # the device (before this batch's decode may allocate), for the CPU share's workers, and in the
+    # transform (the crop's launch); and how many CPU shares were copied before the device decode call.
+    sync_seconds: float = 0.0
+    share_wait_seconds: float = 0.0
+    transform_seconds: float = 0.0
+    early_copies: int = 0
 
 
 def as_tensors(payloads: list[memoryview]) -> list[torch.Tensor]:
@@ -256,6 +263,11 @@ class DecodeLoader(CoreLoader):
         # buffer, nvJPEG's tensors, the hardware lane's slots: ragged.scattered_flat), with no per-image
         # tensor or copy; False: copied into one buffer first (the design before; kept to compare).
         self.scatter = True
+        # A CPU share its workers finished before the batch's device decode call is copied to the device
+        # first, on a copy stream of its own, so the copy runs beside the GPU lanes' decoding instead of
+        # after it (on the batch's path); False: always after the device call (the design before).
+        self.early_copy = True
+        self._copy_stream: Any = None
 
     def _setup_lanes(self) -> None:
         """The lanes that exist here and the split over them (again if ``gpu`` was changed since)."""
@@ -320,6 +332,7 @@ class DecodeLoader(CoreLoader):
             "read_during_decode": self.read_during_decode,
             "gate_reads": self.gate_reads,
             "scatter": self.scatter,
+            "early_copy": self.early_copy,
             "decode_in": self.process_decode_in,
         }
         try:
@@ -468,7 +481,9 @@ class DecodeLoader(CoreLoader):
             # overwritten before that crop runs. Waiting for this stream (only the previous crop, not
             # the training step) prevents it. (Holding the decoded images for two batches instead would
             # not cover the crop's own buffers, e.g. its flat copy of the images, freed once it is queued.)
+            t0 = time.perf_counter()
             self._stream.synchronize()
+            self.stats.sync_seconds += time.perf_counter() - t0
             self._refs = []  # the previous batch's hardware-lane images: their crop has run
             images, labels = self._finish(*item, launching)
             event = torch.cuda.Event()
@@ -575,6 +590,7 @@ class DecodeLoader(CoreLoader):
             takes_flat = getattr(self.transform, "takes_flat", False)
             scatter = self.scatter and takes_flat
             images: list[Any] = []
+            early = self._early_share(share, index)
             if payloads:
                 t0 = time.perf_counter()
                 starts = launching if self.read_during_decode else _no_op
@@ -588,7 +604,11 @@ class DecodeLoader(CoreLoader):
             if share is None:
                 self._balance(0, len(images), 0.0, 0.0)
             else:
-                flat, waited, busy = self._cpu_share_on_device(share, index)
+                flat, waited, busy = early or self._cpu_share_on_device(share, index)
+                if early is not None:  # the crop (queued on this stream next) reads what the copy wrote
+                    stream = torch.cuda.current_stream(self.device)
+                    stream.wait_stream(self._copy_stream)
+                    flat.record_stream(stream)
                 self._balance(share.count, len(images), waited, busy)
                 self._refs = [*images, flat]
             if scatter:  # where the lanes left them: no per-image tensors, no copy
@@ -607,6 +627,13 @@ class DecodeLoader(CoreLoader):
     def _out(self, images: Any, labels: Any) -> tuple[Any, Any]:
         """(the batch through the transform, labels or the target on the device); a cache with fields
         hands its target to the transform, which moves the masks and boxes with each crop."""
+        t0 = time.perf_counter()
+        try:
+            return self._transformed(images, labels)
+        finally:
+            self.stats.transform_seconds += time.perf_counter() - t0
+
+    def _transformed(self, images: Any, labels: Any) -> tuple[Any, Any]:
         from dlstore.gpu.ragged import to_device  # here: dlstore.gpu imports Triton, which takes a while
 
         if isinstance(labels, dict):
@@ -617,6 +644,19 @@ class DecodeLoader(CoreLoader):
         batch = self.transform(images) if self.transform is not None else torch.stack(images)
         return batch, to_device(torch.from_numpy(labels), self.device)
 
+    def _early_share(
+        self, share: CpuShare | None, index: np.ndarray
+    ) -> tuple[torch.Tensor, float, float] | None:
+        """The CPU share copied to the device now, on the copy stream, if its workers are done already
+        (``early_copy``, on CUDA): the copy then overlaps the device lanes' decoding. None otherwise."""
+        if share is None or not self.early_copy or self.device.type != "cuda" or not share.done():
+            return None
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.device)
+        self.stats.early_copies += 1
+        with torch.cuda.stream(self._copy_stream):
+            return self._cpu_share_on_device(share, index)
+
     def _cpu_share_on_device(self, share: CpuShare, index: np.ndarray) -> tuple[torch.Tensor, float, float]:
         """The CPU share's images on the device, planar and back to back (one copy of the slot), the
         seconds this thread waited for the workers and the seconds they spent decoding it. A run they failed is read (CRC-checked) and decoded
@@ -625,6 +665,7 @@ class DecodeLoader(CoreLoader):
         t0 = time.perf_counter()
         _slowest, busy, failed = share.wait()
         waited = time.perf_counter() - t0
+        self.stats.share_wait_seconds += waited
         self.stats.cpu_busy_seconds += busy
         block = self.cpu.block
         for first, stop in failed:
