@@ -969,7 +969,6 @@ def timed_loader(loader: DecodeLoader, epochs: int, busy: float = 0.0) -> dict[s
         "sync_ms": 1e3 * st.get("sync_seconds", 0.0) / n,
         "share_wait_ms": 1e3 * st.get("share_wait_seconds", 0.0) / n,
         "transform_ms": 1e3 * st.get("transform_seconds", 0.0) / n,
-        "early_copies": st.get("early_copies", 0) / n,
     }
 
 
@@ -1776,7 +1775,7 @@ def _engines_loader(
         (name, lanes, v)
         for name, lanes in sets.items()
         for v in variants
-        if v in ("_copied", "_late_copy")
+        if v == "_copied"
         or v.startswith("_process")
         or (v in ("_reads_after", "_gated_after") and (v == "_reads_after") == ("cpu" not in lanes))
     ]
@@ -1834,10 +1833,8 @@ def _fixed_splits(spec: str) -> dict[str, dict[str, float]]:
 def _variant(ld: DecodeLoader, variant: str) -> DecodeLoader:
     """``_copied``: batches copied into one buffer (the design before); ``_reads_after``: reads held
     until the device call returns; ``_gated_after``: the same with CPU decoders (reads gated);
-    ``_stream``: ``decode_in="stream"``; ``_late_copy``: the CPU share copied to the device after the
-    device decode call always; ``_processN``: set when the loader is made (``_loader``)."""
+    ``_stream``: ``decode_in="stream"``; ``_processN``: set when the loader is made (``_loader``)."""
     ld.scatter = variant != "_copied"
-    ld.early_copy = variant != "_late_copy"
     ld.read_during_decode = variant not in ("_reads_after", "_gated_after")
     if variant == "_gated_after":
         ld.gate_reads = True

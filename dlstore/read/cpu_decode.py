@@ -156,10 +156,6 @@ class CpuShare:
     offsets: np.ndarray  # (count,) each image's output offset within the output area
     runs: list[tuple[int, int, Future[int]]]  # (first, stop, decode ns) per worker run
 
-    def done(self) -> bool:
-        """Whether every run has finished (decoded or failed): ``wait`` would not block."""
-        return all(fut.done() for _first, _stop, fut in self.runs)
-
     def wait(self) -> tuple[float, float, list[tuple[int, int]]]:
         """Seconds the slowest run took to decode, the runs' decode seconds summed (the workers' busy
         time), and the (first, stop) runs that failed."""

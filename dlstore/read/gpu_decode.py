@@ -93,11 +93,10 @@ class DecodeStats:
     cpu_busy_seconds: float = 0.0
     # The decoding thread's other waits and work per batch: for the previous batch's crop to finish on
     # the device (before this batch's decode may allocate), for the CPU share's workers, and in the
-    # transform (the crop's launch); and how many CPU shares were copied before the device decode call.
+    # transform (the crop's launch).
     sync_seconds: float = 0.0
     share_wait_seconds: float = 0.0
     transform_seconds: float = 0.0
-    early_copies: int = 0
 
 
 def as_tensors(payloads: list[memoryview]) -> list[torch.Tensor]:
@@ -262,12 +261,11 @@ class DecodeLoader(CoreLoader):
         # A transform that takes FlatImages gets each batch where the lanes decoded it (the CPU share's
         # buffer, nvJPEG's tensors, the hardware lane's slots: ragged.scattered_flat), with no per-image
         # tensor or copy; False: copied into one buffer first (the design before; kept to compare).
+        # The CPU share is copied to the device after the device lanes' call returns, on the batch's
+        # stream. Copying a share already decoded before that call, on a stream of its own (b200432),
+        # measured no faster on the H200 (jpeg_lanes_h200 run 7, d2: 20.5k / 20.8k img/s against 22.5k /
+        # 24.4k at 256 px, 4 rotated rounds) and was taken out again.
         self.scatter = True
-        # A CPU share its workers finished before the batch's device decode call is copied to the device
-        # first, on a copy stream of its own, so the copy runs beside the GPU lanes' decoding instead of
-        # after it (on the batch's path); False: always after the device call (the design before).
-        self.early_copy = True
-        self._copy_stream: Any = None
 
     def _setup_lanes(self) -> None:
         """The lanes that exist here and the split over them (again if ``gpu`` was changed since)."""
@@ -332,7 +330,6 @@ class DecodeLoader(CoreLoader):
             "read_during_decode": self.read_during_decode,
             "gate_reads": self.gate_reads,
             "scatter": self.scatter,
-            "early_copy": self.early_copy,
             "decode_in": self.process_decode_in,
         }
         try:
@@ -590,7 +587,6 @@ class DecodeLoader(CoreLoader):
             takes_flat = getattr(self.transform, "takes_flat", False)
             scatter = self.scatter and takes_flat
             images: list[Any] = []
-            early = self._early_share(share, index)
             if payloads:
                 t0 = time.perf_counter()
                 starts = launching if self.read_during_decode else _no_op
@@ -604,11 +600,7 @@ class DecodeLoader(CoreLoader):
             if share is None:
                 self._balance(0, len(images), 0.0, 0.0)
             else:
-                flat, waited, busy = early or self._cpu_share_on_device(share, index)
-                if early is not None:  # the crop (queued on this stream next) reads what the copy wrote
-                    stream = torch.cuda.current_stream(self.device)
-                    stream.wait_stream(self._copy_stream)
-                    flat.record_stream(stream)
+                flat, waited, busy = self._cpu_share_on_device(share, index)
                 self._balance(share.count, len(images), waited, busy)
                 self._refs = [*images, flat]
             if scatter:  # where the lanes left them: no per-image tensors, no copy
@@ -643,19 +635,6 @@ class DecodeLoader(CoreLoader):
             return (images if isinstance(images, list) else list(images)), target
         batch = self.transform(images) if self.transform is not None else torch.stack(images)
         return batch, to_device(torch.from_numpy(labels), self.device)
-
-    def _early_share(
-        self, share: CpuShare | None, index: np.ndarray
-    ) -> tuple[torch.Tensor, float, float] | None:
-        """The CPU share copied to the device now, on the copy stream, if its workers are done already
-        (``early_copy``, on CUDA): the copy then overlaps the device lanes' decoding. None otherwise."""
-        if share is None or not self.early_copy or self.device.type != "cuda" or not share.done():
-            return None
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(self.device)
-        self.stats.early_copies += 1
-        with torch.cuda.stream(self._copy_stream):
-            return self._cpu_share_on_device(share, index)
 
     def _cpu_share_on_device(self, share: CpuShare, index: np.ndarray) -> tuple[torch.Tensor, float, float]:
         """The CPU share's images on the device, planar and back to back (one copy of the slot), the

@@ -376,41 +376,6 @@ def test_scattered_batches_equal_copied_ones_behind_a_slow_crop(
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"batch {k}")
 
 
-def test_early_copies_of_the_cpu_share_equal_late_ones_behind_a_slow_crop(
-    image_tree: Path, tmp_path: Path
-) -> None:
-    """A CPU share its workers finished before the device decode call is copied first, on a copy stream
-    (``early_copy``); behind a slow crop (the slots and the copy stream reused while crops are queued)
-    the batches equal those of the share copied after the call, for two epochs, and the early path ran."""
-    convert(
-        image_tree,
-        tmp_path / "c",
-        ConvertOptions(format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2),
-    )
-    got, early = {}, {}
-    for early_copy in (True, False):
-        crop = _SlowCrop(16, generator=torch.Generator().manual_seed(3)).cuda()
-        loader = DecodeLoader(
-            tmp_path / "c",
-            4,
-            transform=crop,
-            order="sequential",
-            lanes=["cpu", "nvjpeg"],
-            split={"cpu": 0.5, "nvjpeg": 0.5},
-            cpu_decoders=2,
-        )
-        loader.early_copy = early_copy
-        try:
-            got[early_copy] = [x.clone() for _ in range(2) for x, _y in loader]
-            early[early_copy] = loader.stats.early_copies
-        finally:
-            loader.close()
-    assert early[True] > 0 and early[False] == 0, early
-    assert len(got[True]) == len(got[False]) > 0
-    for k, (a, b) in enumerate(zip(got[True], got[False])):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"batch {k}")
-
-
 def test_the_decode_process_equals_this_process_behind_a_slow_consumer(jpeg_cache: Path) -> None:
     """decode_in="process" on CUDA: the ring's slots cross by CUDA IPC with an event each way; a training
     stream that queues 20 ms before each batch must still get every batch intact (the child writes a

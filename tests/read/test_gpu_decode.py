@@ -110,9 +110,13 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
         time.sleep(0.02)  # a slow device call: an ungated reader would run further ahead meanwhile
         return out
 
+    def slow_transform(images):  # type: ignore[no-untyped-def]
+        time.sleep(0.005)
+        return images
+
     monkeypatch.setattr(gd, "decode_on_device", slow_decode)
     loader = DecodeLoader(
-        jpeg_cache, batch_size=2, transform=lambda x: x, device="cpu", read_ahead=2, decode_in=decode_in
+        jpeg_cache, batch_size=2, transform=slow_transform, device="cpu", read_ahead=2, decode_in=decode_in
     )  # type: ignore[arg-type,return-value]
     loader.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
     read = loader._read
@@ -128,6 +132,7 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
     assert all(n <= loader.read_ahead + k for k, n in enumerate(at_launch)), at_launch
     assert loader.stats.batches == batches
     assert loader.stats.decode_seconds >= 0.02 * batches and loader.stats.read_seconds > 0
+    assert 0.005 * batches <= loader.stats.transform_seconds < loader.stats.decode_seconds
 
 
 def test_reads_can_wait_for_the_decode_call_to_return(
