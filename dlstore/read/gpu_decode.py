@@ -60,7 +60,11 @@ if TYPE_CHECKING:
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
 DECODE_IN = ("stream", "thread", "process")
 # The decode lanes, in the order the split fills them while the training step is the slower side
-# (cheapest for the step first): CPU processes, the hardware JPEG engines, nvJPEG on CUDA cores.
+# (cheapest for the step first): CPU processes, the hardware JPEG engines through nvImageCodec, and
+# torchvision's batched nvJPEG call. On an A100/H100/H200 torchvision opens nvJPEG with its hardware
+# backend, so its baseline JPEGs go to the same NVJPG engines (H200, jpeg_lanes_h200 run 7's probe:
+# the engines 63-68% busy under torchvision's batches, 45-48% under the hw lane's; no CUDA-core
+# decoder runs in either): the two GPU lanes are two clients of one set of engines there.
 LANES = ("cpu", "hw", "nvjpeg")
 # Every lane that exists here. The hardware lane was opt-in while it made a code stream and a tensor per
 # image (inside the loader it lowered every configuration); decoding into reused slots, read in place,

@@ -2,7 +2,8 @@
 
 ``DecodeLoader`` decodes each JPEG batch with several lanes at once: CPU worker processes (the batch's
 first part, decoded ahead of time), the GPU's hardware JPEG engines (NVJPG, through nvImageCodec) and
-nvJPEG on CUDA cores (torchvision). ``LaneSplit`` decides how many images of the next batch each lane
+torchvision's batched nvJPEG call (which itself drives the same engines for baseline JPEGs where the GPU
+has them: jpeg_lanes_h200 run 7's probe). ``LaneSplit`` decides how many images of the next batch each lane
 takes, from each lane's measured rate (images per second of its own busy time, an EWMA) and the
 loader's measured batch period:
 
