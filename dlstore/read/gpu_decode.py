@@ -265,10 +265,6 @@ class DecodeLoader(CoreLoader):
         # A transform that takes FlatImages gets each batch where the lanes decoded it (the CPU share's
         # buffer, nvJPEG's tensors, the hardware lane's slots: ragged.scattered_flat), with no per-image
         # tensor or copy; False: copied into one buffer first (the design before; kept to compare).
-        # The CPU share is copied to the device after the device lanes' call returns, on the batch's
-        # stream. Copying a share already decoded before that call, on a stream of its own (b200432),
-        # measured no faster on the H200 (jpeg_lanes_h200 run 7, d2: 20.5k / 20.8k img/s against 22.5k /
-        # 24.4k at 256 px, 4 rotated rounds) and was taken out again.
         self.scatter = True
 
     def _setup_lanes(self) -> None:
@@ -665,6 +661,9 @@ class DecodeLoader(CoreLoader):
                 start = share.out_start + int(share.offsets[i])
                 block[start : start + h * w * c].reshape(c, h, w)[...] = hwc.transpose(2, 0, 1)
         region = torch.from_numpy(block[share.out_start : share.out_start + share.out_bytes])
+        # After the device lanes' call returns, on the batch's stream. Copying a share decoded already
+        # before that call, on a stream of its own (b200432), measured no faster on the H200
+        # (jpeg_lanes_h200 run 7, d2: 20.5k / 20.8k img/s against 22.5k / 24.4k at 256 px) and was undone.
         if self.device.type == "cuda":
             flat = region.to(self.device, non_blocking=True)
             event = torch.cuda.Event()

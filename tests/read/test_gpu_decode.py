@@ -132,7 +132,7 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
     assert all(n <= loader.read_ahead + k for k, n in enumerate(at_launch)), at_launch
     assert loader.stats.batches == batches
     assert loader.stats.decode_seconds >= 0.02 * batches and loader.stats.read_seconds > 0
-    assert 0.005 * batches <= loader.stats.transform_seconds < loader.stats.decode_seconds
+    assert loader.stats.transform_seconds >= 0.005 * batches
 
 
 def test_reads_can_wait_for_the_decode_call_to_return(
