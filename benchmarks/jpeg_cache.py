@@ -966,9 +966,9 @@ def timed_loader(loader: DecodeLoader, epochs: int, busy: float = 0.0) -> dict[s
         "read_ms": 1e3 * st["read_seconds"] / n,
         "read_wait_ms": 1e3 * st["read_wait_seconds"] / n,
         "cpu_worker_us_per_image": 1e6 * st["cpu_busy_seconds"] / max(1, st["cpu_images"]),
-        "sync_ms": 1e3 * st.get("sync_seconds", 0.0) / n,
-        "share_wait_ms": 1e3 * st.get("share_wait_seconds", 0.0) / n,
-        "transform_ms": 1e3 * st.get("transform_seconds", 0.0) / n,
+        "sync_ms": 1e3 * st["sync_seconds"] / n,
+        "share_wait_ms": 1e3 * st["share_wait_seconds"] / n,
+        "transform_ms": 1e3 * st["transform_seconds"] / n,
     }
 
 
