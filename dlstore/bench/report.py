@@ -238,15 +238,22 @@ def plot_figure(doc: dict[str, Any]) -> Any:
     # Below the axes, never over the data.
     ax1.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, title="loader")
     names = list(doc["stages"])
-    width = 0.8 / len(STAGES)
-    for j, stage in enumerate(STAGES):
-        vals = [doc["stages"][n][stage] or 0 for n in names]
-        ax2.bar([i + j * width for i in range(len(names))], vals, width, label=STAGE_LABELS[stage])
+    bars = stage_bars(doc)
+    width = 0.8 / max(1, len(bars))
+    for j, (label, vals) in enumerate(bars.items()):
+        hatch = "//" if label == ONE_OFF_LABEL else None
+        ax2.bar(
+            [i + j * width for i in range(len(names))],
+            [v or 0 for v in vals],
+            width,
+            label=label,
+            hatch=hatch,
+        )
     ax2.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
     ax2.set_yscale("log")
     ax2.set_ylabel("images/s, stage alone")
     ax2.set_title("parts alone (missing bar: does not apply)", fontsize=9)
-    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=len(STAGES))
+    ax2.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
     fig.tight_layout()
     return fig
 
@@ -258,6 +265,22 @@ STAGE_LABELS = {
     "h2d": "h2d copy",
     "compute": "compute (step alone)",
 }
+ONE_OFF_LABEL = "read (one-off load into memory)"
+
+
+def stage_bars(doc: dict[str, Any]) -> dict[str, list[float | None]]:
+    """The parts-alone bars, label → img/s per loader (None: no bar). A stage no loader has (a CPU run's
+    h2d) is left out; a loader that loads everything once shows that one-off read beside the reads."""
+    stages = doc["stages"].values()
+    bars = {}
+    for stage in STAGES:
+        vals = [s[stage] for s in stages]
+        if any(v is not None for v in vals):
+            bars[STAGE_LABELS[stage]] = vals
+        once = [s.get("read_warm") if s["read"] is None else None for s in stages]
+        if stage == "read" and any(v is not None for v in once):
+            bars[ONE_OFF_LABEL] = once
+    return bars
 
 
 def timeline_runs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -306,7 +329,10 @@ def timeline_figure(doc: dict[str, Any]) -> Any:
     import matplotlib.pyplot as plt
 
     picks = timeline_runs(doc)
-    fig, axes = plt.subplots(max(1, len(picks)), 1, figsize=(13, 2.6 * max(1, len(picks))), squeeze=False)
+    # one time scale for every panel: a loader 6x slower must look 6x longer
+    fig, axes = plt.subplots(
+        max(1, len(picks)), 1, figsize=(13, 2.6 * max(1, len(picks))), squeeze=False, sharex=True
+    )
     for ax, (title, raw) in zip(axes[:, 0], picks):
         _timeline_axis(ax, raw["steps"], title)
     axes[-1, 0].set_xlabel("time since the loader was created (ms)")
@@ -315,7 +341,7 @@ def timeline_figure(doc: dict[str, Any]) -> Any:
 
 
 def _timeline_axis(ax: Any, steps: dict[str, list[Any]], title: str) -> None:
-    colours = {"wait": "#d62728", "host": "#1f77b4", "device": "#2ca02c"}
+    colours = {"wait": "#d62728", "host": "#1f77b4", "device": "#2ca02c", "warm-up": "0.9"}
     n = len(steps["index"])
     for i in range(n):
         t, wait, host = 1e3 * steps["t_s"][i], 1e3 * steps["wait_s"][i], 1e3 * steps["step_s"][i]
@@ -325,17 +351,16 @@ def _timeline_axis(ax: Any, steps: dict[str, list[Any]], title: str) -> None:
         if start is not None and end is not None:
             ax.broken_barh([(1e3 * start, 1e3 * (end - start))], (0.1, 0.8), color=colours["device"])
     warmup = [i for i in range(n) if steps["phase"][i] == "warmup"]
-    if warmup and len(warmup) < n:
-        end = warmup_end_ms(steps, warmup)
-        ax.axvspan(0, end, color="0.9", zorder=0)
-        ax.text(0, 2.05, " warm-up: worker start, first batches", fontsize=7, va="bottom")
-        ax.text(end, 2.05, " timed (warm)", fontsize=7, va="bottom")
+    shaded = bool(warmup) and len(warmup) < n
+    if shaded:
+        ax.axvspan(0, warmup_end_ms(steps, warmup), color=colours["warm-up"], zorder=0)
     on_device = any(s is not None for s in steps["device_start_s"])
     ax.set_yticks([0.5, 1.5], ["device step" if on_device else "device step\n(no device)", "main thread"])
-    ax.set_ylim(0, 2.4)
+    ax.set_ylim(0, 2.0)
     ax.set_title(title, fontsize=9)
-    handles = [matplotlib_patch(c, k) for k, c in colours.items() if on_device or k != "device"]
-    # Outside the axes on the right: the labels above the bars stay readable.
+    drawn = {"device": on_device, "warm-up": shaded}
+    handles = [matplotlib_patch(c, k) for k, c in colours.items() if drawn.get(k, True)]
+    # Outside the axes on the right, the phases named there too: no label over the bars or another label.
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0))
 
 
@@ -349,7 +374,12 @@ def warmup_end_ms(steps: dict[str, list[Any]], warmup: list[int]) -> float:
 def matplotlib_patch(colour: str, key: str) -> Any:
     from matplotlib.patches import Patch
 
-    label = {"wait": "waiting for data (next())", "host": "copy + step calls", "device": "step on the device"}
+    label = {
+        "wait": "waiting for data (next())",
+        "host": "copy + step calls",
+        "device": "step on the device",
+        "warm-up": "warm-up (worker start, first batches); after it: timed",
+    }
     return Patch(color=colour, label=label[key])
 
 

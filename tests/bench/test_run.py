@@ -488,7 +488,7 @@ def test_plots_keep_legends_off_the_data_and_say_what_was_run(result: tuple[dict
     import matplotlib
 
     matplotlib.use("Agg")
-    from dlstore.bench.report import STAGE_LABELS, plot_figure, timeline_figure
+    from dlstore.bench.report import plot_figure, stage_bars, timeline_figure
 
     doc, _ = result
     fig = plot_figure(doc)
@@ -499,9 +499,30 @@ def test_plots_keep_legends_off_the_data_and_say_what_was_run(result: tuple[dict
     for ax in (sweep, parts):
         legend_box = ax.get_legend().get_window_extent()
         assert not legend_box.overlaps(ax.get_window_extent())  # beside the data, not over it
-    assert [t.get_text() for t in parts.get_legend().get_texts()] == list(STAGE_LABELS.values())
+    assert [t.get_text() for t in parts.get_legend().get_texts()] == list(stage_bars(doc))
     timeline = timeline_figure(doc)
     timeline.canvas.draw()
     for ax in timeline.axes:
         assert "device step\n(no device)" in [t.get_text() for t in ax.get_yticklabels()]
         assert not ax.get_legend().get_window_extent().overlaps(ax.get_window_extent())
+        assert not ax.texts  # the phases are named in the legend: no label over a bar or another label
+        assert ax.get_xlim() == timeline.axes[0].get_xlim()  # one time scale for every panel
+
+
+def test_the_parts_bars_leave_out_empty_stages_and_show_a_one_off_read(
+    result: tuple[dict[str, Any], Path],
+) -> None:
+    """Issue 40 item 8: on a CPU run no loader has an h2d copy, so no h2d entry; ram loads once, and that
+    read is drawn (apart from the per-epoch reads), not left as a gap."""
+    from dlstore.bench.report import ONE_OFF_LABEL, STAGE_LABELS, stage_bars
+
+    doc, _ = result
+    bars = stage_bars(doc)
+    names = list(doc["stages"])
+    assert STAGE_LABELS["h2d"] not in bars and all(doc["stages"][n]["h2d"] is None for n in names)
+    assert all(any(v is not None for v in vals) for vals in bars.values())
+    once = bars[ONE_OFF_LABEL]
+    ram = names.index("ram")
+    assert doc["stages"]["ram"]["read"] is None and once[ram] == doc["stages"]["ram"]["read_warm"] > 0
+    assert bars[STAGE_LABELS["read"]][ram] is None
+    assert [v is None for i, v in enumerate(once) if i != ram] == [True] * (len(names) - 1)
