@@ -14,8 +14,23 @@ from dlstore.cli.render import emit_json, stderr
     "watch",
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
-@click.argument("command", nargs=-1, type=click.UNPROCESSED, required=True)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.option("--steps", type=click.IntRange(1), default=None, help="Stop the script after N observed steps.")
+@click.option(
+    "--apply",
+    "apply_advice",
+    is_flag=True,
+    help="Then run the script again with the advised DataLoader settings put into its loader (no edit), "
+    "and report the rate measured beside the rate predicted (with --steps, both runs stop after N steps).",
+)
+@click.option(
+    "--compare",
+    nargs=2,
+    type=click.Path(path_type=Path, exists=True),
+    default=None,
+    help="Compare two runs' watch.json (or --out folders) instead of running a command: settings, rates, "
+    "wait share, binding stage.",
+)
 @click.option(
     "--warmup", type=click.IntRange(0), default=5, show_default=True, help="First-epoch steps kept apart."
 )
@@ -115,6 +130,8 @@ from dlstore.cli.render import emit_json, stderr
 def watch_cmd(
     command: tuple[str, ...],
     steps: int | None,
+    apply_advice: bool,
+    compare: tuple[Path, Path] | None,
     warmup: int,
     no_replay: bool,
     replay_at: int,
@@ -135,6 +152,7 @@ def watch_cmd(
 ) -> None:
     """Run COMMAND (python train.py ARGS… or python -m pkg.train ARGS…) with every DataLoader iteration
     observed, then say what binds the loop and what to change. The script's exit code is kept."""
+    from dlstore.bench.watch.apply import apply_text, watch_and_apply
     from dlstore.bench.watch.config import WatchConfig
     from dlstore.bench.watch.report import json_document, text_report, write_outputs
     from dlstore.bench.watch.run import run_watch
@@ -158,14 +176,38 @@ def watch_cmd(
         event_every=event_every,
     )
     argv = list(command[1:] if command and command[0] == "--" else command)
-    report, code = run_watch(argv, config, out=out, script_stdout_to_stderr=as_json)
+    if compare is not None:
+        return compare_cmd(compare, argv, as_json)
+    if not argv:
+        raise click.UsageError("give the command after --, e.g. dlstore watch -- python train.py")
+    second = None
+    if apply_advice:
+        report, second, code = watch_and_apply(argv, config, out=out, script_stdout_to_stderr=as_json)
+    else:
+        report, code = run_watch(argv, config, out=out, script_stdout_to_stderr=as_json)
     if report is None:  # a rank other than 0 under torchrun: rank 0 reports
         sys.exit(code)
     if out is not None:
-        written = write_outputs(report, out)
-        click.echo(f"Wrote {', '.join(written.values())}", file=stderr())
+        for rep, folder in ((report, out), (second, out / "applied")):
+            if rep is not None:
+                written = write_outputs(rep, folder)
+                click.echo(f"Wrote {', '.join(written.values())}", file=stderr())
     if as_json:
         emit_json(json_document(report))
     else:
         click.echo(text_report(report))
+        if "applied" in report:
+            click.echo("\n" + apply_text(report, second))
     sys.exit(code)
+
+
+def compare_cmd(paths: tuple[Path, Path], argv: list[str], as_json: bool) -> None:
+    from dlstore.bench.watch.compare import compare, compare_text, load_report
+
+    if argv:
+        raise click.UsageError("--compare reads two watch.json files: give no command with it")
+    result = compare(load_report(paths[0]), load_report(paths[1]))
+    if as_json:
+        emit_json(result)
+    else:
+        click.echo(f"A: {paths[0]}\nB: {paths[1]}\n{compare_text(result)}")

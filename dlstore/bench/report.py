@@ -133,14 +133,14 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
     n = write_steps_csv(doc, out / "steps.csv")
     doc.setdefault("outputs", {}).update(paths)
     doc["outputs"]["csv_rows"] = n
-    plot = write_plot(doc, out / "plots.png")
+    plot = save_figure(plot_figure, doc, out / "plots.png")
     if plot is None:
         doc.setdefault("notes", []).append(
             "matplotlib is not installed: no plot written (pip install matplotlib)"
         )
     else:
         doc["outputs"]["plot"] = str(plot)
-        doc["outputs"]["timeline"] = str(write_timeline(doc, out / "timeline.png"))
+        doc["outputs"]["timeline"] = str(save_figure(timeline_figure, doc, out / "timeline.png"))
     with open(out / "result.json", "w") as f:
         json.dump(doc, f, indent=1, default=_json_default)
         f.write("\n")
@@ -189,7 +189,8 @@ def write_steps_csv(doc: dict[str, Any], path: Path) -> int:
     return len(rows)
 
 
-def write_plot(doc: dict[str, Any], path: Path) -> Path | None:
+def save_figure(figure: Callable[[dict[str, Any]], Any], doc: dict[str, Any], path: Path) -> Path | None:
+    """``figure(doc)`` drawn off-screen and saved as ``path``; None when matplotlib is not installed."""
     try:
         import matplotlib
 
@@ -197,7 +198,7 @@ def write_plot(doc: dict[str, Any], path: Path) -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    fig = plot_figure(doc)
+    fig = figure(doc)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -311,21 +312,9 @@ def timeline_runs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def write_timeline(doc: dict[str, Any], path: Path) -> Path:
-    """Per step, on one time axis: the main thread waiting for data, its own work (copy + step calls), and the
-    step on the device; warm-up (worker start, first batches) shaded apart from the timed, warm steps."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig = timeline_figure(doc)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
-
-
 def timeline_figure(doc: dict[str, Any]) -> Any:
+    """Per step, on one time axis: the main thread waiting for data, its own work (copy + step calls), and
+    the step on the device; warm-up (worker start, first batches) shaded apart from the timed, warm steps."""
     import matplotlib.pyplot as plt
 
     picks = timeline_runs(doc)

@@ -7,6 +7,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from dlstore.errors import DlstoreError
 
@@ -35,6 +36,8 @@ class WatchConfig:
     ``parts``: time the dataset's parts alone at the end (``parts_budget_s`` seconds at most).
     ``try_cache``: when a dlstore cache is advised, convert a sample of the dataset that way and time the
     recommended loader (``parts_budget_s`` seconds of timing too, after the conversion).
+    ``apply``: ``{"loader": index, "settings": {...}}``, the DataLoader settings ``--apply`` puts into the
+    script's loader of that index (``apply.py``).
     """
 
     result_dir: str = ""
@@ -66,6 +69,7 @@ class WatchConfig:
     # 2.1 ms step at 1 in 8); a window of 1.5 s still holds dozens of sampled steps (ResNet-50's ~30 ms: ~6)
     event_every: int = 8
     sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread
+    apply: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         parse_positive("--steps", self.steps, allow_none=True)

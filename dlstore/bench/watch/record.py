@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 
 from dlstore.bench.monitor import process_cpu_s
 from dlstore.bench.watch import trial
+from dlstore.bench.watch.apply import inject
 from dlstore.bench.watch.config import WatchConfig, rank_info
 from dlstore.bench.watch.describe import batch_images, dataset_info, loader_settings
 from dlstore.bench.watch.window import Window
@@ -204,6 +205,7 @@ class Session:
         session = self
 
         def __iter__(loader: Any) -> Any:
+            inject(session, loader)  # --apply's settings, before the loader starts its workers
             return session.wrap(loader, original(loader))
 
         self._original_iter = original

@@ -116,9 +116,94 @@ def write_csv(report: dict[str, Any], path: Path) -> None:
                 )
 
 
+# phase → (legend label, shading); stand-in phases (batches watch fed the loop) are drawn compacted
+PHASES = {
+    "warmup": ("warm-up", "0.85"),
+    "profiled": ("profiled (torch.profiler on)", "#e4d4f4"),
+    "real": ("real steps", None),
+    "replay": ("stand-in replay (data free)", "#ffe0a8"),
+    "trial": ("trial (advised workers)", "#c4e8c4"),
+    "refill": ("refill (queue refilling after the pause)", "#cfe3f5"),
+}
+STAND_IN = ("replay", "trial")
+STAND_IN_COLUMNS = 8  # the fewest columns a stand-in phase keeps, however few real steps there are
+MAX_COLUMNS = 400
+RATE_COLOURS = {"now": "#7f7f7f", "data free": "#bcbd22", "predicted": "#1f77b4", "measured": "#2ca02c"}
+
+
+def timeline_series(report: dict[str, Any]) -> dict[str, Any] | None:
+    """What timeline.png draws of the training loader, None without steps. ``columns``: one per step, or
+    the mean of several (each stand-in phase's run of steps squeezed into a quarter of the real steps'
+    width at most, so the replay never pushes the user's steps to an edge; all within MAX_COLUMNS);
+    ``spans``: each phase's run of steps as columns [x0, x1). ``rates``: the bars beside it."""
+    rep = next((r for r in report["loaders"] if r["index"] == report.get("primary")), None)
+    if rep is None or not rep["rows"]:
+        return None
+    runs: list[list[dict[str, Any]]] = []
+    for r in rep["rows"]:
+        if runs and runs[-1][0]["phase"] == r["phase"]:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    real = sum(len(run) for run in runs if run[0]["phase"] not in STAND_IN)
+    widths = [
+        min(len(run), max(STAND_IN_COLUMNS, real // 4)) if run[0]["phase"] in STAND_IN else len(run)
+        for run in runs
+    ]
+    scale = min(1.0, MAX_COLUMNS / sum(widths))
+    columns: list[dict[str, Any]] = []
+    spans = []
+    for run, width in zip(runs, widths):
+        x0, n = len(columns), max(1, int(width * scale))
+        cuts = [round(i * len(run) / n) for i in range(n + 1)]
+        columns += [_column(run[lo:hi]) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+        spans.append({"phase": run[0]["phase"], "x0": x0, "x1": len(columns), "steps": len(run)})
+    return {"columns": columns, "spans": spans, "rates": rate_bars(report, rep)}
+
+
+def _column(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def ms(key: str) -> float | None:
+        vals = [r[key] for r in rows if r[key] is not None]
+        return 1e3 * sum(vals) / len(vals) if vals else None
+
+    return {
+        "first_step": rows[0]["step"],
+        "steps": len(rows),
+        "phase": rows[0]["phase"],
+        "wait_ms": ms("wait_s"),
+        "host_ms": ms("host_s") or 0.0,  # the last step has none (no next() after it)
+        "device_ms": ms("device_s"),
+    }
+
+
+def rate_bars(report: dict[str, Any], rep: dict[str, Any]) -> list[dict[str, Any]]:
+    """(label, img/s, kind) per bar: now, with data free, each fix as predicted, and after --apply."""
+    bars = [{"label": "now", "img_per_s": (rep.get("steady") or {}).get("img_per_s"), "kind": "now"}]
+    free = (rep.get("model") or {}).get("data_free_img_per_s")
+    bars.append({"label": "with data free", "img_per_s": free, "kind": "data free"})
+    for a in rep.get("advice") or []:
+        if a.get("expected_img_per_s"):
+            label = f"{_fix_label(a)}\n(predicted)"
+            bars.append({"label": label, "img_per_s": a["expected_img_per_s"], "kind": "predicted"})
+    measured = (report.get("applied") or {}).get("measured_img_per_s")
+    if measured:
+        bars.append({"label": "after --apply\n(measured)", "img_per_s": measured, "kind": "measured"})
+    return [b for b in bars if b["img_per_s"]]
+
+
+def _fix_label(advice: dict[str, Any]) -> str:
+    if advice.get("workers"):
+        return f"{advice['workers']} workers"
+    if advice.get("cache"):
+        return "dlstore cache"
+    head = advice["text"].split(":")[0]
+    return head if len(head) <= 32 else head[:31] + "…"
+
+
 def write_timeline(report: dict[str, Any], path: Path) -> str | None:
-    """Data wait / host work / device span per step of the training loader, replayed steps shaded.
-    Returns why not, when it could not draw (matplotlib missing, no steps)."""
+    """timeline.png: per step, the data wait and host work stacked (the step's period) with the device
+    span over them, the phases shaded and named; beside it a bar per rate. Returns why not, when it
+    could not draw (matplotlib missing, no steps)."""
     try:
         import matplotlib
 
@@ -126,32 +211,59 @@ def write_timeline(report: dict[str, Any], path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed (pip install 'dlstore[plot]')"
-    rep = next((r for r in report["loaders"] if r["index"] == report.get("primary")), None)
-    if rep is None or not rep["rows"]:
+    series = timeline_series(report)
+    if series is None:
         return "no steps to draw"
-    rows = rep["rows"]
-    x = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(10, 4))
-    ax.plot(x, [1e3 * r["wait_s"] for r in rows], label="data wait (next())", lw=0.8)
-    ax.plot(x, [1e3 * (r["host_s"] or 0.0) for r in rows], label="host work", lw=0.8)
-    if any(r["device_s"] is not None for r in rows):
-        ax.plot(
-            x,
-            [1e3 * r["device_s"] if r["device_s"] is not None else float("nan") for r in rows],
-            label="device span",
-            lw=0.8,
-        )
-    replay = [r["step"] for r in rows if r["phase"] == "replay"]
-    if replay:
-        ax.axvspan(min(replay), max(replay), color="grey", alpha=0.2, label="replayed batches (data free)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("ms")
-    ax.set_title("dlstore watch: per-step time")
-    ax.legend(loc="upper right", fontsize=8)
+    fig, (ax, bars) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [3, 1]})
+    _draw_steps(ax, series)
+    rates = series["rates"]
+    y = range(len(rates))
+    drawn = bars.barh(y, [b["img_per_s"] for b in rates], color=[RATE_COLOURS[b["kind"]] for b in rates])
+    bars.bar_label(drawn, [f"{b['img_per_s']:,.0f}" for b in rates], padding=3, fontsize=8)
+    bars.set_yticks(y, [b["label"] for b in rates], fontsize=8)
+    bars.set_xlim(0, 1.3 * max(b["img_per_s"] for b in rates))  # room for the numbers
+    bars.invert_yaxis()
+    bars.set_xlabel("img/s")
+    bars.set_title("rates", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return None
+
+
+def _draw_steps(ax: Any, series: dict[str, Any]) -> None:
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter
+
+    cols = series["columns"]
+    x = range(len(cols))
+    wait = [c["wait_ms"] or 0.0 for c in cols]
+    ax.bar(x, wait, 1.0, color="#d62728", label="data wait (next())")
+    ax.bar(x, [c["host_ms"] for c in cols], 1.0, bottom=wait, color="#1f77b4", label="host work")
+    if any(c["device_ms"] is not None for c in cols):
+        dev = [c["device_ms"] if c["device_ms"] is not None else float("nan") for c in cols]
+        ax.plot(x, dev, ".", color="#2ca02c", ms=3, label="device span (overlaps host work)")
+    handles = ax.get_legend_handles_labels()[0]
+    for phase in dict.fromkeys(s["phase"] for s in series["spans"]):
+        label, colour = PHASES.get(phase, (phase, "0.9"))
+        runs = [s for s in series["spans"] if s["phase"] == phase]
+        for s in runs if colour else ():
+            ax.axvspan(s["x0"] - 0.5, s["x1"] - 0.5, color=colour, zorder=0)
+        steps = sum(s["steps"] for s in runs)
+        squeezed = sum(s["x1"] - s["x0"] for s in runs) < steps
+        label += f": {steps} step{'s' if steps != 1 else ''}" + (" (drawn compacted)" if squeezed else "")
+        handles.append(Patch(facecolor=colour or "white", edgecolor="0.6", label=label))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _step_at(cols, v)))
+    ax.set_xlim(-0.5, len(cols) - 0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("ms per step")
+    ax.set_title("dlstore watch: per-step time of the training loader", fontsize=9)
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
+
+
+def _step_at(cols: list[dict[str, Any]], v: float) -> str:
+    i = round(v)
+    return str(cols[i]["first_step"]) if 0 <= i < len(cols) else ""
 
 
 def json_document(report: dict[str, Any], rows: bool = False) -> dict[str, Any]:
