@@ -66,8 +66,10 @@ def watch_and_apply(
     first, code = run_watch(argv, config, out=out, script_stdout_to_stderr=script_stdout_to_stderr)
     assert first is not None  # rank 0 of 1
     settings, used = advised_settings(first)
-    why = "the script failed" if code != 0 else None if settings else "the advice names no DataLoader setting"
-    if why is not None:
+    if code != 0 or not settings:
+        why = "the script failed" if code != 0 else "no advice changes a DataLoader setting"
+        if code == 0 and any(a.get("cache") for a in first.get("advice") or ()):
+            why += " (a cache is applied by converting: --try-cache times one)"
         first["applied"] = {"skipped": f"{why}: nothing was applied"}
         return first, None, code
     plan = {"loader": first["primary"], "settings": settings}
@@ -92,6 +94,8 @@ def applied_summary(
         "loader": plan["loader"],
         "settings": plan["settings"],
         "advice": [a["text"] for a in used],
+        # what the advice says to change in the script's own code is not applied (only the loader is)
+        "not_applied": [a["command"].split(";", 1)[1].strip() for a in used if ";" in a["command"]],
         "before_img_per_s": before["img_per_s"],
         "predicted_img_per_s": predicted,
         "measured_img_per_s": measured,
@@ -118,5 +122,6 @@ def apply_text(first: dict[str, Any], second: dict[str, Any] | None) -> str:
             f"{cell('img_per_s', a['measured_img_per_s'])} img/s, predicted "
             f"{cell('img_per_s', a['predicted_img_per_s'])}"
             + (f" ({100 * a['error']:+.0f}%)" if a["error"] is not None else "")
+            + "".join(f"; not applied (a change to your code): {c}" for c in a["not_applied"])
         )
     return line + "\n" + compare_text(compare(first, second, ("as written", "applied")))

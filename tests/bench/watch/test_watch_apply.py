@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from dlstore.bench.watch.apply import advised_settings, inject
 from dlstore.bench.watch.config import WatchConfig
-from dlstore.bench.watch.report import timeline_series
+from dlstore.bench.watch.report import rates_top, timeline_series
 from dlstore.cli import main
 from dlstore.machine import usable_cores
 
@@ -276,3 +276,35 @@ def test_a_long_run_is_drawn_in_bounded_columns_and_rates_name_each_fix() -> Non
         "Pin the batches",
         "after --apply",
     ]
+    assert rates_top(series["rates"]) == pytest.approx(1.3 * 400)  # data free (over 3x the rest) runs off
+    assert rates_top(series["rates"][:1]) == pytest.approx(1.3 * 300)
+
+
+def one_loader(workers: int, rate: float) -> dict[str, Any]:
+    rep = {"index": 0, "settings": {"num_workers": workers, "pin_memory": workers > 0}, "steps_observed": 9}
+    return {"primary": 0, "exit_code": 0, "loaders": [{**rep, "steady": {"img_per_s": rate}}]}
+
+
+def test_applied_summary_measures_only_a_loader_the_settings_reached() -> None:
+    from dlstore.bench.watch.apply import applied_summary, apply_text
+
+    used = [
+        {"text": "Use 4 workers", "expected_img_per_s": 400.0, "command": "DataLoader(..., num_workers=4)"},
+        {
+            "text": "Pin the batches",
+            "expected_img_per_s": 300.0,
+            "command": "DataLoader(..., pin_memory=True); x = x.to('cuda', non_blocking=True)",
+        },
+    ]
+    plan = {"loader": 0, "settings": {"num_workers": 4, "pin_memory": True}}
+    first = one_loader(0, 100.0)
+    a = applied_summary(first, one_loader(4, 360.0), plan, used)
+    assert (a["before_img_per_s"], a["predicted_img_per_s"], a["measured_img_per_s"]) == (100.0, 400.0, 360.0)
+    assert a["reached"] and a["error"] == pytest.approx(-0.1)
+    assert a["not_applied"] == ["x = x.to('cuda', non_blocking=True)"]
+    first["applied"] = a
+    text = apply_text(first, one_loader(4, 360.0))
+    assert "measured 360 img/s, predicted 400 (-10%)" in text and "non_blocking=True" in text
+    assert text.endswith("applied vs as written: 260% faster (360 vs 100 img/s).")
+    missed = applied_summary(first, one_loader(2, 360.0), plan, used)  # another loader took index 0
+    assert not missed["reached"] and missed["measured_img_per_s"] is None and missed["error"] is None
