@@ -242,14 +242,8 @@ def plot_figure(doc: dict[str, Any]) -> Any:
     bars = stage_bars(doc)
     width = 0.8 / max(1, len(bars))
     for j, (label, vals) in enumerate(bars.items()):
-        hatch = "//" if label == ONE_OFF_LABEL else None
-        ax2.bar(
-            [i + j * width for i in range(len(names))],
-            [v or 0 for v in vals],
-            width,
-            label=label,
-            hatch=hatch,
-        )
+        xs, hatch = [i + j * width for i in range(len(names))], "//" if label == ONE_OFF_LABEL else None
+        ax2.bar(xs, [v or 0 for v in vals], width, label=label, hatch=hatch)
     ax2.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
     ax2.set_yscale("log")
     ax2.set_ylabel("images/s, stage alone")

@@ -67,7 +67,7 @@ def watch_and_apply(
     assert first is not None  # rank 0 of 1
     settings, used = advised_settings(first)
     if code != 0 or not settings:
-        why = "the script failed" if code != 0 else "no advice changes a DataLoader setting"
+        why = f"the script ended with exit code {code}" if code else "no advice changes a DataLoader setting"
         if code == 0 and any(a.get("cache") for a in first.get("advice") or ()):
             why += " (a cache is applied by converting: --try-cache times one)"
         first["applied"] = {"skipped": f"{why}: nothing was applied"}

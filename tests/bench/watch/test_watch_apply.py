@@ -154,7 +154,7 @@ def test_apply_after_a_failing_script_applies_nothing(tmp_path: Path) -> None:
     script.write_text(textwrap.dedent(FAILS))
     result = CliRunner().invoke(main, ["watch", *QUICK, "--apply", "--", "python", str(script)])
     assert result.exit_code == 1
-    assert "--apply: the script failed: nothing was applied." in result.output
+    assert "--apply: the script ended with exit code 1: nothing was applied." in result.output
 
 
 def test_advised_settings_are_read_off_the_apply_lines() -> None:
