@@ -50,12 +50,7 @@ def smallcnn_step() -> Callable[[torch.Tensor, torch.Tensor], None]:
     """The seeds' FashionMNIST model (105,866 parameters), fp32, Adam."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    nn = torch.nn
-    model = nn.Sequential(
-        nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Flatten(), nn.Linear(32 * 7 * 7, 64), nn.ReLU(), nn.Linear(64, 10),
-    ).cuda()  # fmt: skip
+    model = harness.small_cnn().cuda()
     assert sum(p.numel() for p in model.parameters()) == 105_866
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 

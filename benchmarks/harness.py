@@ -210,23 +210,41 @@ def make_loader(
     batch_size: int,
     path: str = "pinned",
     *,
+    device: str | None = None,
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
     cuda_graph: bool = False,
     cpu_decoders: int = 0,
-    order: str = "random",
+    **order: Any,
 ) -> Any:
-    """dlstore's fast loader on ``DEV``, the one place the suite constructs it. ``path``: ``pinned`` (a raw
-    cache gathered into pinned memory), ``resident`` (the cache on the GPU) or ``decode`` (a JPEG or ragged
-    cache through the decode lanes, ``cpu_decoders`` CPU processes beside the GPU)."""
+    """dlstore's fast loader, the one place the suite constructs it. ``path``: ``pinned`` (a raw cache
+    gathered into pinned memory), ``resident`` (the cache on the GPU) or ``decode`` (a JPEG or ragged
+    cache through the decode lanes, ``cpu_decoders`` CPU processes beside the GPU). ``order``: the
+    sampling (``order``, ``window``, ``seed``, ``num_replicas``, ``rank``, ``drop_last``); a raw cache is
+    read in random order unless it says otherwise. ``device``: ``DEV`` unless given."""
     from dlstore.read import DecodeLoader, PinnedLoader, ResidentLoader
 
+    device = device or DEV
     if path == "decode":
-        return DecodeLoader(cache, batch_size, transform=transform, device=DEV, cpu_decoders=cpu_decoders)
+        return DecodeLoader(
+            cache, batch_size, transform=transform, device=device, cpu_decoders=cpu_decoders, **order
+        )
     kind = {"pinned": PinnedLoader, "resident": ResidentLoader}[path]
-    return kind(cache, batch_size, device=DEV, transform=transform, cuda_graph=cuda_graph, order=order)
+    order = {"order": "random", **order}
+    return kind(cache, batch_size, device=device, transform=transform, cuda_graph=cuda_graph, **order)
 
 
 # --- training: the step, its synthetic ceiling, rotated repeats -----------------------------------------
+
+
+def small_cnn(channels: int = 1, size: int = 28, classes: int = 10) -> torch.nn.Module:
+    """The seeds' SmallCNN: two 3x3 conv + ReLU + 2x2 max-pool blocks (16, 32), Linear to 64, to classes
+    (105,866 parameters at 1x28x28 and 10 classes)."""
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(channels, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * (size // 4) ** 2, 64), nn.ReLU(), nn.Linear(64, classes),
+    )  # fmt: skip
 
 
 def model_step(name: str, classes: int, bf16: bool = True) -> Step:
