@@ -122,19 +122,6 @@ def run_sections(
         )
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds used so far by these processes (gone ones count 0)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
-
-
 _ALL_CORES: dict[str, Any] = {}
 
 
