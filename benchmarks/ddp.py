@@ -4,7 +4,7 @@
         [--batch-size 256] [--epochs 2] [--order auto|chunk|random] [--checkpoint DIR [--resume EPOCH]]
         [--record DIR] [--compare-single --steps 60 --warmup 15 --out DIR]
 
-Each rank reads its own share of every epoch through ``PinnedLoader(num_replicas=G, rank=r)``
+Each rank reads its own share of every epoch through dlstore's fast loader (``num_replicas=G, rank=r``)
 (``ChunkSampler`` for chunked caches, ``DistributedSampler`` for ``--order random``), augments on its
 GPU (``GpuAugment``: RandomResizedCrop + flip, bf16, channels-last) and trains a DDP model. Every rank
 gets the same number of samples (padded like ``DistributedSampler``), hence the same number of
@@ -38,14 +38,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dlstore.bench.models import build_model  # noqa: E402
+import harness  # noqa: E402
+
 from dlstore.gpu import GpuAugment  # noqa: E402
-from dlstore.read import (  # noqa: E402
-    Cache,
-    PinnedLoader,  # noqa: E402
-    open_cache,
-)
+from dlstore.read import Cache, open_cache  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 Step = Callable[[torch.Tensor, torch.Tensor], None]
@@ -61,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--order", default="auto", choices=["auto", "chunk", "random"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--in-memory", action="store_true", help="load a ram cache into each process")
+    p.add_argument("--demo", type=int, default=0, help="first convert N demo images into CACHE (64 px zarr)")
     p.add_argument("--checkpoint", type=Path, help="save at each epoch boundary into this folder")
     p.add_argument("--resume", type=int, metavar="EPOCH", help="continue at EPOCH from --checkpoint")
     p.add_argument("--record", type=Path, help="write each rank's per-epoch indices here")
@@ -91,7 +90,13 @@ def init_distributed() -> tuple[int, int, torch.device]:
 def make_step(args: argparse.Namespace, cache: Cache, device: torch.device, ddp: bool) -> Step:
     """forward/backward/SGD, bf16 autocast on GPUs; with ``ddp`` the gradients are all-reduced."""
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every phase
-    model: torch.nn.Module = build_model(args.model, cache.spec.shape[2], args.size, len(cache.spec.classes))
+    classes = len(cache.spec.classes)
+    if args.model == "smallcnn":
+        model: torch.nn.Module = harness.small_cnn(cache.spec.shape[2], args.size, classes)
+    else:
+        import torchvision
+
+        model = getattr(torchvision.models, args.model)(num_classes=classes)
     model = model.to(device)
     if device.type == "cuda":
         model = model.to(memory_format=torch.channels_last)
@@ -129,18 +134,9 @@ def make_augment(args: argparse.Namespace, device: torch.device, rank: int) -> G
     ).to(device)
 
 
-def make_loader(
-    args: argparse.Namespace, cache: Cache, device: torch.device, world: int, rank: int
-) -> PinnedLoader:
-    return PinnedLoader(
-        cache,
-        batch_size=args.batch_size,
-        device=device,
-        order=args.order,
-        seed=args.seed,
-        num_replicas=world,
-        rank=rank,
-    )
+def make_loader(args: argparse.Namespace, cache: Cache, device: torch.device, world: int, rank: int) -> Any:
+    order = {"order": args.order, "seed": args.seed, "num_replicas": world, "rank": rank}
+    return harness.make_loader(cache, args.batch_size, device=str(device), **order)
 
 
 # --- training by epochs (checkpoint, resume, record) --------------------------------------------------
@@ -170,9 +166,7 @@ def load_checkpoint(folder: Path, epoch: int, step: Step, device: torch.device) 
     return int(state["next_epoch"])
 
 
-def run_epoch(
-    loader: PinnedLoader, augment: GpuAugment, step: Step, epoch: int, cache: Cache
-) -> dict[str, Any]:
+def run_epoch(loader: Any, augment: GpuAugment, step: Step, epoch: int, cache: Cache) -> dict[str, Any]:
     """One epoch; returns what this rank was given and whether the loader delivered exactly that."""
     loader.set_epoch(epoch)
     indices = np.fromiter(iter(loader.sampler), dtype=np.int64)  # this rank's share of the epoch
@@ -221,7 +215,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
 # --- 1 GPU vs G GPUs in one launch -------------------------------------------------------------------
 
 
-def endless(loader: PinnedLoader, augment: GpuAugment) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def endless(loader: Any, augment: GpuAugment) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Batches across epoch boundaries (each a new sampler order), augmented on the device."""
     while True:
         for x, y in loader:
@@ -308,6 +302,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume is not None and args.checkpoint is None:
         raise SystemExit("--resume needs --checkpoint DIR")
     rank, world, device = init_distributed()
+    if args.demo and rank == 0 and not Path(args.cache, "dlstore.json").is_file():
+        import dlstore
+
+        dlstore.convert(
+            "demo", args.cache, dlstore.ConvertOptions(format="zarr", size=64, demo_images=args.demo)
+        )
+    dist.barrier()  # the cache is complete before any rank opens it
     try:
         if args.compare_single:
             compare_single(args, rank, world, device)

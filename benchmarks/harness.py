@@ -1,4 +1,6 @@
-"""What the benchmark scripts share: a log line, the environment record, target rows, the sections loop.
+"""What the benchmark scripts share: a log line, the environment record, target rows, the sections loop,
+the training step and its synthetic ceiling, and ``make_loader``: the one place the suite builds dlstore's
+fast loader.
 
 A script keeps its own sections; this module records them the same way everywhere: every section's
 result (or its error, so one failing section does not lose the others) and its seconds in one JSON file,
@@ -21,10 +23,12 @@ from typing import Any
 
 import numpy as np
 import torch
-
-from dlstore.machine import cpu_model, usable_cores
+import torch.nn.functional as F
 
 Section = Callable[[argparse.Namespace, Path], dict[str, Any]]
+Step = Callable[[torch.Tensor, torch.Tensor], None]
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a dry run of a script (the numbers mean nothing)
 
 
 def log(msg: str) -> None:
@@ -76,8 +80,7 @@ def environment(**extra: Any) -> dict[str, Any]:
         "torch": torch.__version__,
         "numpy": np.__version__,
         "cpu": platform.processor() or platform.machine(),
-        "cpu_model": cpu_model(),
-        "cores": usable_cores(),
+        "cores": len(os.sched_getaffinity(0)),
         "argv": sys.argv,
         "command": "python3 " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
@@ -117,19 +120,6 @@ def run_sections(
         (args.out / "targets.json").write_text(
             json.dumps({"environment": results.get("environment"), "targets": targets}, indent=1, default=str)
         )
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU seconds used so far by these processes (gone ones count 0)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-            total += (int(fields[11]) + int(fields[12])) / tick
-        except (OSError, IndexError, ValueError):
-            pass
-    return total
 
 
 _ALL_CORES: dict[str, Any] = {}
@@ -195,15 +185,133 @@ def section_names(spec: str, sections: dict[str, Section]) -> list[str]:
 
 
 def convert_cache(source: Any, dest: str | Path, **options: Any) -> Any:
-    """``dlstore.convert`` with the benchmarks' options as keywords: the one place here that knows its
-    signature. It takes keywords today and ``convert(source, dest, ConvertOptions(...), progress=, log=)``
-    once issue 21's options object lands; both are served, so the scripts need no edit when it does."""
+    """``dlstore.convert`` with the benchmarks' options as keywords (``ConvertOptions``' fields)."""
     import dlstore
 
-    options_type = getattr(dlstore, "ConvertOptions", None) or getattr(
-        dlstore.convert, "ConvertOptions", None
-    )
-    if options_type is None:
-        return dlstore.convert(source, dest, **options)
     hooks = {k: options.pop(k) for k in ("progress", "log") if k in options}
-    return dlstore.convert(source, dest, options_type(**options), **hooks)
+    return dlstore.convert(source, dest, dlstore.ConvertOptions(**options), **hooks)
+
+
+def make_loader(
+    cache: Any,
+    batch_size: int,
+    path: str = "pinned",
+    *,
+    device: str | None = None,
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    cuda_graph: bool = False,
+    cpu_decoders: int = 0,
+    **order: Any,
+) -> Any:
+    """dlstore's fast loader, the one place the suite constructs it. ``path``: ``pinned`` (a raw cache
+    gathered into pinned memory), ``resident`` (the cache on the GPU) or ``decode`` (a JPEG or ragged
+    cache through the decode lanes, ``cpu_decoders`` CPU processes beside the GPU). ``order``: the
+    sampling (``order``, ``window``, ``seed``, ``num_replicas``, ``rank``, ``drop_last``); a raw cache is
+    read in random order unless it says otherwise. ``device``: ``DEV`` unless given."""
+    from dlstore.read import DecodeLoader, PinnedLoader, ResidentLoader
+
+    device = device or DEV
+    if path == "decode":
+        return DecodeLoader(
+            cache, batch_size, transform=transform, device=device, cpu_decoders=cpu_decoders, **order
+        )
+    kind = {"pinned": PinnedLoader, "resident": ResidentLoader}[path]
+    order = {"order": "random", **order}
+    return kind(cache, batch_size, device=device, transform=transform, cuda_graph=cuda_graph, **order)
+
+
+# --- training: the step, its synthetic ceiling, rotated repeats -----------------------------------------
+
+
+def small_cnn(channels: int = 1, size: int = 28, classes: int = 10) -> torch.nn.Module:
+    """The seeds' SmallCNN: two 3x3 conv + ReLU + 2x2 max-pool blocks (16, 32), Linear to 64, to classes
+    (105,866 parameters at 1x28x28 and 10 classes)."""
+    nn = torch.nn
+    return nn.Sequential(
+        nn.Conv2d(channels, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Flatten(), nn.Linear(32 * (size // 4) ** 2, 64), nn.ReLU(), nn.Linear(64, classes),
+    )  # fmt: skip
+
+
+def model_step(name: str, classes: int, bf16: bool = True) -> Step:
+    """One SGD step of a torchvision model (``resnet18``, ``resnet50``), bf16 autocast, channels-last."""
+    import torchvision
+
+    torch.backends.cudnn.benchmark = True
+    model = (
+        getattr(torchvision.models, name)(num_classes=classes).to(DEV).to(memory_format=torch.channels_last)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        with torch.autocast(DEV, dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(x), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def synthetic(shape: tuple[int, ...], classes: int, dtype: torch.dtype = torch.bfloat16) -> Callable[[], Any]:
+    """One device batch again and again: the step's ceiling (channels-last for images in colour)."""
+    x = torch.randn(shape, device=DEV).to(dtype)
+    if shape[1] == 3:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, classes, (shape[0],), device=DEV)
+
+    def gen() -> Any:
+        while True:
+            yield x, y
+
+    return gen
+
+
+def timed_steps(batches: Callable[[], Any], step: Step, warmup: int, steps: int, batch: int) -> float:
+    """images/s over ``steps`` steps after ``warmup``, synchronised; ``batches()`` gives a fresh iterator
+    (called again at an epoch's end)."""
+    it = batches()
+
+    def nxt() -> Any:
+        nonlocal it
+        try:
+            return next(it)
+        except StopIteration:
+            it = batches()
+            return next(it)
+
+    for _ in range(warmup):
+        step(*nxt())
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step(*nxt())
+    sync()
+    return steps * batch / (time.perf_counter() - t0)
+
+
+def interleave(configs: dict[str, Callable[[], float]], repeats: int) -> dict[str, dict[str, Any]]:
+    """Each configuration ``repeats`` times in rotated order: median, min, max and runs of each (a broken
+    one is recorded with its error and a median of 0; the others still run)."""
+    runs: dict[str, list[float]] = {k: [] for k in configs}
+    names = list(configs)
+    errors: dict[str, str] = {}
+    for r in range(repeats):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if name in errors:
+                continue
+            try:
+                runs[name].append(configs[name]())
+            except Exception as e:
+                errors[name] = f"{type(e).__name__}: {e}"
+                log(traceback.format_exc())
+                continue
+            log(f"  {name}: {runs[name][-1]:,.0f} img/s")
+    out = {
+        k: {"median": float(np.median(v)), "min": min(v), "max": max(v), "runs": v}
+        for k, v in runs.items()
+        if v
+    }
+    out.update({k: {"median": 0.0, "error": e} for k, e in errors.items()})
+    return out

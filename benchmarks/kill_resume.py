@@ -54,9 +54,10 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from dlstore import open_cache
-from dlstore.convert.verification import verify
-from dlstore.errors import CacheNotFoundError
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, when a test loads this file
+
+from dlstore import open_cache, verify  # noqa: E402
+from dlstore.errors import CacheNotFoundError  # noqa: E402
 
 DLSTORE = str(Path(sys.executable).with_name("dlstore"))
 
@@ -198,20 +199,19 @@ KINDS = ("cached", "pinned", "resident", "decode")
 
 
 def make_loader(kind: str, cache: Path, batch: int, rank: int, world: int) -> Any:
-    from dlstore import CachedDataset
-    from dlstore.read.gpu_decode import DecodeLoader
-    from dlstore.read.loaders import PinnedLoader, ResidentLoader
-    from dlstore.read.sampler import ChunkSampler
+    import harness
 
-    core = {"order": "chunk", "window": 2, "seed": 5, "num_replicas": world, "rank": rank}
+    from dlstore import CachedDataset
+    from dlstore.read import ChunkSampler
+
     if kind == "cached":
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         ds = CachedDataset(cache)
         sampler = ChunkSampler(ds, window=2, seed=5, num_replicas=world, rank=rank)
         return StatefulDataLoader(ds, batch_size=batch, sampler=sampler, num_workers=2, drop_last=True)
-    loader = {"pinned": PinnedLoader, "resident": ResidentLoader, "decode": DecodeLoader}[kind]
-    return loader(cache, batch, device="cpu", **core)
+    order = {"order": "chunk", "window": 2, "seed": 5, "num_replicas": world, "rank": rank}
+    return harness.make_loader(cache, batch, kind, device="cpu", **order)
 
 
 def endless(loader: Any) -> Any:
@@ -434,7 +434,7 @@ def elastic(args: argparse.Namespace, kind: str, work: Path, rng: random.Random)
     consumption order its logged state names (``dlstore.read.rounds``: the epoch order read a window
     per rank), each epoch's positions must follow on without a gap, and each epoch must read every
     sample once (but for the last < W*B that drop_last leaves)."""
-    from dlstore.read.order import EpochSampler
+    from dlstore.read import EpochSampler
 
     run = work / f"{kind}-elastic"
     run.mkdir()

@@ -4,7 +4,8 @@ ratio, goal and met, plus machine, versions, commit and command.
 
     python benchmarks/run.py [--suite gpu|cpu] [--only AREA[,AREA]] [--out DIR] [--quick] [--budget-s S]
 
-Each area is one script of this folder run in its own process (``OUT/AREA/``: its JSON, its own
+Each area is one script of this folder (``watch_scripts/accuracy.py`` for ``watch``: ``dlstore watch`` on the
+plain training scripts there) run in its own process (``OUT/AREA/``: its JSON, its own
 ``targets.json``, ``log.txt``) with the sizes recorded below; ``OUT/targets.json`` gathers them. An area that
 fails (exit status, time-out, no targets) is reported with its own error and the log's tail, and the others
 still run; the exit status is then 1. A target that is not met is a result, not a failure.
@@ -64,6 +65,7 @@ class Area:
     estimate_s: float  # wall seconds of a full run on its suite's machine (recorded runs), for the budget
     argv: Callable[[Context], list[str]]
     targets: Callable[[Path], list[dict[str, Any]]]
+    launcher: tuple[str, ...] = ()  # the interpreter's arguments before the script (e.g. torchrun's)
 
 
 # --- target rows ---------------------------------------------------------------------------------------
@@ -145,19 +147,35 @@ def fuzz_targets(out: Path) -> list[dict[str, Any]]:
     converts = doc["real_converts"]
     return [
         target(
-            "fuzz: mutated JPEG/PNG/WebP files that crash the decode path (share; none allowed)",
+            "fuzz: mutated JPEG/PNG/WebP files in conversions that crash (share; none allowed)",
             doc["crashes"],
             doc["files_tried"],
             0.0,
-            f"{doc['timeouts']} time-outs, slowest decode {doc['slowest_decode_s']} s",
+            f"{doc['skipped']} skipped as undecodable, slowest convert {doc['slowest_convert_s']} s",
             higher=False,
         ),
         target(
             "fuzz: real conversions of the mutated files that finish, bad files skipped",
-            converts["runs"] if converts["all_finished"] else converts["runs"] - len(converts["failures"]),
+            converts["runs"] - len(converts["failures"])
+            if not converts["all_finished"]
+            else converts["runs"],
             converts["runs"],
             1.0,
             "" if converts["all_finished"] else f"first failures: {converts['failures']}",
+        ),
+    ]
+
+
+def ddp_targets(out: Path) -> list[dict[str, Any]]:
+    """Each rank's recorded indices per epoch: equal shares, disjoint but for the padding."""
+    ranks = [json.loads((out / "record" / f"rank{r}.json").read_text())["epochs"] for r in range(2)]
+    epochs = len(ranks[0])
+    equal = sum(len(ranks[0][e]["indices"]) == len(ranks[1][e]["indices"]) for e in range(epochs))
+    disjoint = sum(len(set(ranks[0][e]["indices"]) & set(ranks[1][e]["indices"])) <= 1 for e in range(epochs))
+    return [
+        target("ddp: 2 gloo ranks, epochs with equal shares per rank", equal, epochs, 1.0),
+        target(
+            "ddp: 2 gloo ranks, epochs whose shares are disjoint (but for the padding)", disjoint, epochs, 1.0
         ),
     ]
 
@@ -224,60 +242,52 @@ def _io(ctx: Context) -> list[str]:
     return ["--out", str(ctx.out), "--work", str(ctx.work)]
 
 
-# The GPU areas' arguments are round F's commands (RESULTS.md), so their figures compare with it.
+# In order of priority: a --suite gpu run that would pass its budget skips the last ones.
 AREAS: dict[str, Area] = {
     a.name: a
     for a in [
-        Area("reader", "gpu", "slowpaths.py", "one-process reader, 256 px ram cache", 25,
-             lambda c: [*_io(c), "--sections", "data,reader", "--data-caches", "ram256", "--commit", c.commit,
-                        *_sized(c, ["--images", "4096"], ["--images", "1024"])],
+        Area("fastpaths", "gpu", "fastpaths.py", "a raw cache: loader alone, chunked reads, ResNet-18/50 and "
+             "SmallCNN vs their ceilings", 105,
+             lambda c: [*_io(c), "--sections", "data,loader,random_reads,fashion,resnet18,resnet50",
+                        *_sized(c, ["--images", "8192", "--repeats", "1"], ["--images", "1024", "--repeats", "1"])],
              script_targets),
-        Area("zstd", "gpu", "zarr_readahead.py", "zarr zstd-3 ChunkSampler batches vs numcodecs' decode", 62,
-             lambda c: [*_io(c), "--configs", "B:C,0:C", "--loader", "16", "--commit", c.commit,
-                        *_sized(c, ["--images", "8192", "--repeats", "3", "--epochs", "3"],
-                                ["--images", "2048", "--repeats", "1", "--epochs", "1"])],
+        Area("jpeg", "gpu", "jpeg_cache.py", "a JPEG cache: ResNet-18/50 vs their ceilings, loader vs bare decode", 80,
+             lambda c: [*_io(c), "--sections", "data,train,loader", "--cpu-decoders", "12",
+                        *_sized(c, ["--images", "4096", "--steps", "20", "--warmup", "5", "--repeats", "2"],
+                                ["--images", "1024", "--steps", "8", "--warmup", "3", "--repeats", "1"])],
              script_targets),
-        Area("dlw", "gpu", "slowpaths.py", "DataLoader workers vs memcpy; ResNet-18 @112 from host memory", 75,
-             lambda c: [*_io(c), "--sections", "data,dataloader,resnet18", "--data-caches", "ram256,ram128",
-                        "--dl-configs", "plain_w0,plain_w0_pin,plain_w16,plain_w16_pin,batch_w16,batch_w16_pin",
-                        "--r18-configs", "gpu_batch_graph_augment,pinned_0_workers_graph_augment_2_threads,"
-                        "dataloader_2_workers_graph_augment", "--commit", c.commit,
-                        *_sized(c, ["--images", "4096", "--dl-epoch-images", "262144", "--dl-warmup", "60",
-                                    "--loader-batches", "200", "--repeats", "3", "--warmup", "20", "--steps", "80"],
-                                ["--images", "1024", "--dl-epoch-images", "32768", "--dl-warmup", "10",
-                                 "--loader-batches", "40", "--repeats", "1", "--warmup", "5", "--steps", "20"])],
+        Area("watch", "gpu", "watch_scripts/accuracy.py", "`dlstore watch` on plain scripts: wait share, verdict, "
+             "advice predicted vs applied", 150,
+             lambda c: ["--out", str(c.out), "--cases", "smallcnn_augment_w0,resnet50",
+                        *_sized(c, ["--budget", "140"], ["--budget", "60", "--quick"])],
              script_targets),
-        Area("jpeg", "gpu", "jpeg_cache.py", "JPEG cache: bytes, GPU/CPU decode, ResNet-18/50 from it", 100,
-             lambda c: [*_io(c), "--sections", "data,hybrid,resnet50,ladder,cpu_decode,bytes", "--lean",
-                        "--caches", "raw256,jpeg256,jpeg_short256,jpeg_short128", "--cpu-decoders", "12,6",
-                        "--shares", "",
-                        *_sized(c, ["--images", "4096", "--steps", "20", "--warmup", "5", "--repeats", "2",
-                                    "--cpu-batches", "30"],
-                                ["--images", "1024", "--steps", "8", "--warmup", "3", "--repeats", "1",
-                                 "--cpu-batches", "10"])],
-             script_targets),
-        Area("convert", "gpu", "slowpaths.py", "convert vs the cores' decode+resize; Dask vs the pool", 60,
-             lambda c: [*_io(c), "--sections", "convert,convert_dask", "--one-core-images", "250",
-                        "--convert-dask", "local:16", "--commit", c.commit,
-                        *_sized(c, ["--images", "4096", "--convert-seconds", "20"],
-                                ["--images", "1024", "--convert-seconds", "5"])],
-             script_targets),
-        Area("bench", "gpu", "bench_batches.py", "`dlstore bench`: predictions within ±20%, default run ≤ 60 s", 120,
+        Area("bench", "gpu", "bench_batches.py", "`dlstore bench`: predictions within ±20%, default run ≤ 60 s", 65,
              lambda c: [*_io(c), "--sections", "default,batches,decode", "--batches", "32,512",
-                        "--raw-batches", "", "--decode-parts", "0", "--fed-s", "0.4",
+                        "--raw-batches", "", "--fed-s", "0.4",
                         *_sized(c, ["--images", "2048", "--budget-s", "116"],
                                 ["--images", "512", "--budget-s", "60"])],
              script_targets),
-        Area("fastpaths", "gpu", "fastpaths.py", "issue 5: ResNet-50 from a cache, resident reader, npz, FashionMNIST",
-             105,
-             lambda c: [*_io(c), "--sections", "data,loader,random_reads,fashion,resnet18,resnet50",
-                        # one repeat (round F's had two: 183 s) so the whole suite fits one 10-minute call
-                        *_sized(c, ["--images", "8192", "--repeats", "1"], ["--images", "1024", "--repeats", "1"])],
+        Area("dlw", "gpu", "slowpaths.py", "DataLoader(CachedDataset) workers vs memcpy", 40,
+             lambda c: [*_io(c), "--sections", "data,dataloader",
+                        *_sized(c, ["--images", "4096", "--dl-epoch-images", "262144", "--dl-warmup", "60",
+                                    "--loader-batches", "200", "--repeats", "3"],
+                                ["--images", "1024", "--dl-epoch-images", "32768", "--dl-warmup", "10",
+                                 "--loader-batches", "40", "--repeats", "1"])],
+             script_targets),
+        Area("convert", "gpu", "slowpaths.py", "convert vs the cores' decode+resize; Dask vs the pool", 60,
+             lambda c: [*_io(c), "--sections", "convert,convert_dask", "--one-core-images", "250",
+                        "--convert-dask", "local:16",
+                        *_sized(c, ["--images", "4096", "--convert-seconds", "20"],
+                                ["--images", "1024", "--convert-seconds", "5"])],
+             script_targets),
+        Area("zstd", "gpu", "zarr_readahead.py", "zarr zstd-3 ChunkSampler batches vs numcodecs' decode", 50,
+             lambda c: [*_io(c), *_sized(c, ["--images", "8192", "--repeats", "3", "--epochs", "3"],
+                                         ["--images", "2048", "--repeats", "1", "--epochs", "1"])],
              script_targets),
         Area("replay", "cpu", "replay_predictions.py", "round F's bench runs through the current prediction model", 10,
              lambda c: [str(ROUND_F_BENCH), "--json", str(c.out / "replay.json")],
              replay_targets),
-        Area("fuzz", "cpu", "fuzz_convert.py", "byte-mutated images through decode and convert", 40,
+        Area("fuzz", "cpu", "fuzz_convert.py", "byte-mutated images through convert", 40,
              lambda c: ["--out", str(c.out / "fuzz_convert.json"),
                         *_sized(c, ["--seconds", "30", "--batch", "200"], ["--seconds", "5", "--batch", "50"])],
              fuzz_targets),
@@ -293,6 +303,15 @@ AREAS: dict[str, Area] = {
              lambda c: ["--out", str(c.out / "scale_convert.json"), "--work", str(c.work),
                         *_sized(c, ["--counts", "2000,20000"], ["--counts", "500,2000"])],
              scale_targets),
+        Area("ddp", "cpu", "ddp.py", "ddp.py under torchrun: 2 gloo ranks read equal, disjoint shares", 60,
+             lambda c: [str(c.work / "cache"), "--demo", "301" if c.quick else "1000", "--model", "smallcnn",
+                        "--size", "32", "--batch-size", "16", "--epochs", "1" if c.quick else "2",
+                        "--record", str(c.out / "record")],
+             ddp_targets, ("-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")),
+        Area("watch_cpu", "cpu", "watch_scripts/accuracy.py", "`dlstore watch` on a plain script, on the CPU (a dry run: "
+             "its verdict need not be the GPU's)", 90,
+             lambda c: ["--out", str(c.out), "--cases", "smallcnn_augment_w0", "--quick", "--cpu", "--budget", "80"],
+             script_targets),
     ]
 }  # fmt: skip
 
@@ -407,7 +426,7 @@ def run_area(area: Area, ctx: Context, env: dict[str, str], timeout_s: float) ->
     """The area's script in its own process group, output to ``log.txt``; its targets, or its error."""
     ctx.out.mkdir(parents=True, exist_ok=True)
     ctx.work.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, str(HERE / area.script), *area.argv(ctx)]
+    cmd = [sys.executable, *area.launcher, str(HERE / area.script), *area.argv(ctx)]
     record: dict[str, Any] = {"what": area.what, "script": area.script,
                               "command": "python3 " + " ".join(_shown(a) for a in cmd[1:])}  # fmt: skip
     t0 = time.perf_counter()
@@ -468,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick", action="store_true", help="small sizes: a check that every area runs, not figures"
     )
     ap.add_argument("--budget-s", type=float, default=None, help="start no area whose estimate ends past this "
-                    "(default: 560 for gpu, none for cpu)")  # fmt: skip
+                    "(default: 540 for gpu, none for cpu)")  # fmt: skip
     ap.add_argument("--commit", default="", help="the commit measured (default: DLSTORE_COMMIT, else git)")
     ap.add_argument(
         "--wheels", type=Path, default=REPO / ".whl", help="wheels to install when zarr is missing"
@@ -478,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     areas = areas_of(args.suite, args.only)
     out = (args.out or default_out(args.suite)).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    budget = args.budget_s if args.budget_s is not None else (560.0 if args.suite == "gpu" else float("inf"))
+    budget = args.budget_s if args.budget_s is not None else (540.0 if args.suite == "gpu" else float("inf"))
     work_root = Path(tempfile.mkdtemp(prefix="dlstore-bench-", dir=args.work))
     t0 = time.perf_counter()
     try:

@@ -2,19 +2,14 @@
 one exception: it applies watch's cache recommendation, as a user would, and imports dlstore then).
 
 Each script takes ``--workers``, ``--steps``, ``--batch-size``; ``--hand PATH`` writes what the script
-timed by hand (perf_counter around next(): the independent wait measurement) and ``--replay K`` trains on
-its last K batches after the timed ones (an independent rate with data free: ``--replay-warmup-s`` of
-warm-up, then three synchronised blocks of ``--replay-s`` / 3 seconds each, the median block;
-``--replay-rounds R``: at R epochs' ends, ``replay_rounds``). ``--cpu`` (or WATCH_SCRIPTS_CPU=1) runs on the CPU: the dry run with tiny sizes."""
+timed by hand (perf_counter around next(): the independent wait measurement). ``--cpu`` (or
+WATCH_SCRIPTS_CPU=1) runs on the CPU: the dry run with tiny sizes."""
 
 from __future__ import annotations
 
 import argparse
-import collections
-import gc
 import json
 import os
-import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,17 +30,6 @@ def parse(default_workers: int, default_batch: int, default_steps: int) -> argpa
     p.add_argument("--persistent", action="store_true")
     p.add_argument("--pin", action="store_true")
     p.add_argument("--hand", default=None, help="write the hand timing here (JSON)")
-    p.add_argument("--replay", type=int, default=0, help="then train on its last K batches (data free)")
-    p.add_argument("--replay-s", type=float, default=1.5, help="seconds of replay timed, in 3 blocks")
-    p.add_argument("--replay-warmup-s", type=float, default=0.3, help="replayed first, not timed")
-    p.add_argument("--replay-steps", type=int, default=5000, help="steps per timed block at most")
-    p.add_argument(
-        "--replay-rounds",
-        type=int,
-        default=1,
-        help="with R > 1: after the timed steps, R times: train to the epoch's end, then replay its last K "
-        "batches (under watch's --replay-rounds R at the same epochs' ends: the pairs of the study)",
-    )
     p.add_argument("--images", type=int, default=20_000)
     p.add_argument("--root", default=None, help="the ImageFolder (made here when missing)")
     p.add_argument("--cache", default=None, help="read this dlstore cache instead (watch's advice)")
@@ -114,22 +98,6 @@ class SmallCNN(torch.nn.Module):
         return self.head(self.features(x))
 
 
-class GcTime:
-    """Seconds spent in the garbage collector and collections per generation (gc.callbacks): how a
-    larger heap (more modules imported) shows in a launch-bound loop."""
-
-    def __init__(self) -> None:
-        self.seconds, self.collections, self._t = 0.0, [0, 0, 0], 0.0
-        gc.callbacks.append(self)
-
-    def __call__(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._t = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._t
-            self.collections[info["generation"]] += 1
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -142,29 +110,24 @@ def train(
     device: torch.device,
 ) -> None:
     """``args.warmup`` steps, then ``args.steps`` timed ones (over as many epochs as it takes), each
-    next() timed by hand; with ``--replay K``, ``--replay-steps`` more on the last K batches, timed apart."""
+    next() timed by hand."""
     waits: list[float] = []
-    kept: list[Any] = []
     total = args.warmup + args.steps
-    done, t_start, cpu_start, gc_time = 0, 0.0, 0.0, GcTime()
-    it, in_epoch = iter(loader), 0
+    done, t_start, cpu_start = 0, 0.0, 0.0
+    it = iter(loader)
     while done < total:
         if done == args.warmup:
             _sync(device)
             t_start = time.perf_counter()
             cpu_start = time.process_time()
-            gc_time = GcTime()
         t = time.perf_counter()
         try:
             x, y = next(it)
         except StopIteration:
-            it, in_epoch = iter(loader), 0  # a new epoch: its start (worker start-up) is the loop's cost too
+            it = iter(loader)  # a new epoch: its start (worker start-up) is the loop's cost too
             x, y = next(it)
-        in_epoch += 1
         if done >= args.warmup:
             waits.append(time.perf_counter() - t)
-        if args.replay and done >= total - args.replay:
-            kept.append((x, y))
         step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
         done += 1
     _sync(device)
@@ -177,77 +140,8 @@ def train(
         "wait_share": sum(waits) / wall,
         "img_per_s": args.batch_size * len(waits) / wall,
         "cpu_per_step_s": cpu / max(1, len(waits)),
-        "gc_s": gc_time.seconds,
-        "gc_collections": gc_time.collections,
-        "gc_objects": len(gc.get_objects()),
+        "steps_per_epoch": len(loader),
     }
-    result["steps_per_epoch"] = len(loader)
-    if args.replay and args.replay_rounds > 1:
-        result["replay_rounds_img_per_s"] = replay_rounds(it, in_epoch, loader, step, args, device)
-    elif args.replay:
-        result["replay_img_per_s"] = replay(kept, step, args, device)
     print(json.dumps({"script_result": result}), flush=True)
     if args.hand:
         Path(args.hand).write_text(json.dumps(result))
-
-
-def replay_rounds(
-    it: Any,
-    in_epoch: int,
-    loader: Any,
-    step: Callable[[torch.Tensor, torch.Tensor], None],
-    args: argparse.Namespace,
-    device: Any,
-) -> list[float]:
-    """``--replay-rounds R``: R times, ``replay`` on the last K batches of an epoch, at its end; each
-    round's rate. ``it`` has yielded ``in_epoch`` batches of its epoch so far.
-
-    Under ``dlstore watch --replay-rounds R`` at the same epochs' ends, watch's replay runs inside the
-    next() call that ends the epoch (after its last real batch: the loop gets watch's steps, then
-    StopIteration). So in odd rounds this replay runs after the epoch's last batch, before that call
-    (before watch's), in even ones after it (after watch's): ABBA, a drift within a pair cancels. The
-    epoch's batches are counted up to ``len(loader)`` only: watch's steps come after them."""
-    rates = []
-    per_epoch = len(loader)
-    for r in range(args.replay_rounds):
-        kept: collections.deque[Any] = collections.deque(maxlen=args.replay)
-        first = r % 2 == 1  # this replay before watch's
-        for x, y in it:
-            kept.append((x, y))
-            step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-            in_epoch += 1
-            if first and in_epoch == per_epoch:
-                rates.append(replay(list(kept), step, args, device))
-        if not first:
-            rates.append(replay(list(kept), step, args, device))
-        it, in_epoch = iter(loader), 0
-    return rates
-
-
-def replay(
-    kept: list[Any], step: Callable[[torch.Tensor, torch.Tensor], None], args: argparse.Namespace, device: Any
-) -> float:
-    """The same step on the kept batches, the loader out of the loop: images/s with data free. A warm-up
-    first (the device's clocks and caches wake after a data-bound phase), then three synchronised blocks
-    of at least ``--replay-s`` / 3 seconds; the median block's rate."""
-    i = 0
-
-    def one() -> None:
-        nonlocal i
-        x, y = kept[i % len(kept)]
-        step(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
-        i += 1
-
-    t = time.perf_counter()
-    while i < 5 or time.perf_counter() - t < args.replay_warmup_s:
-        one()
-    _sync(device)
-    rates = []
-    for _ in range(3):
-        t, n = time.perf_counter(), 0
-        while n < args.replay_steps and (n < 3 or time.perf_counter() - t < args.replay_s / 3):
-            one()
-            n += 1
-        _sync(device)
-        rates.append(args.batch_size * n / (time.perf_counter() - t))
-    return statistics.median(rates)
