@@ -5,6 +5,8 @@
   Hugging Face ``datasets.Dataset`` row). The image is a PIL image, a uint8 ndarray (H,W or H,W,C),
   a uint8 tensor (C,H,W, torchvision's layout) or encoded bytes; it takes the folder's path from
   there (EXIF orientation of a PIL image or bytes, every mode, the resize).
+- A target dict holding torchvision's tv_tensors (detection's ``boxes``, ``masks``, ``labels``) is
+  carried as fields without ``--field`` (``fieldmap.described``); a key none can store is an error.
 - Labels: ``ds.targets`` (torchvision's attribute) when it has one entry per item, else every item is
   read once at open for its target. Classes: ``ds.classes`` when present, else ``labels_from_values``.
 - A failing ``ds[i]`` or an image of another type is skipped, named by its index.
@@ -39,7 +41,7 @@ from dlstore.convert.imageops import (
     prepare,
 )
 from dlstore.convert.sources.encoded import EncodedSource, IndexedNames, labels_from_values
-from dlstore.convert.sources.fieldmap import declare, raw_value, requests_of
+from dlstore.convert.sources.fieldmap import declare, described, raw_value, requests_of
 from dlstore.convert.sources.registry import SourceArgs, register_source
 from dlstore.convert.targets import place_targets
 from dlstore.errors import ImageDecodeError, SourceError
@@ -99,7 +101,7 @@ class DatasetSource(EncodedSource):
         n = len(dataset)
         label = args.label or DEFAULT_LABEL
         targets = getattr(dataset, "targets", None)
-        requests = requests_of(args.fields)
+        requests = requests_of(args.fields) or described(target_dict(dataset, n), where)
         src = cls(
             description=where,
             classes=(),
@@ -141,23 +143,21 @@ class DatasetSource(EncodedSource):
         return src
 
     def _target(self, item: Any, i: int, optional: bool = False) -> Any:
-        if isinstance(item, dict):
-            if self.label_key not in item:
-                if optional:
-                    return None
-                raise SourceError(
-                    f"{self.description}[{i}]: no {self.label_key!r} key; name it with --label KEY"
-                )
-            return item[self.label_key]
-        if isinstance(item, (tuple, list)) and len(item) >= 2:
-            t = item[1]
-            if isinstance(t, dict) and optional:  # (image, target dict): its fields, maybe a label
-                t = t.get(self.label_key)
-                if t is None:
-                    return None
-            return int(t) if hasattr(t, "__index__") or (hasattr(t, "item") and np.ndim(t) == 0) else t
+        if isinstance(item, (tuple, list)) and len(item) >= 2 and not isinstance(item[1], dict):
+            return int_or_value(item[1])
+        if not isinstance(item, (dict, tuple, list)) or len(item) < 2:
+            raise SourceError(
+                f"{self.description}[{i}]: an item must be (image, target) or a dict; found {type(item).__name__}"
+            )
+        values = item_fields(item)  # an item's dict, or the target dict of (image, target)
+        if self.label_key in values:
+            return int_or_value(values[self.label_key])
+        if optional:
+            return None
+        keys = ", ".join(repr(k) for k in values if k != "image")
         raise SourceError(
-            f"{self.description}[{i}]: an item must be (image, target) or a dict; found {type(item).__name__}"
+            f"{self.description}[{i}]: no {self.label_key!r} key (keys: {keys}); name the class key with "
+            "--label KEY, or keep the keys as fields with --field KEY"
         )
 
     def _index(self, i: int) -> int:
@@ -307,6 +307,20 @@ def item_fields(item: Any) -> dict[str, Any]:
     if isinstance(item, (tuple, list)) and len(item) >= 2 and isinstance(item[1], dict):
         return item[1]
     return {}
+
+
+def int_or_value(t: Any) -> Any:
+    return int(t) if hasattr(t, "__index__") or (hasattr(t, "item") and np.ndim(t) == 0) else t
+
+
+def target_dict(dataset: Any, n: int) -> dict[str, Any]:
+    """The target dict of the first item when items are (image, target dict); else empty."""
+    try:
+        item = dataset[0] if n else None
+    except Exception:  # noqa: BLE001 - a failing item is skipped and named later, like any other
+        return {}
+    ok = isinstance(item, (tuple, list)) and len(item) >= 2 and isinstance(item[1], dict)
+    return item[1] if ok else {}
 
 
 def is_label_list(targets: Any) -> bool:
