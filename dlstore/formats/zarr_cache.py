@@ -24,8 +24,15 @@ from dlstore.errors import CacheCorruptError, SpecError
 from dlstore.formats.base import BufferPool, CacheWriter, ChunkedReader
 from dlstore.formats.codecs import quality_option
 from dlstore.formats.describe import Codec, CodecTable, Option
-from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter
-from dlstore.formats.zarr_shards import ShardIndexes, Sharding, load_array_meta, parse_sharding
+from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter, payload_bound
+from dlstore.formats.zarr_shards import (
+    ShardIndexes,
+    Sharding,
+    declared_size,
+    decompress_within,
+    load_array_meta,
+    parse_sharding,
+)
 from dlstore.spec import CacheSpec
 
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
@@ -398,23 +405,6 @@ class ZarrReader(ChunkedReader):
         return memoryview(buf)[:n]
 
 
-def declared_size(raw: memoryview) -> int:
-    """Decompressed size a zstd frame or blosc chunk declares in its header; -1 if it does not."""
-    head = bytes(raw[:18])
-    if head[:4] == b"\x28\xb5\x2f\xfd" and len(head) >= 6:  # zstd frame
-        desc = head[4]
-        fcs_flag, single = desc >> 6, (desc >> 5) & 1
-        pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[desc & 3]
-        width = (1 if single else 0, 2, 4, 8)[fcs_flag]
-        if width == 0:
-            return -1
-        value = int.from_bytes(head[pos : pos + width], "little")
-        return value + 256 if width == 2 else value
-    if len(head) >= 16:  # blosc: version, versionlz, flags, typesize, then nbytes (uint32 LE)
-        return int.from_bytes(head[4:8], "little")
-    return -1
-
-
 # --- payload layout ---------------------------------------------------------------------------------
 # ``images`` is a 1-D zarr array of variable-length bytes (one payload per image, chunk = unit, zstd /
 # blosc on top for raw pixels); ``shapes`` (n, 3) int32, ``crc`` (n,) uint32 and ``error`` (units, 2)
@@ -567,13 +557,15 @@ class ZarrPayloadReader(PayloadReader):
     def load_payload_unit(self, k: int) -> PayloadUnit:
         path = self.unit_path(k)
         try:
+            shapes = np.fromfile(self.root / "shapes" / "c" / str(k) / "0", "<i4").reshape(-1, 3)
+            crc = np.fromfile(self.root / "crc" / "c" / str(k), "<u4")
             raw: Any = path.read_bytes()
-            if self.decompress is not None:
-                raw = self.decompress(raw)
+            if self.decompress is not None:  # raw pixels: the indexed images, and a length per item
+                count = min(self.unit, self.spec.n_stored - k * self.unit)  # a whole chunk past the end
+                limit = payload_bound(shapes[:count], self.decode_limit) + 4 * (self.unit + 1)
+                raw = decompress_within(self.decompress, raw, limit)
             data, offsets, ends = parse_vlen_chunk(memoryview(raw))
-            count = len(ends)
-            shapes = np.fromfile(self.root / "shapes" / "c" / str(k) / "0", "<i4").reshape(-1, 3)[:count]
-            crc = np.fromfile(self.root / "crc" / "c" / str(k), "<u4")[:count]
+            shapes, crc = shapes[: len(ends)], crc[: len(ends)]
         except FileNotFoundError as e:
             raise CacheCorruptError(f"{e.filename}: chunk {k} missing; rebuild the cache") from None
         except (OSError, RuntimeError, ValueError) as e:
