@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from dlstore.durable import durable_file
-from dlstore.errors import SourceError, StaleCacheError, StaleCacheWarning
-from dlstore.spec import SOURCE_RECORD, CacheSpec, read_spec
+from dlstore.errors import SourceError, SpecError, StaleCacheError, StaleCacheWarning
+from dlstore.spec import SOURCE_RECORD, CacheSpec, parse_relpath, read_spec
 
 # torchvision's IMG_EXTENSIONS plus GIF, which Pillow reads (first frame).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
@@ -277,6 +277,18 @@ def _legacy_root(cache_root: Path) -> str | None:
         return json.loads((cache_root / _LEGACY_RECORD).read_text(encoding="utf-8")).get("root")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def inside_root(root: Path, name: str, found: set[str]) -> Path | None:
+    """``root / name`` when a record's name stays in the source root, else None (nothing opened): a
+    relative name without ``..``, and one that a scan of the root finds now (the links it follows, as
+    the conversion did) or that resolves inside the root (a file gone since)."""
+    try:
+        parse_relpath(name, root)
+    except SpecError:
+        return None
+    path = root / name
+    return path if name in found or path.resolve().is_relative_to(root.resolve()) else None
 
 
 def source_status(cache_root: str | Path, source: str | Path | None = None) -> SourceStatus:

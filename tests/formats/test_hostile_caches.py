@@ -28,7 +28,7 @@ from dlstore.convert.verification import verify
 from dlstore.errors import DlstoreError, SpecError
 from dlstore.formats.codecs import JpegCodec, PayloadError
 from dlstore.read.cache import open_cache
-from dlstore.spec import MANIFEST
+from dlstore.spec import MANIFEST, manifest_digest
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def write_manifest(dest: Path, doc: dict, rehash: bool = True) -> None:
     """The attacker's manifest; with ``rehash`` its checksums match the tampered bytes."""
     if rehash:
         doc["checksums"] = checksum_tree(dest, (MANIFEST,))
+        doc["digest"] = manifest_digest(doc)
     (dest / MANIFEST).write_text(json.dumps(doc))
 
 
