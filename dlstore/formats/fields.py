@@ -38,7 +38,6 @@ from dlstore.spec import CacheSpec, FieldSpec
 
 FIELDS_DIR = "fields"
 PARTS_DIR = "fields/parts"
-LAYOUTS = ("files", "arrays", "zarr")
 
 # One sample's value of each stored field, as the conversion hands it over.
 Row = np.ndarray

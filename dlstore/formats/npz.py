@@ -111,12 +111,7 @@ def read_member(
     stream must decode to exactly what the header declares, never more (a deflated member may inflate
     ~1000x)."""
     with zf.open(member) as f:
-        version = np.lib.format.read_magic(f)
-        read_header = (
-            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        )
-        with NPY_HEADERS:
-            shape, fortran, dtype = read_header(f)
+        shape, fortran, dtype = npy_header(f)
         size = float(np.prod(shape, dtype=np.float64)) * dtype.itemsize
         wrong = expected is not None and (tuple(shape) != tuple(expected) or dtype != np.uint8)
         if wrong or fortran or dtype.hasobject or size > limit:
@@ -135,6 +130,14 @@ def read_member(
     return out
 
 
+def npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, Fortran order, dtype) from a .npy stream, read up to its data."""
+    version = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    with NPY_HEADERS:
+        return read(f)
+
+
 def map_stored_member(path: Path, member: str) -> np.ndarray | None:
     """Memory-map a .npy stored uncompressed inside a zip; None if it is compressed."""
     with zipfile.ZipFile(path) as zf:
@@ -148,11 +151,7 @@ def map_stored_member(path: Path, member: str) -> np.ndarray | None:
             raise zipfile.BadZipFile(f"no local header for {member}")
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         f.seek(info.header_offset + 30 + name_len + extra_len)
-        version = np.lib.format.read_magic(f)
-        read_header = (
-            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        )
-        shape, fortran, dtype = read_header(f)
+        shape, fortran, dtype = npy_header(f)
         offset = f.tell()
     if (
         fortran

@@ -28,7 +28,6 @@ from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadW
 from dlstore.formats.zarr_shards import (
     ShardIndexes,
     Sharding,
-    declared_size,
     decompress_within,
     load_array_meta,
     parse_sharding,
@@ -346,10 +345,8 @@ class ZarrReader(ChunkedReader):
             if self.map_chunks and length is None:
                 self._decode_mapped(path, out)
                 return
-            raw = self._read_compressed(path, offset, length)
-            if declared_size(raw) != out.nbytes:  # decoding into a reused buffer must fill all of it
-                raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
-            self.decode(raw, out=out)  # type: ignore[call-arg]
+            # decoding into a reused buffer must fill all of it
+            decompress_within(self.decode, self._read_compressed(path, offset, length), out.nbytes, out)
         except CacheCorruptError:
             raise  # a damaged shard index already names its file
         except FileNotFoundError:
@@ -368,9 +365,7 @@ class ZarrReader(ChunkedReader):
             os.close(fd)
         raw = memoryview(mapped)
         try:
-            if declared_size(raw) != out.nbytes:
-                raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
-            self.decode(raw, out=out)  # type: ignore[call-arg]
+            decompress_within(self.decode, raw, out.nbytes, out)
         finally:
             try:
                 raw.release()

@@ -153,12 +153,11 @@ def declared_size(raw: memoryview) -> int:
     return -1
 
 
-def decompress_within(decode: Callable[..., Any], raw: Any, limit: int) -> np.ndarray:
+def decompress_within(decode: Callable[..., Any], raw: Any, limit: int, out: Any = None) -> Any:
     """A zstd frame or blosc chunk decoded only when the size its header declares is within ``limit``
-    (what the index says it holds: a 44 KB frame may declare 1.5 GB), into exactly that many bytes."""
+    (what the index says it holds: a 44 KB frame may declare 1.5 GB), into exactly that many bytes:
+    ``out`` when given, which it must then fill."""
     size = declared_size(memoryview(raw))
-    if not 0 <= size <= limit:
+    if not 0 <= size <= limit or (out is not None and size != out.nbytes):
         raise ValueError(f"declares {size if size >= 0 else 'no'} decoded bytes, its index allows {limit}")
-    out = np.empty(size, np.uint8)
-    decode(raw, out=out)
-    return out
+    return decode(raw, out=np.empty(size, np.uint8) if out is None else out)

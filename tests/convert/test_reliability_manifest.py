@@ -145,3 +145,39 @@ def test_e4_deep_verify_still_follows_the_folder_links_the_conversion_followed(t
     convert(src, dest, size=8, workers=1)
     result = verify(dest, deep=True)
     assert result.ok and result.sources_hashed == 6, result.problems
+
+
+@pytest.mark.s3
+def test_h3_an_edited_remote_manifest_fails_verify(
+    caches: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """H3 over a network: a cache on a moto S3 server this test starts verifies ok, then its manifest's
+    classes are reversed in place on the store, and `verify s3://…` names the edit."""
+    pytest.importorskip("moto.server")
+    pytest.importorskip("s3fs")
+    from s3server import aws_env, start_server
+
+    from dlstore.storage.stores import RemoteStore
+
+    server = start_server()
+    try:
+        for name, value in aws_env(server).items():
+            monkeypatch.setenv(name, value)
+        monkeypatch.setenv("DLSTORE_SPOOL", str(tmp_path / "spool"))
+        try:
+            RemoteStore("s3://h3-manifest").fs.mkdir("h3-manifest")
+        except FileExistsError:  # moto's in-process backend outlives a server of an earlier test
+            pass
+        store = RemoteStore("s3://h3-manifest/c")
+        for p in sorted(caches["npz"].rglob("*")):
+            if p.is_file():
+                store.put_file(p, p.relative_to(caches["npz"]).as_posix())
+        assert verify("s3://h3-manifest/c").ok
+        doc = json.loads(store.get_bytes(MANIFEST))
+        edit(doc, "classes")
+        store.put_bytes(json.dumps(doc).encode(), MANIFEST)
+        result = verify("s3://h3-manifest/c")
+        assert not result.ok and "edited since conversion" in result.first_problem
+        assert "s3://h3-manifest/c" in result.first_problem
+    finally:
+        server.stop()

@@ -35,7 +35,6 @@ from dlstore.convert.geometry import Geometry
 from dlstore.convert.imageops import (
     DECODE_ERRORS,
     array_to_image,
-    decode_file,
     decode_with_geometry,
     image_geometry,
     prepare,
@@ -163,29 +162,26 @@ class DatasetSource(EncodedSource):
     def _index(self, i: int) -> int:
         return int(self.indices[i]) if self.indices is not None else i
 
-    def _image(self, i: int) -> Any:
-        name = self.names[i]
-        try:
-            item = self.dataset[self._index(i)]
-        except Exception as e:  # noqa: BLE001 - the user's __getitem__ may raise anything
-            raise ImageDecodeError(f"{name}: the Dataset raised {type(e).__name__}: {e}") from e
-        return item.get("image") if isinstance(item, dict) else item[0]
-
-    def decode_and_digest(self, i: int, policy: ImagePolicy) -> tuple[np.ndarray, str, float]:
-        image = self._image(i)
-        data = self._bytes_of(image, i)
-        digest = hashlib.sha256(data).hexdigest()
-        return self._decode_image(image, i, policy, data), digest, 0.0
-
-    def decode(self, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
-        return self._decode_image(self._image(i), i, policy)
-
-    # --- fields: the image and its target from one ds[i] ----------------------------------------------
     def _item(self, i: int) -> Any:
         try:
             return self.dataset[self._index(i)]
         except Exception as e:  # noqa: BLE001 - the user's __getitem__ may raise anything
             raise ImageDecodeError(f"{self.names[i]}: the Dataset raised {type(e).__name__}: {e}") from e
+
+    def _image(self, i: int, item: Any = None) -> Any:
+        item = self._item(i) if item is None else item
+        return item.get("image") if isinstance(item, dict) else item[0]
+
+    def decode_and_digest(self, i: int, policy: ImagePolicy) -> tuple[np.ndarray, str, float]:
+        image = self._image(i)
+        return (
+            self._image_geometry(image, i, policy)[0],
+            hashlib.sha256(self._bytes_of(image, i)).hexdigest(),
+            0.0,
+        )
+
+    def decode(self, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
+        return self._image_geometry(self._image(i), i, policy)[0]
 
     def field_value(self, i: int, key: str) -> Any:
         return item_fields(self._item(i)).get(key)
@@ -210,22 +206,13 @@ class DatasetSource(EncodedSource):
     ) -> tuple[np.ndarray, str, float, dict[str, np.ndarray], dict[str, int]]:
         """One ``ds[i]``: its image decoded and hashed, its fields placed in the cache image's frame."""
         item = self._item(i)
-        image = item.get("image") if isinstance(item, dict) else item[0]
+        image = self._image(i, item)
         digest = hashlib.sha256(self._bytes_of(image, i)).hexdigest()
         pixels, geometry = self._image_geometry(image, i, policy)
         values = item_fields(item)
         raw = {r.name: raw_value(self.fields[r.name], values.get(r.key)) for r in self.field_requests}
         rows, dropped = place_targets(raw, self.fields, geometry, policy, self.names[i])
         return pixels, digest, 0.0, rows, dropped
-
-    def _decode_image(self, image: Any, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
-        name = self.names[i]
-        if isinstance(image, (bytes, bytearray, memoryview)):
-            return decode_file(name, policy, bytes(image))
-        try:
-            return prepare(self._pil(image, i), policy)
-        except DECODE_ERRORS as e:
-            raise ImageDecodeError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from e
 
     def _pil(self, image: Any, i: int) -> Image.Image:
         if isinstance(image, Image.Image):
@@ -264,14 +251,6 @@ class DatasetSource(EncodedSource):
         if isinstance(image, (bytes, bytearray, memoryview)):
             return Image.open(io.BytesIO(bytes(image)))
         return self._pil(image, i)
-
-    def digest(self, i: int, missing_ok: bool = False) -> str:
-        try:
-            return hashlib.sha256(self.read_bytes(i)).hexdigest()
-        except ImageDecodeError:
-            if missing_ok:
-                return ""
-            raise
 
     def reopen(self) -> dict[str, Any] | None:
         if not _CALLABLE.match(self.description):
