@@ -49,7 +49,8 @@ def verify(
     if isinstance(root, str):
         return verify_remote(RemoteStore(root, storage_options))
     spec = read_spec(root)
-    problems = manifest_problems(root) + checksum_problems(root, spec)
+    edited = manifest_problems(root)  # then its source is not opened as it says (deep)
+    problems = edited + checksum_problems(root, spec)
     if not problems:
         problems += skipped_problems(root, spec)
     notes: list[str] = []
@@ -59,7 +60,7 @@ def verify(
     elif not status.checked and not (deep and spec.source.get("reopen")):  # deep: re-hashed below
         notes.append(status.message)
     hashed = 0
-    if deep:
+    if deep and not edited:
         deep_problems, hashed = source_content_problems(root, source)
         problems += deep_problems
     return VerifyResult(

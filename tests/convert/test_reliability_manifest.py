@@ -65,8 +65,9 @@ def test_h3_any_edit_of_the_manifest_fails_verify_with_the_source_gone(
     assert doc["digest"] == manifest_digest(doc)
     edit(doc, what)
     (dest / MANIFEST).write_text(json.dumps(doc, indent=1))
-    result = verify(dest)
+    result = verify(dest, deep=True)  # deep: the source is not opened as an edited manifest says
     assert not result.ok and "edited since conversion" in result.first_problem
+    assert len(result.problems) == 1 and result.sources_hashed == 0, result.problems
     res = CliRunner().invoke(main, ["verify", str(dest)])
     assert res.exit_code != 0 and "edited since conversion" in res.output and "Traceback" not in res.output
 
