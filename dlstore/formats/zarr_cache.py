@@ -208,38 +208,40 @@ def parse_array_meta(
     """Validate ``images/zarr.json`` before any chunk is decoded; return (chunk length, decoder,
     sharding). ``stored``: the compressor the manifest's codec declares. For a sharded array the
     grid's chunk is the shard (one file) and the chunk length is the inner chunk's."""
-    meta = load_array_meta(path)
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
-        raise SpecError(f"{path}: not zarr v3 array metadata")
-    if meta.get("shape") != [n, *shape] or meta.get("data_type") != "uint8":
-        raise SpecError(
-            f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, manifest says uint8{[n, *shape]}"
-        )
-    grid = meta.get("chunk_grid", {})
-    chunk = grid.get("configuration", {}).get("chunk_shape") if grid.get("name") == "regular" else None
-    if not (
-        isinstance(chunk, list)
-        and len(chunk) == 4
-        and chunk[1:] == list(shape)
-        and isinstance(chunk[0], int)
-        and 1 <= chunk[0] <= 1 << 16
-    ):
-        raise SpecError(
-            f"{path}: chunk shape {chunk} not (k, {', '.join(map(str, shape))}) with 1 ≤ k ≤ 65536"
-        )
+    meta, chunk = checked_meta(path, [n, *shape], "uint8")
     keys = meta.get("chunk_key_encoding", {})
     if keys.get("name") != "default" or keys.get("configuration", {}).get("separator", "/") != "/":
         raise SpecError(f"{path}: unsupported chunk key encoding {keys}")
-    if meta.get("storage_transformers"):
-        raise SpecError(f"{path}: storage transformers are not supported")
     codecs = meta.get("codecs")
     if isinstance(codecs, list) and codecs and isinstance(codecs[0], dict):
         if codecs[0].get("name") == "sharding_indexed":
             if len(codecs) != 1:
                 raise SpecError(f"{path}: codecs after sharding_indexed are not supported ({codecs[1:]})")
-            sharding = parse_sharding(path, codecs[0], chunk[0], shape)
+            sharding = parse_sharding(path, codecs[0], chunk, shape)
             return sharding.chunk, _decoder(path, sharding.codecs, stored), sharding
-    return chunk[0], _decoder(path, codecs, stored), None
+    return chunk, _decoder(path, codecs, stored), None
+
+
+def checked_meta(path: Path, shape: list[int], dtype: str) -> tuple[dict[str, Any], int]:
+    """``zarr.json`` of an array of ``shape`` and ``dtype`` (the manifest's), chunked along its first
+    axis only (1 ≤ k ≤ 65536), without storage transformers; (the metadata, k)."""
+    meta = load_array_meta(path)
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise SpecError(f"{path}: not zarr v3 array metadata")
+    if meta.get("shape") != shape or meta.get("data_type") != dtype:
+        raise SpecError(
+            f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, manifest says {dtype}{shape}"
+        )
+    grid = meta.get("chunk_grid", {})
+    chunk = grid.get("configuration", {}).get("chunk_shape") if grid.get("name") == "regular" else None
+    ok = isinstance(chunk, list) and len(chunk) == len(shape) and chunk[1:] == shape[1:]
+    if not (ok and isinstance(chunk[0], int) and 1 <= chunk[0] <= 1 << 16):
+        raise SpecError(
+            f"{path}: chunk shape {chunk} not (k, {', '.join(map(str, shape[1:]))}) with 1 ≤ k ≤ 65536"
+        )
+    if meta.get("storage_transformers"):
+        raise SpecError(f"{path}: storage transformers are not supported")
+    return meta, chunk[0]
 
 
 def _decoder(path: Path, codecs: Any, stored: str | None) -> Callable[[bytes], Any] | None:
@@ -592,22 +594,8 @@ def parse_vlen_chunk(buf: memoryview) -> tuple[memoryview, np.ndarray, np.ndarra
 
 def parse_payload_meta(path: Path, n: int, stored: str | None) -> tuple[int, Callable[[bytes], Any] | None]:
     """Validate the payload ``images`` array's metadata; return (chunk length, decompressor)."""
-    meta = load_array_meta(path)
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
-        raise SpecError(f"{path}: not zarr v3 array metadata")
-    if meta.get("shape") != [n] or meta.get("data_type") != "variable_length_bytes":
-        raise SpecError(
-            f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, expected vlen bytes [{n}]"
-        )
-    grid = meta.get("chunk_grid", {})
-    chunk = grid.get("configuration", {}).get("chunk_shape") if grid.get("name") == "regular" else None
-    if not (
-        isinstance(chunk, list) and len(chunk) == 1 and isinstance(chunk[0], int) and 1 <= chunk[0] <= 1 << 16
-    ):
-        raise SpecError(f"{path}: chunk shape {chunk} not (k,) with 1 ≤ k ≤ 65536")
-    if meta.get("storage_transformers"):
-        raise SpecError(f"{path}: storage transformers are not supported")
+    meta, chunk = checked_meta(path, [n], "variable_length_bytes")
     codecs = meta.get("codecs")
     if not isinstance(codecs, list) or not codecs or codecs[0] != {"name": "vlen-bytes", "configuration": {}}:
         raise SpecError(f"{path}: codec chain {codecs} must start with 'vlen-bytes'")
-    return chunk[0], _decoder(path, [{"name": "bytes"}, *codecs[1:]], stored)
+    return chunk, _decoder(path, [{"name": "bytes"}, *codecs[1:]], stored)
