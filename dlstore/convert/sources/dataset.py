@@ -144,7 +144,7 @@ class DatasetSource(EncodedSource):
     def _target(self, item: Any, i: int, optional: bool = False) -> Any:
         if isinstance(item, (tuple, list)) and len(item) >= 2 and not isinstance(item[1], dict):
             return int_or_value(item[1])
-        if not isinstance(item, (dict, tuple, list)) or len(item) < 2:
+        if not isinstance(item, dict) and not (isinstance(item, (tuple, list)) and len(item) >= 2):
             raise SourceError(
                 f"{self.description}[{i}]: an item must be (image, target) or a dict; found {type(item).__name__}"
             )
@@ -153,7 +153,7 @@ class DatasetSource(EncodedSource):
             return int_or_value(values[self.label_key])
         if optional:
             return None
-        keys = ", ".join(repr(k) for k in values if k != "image")
+        keys = ", ".join(repr(k) for k in values if k != "image") or "none besides the image"
         raise SourceError(
             f"{self.description}[{i}]: no {self.label_key!r} key (keys: {keys}); name the class key with "
             "--label KEY, or keep the keys as fields with --field KEY"
