@@ -15,7 +15,6 @@ no longer exists is not stale, only unchecked (pass the new location as ``source
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 import warnings
@@ -28,13 +27,12 @@ from typing import Any
 import numpy as np
 
 from dlstore.durable import durable_file
-from dlstore.errors import SourceError, StaleCacheError, StaleCacheWarning
-from dlstore.spec import SOURCE_RECORD, CacheSpec, read_spec
+from dlstore.errors import SourceError, SpecError, StaleCacheError, StaleCacheWarning
+from dlstore.spec import SOURCE_RECORD, CacheSpec, parse_relpath, read_spec
 
 # torchvision's IMG_EXTENSIONS plus GIF, which Pillow reads (first frame).
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 DIGEST_BYTES = 8  # of each source file's sha256: enough to notice an edit, not a security claim
-_LEGACY_RECORD = "sources.json"  # caches built before the columnar record
 
 
 @dataclass
@@ -146,16 +144,6 @@ class SourceRecord:
     digests: np.ndarray  # (n, DIGEST_BYTES) uint8
 
     @classmethod
-    def from_rows(cls, rows: list[list[Any]], sha256_hex: list[str]) -> SourceRecord:
-        return cls.from_columns(
-            [str(r[0]) for r in rows],
-            np.asarray([r[1] for r in rows], np.int64),
-            np.asarray([r[2] for r in rows], np.int64),
-            np.asarray([r[3] for r in rows], np.int32),
-            sha256_hex,
-        )
-
-    @classmethod
     def from_columns(
         cls, names: list[str], sizes: Any, mtimes_ns: Any, labels: Any, sha256_hex: list[str]
     ) -> SourceRecord:
@@ -217,17 +205,7 @@ def read_record(cache_root: Path) -> SourceRecord | None:
     """The cache's source record, or None when it has none (or an unreadable one)."""
     try:
         return SourceRecord.load(Path(cache_root) / SOURCE_RECORD)
-    except FileNotFoundError:
-        return _read_legacy_record(Path(cache_root))
     except (OSError, ValueError, KeyError, zipfile.BadZipFile):
-        return None
-
-
-def _read_legacy_record(cache_root: Path) -> SourceRecord | None:
-    try:
-        doc = json.loads((cache_root / _LEGACY_RECORD).read_text(encoding="utf-8"))
-        return SourceRecord.from_rows(doc["entries"], doc.get("sha256", []))
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
         return None
 
 
@@ -264,26 +242,35 @@ class SourceStatus:
     message: str = ""
 
 
-def recorded_root(spec: CacheSpec, cache_root: Path) -> Path | None:
+def recorded_root(spec: CacheSpec) -> Path | None:
     root = spec.source.get("root")
-    if root:
-        return Path(root)
-    legacy = _legacy_root(cache_root)
-    return Path(legacy) if legacy else None
+    return Path(root) if root else None
 
 
-def _legacy_root(cache_root: Path) -> str | None:
+def inside_root(root: Path, names: Sequence[str]) -> list[Path | None]:
+    """Each record name's file in the source root, or None where the name leaves it (nothing opened):
+    a relative name without ``..``, and one a scan of the root finds now (the links it follows, as the
+    conversion did) or that resolves inside the root (a file gone since)."""
     try:
-        return json.loads((cache_root / _LEGACY_RECORD).read_text(encoding="utf-8")).get("root")
-    except (OSError, ValueError, AttributeError):
-        return None
+        found = set(scan_tree(root).names)
+    except SourceError:
+        found = set()
+    out: list[Path | None] = []
+    for name in names:
+        try:
+            path = root / parse_relpath(name, root)
+        except SpecError:
+            path = None
+        ok = path is not None and (name in found or path.resolve().is_relative_to(root.resolve()))
+        out.append(path if ok else None)
+    return out
 
 
 def source_status(cache_root: str | Path, source: str | Path | None = None) -> SourceStatus:
     """Compare the cache's recorded source files with the folder as it is now (size and mtime)."""
     cache_root = Path(cache_root)
     spec = read_spec(cache_root)
-    recorded = recorded_root(spec, cache_root)
+    recorded = recorded_root(spec)
     record = read_record(cache_root) if (source is not None or recorded) else None
     if record is None:
         return SourceStatus(checked=False, message="no folder source recorded; nothing to compare")

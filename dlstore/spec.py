@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
@@ -195,10 +196,10 @@ class CacheSpec:
     fields: dict[str, FieldSpec] = field(default_factory=dict)
 
     def to_json(self) -> str:
-        d = asdict(self)
+        d = json.loads(json.dumps(asdict(self)))  # as a reader will load it
         if not self.fields:
             del d["fields"]
-        return json.dumps(d, indent=1, sort_keys=True)
+        return json.dumps({**d, "digest": manifest_digest(d)}, indent=1, sort_keys=True)
 
     @property
     def image_bytes(self) -> int:
@@ -226,6 +227,13 @@ class CacheSpec:
         if self.options:
             return {"codec": self.options.get("codec"), **self.options.get("writer_options", {})}
         return dict(self.format_options)
+
+
+def manifest_digest(doc: dict[str, Any]) -> str:
+    """The sha256 of a manifest's canonical JSON, its own ``digest`` key left out: kept inside it, so
+    ``verify`` catches an edit of any field (classes, counts, shapes), source or no source."""
+    body = json.dumps({k: v for k, v in doc.items() if k != "digest"}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(body.encode()).hexdigest()
 
 
 def parse_relpath(name: str, where: Path) -> str:

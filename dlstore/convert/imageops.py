@@ -72,11 +72,12 @@ def decode_with_geometry(
 ) -> tuple[np.ndarray, Geometry | None]:
     """``decode_file``, and the file's stored size and EXIF orientation (what its masks and boxes
     need to follow the image: ``dlstore.convert.geometry``); None unless ``geometry``."""
+    stream = path if data is None else io.BytesIO(data)
     try:
         with warnings.catch_warnings():
             # Pillow only warns between 1x and 2x its pixel limit; a cache build treats both as bombs.
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path if data is None else io.BytesIO(data), formats=ALLOWED_FORMATS) as img:
+            with Image.open(stream, formats=ALLOWED_FORMATS) as img:
                 if img.format == "PNG":
                     check_png_chunks(path if data is None else io.BytesIO(data))
                 seen = image_geometry(img, policy) if geometry else None
@@ -88,7 +89,8 @@ def decode_with_geometry(
         hint = ""
         if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
             hint = "; if it is a real photograph, raise the limit with --max-megapixels"
-        raise ImageDecodeError(f"{path}: cannot decode image ({type(e).__name__}: {e}){hint}") from e
+        reason = str(e).replace(repr(stream), repr(str(path)))  # Pillow names the stream it was given
+        raise ImageDecodeError(f"{path}: cannot decode image ({type(e).__name__}: {reason}){hint}") from e
 
 
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -15,8 +15,8 @@ from typing import Any
 
 from dlstore.checksums import file_sha256, listed_files, mismatches, regular_files, size_problems, split_key
 from dlstore.errors import CacheCorruptError
-from dlstore.sourcefiles import SourceRecord, read_record, recorded_root, source_status
-from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, parse_relpath, read_spec
+from dlstore.sourcefiles import SourceRecord, inside_root, read_record, recorded_root, source_status
+from dlstore.spec import MANIFEST, SKIPPED_FILE, CacheSpec, manifest_digest, parse_relpath, read_spec
 from dlstore.storage.mirror import fetch_manifest
 from dlstore.storage.stores import RemoteStore, parse_store_path
 
@@ -49,7 +49,8 @@ def verify(
     if isinstance(root, str):
         return verify_remote(RemoteStore(root, storage_options))
     spec = read_spec(root)
-    problems = checksum_problems(root, spec)
+    edited = manifest_problems(root)  # then its source is not opened as it says (deep)
+    problems = edited + checksum_problems(root, spec)
     if not problems:
         problems += skipped_problems(root, spec)
     notes: list[str] = []
@@ -59,7 +60,7 @@ def verify(
     elif not status.checked and not (deep and spec.source.get("reopen")):  # deep: re-hashed below
         notes.append(status.message)
     hashed = 0
-    if deep:
+    if deep and not edited:
         deep_problems, hashed = source_content_problems(root, source)
         problems += deep_problems
     return VerifyResult(
@@ -70,6 +71,18 @@ def verify(
         notes=notes,
         sources_hashed=hashed,
     )
+
+
+def manifest_problems(root: Path) -> list[str]:
+    """The manifest against the digest of its own content (caches from before it kept none)."""
+    path = root / MANIFEST
+    doc = json.loads(path.read_text(encoding="utf-8"))  # read_spec has parsed it already
+    if "digest" not in doc or doc["digest"] == manifest_digest(doc):
+        return []
+    return [
+        f"{path}: edited since conversion (its content no longer matches its digest: classes, counts or "
+        f"shapes may be wrong); rebuild the cache with `dlstore convert SOURCE {root} --overwrite`"
+    ]
 
 
 def checksum_problems(root: Path, spec: CacheSpec) -> list[str]:
@@ -127,7 +140,7 @@ def source_content_problems(root: Path, source: str | Path | None) -> tuple[list
     record = read_record(root)
     if record is None:
         return [f"{root}: no source record; cannot check the source by content"], 0
-    recorded = recorded_root(read_spec(root), root)
+    recorded = recorded_root(read_spec(root))
     if recorded is None and source is None:
         reopen = read_spec(root).source.get("reopen")
         if isinstance(reopen, dict):
@@ -139,11 +152,16 @@ def source_content_problems(root: Path, source: str | Path | None) -> tuple[list
         return [f"source root {src_root} not found; pass the dataset's new location with --source DIR"], 0
     problems: list[str] = []
     hashed = 0
-    for i, name in enumerate(record.names):
+    for i, (name, file) in enumerate(zip(record.names, inside_root(src_root, record.names))):
         digest = record.digest(i)
         if not digest:
             continue
-        file = src_root / name
+        if file is None:
+            problems.append(
+                f"{src_root}: the source record names {name!r}, outside the source root; not opened "
+                f"(the cache may be tampered with): rebuild it with `dlstore convert {src_root} {root} --overwrite`"
+            )
+            continue
         try:
             now = file_sha256(file)
         except OSError as e:
@@ -203,7 +221,8 @@ def verify_remote(store: RemoteStore) -> VerifyResult:
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             store.get_file(rel, root / rel)
         present = {rel: (root / rel).stat().st_size for rel in listed & set(listing)}
-        problems = size_problems(root, spec.checksums, present) + mismatches(root, spec.checksums)
+        problems = manifest_problems(root) + size_problems(root, spec.checksums, present)
+        problems += mismatches(root, spec.checksums)
         problems = problems or skipped_problems(root, spec)
         problems = [p.replace(str(root), store.url) for p in problems]
     extra = sorted(

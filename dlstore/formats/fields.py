@@ -33,12 +33,11 @@ import numpy as np
 from dlstore.durable import fsync_path, write_bytes_durably
 from dlstore.errors import CacheCorruptError
 from dlstore.formats.npy_headers import NPY_HEADERS
-from dlstore.formats.zarr_shards import load_array_meta
+from dlstore.formats.zarr_shards import decompress_within, load_array_meta
 from dlstore.spec import CacheSpec, FieldSpec
 
 FIELDS_DIR = "fields"
 PARTS_DIR = "fields/parts"
-LAYOUTS = ("files", "arrays", "zarr")
 
 # One sample's value of each stored field, as the conversion hands it over.
 Row = np.ndarray
@@ -455,9 +454,10 @@ def decode_chunk(array_dir: Path, k: int, meta: dict[str, Any]) -> np.ndarray:
     decode = chunk_decoder(array_dir / "zarr.json", meta.get("codecs"))
     try:
         raw: Any = path.read_bytes()
-        if decode is not None:
-            raw = decode(raw)
-        arr = np.frombuffer(raw, dtype=np.dtype(meta["data_type"]).newbyteorder("<"))
+        dtype = np.dtype(meta["data_type"]).newbyteorder("<")
+        if decode is not None:  # no more than the chunk its zarr.json declares
+            raw = decompress_within(decode, raw, int(np.prod(chunk, dtype=np.float64)) * dtype.itemsize)
+        arr = np.frombuffer(raw, dtype=dtype)
         return arr.reshape(chunk).astype(meta["data_type"], copy=False)
     except FileNotFoundError:
         raise CacheCorruptError(f"{path}: field chunk {k} missing; rebuild the cache") from None

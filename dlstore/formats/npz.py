@@ -18,7 +18,7 @@ from dlstore.formats.base import CacheWriter, ChunkedReader, clamp_units
 from dlstore.formats.codecs import quality_option
 from dlstore.formats.describe import Codec, CodecTable
 from dlstore.formats.npy_headers import NPY_HEADERS
-from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter
+from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter, payload_bound
 
 SHARD_DIR = "shards"
 
@@ -79,7 +79,8 @@ class NpzReader(ChunkedReader):
         with shard_errors(path, k, self.root):
             arr = map_stored_member(path, "images.npy")
             if arr is None:
-                arr = read_member_checked(path, "images.npy", expected)
+                with zipfile.ZipFile(path) as zf:
+                    arr = read_member(zf, "images.npy", int(np.prod(expected)), expected)
         if arr.shape != expected or arr.dtype != np.uint8:
             raise CacheCorruptError(
                 f"{path}: holds {arr.dtype}{arr.shape}, expected uint8{expected}; rebuild"
@@ -102,22 +103,21 @@ def shard_errors(path: Path, k: int, root: Path) -> Iterator[None]:
         ) from None
 
 
-def read_member_checked(path: Path, member: str, expected: tuple[int, ...]) -> np.ndarray:
-    """A compressed uint8 .npy member whose header must declare ``expected`` (the manifest's): the
-    header is read first, so a forged one allocates nothing, and the stream must decode to exactly
-    that many bytes, never more."""
-    with zipfile.ZipFile(path) as zf, zf.open(member) as f:
-        version = np.lib.format.read_magic(f)
-        read_header = (
-            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        )
-        with NPY_HEADERS:
-            shape, fortran, dtype = read_header(f)
-        if tuple(shape) != tuple(expected) or dtype != np.uint8 or fortran:
-            raise ValueError(
-                f"{member} declares {dtype}{tuple(shape)}, the manifest says uint8{tuple(expected)}"
-            )
-        out = np.empty(expected, np.uint8)
+def read_member(
+    zf: zipfile.ZipFile, member: str, limit: int, expected: tuple[int, ...] | None = None
+) -> np.ndarray:
+    """A .npy member of a zip, its header read first: one declaring Fortran order, objects, more than
+    ``limit`` bytes or (when given) another shape than uint8 ``expected`` allocates nothing, and the
+    stream must decode to exactly what the header declares, never more (a deflated member may inflate
+    ~1000x)."""
+    with zf.open(member) as f:
+        shape, fortran, dtype = npy_header(f)
+        size = float(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+        wrong = expected is not None and (tuple(shape) != tuple(expected) or dtype != np.uint8)
+        if wrong or fortran or dtype.hasobject or size > limit:
+            want = f"uint8{tuple(expected)}" if expected is not None else f"at most {limit} bytes"
+            raise ValueError(f"{member} declares {dtype}{tuple(shape)}, expected {want}")
+        out = np.empty(shape, dtype)
         view = memoryview(out).cast("B")
         got = 0
         while got < len(view):
@@ -128,6 +128,14 @@ def read_member_checked(path: Path, member: str, expected: tuple[int, ...]) -> n
         if f.read(1):
             raise ValueError(f"{member}: more data than its header declares")
     return out
+
+
+def npy_header(f: Any) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """(shape, Fortran order, dtype) from a .npy stream, read up to its data."""
+    version = np.lib.format.read_magic(f)
+    read = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    with NPY_HEADERS:
+        return read(f)
 
 
 def map_stored_member(path: Path, member: str) -> np.ndarray | None:
@@ -143,11 +151,7 @@ def map_stored_member(path: Path, member: str) -> np.ndarray | None:
             raise zipfile.BadZipFile(f"no local header for {member}")
         name_len, extra_len = struct.unpack("<HH", local[26:30])
         f.seek(info.header_offset + 30 + name_len + extra_len)
-        version = np.lib.format.read_magic(f)
-        read_header = (
-            np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-        )
-        shape, fortran, dtype = read_header(f)
+        shape, fortran, dtype = npy_header(f)
         offset = f.tell()
     if (
         fortran
@@ -203,9 +207,11 @@ class NpzPayloadReader(PayloadReader):
 
     def load_payload_unit(self, k: int) -> PayloadUnit:
         path = self.unit_path(k)
-        with shard_errors(path, k, self.root), NPY_HEADERS:
+        count = min(self.unit, self.spec.n_stored - k * self.unit)
+        with shard_errors(path, k, self.root), zipfile.ZipFile(path) as zf:
+            small = 24 * (self.unit + 1)  # the index: (n + 1) offsets, n shapes of 3, n CRCs, 2 errors
+            index = {m: read_member(zf, f"{m}.npy", small) for m in ("offsets", "shapes", "crc", "error")}
             data = map_stored_member(path, "data.npy")
-            with np.load(path, allow_pickle=False) as z:
-                if data is None:
-                    data = z["data"]
-                return PayloadUnit(data, z["offsets"], z["shapes"], z["crc"], z["error"])
+            if data is None:  # deflated raw pixels: at most the indexed images' pixels
+                data = read_member(zf, "data.npy", payload_bound(index["shapes"][:count], self.decode_limit))
+            return PayloadUnit(data, **index)

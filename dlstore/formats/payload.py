@@ -224,6 +224,13 @@ def index_problem(unit: PayloadUnit, count: int, spec: Any, limit: int) -> str:
     return ""
 
 
+def payload_bound(shapes: np.ndarray, limit: int) -> int:
+    """The most bytes a unit's raw-pixel payloads can decompress to: the pixels of the images its
+    index declares (``shapes``), never past ``limit`` (``base.decode_limit``)."""
+    pixels = np.prod(np.asarray(shapes, np.float64).reshape(len(shapes), -1).clip(0), axis=1).sum()
+    return int(min(limit, pixels))
+
+
 def corrupt_at(position: int, message: str) -> CacheCorruptError:
     """A CacheCorruptError that carries the storage position, so the Cache can name the dataset index."""
     error = CacheCorruptError(message)

@@ -24,8 +24,14 @@ from dlstore.errors import CacheCorruptError, SpecError
 from dlstore.formats.base import BufferPool, CacheWriter, ChunkedReader
 from dlstore.formats.codecs import quality_option
 from dlstore.formats.describe import Codec, CodecTable, Option
-from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter
-from dlstore.formats.zarr_shards import ShardIndexes, Sharding, load_array_meta, parse_sharding
+from dlstore.formats.payload import Images, PayloadReader, PayloadUnit, PayloadWriter, payload_bound
+from dlstore.formats.zarr_shards import (
+    ShardIndexes,
+    Sharding,
+    decompress_within,
+    load_array_meta,
+    parse_sharding,
+)
 from dlstore.spec import CacheSpec
 
 _ALLOWED_COMPRESSORS = {"zstd", "blosc"}
@@ -202,38 +208,40 @@ def parse_array_meta(
     """Validate ``images/zarr.json`` before any chunk is decoded; return (chunk length, decoder,
     sharding). ``stored``: the compressor the manifest's codec declares. For a sharded array the
     grid's chunk is the shard (one file) and the chunk length is the inner chunk's."""
-    meta = load_array_meta(path)
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
-        raise SpecError(f"{path}: not zarr v3 array metadata")
-    if meta.get("shape") != [n, *shape] or meta.get("data_type") != "uint8":
-        raise SpecError(
-            f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, manifest says uint8{[n, *shape]}"
-        )
-    grid = meta.get("chunk_grid", {})
-    chunk = grid.get("configuration", {}).get("chunk_shape") if grid.get("name") == "regular" else None
-    if not (
-        isinstance(chunk, list)
-        and len(chunk) == 4
-        and chunk[1:] == list(shape)
-        and isinstance(chunk[0], int)
-        and 1 <= chunk[0] <= 1 << 16
-    ):
-        raise SpecError(
-            f"{path}: chunk shape {chunk} not (k, {', '.join(map(str, shape))}) with 1 ≤ k ≤ 65536"
-        )
+    meta, chunk = checked_meta(path, [n, *shape], "uint8")
     keys = meta.get("chunk_key_encoding", {})
     if keys.get("name") != "default" or keys.get("configuration", {}).get("separator", "/") != "/":
         raise SpecError(f"{path}: unsupported chunk key encoding {keys}")
-    if meta.get("storage_transformers"):
-        raise SpecError(f"{path}: storage transformers are not supported")
     codecs = meta.get("codecs")
     if isinstance(codecs, list) and codecs and isinstance(codecs[0], dict):
         if codecs[0].get("name") == "sharding_indexed":
             if len(codecs) != 1:
                 raise SpecError(f"{path}: codecs after sharding_indexed are not supported ({codecs[1:]})")
-            sharding = parse_sharding(path, codecs[0], chunk[0], shape)
+            sharding = parse_sharding(path, codecs[0], chunk, shape)
             return sharding.chunk, _decoder(path, sharding.codecs, stored), sharding
-    return chunk[0], _decoder(path, codecs, stored), None
+    return chunk, _decoder(path, codecs, stored), None
+
+
+def checked_meta(path: Path, shape: list[int], dtype: str) -> tuple[dict[str, Any], int]:
+    """``zarr.json`` of an array of ``shape`` and ``dtype`` (the manifest's), chunked along its first
+    axis only (1 ≤ k ≤ 65536), without storage transformers; (the metadata, k)."""
+    meta = load_array_meta(path)
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        raise SpecError(f"{path}: not zarr v3 array metadata")
+    if meta.get("shape") != shape or meta.get("data_type") != dtype:
+        raise SpecError(
+            f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, manifest says {dtype}{shape}"
+        )
+    grid = meta.get("chunk_grid", {})
+    chunk = grid.get("configuration", {}).get("chunk_shape") if grid.get("name") == "regular" else None
+    ok = isinstance(chunk, list) and len(chunk) == len(shape) and chunk[1:] == shape[1:]
+    if not (ok and isinstance(chunk[0], int) and 1 <= chunk[0] <= 1 << 16):
+        raise SpecError(
+            f"{path}: chunk shape {chunk} not (k, {', '.join(map(str, shape[1:]))}) with 1 ≤ k ≤ 65536"
+        )
+    if meta.get("storage_transformers"):
+        raise SpecError(f"{path}: storage transformers are not supported")
+    return meta, chunk[0]
 
 
 def _decoder(path: Path, codecs: Any, stored: str | None) -> Callable[[bytes], Any] | None:
@@ -339,10 +347,8 @@ class ZarrReader(ChunkedReader):
             if self.map_chunks and length is None:
                 self._decode_mapped(path, out)
                 return
-            raw = self._read_compressed(path, offset, length)
-            if declared_size(raw) != out.nbytes:  # decoding into a reused buffer must fill all of it
-                raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
-            self.decode(raw, out=out)  # type: ignore[call-arg]
+            # decoding into a reused buffer must fill all of it
+            decompress_within(self.decode, self._read_compressed(path, offset, length), out.nbytes, out)
         except CacheCorruptError:
             raise  # a damaged shard index already names its file
         except FileNotFoundError:
@@ -361,9 +367,7 @@ class ZarrReader(ChunkedReader):
             os.close(fd)
         raw = memoryview(mapped)
         try:
-            if declared_size(raw) != out.nbytes:
-                raise ValueError(f"declares {declared_size(raw)} bytes, expected {out.nbytes}")
-            self.decode(raw, out=out)  # type: ignore[call-arg]
+            decompress_within(self.decode, raw, out.nbytes, out)
         finally:
             try:
                 raw.release()
@@ -396,23 +400,6 @@ class ZarrReader(ChunkedReader):
         finally:
             os.close(fd)
         return memoryview(buf)[:n]
-
-
-def declared_size(raw: memoryview) -> int:
-    """Decompressed size a zstd frame or blosc chunk declares in its header; -1 if it does not."""
-    head = bytes(raw[:18])
-    if head[:4] == b"\x28\xb5\x2f\xfd" and len(head) >= 6:  # zstd frame
-        desc = head[4]
-        fcs_flag, single = desc >> 6, (desc >> 5) & 1
-        pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[desc & 3]
-        width = (1 if single else 0, 2, 4, 8)[fcs_flag]
-        if width == 0:
-            return -1
-        value = int.from_bytes(head[pos : pos + width], "little")
-        return value + 256 if width == 2 else value
-    if len(head) >= 16:  # blosc: version, versionlz, flags, typesize, then nbytes (uint32 LE)
-        return int.from_bytes(head[4:8], "little")
-    return -1
 
 
 # --- payload layout ---------------------------------------------------------------------------------
@@ -567,13 +554,15 @@ class ZarrPayloadReader(PayloadReader):
     def load_payload_unit(self, k: int) -> PayloadUnit:
         path = self.unit_path(k)
         try:
+            shapes = np.fromfile(self.root / "shapes" / "c" / str(k) / "0", "<i4").reshape(-1, 3)
+            crc = np.fromfile(self.root / "crc" / "c" / str(k), "<u4")
             raw: Any = path.read_bytes()
-            if self.decompress is not None:
-                raw = self.decompress(raw)
+            if self.decompress is not None:  # raw pixels: the indexed images, and a length per item
+                count = min(self.unit, self.spec.n_stored - k * self.unit)  # a whole chunk past the end
+                limit = payload_bound(shapes[:count], self.decode_limit) + 4 * (self.unit + 1)
+                raw = decompress_within(self.decompress, raw, limit)
             data, offsets, ends = parse_vlen_chunk(memoryview(raw))
-            count = len(ends)
-            shapes = np.fromfile(self.root / "shapes" / "c" / str(k) / "0", "<i4").reshape(-1, 3)[:count]
-            crc = np.fromfile(self.root / "crc" / "c" / str(k), "<u4")[:count]
+            shapes, crc = shapes[: len(ends)], crc[: len(ends)]
         except FileNotFoundError as e:
             raise CacheCorruptError(f"{e.filename}: chunk {k} missing; rebuild the cache") from None
         except (OSError, RuntimeError, ValueError) as e:
@@ -605,22 +594,8 @@ def parse_vlen_chunk(buf: memoryview) -> tuple[memoryview, np.ndarray, np.ndarra
 
 def parse_payload_meta(path: Path, n: int, stored: str | None) -> tuple[int, Callable[[bytes], Any] | None]:
     """Validate the payload ``images`` array's metadata; return (chunk length, decompressor)."""
-    meta = load_array_meta(path)
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
-        raise SpecError(f"{path}: not zarr v3 array metadata")
-    if meta.get("shape") != [n] or meta.get("data_type") != "variable_length_bytes":
-        raise SpecError(
-            f"{path}: array is {meta.get('data_type')}{meta.get('shape')}, expected vlen bytes [{n}]"
-        )
-    grid = meta.get("chunk_grid", {})
-    chunk = grid.get("configuration", {}).get("chunk_shape") if grid.get("name") == "regular" else None
-    if not (
-        isinstance(chunk, list) and len(chunk) == 1 and isinstance(chunk[0], int) and 1 <= chunk[0] <= 1 << 16
-    ):
-        raise SpecError(f"{path}: chunk shape {chunk} not (k,) with 1 ≤ k ≤ 65536")
-    if meta.get("storage_transformers"):
-        raise SpecError(f"{path}: storage transformers are not supported")
+    meta, chunk = checked_meta(path, [n], "variable_length_bytes")
     codecs = meta.get("codecs")
     if not isinstance(codecs, list) or not codecs or codecs[0] != {"name": "vlen-bytes", "configuration": {}}:
         raise SpecError(f"{path}: codec chain {codecs} must start with 'vlen-bytes'")
-    return chunk[0], _decoder(path, [{"name": "bytes"}, *codecs[1:]], stored)
+    return chunk, _decoder(path, [{"name": "bytes"}, *codecs[1:]], stored)

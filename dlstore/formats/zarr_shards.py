@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -133,3 +134,30 @@ def read_index(path: Path, sharding: Sharding) -> np.ndarray:
     if np.any(index[written, 0] + index[written, 1] > size):
         raise CacheCorruptError(f"{path}: shard index points past the end of the file; rebuild the cache")
     return index
+
+
+def declared_size(raw: memoryview) -> int:
+    """Decompressed size a zstd frame or blosc chunk declares in its header; -1 if it does not."""
+    head = bytes(raw[:18])
+    if head[:4] == b"\x28\xb5\x2f\xfd" and len(head) >= 6:  # zstd frame
+        desc = head[4]
+        fcs_flag, single = desc >> 6, (desc >> 5) & 1
+        pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[desc & 3]
+        width = (1 if single else 0, 2, 4, 8)[fcs_flag]
+        if width == 0:
+            return -1
+        value = int.from_bytes(head[pos : pos + width], "little")
+        return value + 256 if width == 2 else value
+    if len(head) >= 16:  # blosc: version, versionlz, flags, typesize, then nbytes (uint32 LE)
+        return int.from_bytes(head[4:8], "little")
+    return -1
+
+
+def decompress_within(decode: Callable[..., Any], raw: Any, limit: int, out: Any = None) -> Any:
+    """A zstd frame or blosc chunk decoded only when the size its header declares is within ``limit``
+    (what the index says it holds: a 44 KB frame may declare 1.5 GB), into exactly that many bytes:
+    ``out`` when given, which it must then fill."""
+    size = declared_size(memoryview(raw))
+    if not 0 <= size <= limit or (out is not None and size != out.nbytes):
+        raise ValueError(f"declares {size if size >= 0 else 'no'} decoded bytes, its index allows {limit}")
+    return decode(raw, out=np.empty(size, np.uint8) if out is None else out)

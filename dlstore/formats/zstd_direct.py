@@ -35,7 +35,7 @@ class _Context:
 
 
 class DirectZstd:
-    """``decode(raw, out=array)``: the same call shape as numcodecs' ``Zstd().decode``."""
+    """``decode(raw, out=array)``: numcodecs' ``Zstd().decode`` with its ``out``."""
 
     def __init__(self, lib: Any) -> None:
         self.lib = lib
@@ -47,17 +47,9 @@ class DirectZstd:
             ctx = self._local.ctx = _Context(self.lib)
         return int(ctx.ptr)
 
-    def decode(self, raw: Any, out: np.ndarray | None = None) -> Any:
-        """Into ``out`` (its exact size); without ``out``, into a new uint8 array of the size the frame
-        declares (numcodecs' decoder where the frame does not declare it)."""
+    def decode(self, raw: Any, out: np.ndarray) -> np.ndarray:
+        """Into ``out``, which the frame must fill exactly (its size: what the caller's index allows)."""
         src = np.frombuffer(raw, dtype=np.uint8)
-        if out is None:
-            size = self.lib.ZSTD_getFrameContentSize(src.ctypes.data, src.nbytes)
-            if size >= _CONTENTSIZE_ERROR:  # unknown or not a frame: numcodecs streams or reports it
-                from numcodecs.zstd import Zstd
-
-                return Zstd().decode(raw)
-            out = np.empty(size, np.uint8)
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError("DirectZstd.decode needs a writable C-contiguous out array")
         n = self.lib.ZSTD_decompressDCtx(
@@ -71,7 +63,6 @@ class DirectZstd:
 
 
 _ERROR_LIMIT = (1 << 64) - 120  # ERROR(maxCode) in zstd's error_private.h: larger return values are errors
-_CONTENTSIZE_ERROR = (1 << 64) - 2  # ZSTD_CONTENTSIZE_ERROR; ZSTD_CONTENTSIZE_UNKNOWN is one above
 _LOCK = threading.Lock()
 _CACHED: list[DirectZstd | None] = []
 
@@ -122,9 +113,5 @@ def _declare(lib: Any) -> None:
         ctypes.c_void_p,
         ctypes.c_size_t,
     ]
-    lib.ZSTD_getFrameContentSize.restype = ctypes.c_ulonglong
-    lib.ZSTD_getFrameContentSize.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    lib.ZSTD_isError.restype = ctypes.c_uint
-    lib.ZSTD_isError.argtypes = [ctypes.c_size_t]
     lib.ZSTD_getErrorName.restype = ctypes.c_char_p
     lib.ZSTD_getErrorName.argtypes = [ctypes.c_size_t]

@@ -28,7 +28,7 @@ from dlstore.convert.verification import verify
 from dlstore.errors import DlstoreError, SpecError
 from dlstore.formats.codecs import JpegCodec, PayloadError
 from dlstore.read.cache import open_cache
-from dlstore.spec import MANIFEST
+from dlstore.spec import MANIFEST, manifest_digest
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +49,7 @@ def write_manifest(dest: Path, doc: dict, rehash: bool = True) -> None:
     """The attacker's manifest; with ``rehash`` its checksums match the tampered bytes."""
     if rehash:
         doc["checksums"] = checksum_tree(dest, (MANIFEST,))
+        doc["digest"] = manifest_digest(doc)
     (dest / MANIFEST).write_text(json.dumps(doc))
 
 
@@ -289,6 +290,61 @@ def test_a_1_4_mb_deflated_shard_declaring_1_4_gb_is_refused_before_allocating(
     )
 
 
+BOMB = 1_500_000_000
+
+
+def test_a_44_kb_zstd_payload_chunk_declaring_1_5_gb_is_refused(src: Path, tmp_path: Path) -> None:
+    """E5: a variable-size (payload) zarr cache whose first chunk is a valid 44 KB zstd frame of 1.5 GB.
+    Its index declares a few 8-pixel images: the decompression is bounded by those, and refused past."""
+    dest = cache(src, tmp_path / "c", fmt="zarr", resize="shorter")
+    chunk = dest / "images" / "c" / "0"
+    chunk.write_bytes(zstd_frame_of_zeros(BOMB))
+    assert chunk.stat().st_size < 50_000
+    write_manifest(dest, manifest(dest))
+    refused(dest, rf"{chunk}: chunk 0 does not decode \(declares 1500000000 decoded bytes, its index allows")
+
+
+def test_a_1_4_mb_deflated_payload_shard_declaring_1_5_gb_is_refused(src: Path, tmp_path: Path) -> None:
+    """E5: a deflated payload shard whose ``data`` member (1.4 MB) inflates to 1.5 GB, its .npy header
+    saying so; the index members are the real ones. Refused from the header, nothing inflated."""
+    dest = cache(src, tmp_path / "c", codec="deflate", resize="shorter")
+    path = shard(dest)
+    with np.load(path) as z:
+        index = {k: z[k] for k in z.files if k != "data"}
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "|u1", "fortran_order": False, "shape": (BOMB,)})
+    deflated_zip_of_zeros(path, "data.npy", header.getvalue(), BOMB)
+    with zipfile.ZipFile(path, "a") as zf:
+        for k, arr in index.items():
+            buf = io.BytesIO()
+            np.save(buf, arr)
+            zf.writestr(f"{k}.npy", buf.getvalue())
+    assert path.stat().st_size < 2e6
+    write_manifest(dest, manifest(dest))
+    refused(dest, rf"{path}: shard 0 unreadable .*data.npy declares uint8\(1500000000,\)")
+
+
+def test_a_payload_shard_whose_data_inflates_past_its_header_is_refused(src: Path, tmp_path: Path) -> None:
+    """E5: the header tells the truth for the index, the stream goes on: never read past what it says."""
+    dest = cache(src, tmp_path / "c", codec="deflate", resize="shorter")
+    path = shard(dest)
+    with np.load(path) as z:
+        members = {k: z[k] for k in z.files}
+    header = io.BytesIO()
+    data = members.pop("data")
+    np.lib.format.write_array_header_1_0(
+        header, {"descr": "|u1", "fortran_order": False, "shape": data.shape}
+    )
+    deflated_zip_of_zeros(path, "data.npy", header.getvalue(), BOMB // 8)
+    with zipfile.ZipFile(path, "a") as zf:
+        for k, arr in members.items():
+            buf = io.BytesIO()
+            np.save(buf, arr)
+            zf.writestr(f"{k}.npy", buf.getvalue())
+    write_manifest(dest, manifest(dest))
+    refused(dest, "more data than its header declares")
+
+
 def test_a_deflated_shard_declaring_a_huge_array_is_refused(src: Path, tmp_path: Path) -> None:
     """The header inside the zip says 1.4 GB; nothing of that size is allocated."""
     dest = cache(src, tmp_path / "c", codec="deflate")
@@ -393,19 +449,23 @@ for path in sys.argv[1:]:
         result = "read"
     except DlstoreError as e:
         result = type(e).__name__
-    out[path] = {"result": result, "grown": status("VmHWM") - base}
+    out[path] = {"result": result, "grown": status("VmHWM") - base, "peak": status("VmHWM")}
 print(json.dumps(out))
 """
 
 
 def test_hostile_caches_stay_within_twice_their_size_plus_100_mb(src: Path, tmp_path: Path) -> None:
-    """The done-when of issue 20: each hostile cache, read in a fresh process after its imports, raises
-    the peak RSS (VmHWM, reset per cache) by at most twice the cache's real size plus 100 MB."""
+    """E5: each hostile cache (the payload bombs of zstd and deflate included), read in a fresh process
+    after its imports, raises the peak RSS (VmHWM, reset per cache) by at most twice the cache's real
+    size plus 100 MB, and the child's own peak RSS, imports included, stays within that too."""
     hostile = {
         "zstd_1_5_gb": test_a_44_kb_zstd_chunk_declaring_1_5_gb_is_refused_before_allocating,
         "deflate_1_4_gb": test_a_1_4_mb_deflated_shard_declaring_1_4_gb_is_refused_before_allocating,
         "jpeg_20000": test_a_forged_manifest_and_index_of_20000_squared_jpegs_is_refused,
         "zarr_65536": test_a_zarr_cache_declaring_65536_squared_images_is_refused_before_allocating,
+        "payload_zstd_1_5_gb": test_a_44_kb_zstd_payload_chunk_declaring_1_5_gb_is_refused,
+        "payload_deflate_1_5_gb": test_a_1_4_mb_deflated_payload_shard_declaring_1_5_gb_is_refused,
+        "payload_deflate_overrun": test_a_payload_shard_whose_data_inflates_past_its_header_is_refused,
     }
     for name, make in hostile.items():
         make(src, tmp_path / name)
@@ -414,10 +474,17 @@ def test_hostile_caches_stay_within_twice_their_size_plus_100_mb(src: Path, tmp_
         [sys.executable, "-c", RSS_PROBE, *caches], capture_output=True, text=True, check=True, timeout=300
     )
     doc = json.loads(probe.stdout)
-    for path, folder in caches.items():
-        size = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
-        assert doc[path]["result"] == "CacheCorruptError", (path, doc[path])
+    sizes = {
+        path: sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+        for path, folder in caches.items()
+    }
+    for path, size in sizes.items():
+        assert doc[path]["result"] in ("CacheCorruptError", "SampleReadError"), (path, doc[path])
         assert doc[path]["grown"] <= 2 * size + (100 << 20), (path, doc[path], size)
+    # The child's whole peak, imports included. (Not its ru_maxrss: Linux carries the high-water mark of
+    # the forking pytest process across exec into the child's.)
+    for path, size in sizes.items():
+        assert doc[path]["peak"] <= 2 * size + (100 << 20), (path, doc[path], size)
 
 
 def test_the_decoded_unit_cache_is_bounded_by_the_cache_s_real_size(src: Path, tmp_path: Path) -> None:

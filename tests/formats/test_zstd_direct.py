@@ -53,11 +53,3 @@ def test_refuses_wrong_sizes_and_garbage(decoder) -> None:  # type: ignore[no-un
         decoder.decode(b"\x28\xb5\x2f\xfd" + b"\x00" * 40, out=np.empty(a.size, np.uint8))
     with pytest.raises(ValueError, match="writable"):
         decoder.decode(raw, out=np.empty(a.size, np.uint8)[::-1])
-
-
-def test_without_out_allocates_the_declared_size(decoder) -> None:  # type: ignore[no-untyped-def]
-    raw, a = frames()[1]
-    got = decoder.decode(raw)
-    assert bytes(got) == a.tobytes()
-    with pytest.raises(RuntimeError, match="[Zz]std"):
-        decoder.decode(b"not a zstd frame at all")

@@ -5,6 +5,8 @@
   Hugging Face ``datasets.Dataset`` row). The image is a PIL image, a uint8 ndarray (H,W or H,W,C),
   a uint8 tensor (C,H,W, torchvision's layout) or encoded bytes; it takes the folder's path from
   there (EXIF orientation of a PIL image or bytes, every mode, the resize).
+- A target dict holding torchvision's tv_tensors (detection's ``boxes``, ``masks``, ``labels``) is
+  carried as fields without ``--field`` (``fieldmap.described``); a key none can store is an error.
 - Labels: ``ds.targets`` (torchvision's attribute) when it has one entry per item, else every item is
   read once at open for its target. Classes: ``ds.classes`` when present, else ``labels_from_values``.
 - A failing ``ds[i]`` or an image of another type is skipped, named by its index.
@@ -33,13 +35,12 @@ from dlstore.convert.geometry import Geometry
 from dlstore.convert.imageops import (
     DECODE_ERRORS,
     array_to_image,
-    decode_file,
     decode_with_geometry,
     image_geometry,
     prepare,
 )
 from dlstore.convert.sources.encoded import EncodedSource, IndexedNames, labels_from_values
-from dlstore.convert.sources.fieldmap import declare, raw_value, requests_of
+from dlstore.convert.sources.fieldmap import declare, described, raw_value, requests_of
 from dlstore.convert.sources.registry import SourceArgs, register_source
 from dlstore.convert.targets import place_targets
 from dlstore.errors import ImageDecodeError, SourceError
@@ -99,7 +100,7 @@ class DatasetSource(EncodedSource):
         n = len(dataset)
         label = args.label or DEFAULT_LABEL
         targets = getattr(dataset, "targets", None)
-        requests = requests_of(args.fields)
+        requests = requests_of(args.fields) or described(target_dict(dataset, n), where)
         src = cls(
             description=where,
             classes=(),
@@ -141,51 +142,46 @@ class DatasetSource(EncodedSource):
         return src
 
     def _target(self, item: Any, i: int, optional: bool = False) -> Any:
-        if isinstance(item, dict):
-            if self.label_key not in item:
-                if optional:
-                    return None
-                raise SourceError(
-                    f"{self.description}[{i}]: no {self.label_key!r} key; name it with --label KEY"
-                )
-            return item[self.label_key]
-        if isinstance(item, (tuple, list)) and len(item) >= 2:
-            t = item[1]
-            if isinstance(t, dict) and optional:  # (image, target dict): its fields, maybe a label
-                t = t.get(self.label_key)
-                if t is None:
-                    return None
-            return int(t) if hasattr(t, "__index__") or (hasattr(t, "item") and np.ndim(t) == 0) else t
+        if isinstance(item, (tuple, list)) and len(item) >= 2 and not isinstance(item[1], dict):
+            return int_or_value(item[1])
+        if not isinstance(item, dict) and not (isinstance(item, (tuple, list)) and len(item) >= 2):
+            raise SourceError(
+                f"{self.description}[{i}]: an item must be (image, target) or a dict; found {type(item).__name__}"
+            )
+        values = item_fields(item)  # an item's dict, or the target dict of (image, target)
+        if self.label_key in values:
+            return int_or_value(values[self.label_key])
+        if optional:
+            return None
+        keys = ", ".join(repr(k) for k in values if k != "image") or "none besides the image"
         raise SourceError(
-            f"{self.description}[{i}]: an item must be (image, target) or a dict; found {type(item).__name__}"
+            f"{self.description}[{i}]: no {self.label_key!r} key (keys: {keys}); name the class key with "
+            "--label KEY, or keep the keys as fields with --field KEY"
         )
 
     def _index(self, i: int) -> int:
         return int(self.indices[i]) if self.indices is not None else i
 
-    def _image(self, i: int) -> Any:
-        name = self.names[i]
-        try:
-            item = self.dataset[self._index(i)]
-        except Exception as e:  # noqa: BLE001 - the user's __getitem__ may raise anything
-            raise ImageDecodeError(f"{name}: the Dataset raised {type(e).__name__}: {e}") from e
-        return item.get("image") if isinstance(item, dict) else item[0]
-
-    def decode_and_digest(self, i: int, policy: ImagePolicy) -> tuple[np.ndarray, str, float]:
-        image = self._image(i)
-        data = self._bytes_of(image, i)
-        digest = hashlib.sha256(data).hexdigest()
-        return self._decode_image(image, i, policy, data), digest, 0.0
-
-    def decode(self, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
-        return self._decode_image(self._image(i), i, policy)
-
-    # --- fields: the image and its target from one ds[i] ----------------------------------------------
     def _item(self, i: int) -> Any:
         try:
             return self.dataset[self._index(i)]
         except Exception as e:  # noqa: BLE001 - the user's __getitem__ may raise anything
             raise ImageDecodeError(f"{self.names[i]}: the Dataset raised {type(e).__name__}: {e}") from e
+
+    def _image(self, i: int, item: Any = None) -> Any:
+        item = self._item(i) if item is None else item
+        return item.get("image") if isinstance(item, dict) else item[0]
+
+    def decode_and_digest(self, i: int, policy: ImagePolicy) -> tuple[np.ndarray, str, float]:
+        image = self._image(i)
+        return (
+            self._image_geometry(image, i, policy)[0],
+            hashlib.sha256(self._bytes_of(image, i)).hexdigest(),
+            0.0,
+        )
+
+    def decode(self, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
+        return self._image_geometry(self._image(i), i, policy)[0]
 
     def field_value(self, i: int, key: str) -> Any:
         return item_fields(self._item(i)).get(key)
@@ -210,22 +206,13 @@ class DatasetSource(EncodedSource):
     ) -> tuple[np.ndarray, str, float, dict[str, np.ndarray], dict[str, int]]:
         """One ``ds[i]``: its image decoded and hashed, its fields placed in the cache image's frame."""
         item = self._item(i)
-        image = item.get("image") if isinstance(item, dict) else item[0]
+        image = self._image(i, item)
         digest = hashlib.sha256(self._bytes_of(image, i)).hexdigest()
         pixels, geometry = self._image_geometry(image, i, policy)
         values = item_fields(item)
         raw = {r.name: raw_value(self.fields[r.name], values.get(r.key)) for r in self.field_requests}
         rows, dropped = place_targets(raw, self.fields, geometry, policy, self.names[i])
         return pixels, digest, 0.0, rows, dropped
-
-    def _decode_image(self, image: Any, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
-        name = self.names[i]
-        if isinstance(image, (bytes, bytearray, memoryview)):
-            return decode_file(name, policy, bytes(image))
-        try:
-            return prepare(self._pil(image, i), policy)
-        except DECODE_ERRORS as e:
-            raise ImageDecodeError(f"{name}: cannot decode image ({type(e).__name__}: {e})") from e
 
     def _pil(self, image: Any, i: int) -> Image.Image:
         if isinstance(image, Image.Image):
@@ -265,14 +252,6 @@ class DatasetSource(EncodedSource):
             return Image.open(io.BytesIO(bytes(image)))
         return self._pil(image, i)
 
-    def digest(self, i: int, missing_ok: bool = False) -> str:
-        try:
-            return hashlib.sha256(self.read_bytes(i)).hexdigest()
-        except ImageDecodeError:
-            if missing_ok:
-                return ""
-            raise
-
     def reopen(self) -> dict[str, Any] | None:
         if not _CALLABLE.match(self.description):
             return None
@@ -307,6 +286,20 @@ def item_fields(item: Any) -> dict[str, Any]:
     if isinstance(item, (tuple, list)) and len(item) >= 2 and isinstance(item[1], dict):
         return item[1]
     return {}
+
+
+def int_or_value(t: Any) -> Any:
+    return int(t) if hasattr(t, "__index__") or (hasattr(t, "item") and np.ndim(t) == 0) else t
+
+
+def target_dict(dataset: Any, n: int) -> dict[str, Any]:
+    """The target dict of the first item when items are (image, target dict); else empty."""
+    try:
+        item = dataset[0] if n else None
+    except Exception:  # noqa: BLE001 - a failing item is skipped and named later, like any other
+        return {}
+    ok = isinstance(item, (tuple, list)) and len(item) >= 2 and isinstance(item[1], dict)
+    return item[1] if ok else {}
 
 
 def is_label_list(targets: Any) -> bool:

@@ -163,6 +163,34 @@ def declare(requests: Iterable[FieldRequest], first: Mapping[str, Any], where: s
     return out
 
 
+def described(target: Mapping[str, Any], where: str) -> tuple[FieldRequest, ...]:
+    """The fields a target dict describes itself, with no ``--field``: none unless a value is one of
+    torchvision's tv_tensors; then every key, a BoundingBoxes as boxes, a Mask as mask, numbers one per
+    box of the one boxes field as ragged, the rest as ``--field KEY`` reads them. A key no field can
+    store is an error naming it."""
+    if not any(type(v).__module__.startswith("torchvision.tv_tensors") for v in target.values()):
+        return ()
+    boxes = [plain(v) for v in target.values() if type(v).__name__ == "BoundingBoxes"]
+    out = []
+    for key, value in target.items():
+        kind, arr = {"BoundingBoxes": "boxes", "Mask": "mask"}.get(type(value).__name__), plain(value)
+        if kind is None and len(boxes) == 1 and isinstance(arr, np.ndarray) and arr.dtype.kind in "biuf":
+            kind = "ragged" if arr.ndim == 1 and len(arr) == len(boxes[0]) else None
+        r = FieldRequest(str(key), str(key), kind)
+        try:
+            if not r.name.isidentifier():
+                raise ValueError(f"{key!r} is not a field name")
+            if guess_kind(value, r, where) == "json":
+                json.dumps(value, default=lambda o: plain(o).tolist())
+        except (ValueError, TypeError, AttributeError) as e:
+            raise SourceError(
+                f"{where}: the target's {key!r} ({type(value).__name__}) cannot be stored ({e}); keep the "
+                "other keys with --field KEY for each, or return numbers, arrays or tv_tensors under it"
+            ) from None
+        out.append(r)
+    return tuple(out)
+
+
 def guess_kind(value: Any, r: FieldRequest, where: str) -> str:
     if r.kind:
         return r.kind
