@@ -211,7 +211,7 @@ def render(result: Any, as_json: bool) -> None:
         click.echo(
             f"{result.seconds:.1f} s, {result.images_per_s:,.0f} images/s with {count(result.workers, 'worker')}"
             + (f" ({result.workers_reason})" if result.workers_reason else "")
-            + (f", resumed {result.resumed_units} finished units" if result.resumed_units else "")
+            + (f"; {result.resumed_images:,} images were already converted" if result.resumed_images else "")
         )
     if result.n_skipped:
         click.echo(

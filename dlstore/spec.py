@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
@@ -31,6 +32,8 @@ STORAGE_ORDERS = ("shuffled", "source")  # storage position order: seeded random
 #   mask:   an H x W uint8/uint16 map of class or instance ids, the image's size (moved with it, nearest);
 #   json:   a small JSON record (UTF-8 text).
 FIELD_KINDS = ("class", "values", "boxes", "ragged", "mask", "json")
+# torchvision's IMG_EXTENSIONS plus GIF, which Pillow reads (first frame).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 FIELD_DTYPES = ("uint8", "uint16", "int32", "int64", "float32", "float64")
 
 
@@ -326,11 +329,35 @@ def read_spec(root: Path) -> CacheSpec:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise CacheNotFoundError(
-            f"{root}: no {MANIFEST}, so this is not a complete dlstore cache; "
-            f"(re)create it with `dlstore convert SOURCE {root} ... --overwrite`"
-        ) from None
+        raise no_manifest(root, Path(root)) from None
     return parse_manifest(text, path)
+
+
+def no_manifest(where: object, folder: Path | None = None) -> CacheNotFoundError:
+    """A location without a manifest: a folder of images is a SOURCE to convert (never a DEST to
+    overwrite), anything else an unfinished cache to make again."""
+    if folder is not None and holds_images(folder):
+        return CacheNotFoundError(
+            f"{where}: a folder of images, not a dlstore cache; convert it into one first, e.g. "
+            f"`dlstore convert {where} cache/{folder.resolve().name} --size 224`"
+        )
+    if folder is not None and folder.is_dir() and any(folder.iterdir()):  # --overwrite refuses such a DEST
+        return CacheNotFoundError(f"{where}: not a dlstore cache (no {MANIFEST}); give a cache's folder")
+    return CacheNotFoundError(
+        f"{where}: no {MANIFEST}, so this is not a complete dlstore cache; "
+        f"(re)create it with `dlstore convert SOURCE {where} ... --overwrite`"
+    )
+
+
+def holds_images(folder: Path) -> bool:
+    """Image files in ``folder`` or in its first subfolder (an ImageFolder tree); a glance, not a scan."""
+    try:
+        entries = list(itertools.islice(folder.iterdir(), 1000))
+        sub = next((e for e in sorted(entries) if e.is_dir()), None)
+        entries += list(itertools.islice(sub.iterdir(), 1000)) if sub is not None else []
+    except OSError:
+        return False
+    return any(e.suffix.lower() in IMAGE_EXTENSIONS for e in entries)
 
 
 def parse_manifest(text: str | bytes, path: Path) -> CacheSpec:

@@ -411,15 +411,27 @@ def _publish(tmp: Path, root: Path, n_images: int, seed: int) -> None:
 
 
 def _remove_stale_tmp_dirs(root: Path) -> None:
-    """Best-effort cleanup of temp/trash dirs left by crashed runs (old ones only)."""
+    """Best-effort cleanup of temp/trash dirs left by killed runs: those of a process that is gone,
+    and old ones (a folder shared between machines, where the pid names another machine's process)."""
     now = time.time()
-    for pattern in (f".{root.name}.tmp-*", f".{root.name}.trash-*"):
+    for pattern in (".*.tmp-*-*", ".*.trash-*-*"):  # any demo's: a killed run may have had another size
         for path in root.parent.glob(pattern):
             try:
-                if now - path.stat().st_mtime > _STALE_TMP_SECONDS:
+                if not _pid_alive(path.name) or now - path.stat().st_mtime > _STALE_TMP_SECONDS:
                     shutil.rmtree(path, ignore_errors=True)
             except OSError:
                 pass
+
+
+def _pid_alive(name: str) -> bool:
+    """Whether the process whose pid a temp dir's name carries (``.NAME.tmp-PID-HEX``) still runs."""
+    try:
+        os.kill(int(name.rsplit("-", 2)[-2]), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def _write_one(directory: str, seed: int, index: int) -> int:
