@@ -9,7 +9,7 @@ import click
 
 from dlstore.bench.kinds import LOADER_KINDS  # the registry imports torch only to build a kind
 from dlstore.bench.protocol import DEFAULT_LOADERS as KINDS
-from dlstore.bench.protocol import BenchConfig
+from dlstore.bench.protocol import BenchConfig, parse_int_list, parse_loaders
 from dlstore.cli.render import StorePath, emit_json, stderr
 from dlstore.cli.shared_options import (
     Command,
@@ -24,34 +24,15 @@ from dlstore.cli.shared_options import (
 )
 
 
-class IntList(click.ParamType):
-    name = "N,N,..."
+class ParsedList(click.ParamType):
+    """A comma-separated list, read by the library's parser (whose error names the bad item)."""
 
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> tuple[int, ...]:
-        if isinstance(value, tuple):
-            return value
-        from dlstore.bench.protocol import parse_int_list
+    def __init__(self, name: str, parse: Any) -> None:
+        self.name, self.parse = name, parse
 
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         try:
-            return parse_int_list(str(value))
-        except ValueError as e:
-            self.fail(f"{value!r}: {e}", param, ctx)
-
-
-class KindList(click.ParamType):
-    name = "KIND,..."
-
-    def convert(
-        self, value: Any, param: click.Parameter | None, ctx: click.Context | None
-    ) -> tuple[str, ...]:
-        if isinstance(value, tuple):
-            return value
-        from dlstore.bench.protocol import parse_loaders
-
-        try:
-            return parse_loaders(str(value), tuple(LOADER_KINDS))
+            return value if isinstance(value, tuple) else self.parse(str(value))
         except ValueError as e:
             self.fail(str(e), param, ctx)
 
@@ -91,14 +72,14 @@ TIMING = "Timing (tuning)"
 # BenchConfig field → its option's help and values; the flag and the default are the field's (config_options).
 OPTIONS: dict[str, dict[str, Any]] = {
     "loaders": dict(
-        type=KindList(),
+        type=ParsedList("KIND,...", lambda text: parse_loaders(text, tuple(LOADER_KINDS))),
         default=None,
         help=f"Loader kinds to compare, of {', '.join(LOADER_KINDS)}: raw (per-file decode, as torchvision), "
         "one per cache format, the fast paths pinned and resident, and the JPEG cache's GPU and CPU decode "
         f"[default: {','.join(KINDS)}].",
     ),
     "workers": dict(
-        type=IntList(),
+        type=ParsedList("N,N,...", parse_int_list),
         help="DataLoader worker counts to sweep [default: 0 and the 2 largest powers of two ≤ cores].",
     ),
     "batch_size": dict(
@@ -188,7 +169,13 @@ SECTIONS = {
 )
 @click.argument("source", default="demo")
 @config_options(BenchConfig, OPTIONS)
-@click.option("--formats", "formats_alias", type=KindList(), default=None, hidden=True)
+@click.option(
+    "--formats",
+    "formats_alias",
+    type=ParsedList("KIND,...", lambda text: parse_loaders(text, tuple(LOADER_KINDS))),
+    default=None,
+    hidden=True,
+)
 @size_option(
     "Image side in pixels [default: native for torchvision sets, 32 for demo, 224 for folders (64 on a CPU)].",
 )
