@@ -29,8 +29,10 @@ import numpy as np
 
 from dlstore.durable import durable_file
 from dlstore.errors import SourceError, StaleCacheError, StaleCacheWarning
-from dlstore.spec import IMAGE_EXTENSIONS, SOURCE_RECORD, CacheSpec, read_spec
+from dlstore.spec import SOURCE_RECORD, CacheSpec, read_spec
 
+# torchvision's IMG_EXTENSIONS plus GIF, which Pillow reads (first frame).
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 DIGEST_BYTES = 8  # of each source file's sha256: enough to notice an edit, not a security claim
 _LEGACY_RECORD = "sources.json"  # caches built before the columnar record
 

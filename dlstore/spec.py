@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
@@ -32,8 +31,6 @@ STORAGE_ORDERS = ("shuffled", "source")  # storage position order: seeded random
 #   mask:   an H x W uint8/uint16 map of class or instance ids, the image's size (moved with it, nearest);
 #   json:   a small JSON record (UTF-8 text).
 FIELD_KINDS = ("class", "values", "boxes", "ragged", "mask", "json")
-# torchvision's IMG_EXTENSIONS plus GIF, which Pillow reads (first frame).
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp", ".gif")
 FIELD_DTYPES = ("uint8", "uint16", "int32", "int64", "float32", "float64")
 
 
@@ -351,10 +348,12 @@ def no_manifest(where: object, folder: Path | None = None) -> CacheNotFoundError
 
 def holds_images(folder: Path) -> bool:
     """Image files in ``folder`` or in its first subfolder (an ImageFolder tree); a glance, not a scan."""
+    from dlstore.sourcefiles import IMAGE_EXTENSIONS  # (it imports this module)
+
     try:
-        entries = list(itertools.islice(folder.iterdir(), 1000))
+        entries = [e for _, e in zip(range(1000), folder.iterdir())]
         sub = next((e for e in sorted(entries) if e.is_dir()), None)
-        entries += list(itertools.islice(sub.iterdir(), 1000)) if sub is not None else []
+        entries += [e for _, e in zip(range(1000), sub.iterdir())] if sub is not None else []
     except OSError:
         return False
     return any(e.suffix.lower() in IMAGE_EXTENSIONS for e in entries)
