@@ -178,3 +178,14 @@ def test_a_script_beside_the_clone_folder_is_told_why_dlstore_is_empty(tmp_path:
     assert done.returncode == 1
     assert f"found {tmp_path / 'dlstore'}, the folder of dlstore's source clone" in done.stderr
     assert "run it from another folder" in done.stderr
+
+
+def test_ctrl_c_in_any_command_exits_130(photos: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dlstore.storage.mirror as mirror
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(mirror, "spec_at", interrupted)
+    res = CliRunner().invoke(main, ["info", str(photos)])
+    assert res.exit_code == 130 and "interrupted" in res.output
