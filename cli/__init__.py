@@ -15,7 +15,12 @@ class DlstoreGroup(click.Group):
         try:
             return super().invoke(ctx)
         except DlstoreError as e:
-            raise click.ClickException(str(e)) from e
+            error = click.ClickException(str(e))
+            error.exit_code = getattr(e, "exit_code", 1)
+            raise error from e
+        except KeyboardInterrupt:  # the shell's code for Ctrl-C (click's own Abort exits 1)
+            click.echo("interrupted", err=True)
+            raise click.exceptions.Exit(130) from None
 
 
 @click.group(cls=DlstoreGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -8,6 +8,8 @@ import click
 
 from dlstore.cli.render import StorePath, emit_json, stderr, storage_options_option
 from dlstore.cli.shared_options import (
+    Command,
+    config_options,
     demo_images_option,
     field_option,
     given_writer_options,
@@ -18,55 +20,76 @@ from dlstore.cli.shared_options import (
     size_option,
     writer_options,
 )
+from dlstore.convert.options import ConvertOptions
 from dlstore.convert.sizes import count, human_bytes
-from dlstore.formats import DEFAULT_FORMAT, FORMATS
+from dlstore.formats import FORMATS, cli_options
 from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
 
+IMAGES = "The images"
+SOURCE = "The source"
+BAD = "Undecodable images"
+RUN = "Where and how it runs"
+# ConvertOptions field → its option's help and values; the flag and the default are the field's.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "format": dict(type=click.Choice(list(FORMATS)), help="Cache format."),
+    "workers": dict(type=click.IntRange(1, 1024), help="Processes [default: all cores]."),
+    "overwrite": dict(help="Replace an existing cache at DEST (atomically)."),
+    "resize": dict(
+        type=click.Choice(RESIZE_POLICIES),
+        help="crop = torchvision Resize(size)+CenterCrop(size); shorter = Resize(size): aspect ratio kept, "
+        "images differ in size (npz/zarr).",
+    ),
+    "max_side": dict(
+        type=click.IntRange(2, 65536),
+        help="With --resize shorter: cap the longer side (Resize's max_size).",
+    ),
+    "channels": dict(type=click.Choice(CHANNELS), help="3 = RGB, 1 = grey."),
+    "decode": dict(
+        type=click.Choice(DECODE_MODES),
+        help="exact = full decode, torchvision's pixels; fast = DCT-scaled decode of large JPEGs "
+        "(several times faster, mean error ≤ about 1 level; see docs/formats.md).",
+    ),
+    "strict": dict(help="Stop at the first undecodable image instead of skipping it."),
+    "max_bad": dict(
+        type=click.FloatRange(0, 1), help="Abort when more than this fraction of images is undecodable."
+    ),
+    "decode_timeout": dict(
+        type=click.FloatRange(0, None),
+        help="Seconds one image may take to decode before it is skipped as bad (0 = no limit).",
+    ),
+    "storage_order": dict(
+        type=click.Choice(STORAGE_ORDERS),
+        help="shuffled: chunks hold a seeded random mix (fast random-order reads with the chunk sampler).",
+    ),
+    "scheduler": dict(
+        metavar="local[:N]|tcp://HOST:PORT",
+        help="Run the units as Dask tasks: a local cluster where N processes decode, or a running "
+        "scheduler whose workers see SOURCE and DEST (needs dlstore[dask]).",
+    ),
+}
+SECTIONS = {
+    IMAGES: ("resize", "max_side", "channels", "decode", "pixels", "max_megapixels"),
+    "Format options": tuple(o.name for o in cli_options()),
+    SOURCE: ("root", "label", "fields", "split", "demo_images"),
+    BAD: ("strict", "max_bad", "decode_timeout"),
+    RUN: ("storage_order", "scheduler", "storage_options"),
+}
 
-@click.command("convert")
+
+@click.command(
+    "convert",
+    cls=Command,
+    sections=SECTIONS,
+    short_help="Convert SOURCE into a pre-resized cache at DEST.",
+)
 @click.argument("source")
 @click.argument("dest", type=StorePath())
-@click.option(
-    "--format",
-    "format",
-    type=click.Choice(list(FORMATS)),
-    default=DEFAULT_FORMAT,
-    show_default=True,
-    help="Cache format.",
-)
 @size_option("Output side in pixels.", required=True)
-@click.option(
-    "--resize",
-    type=click.Choice(RESIZE_POLICIES),
-    default="crop",
-    show_default=True,
-    help="crop = torchvision Resize(size)+CenterCrop(size); shorter = Resize(size): aspect ratio kept, "
-    "images differ in size (npz/zarr).",
-)
-@click.option(
-    "--max-side",
-    type=click.IntRange(2, 65536),
-    default=None,
-    help="With --resize shorter: cap the longer side (torchvision Resize's max_size).",
-)
-@click.option(
-    "--channels",
-    type=click.Choice([str(c) for c in CHANNELS]),
-    default="3",
-    show_default=True,
-    help="3 = RGB, 1 = grey.",
-)
-@click.option(
-    "--decode",
-    type=click.Choice(DECODE_MODES),
-    default="exact",
-    show_default=True,
-    help="exact = full decode, torchvision's pixels; fast = DCT-scaled decode of large JPEGs "
-    "(several times faster, mean error ≤ about 1 level; see README).",
-)
+@config_options(ConvertOptions, OPTIONS)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 @pixels_option()
+@max_megapixels_option()
 @writer_options
-@click.option("--workers", type=click.IntRange(1, 1024), default=None, help="Processes [default: all cores].")
 @root_option()
 @label_option()
 @field_option()
@@ -78,39 +101,7 @@ from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
     help="torchvision split.",
 )
 @demo_images_option(512, "Images in the demo dataset.")
-@click.option("--strict", is_flag=True, help="Stop at the first undecodable image instead of skipping it.")
-@click.option(
-    "--max-bad",
-    type=click.FloatRange(0, 1),
-    default=0.5,
-    show_default=True,
-    help="Abort when more than this fraction of images is undecodable.",
-)
-@click.option(
-    "--decode-timeout",
-    type=click.FloatRange(0, None),
-    default=60.0,
-    show_default=True,
-    help="Seconds one image may take to decode before it is skipped as bad (0 = no limit).",
-)
-@max_megapixels_option()
-@click.option(
-    "--storage-order",
-    type=click.Choice(STORAGE_ORDERS),
-    default="shuffled",
-    show_default=True,
-    help="shuffled: chunks hold a seeded random mix (fast random-order reads with the chunk sampler).",
-)
-@click.option(
-    "--scheduler",
-    default=None,
-    metavar="local[:N]|tcp://HOST:PORT",
-    help="Run the units as Dask tasks: a local cluster where N processes decode, or a running scheduler "
-    "whose workers see SOURCE and DEST (needs dlstore[dask]).",
-)
 @storage_options_option()
-@click.option("--overwrite", is_flag=True, help="Replace an existing cache at DEST (atomically).")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
 def convert_cmd(source: str, dest: Any, as_json: bool, **params: Any) -> None:
     """Convert SOURCE into a pre-resized cache at DEST.
 
@@ -175,14 +166,10 @@ class ProgressBars:
 
 def convert_options(params: dict[str, Any]) -> Any:
     """The command's flags → one ``ConvertOptions`` (its fields are the flags' names, but for
-    ``--split`` → ``train``, ``--channels`` as a number and the writer options → ``codec`` +
-    ``writer_options``)."""
-    from dlstore.convert.options import ConvertOptions
-
+    ``--split`` → ``train`` and the writer options → ``codec`` + ``writer_options``)."""
     writer = given_writer_options(params)
     return ConvertOptions(
-        **{k: v for k, v in params.items() if k not in ("split", "channels")},
-        channels=int(params["channels"]),
+        **{k: v for k, v in params.items() if k != "split"},
         train=params["split"] == "train",
         codec=writer.pop("codec", None),
         writer_options=writer,
@@ -211,7 +198,7 @@ def render(result: Any, as_json: bool) -> None:
         click.echo(
             f"{result.seconds:.1f} s, {result.images_per_s:,.0f} images/s with {count(result.workers, 'worker')}"
             + (f" ({result.workers_reason})" if result.workers_reason else "")
-            + (f", resumed {result.resumed_units} finished units" if result.resumed_units else "")
+            + (f"; {result.resumed_images:,} images were already converted" if result.resumed_images else "")
         )
     if result.n_skipped:
         click.echo(

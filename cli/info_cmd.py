@@ -61,7 +61,7 @@ def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | 
     click.echo(f"  on disk   {human_bytes(nbytes)} in {count(len(spec.checksums), 'file')}")
 
 
-@click.command("verify")
+@click.command("verify", short_help="Check the cache at DEST against its checksums and source.")
 @click.argument("dest", type=StorePath())
 @click.option(
     "--deep", is_flag=True, help="Also re-hash every source file (catches edits that kept size and mtime)."

@@ -6,6 +6,7 @@ default and help line.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,46 @@ import click
 from dlstore.formats import cli_options
 
 F = Callable[..., Any]
+
+
+class Command(click.Command):
+    """A command whose ``--help`` lists the options a newcomer needs first, then the rest under the
+    headings of ``sections`` (heading → parameter names), in that order."""
+
+    def __init__(self, *args: Any, sections: dict[str, tuple[str, ...]], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sections = sections
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        heading = {name: title for title, names in self.sections.items() for name in names}
+        rows: dict[str, list[tuple[str, str]]] = {"Options": [], **{title: [] for title in self.sections}}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx) if isinstance(param, click.Option) else None
+            if record is not None:
+                rows[heading.get(param.name or "", "Options")].append(record)
+        for title, records in rows.items():
+            with formatter.section(title):
+                formatter.write_dl(records)
+
+
+def config_options(config: type, table: dict[str, dict[str, Any]]) -> Callable[[F], F]:
+    """One option per field the table names, generated from the config dataclass: the flag is the field's
+    name (``max_images`` → ``--max-images``) unless the table gives ``flag``, the default is the field's
+    unless it gives ``default``; the table adds the help and the values taken. A bool field is a flag."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+
+    def decorate(command: F) -> F:
+        for name, spec in reversed(list(table.items())):
+            spec = {"default": defaults[name], **spec}
+            flag = spec.pop("flag", "--" + name.replace("_", "-"))
+            if isinstance(spec["default"], bool) and "/" not in flag:
+                spec["is_flag"] = True
+            spec.setdefault("show_default", spec["default"] not in (None, False))
+            command = click.option(flag, name, **spec)(command)
+        return command
+
+    return decorate
+
 
 MAX_MEGAPIXELS_HELP = (
     "Decode images up to this size; larger files are refused as decompression bombs, skipped and named "

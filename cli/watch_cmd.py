@@ -8,10 +8,31 @@ from pathlib import Path
 import click
 
 from dlstore.cli.render import emit_json, stderr
+from dlstore.cli.shared_options import Command
+
+# The tuning options, under headings of their own in --help (the rest: what a newcomer needs).
+SECTIONS = {
+    "Replay and in-loop trial (tuning)": (
+        "warmup",
+        "no_replay",
+        "replay_at",
+        "replay_s",
+        "replay_steps",
+        "replay_rounds",
+        "replay_every",
+        "no_trial",
+        "trial_s",
+        "replay_batches",
+    ),
+    "Timing the parts (tuning)": ("no_parts", "parts_budget", "event_every", "profile"),
+}
 
 
 @click.command(
     "watch",
+    cls=Command,
+    sections=SECTIONS,
+    short_help="Run your training script; say what slows it and what to change.",
     context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)

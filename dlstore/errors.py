@@ -35,6 +35,12 @@ class ConvertError(DlstoreError, RuntimeError):
     """A conversion failed as a whole (too many bad files, interrupted, disk full)."""
 
 
+class ConvertInterrupted(ConvertError):
+    """Ctrl-C: the message says how far the conversion got; the command exits with the shell's 130."""
+
+    exit_code = 130
+
+
 class SampleReadError(DlstoreError, RuntimeError):
     """Reading one sample failed; names the cache file and the dataset index."""
 

@@ -1,4 +1,4 @@
-"""Every ``DLSTORE_*`` environment variable, read in one place (the README's "Environment" table is
+"""Every ``DLSTORE_*`` environment variable, read in one place (docs/environment.md's table is
 made from ``SETTINGS``; ``tests/test_settings.py`` checks that they agree and that nothing else reads one).
 
 Values are read when asked for, not at import, so a variable set by a test or by a parent process before

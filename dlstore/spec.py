@@ -334,11 +334,37 @@ def read_spec(root: Path) -> CacheSpec:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise CacheNotFoundError(
-            f"{root}: no {MANIFEST}, so this is not a complete dlstore cache; "
-            f"(re)create it with `dlstore convert SOURCE {root} ... --overwrite`"
-        ) from None
+        raise no_manifest(root, Path(root)) from None
     return parse_manifest(text, path)
+
+
+def no_manifest(where: object, folder: Path | None = None) -> CacheNotFoundError:
+    """A location without a manifest: a folder of images is a SOURCE to convert (never a DEST to
+    overwrite), anything else an unfinished cache to make again."""
+    if folder is not None and holds_images(folder):
+        return CacheNotFoundError(
+            f"{where}: a folder of images, not a dlstore cache; convert it into one first, e.g. "
+            f"`dlstore convert {where} cache/{folder.resolve().name} --size 224`"
+        )
+    if folder is not None and folder.is_dir() and any(folder.iterdir()):  # --overwrite refuses such a DEST
+        return CacheNotFoundError(f"{where}: not a dlstore cache (no {MANIFEST}); give a cache's folder")
+    return CacheNotFoundError(
+        f"{where}: no {MANIFEST}, so this is not a complete dlstore cache; "
+        f"(re)create it with `dlstore convert SOURCE {where} ... --overwrite`"
+    )
+
+
+def holds_images(folder: Path) -> bool:
+    """Image files in ``folder`` or in its first subfolder (an ImageFolder tree); a glance, not a scan."""
+    from dlstore.sourcefiles import IMAGE_EXTENSIONS  # (it imports this module)
+
+    try:
+        entries = [e for _, e in zip(range(1000), folder.iterdir())]
+        sub = next((e for e in sorted(entries) if e.is_dir()), None)
+        entries += [e for _, e in zip(range(1000), sub.iterdir())] if sub is not None else []
+    except OSError:
+        return False
+    return any(e.suffix.lower() in IMAGE_EXTENSIONS for e in entries)
 
 
 def parse_manifest(text: str | bytes, path: Path) -> CacheSpec:

@@ -1,4 +1,4 @@
-"""The package's layers (README "Architecture"): each folder imports only the floors below it, the
+"""The package's layers (docs/architecture.md): each folder imports only the floors below it, the
 write side (convert/) and the read side (read/) are siblings that never import each other, and at
 most 8 modules sit directly in dlstore/."""
 

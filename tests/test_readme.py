@@ -16,7 +16,10 @@ from dlstore.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 PAGES = [README, *sorted((README.parent / "docs").glob("*.md"))]
-# A training script of the user's kind, for the README's `dlstore watch -- python train.py`.
+RUN = ("python", "sh")  # the fences that run; another language (text, json) is not code
+# A fence's info after the language: "no-test: WHY" leaves the block out (kept rare; the reason is read).
+FENCE = re.compile(r"^```(\w+)([^\n]*)\n(.*?)^```", flags=re.S | re.M)
+# A training script of the user's kind, for `dlstore watch -- python train.py`.
 TRAIN_PY = """
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -33,106 +36,157 @@ for epoch in range(3):
 """
 
 
-def blocks(lang: str) -> list[str]:
-    return [b for page in PAGES for b in re.findall(rf"```{lang}\n(.*?)```", page.read_text(), flags=re.S)]
+def fences(page: Path) -> list[tuple[str, str, str]]:
+    """(language, the rest of the fence's info, code) of every fenced block on the page."""
+    return [(m.group(1), m.group(2).strip(), m.group(3)) for m in FENCE.finditer(page.read_text())]
 
 
-def test_readme_is_short_and_starts_where_a_user_starts() -> None:
-    lines = README.read_text().splitlines()
-    assert len(lines) <= 250
-    assert any("make demo" in line for line in lines[:40])
-    for link in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", README.read_text()):
+def runnable(page: Path) -> list[tuple[str, str]]:
+    return [
+        (lang, code) for lang, info, code in fences(page) if lang in RUN and not info.startswith("no-test:")
+    ]
+
+
+def test_every_fence_is_code_that_runs_or_says_why_not() -> None:
+    skipped = []
+    for page in PAGES:
+        for lang, info, _ in fences(page):
+            assert lang in (*RUN, "text", "json"), f"{page.name}: a ```{lang} block (use sh or python)"
+            if info:
+                assert info.startswith("no-test: ") and len(info) > 20, f"{page.name}: ```{lang} {info}"
+                skipped.append(page.name)
+    assert len(skipped) <= 2, skipped
+
+
+def test_readme_starts_where_a_user_starts() -> None:
+    text = README.read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 150
+    first = "\n".join(lines[:40])
+    assert "dlstore watch -- python train.py" in first and "3,617" in first and "4,776" in first
+    assert text.index("dlstore watch") < text.index("dlstore convert photos/") < text.index("make demo")
+    assert 'CachedDataset("cache/photos", transform=' in text
+    assert "from dlstore import ConvertOptions, convert, verify" in text
+    for link in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", text):
         assert (README.parent / link).exists(), link
 
 
-def test_readme_watch_command_runs_on_a_training_script(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def shell_lines(code: str) -> list[str]:
+    """The commands of a shell block: comments dropped, continued lines joined."""
+    text = code.replace("\\\n", " ")
+    return [line for line in (shlex.join(shlex.split(x, comments=True)) for x in text.splitlines()) if line]
+
+
+def run_shell(line: str) -> None:
+    args = shlex.split(line)
+    if args[0] == "dlstore":  # in this process: fast, and a failure shows click's own output
+        result = CliRunner().invoke(main, args[1:], catch_exceptions=False)
+        assert result.exit_code == 0, f"{line}\n{result.output}"
+        return
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    if args[0] == "torchrun":  # ranks on the CPU (gloo): CI has no GPU
+        line = shlex.join([sys.executable, "-m", "torch.distributed.run", *args[1:]])
+        env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    done = subprocess.run(line, shell=True, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+
+
+def run_page(page: Path) -> None:
+    """Every block of the page in order, in the current folder, as a reader following the page would."""
+    for lang, code in runnable(page):
+        if lang == "sh":
+            for line in shell_lines(code):
+                run_shell(line)
+        else:
+            exec(compile(code, str(page), "exec"), {"__name__": "__main__"})
+
+
+def world_for(page: Path, root: Path) -> dict[str, str]:
+    """What the page's blocks expect to find in the folder they run in; the environment they run with."""
+    from photo_forms import make_photo_folder, write_csv, write_hf_parquet, write_shards
+
+    env = {"DLSTORE_DEMO_DIR": str(root / ".demo"), "DLSTORE_BENCH_CACHE": str(root / ".bench-cache")}
+    (root / "train.py").write_text(TRAIN_PY)
+    if page.name in ("README.md", "sources.md"):
+        make_photo_folder(root / "photos", 12)
+    if page.name == "sources.md":
+        pytest.importorskip("pyarrow")
+        pytest.importorskip("webdataset")
+        write_hf_parquet(root / "photos", root / "photos.parquet")
+        write_shards(root / "photos", root / "shards", per_shard=6)
+        write_csv(root / "photos", root / "list.csv")
+        (root / "mydata.py").write_text(
+            "from photo_forms import PhotoDataset\n\ndef photos():\n    return PhotoDataset('photos')\n"
+        )
+    if page.name == "fields.md":
+        fields_data(root)
+    return env
+
+
+@pytest.mark.parametrize(
+    "page", [p for p in PAGES if runnable(p) and p.name != "scale.md"], ids=lambda p: p.name
+)
+def test_every_block_of_the_page_runs_as_written(
+    page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "train.py").write_text(TRAIN_PY)
-    (command,) = [
-        line[2:] for block in blocks("watch") for line in block.splitlines() if line.startswith("$ ")
-    ]
-    args = shlex.split(command)
-    assert args[:2] == ["dlstore", "watch"]
-    result = CliRunner().invoke(main, args[1:], catch_exceptions=False)
-    assert result.exit_code == 0, result.output
+    monkeypatch.syspath_prepend(str(tmp_path))  # MODULE:CALLABLE sources import from here
+    for key, value in world_for(page, tmp_path).items():
+        monkeypatch.setenv(key, value)
+    run_page(page)
 
 
-def test_readme_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("DLSTORE_DEMO_DIR", str(tmp_path / "demo"))
-    monkeypatch.setenv("DLSTORE_BENCH_CACHE", str(tmp_path / "bench-cache"))
-    commands = [
-        line[2:] for block in blocks("console") for line in block.splitlines() if line.startswith("$ ")
-    ]
-    assert any(c.startswith("dlstore convert") for c in commands) and any(
-        c.startswith("dlstore bench") for c in commands
-    )
-    for command in commands:
-        args = shlex.split(command)
-        assert args[0] == "dlstore"
-        result = CliRunner().invoke(main, args[1:], catch_exceptions=False)
-        assert result.exit_code == 0, f"{command}\n{result.output}"
-    assert (tmp_path / "bench-out" / "result.json").is_file()
-    (example,) = blocks("python")
-    namespace: dict = {}
-    exec(compile(example, str(README), "exec"), namespace)
-    (pattern,) = blocks("python checkpoint")
+def test_the_readme_checkpoint_resumes_where_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Run as written twice: the second run finds ckpt.pt at the end of epoch 2 and does nothing more;
+    stopped mid-epoch, it runs only the rest."""
     import torch
 
-    namespace["model"] = torch.nn.Linear(2, 2)
-    fresh = namespace["PinnedLoader"]("cache/zarr", batch_size=32, device="cpu").state_dict()
-    torch.save({"loader": fresh}, "ckpt.pt")
-    exec(compile(pattern, str(README), "exec"), namespace)
-    assert torch.load("ckpt.pt")["loader"]["epoch"] == 2  # two epochs done, the next is the third
-    torch.save({"loader": {**fresh, "epoch": 1, "consumed": 64}}, "ckpt.pt")  # stopped in the second
-    exec(compile(pattern, str(README), "exec"), namespace)
+    monkeypatch.chdir(tmp_path)
+    from photo_forms import make_photo_folder
+
+    make_photo_folder(tmp_path / "photos", 12)
+    assert CliRunner().invoke(main, ["convert", "photos/", "cache/photos", "--size", "256"]).exit_code == 0
+    (code,) = [code for lang, code in runnable(README) if lang == "python" and "ckpt.pt" in code]
+    exec(compile(code, "README.md", "exec"), {})
+    done = torch.load("ckpt.pt")["loader"]
+    assert done["epoch"] == 2 and done["consumed"] == 0  # two epochs done, the next is the third
+    torch.save({**torch.load("ckpt.pt"), "loader": {**done, "epoch": 1, "consumed": 4}}, "ckpt.pt")
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
     assert torch.load("ckpt.pt")["loader"]["epoch"] == 2 and namespace["epoch"] == 1  # it ran the rest
 
 
 @pytest.mark.s3
-def test_readme_scale_commands_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The Scale section: Dask conversion, torchrun DDP on CPU (gloo), a cache on a local S3 server."""
+def test_scale_page_runs_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/scale.md: Dask conversion, torchrun DDP on CPU (gloo), caches on a local S3 server."""
     pytest.importorskip("moto.server")
     from s3server import aws_env, start_server
 
     from dlstore.storage.stores import RemoteStore
 
+    page = README.parent / "docs" / "scale.md"
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("DLSTORE_DEMO_DIR", str(tmp_path / "demo"))
     monkeypatch.setenv("DLSTORE_SPOOL", str(tmp_path / "spool"))
     (tmp_path / "benchmarks").symlink_to(README.parent / "benchmarks")
     server = start_server()
     try:
-        for name, value in aws_env(server).items():
-            monkeypatch.setenv(name, value)
-        commands = [line[2:] for line in blocks("scale")[0].splitlines() if line.startswith("$ ")]
-        buckets = {c.split("s3://")[1].split("/")[0] for c in commands if "s3://" in c}
-        for bucket in buckets:  # the README assumes the bucket exists
-            RemoteStore(f"s3://{bucket}").fs.mkdir(bucket)
-        assert len(commands) >= 3 and any("--scheduler" in c for c in commands)
-        for command in commands:
-            run_scale_command(shlex.split(command))
+        for key, value in {**world_for(page, tmp_path), **aws_env(server)}.items():
+            monkeypatch.setenv(key, value)
+        code = "".join(code for lang, code in runnable(page) if lang == "sh")
+        for bucket in {c.split("s3://")[1].split("/")[0] for c in shell_lines(code) if "s3://" in c}:
+            RemoteStore(f"s3://{bucket}").fs.mkdir(bucket)  # the page assumes the bucket exists
+        run_page(page)
     finally:
         server.stop()
 
 
-def run_scale_command(args: list[str]) -> None:
-    if args[0] == "dlstore":
-        result = CliRunner().invoke(main, args[1:], catch_exceptions=False)
-        assert result.exit_code == 0, f"{shlex.join(args)}\n{result.output}"
-        return
-    assert args[0] == "torchrun", args
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", *args[1:]]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-
-
 def test_make_targets_named_in_readme_exist() -> None:
     makefile = (README.parent / "Makefile").read_text()
-    for target in re.findall(r"^make (\w+)", blocks("sh")[0], flags=re.M):
+    named = re.findall(r"^make (\w+)", README.read_text(), flags=re.M)
+    assert {"demo", "test"} <= set(named)
+    for target in named:
         assert re.search(rf"^{target}:", makefile, flags=re.M), target
     assert "make test" in (README.parent / ".ci" / "run").read_text()
 
@@ -198,43 +252,26 @@ def fields_parquet(out: Path, images: Path, masks: Path) -> None:
     pq.write_table(table, out)
 
 
-def test_fields_page_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    fields_data(tmp_path)
-    commands = [
-        line[2:] for block in blocks("fields") for line in block.splitlines() if line.startswith("$ ")
-    ]
-    assert len(commands) >= 3
-    for command in commands:
-        args = shlex.split(command)
-        assert args[0] == "dlstore"
-        result = CliRunner().invoke(main, args[1:], catch_exceptions=False)
-        assert result.exit_code == 0, f"{command}\n{result.output}"
-    (example,) = blocks("fields-python")
-    exec(compile(example, "docs/fields.md", "exec"), {})
-
-
-def test_readme_source_forms_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each SOURCE form's line, on the same photographs written in that form (tests/photo_forms.py)."""
-    pytest.importorskip("pyarrow")
-    pytest.importorskip("webdataset")
-    from photo_forms import make_photo_folder, write_csv, write_hf_parquet, write_shards
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    root = make_photo_folder(Path("photos"), 8)
-    write_hf_parquet(root, Path("photos.parquet"))
-    write_shards(root, Path("shards"), per_shard=4)
-    write_csv(root, Path("list.csv"))
-    Path("mydata.py").write_text(
-        "from photo_forms import PhotoDataset\n\ndef photos():\n    return PhotoDataset('photos')\n"
+def test_make_demo_benches_the_cache_it_made_from_the_same_images_with_pip_quiet(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["make", "-n", "-B", "demo", f"VENV={tmp_path / 'venv'}"],
+        cwd=README.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    commands = [
-        line[2:] for block in blocks("sources") for line in block.splitlines() if line.startswith("$ ")
-    ]
-    assert len(commands) == 5
-    for command in commands:
-        args = shlex.split(command, comments=True)
-        result = CliRunner().invoke(main, [*args[1:], "--workers", "1"], catch_exceptions=False)
-        assert result.exit_code == 0, f"{command}\n{result.output}"
-        assert "8 images" in result.output, result.output
+    assert done.returncode == 0, done.stderr
+    lines = [shlex.split(line) for line in done.stdout.splitlines() if line.strip()]
+    pips = [args for args in lines if "pip" in args]
+    assert len(pips) == 3 and all("-q" in args for args in pips)
+
+    def flag(args: list[str], name: str) -> str:
+        return args[args.index(name) + 1]
+
+    dlstore = [args for args in lines if args[0].endswith("/bin/dlstore")]
+    (convert,) = [a for a in dlstore if a[1] == "convert"]
+    (bench,) = [a for a in dlstore if a[1] == "bench"]
+    assert convert[2] == bench[2] == "demo"
+    for name in ("--size", "--demo-images"):
+        assert flag(convert, name) == flag(bench, name)
+    assert flag(bench, "--cache") == convert[3]

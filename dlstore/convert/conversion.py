@@ -36,7 +36,7 @@ from dlstore.convert.sources import Source
 from dlstore.convert.staging import Staging
 from dlstore.convert.store_units import StoreUnits, journaled_sums, units_prefix
 from dlstore.convert.unit_work import Job
-from dlstore.errors import ConvertError
+from dlstore.errors import ConvertInterrupted
 from dlstore.formats.base import CacheWriter
 from dlstore.spec import MANIFEST, CacheSpec
 from dlstore.storage.stores import RemoteStore, parse_store_path
@@ -240,7 +240,7 @@ def finish(
             stages["commit_s"] = time.perf_counter() - t_fin - stages["finalize_s"]
             return spec
     except KeyboardInterrupt:
-        raise ConvertError(
+        raise ConvertInterrupted(
             f"interrupted: {done_images(plan.writer, staging)} of {plan.writer.n} done (while finishing); "
             "re-run the same command to resume"
         ) from None

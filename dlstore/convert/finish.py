@@ -49,6 +49,7 @@ class ConvertResult:
     images_per_s: float
     workers: int
     resumed_units: int = 0
+    resumed_images: int = 0  # images of those units: what a user counts
     workers_reason: str = ""  # why ``workers`` (e.g. fewer units than workers asked for)
     skipped: list[dict[str, Any]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -234,6 +235,7 @@ def converted_result(
         images_per_s=converted / max(seconds, 1e-9),
         workers=workers,
         resumed_units=writer.n_units - len(todo),
+        resumed_images=writer.n - converted,
         skipped=bad,
         warnings=plan.warnings,
         stages=stages,

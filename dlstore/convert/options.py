@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dlstore.errors import SpecError
-from dlstore.formats import DEFAULT_FORMAT, get_format
+from dlstore.formats import DEFAULT_FORMAT, FORMATS, get_format
 from dlstore.spec import STORAGE_ORDERS, CacheSpec, ImagePolicy
 
 DECODE_TIMEOUT_S = 60.0
@@ -136,6 +136,18 @@ def parse_writer_options(fmt: str, codec: str | None, others: Mapping[str, Any])
     if "codec" in others:
         raise SpecError("give the codec as ConvertOptions(codec=...), not in writer_options")
     given = dict(others) if codec is None else {**others, "codec": codec}
+    taken = {o.name for o in get_format(fmt).options}
+    for name, value in given.items():  # an option of another format: name the --format that takes it
+        takers = [
+            f
+            for f, d in FORMATS.items()
+            if any(o.name == name and value in (o.choices or [value]) for o in d.options)
+        ]
+        if name not in taken and takers:
+            flag = "--" + name.replace("_", "-")
+            raise SpecError(
+                f"the {fmt} format does not take {flag}; {flag} {value} needs --format {' or '.join(takers)}"
+            )
     return get_format(fmt).writer.parse_options(given)
 
 

@@ -166,15 +166,12 @@ def check_destination(dest: Path, overwrite: bool) -> None:
         return
     if os.path.ismount(dest):
         raise ConvertError(mount_point_message(dest))
-    if not overwrite:
-        raise CacheExistsError(f"{dest}: already exists; pass --overwrite to replace it")
-    if dest.is_dir() and not (dest / MANIFEST).is_file() and any(dest.iterdir()):
-        raise CacheExistsError(
-            f"{dest}: exists and is not a dlstore cache (no {MANIFEST}); "
-            "refusing to replace it even with --overwrite; choose another DEST"
-        )
     if not dest.is_dir():
         raise CacheExistsError(f"{dest}: exists and is a file; choose another DEST")
+    if not (dest / MANIFEST).is_file() and any(dest.iterdir()):  # --overwrite would not help: say so now
+        raise CacheExistsError(f"{dest}: not a dlstore cache (no {MANIFEST}); choose another DEST")
+    if not overwrite:
+        raise CacheExistsError(f"{dest}: already exists; pass --overwrite to replace it")
 
 
 def mount_point_message(dest: Path) -> str:

@@ -24,7 +24,7 @@ from dlstore.convert.sizes import count
 from dlstore.convert.staging import Staging
 from dlstore.convert.store_units import journal_sums, strip_sums
 from dlstore.convert.unit_work import Job, UnitResult, _init_worker, convert_job_unit, convert_unit
-from dlstore.errors import ConvertError, ImageDecodeError
+from dlstore.errors import ConvertError, ConvertInterrupted, ImageDecodeError
 from dlstore.formats.base import CacheWriter
 from dlstore.machine import usable_cores
 
@@ -181,7 +181,7 @@ def run_units(
     try:
         runner.run(job, todo, done)
     except KeyboardInterrupt:
-        raise ConvertError(
+        raise ConvertInterrupted(
             f"interrupted: {done_images(job.writer, staging)} of {job.writer.n} done; "
             "re-run the same command to resume"
         ) from None

@@ -64,9 +64,6 @@ DEMO_JPEG_QUALITY = 90
 # marker, so a cache written by an older generator is never mistaken for this one.
 _DEMO_VERSION = 1
 _MARKER_NAME = ".dlstore-demo-complete"
-# Leftover temp dirs of crashed runs older than this are deleted; younger ones may
-# belong to a concurrent generator and are left alone.
-_STALE_TMP_SECONDS = 6 * 3600
 
 _RGB = tuple[int, int, int]
 # Generating takes about 20 ms an image per core (11 s for 512 on 2 cores): without a word the first
@@ -411,15 +408,23 @@ def _publish(tmp: Path, root: Path, n_images: int, seed: int) -> None:
 
 
 def _remove_stale_tmp_dirs(root: Path) -> None:
-    """Best-effort cleanup of temp/trash dirs left by crashed runs (old ones only)."""
-    now = time.time()
-    for pattern in (f".{root.name}.tmp-*", f".{root.name}.trash-*"):
+    """Temp/trash dirs left by killed runs (their process is gone), of any demo size; a live
+    generator's are kept."""
+    for pattern in (".*.tmp-*-*", ".*.trash-*-*"):
         for path in root.parent.glob(pattern):
-            try:
-                if now - path.stat().st_mtime > _STALE_TMP_SECONDS:
-                    shutil.rmtree(path, ignore_errors=True)
-            except OSError:
-                pass
+            if not _pid_alive(path.name):
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(name: str) -> bool:
+    """Whether the process whose pid a temp dir's name carries (``.NAME.tmp-PID-HEX``) still runs."""
+    try:
+        os.kill(int(name.rsplit("-", 2)[-2]), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
 
 
 def _write_one(directory: str, seed: int, index: int) -> int:

@@ -72,7 +72,7 @@ SHARD_OPTION = Option(
     "shard_mb",
     0,
     "zarr: pixels per shard object in MB (zarr v3 sharding codec: the ~1 MB chunks inside one object, "
-    "read by byte range; for object stores, see README 'Scale'); 0 = one file per chunk.",
+    "read by byte range; for object stores, see docs/scale.md); 0 = one file per chunk.",
     kind=float,
     min=0,
     max=4096,

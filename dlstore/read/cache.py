@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import stat
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,7 +16,6 @@ import numpy as np
 from dlstore.checksums import file_kind, regular_files, size_problems
 from dlstore.errors import (
     CacheCorruptError,
-    CacheNotFoundError,
     CacheReplacedError,
     CacheTooLargeError,
     DlstoreError,
@@ -29,6 +29,7 @@ from dlstore.spec import (
     POSITIONS_FILE,
     CacheSpec,
     FieldSpec,
+    no_manifest,
     parse_manifest,
     read_spec,
 )
@@ -353,6 +354,8 @@ class Generation:
             raise
         st = os.fstat(self.fd)
         self.ident = (st.st_dev, st.st_ino)
+        # Not __del__: at interpreter exit a finalizer runs before module globals (os) are torn down.
+        self._close = weakref.finalize(self, os.close, self.fd)
 
     def is_current(self) -> bool:
         """``root`` still names the folder held (it was not swapped, renamed or removed)."""
@@ -370,10 +373,7 @@ class Generation:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self.fd)
         except FileNotFoundError:
             if name == MANIFEST:
-                raise CacheNotFoundError(
-                    f"{self.root}: no {MANIFEST}, so this is not a complete dlstore cache; (re)create it "
-                    f"with `dlstore convert SOURCE {self.root} ... --overwrite`"
-                ) from None
+                raise no_manifest(self.root, self.root) from None
             raise CacheCorruptError(f"{path}: missing; rebuild the cache") from None
         except OSError as e:  # ELOOP: a symlink
             raise CacheCorruptError(
@@ -397,11 +397,8 @@ class Generation:
 
     def close(self) -> None:
         if self.fd >= 0:
-            os.close(self.fd)
+            self._close()
             self.fd = -1
-
-    def __del__(self) -> None:
-        self.close()
 
 
 def check_files(root: Path, spec: CacheSpec, lazy: bool = False) -> None:

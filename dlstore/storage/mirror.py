@@ -29,8 +29,8 @@ from typing import Any
 
 from dlstore import settings
 from dlstore.checksums import extents, file_kind, file_sha256, split_key
-from dlstore.errors import CacheCorruptError, CacheNotFoundError, CacheReplacedError, DlstoreError
-from dlstore.spec import MANIFEST, CacheSpec, parse_relpath, parse_spec, read_spec
+from dlstore.errors import CacheCorruptError, CacheReplacedError, DlstoreError
+from dlstore.spec import MANIFEST, CacheSpec, no_manifest, parse_relpath, parse_spec, read_spec
 from dlstore.storage.stores import RemoteStore
 
 DEFAULT_CACHE_BYTES = 20 << 30
@@ -47,10 +47,7 @@ def fetch_manifest(store: RemoteStore) -> tuple[bytes, CacheSpec]:
     try:
         raw = store.get_bytes(MANIFEST)
     except FileNotFoundError:
-        raise CacheNotFoundError(
-            f"{store.url}: no {MANIFEST}, so this is not a complete dlstore cache; "
-            f"(re)create it with `dlstore convert SOURCE {store.url} ... --overwrite`"
-        ) from None
+        raise no_manifest(store.url) from None
     try:
         doc = json.loads(raw)
     except ValueError as e:

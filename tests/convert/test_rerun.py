@@ -103,5 +103,5 @@ def test_a_folder_that_is_not_a_cache_is_still_refused(tmp_path: Path) -> None:
     src = make_tree(tmp_path / "src", per_class=2)
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "notes.txt").write_text("mine")
-    with pytest.raises(CacheExistsError, match="already exists"):
+    with pytest.raises(CacheExistsError, match="not a dlstore cache.*choose another DEST"):
         conv(src, tmp_path / "c")

@@ -124,7 +124,7 @@ def test_crashed_run_leaves_nothing_reusable(tmp_path: Path) -> None:
     assert ensure_demo(root, n_images=4, workers=1) == root
     assert (root / demo._MARKER_NAME).is_file()
     assert len(_jpeg_files(root)) == 4
-    assert leftovers[0].exists()  # fresh leftovers may belong to a live run: kept
+    assert not leftovers[0].exists()  # its process is gone: cleaned at the next start
 
 
 def test_incomplete_root_is_replaced(tmp_path: Path) -> None:

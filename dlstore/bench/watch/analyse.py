@@ -55,7 +55,7 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
         "loaders": [],
     }
     if not main["loaders"]:
-        out["notes"].append(never_iterated_note())
+        out["notes"].append(never_iterated_note(main.get("error")))
         out["verdict"] = out["notes"][0]
         out["recommendations"], out["advice"] = [], []
         return out
@@ -72,7 +72,9 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def never_iterated_note() -> str:
+def never_iterated_note(error: str | None) -> str:
+    if error:  # the traceback is above: the script's own failure, nothing of the loader's
+        return "The script failed before any DataLoader ran; fix the error above and run again."
     return (
         "The script never iterated a torch.utils.data.DataLoader, so there is nothing to measure. A loader "
         "that is not a DataLoader (or a subclass that replaces __iter__ without calling it) is not seen: "

@@ -119,7 +119,10 @@ class DatasetSource(EncodedSource):
         else:
             items = {i: dataset[i] for i in range(n)}
             values = [src._target(items[i], i, optional) for i in range(n)]
-        declared = getattr(dataset, "classes", None)
+        # torchvision's ``classes``, or a Hugging Face Dataset's ClassLabel names for the label column
+        declared = getattr(dataset, "classes", None) or getattr(
+            (getattr(dataset, "features", None) or {}).get(label), "names", None
+        )
         if optional and all(v is None for v in values):
             src.classes, src.labels = (), np.zeros(n, np.int64)
         elif declared is not None and all(isinstance(v, int) and 0 <= v < len(declared) for v in values):

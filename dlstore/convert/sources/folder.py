@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -75,11 +76,8 @@ class FolderSource(Source):
     @classmethod
     def open(cls, text: str, args: SourceArgs) -> FolderSource:
         if not Path(text).is_dir():
-            from dlstore.convert.sources.registry import source_kinds
-
-            forms = "; ".join(k.form for k in source_kinds() if k.form)
             raise SourceError(
-                f"{text}: no such folder, and not a SOURCE of another kind; give one of: {forms}"
+                f"{text}: {missing_path(Path(text))}; `dlstore convert --help` lists the kinds of SOURCE"
             )
         return cls.scanned(Path(text))
 
@@ -105,3 +103,13 @@ class FolderSource(Source):
 
 def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
     return FolderSource.scanned(Path(root), kind)
+
+
+def missing_path(path: Path) -> str:
+    """What is wrong with a path that is no folder, and the nearest name that exists (a typo)."""
+    if path.exists():
+        return "neither a folder of class subfolders nor a file of a known SOURCE kind"
+    parent = path.parent
+    names = [p.name for p in parent.iterdir() if not p.name.startswith(".")] if parent.is_dir() else []
+    near = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return "no such file or folder" + (f" (did you mean {parent / near[0]}?)" if near else "")
