@@ -109,46 +109,26 @@ class Watch:
 
 def watch(
     loader: Any = None,
+    config: WatchConfig | None = None,
     *,
-    steps: int | None = None,
-    warmup: int = 5,
-    replay: bool = True,
-    replay_at: int = 100,
-    replay_batches: int = 4,
-    replay_steps: int = 2000,
-    replay_s: float = 1.5,
-    replay_rounds: int = 1,
-    replay_every: int = 100,
-    trial: bool = True,
-    trial_s: float = 1.5,
-    parts: bool = True,
-    try_cache: bool = False,
     out: str | Path | None = None,
     quiet: bool = False,
+    **options: Any,
 ) -> Any:
     """``with watch(...) as w:`` watches every DataLoader iterated in the block; ``watch(loader)`` returns
-    the same loader, watched, and reports when the script ends. ``steps`` stops the loop (the block, or
-    the script for a loader) after that many real steps, once the replay and the trial are done. The
-    replay runs at least ``replay_s`` seconds timed (``replay_steps`` steps at most), ``replay_rounds``
-    times ``replay_every`` real steps apart (the median round's rate); ``trial``: when the
-    advice says more workers, the loop is fed from a second loader with them for ``trial_s`` seconds (the
-    rate it reaches is the advice's prediction). ``try_cache``: when a
-    dlstore cache is advised, convert a sample that way and time the advised loader (``--try-cache``)."""
-    config = WatchConfig(
-        steps=steps,
-        warmup=warmup,
-        replay=replay,
-        replay_at=replay_at,
-        replay_batches=replay_batches,
-        replay_steps=replay_steps,
-        replay_s=replay_s,
-        replay_rounds=replay_rounds,
-        replay_every=replay_every,
-        trial=trial,
-        trial_s=trial_s,
-        parts=parts,
-        try_cache=try_cache,
-    )
+    the same loader, watched, and reports when the script ends. The options are ``WatchConfig``'s, given
+    as one ``config`` or by name (``watch(steps=200, trial=False)``): ``steps`` stops the loop (the block,
+    or the script for a loader) after that many real steps, once the replay and the trial are done."""
+    if config is None:
+        known = set(WatchConfig.__dataclass_fields__) - {"result_dir"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise WatchError(
+                f"watch(): no option {', '.join(unknown)}; the options: {', '.join(sorted(known))}"
+            )
+        config = WatchConfig(**options)
+    elif options:
+        raise WatchError("watch(): give a WatchConfig or options by name, not both")
     w = Watch(config, None if out is None else Path(out), quiet)
     if loader is None:
         return w

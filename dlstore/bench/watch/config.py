@@ -89,10 +89,11 @@ class WatchConfig:
         """How many times the loop is paused: once per replay round (once when only the trial runs)."""
         return self.replay_rounds if self.replay else 1
 
-    def replay_start(self) -> int:
-        """The real step count after which the replay runs: at --steps when given, else ``replay_at``
-        (never inside the warm-up, and with room to keep the batches it replays)."""
-        at = self.steps if self.steps is not None else self.replay_at
+    def replay_start(self, epoch_len: int) -> int:
+        """The real step count after which the replay runs: at --steps when given, else ``replay_at``, or
+        half the first epoch when that comes sooner (a short run is paused inside itself); never inside
+        the warm-up, and with room to keep the batches it replays."""
+        at = self.steps if self.steps is not None else min(self.replay_at, epoch_len // 2)
         return max(at, self.warmup + self.replay_batches)
 
     def to_env(self) -> str:

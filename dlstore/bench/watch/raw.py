@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dlstore.bench.watch.config import rank_info
+from dlstore.bench.watch.config import WatchConfig, rank_info
+from dlstore.bench.watch.window import MIN_TIMED
 from dlstore.machine import usable_cores
 
 if TYPE_CHECKING:
@@ -103,6 +104,8 @@ def loader_document(
         "epochs": rec.epochs,
         "worker_samples": rec.worker_samples,
         "replayed": rec.replayed,
+        "stand_in_steps": sum(1 for p in rec.phase if p in ("replay", "trial")),
+        "tried": tried(rec, session.config),
         "window_warm": list(rec.window_warm),
         "trial": rec.trial_info,
         "parts": parts
@@ -111,6 +114,41 @@ def loader_document(
             "skipped": "interrupted" if interrupted else "not measured yet" if not side else "not measured"
         },
     }
+
+
+def tried(rec: LoaderRecord, config: WatchConfig) -> dict[str, Any]:
+    """Whether the replay (the rate with data free) and the in-loop trial (the workers advice's rate) ran
+    long enough to be timed: ``True``, ``False`` (then ``why`` and ``how``), or None where not asked for
+    (off, or no trial advised)."""
+    warm = set(rec.window_warm)
+    timed = {
+        p: sum(1 for i, q in enumerate(rec.phase) if q == p and i not in warm) for p in ("replay", "trial")
+    }
+    out: dict[str, Any] = {
+        "pause_at": None if rec.epoch_len is None else rec.start,
+        "replay": timed["replay"] >= MIN_TIMED if config.replay else None,
+        "trial": timed["trial"] >= MIN_TIMED if rec.trial_info or (config.trial and not rec.pauses) else None,
+        "why": None,
+        "how": None,
+    }
+    if False not in (out["replay"], out["trial"]):
+        return out
+    if rec.epoch_len is None:
+        out["why"] = (
+            "the loader has no len(), so watch cannot keep its epochs' length while it feeds the loop"
+        )
+        return out
+    if not rec.pauses:
+        out["why"] = f"the run ended after {rec.real} real steps, before watch's pause at step {rec.start}"
+    elif (rec.trial_info or {}).get("skipped"):
+        out["why"] = rec.trial_info["skipped"]
+    else:
+        out["why"] = "the run ended inside the pause, before enough of its steps were timed"
+    out["how"] = (
+        "run the script longer (more epochs or more data): watch needs about "
+        f"{config.replay_warmup_s + config.replay_s + config.trial_s:.0f} s of steps after step {rec.start}"
+    )
+    return out
 
 
 def device_spans(rec: LoaderRecord) -> tuple[list[float | None], list[float | None]]:

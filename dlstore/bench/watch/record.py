@@ -4,6 +4,10 @@ way), worker CPU and memory sampled from /proc by a background thread, the loop'
 it for a while to get its rate with data free, then (when the advice says more workers) fed from a
 second loader with them for a while (``trial.py``): the loop paused once, at ``replay_start``.
 
+The loop cannot tell it is watched: the batches watch feeds it (stand-ins) take the places of real ones, so
+every epoch still yields ``len(loader)`` batches and ends where it would have (the real batches left over
+are never drawn). A window that reaches an epoch's end goes on in the next epoch.
+
 Per step i of one iterator: ``t_call`` (next() called), ``t_ret`` (the batch handed over), ``t_next`` (the
 following next() call, the end of the loop's own work on the batch). Wait = t_ret − t_call; host work =
 t_next − t_ret; device span = the stream's time from the hand-over event to the next call's event.
@@ -24,7 +28,7 @@ from dlstore.bench.monitor import process_cpu_s
 from dlstore.bench.watch import trial
 from dlstore.bench.watch.config import WatchConfig, rank_info
 from dlstore.bench.watch.describe import batch_images, dataset_info, loader_settings
-from dlstore.bench.watch.window import Window
+from dlstore.bench.watch.window import MIN_TIMED, Window, cap_for
 
 PHASES = ("warmup", "profiled", "real", "replay", "trial", "refill")
 FED = ("replay", "trial")  # steps watch fed the loop itself (not the user's loader's batches)
@@ -50,6 +54,9 @@ class LoaderRecord:
         self.config = config
         self.t0 = t0
         self.settings = loader_settings(loader)
+        self.epoch_len: int | None = self.settings["batches_per_epoch"]
+        # a loader of unknown length gets no stand-ins: they could not take real batches' places
+        self.start = config.replay_start(self.epoch_len) if self.epoch_len is not None else NEVER
         self.dataset = dataset_info(getattr(loader, "dataset", None))
         self.t_call: list[float] = []
         self.t_ret: list[float] = []
@@ -116,6 +123,8 @@ class WatchedIterator:
         self._it = it
         self._last: int | None = None
         self._epoch = record.new_epoch(it)
+        self._handed = 0  # batches handed over in this epoch, stand-ins included
+        self._stand_ins = 0
 
     def __iter__(self) -> WatchedIterator:
         return self
@@ -135,6 +144,7 @@ class WatchedIterator:
             if cuda and rec.events and rec.events[-1][0] == self._last and rec.events[-1][2] is None:
                 rec.events[-1] = (self._last, rec.events[-1][1], s.event())
         batch, phase = self._fetch(rec, t_call)
+        self._handed += 1
         t_ret = time.perf_counter()
         i = len(rec.t_call)
         rec.t_call.append(t_call - rec.t0)
@@ -152,10 +162,14 @@ class WatchedIterator:
         s = self._session
         # the common step: nothing fed, no pause or stop due (``gate``: the next real step count at which
         # watch has something to decide), so the checks below are skipped
+        full = rec.epoch_len is not None and self._handed >= rec.epoch_len
         while rec.mode is not None or rec.real >= rec.gate:
             if rec.mode is not None:
+                if full:
+                    break  # every place in this epoch is taken: it ends here; the window goes on in the next
                 got = s.fed(rec, t_call)
                 if got is not None:
+                    self._stand_ins += 1
                     return got
                 continue  # its window just ended: the next one, or the loop's own data
             if not rec.paused and s.should_pause(rec):
@@ -165,9 +179,11 @@ class WatchedIterator:
                 raise WatchStop(rec.real)
             break  # past the gate with nothing due now (a stop waiting for a pause): this step is real
         try:
+            if full and self._stand_ins:
+                raise StopIteration  # the real batches whose places stand-ins took are never drawn
             batch = next(self._it)
         except StopIteration:
-            rec.epochs[self._epoch]["t_end"] = t_call - rec.t0
+            rec.epochs[self._epoch].update(t_end=t_call - rec.t0, stand_ins=self._stand_ins)
             self._last = None
             raise
         return batch, s.phase_of(rec)
@@ -179,7 +195,6 @@ class Session:
 
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
-        self.replay_start = config.replay_start()  # read at every step: computed once
         self.world = rank_info()[1]
         self.t0 = time.perf_counter()
         self.wall0 = time.time()
@@ -257,7 +272,7 @@ class Session:
 
     def next_pause(self, rec: LoaderRecord) -> int:
         """The real step count after which the next pause (replay round) begins."""
-        return self.replay_start + rec.pauses * self.config.replay_every
+        return rec.start + rec.pauses * self.config.replay_every
 
     def set_gate(self, rec: LoaderRecord) -> None:
         """``rec.gate``: the real step count from which next() checks for a pause or the stop;
@@ -280,7 +295,8 @@ class Session:
         if c.replay and rec.kept:
             rec.mode, rec.replayed = "replay", True
             fixed = self.world > 1  # ranks must take the same number of steps
-            rec.window = Window(len(rec.t_call), 1, c.replay_warmup_s, c.replay_s, c.replay_steps, fixed)
+            cap = cap_for(c.replay_steps, rec.epoch_len, MIN_TIMED + 1)
+            rec.window = Window(len(rec.t_call), 1, c.replay_warmup_s, c.replay_s, cap, fixed)
         else:
             self.after_replay(rec)
 
@@ -299,6 +315,14 @@ class Session:
         if got is None:
             rec.mode = None
         return got
+
+    def end_window(self, rec: LoaderRecord) -> None:
+        """The run ended inside a replay or trial window: what it fed is kept, timed or not."""
+        if rec.mode == "replay":
+            rec.window_warm += rec.window.warm()
+        elif rec.mode == "trial":
+            trial.end(rec)
+        rec.mode = None
 
     def after_replay(self, rec: LoaderRecord) -> None:
         """Still paused inside next(), nothing running beside it: the dataset's parts timed alone, then
@@ -376,6 +400,8 @@ class Session:
             self.profile_trace = f"failed: {e}"
         if self._sampler is not None:
             self._sampler.stop()
+        for rec in self.records.values():
+            self.end_window(rec)
         from dlstore.bench.watch.raw import raw_document
 
         self.finished = raw_document(self, status, exit_code, error, t_end)

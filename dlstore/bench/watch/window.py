@@ -5,7 +5,8 @@ The replay follows a data-bound phase: the device's clocks and caches wake over 
 SmallCNN: 3.5 → 2.7 ms over ~15 steps), and 60 steps (0.16 s) moved ±20% between runs. So the window runs
 for a time, not a count, and ``steps.block_period`` reads its steady period as the median of three blocks.
 Under torchrun the ranks must take the same number of steps (their all-reduces pair up), so there the
-window counts steps only (``fixed``).
+window counts steps only (``fixed``). A window's steps take the places of the loop's own (``record.py``),
+so on short epochs it is capped at half an epoch (``cap_for``): a short run keeps most of its own steps.
 """
 
 from __future__ import annotations
@@ -60,3 +61,9 @@ class Window:
         """The record's step indices of the warm-up (all of the window's while none was timed)."""
         upto = self.n if self.timed_from is None else self.timed_from
         return list(range(self.first_step, self.first_step + upto))
+
+
+def cap_for(steps: int, epoch_len: int | None, least: int) -> int:
+    """A window's most steps: ``steps``, or half an epoch when that is fewer; never fewer than ``least``."""
+    half = steps if epoch_len is None else max(1, epoch_len // 2)
+    return max(least, min(steps, half))

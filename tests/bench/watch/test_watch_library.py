@@ -61,30 +61,26 @@ def test_parts_split_read_decode_transform(tiny_folder: Path) -> None:
     assert parts["collate_batch"] == 4 and "h2d" not in parts
 
 
-def test_replay_rounds_are_spaced_and_the_rate_is_the_median_round() -> None:
+def test_replay_rounds_are_spaced_take_real_batches_places_and_the_rate_is_the_median_round() -> None:
     loader = DataLoader(TensorDataset(torch.randn(40, 3)), batch_size=4)  # 10 steps an epoch
     with dlstore.watch(
-        replay_at=10, replay_every=10, replay_rounds=3, replay_s=0.0, replay_steps=6, replay_batches=2,
+        replay_at=5, replay_every=8, replay_rounds=3, replay_s=0.0, replay_steps=6, replay_batches=2,
         trial=False, parts=False, warmup=0, quiet=True,
     ) as w:  # fmt: skip
-        for _ in range(4):
-            for _batch in loader:
-                pass
+        counts = [sum(1 for _ in loader) for _ in range(5)]
+    assert counts == [10] * 5  # every epoch as long as unwatched: the replayed steps took real ones' places
     rep = w.report["loaders"][0]
     rows = rep["rows"]
     starts = [r["step"] for r in rows if r["phase"] == "replay" and rows[r["step"] - 1]["phase"] != "replay"]
-    assert rep["steps_observed"] == 40 and len(starts) == 3
-    for k, first in enumerate(starts, 1):
-        # each round ran inside the call that ended epoch k-1 (at 10, 20, 30 real steps): right before
-        # the loop's own code after the epoch (the accuracy study's independent replay runs there)
-        assert sum(r["phase"] not in ("replay", "trial") for r in rows[:first]) == 10 * k
-        assert rows[first]["epoch"] == k - 1
-        end = next(r["step"] for r in rows[first:] if r["phase"] != "replay")
-        assert rows[end]["epoch"] == k
+    assert len(starts) == 3 and len(rows) == 50
+    assert rep["stand_in_steps"] == rep["steps_replayed"] == 50 - rep["steps_observed"] > 0
+    for k, first in enumerate(starts):
+        assert sum(r["phase"] not in ("replay", "trial") for r in rows[:first]) == 5 + 8 * k
     rounds = rep["phases"]["replay"]["rounds"]
     assert len(rounds) == 3
     assert rep["phases"]["replay"]["period_s"] == sorted(r["period_s"] for r in rounds)[1]
     assert "the median of 3 rounds" in w.report["verdict"]
+    assert rep["tried"]["replay"] is True and rep["tried"]["why"] is None
 
 
 def test_steps_stops_after_the_last_replay_round() -> None:
