@@ -4,7 +4,6 @@ more workers are advised and tried in the loop, in the places of the user's own 
 
 from __future__ import annotations
 
-import collections
 import json
 import sys
 import types
