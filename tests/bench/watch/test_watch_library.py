@@ -102,3 +102,38 @@ def test_replay_rounds_and_spacing_must_be_positive(field: str) -> None:
 
     with pytest.raises(WatchError, match="positive"):
         WatchConfig(**{field: 0})
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_stand_ins_take_real_batches_places_and_the_sampler_order_is_kept(workers: int) -> None:
+    """Each epoch yields len(loader) batches under watch; its real ones are the unwatched epoch's first
+    ones, in the order the sampler (reseeded by set_epoch) gave them; the stand-ins took the rest's places
+    (with persistent workers, the epoch left unfinished is reset by the next one's iter())."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    ds = TensorDataset(torch.arange(60))
+
+    def run() -> tuple[list[list[list[int]]], int]:
+        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=3)
+        loader = DataLoader(
+            ds, batch_size=4, sampler=sampler, num_workers=workers, persistent_workers=workers > 0
+        )
+        epochs = []
+        for e in range(3):
+            sampler.set_epoch(e)
+            epochs.append([b[0].tolist() for b in loader])
+        return epochs, len(loader)
+
+    plain, n = run()
+    with dlstore.watch(
+        warmup=1, replay_s=0.01, replay_warmup_s=0.0, trial=False, parts=False, quiet=True
+    ) as w:
+        watched, n_watched = run()
+    assert n_watched == n == 15 and [len(e) for e in watched] == [15] * 3
+    rep = w.report["loaders"][0]
+    assert rep["stand_in_steps"] > 0
+    for e in range(3):
+        phases = [r["phase"] for r in rep["rows"] if r["epoch"] == e]
+        assert len(phases) == 15
+        real = [b for b, p in zip(watched[e], phases) if p not in ("replay", "trial")]
+        assert real == plain[e][: len(real)]
