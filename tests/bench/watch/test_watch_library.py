@@ -137,3 +137,39 @@ def test_stand_ins_take_real_batches_places_and_the_sampler_order_is_kept(worker
         assert len(phases) == 15
         real = [b for b, p in zip(watched[e], phases) if p not in ("replay", "trial")]
         assert real == plain[e][: len(real)]
+
+
+def test_a_run_shorter_than_the_pause_says_the_replay_and_trial_were_not_tried() -> None:
+    loader = DataLoader(TensorDataset(torch.randn(12, 3)), batch_size=4)  # 3 steps an epoch, 6 in all
+    with dlstore.watch(parts=False, quiet=True) as w:
+        for _ in range(2):
+            for _batch in loader:
+                pass
+    rep = w.report["loaders"][0]
+    assert rep["stand_in_steps"] == 0
+    tried = rep["tried"]
+    assert tried["replay"] is False and tried["trial"] is False and tried["pause_at"] == 9
+    assert "after 6 real steps, before watch's pause at step 9" in tried["why"]
+    assert "run the script longer" in tried["how"]
+
+
+def test_the_steady_rate_is_the_loops_own_over_the_same_steps_epoch_starts_apart() -> None:
+    """A short run of a fast loop: a later epoch's first step (its workers started anew) is summarised
+    apart (``start``), and the steady figure is the loop's own rate over the steps it rests on."""
+    import time
+
+    loader = DataLoader(TensorDataset(torch.randn(56, 3, 8, 8)), batch_size=8, num_workers=2)  # 7 an epoch
+    ends: list[float] = []
+    with dlstore.watch(replay=False, trial=False, parts=False, quiet=True) as w:
+        for _ in range(2):
+            for (x,) in loader:
+                torch.nn.functional.avg_pool2d(x, 2).sum()
+                ends.append(time.perf_counter())  # the step's end: where the loop's own clock ticks
+    rep = w.report["loaders"][0]
+    phases = rep["phases"]
+    assert phases["start"]["steps"] == 1 and phases["real"]["steps"] == 14 - 5 - 1
+    rows = rep["rows"]
+    assert [r["step"] for r in rows if r["epoch_first"] and r["epoch"] == 1] == [7]
+    steady = [r["step"] for r in rows if r["phase"] == "real" and not r["epoch_first"]]
+    own = sum(ends[i] - ends[i - 1] for i in steady) / len(steady)  # the loop's own period, same steps
+    assert phases["real"]["period_s"] == pytest.approx(own, rel=0.1)
