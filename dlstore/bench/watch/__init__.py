@@ -8,11 +8,10 @@ From the shell, ``dlstore watch -- python train.py ARGS…``. In code, around th
 
     loader = dlstore.watch(loader)              # the report prints to stderr when the script ends
 
-Each step's data wait, host work and device span are timed with perf_counter and CUDA events (no
-synchronisation added); after ``replay_at`` steps the loop's own batches are replayed to it (its rate with
-data free) and, when the advice says more workers, it is fed from a second loader with them (the rate it
-reaches: the advice's prediction); at the end the dataset's parts are timed alone and composed through the bench's parts model
-into a verdict and at most five recommendations.
+Each step's data wait, host work and device span are timed (perf_counter, CUDA events, no synchronisation
+added); once, the loop is fed its own batches again (its rate with data free) and, when the advice says
+more workers, batches from a second loader with them (the advice's rate), in its real batches' places;
+at the end the dataset's parts are timed alone and composed into a verdict and recommendations.
 """
 
 from __future__ import annotations
@@ -119,16 +118,9 @@ def watch(
     the same loader, watched, and reports when the script ends. The options are ``WatchConfig``'s, given
     as one ``config`` or by name (``watch(steps=200, trial=False)``): ``steps`` stops the loop (the block,
     or the script for a loader) after that many real steps, once the replay and the trial are done."""
-    if config is None:
-        known = set(WatchConfig.__dataclass_fields__) - {"result_dir"}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise WatchError(
-                f"watch(): no option {', '.join(unknown)}; the options: {', '.join(sorted(known))}"
-            )
-        config = WatchConfig(**options)
-    elif options:
+    if config is not None and options:
         raise WatchError("watch(): give a WatchConfig or options by name, not both")
+    config = config if config is not None else WatchConfig(**options)  # an unknown name: TypeError
     w = Watch(config, None if out is None else Path(out), quiet)
     if loader is None:
         return w

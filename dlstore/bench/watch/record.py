@@ -4,9 +4,8 @@ way), worker CPU and memory sampled from /proc by a background thread, the loop'
 it for a while to get its rate with data free, then (when the advice says more workers) fed from a
 second loader with them for a while (``trial.py``): the loop paused once, at ``replay_start``.
 
-The loop cannot tell it is watched: the batches watch feeds it (stand-ins) take the places of real ones, so
-every epoch still yields ``len(loader)`` batches and ends where it would have (the real batches left over
-are never drawn). A window that reaches an epoch's end goes on in the next epoch.
+The loop cannot tell it is watched: the batches watch feeds it (stand-ins) take real ones' places, so every
+epoch yields ``len(loader)`` batches (the last real ones never drawn); a window goes on in the next epoch.
 
 Per step i of one iterator: ``t_call`` (next() called), ``t_ret`` (the batch handed over), ``t_next`` (the
 following next() call, the end of the loop's own work on the batch). Wait = t_ret − t_call; host work =
@@ -24,13 +23,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from dlstore.bench.monitor import process_cpu_s
+from dlstore.bench.monitor import memory_kb, process_cpu_s
 from dlstore.bench.watch import trial
 from dlstore.bench.watch.config import WatchConfig, rank_info
 from dlstore.bench.watch.describe import batch_images, dataset_info, loader_settings
 from dlstore.bench.watch.window import MIN_TIMED, Window, cap_for
 
-PHASES = ("warmup", "profiled", "real", "replay", "trial", "refill")
 FED = ("replay", "trial")  # steps watch fed the loop itself (not the user's loader's batches)
 NEVER = float("inf")  # a step count never reached (no pause or stop due)
 NVML_EVERY = 4  # GPU utilisation on one sampler tick in 4 (every 2 s at the default 0.5 s)
@@ -76,7 +74,6 @@ class LoaderRecord:
         self.keep_from: float = NEVER  # real steps after which batches are kept for the next replay round
         self.window: Any = None  # the current replay round's Window
         self.replay_index = 0
-        self.replayed = False
         self.refill_left = 0
         self.parts: dict[str, Any] | None = None  # the side measurement, once made (at the pause)
         self.trial: Any = None  # the running trial.Trial
@@ -197,7 +194,6 @@ class Session:
         self.config = config
         self.world = rank_info()[1]
         self.t0 = time.perf_counter()
-        self.wall0 = time.time()
         self.records: dict[int, LoaderRecord] = {}
         self._original_iter: Any = None
         self._sampler: _Sampler | None = None
@@ -293,7 +289,7 @@ class Session:
         rec.paused = rec.pauses >= c.pauses_total()
         self.set_gate(rec)
         if c.replay and rec.kept:
-            rec.mode, rec.replayed = "replay", True
+            rec.mode = "replay"
             fixed = self.world > 1  # ranks must take the same number of steps
             cap = cap_for(c.replay_steps, rec.epoch_len, MIN_TIMED + 1)
             rec.window = Window(len(rec.t_call), 1, c.replay_warmup_s, c.replay_s, cap, fixed)
@@ -449,12 +445,9 @@ class _Sampler(threading.Thread):
         for rec in list(s.records.values()):
             _sample_workers(rec, t)
         self.ticks += 1
-        # NVML's queries contend with kernel launches (the bench's loop ran a launch-bound step slower with
-        # them): one in NVML_EVERY samples. The utilisation it reads is the driver's own average over its
-        # last period, so a sparser sample still reads the loop's
-        # CUDA's state is read off the main thread's flag, never asked here: from this thread (started at
-        # install, before the script runs) is_available() / get_device_properties() would initialise
-        # CUDA before the script set CUDA_VISIBLE_DEVICES, and off the training thread
+        # NVML's queries contend with kernel launches: one sample in NVML_EVERY (it reads the driver's own
+        # average). CUDA's state is the main thread's flag, never asked here: from this thread a query
+        # would initialise CUDA before the script set CUDA_VISIBLE_DEVICES
         if not self.nvml_tried and s._cuda:
             self.nvml_tried = True
             self.nvml = _nvml_handle()
@@ -473,37 +466,16 @@ def _sample_workers(rec: LoaderRecord, t: float) -> None:
         cpu = process_cpu_s(pid)
         if cpu is not None:
             rec.worker_cpu[pid] = max(cpu, rec.worker_cpu.get(pid, 0.0))
-        mem = smaps_mb(pid)
-        if mem is not None:
+        mem = memory_kb(pid)
+        if mem["rss_kb"] and mem["pss_kb"] is not None:  # smaps read, and not empty (exiting)
             seen += 1
-            rss, pss, shared = rss + mem["rss"], pss + mem["pss"], shared + mem["shared"]
+            rss, pss = rss + mem["rss_kb"] / 1024, pss + mem["pss_kb"] / 1024
+            shared += (mem["shared_kb"] or 0) / 1024
     if not pids and not rec.worker_cpu:
         return
     # the workers' CPU stays counted after they end; their memory only where it was read
     memory: list[float | None] = [rss, pss, shared] if seen else [None, None, None]
     rec.worker_samples.append([t, sum(rec.worker_cpu.values()), *memory, float(len(pids))])
-
-
-def smaps_mb(pid: int) -> dict[str, float] | None:
-    """Rss, Pss and shared (clean + dirty) of one process in MB, from smaps_rollup; None when unreadable
-    or empty (the process is exiting)."""
-    out = {"rss": 0.0, "pss": 0.0, "shared": 0.0}
-    found = False
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                kb = value.split()[0] if value.split() else "0"
-                if key == "Rss":
-                    out["rss"] = int(kb) / 1024
-                    found = True
-                elif key == "Pss":
-                    out["pss"] = int(kb) / 1024
-                elif key in ("Shared_Clean", "Shared_Dirty"):
-                    out["shared"] += int(kb) / 1024
-    except (OSError, ValueError):
-        return None
-    return out if found and out["rss"] > 0 else None
 
 
 def _nvml_handle() -> tuple[Any, Any] | None:

@@ -100,9 +100,9 @@ def summarise(
 
 def group(row: dict[str, Any]) -> str:
     """The summary a step counts in: its phase, but a later epoch's first real step is that epoch's
-    start-up (``start``: workers started anew, their queue filled again), kept out of the steady figure.
-    On a short run one such step among a few steady ones moved the figure by half (7-step epochs:
-    3,016 img/s with it, 9,968 without); its cost is a one-off per epoch, ``epoch_start_excess``."""
+    start-up (``start``: workers started anew, their queue filled again), kept out of the steady figure:
+    on a short run one such step among a few steady ones moves it by half; it costs once an epoch
+    (``epoch_start_excess``)."""
     if row["phase"] == "real" and row["epoch_first"] and row["epoch"] > 0:
         return "start"
     return row["phase"]

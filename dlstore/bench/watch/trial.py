@@ -5,10 +5,8 @@ time (``trial_s``). Its first N × prefetch + 1 steps (the queue filling, the wo
 dropped, the rest timed; then that loader is shut down and the user's own iterator goes on where it
 paused. The trial's batches take the places of the user's (the epoch's length is unchanged).
 
-Why in the loop: beside N busy workers the loop's own step slows too. On the H200 a loop calling
-loss.item() every step was predicted 87k img/s at 8 workers from the loader timed alone (89k), and ran
-41k with them: its synchronising main thread and the workers contend, which no probe after the loop sees.
-The rate the loop itself reached in the trial is the advice's predicted rate.
+Why in the loop: beside N busy workers the loop's own step slows too (a main thread that synchronises
+every step contends with them), which no probe after the loop sees. The trial's rate is the prediction.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """A window of steps that watch feeds the loop itself (the replay, the trial): its first steps dropped as
 warm-up, then at least a time timed, capped in steps. Decided at each next() call from perf_counter alone.
 
-The replay follows a data-bound phase: the device's clocks and caches wake over its first steps (H200,
-SmallCNN: 3.5 → 2.7 ms over ~15 steps), and 60 steps (0.16 s) moved ±20% between runs. So the window runs
-for a time, not a count, and ``steps.block_period`` reads its steady period as the median of three blocks.
+The replay follows a data-bound phase: the device's clocks and caches wake over its first steps, and a
+short count of steps moves between runs; so the window runs for a time, not a count, and
+``steps.block_period`` reads its steady period as the median of three blocks.
 Under torchrun the ranks must take the same number of steps (their all-reduces pair up), so there the
 window counts steps only (``fixed``). A window's steps take the places of the loop's own (``record.py``),
 so on short epochs it is capped at half an epoch (``cap_for``): a short run keeps most of its own steps.
