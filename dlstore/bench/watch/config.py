@@ -29,8 +29,10 @@ class WatchConfig:
     data free. ``replay_rounds``: that many times, ``replay_every`` real steps apart, the median round's
     rate (one window on a machine whose speed moves is that noisy).
     ``trial``: then, when the advice says more workers, feed the loop for ``trial_s`` from a second
-    DataLoader with them (``trial.py``). ``parts``: time the dataset's parts alone (``parts_budget_s``).
-    ``try_cache``: when a cache is advised, convert a sample that way and time the advised loader.
+    DataLoader with them (``trial.py``).
+    ``parts``: time the dataset's parts alone at the end (``parts_budget_s`` seconds at most).
+    ``try_cache``: when a dlstore cache is advised, convert a sample of the dataset that way and time the
+    recommended loader (``parts_budget_s`` seconds of timing too, after the conversion).
     """
 
     result_dir: str = ""
