@@ -303,8 +303,7 @@ class Session:
                 batch = rec.kept[rec.replay_index % len(rec.kept)]
                 rec.replay_index += 1
                 return batch, "replay"
-            rec.window_warm += rec.window.warm()
-            rec.mode = None
+            self.end_window(rec)
             self.after_replay(rec)
             return None
         got = trial.step(rec, t)
@@ -313,7 +312,7 @@ class Session:
         return got
 
     def end_window(self, rec: LoaderRecord) -> None:
-        """The run ended inside a replay or trial window: what it fed is kept, timed or not."""
+        """A replay or trial window is over (done, or the run ended inside it): its warm-up steps noted."""
         if rec.mode == "replay":
             rec.window_warm += rec.window.warm()
         elif rec.mode == "trial":

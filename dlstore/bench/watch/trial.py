@@ -11,6 +11,7 @@ every step contends with them), which no probe after the loop sees. The trial's 
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 from dlstore.bench.watch.window import MIN_TIMED, Window, cap_for
@@ -112,7 +113,5 @@ def end(rec: LoaderRecord, failed: str | None = None) -> None:
         return
     rec.trial_info = {"skipped": failed} if failed else tr.summary()
     rec.window_warm += tr.window.warm()
-    try:
+    with contextlib.suppress(Exception):  # its workers end with the process
         tr.close()
-    except Exception:
-        pass  # its workers end with the process
