@@ -83,9 +83,8 @@ class WatchConfig:
         return self.replay_rounds if self.replay else 1
 
     def replay_start(self, epoch_len: int) -> int:
-        """The real step count after which the replay runs: at --steps when given, else ``replay_at``, or
-        half the first epoch when that comes sooner (a short run is paused inside itself); never inside
-        the warm-up, and with room to keep the batches it replays."""
+        """The real step count after which the replay runs: at --steps, else ``replay_at`` or half an epoch
+        if sooner (a short run is paused inside itself); after the warm-up and the batches it replays."""
         at = self.steps if self.steps is not None else min(self.replay_at, epoch_len // 2)
         return max(at, self.warmup + self.replay_batches)
 

@@ -117,8 +117,8 @@ def tried(rec: LoaderRecord, config: WatchConfig) -> dict[str, Any]:
             why = (rec.trial_info or {}).get(
                 "skipped"
             ) or "the run ended inside the pause, before enough was timed"
-    start = None if rec.epoch_len is None else rec.start
-    return {"pause_at": start, "replay": replay, "trial": trial, "why": why, "how": how}
+    pause_at = None if rec.epoch_len is None else rec.start
+    return {"pause_at": pause_at, "replay": replay, "trial": trial, "why": why, "how": how}
 
 
 def device_spans(rec: LoaderRecord) -> tuple[list[float | None], list[float | None]]:

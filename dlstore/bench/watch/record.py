@@ -85,8 +85,7 @@ class LoaderRecord:
 
     def new_epoch(self, it: Any) -> int:
         self.epochs.append({"epoch": len(self.epochs), "first_step": len(self.t_call), "t_iter": self.now()})
-        # persistent workers: every epoch's iter() returns the same iterator, kept once (it was kept once
-        # per epoch: the workers' memory summed that many times, 56 "workers" of 8 on the H200)
+        # persistent workers: every epoch's iter() returns the same iterator, kept once (not summed twice)
         kept = [i for i in self.iterators if i is not it and getattr(i, "_workers", None)]
         self.iterators = [*kept, it]
         return len(self.epochs) - 1
@@ -155,14 +154,19 @@ class WatchedIterator:
         s.after_step(rec, batch, phase)
         return batch
 
+    def _full(self) -> bool:
+        """Every place in this epoch is taken; its length read now (a batch sampler's may change)."""
+        try:
+            return self._handed >= len(self._it)
+        except TypeError:  # no length: no pause was made (``LoaderRecord.start``)
+            return False
+
     def _fetch(self, rec: LoaderRecord, t_call: float) -> tuple[Any, str]:
         s = self._session
-        # the common step: nothing fed, no pause or stop due (``gate``: the next real step count at which
-        # watch has something to decide), so the checks below are skipped
-        full = rec.epoch_len is not None and self._handed >= rec.epoch_len
+        # the common step: nothing fed, no pause or stop due before ``gate`` real steps: no checks
         while rec.mode is not None or rec.real >= rec.gate:
             if rec.mode is not None:
-                if full:
+                if self._full():
                     break  # every place in this epoch is taken: it ends here; the window goes on in the next
                 got = s.fed(rec, t_call)
                 if got is not None:
@@ -176,7 +180,7 @@ class WatchedIterator:
                 raise WatchStop(rec.real)
             break  # past the gate with nothing due now (a stop waiting for a pause): this step is real
         try:
-            if full and self._stand_ins:
+            if self._stand_ins and self._full():
                 raise StopIteration  # the real batches whose places stand-ins took are never drawn
             batch = next(self._it)
         except StopIteration:
@@ -238,9 +242,8 @@ class Session:
 
     # -- decisions in next() --------------------------------------------------------------------------
     def cuda_in_use(self) -> bool:
-        # once CUDA is up it stays up; until then one cheap call per step. Whether CUDA exists at all is
-        # asked once, at the first step (after the script set its CUDA_VISIBLE_DEVICES): is_available()
-        # reads the environment each call, ~1 µs a step on a CPU-only run for nothing
+        # once CUDA is up it stays up; whether it exists is asked once, at the first step (after the
+        # script set its CUDA_VISIBLE_DEVICES): is_available() reads the environment at each call
         if not self._cuda:
             if self._cuda_possible is None:
                 self._cuda_possible = torch.cuda.is_available()
@@ -333,8 +336,8 @@ class Session:
             trial.start(self, rec)
             if rec.trial is not None:
                 rec.mode = "trial"
-        # the user's workers kept filling their queue meanwhile: the next steps drain it, not the steady
-        # state; at 0 workers the next step's wait holds the end of this pause
+        # the user's workers kept filling their queue meanwhile: the next steps drain it (at 0 workers
+        # the next step's wait holds this pause's end)
         w = rec.settings["num_workers"]
         rec.refill_left = w * (rec.settings["prefetch_factor"] or 2) + 1 if w else 1
 
@@ -472,7 +475,6 @@ def _sample_workers(rec: LoaderRecord, t: float) -> None:
             shared += (mem["shared_kb"] or 0) / 1024
     if not pids and not rec.worker_cpu:
         return
-    # the workers' CPU stays counted after they end; their memory only where it was read
     memory: list[float | None] = [rss, pss, shared] if seen else [None, None, None]
     rec.worker_samples.append([t, sum(rec.worker_cpu.values()), *memory, float(len(pids))])
 

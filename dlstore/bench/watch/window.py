@@ -5,8 +5,7 @@ The replay follows a data-bound phase: the device's clocks and caches wake over 
 short count of steps moves between runs; so the window runs for a time, not a count, and
 ``steps.block_period`` reads its steady period as the median of three blocks.
 Under torchrun the ranks must take the same number of steps (their all-reduces pair up), so there the
-window counts steps only (``fixed``). A window's steps take the places of the loop's own (``record.py``),
-so on short epochs it is capped at half an epoch (``cap_for``): a short run keeps most of its own steps.
+window counts steps only (``fixed``). Its steps take the loop's own places: at most half an epoch each.
 """
 
 from __future__ import annotations

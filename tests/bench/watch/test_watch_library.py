@@ -173,3 +173,31 @@ def test_the_steady_rate_is_the_loops_own_over_the_same_steps_epoch_starts_apart
     steady = [r["step"] for r in rows if r["phase"] == "real" and not r["epoch_first"]]
     own = sum(ends[i] - ends[i - 1] for i in steady) / len(steady)  # the loop's own period, same steps
     assert phases["real"]["period_s"] == pytest.approx(own, rel=0.1)
+
+
+def test_an_epoch_whose_length_changes_keeps_it_under_stand_ins() -> None:
+    """A batch sampler with more batches each epoch (bucketing does this): each epoch's own length holds."""
+
+    class Growing:
+        def __init__(self) -> None:
+            self.epoch = 0
+
+        def __len__(self) -> int:
+            return 10 + 5 * self.epoch
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter([[i] for i in range(len(self))])
+
+    sampler = Growing()
+    loader = DataLoader(TensorDataset(torch.arange(40)), batch_sampler=sampler)
+    counts = []
+    with dlstore.watch(
+        warmup=1, replay_rounds=2, replay_every=8, replay_s=0.0, replay_warmup_s=0.0, trial=False, parts=False,
+        quiet=True,
+    ) as w:  # fmt: skip
+        for e in range(3):
+            sampler.epoch = e
+            counts.append(sum(1 for _ in loader))
+    assert counts == [10, 15, 20]
+    rows = w.report["loaders"][0]["rows"]
+    assert any(r["phase"] == "replay" and r["epoch"] == 1 for r in rows)  # stand-ins in the longer epoch
