@@ -8,6 +8,8 @@ while watch's stand-in steps (replay, trial) took real batches' places.
   to end in ``ZeroDivisionError: integer modulo by zero``).
 - Lightning: the ``Trainer``'s own fit loop, which prefetches a batch ahead, learns the epoch's end from
   ``StopIteration`` and counts ``batch_idx``, ``num_training_batches`` and ``global_step`` itself.
+- Ignite: its ``Engine`` takes ``epoch_length`` from ``len(loader)`` and counts iterations and epochs
+  against it (an epoch that ends early is an error there, one that runs long is cut).
 """
 
 from __future__ import annotations
@@ -102,6 +104,34 @@ print(f"global_step {trainer.global_step}", flush=True)
 """
 
 
+IGNITE_LOOP = """
+import sys
+import torch
+import torchvision.transforms as T
+from ignite.engine import Events, create_supervised_trainer
+from torch.utils.data import DataLoader
+from torchvision.datasets import ImageFolder
+
+torch.manual_seed(0)
+loader = DataLoader(ImageFolder(sys.argv[1], T.Compose([T.RandomResizedCrop(16), T.ToTensor()])), batch_size=4,
+                    shuffle=True, num_workers=1)
+model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1),
+                            torch.nn.Flatten(), torch.nn.Linear(4, 2))
+trainer = create_supervised_trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                                    torch.nn.functional.cross_entropy)
+
+
+@trainer.on(Events.ITERATION_COMPLETED)
+def log(engine):
+    s = engine.state
+    print(f"epoch {s.epoch} iteration {s.iteration} of {s.epoch_length}", flush=True)
+
+
+trainer.run(loader, max_epochs=2)
+print(f"done {trainer.state.iteration}", flush=True)
+"""
+
+
 def dlstore_exe() -> list[str]:
     exe = shutil.which("dlstore", path=str(Path(sys.executable).parent))
     return [exe] if exe else [sys.executable, "-c", "from dlstore.cli import main; main()"]
@@ -170,4 +200,15 @@ def test_lightning_trainer_counts_as_unwatched(folders: Path, tmp_path: Path) ->
     pattern = r"^(epoch \d+ batch \d+/\d+|global_step \d+)$"
     assert counters(watched, pattern) == counters(plain, pattern)
     assert len(counters(plain, r"^epoch ")) == 2 * 12 and "global_step 24" in plain
+    assert_stand_ins_took_places(doc, 2 * 12)
+
+
+@pytest.mark.slow
+def test_ignite_engine_counts_as_unwatched(folders: Path, tmp_path: Path) -> None:
+    pytest.importorskip("ignite")
+    script = write_script(tmp_path, "ignite_loop.py", IGNITE_LOOP)
+    doc, watched, plain = watched_and_plain(script, [str(folders / "train")], tmp_path)
+    pattern = r"^(epoch \d+ iteration \d+ of \d+|done \d+)$"
+    assert counters(watched, pattern) == counters(plain, pattern)
+    assert len(counters(plain, r"^epoch ")) == 2 * 12 and "done 24" in plain
     assert_stand_ins_took_places(doc, 2 * 12)
