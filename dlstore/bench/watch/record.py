@@ -53,7 +53,6 @@ class LoaderRecord:
         self.t0 = t0
         self.settings = loader_settings(loader)
         self.epoch_len: int | None = self.settings["batches_per_epoch"]
-        # a loader of unknown length gets no stand-ins: they could not take real batches' places
         self.start = config.replay_start(self.epoch_len) if self.epoch_len is not None else NEVER
         self.dataset = dataset_info(getattr(loader, "dataset", None))
         self.t_call: list[float] = []
@@ -283,7 +282,8 @@ class Session:
 
     def should_stop(self, rec: LoaderRecord) -> bool:
         c = self.config
-        return c.steps is not None and rec.real >= c.steps and (rec.paused or not c.pauses())
+        no_pause = rec.paused or not c.pauses() or rec.start == NEVER  # no len(): no pause, no stand-ins
+        return c.steps is not None and rec.real >= c.steps and no_pause
 
     def pause(self, rec: LoaderRecord, t: float) -> None:
         """One pause of the loop: a replay round when batches were kept, then ``after_replay``."""

@@ -201,3 +201,17 @@ def test_an_epoch_whose_length_changes_keeps_it_under_stand_ins() -> None:
     assert counts == [10, 15, 20]
     rows = w.report["loaders"][0]["rows"]
     assert any(r["phase"] == "replay" and r["epoch"] == 1 for r in rows)  # stand-ins in the longer epoch
+
+
+def test_a_loader_without_length_gets_no_stand_ins_and_steps_still_stops_it() -> None:
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(torch.arange(1000).split(1))
+
+    seen = 0
+    with dlstore.watch(steps=12, parts=False, quiet=True) as w:
+        for _ in DataLoader(Stream(), batch_size=4):
+            seen += 1
+    rep = w.report["loaders"][0]
+    assert w.report["status"] == "stopped" and seen == 12 and rep["stand_in_steps"] == 0
+    assert rep["tried"]["replay"] is False and "no len()" in rep["tried"]["why"]
