@@ -76,11 +76,11 @@ def test_replay_rounds_are_spaced_take_real_batches_places_and_the_rate_is_the_m
     assert rep["stand_in_steps"] == rep["steps_replayed"] == 50 - rep["steps_observed"] > 0
     for k, first in enumerate(starts):
         assert sum(r["phase"] not in ("replay", "trial") for r in rows[:first]) == 5 + 8 * k
+    assert rep["tried"]["replay"] is True and rep["tried"]["why"] is None
     rounds = rep["phases"]["replay"]["rounds"]
     assert len(rounds) == 3
     assert rep["phases"]["replay"]["period_s"] == sorted(r["period_s"] for r in rounds)[1]
     assert "the median of 3 rounds" in w.report["verdict"]
-    assert rep["tried"]["replay"] is True and rep["tried"]["why"] is None
 
 
 def test_steps_stops_after_the_last_replay_round() -> None:
