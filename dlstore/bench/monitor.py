@@ -48,14 +48,17 @@ def process_cpu_s(pid: int) -> float | None:
 
 
 def memory_kb(pid: int) -> dict[str, int | None]:
-    """Rss and Pss (kB) from smaps_rollup, or VmRSS from status when smaps is not readable."""
-    out: dict[str, int | None] = {"rss_kb": None, "pss_kb": None}
+    """Rss, Pss and shared (clean + dirty) kB from smaps_rollup, or VmRSS from status when smaps is not
+    readable."""
+    out: dict[str, int | None] = {"rss_kb": None, "pss_kb": None, "shared_kb": None}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key in ("Rss", "Pss"):
                     out[f"{key.lower()}_kb"] = int(value.split()[0])
+                elif key in ("Shared_Clean", "Shared_Dirty"):
+                    out["shared_kb"] = (out["shared_kb"] or 0) + int(value.split()[0])
         return out
     except OSError:
         pass

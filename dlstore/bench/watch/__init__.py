@@ -8,11 +8,10 @@ From the shell, ``dlstore watch -- python train.py ARGS…``. In code, around th
 
     loader = dlstore.watch(loader)              # the report prints to stderr when the script ends
 
-Each step's data wait, host work and device span are timed with perf_counter and CUDA events (no
-synchronisation added); after ``replay_at`` steps the loop's own batches are replayed to it (its rate with
-data free) and, when the advice says more workers, it is fed from a second loader with them (the rate it
-reaches: the advice's prediction); at the end the dataset's parts are timed alone and composed through the bench's parts model
-into a verdict and at most five recommendations.
+Each step's data wait, host work and device span are timed (perf_counter, CUDA events, no synchronisation
+added); once, the loop is fed its own batches again (its rate with data free) and, when the advice says
+more workers, batches from a second loader with them (the advice's rate), in its real batches' places;
+at the end the dataset's parts are timed alone and composed into a verdict and recommendations.
 """
 
 from __future__ import annotations
@@ -109,46 +108,19 @@ class Watch:
 
 def watch(
     loader: Any = None,
+    config: WatchConfig | None = None,
     *,
-    steps: int | None = None,
-    warmup: int = 5,
-    replay: bool = True,
-    replay_at: int = 100,
-    replay_batches: int = 4,
-    replay_steps: int = 2000,
-    replay_s: float = 1.5,
-    replay_rounds: int = 1,
-    replay_every: int = 100,
-    trial: bool = True,
-    trial_s: float = 1.5,
-    parts: bool = True,
-    try_cache: bool = False,
     out: str | Path | None = None,
     quiet: bool = False,
+    **options: Any,
 ) -> Any:
     """``with watch(...) as w:`` watches every DataLoader iterated in the block; ``watch(loader)`` returns
-    the same loader, watched, and reports when the script ends. ``steps`` stops the loop (the block, or
-    the script for a loader) after that many real steps, once the replay and the trial are done. The
-    replay runs at least ``replay_s`` seconds timed (``replay_steps`` steps at most), ``replay_rounds``
-    times ``replay_every`` real steps apart (the median round's rate); ``trial``: when the
-    advice says more workers, the loop is fed from a second loader with them for ``trial_s`` seconds (the
-    rate it reaches is the advice's prediction). ``try_cache``: when a
-    dlstore cache is advised, convert a sample that way and time the advised loader (``--try-cache``)."""
-    config = WatchConfig(
-        steps=steps,
-        warmup=warmup,
-        replay=replay,
-        replay_at=replay_at,
-        replay_batches=replay_batches,
-        replay_steps=replay_steps,
-        replay_s=replay_s,
-        replay_rounds=replay_rounds,
-        replay_every=replay_every,
-        trial=trial,
-        trial_s=trial_s,
-        parts=parts,
-        try_cache=try_cache,
-    )
+    the same loader, watched, and reports when the script ends. The options are ``WatchConfig``'s, given
+    as one ``config`` or by name (``watch(steps=200, trial=False)``): ``steps`` stops the loop (the block,
+    or the script for a loader) after that many real steps, once the replay and the trial are done."""
+    if config is not None and options:
+        raise WatchError("watch(): give a WatchConfig or options by name, not both")
+    config = config if config is not None else WatchConfig(**options)  # an unknown name: TypeError
     w = Watch(config, None if out is None else Path(out), quiet)
     if loader is None:
         return w

@@ -95,6 +95,10 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
         "steps_observed": sum(1 for r in rows if r["phase"] not in ("replay", "trial")),
         "steps_replayed": sum(1 for r in rows if r["phase"] == "replay"),
         "steps_trial": sum(1 for r in rows if r["phase"] == "trial"),
+        "stand_in_steps": sum(
+            1 for r in rows if r["phase"] in ("replay", "trial")
+        ),  # in real batches' places
+        "tried": ld.get("tried"),  # whether the replay and the trial were timed; if not, why and how
         "trial": ld.get("trial"),
         "epochs": len(ld.get("epochs", [])),
         "phases": phases,

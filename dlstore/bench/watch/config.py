@@ -22,17 +22,15 @@ class WatchError(DlstoreError, ValueError):
 class WatchConfig:
     """Options of one watch.
 
-    ``steps``: stop the script after this many real (non-replayed) steps; None lets it run to its end.
+    ``steps``: stop the script after this many real (not stand-in) steps; None lets it run to its end.
     ``warmup``: the first steps of the first epoch, kept apart (worker start, cudnn tuning), as the bench does.
-    ``replay``: after ``replay_at`` real steps, feed ``replay_batches`` of the loop's own batches back to it:
-    first ``replay_warmup_s`` seconds of warm-up (clocks and caches waking after a data-bound phase), then
-    at least ``replay_s`` seconds timed, ``replay_steps`` steps at most in all: the loop's rate with data
-    free (the median of three blocks of the timed steps). ``replay_rounds``: the replay runs that many
-    times, ``replay_every`` real steps apart, the rate with data free the median round's: on a machine
-    whose speed moves between windows seconds apart (a shared GPU: ±15%) one window is that noisy.
-    ``trial``: then, when the advice so far says more workers, feed the loop for ``trial_s`` seconds from
-    a second DataLoader over the same dataset with the advised workers (its queue's filling dropped): the
-    rate the loop itself reaches with them (``trial.py``).
+    ``replay``: after ``replay_at`` real steps (half the first epoch when sooner), feed ``replay_batches`` of
+    the loop's own batches back to it in its real batches' places: ``replay_warmup_s`` of warm-up, then at
+    least ``replay_s`` timed, ``replay_steps`` steps at most (half an epoch on short epochs): its rate with
+    data free. ``replay_rounds``: that many times, ``replay_every`` real steps apart, the median round's
+    rate (one window on a machine whose speed moves is that noisy).
+    ``trial``: then, when the advice says more workers, feed the loop for ``trial_s`` from a second
+    DataLoader with them (``trial.py``).
     ``parts``: time the dataset's parts alone at the end (``parts_budget_s`` seconds at most).
     ``try_cache``: when a dlstore cache is advised, convert a sample of the dataset that way and time the
     recommended loader (``parts_budget_s`` seconds of timing too, after the conversion).
@@ -60,13 +58,8 @@ class WatchConfig:
     try_cache: bool = False  # convert a sample as the cache advice says and time that loader (try_cache.py)
     profile_steps: int = 8
     max_event_steps: int = 20_000  # CUDA event pairs kept (two small objects per step)
-    # CUDA events on one step in N: on the H200's host a pair cost ~20 µs of the step's host time (watch's
-    # whole cost per next() 27.8 µs with events on every step, 8.2 µs on one in 4: 1.0% / 0.3% of a 2.7 ms
-    # SmallCNN step; benchmarks/RESULTS.md, "dlstore watch: accuracy"). The device span is a mean: a
-    # sample of the steps gives it. The device's wait between two steps (steps.csv's device_wait_ms) needs
-    # events on consecutive steps: every step (1). One in 8 since watch8: the H200 then read 40.5 / 15.3 /
-    # 9.1 / 3.2 µs per next() with events on every step / 1 in 4 / 1 in 8 / none (watch r3; 0.45% of a
-    # 2.1 ms step at 1 in 8); a window of 1.5 s still holds dozens of sampled steps (ResNet-50's ~30 ms: ~6)
+    # CUDA events on one step in N: a pair cost ~20 µs of the step's host time; the device span is a mean,
+    # which a sample of the steps gives (steps.csv's device_wait_ms needs events on consecutive steps: 1)
     event_every: int = 8
     sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread
     apply: dict[str, Any] | None = None
@@ -93,10 +86,10 @@ class WatchConfig:
         """How many times the loop is paused: once per replay round (once when only the trial runs)."""
         return self.replay_rounds if self.replay else 1
 
-    def replay_start(self) -> int:
-        """The real step count after which the replay runs: at --steps when given, else ``replay_at``
-        (never inside the warm-up, and with room to keep the batches it replays)."""
-        at = self.steps if self.steps is not None else self.replay_at
+    def replay_start(self, epoch_len: int) -> int:
+        """The real step count after which the replay runs: at --steps, else ``replay_at`` or half an epoch
+        if sooner (a short run is paused inside itself); after the warm-up and the batches it replays."""
+        at = self.steps if self.steps is not None else min(self.replay_at, epoch_len // 2)
         return max(at, self.warmup + self.replay_batches)
 
     def to_env(self) -> str:

@@ -4,13 +4,13 @@ then the loop's own step (its replay) composed with a loader that was measured, 
 
 - more workers: the loop's own Dataset, sampler kind and collate in a DataLoader with the advised
   ``num_workers`` (persistent; pinned on a GPU). Workers share the cores with each other and with the
-  main thread, so N workers do not reach N times one worker's rate (H200, 16 cores, 16 workers: 11×);
-  the period measured at N shows it, and the workers' CPU seconds per batch (/proc) feed the cores term;
+  main thread, so N workers do not reach N times one worker's rate; the period measured at N shows it,
+  and the workers' CPU seconds per batch (/proc) feed the cores term;
 - a dlstore cache (with GpuAugment when the advice moves the augmentation to the GPU): a RAM cache of
   synthetic images of the advised shape (two batches, made by ``dlstore.convert``) read by the advised
   loader exactly as ``--try-cache`` reads a sample of the user's data. The pixels do not change a raw
   cache's read or the augmentation's cost; the DataLoader's own per-batch cost and GpuAugment's launch
-  and device time are what a model without them missed (-47% on the H200 before this probe).
+  and device time are what this probe adds to the model.
 
 Each probe's timings land under the loader's ``probes`` in the raw record; ``analyse`` composes them.
 """

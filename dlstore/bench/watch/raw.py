@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import platform
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from dlstore.bench.watch.config import rank_info
+from dlstore.bench.watch.config import WatchConfig, rank_info
+from dlstore.bench.watch.window import MIN_TIMED
 from dlstore.machine import usable_cores
 
 if TYPE_CHECKING:
@@ -39,24 +42,7 @@ def raw_document(
         "cores": usable_cores(),
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "config": {
-            k: getattr(session.config, k)
-            for k in (
-                "steps",
-                "warmup",
-                "replay",
-                "replay_steps",
-                "replay_batches",
-                "replay_s",
-                "replay_warmup_s",
-                "replay_rounds",
-                "replay_every",
-                "trial",
-                "trial_s",
-                "profile",
-                "try_cache",
-            )  # fmt: skip
-        },
+        "config": {k: v for k, v in asdict(session.config).items() if k != "result_dir"},
         "main_cpu": sampler.main_cpu if sampler else [],
         "gpu_util": sampler.gpu_util if sampler else [],
         "nvml": bool(sampler and sampler.nvml is not None),
@@ -85,8 +71,10 @@ def loader_document(
     rec: LoaderRecord, session: Session, cuda: bool, interrupted: bool, side: bool = True
 ) -> dict[str, Any]:
     device, gap = device_spans(rec) if cuda else (None, None)
-    parts = rec.parts
-    if parts is None and side and session.config.parts and rec.t_call and not interrupted:
+    parts = rec.parts or {
+        "skipped": "interrupted" if interrupted else "not measured" + ("" if side else " yet")
+    }
+    if rec.parts is None and side and session.config.parts and rec.t_call and not interrupted:
         parts = measure_record_parts(rec, cuda, session.config.parts_budget_s)
     return {
         "index": rec.index,
@@ -102,15 +90,35 @@ def loader_document(
         "device_gap_s": gap,
         "epochs": rec.epochs,
         "worker_samples": rec.worker_samples,
-        "replayed": rec.replayed,
+        "tried": tried(rec, session.config),
         "window_warm": list(rec.window_warm),
         "trial": rec.trial_info,
-        "parts": parts
-        if parts is not None
-        else {
-            "skipped": "interrupted" if interrupted else "not measured yet" if not side else "not measured"
-        },
+        "parts": parts,
     }
+
+
+def tried(rec: LoaderRecord, config: WatchConfig) -> dict[str, Any]:
+    """Whether the replay (the rate with data free) and the in-loop trial (the workers advice's rate) ran
+    long enough to be timed: True, False (then ``why`` and ``how``), or None where not asked for (off,
+    or no trial advised)."""
+    warm = set(rec.window_warm)
+    timed = collections.Counter(p for i, p in enumerate(rec.phase) if i not in warm)
+    replay = timed["replay"] >= MIN_TIMED if config.replay else None
+    trial = timed["trial"] >= MIN_TIMED if rec.trial_info or (config.trial and not rec.pauses) else None
+    why = how = None
+    if False in (replay, trial):
+        need = config.replay_warmup_s + config.replay_s + config.trial_s
+        how = f"run the script longer (more epochs or data): watch needs about {need:.0f} s of steps after step {rec.start}"
+        if rec.epoch_len is None:
+            why, how = "the loader has no len(): watch cannot feed the loop and keep its epochs' length", None
+        elif not rec.pauses:
+            why = f"the run ended after {rec.real} real steps, before watch's pause at step {rec.start}"
+        else:
+            why = (rec.trial_info or {}).get(
+                "skipped"
+            ) or "the run ended inside the pause, before enough was timed"
+    pause_at = None if rec.epoch_len is None else rec.start
+    return {"pause_at": pause_at, "replay": replay, "trial": trial, "why": why, "how": how}
 
 
 def device_spans(rec: LoaderRecord) -> tuple[list[float | None], list[float | None]]:

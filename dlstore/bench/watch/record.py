@@ -4,6 +4,9 @@ way), worker CPU and memory sampled from /proc by a background thread, the loop'
 it for a while to get its rate with data free, then (when the advice says more workers) fed from a
 second loader with them for a while (``trial.py``): the loop paused once, at ``replay_start``.
 
+The loop cannot tell it is watched: the batches watch feeds it (stand-ins) take real ones' places, so every
+epoch yields ``len(loader)`` batches (the last real ones never drawn); a window goes on in the next epoch.
+
 Per step i of one iterator: ``t_call`` (next() called), ``t_ret`` (the batch handed over), ``t_next`` (the
 following next() call, the end of the loop's own work on the batch). Wait = t_ret − t_call; host work =
 t_next − t_ret; device span = the stream's time from the hand-over event to the next call's event.
@@ -20,14 +23,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from dlstore.bench.monitor import process_cpu_s
+from dlstore.bench.monitor import memory_kb, process_cpu_s
 from dlstore.bench.watch import trial
 from dlstore.bench.watch.apply import inject
 from dlstore.bench.watch.config import WatchConfig, rank_info
 from dlstore.bench.watch.describe import batch_images, dataset_info, loader_settings
-from dlstore.bench.watch.window import Window
+from dlstore.bench.watch.window import MIN_TIMED, Window, cap_for
 
-PHASES = ("warmup", "profiled", "real", "replay", "trial", "refill")
 FED = ("replay", "trial")  # steps watch fed the loop itself (not the user's loader's batches)
 NEVER = float("inf")  # a step count never reached (no pause or stop due)
 NVML_EVERY = 4  # GPU utilisation on one sampler tick in 4 (every 2 s at the default 0.5 s)
@@ -51,6 +53,8 @@ class LoaderRecord:
         self.config = config
         self.t0 = t0
         self.settings = loader_settings(loader)
+        self.epoch_len: int | None = self.settings["batches_per_epoch"]
+        self.start = config.replay_start(self.epoch_len) if self.epoch_len is not None else NEVER
         self.dataset = dataset_info(getattr(loader, "dataset", None))
         self.t_call: list[float] = []
         self.t_ret: list[float] = []
@@ -70,7 +74,6 @@ class LoaderRecord:
         self.keep_from: float = NEVER  # real steps after which batches are kept for the next replay round
         self.window: Any = None  # the current replay round's Window
         self.replay_index = 0
-        self.replayed = False
         self.refill_left = 0
         self.parts: dict[str, Any] | None = None  # the side measurement, once made (at the pause)
         self.trial: Any = None  # the running trial.Trial
@@ -82,8 +85,7 @@ class LoaderRecord:
 
     def new_epoch(self, it: Any) -> int:
         self.epochs.append({"epoch": len(self.epochs), "first_step": len(self.t_call), "t_iter": self.now()})
-        # persistent workers: every epoch's iter() returns the same iterator, kept once (it was kept once
-        # per epoch: the workers' memory summed that many times, 56 "workers" of 8 on the H200)
+        # persistent workers: every epoch's iter() returns the same iterator, kept once (not summed twice)
         kept = [i for i in self.iterators if i is not it and getattr(i, "_workers", None)]
         self.iterators = [*kept, it]
         return len(self.epochs) - 1
@@ -117,6 +119,8 @@ class WatchedIterator:
         self._it = it
         self._last: int | None = None
         self._epoch = record.new_epoch(it)
+        self._handed = 0  # batches handed over in this epoch, stand-ins included
+        self._stand_ins = 0
 
     def __iter__(self) -> WatchedIterator:
         return self
@@ -136,6 +140,7 @@ class WatchedIterator:
             if cuda and rec.events and rec.events[-1][0] == self._last and rec.events[-1][2] is None:
                 rec.events[-1] = (self._last, rec.events[-1][1], s.event())
         batch, phase = self._fetch(rec, t_call)
+        self._handed += 1
         t_ret = time.perf_counter()
         i = len(rec.t_call)
         rec.t_call.append(t_call - rec.t0)
@@ -149,14 +154,23 @@ class WatchedIterator:
         s.after_step(rec, batch, phase)
         return batch
 
+    def _full(self) -> bool:
+        """Every place in this epoch is taken; its length read now (a batch sampler's may change)."""
+        try:
+            return self._handed >= len(self._it)
+        except TypeError:  # no length: no pause was made (``LoaderRecord.start``)
+            return False
+
     def _fetch(self, rec: LoaderRecord, t_call: float) -> tuple[Any, str]:
         s = self._session
-        # the common step: nothing fed, no pause or stop due (``gate``: the next real step count at which
-        # watch has something to decide), so the checks below are skipped
+        # the common step: nothing fed, no pause or stop due before ``gate`` real steps: no checks
         while rec.mode is not None or rec.real >= rec.gate:
             if rec.mode is not None:
+                if self._full():
+                    break  # every place in this epoch is taken: it ends here; the window goes on in the next
                 got = s.fed(rec, t_call)
                 if got is not None:
+                    self._stand_ins += 1
                     return got
                 continue  # its window just ended: the next one, or the loop's own data
             if not rec.paused and s.should_pause(rec):
@@ -166,9 +180,11 @@ class WatchedIterator:
                 raise WatchStop(rec.real)
             break  # past the gate with nothing due now (a stop waiting for a pause): this step is real
         try:
+            if self._stand_ins and self._full():
+                raise StopIteration  # the real batches whose places stand-ins took are never drawn
             batch = next(self._it)
         except StopIteration:
-            rec.epochs[self._epoch]["t_end"] = t_call - rec.t0
+            rec.epochs[self._epoch].update(t_end=t_call - rec.t0, stand_ins=self._stand_ins)
             self._last = None
             raise
         return batch, s.phase_of(rec)
@@ -180,10 +196,8 @@ class Session:
 
     def __init__(self, config: WatchConfig) -> None:
         self.config = config
-        self.replay_start = config.replay_start()  # read at every step: computed once
         self.world = rank_info()[1]
         self.t0 = time.perf_counter()
-        self.wall0 = time.time()
         self.records: dict[int, LoaderRecord] = {}
         self._original_iter: Any = None
         self._sampler: _Sampler | None = None
@@ -229,9 +243,8 @@ class Session:
 
     # -- decisions in next() --------------------------------------------------------------------------
     def cuda_in_use(self) -> bool:
-        # once CUDA is up it stays up; until then one cheap call per step. Whether CUDA exists at all is
-        # asked once, at the first step (after the script set its CUDA_VISIBLE_DEVICES): is_available()
-        # reads the environment each call, ~1 µs a step on a CPU-only run for nothing
+        # once CUDA is up it stays up; whether it exists is asked once, at the first step (after the
+        # script set its CUDA_VISIBLE_DEVICES): is_available() reads the environment at each call
         if not self._cuda:
             if self._cuda_possible is None:
                 self._cuda_possible = torch.cuda.is_available()
@@ -259,7 +272,7 @@ class Session:
 
     def next_pause(self, rec: LoaderRecord) -> int:
         """The real step count after which the next pause (replay round) begins."""
-        return self.replay_start + rec.pauses * self.config.replay_every
+        return rec.start + rec.pauses * self.config.replay_every
 
     def set_gate(self, rec: LoaderRecord) -> None:
         """``rec.gate``: the real step count from which next() checks for a pause or the stop;
@@ -271,7 +284,8 @@ class Session:
 
     def should_stop(self, rec: LoaderRecord) -> bool:
         c = self.config
-        return c.steps is not None and rec.real >= c.steps and (rec.paused or not c.pauses())
+        no_pause = rec.paused or not c.pauses() or rec.start == NEVER  # no len(): no pause, no stand-ins
+        return c.steps is not None and rec.real >= c.steps and no_pause
 
     def pause(self, rec: LoaderRecord, t: float) -> None:
         """One pause of the loop: a replay round when batches were kept, then ``after_replay``."""
@@ -280,9 +294,10 @@ class Session:
         rec.paused = rec.pauses >= c.pauses_total()
         self.set_gate(rec)
         if c.replay and rec.kept:
-            rec.mode, rec.replayed = "replay", True
+            rec.mode = "replay"
             fixed = self.world > 1  # ranks must take the same number of steps
-            rec.window = Window(len(rec.t_call), 1, c.replay_warmup_s, c.replay_s, c.replay_steps, fixed)
+            cap = cap_for(c.replay_steps, rec.epoch_len, MIN_TIMED + 1)
+            rec.window = Window(len(rec.t_call), 1, c.replay_warmup_s, c.replay_s, cap, fixed)
         else:
             self.after_replay(rec)
 
@@ -293,14 +308,21 @@ class Session:
                 batch = rec.kept[rec.replay_index % len(rec.kept)]
                 rec.replay_index += 1
                 return batch, "replay"
-            rec.window_warm += rec.window.warm()
-            rec.mode = None
+            self.end_window(rec)
             self.after_replay(rec)
             return None
         got = trial.step(rec, t)
         if got is None:
             rec.mode = None
         return got
+
+    def end_window(self, rec: LoaderRecord) -> None:
+        """A replay or trial window is over (done, or the run ended inside it): its warm-up steps noted."""
+        if rec.mode == "replay":
+            rec.window_warm += rec.window.warm()
+        elif rec.mode == "trial":
+            trial.end(rec)
+        rec.mode = None
 
     def after_replay(self, rec: LoaderRecord) -> None:
         """Still paused inside next(), nothing running beside it: the dataset's parts timed alone, then
@@ -316,8 +338,8 @@ class Session:
             trial.start(self, rec)
             if rec.trial is not None:
                 rec.mode = "trial"
-        # the user's workers kept filling their queue meanwhile: the next steps drain it, not the steady
-        # state; at 0 workers the next step's wait holds the end of this pause
+        # the user's workers kept filling their queue meanwhile: the next steps drain it (at 0 workers
+        # the next step's wait holds this pause's end)
         w = rec.settings["num_workers"]
         rec.refill_left = w * (rec.settings["prefetch_factor"] or 2) + 1 if w else 1
 
@@ -378,6 +400,8 @@ class Session:
             self.profile_trace = f"failed: {e}"
         if self._sampler is not None:
             self._sampler.stop()
+        for rec in self.records.values():
+            self.end_window(rec)
         from dlstore.bench.watch.raw import raw_document
 
         self.finished = raw_document(self, status, exit_code, error, t_end)
@@ -425,12 +449,9 @@ class _Sampler(threading.Thread):
         for rec in list(s.records.values()):
             _sample_workers(rec, t)
         self.ticks += 1
-        # NVML's queries contend with kernel launches (the bench's loop ran a launch-bound step slower with
-        # them): one in NVML_EVERY samples. The utilisation it reads is the driver's own average over its
-        # last period, so a sparser sample still reads the loop's
-        # CUDA's state is read off the main thread's flag, never asked here: from this thread (started at
-        # install, before the script runs) is_available() / get_device_properties() would initialise
-        # CUDA before the script set CUDA_VISIBLE_DEVICES, and off the training thread
+        # NVML's queries contend with kernel launches: one sample in NVML_EVERY (it reads the driver's own
+        # average). CUDA's state is the main thread's flag, never asked here: from this thread a query
+        # would initialise CUDA before the script set CUDA_VISIBLE_DEVICES
         if not self.nvml_tried and s._cuda:
             self.nvml_tried = True
             self.nvml = _nvml_handle()
@@ -449,37 +470,15 @@ def _sample_workers(rec: LoaderRecord, t: float) -> None:
         cpu = process_cpu_s(pid)
         if cpu is not None:
             rec.worker_cpu[pid] = max(cpu, rec.worker_cpu.get(pid, 0.0))
-        mem = smaps_mb(pid)
-        if mem is not None:
+        mem = memory_kb(pid)
+        if mem["rss_kb"] and mem["pss_kb"] is not None:  # smaps read, and not empty (exiting)
             seen += 1
-            rss, pss, shared = rss + mem["rss"], pss + mem["pss"], shared + mem["shared"]
+            rss, pss = rss + mem["rss_kb"] / 1024, pss + mem["pss_kb"] / 1024
+            shared += (mem["shared_kb"] or 0) / 1024
     if not pids and not rec.worker_cpu:
         return
-    # the workers' CPU stays counted after they end; their memory only where it was read
     memory: list[float | None] = [rss, pss, shared] if seen else [None, None, None]
     rec.worker_samples.append([t, sum(rec.worker_cpu.values()), *memory, float(len(pids))])
-
-
-def smaps_mb(pid: int) -> dict[str, float] | None:
-    """Rss, Pss and shared (clean + dirty) of one process in MB, from smaps_rollup; None when unreadable
-    or empty (the process is exiting)."""
-    out = {"rss": 0.0, "pss": 0.0, "shared": 0.0}
-    found = False
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                kb = value.split()[0] if value.split() else "0"
-                if key == "Rss":
-                    out["rss"] = int(kb) / 1024
-                    found = True
-                elif key == "Pss":
-                    out["pss"] = int(kb) / 1024
-                elif key in ("Shared_Clean", "Shared_Dirty"):
-                    out["shared"] += int(kb) / 1024
-    except (OSError, ValueError):
-        return None
-    return out if found and out["rss"] > 0 else None
 
 
 def _nvml_handle() -> tuple[Any, Any] | None:

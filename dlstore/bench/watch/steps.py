@@ -98,16 +98,26 @@ def summarise(
     }
 
 
+def group(row: dict[str, Any]) -> str:
+    """The summary a step counts in: its phase, but a later epoch's first real step is that epoch's
+    start-up (``start``: workers started anew, their queue filled again), kept out of the steady figure:
+    on a short run one such step among a few steady ones moves it by half; it costs once an epoch
+    (``epoch_start_excess``)."""
+    if row["phase"] == "real" and row["epoch_first"] and row["epoch"] > 0:
+        return "start"
+    return row["phase"]
+
+
 def by_phase(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, Any]:
-    """Summaries of the warm-up, the steady real steps, the replayed steps and the trial's (their timed
-    steps: warm-up left out), and the refill after them."""
+    """Summaries of the warm-up, the steady real steps, the later epochs' starts, the replayed steps and
+    the trial's (their timed steps: warm-up left out), and the refill after them."""
     out: dict[str, Any] = {}
-    for phase in ("warmup", "real", "replay", "trial", "refill", "profiled"):
+    for phase in ("warmup", "real", "start", "replay", "trial", "refill", "profiled"):
         fed = phase in ("replay", "trial")
         # the replay's period by blocks (a slow block left out); the trial's is its mean: its loader's
         # epoch ends (a refill every epoch) recur and are part of the rate it reaches
         s = summarise(
-            [r for r in rows if r["phase"] == phase and not (fed and r["warm"])], images, phase == "replay"
+            [r for r in rows if group(r) == phase and not (fed and r["warm"])], images, phase == "replay"
         )
         if s is not None:
             out[phase] = s

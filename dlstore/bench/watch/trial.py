@@ -3,19 +3,18 @@ is computed from what was observed so far, and when it says more workers, watch 
 from a second DataLoader over the same dataset with the advised workers (``probes.workers_kwargs``) for a
 time (``trial_s``). Its first N × prefetch + 1 steps (the queue filling, the workers starting) are
 dropped, the rest timed; then that loader is shut down and the user's own iterator goes on where it
-paused (no batch of the user's epoch is lost: the trial's batches are extra steps).
+paused. The trial's batches take the places of the user's (the epoch's length is unchanged).
 
-Why in the loop: beside N busy workers the loop's own step slows too. On the H200 a loop calling
-loss.item() every step was predicted 87k img/s at 8 workers from the loader timed alone (89k), and ran
-41k with them: its synchronising main thread and the workers contend, which no probe after the loop sees.
-The rate the loop itself reached in the trial is the advice's predicted rate.
+Why in the loop: beside N busy workers the loop's own step slows too (a main thread that synchronises
+every step contends with them), which no probe after the loop sees. The trial's rate is the prediction.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
-from dlstore.bench.watch.window import Window
+from dlstore.bench.watch.window import MIN_TIMED, Window, cap_for
 
 if TYPE_CHECKING:
     from dlstore.bench.watch.record import LoaderRecord, Session
@@ -52,7 +51,8 @@ class Trial:
         self.it: Any = self._iter(self.loader)
         self.epochs = 1
         warm = workers * self.prefetch + 1
-        self.window = Window(len(rec.t_call), warm, 0.0, c.trial_s, max(c.trial_steps, warm + 3), fixed=False)
+        cap = cap_for(c.trial_steps, rec.epoch_len, warm + MIN_TIMED)
+        self.window = Window(len(rec.t_call), warm, 0.0, c.trial_s, cap, fixed=False)
 
     def batch(self) -> Any:
         try:
@@ -100,13 +100,18 @@ def step(rec: LoaderRecord, t: float) -> tuple[Any, str] | None:
         try:
             return tr.batch(), "trial"
         except Exception as e:  # a worker failed: end the trial, the loop continues on its own data
-            rec.trial_info = {"skipped": f"the trial's loader failed: {type(e).__name__}: {e}"}
-    else:
-        rec.trial_info = tr.summary()
-    rec.window_warm += tr.window.warm()
-    rec.trial = None
-    try:
-        tr.close()
-    except Exception:
-        pass  # its workers end with the process
+            end(rec, f"the trial's loader failed: {type(e).__name__}: {e}")
+            return None
+    end(rec)
     return None
+
+
+def end(rec: LoaderRecord, failed: str | None = None) -> None:
+    """The trial is over (its window done, its loader failed, or the run ended): its loader shut down."""
+    tr, rec.trial = rec.trial, None
+    if tr is None:
+        return
+    rec.trial_info = {"skipped": failed} if failed else tr.summary()
+    rec.window_warm += tr.window.warm()
+    with contextlib.suppress(Exception):  # its workers end with the process
+        tr.close()

@@ -1,11 +1,11 @@
 """A window of steps that watch feeds the loop itself (the replay, the trial): its first steps dropped as
 warm-up, then at least a time timed, capped in steps. Decided at each next() call from perf_counter alone.
 
-The replay follows a data-bound phase: the device's clocks and caches wake over its first steps (H200,
-SmallCNN: 3.5 → 2.7 ms over ~15 steps), and 60 steps (0.16 s) moved ±20% between runs. So the window runs
-for a time, not a count, and ``steps.block_period`` reads its steady period as the median of three blocks.
+The replay follows a data-bound phase: the device's clocks and caches wake over its first steps, and a
+short count of steps moves between runs; so the window runs for a time, not a count, and
+``steps.block_period`` reads its steady period as the median of three blocks.
 Under torchrun the ranks must take the same number of steps (their all-reduces pair up), so there the
-window counts steps only (``fixed``).
+window counts steps only (``fixed``). Its steps take the loop's own places: at most half an epoch each.
 """
 
 from __future__ import annotations
@@ -60,3 +60,9 @@ class Window:
         """The record's step indices of the warm-up (all of the window's while none was timed)."""
         upto = self.n if self.timed_from is None else self.timed_from
         return list(range(self.first_step, self.first_step + upto))
+
+
+def cap_for(steps: int, epoch_len: int | None, least: int) -> int:
+    """A window's most steps: ``steps``, or half an epoch when that is fewer; never fewer than ``least``."""
+    half = steps if epoch_len is None else max(1, epoch_len // 2)
+    return max(least, min(steps, half))
