@@ -23,12 +23,13 @@ cache) is one more producer limit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # What a run can be limited by, as the verdict names it.
-BOTTLENECKS = ("read", "transform", "host", "h2d", "compute", "cores")
+BOTTLENECKS = ("read", "transform", "host", "h2d", "compute", "cores", "shared")
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,21 @@ class FedTiming:
         probe_gap = self.idle_gap_s if self.idle_gap_s and self.idle_gap_s > 0 else self.period_s
         share = min(1.0, max(0.0, gap_s) / probe_gap) if probe_gap > 0 else 1.0
         return self.serial_s + share * (self.idle_serial_s - self.serial_s)
+
+
+def over_epochs(
+    loader: LoaderTiming, workers: int, epoch: int | None, startup_s: float = 0.0
+) -> LoaderTiming:
+    """The loader over a script's epochs of ``epoch`` batches. Each epoch starts with nothing queued (and,
+    unless the workers persist, ``startup_s`` to start them): its N workers each build one batch at once, so
+    batches come N at a time, one batch's build apart. With N × prefetch_factor ≥ the epoch (16 workers ×
+    2 and 32 batches) the whole epoch is in flight at once and that start decides the rate; prefetch_factor
+    bounds how far ahead the workers run, not when an epoch's first batch comes, so it is not a term."""
+    if loader.in_caller or not workers or not epoch or epoch < 2:
+        return loader
+    build = loader.period_s * workers
+    total = startup_s + math.ceil(epoch / workers) * build
+    return replace(loader, period_s=total / epoch, refill_s=startup_s + build, epoch_batches=epoch)
 
 
 def _pooled(windows: Sequence[Mapping[str, Any]], key: str) -> float | None:

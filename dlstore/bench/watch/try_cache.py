@@ -29,15 +29,18 @@ HARD_LIMIT = 3  # × the budget: a loader slower than that is timed on fewer bat
 
 
 def sample_source(ds_info: dict[str, Any], dataset: Any, batch: int, seed: int = 0) -> Any:
-    """The observed dataset as a dlstore Source, cut to a seeded random sample."""
+    """The observed dataset as a dlstore Source (a folder of class folders, or a torchvision set), cut to a
+    seeded random sample; None for a dataset whose files must first be listed or written out."""
     from dlstore.convert.sources import load_torchvision, scan_folder
 
-    root = ds_info.get("root")
-    if ds_info.get("image_folder"):
-        source = scan_folder(Path(root))
-    else:
-        name = ds_info["type"].rsplit(".", 1)[-1]
+    src, root = ds_info.get("convert") or {}, ds_info.get("root")
+    if not root:
+        return None
+    if src.get("source", "").startswith("torchvision:"):
+        name = src["source"].split(":", 1)[1]
         source = load_torchvision(name, Path(root), bool(getattr(dataset, "train", True)))
+    else:
+        source = scan_folder(Path(root))
     keep = min(len(source), max(SAMPLE_IMAGES, SAMPLE_BATCHES * batch))
     if keep < len(source):
         picked = np.sort(np.random.default_rng(seed).choice(len(source), keep, replace=False))
@@ -55,6 +58,8 @@ def try_cache(
     dataset = base_dataset(getattr(loader, "dataset", None))
     batch = int(getattr(loader, "batch_size", None) or plan.get("batch") or 32)
     source = sample_source(ds_info, dataset, batch)
+    if source is None:
+        return {"skipped": f"the advice first writes {ds_info['convert']['source']}: not tried on a sample"}
     if len(source) < batch + 1:
         return {"skipped": f"the dataset holds {len(source)} images, fewer than two batches of {batch}"}
     return convert_and_time(loader, source, plan, batch, cuda, budget_s)
@@ -132,11 +137,19 @@ def time_loader(
         from dlstore.gpu import GpuAugment
 
         device = torch.device("cuda", torch.cuda.current_device())
-        augment = GpuAugment(plan["crop"], degrees=plan.get("degrees", 0.0)).to(device)
+        augment = GpuAugment(**augment_kwargs(plan)).to(device)
     try:
         return time_batches(dl, batch, budget_s, augment, device)
     finally:
         del dl
+
+
+def augment_kwargs(plan: dict[str, Any]) -> dict[str, Any]:
+    """The advice's GpuAugment arguments (the snippet's), its dtype named as code turned into the dtype."""
+    kw = dict(plan.get("augment") or {"size": plan["crop"], "degrees": plan.get("degrees", 0.0)})
+    if "out_dtype" in kw:
+        kw["out_dtype"] = getattr(torch, str(kw["out_dtype"]).removeprefix("torch."))
+    return kw
 
 
 def time_batches(
