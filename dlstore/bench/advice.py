@@ -192,7 +192,7 @@ def gpu_augment(transforms: Sequence[dict[str, Any]], size: int) -> tuple[dict[s
             kw["degrees"] = t.get("degrees", 0.0)
         elif name == "Normalize":
             kw.update(mean=tuple(t["mean"]), std=tuple(t["std"]))
-        elif name in ("ConvertImageDtype", "ToDtype") and str(t.get("dtype", "")).startswith("torch.float"):
+        elif name in ("ConvertImageDtype", "ToDtype") and "float" in str(t.get("dtype", "")):
             kw["out_dtype"] = t["dtype"]
         elif name in ("Resize", "CenterCrop") and min(t.get("size") or [0]) == size:
             continue  # the cache's own resize and centre crop
@@ -219,6 +219,6 @@ def border_note(source: str, size: int, extra: str) -> str:
     )
 
 
-def plural(n: int, noun: str) -> str:
-    """``plural(1, "worker")`` → "1 worker"; the one helper every report uses."""
-    return count(n, noun)
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """``plural(1, "worker")`` → "1 worker", ``plural(8, "batch", "batches")``: the one helper reports use."""
+    return count(n, noun, many)

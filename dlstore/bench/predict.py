@@ -5,7 +5,7 @@ A training loop is ``for x, y in loader: copy; step``. Three things work on each
 - the **producer**: DataLoader workers (or a loader's own thread) making batches, measured as a loader-only
   loop (``loader.period_s`` per batch); a loader that works in the caller (0 workers) is timed alone again
   right before and after each of its runs (``endtoend.probe_around``), since its cost is the whole serial
-  half of the loop and moved with the machine between the parts phase and the runs (H200, rounds A–F);
+  half of the loop and moves with the machine between the parts phase and the runs;
 - the **main thread**: its share of the loader's work (all of it with 0 workers: decode, collate, pin run
   in ``next()``; with workers only the hand-over) plus its own per-step work: the Python loop, the copy
   call, the kernel launches and any synchronisation the step does. That last part is measured by feeding
@@ -72,7 +72,7 @@ class FedTiming:
 
     def serial_at(self, gap_s: float) -> float:
         """The main thread's own cost per step when the device has idled ``gap_s`` before it. Launching onto
-        an idle device cost 5–25% more on the H200; it is measured at two points, no gap (``serial_s``) and
+        an idle device costs more; it is measured at two points, no gap (``serial_s``) and
         the idle probe's gap (``idle_serial_s``), and taken linearly between them, the probe's cost beyond.
         A probe that measured no extra cost leaves the busy cost."""
         if self.idle_serial_s is None or self.idle_serial_s <= self.serial_s:
@@ -109,11 +109,10 @@ def fed_timing(samples: Sequence[Mapping[str, Any]]) -> FedTiming | None:
     """One ``FedTiming`` from the fed-step probe's samples (each: ``free`` = the bare fed loop, ``loop`` = the
     same batch through the real loop's code, ``idle`` = the fed loop with the device idle before each step).
 
-    ``free`` and ``loop`` measure the same thing (copy + step with data free, device kept busy) in two
-    windows of ~10–30 batches; on the H200 either one moved ±25% from the other between rounds in both
-    directions (RESULTS.md, bench round B), so the two are pooled into one mean weighted by batches, not the
-    larger taken (a maximum of noisy estimates over-predicts the cost: 12 of 15 round-B sweep runs ran
-    faster than predicted). On a CPU the step runs on the main thread: its period is the serial cost."""
+    ``free`` and ``loop`` measure the same thing (copy + step with data free, device kept busy) in two short
+    windows that move apart both ways from round to round, so they are pooled into one mean weighted by
+    batches (a maximum of noisy estimates over-predicts the cost). On a CPU the step runs on the main
+    thread: its period is the serial cost."""
     if not samples:
         return None
     free = [s["free"] for s in samples]

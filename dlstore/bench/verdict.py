@@ -68,7 +68,6 @@ class Facts:
     source: str = "demo"
     size: int = 64
     cores: int = 1
-    cache_bytes: dict[str, int] = field(default_factory=dict)
     mem_available: int | None = None
     raw_cache_bytes: int | None = None  # what a raw RAM cache of this source would hold
     pin_default: bool = False
@@ -265,7 +264,6 @@ def analyse(
         "recommendations": rules.recommendations(advice),
         "advice": advice,
         "stalls": stalls(stages, sweeps, cold, facts.batch_size, facts.warmup_steps),
-        "knees": {name: knee(sweep) for name, sweep in sweeps.items()},
         "lanes": lanes_advice(kinds, facts),
         "best": {k: best[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
         "default": {k: default[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
@@ -308,11 +306,6 @@ def detail_text(
     """The figures behind the verdict: the step alone, raw's peak, the fastest run and what limits it."""
     text = [f"The training step alone runs {fmt(compute)} img/s on {facts.device_label} ({facts.precision})."]
     raw = kinds.get("raw")
-    if raw:
-        text.append(
-            f"raw (per-file decode, as torchvision users have it) peaks at {fmt(raw['best_img_per_s'])} img/s "
-            f"with {plural(raw['best_workers'], 'worker')}, limited by {STAGE_WORDS.get(raw['bottleneck'], '?')}."
-        )
     speedup = (
         f", {best['img_per_s'] / raw['best_img_per_s']:.1f}× raw" if raw and best["loader"] != "raw" else ""
     )

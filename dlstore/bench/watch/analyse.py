@@ -25,7 +25,7 @@ from dlstore.bench.watch.steps import by_phase, epoch_start_excess, slope, step_
 # the loop ran with 0 workers, so none was measured. ~0.1–1 ms per batch on the machines measured.
 HANDOVER_S = 0.3e-3
 DEVICE_BUSY = 0.95  # a replayed device span this share of the period: the device never idled
-CACHE_READ_BYTES_PER_S = 4e9  # a RAM cache's gather + collate, about half of memcpy (PERFORMANCE.md)
+CACHE_READ_BYTES_PER_S = 4e9  # a RAM cache's gather + collate, about half of memcpy
 WORKER_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 STAGE_NAMES = {
@@ -282,7 +282,8 @@ def binding(rep: dict[str, Any], parts: LoopParts, pred: Prediction, p: dict[str
         who = plural(parts.workers, "worker") if parts.workers else "0 workers (the main thread)"
         out["words"] = f"{name}, {100 * out['part_share']:.0f}% of the loader's work,"
         out["text"] = (
-            f"{out['words'].rstrip(',')}: {who} reach {fmt(model['loader_img_per_s'])} img/s, the step takes "
+            f"{out['words'].rstrip(',')}: {who} {'reaches' if parts.workers == 1 else 'reach'} "
+            f"{fmt(model['loader_img_per_s'])} img/s, the step takes "
             f"{fmt(model['data_free_img_per_s'])}"
         )
     else:
@@ -441,7 +442,7 @@ def _workers_advice(
     if expected < rules.WORTH_FRACTION * baseline:
         return None
     if e and not (tried is not None and tried["workers"] == n):
-        how += f", over epochs of {plural(e, 'batch')} each starting with an empty queue"
+        how += f", over epochs of {plural(e, 'batch', 'batches')} each starting with an empty queue"
     busy = _cores_busy(rep)
     idle = f" ({busy:.1f} of {parts.cores} cores busy now)" if busy is not None else ""
     return _advice(
@@ -505,8 +506,7 @@ def _pin_advice(
 ) -> dict[str, Any] | None:
     """A pageable copy blocks the main thread for the whole transfer; a pinned one is asynchronous. The
     gain is the parts model's ratio with and without the saving, applied to the rate measured now (the
-    model's own rate for the loop is not it: on the H200 an input-bound loop modelled 11,143 img/s for
-    pinning ran 8,674, as unpinned)."""
+    model's own rate for an input-bound loop is not it)."""
     h2d = (ld.get("parts") or {}).get("h2d")
     if not doc["cuda"] or rep["settings"]["pin_memory"] or not h2d:
         return None

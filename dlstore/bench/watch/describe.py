@@ -97,8 +97,7 @@ def convert_source(ds: Any) -> dict[str, Any]:
         return {"source": f"torchvision:{name}", "extra": f" --root {ds.root}{split}", "root": str(ds.root)}
     if type(ds).__module__.split(".")[0] == "datasets" and hasattr(ds, "to_parquet"):
         return _hf_source(ds)
-    listed = _path_list(getattr(getattr(ds, "reader", None), "samples", None), ds)
-    listed = listed or next((got for a in PATH_LISTS if (got := _path_list(getattr(ds, a, None), ds))), None)
+    listed = _path_rows(ds)
     if listed is not None:
         return {
             "source": "files.csv",
@@ -106,7 +105,7 @@ def convert_source(ds: Any) -> dict[str, Any]:
             "prepare": "import csv; csv.writer(open('files.csv', 'w', newline='')).writerows("
             f"[('path', 'label'), *{listed}])",
         }
-    if isinstance(ds, _iterable()):
+    if isinstance(ds, sys.modules["torch.utils.data"].IterableDataset):
         return {"why": f"{name} is an IterableDataset: it streams samples and names no files to convert"}
     if type(ds).__module__ == "__main__":
         return {
@@ -130,27 +129,22 @@ def _timm_folder(ds: Any) -> str | None:
     return None
 
 
-def _path_list(value: Any, ds: Any) -> str | None:
-    """Python for the (path, label) rows of a list of paths or of (path, label) pairs, else None."""
-    if not isinstance(value, (list, tuple)) or not value:
-        return None
-    first = value[0]
-    if isinstance(first, (tuple, list)) and len(first) >= 2 and isinstance(first[0], (str, os.PathLike)):
-        return f"[(str(p), y) for p, y, *_ in ds.{_attr_of(ds, value)}]"
-    if isinstance(first, (str, os.PathLike)):
-        labels = next(
-            (a for a in ("targets", "labels") if len(getattr(ds, a, None) or ()) == len(value)), None
-        )
-        ys = f"ds.{labels}" if labels else "[0] * len(ds)"
-        return f"zip(map(str, ds.{_attr_of(ds, value)}), {ys})"
+def _path_rows(ds: Any) -> str | None:
+    """Python for the (path, label) rows of a Dataset over a list of paths or of (path, label) pairs."""
+    for attr in ("reader.samples", *PATH_LISTS):
+        value = ds
+        for part in attr.split("."):
+            value = getattr(value, part, None)
+        first = value[0] if isinstance(value, (list, tuple)) and value else None
+        if isinstance(first, (tuple, list)) and len(first) >= 2 and isinstance(first[0], (str, os.PathLike)):
+            return f"[(str(p), y) for p, y, *_ in ds.{attr}]"
+        if isinstance(first, (str, os.PathLike)):
+            n = len(value)  # type: ignore[arg-type]
+            ys = next(
+                (f"ds.{a}" for a in ("targets", "labels") if len(getattr(ds, a, None) or ()) == n), None
+            )
+            return f"zip(map(str, ds.{attr}), {ys or '[0] * len(ds)'})"
     return None
-
-
-def _attr_of(ds: Any, value: Any) -> str:
-    for a in PATH_LISTS:
-        if getattr(ds, a, None) is value:
-            return a
-    return "reader.samples"
 
 
 def _hf_source(ds: Any) -> dict[str, Any]:
@@ -165,12 +159,6 @@ def _hf_source(ds: Any) -> dict[str, Any]:
         "extra": f" --label {label}",
         "prepare": "ds.to_parquet('train.parquet')",
     }
-
-
-def _iterable() -> type:
-    import torch.utils.data
-
-    return torch.utils.data.IterableDataset
 
 
 def is_dataset_folder(ds: Any) -> bool:
