@@ -190,7 +190,7 @@ def gpu_augment(transforms: Sequence[dict[str, Any]], size: int) -> tuple[dict[s
             kw["hflip_p"] = t.get("p", 0.5)
         elif name == "RandomRotation":
             kw["degrees"] = t.get("degrees", 0.0)
-        elif name == "Normalize":
+        elif name == "Normalize" and "mean" in t and "std" in t:
             kw.update(mean=tuple(t["mean"]), std=tuple(t["std"]))
         elif name in ("ConvertImageDtype", "ToDtype") and "float" in str(t.get("dtype", "")):
             kw["out_dtype"] = t["dtype"]

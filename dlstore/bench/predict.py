@@ -206,8 +206,8 @@ def compose_with(parts: LoopParts, serial_s: float) -> Prediction:
     """The period of the loop as the largest of its limits; the bottleneck is the limit that sets it.
 
     A loader that restarts at each epoch end (persistent DataLoader workers, a loader's own thread) first
-    drains: the next epoch's first batch takes ``refill`` from the restart, and nothing else runs meanwhile,
-    since the restart waits for the loop to consume the last batch. An epoch of E batches then takes
+    drains: the next epoch's first batch takes ``refill`` from the restart, and only the device's queued
+    steps run meanwhile, since the restart waits for the loop to consume the last batch. An epoch of E batches then takes
     ``refill + max(E × consumer, (E − 1) × steady + consumer)``, with ``consumer`` the per-batch limit of the
     main thread and the device, and at least E × the cores term (all the epoch's CPU work over the usable
     cores); with long epochs this tends to the plain pipeline."""
@@ -232,7 +232,11 @@ def compose_with(parts: LoopParts, serial_s: float) -> Prediction:
         consumers = {k: v for k, v in terms.items() if k not in ("producer", "cores")}
         limit = max(consumers, key=lambda k: consumers[k])
         consumer = consumers[limit]
-        epoch = r + max(e * consumer, (e - 1) * steady + consumer)
+        # A device slower than the main thread has the steps the host launched ahead still to run when the
+        # host waits for the refill: over an epoch the host gains (device − main) a step, and that lead
+        # hides as much of the refill.
+        lead = 0.0 if parts.step_on_host else (e - 1) * max(0.0, terms["device"] - terms["main"])
+        epoch = max(0.0, r - lead) + max(e * consumer, (e - 1) * steady + consumer)
         if e * terms["cores"] > epoch:
             epoch, limit = e * terms["cores"], "cores"
         # the loader's share: time per batch the loop waits on it, not overlapped with anything

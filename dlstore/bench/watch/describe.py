@@ -182,10 +182,12 @@ def transform_steps(transform: Any) -> list[dict[str, Any]]:
     step: dict[str, Any] = {"name": type(transform).__name__, "repr": repr(transform)}
     for key in PARAMS:
         value = getattr(transform, key, None)
+        if hasattr(value, "tolist"):  # a tensor (timm's Normalize keeps its mean and std as tensors)
+            value = value.tolist()
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = [value]
         if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
-            step[key] = [float(v) if key != "size" else int(v) for v in value]
+            step[key] = [round(float(v), 6) if key != "size" else int(v) for v in value]
         elif key == "dtype" and str(value).startswith("torch."):
             step[key] = str(value)
     if "degrees" in step:
