@@ -56,13 +56,14 @@ def recommendations(advice: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
-def named_stage(model_stage: str, measured: float | None, alone: float | None) -> str:
+def named_stage(model_stage: str, measured: float | None, alone: float | None, on_host: bool = False) -> str:
     """The stage a loop is named by: the training step whenever the loop runs as fast as the step alone
-    (whatever part the model puts first, nothing around the step can be cut); a loop the model calls
-    step-bound that runs well below the step alone lost its time to the parts running together."""
+    (whatever part the model puts first, nothing around the step can be cut); on a GPU, a loop the model
+    calls step-bound that runs well below the step alone lost its time to the parts running together (on
+    a CPU the step and the loader share the cores by design: the step stays named)."""
     if measured and alone and measured >= STEP_ALONE_FRACTION * alone:
         return "compute"
-    if model_stage == "compute" and measured and alone and measured < 0.85 * alone:
+    if model_stage == "compute" and not on_host and measured and alone and measured < 0.85 * alone:
         return "shared"
     return model_stage
 
@@ -199,6 +200,13 @@ def gpu_augment(transforms: Sequence[dict[str, Any]], size: int) -> tuple[dict[s
         elif name not in TENSOR_STEPS:
             missing.append(name)
     return kw, missing
+
+
+def not_reproduced(missing: Sequence[str]) -> str:
+    if not missing:
+        return ""
+    them = "it" if len(missing) == 1 else "them"
+    return f" GpuAugment does not do {', '.join(missing)}: keep {them} on the CPU or drop {them} knowingly."
 
 
 def augment_code(kw: dict[str, Any]) -> str:

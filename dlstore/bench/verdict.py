@@ -17,7 +17,6 @@ from dlstore.bench.advice import STAGE_WORDS, decode_lanes, decoder_code, fmt, i
 from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, compose, prediction_error
 
 KNEE_FRACTION = 0.95
-COMPUTE_BOUND_FRACTION = 0.85
 PREDICTION_TOLERANCE = 0.20
 
 
@@ -114,11 +113,15 @@ def annotate_runs(stages: dict[str, KindStages], runs: list[dict[str, Any]], fac
             continue
         pred = compose(parts)
         run["predicted_img_per_s"] = pred.img_per_s
-        alone = stages.get(run["loader"], KindStages()).compute
-        run["bottleneck"] = rules.named_stage(pred.bottleneck, run["img_per_s"], alone)
+        run["bottleneck"] = run_stage(pred.bottleneck, run, stages.get(run["loader"], KindStages()), facts)
         run["prediction_error"] = prediction_error(run["img_per_s"], pred.img_per_s)
         run["limits_ms"] = {k: 1e3 * v for k, v in pred.terms_s.items()}
         run["budget_ms"] = {"predicted": pred.budget_ms(parts), "measured": run.get("measured_ms")}
+
+
+def run_stage(model_stage: str, run: dict[str, Any], ks: KindStages, facts: Facts) -> str:
+    """The stage a run is named by (``advice.named_stage``): the model's, or the step's near its rate alone."""
+    return rules.named_stage(model_stage, run["img_per_s"], ks.compute, on_host=facts.device == "cpu")
 
 
 def default_runs(runs: Sequence[dict[str, Any]], pin_default: bool) -> dict[str, list[dict[str, Any]]]:
@@ -242,11 +245,10 @@ def analyse(
     kinds = {name: kind_summary(sweep) for name, sweep in sweeps.items()}
     best = max((r for s in sweeps.values() for r in s), key=lambda r: r["img_per_s"])
     compute = stages.get(best["loader"], KindStages()).compute
-    compute_bound = is_compute_bound(best, facts.batch_size)
     default = sweeps[next(iter(sweeps))][0]  # the first kind at its fewest workers: DataLoader's default
     advice = rules.rank(
         _best_config_advice(best, default, kinds, facts)
-        + _bound_advice(best, stages, compute_bound, facts)
+        + _bound_advice(best, stages, facts)
         + _pin_advice(runs, facts)
     )
     alone = stages.get(default["loader"], KindStages()).compute
@@ -259,7 +261,7 @@ def analyse(
             advice[0] if advice else None,
             _stage_words(default, facts),
         ),  # fmt: skip
-        "detail": detail_text(best, kinds, compute, compute_bound, facts),
+        "detail": detail_text(best, kinds, compute, facts),
         "kinds": kinds,
         "recommendations": rules.recommendations(advice),
         "advice": advice,
@@ -273,17 +275,6 @@ def analyse(
 
 def _stage_words(run: dict[str, Any], facts: Facts) -> str:
     return f"{STAGE_WORDS.get(run['bottleneck'], run['bottleneck'])} for {run['loader']} with {_count(run['loader'], run['workers'], facts)}"
-
-
-def is_compute_bound(run: dict[str, Any], batch: int) -> bool:
-    """The step is the limit when the run is named compute-bound and reaches most of what the step sustains
-    in this loop: fed collated batches through the same copy on a GPU; on a CPU, where the step runs on the
-    main thread between loads, the main thread's serial chain."""
-    limits = run.get("limits_ms") or {}
-    step_ms = max(limits.get("device") or 0.0, limits.get("main") or 0.0)
-    if run.get("bottleneck") != "compute" or not step_ms:
-        return False
-    return run["img_per_s"] >= COMPUTE_BOUND_FRACTION * batch / (step_ms / 1e3)
 
 
 def prediction_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -300,7 +291,6 @@ def detail_text(
     best: dict[str, Any],
     kinds: dict[str, dict[str, Any]],
     compute: float | None,
-    compute_bound: bool,
     facts: Facts,
 ) -> str:
     """The figures behind the verdict: the step alone, raw's peak, the fastest run and what limits it."""
@@ -321,7 +311,7 @@ def detail_text(
     if best["loader"] in facts.substituted:
         text.append(f"Note: {best['loader']} {facts.substituted[best['loader']]}.")
     wait = best["wait"]
-    if compute_bound or best["bottleneck"] == "compute":
+    if best["bottleneck"] == "compute":
         text.append(
             f"The input keeps up: the loop waits for data {100 * wait['sum_over_wall']:.0f}% of the time."
         )
@@ -399,13 +389,11 @@ def _hurts(k: dict[str, Any]) -> str:
     return ", ".join(f"{h['workers']}: {fmt(h['img_per_s'])}" for h in k["hurts"])
 
 
-def _bound_advice(
-    best: dict[str, Any], stages: dict[str, KindStages], compute_bound: bool, facts: Facts
-) -> list[dict[str, Any]]:
+def _bound_advice(best: dict[str, Any], stages: dict[str, KindStages], facts: Facts) -> list[dict[str, Any]]:
     """What to change when even the best configuration is limited: the step, the copy, the host, the cores."""
     b = best["bottleneck"]
     ks = stages.get(best["loader"], KindStages())
-    if b == "compute" or compute_bound:
+    if b == "compute":  # named so only near the step alone's rate (``advice.named_stage``)
         faster = " --precision bf16 --channels-last --compile" if facts.precision == "fp32" else " --compile"
         command = facts.bench_command + ("" if facts.device == "cpu" else faster)
         return [rules.step_advice("compute", facts.device != "cpu", best["img_per_s"], command)]

@@ -112,16 +112,16 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     rep["resources"] = resources(ld, doc, steady)
     if "replay" in phases:
         rep["notes"].append(
-            f"{rep['steps_replayed']} steps were replayed on {doc['config']['replay_batches']} of the "
+            f"{plural(rep['steps_replayed'], 'step')} replayed on {doc['config']['replay_batches']} of the "
             "loop's own batches to time it with data free: the model trained on those repeated batches "
             "(turn this off with --no-replay)."
         )
     tried = trial_of(rep)
     if tried is not None:
         rep["notes"].append(
-            f"{rep['steps_trial']} steps trained on real batches from a second DataLoader over the same dataset "
-            f"with {tried['workers']} workers (the in-loop trial of the workers advice, its first "
-            f"{tried['dropped']} steps dropped as its queue filled; turn this off with --no-trial)."
+            f"{plural(rep['steps_trial'], 'step')} trained on real batches from a second DataLoader over the same "
+            f"dataset with {plural(tried['workers'], 'worker')} (the in-loop trial of the workers advice, its first "
+            f"{plural(tried['dropped'], 'step')} dropped as its queue filled; turn this off with --no-trial)."
         )
     elif (ld.get("trial") or {}).get("skipped"):
         rep["notes"].append(f"No in-loop trial: {ld['trial']['skipped']}.")
@@ -135,7 +135,7 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     tried = trial_of(rep)
     if tried is not None and not any(a.get("workers") == tried["workers"] for a in rep["advice"]):
         rep["notes"].append(
-            f"Tried in the loop with {tried['workers']} workers: {fmt(tried['img_per_s'])} img/s (now "
+            f"Tried in the loop with {plural(tried['workers'], 'worker')}: {fmt(tried['img_per_s'])} img/s (now "
             f"{fmt(steady['img_per_s'])}): more workers do not speed this loop up, so they are not advised."
         )
     if ld.get("try_cache") is not None:
@@ -268,7 +268,9 @@ def binding(rep: dict[str, Any], parts: LoopParts, pred: Prediction, p: dict[str
         # the device ran the whole replayed period: the main thread's time there is its wait for the
         # device (back-pressure), not its own work, so the step's compute binds
         stage = "compute"
-    stage = rules.named_stage(stage, rep["steady"]["img_per_s"], model["data_free_img_per_s"])
+    stage = rules.named_stage(
+        stage, rep["steady"]["img_per_s"], model["data_free_img_per_s"], parts.step_on_host
+    )
     out: dict[str, Any] = {"stage": stage, "words": rules.STAGE_WORDS.get(stage, stage)}
     split = stage_split(p, parts.batch)
     if stage in ("transform", "cores") and split:
@@ -552,7 +554,7 @@ def _cache_advice(
     rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
 ) -> dict[str, Any] | None:
     """A dlstore cache removes the file read, decode and resize; with the random augmentation moved to
-    the GPU (GpuAugment) the loader's CPU work is a gather from memory."""
+    the GPU (GpuAugment, with the user's parameters) the loader's CPU work is a gather from memory."""
     ds = rep["dataset"]
     src = ds.get("convert") or ({"source": ds["root"], "extra": ""} if ds.get("image_folder") else {})
     sized = cache_size(ds.get("transforms") or [])
@@ -562,28 +564,18 @@ def _cache_advice(
     if not src.get("source") or sized is None or p.get("getitem_s") is None:
         return None
     size, why = sized
-    random_steps = [t for t in ds["transforms"] if t.get("random")]
+    random_steps = [t["name"] for t in ds["transforms"] if t.get("random")]
     gpu = doc["cuda"] and bool(random_steps)
-    b = parts.batch
     channels = 1 if "MNIST" in src["source"] else 3
-    gather = b * size * size * channels / CACHE_READ_BYTES_PER_S
-    per_sample = gather / b if gpu else (p.get("transform_s") or 0.0) + gather / b
-    cost = b * per_sample + (p.get("collate_s") or 0.0) * (0.2 if gpu else 1.0)
-    loader = LoaderTiming(cost, cost, cost, in_caller=True)
-    cached = (
-        replace(parts, workers=0, loader=loader)
-        if gpu
-        else replace(parts, loader=replace(parts.loader, period_s=cost / max(1, parts.workers), cpu_s=cost,
-                                           main_s=cost if not parts.workers else parts.loader.main_s))
-    )  # fmt: skip
     probe = _probe(ld, "cache")
-    expected = _rate(tried_parts(parts, probe) if probe else cached, _epoch(rep))
+    cached = tried_parts(parts, probe) if probe else _cached_parts(parts, p, size, channels, gpu)
+    expected = _rate(cached, _epoch(rep))
     if expected < rules.WORTH_FRACTION * now:
         return None
-    plan = _cache_plan(size, channels, gpu, ds, b)
-    command, _ = rules.convert_command(
+    plan = _cache_plan(size, channels, gpu, ds, parts.batch)
+    command = rules.convert_command(
         src["source"], size, src["extra"], channels, plan["bytes"], plan["avail"]
-    )
+    )[0]
     command = (f"{src['prepare']}; " if src.get("prepare") else "") + command
     memory = ", in_memory=True" if plan["in_memory"] else ""
     caveat = (
@@ -591,24 +583,15 @@ def _cache_advice(
         if rules.crops_whole_image(ds["transforms"])
         else ""
     )
-    if src.get("why_callable"):
-        caveat += f" ({src['why_callable']}.)"
+    caveat += f" ({src['why_callable']}.)" if src.get("why_callable") else ""
+    how = f"predicted {fmt(expected)} img/s"
     if gpu:
-        missing = plan.pop("missing")
-        lost = (
-            f" GpuAugment does not do {', '.join(missing)}: keep {'it' if len(missing) == 1 else 'them'} on the CPU or drop {'it' if len(missing) == 1 else 'them'} knowingly."
-            if missing
-            else ""
-        )
         text = (
-            f"CPU augmentation ({', '.join(t['name'] for t in random_steps)}) on decoded files binds: cache the "
-            f"images pre-resized (size {size}, from {why}) and augment on the GPU with the same parameters: "
-            f"predicted {fmt(expected)} img/s ({_cache_how(probe, gpu)}).{lost}{caveat}"
+            f"CPU augmentation ({', '.join(random_steps)}) on decoded files binds: cache the images pre-resized "
+            f"(size {size}, from {why}) and augment on the GPU with the same parameters: {how} "
+            f"({_cache_how(probe, gpu)}).{rules.not_reproduced(plan['missing'])}{caveat}"
         )
-        code = (
-            f"ds = dlstore.CachedDataset(DEST{memory}); aug = {rules.augment_code(plan['augment'])}; "
-            "x = aug(x.to('cuda', non_blocking=True))"
-        )
+        code = f"ds = dlstore.CachedDataset(DEST{memory}); aug = {rules.augment_code(plan['augment'])}; x = aug(x.to('cuda', non_blocking=True))"
         return _advice(
             text,
             f"{command}; {code}",
@@ -617,16 +600,30 @@ def _cache_advice(
             "a dlstore cache with the augmentation on the GPU",
             cache=plan,
         )
-    plan.pop("missing")
-    split = stage_split(p, b)
+    split = stage_split(p, parts.batch)
     share = sum(v for k, v in split.items() if k in ("read_s", "decode_s")) / (sum(split.values()) or 1.0)
     text = (
         f"A dlstore cache pre-resized to {size} (from {why}) removes the file read and decode "
-        f"({100 * share:.0f}% of the loader's work): predicted {fmt(expected)} img/s with your transforms kept "
-        f"({_cache_how(probe, gpu)}).{caveat}"
+        f"({100 * share:.0f}% of the loader's work): {how} with your transforms kept ({_cache_how(probe, gpu)}).{caveat}"
     )
     code = f"ds = dlstore.CachedDataset(DEST, transform=your_transform, pil=True{memory})"
     return _advice(text, f"{command}; {code}", now, expected, "a dlstore cache", cache=plan)
+
+
+def _cached_parts(parts: LoopParts, p: dict[str, Any], size: int, channels: int, gpu: bool) -> LoopParts:
+    """The loop with a cache's loader, modelled: a gather from memory, plus the CPU transform kept
+    where the augmentation stays on the CPU (then in the loop's own workers)."""
+    b = parts.batch
+    cost = b * size * size * channels / CACHE_READ_BYTES_PER_S + (p.get("collate_s") or 0.0) * (
+        0.2 if gpu else 1.0
+    )
+    if gpu:
+        return replace(parts, workers=0, loader=LoaderTiming(cost, cost, cost, in_caller=True))
+    cost += b * (p.get("transform_s") or 0.0)
+    main = parts.loader.main_s if parts.workers else cost
+    return replace(
+        parts, loader=replace(parts.loader, period_s=cost / max(1, parts.workers), cpu_s=cost, main_s=main)
+    )
 
 
 def _cache_how(probe: dict[str, Any] | None, gpu: bool) -> str:
@@ -662,7 +659,7 @@ def _cache_plan(size: int, channels: int, gpu: bool, ds: dict[str, Any], b: int)
         "avail": avail,
         "gpu": gpu,
         "augment": augment,
-        "missing": missing if gpu else [],
+        "missing": missing if gpu else [],  # what GpuAugment cannot do of the user's transform
         "crop": augment["size"],
         "degrees": augment.get("degrees", 0.0),
         "batch": b,

@@ -1,4 +1,4 @@
-"""The analysis on records of known cost: input-bound classes, the parts model's binding stage, the
+"""The analysis on records of known cost: the binding stage, the one sentence that leads, the
 recommendations with predicted rates, the cache size read off a transform, ranks."""
 
 from __future__ import annotations
