@@ -294,7 +294,7 @@ def detail_text(
     facts: Facts,
 ) -> str:
     """The figures behind the verdict: the step alone, raw's peak, the fastest run and what limits it."""
-    text = [f"The training step alone runs {fmt(compute)} img/s on {facts.device_label} ({facts.precision})."]
+    text = [f"The training step alone runs {fmt(compute)} img/s ({facts.precision}) on {facts.device_label}."]
     raw = kinds.get("raw")
     speedup = (
         f", {best['img_per_s'] / raw['best_img_per_s']:.1f}× raw" if raw and best["loader"] != "raw" else ""
@@ -337,9 +337,7 @@ def _best_config_advice(
     rate, base = k["knee_img_per_s"], default["img_per_s"]
     if base and rate >= rules.WORTH_FRACTION * base:
         how, workers = facts.apply.get(best["loader"]), k["knee_workers"]
-        what = (
-            f"{best['loader']} with {_count(best['loader'], workers, facts)}" if workers else best["loader"]
-        )
+        with_n = f" with {_count(best['loader'], workers, facts)}" if workers else ""
         code = rules.workers_code(workers, facts.pin_default) if workers else None
         if best["loader"] in facts.cpu_decoder_kinds:  # its count is CPU decoders: the fast loader's call
             code = decoder_code(workers, facts.batch_size)
@@ -347,13 +345,13 @@ def _best_config_advice(
         sub = facts.substituted.get(best["loader"])
         out.append(
             item(
-                f"Use {what}: {fmt(rate)} img/s measured, {rate / base:.1f}× the default configuration "
+                f"Use {best['loader']}{with_n}: {fmt(rate)} img/s measured, {rate / base:.1f}× the default configuration "
                 f"({default['loader']} with {plural(default['workers'], 'worker')}, {fmt(base)} img/s)"
                 + (f"; it {sub}." if sub else "."),
                 command,
                 rate / base,
                 rate,
-                what=what,
+                what=f"the {best['loader']} loader{with_n}",
                 rate_word="measured",
             )
         )
@@ -378,7 +376,7 @@ def _best_config_advice(
                     # ranks below moving to the best kind: its gain is against its own 0-worker rate
                     kk["knee_img_per_s"] / default["img_per_s"] if default["img_per_s"] else None,
                     kk["knee_img_per_s"],
-                    what=f"{name} with {what}",
+                    what=f"the {name} loader with {what}",
                     rate_word="measured",
                 )
             )

@@ -448,7 +448,7 @@ def test_analysis_predicts_each_run_and_advises_the_best_configuration() -> None
     assert out["verdict"] == (
         "Preparing the images on the CPU (decode and transform) for raw with 0 workers binds: the loop runs "
         "480 img/s and waits for data 10% of the time, where the step alone runs 20,000 img/s; best fix: "
-        "ram, measured 19,000 img/s (39.6× now)."
+        "the ram loader, measured 19,000 img/s (39.6× now)."
     )
     assert out["prediction"]["runs"] == 4 and out["default"]["loader"] == "raw"
 
