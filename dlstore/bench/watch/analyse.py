@@ -100,7 +100,9 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
         "advice": [],
     }
     if ld["settings"].get("keeps_state") is False:
-        rep["notes"].append(stateless_note())
+        from dlstore.read.order import STATELESS_NOTE
+
+        rep["notes"].append(STATELESS_NOTE)
     if steady is None:
         rep["notes"].append("No step of this loader completed: nothing to time.")
         return rep
@@ -664,9 +666,3 @@ def _cache_plan(size: int, channels: int, gpu: bool, ds: dict[str, Any], b: int)
         "degrees": augment.get("degrees", 0.0),
         "batch": b,
     }
-
-
-def stateless_note() -> str:
-    from dlstore.read.order import STATELESS_NOTE
-
-    return STATELESS_NOTE

@@ -21,14 +21,10 @@ RANDOM = (
 )
 
 
-def keeps_state(loader: Any) -> bool:
-    from dlstore.read.order import keeps_state as loader_keeps_state
-
-    return loader_keeps_state(loader)
-
-
 def loader_settings(loader: Any) -> dict[str, Any]:
     """The DataLoader options that decide its speed, as the user set them."""
+    from dlstore.read.order import keeps_state as loader_keeps_state
+
     ctx = getattr(loader, "multiprocessing_context", None)
     method = ctx.get_start_method() if ctx is not None and hasattr(ctx, "get_start_method") else None
     if method is None and getattr(loader, "num_workers", 0):
@@ -51,7 +47,7 @@ def loader_settings(loader: Any) -> dict[str, Any]:
         "sampler": _type_name(getattr(loader, "sampler", None)),
         "collate_fn": getattr(getattr(loader, "collate_fn", None), "__name__", None),
         "batches_per_epoch": batches,
-        "keeps_state": keeps_state(loader),
+        "keeps_state": loader_keeps_state(loader),
     }
 
 

@@ -74,7 +74,12 @@ def convert_and_time(
     try:
         t0 = time.perf_counter()
         dest = tmp / "cache"
-        convert_sample(source, dest, plan)
+        from dlstore.convert.conversion import convert
+        from dlstore.convert.options import ConvertOptions
+
+        convert(
+            source, dest, ConvertOptions(size=plan["size"], channels=plan["channels"], format=plan["format"])
+        )
         out: dict[str, Any] = {
             "images": len(source),
             "convert_s": time.perf_counter() - t0,
@@ -86,14 +91,6 @@ def convert_and_time(
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def convert_sample(source: Any, dest: Path, plan: dict[str, Any]) -> None:
-    from dlstore.convert.conversion import convert
-    from dlstore.convert.options import ConvertOptions
-
-    options = ConvertOptions(size=plan["size"], channels=plan["channels"], format=plan["format"])
-    convert(source, dest, options)
 
 
 def time_loader(
