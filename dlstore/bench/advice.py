@@ -24,8 +24,8 @@ STAGE_WORDS = {
     "host": "the main thread's own work per step (the Python loop, the copy, kernel launches)",
     "h2d": "the copy to the GPU",
     "compute": "the training step",
-    "cores": "the CPU cores (too few for the workers and the main thread)",
-    "shared": "the parts slowing each other when they run together (shared cores, epoch starts)",
+    "cores": "a shortage of CPU cores (the workers and the main thread need more than there are)",
+    "shared": "contention between the parts running together (shared cores, epoch starts)",
 }
 
 

@@ -545,7 +545,9 @@ def test_one_bottleneck_per_verdict() -> None:
     runs = [run("ram", 0, 9_000, True)]  # the model says the step, but well below the 20,000 it sustains
     out = analyse(stages, runs, {}, facts())
     assert runs[0]["bottleneck"] == "shared"  # the parts slow each other: neither the step nor the input
-    assert "training step binds" not in out["verdict"] and "slowing each other" in out["verdict"]
+    assert "training step binds" not in out["verdict"] and out["verdict"].startswith(
+        "Contention between the parts running together"
+    )
     assert "no single change is sure to help" in out["detail"]
 
 

@@ -284,9 +284,11 @@ def binding(rep: dict[str, Any], parts: LoopParts, pred: Prediction, p: dict[str
             name += f" ({', '.join(steps)})" if steps else ""
         out["part_share"] = split[key] / sum(split.values())
         who = plural(parts.workers, "worker") if parts.workers else "0 workers (the main thread)"
-        out["words"] = f"{name}, {100 * out['part_share']:.0f}% of the loader's work,"
+        part = f"{name}, {100 * out['part_share']:.0f}% of the loader's work,"
+        if stage == "transform":  # the part the user changes; with too few cores, the cores are it
+            out["words"] = part
         out["text"] = (
-            f"{out['words'].rstrip(',')}: {who} {'reaches' if parts.workers == 1 else 'reach'} "
+            f"{part.rstrip(',')}: {who} {'reaches' if parts.workers == 1 else 'reach'} "
             f"{fmt(model['loader_img_per_s'])} img/s, the step takes "
             f"{fmt(model['data_free_img_per_s'])}"
         )
