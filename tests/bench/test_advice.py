@@ -169,6 +169,19 @@ def test_a_hugging_face_table_with_an_image_column_goes_through_parquet() -> Non
     assert "no Image column" in convert_source(hf)["why"]
 
 
+def test_a_dataset_whose_attributes_raise_gets_no_cache_advice_and_no_error() -> None:
+    class Odd(Dataset):
+        @property
+        def samples(self) -> list[str]:
+            raise RuntimeError("not loaded yet")
+
+        def __len__(self) -> int:
+            return 4
+
+    info = dataset_info(Odd())
+    assert info["convert"] == {"why": "reading Odd's files failed (RuntimeError: not loaded yet)"}
+
+
 def test_a_dataset_defined_in_the_script_says_why_there_is_no_cache_advice() -> None:
     local = type("Mine", (Dataset,), {"__module__": "__main__", "__len__": lambda s: 64})()
     doc = raw(wait=0.030, host=0.005, replay_period=0.005, getitem=0.030 / 32)

@@ -68,7 +68,10 @@ def dataset_info(dataset: Any) -> dict[str, Any]:
     info: dict[str, Any] = {"type": _type_name(ds), "len": n, "wrapped": ds is not dataset}
     info["image_folder"] = is_dataset_folder(ds) or _timm_folder(ds) is not None
     info["torchvision"] = type(ds).__module__.startswith("torchvision.datasets")
-    info["convert"] = convert_source(ds)
+    try:
+        info["convert"] = convert_source(ds)
+    except Exception as e:  # a Dataset's own attribute that raises: no cache advice, never the script's error
+        info["convert"] = {"why": f"reading {type(ds).__name__}'s files failed ({type(e).__name__}: {e})"}
     info["root"] = info["convert"].get("root")
     transform = getattr(ds, "transform", None)
     info["transform"] = None if transform is None else repr(transform)
