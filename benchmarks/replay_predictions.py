@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from dlstore.bench.endtoend import pool_probe_dicts  # noqa: E402
 from dlstore.bench.parts import loader_timing_of  # noqa: E402
 from dlstore.bench.predict import FedTiming, compose, fed_timing, prediction_error  # noqa: E402
-from dlstore.bench.verdict import Facts, KindStages, parts_of  # noqa: E402
+from dlstore.bench.verdict import Facts, KindStages, parts_of, run_stage  # noqa: E402
 
 TOLERANCE = 0.20
 
@@ -157,7 +157,7 @@ def replay(doc: dict[str, Any], in_caller: str = "probe") -> list[dict[str, Any]
                 "recorded_error": run.get("prediction_error"),
                 "predicted": pred.img_per_s if pred else None,
                 "error": prediction_error(run["img_per_s"], pred.img_per_s) if pred else None,
-                "bottleneck": pred.bottleneck if pred else None,
+                "bottleneck": run_stage(pred.bottleneck, run, stages[run["loader"]], facts) if pred else None,
             }
         )
     return out

@@ -88,3 +88,11 @@ def raw(
             }
         ],
     }
+
+
+def recorded(name: str) -> dict[str, Any]:
+    """A raw watch record kept from a real run (tests/records/watch_NAME.json)."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "records" / f"watch_{name}.json").read_text())

@@ -3,12 +3,11 @@
 - storage read, cold and warm (a per-epoch limit only when the data cannot stay in the page cache);
 - the loader alone at each (workers, pin_memory) the sweep runs: its period, the main thread's share, its CPU
   then, on the same running loader, the step fed a fixed batch after each of its batches: the main thread's
-  own cost per step beside that loader (its pin or gather threads and workers contend with the launches:
-  +20–55% on the H200 for a launch-bound ResNet-18, round C), the one part that cannot be measured alone.
+  own cost per step beside that loader (its pin or gather threads and workers contend with the launches),
+  the one part that cannot be measured alone.
   A loader without worker processes (0-worker DataLoader, pinned, resident) is timed again right before and
   right after each of its runs (``endtoend.probe_around``: alone when it works in the caller, and beside the
-  step), and the model takes those probes: the machine's speed moved by up to ±30% between the parts phase
-  and the runs seconds later (rounds A–F);
+  step), and the model takes those probes: the machine's speed moves between the parts phase and the runs;
 - the host→device copy, pinned and pageable, and the step on synthetic on-device batches (the ceiling);
 - the step fed from an already-collated batch through the loop's own copy with data free (the device's
   period). Re-measured once per round, like the ceiling, so each is pooled over the same span of time as the
@@ -311,16 +310,9 @@ def settle_compute(
     stage_results: dict[str, dict[str, Any]], in_loop: dict[str, list[RunResult]] | None = None
 ) -> None:
     """The step alone's rate: the median of its windows alone; on a CPU (``in_loop``: each kind's warm runs),
-    the fastest window of the same step, alone or as timed inside the runs.
-
-    Why on a CPU: the step alone was timed in a few windows of ~10 steps at other moments than the runs, and
-    on 2 cores shared with other processes the same step's time moved 2.8× between windows (12.7–36 img/s in
-    one run; steps inside the runs 0.72–2.9 s): the median of 3 windows came out below every run that
-    contains the step (issue 22: 12 img/s alone, 15–22 end to end). Inside a CPU run the step's time is the
-    training step itself (the copy is a no-op), on the real batches, in the same thread setting, so it is a
-    window of the same measurement; others' load only ever slows a step, so the fastest window is the one
-    closest to the step's own cost. A run's rate counts its waits as well, so it cannot exceed its own step
-    windows: the step alone is never below a loop that contains it."""
+    the fastest window of the same step, alone or as timed inside the runs: on cores shared with other
+    processes the step's time moves by several times between windows, others' load only ever slows it,
+    and a run's rate counts its waits as well, so the step alone is never below a loop that contains it."""
     distinct: dict[int, tuple[StageResult, list[str]]] = {}
     for name, s in stage_results.items():
         distinct.setdefault(id(s["compute"]), (s["compute"], []))[1].append(name)

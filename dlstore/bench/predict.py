@@ -5,7 +5,7 @@ A training loop is ``for x, y in loader: copy; step``. Three things work on each
 - the **producer**: DataLoader workers (or a loader's own thread) making batches, measured as a loader-only
   loop (``loader.period_s`` per batch); a loader that works in the caller (0 workers) is timed alone again
   right before and after each of its runs (``endtoend.probe_around``), since its cost is the whole serial
-  half of the loop and moved with the machine between the parts phase and the runs (H200, rounds A–F);
+  half of the loop and moves with the machine between the parts phase and the runs;
 - the **main thread**: its share of the loader's work (all of it with 0 workers: decode, collate, pin run
   in ``next()``; with workers only the hand-over) plus its own per-step work: the Python loop, the copy
   call, the kernel launches and any synchronisation the step does. That last part is measured by feeding
@@ -23,12 +23,13 @@ cache) is one more producer limit.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # What a run can be limited by, as the verdict names it.
-BOTTLENECKS = ("read", "transform", "host", "h2d", "compute", "cores")
+BOTTLENECKS = ("read", "transform", "host", "h2d", "compute", "cores", "shared")
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class FedTiming:
 
     def serial_at(self, gap_s: float) -> float:
         """The main thread's own cost per step when the device has idled ``gap_s`` before it. Launching onto
-        an idle device cost 5–25% more on the H200; it is measured at two points, no gap (``serial_s``) and
+        an idle device costs more; it is measured at two points, no gap (``serial_s``) and
         the idle probe's gap (``idle_serial_s``), and taken linearly between them, the probe's cost beyond.
         A probe that measured no extra cost leaves the busy cost."""
         if self.idle_serial_s is None or self.idle_serial_s <= self.serial_s:
@@ -80,6 +81,21 @@ class FedTiming:
         probe_gap = self.idle_gap_s if self.idle_gap_s and self.idle_gap_s > 0 else self.period_s
         share = min(1.0, max(0.0, gap_s) / probe_gap) if probe_gap > 0 else 1.0
         return self.serial_s + share * (self.idle_serial_s - self.serial_s)
+
+
+def over_epochs(
+    loader: LoaderTiming, workers: int, epoch: int | None, startup_s: float = 0.0
+) -> LoaderTiming:
+    """The loader over a script's epochs of ``epoch`` batches. Each epoch starts with nothing queued (and,
+    unless the workers persist, ``startup_s`` to start them): its N workers each build one batch at once, so
+    batches come N at a time, one batch's build apart. With N × prefetch_factor ≥ the epoch (16 workers ×
+    2 and 32 batches) the whole epoch is in flight at once and that start decides the rate; prefetch_factor
+    bounds how far ahead the workers run, not when an epoch's first batch comes, so it is not a term."""
+    if loader.in_caller or not workers or not epoch or epoch < 2:
+        return loader
+    build = loader.period_s * workers
+    total = startup_s + math.ceil(epoch / workers) * build
+    return replace(loader, period_s=total / epoch, refill_s=startup_s + build, epoch_batches=epoch)
 
 
 def _pooled(windows: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -93,11 +109,10 @@ def fed_timing(samples: Sequence[Mapping[str, Any]]) -> FedTiming | None:
     """One ``FedTiming`` from the fed-step probe's samples (each: ``free`` = the bare fed loop, ``loop`` = the
     same batch through the real loop's code, ``idle`` = the fed loop with the device idle before each step).
 
-    ``free`` and ``loop`` measure the same thing (copy + step with data free, device kept busy) in two
-    windows of ~10–30 batches; on the H200 either one moved ±25% from the other between rounds in both
-    directions (RESULTS.md, bench round B), so the two are pooled into one mean weighted by batches, not the
-    larger taken (a maximum of noisy estimates over-predicts the cost: 12 of 15 round-B sweep runs ran
-    faster than predicted). On a CPU the step runs on the main thread: its period is the serial cost."""
+    ``free`` and ``loop`` measure the same thing (copy + step with data free, device kept busy) in two short
+    windows that move apart both ways from round to round, so they are pooled into one mean weighted by
+    batches (a maximum of noisy estimates over-predicts the cost). On a CPU the step runs on the main
+    thread: its period is the serial cost."""
     if not samples:
         return None
     free = [s["free"] for s in samples]
@@ -191,8 +206,8 @@ def compose_with(parts: LoopParts, serial_s: float) -> Prediction:
     """The period of the loop as the largest of its limits; the bottleneck is the limit that sets it.
 
     A loader that restarts at each epoch end (persistent DataLoader workers, a loader's own thread) first
-    drains: the next epoch's first batch takes ``refill`` from the restart, and nothing else runs meanwhile,
-    since the restart waits for the loop to consume the last batch. An epoch of E batches then takes
+    drains: the next epoch's first batch takes ``refill`` from the restart, and only the device's queued
+    steps run meanwhile, since the restart waits for the loop to consume the last batch. An epoch of E batches then takes
     ``refill + max(E × consumer, (E − 1) × steady + consumer)``, with ``consumer`` the per-batch limit of the
     main thread and the device, and at least E × the cores term (all the epoch's CPU work over the usable
     cores); with long epochs this tends to the plain pipeline."""
@@ -217,7 +232,11 @@ def compose_with(parts: LoopParts, serial_s: float) -> Prediction:
         consumers = {k: v for k, v in terms.items() if k not in ("producer", "cores")}
         limit = max(consumers, key=lambda k: consumers[k])
         consumer = consumers[limit]
-        epoch = r + max(e * consumer, (e - 1) * steady + consumer)
+        # A device slower than the main thread has the steps the host launched ahead still to run when the
+        # host waits for the refill: over an epoch the host gains (device − main) a step, and that lead
+        # hides as much of the refill.
+        lead = 0.0 if parts.step_on_host else (e - 1) * max(0.0, terms["device"] - terms["main"])
+        epoch = max(0.0, r - lead) + max(e * consumer, (e - 1) * steady + consumer)
         if e * terms["cores"] > epoch:
             epoch, limit = e * terms["cores"], "cores"
         # the loader's share: time per batch the loop waits on it, not overlapped with anything

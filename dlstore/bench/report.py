@@ -419,26 +419,25 @@ def images_line(source: dict[str, Any]) -> str:
 
 
 def render_text(doc: dict[str, Any]) -> str:
-    """One line per loader kind, at most five recommendations, the verdict; then the runs with their per-batch
-    budget (measured vs predicted), the stage table and notes."""
+    """The one sentence first; then at most five recommendations, the figures behind the sentence, one line
+    per loader kind and notes (each run's per-batch budget and the stages alone are in result.json, the
+    stages also in plots.png)."""
     proto = doc["protocol"]
     num = proto.get("numerics") or {}
     step = proto.get("model") or (proto.get("step") or {}).get("step")
     lines = [
+        doc["verdict"],
+        "",
         f"dlstore bench: {doc['source']['description']} ({images_line(doc['source'])}, {proto['size']}px), "
         f"{step}, {num.get('precision') or '-'}{', channels_last' if num.get('channels_last') else ''}"
         f"{', compiled' if num.get('compiled') else ''}, batch {proto['batch_size']}, transform "
         f"{proto['transform']}, device {doc['environment']['device']}, {count(proto['repeats'], 'repeat')}",
-        "",
+        "Recommendations (most valuable first):",
     ]
-    lines += kind_lines(doc)
-    lines += ["", "Recommendations (most valuable first):"]
     lines += [f"{i}. {r}" for i, r in enumerate(doc["recommendations"], 1)] or ["(none)"]
-    lines += ["", "Verdict: " + doc["verdict"], ""]
-    lines += run_table(doc)
-    lines += stage_table(doc)
-    for note in doc.get("notes", []):
-        lines.append(f"note: {note}")
+    lines += ["", doc.get("detail") or "", ""]
+    lines += kind_lines(doc)
+    lines += [f"note: {note}" for note in doc.get("notes", [])]
     return "\n".join(lines)
 
 
@@ -455,49 +454,4 @@ def kind_lines(doc: dict[str, Any]) -> list[str]:
             f"{name:<9} {str(k['best_workers']) + 'w':>5} {_n(k['best_img_per_s']):>9} {str(k['bottleneck']):<10} "
             f"{_n(k['predicted_img_per_s']):>9} {err:>5}  {sweep}{hurt}"
         )
-    return lines
-
-
-def run_table(doc: dict[str, Any]) -> list[str]:
-    head = (
-        f"{'loader':<8} {'wk':>3} {'pin':>3} {'img/s':>9} {'min–max':>17} {'predicted':>9} {'err':>5} "
-        f"{'bottleneck':<10} {'ms/batch: wait':>14} {'host':>6} {'device':>6} {'| predicted':>11} {'wait':>6} "
-        f"{'host':>6} {'device':>6} {'p95 wait':>8} {'1st epoch':>9}"
-    )
-    lines = ["runs (per-batch budget measured | predicted)", head, "-" * len(head)]
-    kinds = list(doc["loaders"])
-    for r in sorted(doc["runs"], key=lambda r: (kinds.index(r["loader"]), r["workers"], not r["pin_memory"])):
-        pin = "on" if r["pin_memory"] else "off"
-        err = "-" if r["prediction_error"] is None else f"{100 * r['prediction_error']:+.0f}%"
-        m = r.get("measured_ms") or {}
-        p = (r.get("budget_ms") or {}).get("predicted") or {}
-        lines.append(
-            f"{r['loader']:<8} {r['workers']:>3} {pin:>3} {_n(r['img_per_s']):>9} "
-            f"{_n(r['img_per_s_min']) + '–' + _n(r['img_per_s_max']):>17} {_n(r['predicted_img_per_s']):>9} "
-            f"{err:>5} {str(r['bottleneck']):<10} {_n(m.get('wait_ms'), '.2f'):>14} {_n(m.get('host_ms'), '.2f'):>6} "
-            f"{_n(m.get('device_ms'), '.2f'):>6} {'|':>11} {_n(p.get('wait_ms'), '.2f'):>6} "
-            f"{_n(p.get('host_ms'), '.2f'):>6} {_n(p.get('device_ms'), '.2f'):>6} "
-            f"{_n(r['wait']['p95_ms'], '.1f'):>8} {_n(r['first_epoch_img_per_s']):>9}"
-        )
-    return lines
-
-
-def stage_table(doc: dict[str, Any]) -> list[str]:
-    lines = [
-        "",
-        f"{'parts alone (img/s)':<20} {'read warm':>10} {'read cold':>10} {'loader':>16} {'h2d':>10} "
-        f"{'compute':>10}  eviction",
-    ]
-    for name, s in doc["stages"].items():
-        d = s["detail"]
-        ev = d["read"]["detail"].get("eviction") or {}
-        ev_text = {True: "worked", False: "did not take", None: "unknown"}[ev.get("worked")] if ev else "-"
-        tf = f"{_n(s['transform'])} @{d['transform']['detail'].get('best_workers', '-')}w"
-        warm = _n(s["read_warm"]) + ("" if s["read"] is not None else "*")
-        lines.append(
-            f"{name:<20} {warm:>10} {_n(s['read_cold']):>10} {tf:>16} {_n(s['h2d']):>10} "
-            f"{_n(s['compute']):>10}  {ev_text}"
-        )
-    if any(s["read"] is None for s in doc["stages"].values()):
-        lines.append("* loaded once into memory: the read is a one-off at start, not a per-epoch bound")
     return lines

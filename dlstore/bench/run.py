@@ -224,7 +224,6 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         source=_source_arg(config),
         size=size,
         cores=usable_cores(),
-        cache_bytes={n: p.bytes_on_disk() for n, p in prepared.items() if p.info.get("apply")},
         mem_available=mem_available_bytes(),
         raw_cache_bytes=total * size * size * channels,  # the whole source's, not the sample's
         pin_default=pin_default,
@@ -260,7 +259,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         "cold": cold,
         **{
             k: analysis[k]
-            for k in ("kinds", "stalls", "knees", "lanes", "best", "default", "prediction")
+            for k in ("detail", "kinds", "stalls", "lanes", "best", "default", "prediction")
             if k in analysis
         },
         "verdict": analysis["verdict"],

@@ -12,23 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dlstore.bench import advice as rules
+from dlstore.bench.advice import STAGE_WORDS, decode_lanes, decoder_code, fmt, item, plural
 from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, compose, prediction_error
-from dlstore.formats import compressed_gpu_format, in_memory_format
 
 KNEE_FRACTION = 0.95
-COMPUTE_BOUND_FRACTION = 0.85
 PREDICTION_TOLERANCE = 0.20
-WORTH_FRACTION = 1.05  # a change is advised when it is expected to gain at least 5%
-MAX_RECOMMENDATIONS = 5
-
-STAGE_WORDS = {
-    "read": "storage read",
-    "transform": "CPU decode/transform in the Dataset and its workers",
-    "host": "the main thread's own work per step (Python loop, copy call, kernel launches)",
-    "h2d": "host→device copy",
-    "compute": "the training step",
-    "cores": "CPU cores: workers and the main thread need more than there are",
-}
 
 
 @dataclass
@@ -78,7 +67,6 @@ class Facts:
     source: str = "demo"
     size: int = 64
     cores: int = 1
-    cache_bytes: dict[str, int] = field(default_factory=dict)
     mem_available: int | None = None
     raw_cache_bytes: int | None = None  # what a raw RAM cache of this source would hold
     pin_default: bool = False
@@ -125,10 +113,15 @@ def annotate_runs(stages: dict[str, KindStages], runs: list[dict[str, Any]], fac
             continue
         pred = compose(parts)
         run["predicted_img_per_s"] = pred.img_per_s
-        run["bottleneck"] = pred.bottleneck
+        run["bottleneck"] = run_stage(pred.bottleneck, run, stages.get(run["loader"], KindStages()), facts)
         run["prediction_error"] = prediction_error(run["img_per_s"], pred.img_per_s)
         run["limits_ms"] = {k: 1e3 * v for k, v in pred.terms_s.items()}
         run["budget_ms"] = {"predicted": pred.budget_ms(parts), "measured": run.get("measured_ms")}
+
+
+def run_stage(model_stage: str, run: dict[str, Any], ks: KindStages, facts: Facts) -> str:
+    """The stage a run is named by (``advice.named_stage``): the model's, or the step's near its rate alone."""
+    return rules.named_stage(model_stage, run["img_per_s"], ks.compute, on_host=facts.device == "cpu")
 
 
 def default_runs(runs: Sequence[dict[str, Any]], pin_default: bool) -> dict[str, list[dict[str, Any]]]:
@@ -216,25 +209,11 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else 1e3 * seconds
 
 
-def _workers(n: int) -> str:
-    return f"{n} worker" if n == 1 else f"{n} workers"
-
-
 def _count(kind: str, n: int, facts: Facts) -> str:
     """``n`` of what the kind's worker count means: DataLoader workers, or CPU decode processes."""
     if kind in facts.cpu_decoder_kinds:
-        return f"nvJPEG + {n} CPU decoder{'' if n == 1 else 's'}" if n else "nvJPEG alone"
-    return _workers(n)
-
-
-def decode_lanes(n: int) -> list[str]:
-    """DecodeLoader's lanes with ``n`` CPU decoders: its default lanes (the GPU's hardware JPEG engines
-    among them; a lane absent on the machine, e.g. "hw" without NVJPG or nvImageCodec, is skipped there)."""
-    return ["cpu", "hw", "nvjpeg"] if n else ["hw", "nvjpeg"]
-
-
-def decoder_code(n: int, batch_size: int) -> str:
-    return f"DecodeLoader(cache, {batch_size}, transform=crop, cpu_decoders={n}, lanes={decode_lanes(n)})"
+        return f"nvJPEG + {plural(n, 'CPU decoder')}" if n else "nvJPEG alone"
+    return plural(n, "worker")
 
 
 def lanes_advice(kinds: dict[str, dict[str, Any]], facts: Facts) -> dict[str, Any]:
@@ -254,38 +233,39 @@ def lanes_advice(kinds: dict[str, dict[str, Any]], facts: Facts) -> dict[str, An
     return out
 
 
-def _fmt(rate: float | None) -> str:
-    return "n/a" if rate is None else f"{rate:,.0f}"
-
-
 def analyse(
     stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dict[str, dict[str, Any]], facts: Facts
 ) -> dict[str, Any]:
-    """Annotate runs, then one summary per kind, the verdict (text) and the recommendations."""
+    """Annotate runs, then one summary per kind, the verdict (one sentence), its detail and the
+    recommendations."""
     annotate_runs(stages, runs, facts)
     sweeps = default_runs(runs, facts.pin_default)
     if not sweeps:
-        return {"verdict": "no runs were measured", "recommendations": [], "advice": [], "stalls": {}}
+        return {"verdict": "No runs were measured.", "recommendations": [], "advice": [], "stalls": {}}
     kinds = {name: kind_summary(sweep) for name, sweep in sweeps.items()}
     best = max((r for s in sweeps.values() for r in s), key=lambda r: r["img_per_s"])
     compute = stages.get(best["loader"], KindStages()).compute
-    compute_bound = is_compute_bound(best, facts.batch_size)
     default = sweeps[next(iter(sweeps))][0]  # the first kind at its fewest workers: DataLoader's default
-    advice = rank(
+    advice = rules.rank(
         _best_config_advice(best, default, kinds, facts)
-        + _bound_advice(best, stages, compute_bound, facts)
+        + _bound_advice(best, stages, facts)
         + _pin_advice(runs, facts)
     )
-    stall = stalls(stages, sweeps, cold, facts.batch_size, facts.warmup_steps)
+    alone = stages.get(default["loader"], KindStages()).compute
     return {
-        "verdict": verdict_text(best, kinds, compute, compute_bound, facts),
+        "verdict": rules.lead(
+            default["bottleneck"] or "",
+            default["img_per_s"],
+            alone,
+            default["wait"]["sum_over_wall"],
+            advice[0] if advice else None,
+            _stage_words(default, facts),
+        ),  # fmt: skip
+        "detail": detail_text(best, kinds, compute, facts),
         "kinds": kinds,
-        "recommendations": [
-            a["text"] + (f" Apply: {a['command']}" if a.get("command") else "") for a in advice
-        ],
+        "recommendations": rules.recommendations(advice),
         "advice": advice,
-        "stalls": stall,
-        "knees": {name: knee(sweep) for name, sweep in sweeps.items()},
+        "stalls": stalls(stages, sweeps, cold, facts.batch_size, facts.warmup_steps),
         "lanes": lanes_advice(kinds, facts),
         "best": {k: best[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
         "default": {k: default[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
@@ -293,15 +273,8 @@ def analyse(
     }
 
 
-def is_compute_bound(run: dict[str, Any], batch: int) -> bool:
-    """The step is the limit when the run is named compute-bound and reaches most of what the step sustains
-    in this loop: fed collated batches through the same copy on a GPU; on a CPU, where the step runs on the
-    main thread between loads, the main thread's serial chain."""
-    limits = run.get("limits_ms") or {}
-    step_ms = max(limits.get("device") or 0.0, limits.get("main") or 0.0)
-    if run.get("bottleneck") != "compute" or not step_ms:
-        return False
-    return run["img_per_s"] >= COMPUTE_BOUND_FRACTION * batch / (step_ms / 1e3)
+def _stage_words(run: dict[str, Any], facts: Facts) -> str:
+    return f"{STAGE_WORDS.get(run['bottleneck'], run['bottleneck'])} for {run['loader']} with {_count(run['loader'], run['workers'], facts)}"
 
 
 def prediction_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -314,72 +287,45 @@ def prediction_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def verdict_text(
+def detail_text(
     best: dict[str, Any],
     kinds: dict[str, dict[str, Any]],
     compute: float | None,
-    compute_bound: bool,
     facts: Facts,
 ) -> str:
-    text = [
-        f"The training step alone runs {_fmt(compute)} img/s on {facts.device_label} ({facts.precision})."
-    ]
+    """The figures behind the verdict: the step alone, raw's peak, the fastest run and what limits it."""
+    text = [f"The training step alone runs {fmt(compute)} img/s ({facts.precision}) on {facts.device_label}."]
     raw = kinds.get("raw")
-    if raw:
-        text.append(
-            f"raw (per-file decode, as torchvision users have it) peaks at {_fmt(raw['best_img_per_s'])} img/s "
-            f"with {_workers(raw['best_workers'])}, limited by {STAGE_WORDS.get(raw['bottleneck'], '?')}."
-        )
     speedup = (
         f", {best['img_per_s'] / raw['best_img_per_s']:.1f}× raw" if raw and best["loader"] != "raw" else ""
     )
+    e = best.get("prediction_error")
     text.append(
-        f"Fastest measured: {best['loader']} with {_count(best['loader'], best['workers'], facts)} at {_fmt(best['img_per_s'])} img/s "
-        f"(range {_fmt(best['img_per_s_min'])}–{_fmt(best['img_per_s_max'])}{speedup}); bottleneck: "
-        f"{best['bottleneck']} ({STAGE_WORDS.get(best['bottleneck'], '?')}); predicted "
-        f"{_fmt(best['predicted_img_per_s'])} img/s{_err(best)}."
+        f"Fastest measured: {best['loader']} with {_count(best['loader'], best['workers'], facts)} at "
+        f"{fmt(best['img_per_s'])} img/s (range {fmt(best['img_per_s_min'])}–{fmt(best['img_per_s_max'])}"
+        f"{speedup}), limited by {STAGE_WORDS.get(best['bottleneck'], '?')}; predicted "
+        f"{fmt(best['predicted_img_per_s'])} img/s"
+        + ("" if e is None else f", measured {100 * e:+.0f}%")
+        + "."
     )
-    wait = best["wait"]
     if best["loader"] in facts.substituted:
         text.append(f"Note: {best['loader']} {facts.substituted[best['loader']]}.")
-    if compute_bound:
+    wait = best["wait"]
+    if best["bottleneck"] == "compute":
         text.append(
-            f"The step is the limit: the input pipeline keeps up (Σwait/wall {100 * wait['sum_over_wall']:.0f}%)."
+            f"The input keeps up: the loop waits for data {100 * wait['sum_over_wall']:.0f}% of the time."
         )
-    elif best["bottleneck"] == "compute":  # one bottleneck per verdict: the model's, with what was seen
+    elif best["bottleneck"] == "shared":
         text.append(
-            "The step is the slowest part, yet the loop ran below what the step sustains alone and waited for "
-            f"data {100 * wait['sum_over_wall']:.0f}% of the time: the parts slow each other when they run "
-            "together (shared cores), so no single change is sure to help."
-        )
-    elif best["bottleneck"] == "host":
-        text.append(
-            "The main thread is the limit: its own work per step (Python loop, copy call, kernel launches) takes "
-            f"longer than the device's; the loop waits for data only {100 * wait['sum_over_wall']:.0f}% of the time."
+            "Each part alone keeps up with the step, yet the loop ran below the step alone and waited for "
+            f"data {100 * wait['sum_over_wall']:.0f}% of the time: no single change is sure to help."
         )
     else:
         text.append(
-            f"The step does not get data fast enough: the loop waits for data {100 * wait['sum_over_wall']:.0f}% "
-            f"of the time (p95 wait {wait['p95_ms']:.1f} ms)."
+            f"The loop waits for data {100 * wait['sum_over_wall']:.0f}% of the time (p95 wait "
+            f"{wait['p95_ms']:.1f} ms)."
         )
     return " ".join(text)
-
-
-def _err(run: dict[str, Any]) -> str:
-    e = run.get("prediction_error")
-    return "" if e is None else f", measured {100 * e:+.0f}% vs predicted"
-
-
-def rank(advice: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Most valuable first (the largest expected gain; advice without a number after), at most five."""
-    ordered = sorted(advice, key=lambda a: -(a.get("gain") or 0.0))
-    return ordered[:MAX_RECOMMENDATIONS]
-
-
-def _advice(
-    text: str, command: str | None, gain: float | None, expected: float | None = None
-) -> dict[str, Any]:
-    return {"text": text, "command": command, "gain": gain, "expected_img_per_s": expected}
 
 
 def _best_config_advice(
@@ -388,100 +334,81 @@ def _best_config_advice(
     """Move to the fastest configuration (kind and its knee worker count), measured against the default."""
     out = []
     k = kinds[best["loader"]]
-    rate = k["knee_img_per_s"]
-    if default["img_per_s"] and rate >= WORTH_FRACTION * default["img_per_s"]:
-        gain = rate / default["img_per_s"]
-        how = facts.apply.get(best["loader"])
-        workers = k["knee_workers"]
-        what = f"{best['loader']} with {_workers(workers)}" if workers else best["loader"]
-        loader = (
-            f"DataLoader(..., num_workers={workers}, persistent_workers=True, pin_memory={facts.pin_default})"
-        )
-        command = how or loader
-        if how and workers:
-            command = f"{how}; {loader}"
-        if best["loader"] in facts.cpu_decoder_kinds:  # its count is CPU decoders: the DecodeLoader call
-            what = f"{best['loader']} with {_count(best['loader'], workers, facts)}"
-            command = (
-                f"{how}; {decoder_code(workers, facts.batch_size)}"
-                if how
-                else decoder_code(workers, facts.batch_size)
-            )
+    rate, base = k["knee_img_per_s"], default["img_per_s"]
+    if base and rate >= rules.WORTH_FRACTION * base:
+        how, workers = facts.apply.get(best["loader"]), k["knee_workers"]
+        with_n = f" with {_count(best['loader'], workers, facts)}" if workers else ""
+        code = rules.workers_code(workers, facts.pin_default) if workers else None
+        if best["loader"] in facts.cpu_decoder_kinds:  # its count is CPU decoders: the fast loader's call
+            code = decoder_code(workers, facts.batch_size)
+        command = "; ".join(c for c in (how, code) if c) or None
+        sub = facts.substituted.get(best["loader"])
         out.append(
-            _advice(
-                f"Use {what}: {_fmt(rate)} img/s measured, {gain:.1f}× the default configuration "
-                f"({default['loader']} with {_workers(default['workers'])}, {_fmt(default['img_per_s'])} img/s)"
-                + (
-                    f"; it {facts.substituted[best['loader']]}."
-                    if best["loader"] in facts.substituted
-                    else "."
-                ),
+            item(
+                f"Use {best['loader']}{with_n}: {fmt(rate)} img/s measured, {rate / base:.1f}× the default configuration "
+                f"({default['loader']} with {plural(default['workers'], 'worker')}, {fmt(base)} img/s)"
+                + (f"; it {sub}." if sub else "."),
                 command,
-                gain,
+                rate / base,
                 rate,
+                what=f"the {best['loader']} loader{with_n}",
+                rate_word="measured",
             )
         )
     for name, kk in kinds.items():  # a kind's own worker count, when it is not the best kind
-        if name == best["loader"] or not kk["knee_workers"]:
-            continue
         zero = kk["by_workers"].get(0)
-        if zero and kk["knee_img_per_s"] >= WORTH_FRACTION * zero:
+        if name == best["loader"] or not kk["knee_workers"] or not zero:
+            continue
+        if kk["knee_img_per_s"] >= rules.WORTH_FRACTION * zero:
             decoders = name in facts.cpu_decoder_kinds
+            n, what = kk["knee_workers"], _count(name, kk["knee_workers"], facts)
+            more = (
+                f"; more {'decoders' if decoders else 'workers'} are slower ({_hurts(kk)})"
+                if kk["hurts"]
+                else ""
+            )
             out.append(
-                _advice(
-                    f"If you keep {name}: {_count(name, kk['knee_workers'], facts)} give {_fmt(kk['knee_img_per_s'])} img/s, "
-                    f"{kk['knee_img_per_s'] / zero:.1f}× its {'nvJPEG-alone' if decoders else '0-worker'} rate"
-                    + (
-                        f"; more {'decoders' if decoders else 'workers'} are slower ({_hurts(kk)})."
-                        if kk["hurts"]
-                        else "."
-                    ),
-                    decoder_code(kk["knee_workers"], facts.batch_size)
-                    if decoders
-                    else f"DataLoader(..., num_workers={kk['knee_workers']}, persistent_workers=True)",
+                item(
+                    f"If you keep {name}: {what} {'gives' if n == 1 else 'give'} {fmt(kk['knee_img_per_s'])} "
+                    f"img/s, {kk['knee_img_per_s'] / zero:.1f}× its {'nvJPEG-alone' if decoders else '0-worker'} "
+                    f"rate{more}.",
+                    decoder_code(n, facts.batch_size) if decoders else rules.workers_code(n),
                     # ranks below moving to the best kind: its gain is against its own 0-worker rate
                     kk["knee_img_per_s"] / default["img_per_s"] if default["img_per_s"] else None,
                     kk["knee_img_per_s"],
+                    what=f"the {name} loader with {what}",
+                    rate_word="measured",
                 )
             )
     return out
 
 
 def _hurts(k: dict[str, Any]) -> str:
-    return ", ".join(f"{h['workers']}: {_fmt(h['img_per_s'])}" for h in k["hurts"])
+    return ", ".join(f"{h['workers']}: {fmt(h['img_per_s'])}" for h in k["hurts"])
 
 
-def _bound_advice(
-    best: dict[str, Any], stages: dict[str, KindStages], compute_bound: bool, facts: Facts
-) -> list[dict[str, Any]]:
+def _bound_advice(best: dict[str, Any], stages: dict[str, KindStages], facts: Facts) -> list[dict[str, Any]]:
     """What to change when even the best configuration is limited: the step, the copy, the host, the cores."""
     b = best["bottleneck"]
     ks = stages.get(best["loader"], KindStages())
-    if b == "compute" and facts.device == "cpu":  # the model names it; a noisy CPU run cannot hide it
+    if b == "compute":  # named so only near the step alone's rate (``advice.named_stage``)
+        faster = " --precision bf16 --channels-last --compile" if facts.precision == "fp32" else " --compile"
+        command = facts.bench_command + ("" if facts.device == "cpu" else faster)
+        return [rules.step_advice("compute", facts.device != "cpu", best["img_per_s"], command)]
+    if b == "host":
         return [
-            _advice(
-                "No GPU here: the CPU training step is the limit. On a GPU the step is far faster and the input "
-                "pipeline decides the rate; run the bench on the training machine.",
-                facts.bench_command,
-                None,
-            )
-        ]
-    if compute_bound:
-        faster = "--precision bf16 --channels-last --compile" if facts.precision == "fp32" else "--compile"
-        return [
-            _advice(
-                f"The GPU is the limit at {_fmt(best['img_per_s'])} img/s: nothing in the input pipeline needs to "
-                f"change ({best['loader']} with {_workers(best['workers'])} is enough). To go faster, speed up the "
-                "step (bf16 autocast, channels_last, torch.compile, a larger batch) and measure it here.",
-                f"{facts.bench_command} {faster}",
-                None,
+            rules.step_advice(
+                "host",
+                True,
+                best["img_per_s"],
+                f"{facts.bench_command} --batch-size {2 * facts.batch_size} --compile",
             )
         ]
     if b == "h2d":
         return [
-            _advice(
-                f"The host→device copy limits {best['loader']}: {_fmt(ks.h2d_pinned)} img/s pinned vs "
-                f"{_fmt(ks.h2d_pageable)} pageable. Ship uint8 (4× fewer bytes than float32) from pinned memory "
+            item(
+                f"The copy to the GPU limits {best['loader']}: {fmt(ks.h2d_pinned)} img/s pinned vs "
+                f"{fmt(ks.h2d_pageable)} pageable. Ship uint8 (4× fewer bytes than float32) from pinned memory "
                 "and convert and normalise on the device.",
                 "DataLoader(..., pin_memory=True); x = x.to('cuda', non_blocking=True)",
                 None,
@@ -491,65 +418,45 @@ def _bound_advice(
         return [read_advice(best, ks, facts)]
     if b == "transform" and facts.transform == "augment":
         return [
-            _advice(
+            item(
                 f"CPU augmentation limits {best['loader']}: move it to the GPU (GpuAugment after the copy).",
                 f"{facts.bench_command} --transform gpu-augment",
                 None,
             )
         ]
-    if b == "host":
-        return [
-            _advice(
-                f"The main thread's own per-step work limits {best['loader']} ({_ms_of(best, 'main')} ms per batch): "
-                "fewer, larger steps (a larger batch) or fewer kernel launches per step (torch.compile, CUDA graphs).",
-                f"{facts.bench_command} --batch-size {2 * facts.batch_size} --compile",
-                None,
-            )
-        ]
     if b == "cores":
+        command, _ = rules.convert_command(
+            facts.source, facts.size, needed=facts.raw_cache_bytes, avail=facts.mem_available
+        )
         return [
-            _advice(
-                f"{best['loader']} needs more CPU than the {facts.cores} usable cores give: use fewer workers, "
-                "a cheaper decode (a cache), or more cores.",
-                f"dlstore convert {facts.source} DEST --format {in_memory_format()} --size {facts.size}",
+            item(
+                f"{best['loader']} needs more CPU than the {plural(facts.cores, 'usable core')} give: use fewer "
+                "workers, a cheaper decode (a cache), or more cores.",
+                command,
                 None,
             )
         ]
     return []
 
 
-def fits_in_memory(facts: Facts) -> bool | None:
-    """Whether a raw RAM cache of the source fits in the memory available now (None: unknown)."""
-    if facts.raw_cache_bytes is None or facts.mem_available is None:
-        return None
-    return facts.raw_cache_bytes <= facts.mem_available
-
-
 def read_advice(best: dict[str, Any], ks: KindStages, facts: Facts) -> dict[str, Any]:
     """A RAM cache when it fits; otherwise a JPEG cache (about a tenth of the bytes) decoded on the GPU."""
-    what = f"Storage read limits {best['loader']} ({_fmt(ks.read_limit)} img/s cold)"
-    jpeg = compressed_gpu_format()
-    if fits_in_memory(facts) is False and jpeg is not None:
-        fmt, codec = jpeg
-        return _advice(
-            f"{what}, and a raw RAM cache would need {facts.raw_cache_bytes / 1e9:.1f} GB where "
-            f"{facts.mem_available / 1e9:.1f} GB is available: store JPEGs (about a tenth of the bytes) and "
-            "decode them on the GPU with dlstore.read.gpu_decode.DecodeLoader.",
-            f"dlstore convert {facts.source} DEST --format {fmt} --codec {codec} --resize shorter "
-            f"--size {facts.size}",
+    command, jpeg = rules.convert_command(
+        facts.source, facts.size, needed=facts.raw_cache_bytes, avail=facts.mem_available
+    )
+    what = f"Reading the files limits {best['loader']} ({fmt(ks.read_limit)} img/s cold)"
+    if jpeg:
+        return item(
+            f"{what}, and a raw RAM cache does not fit: store JPEGs (about a tenth of the bytes) and decode them on the GPU.",
+            command,
             None,
         )
-    return _advice(
+    return item(
         f"{what}: use fewer bytes per image (a smaller --size, a compressed cache), a faster disk, or a RAM "
         "cache if it fits.",
-        f"dlstore convert {facts.source} DEST --format {in_memory_format()} --size {facts.size}",
+        command,
         None,
     )
-
-
-def _ms_of(run: dict[str, Any], limit: str) -> str:
-    v = (run.get("limits_ms") or {}).get(limit)
-    return "?" if v is None else f"{v:.1f}"
 
 
 def _pin_advice(runs: Sequence[dict[str, Any]], facts: Facts) -> list[dict[str, Any]]:
@@ -560,12 +467,12 @@ def _pin_advice(runs: Sequence[dict[str, Any]], facts: Facts) -> list[dict[str, 
         if not pin or other is None:
             continue
         better, worse = (r, other) if r["img_per_s"] >= other["img_per_s"] else (other, r)
-        if better["img_per_s"] >= WORTH_FRACTION * worse["img_per_s"]:
+        if better["img_per_s"] >= rules.WORTH_FRACTION * worse["img_per_s"]:
             on = better["pin_memory"]
             out.append(
-                _advice(
-                    f"{name} at {_workers(w)}: pin_memory={'True' if on else 'False'} gives "
-                    f"{_fmt(better['img_per_s'])} img/s vs {_fmt(worse['img_per_s'])}.",
+                item(
+                    f"{name} with {plural(w, 'worker')}: pin_memory={on} gives "
+                    f"{fmt(better['img_per_s'])} img/s vs {fmt(worse['img_per_s'])}.",
                     f"DataLoader(..., pin_memory={on})",
                     better["img_per_s"] / worse["img_per_s"] * 0.5,  # a gain within one kind, ranked low
                     better["img_per_s"],

@@ -169,7 +169,7 @@ def test_caches_are_reused_and_text_ends_with_a_verdict(
         catch_exceptions=False,
     )
     assert res.exit_code == 0, res.output
-    assert "Verdict:" in res.stdout and "ram" in res.stdout
+    assert " binds" in res.stdout and "ram" in res.stdout  # the one sentence leads the text
     doc = json.loads((env / "out2" / "result.json").read_text())
     assert doc["loaders"]["ram"]["reused"] is True
 
@@ -195,7 +195,7 @@ def test_an_unwritable_out_fails_first_and_a_full_disk_keeps_the_report(
         main, ["bench", *TINY, "--workers", "0", "--loaders", "ram", "--no-cold", "--out", str(env / "o5")]
     )
     assert res.exit_code == 1
-    assert "Verdict:" in res.stdout  # the measurements are still shown
+    assert " binds" in res.stdout  # the measurements are still shown
     assert "not all written" in res.output and "No space left on device" in res.output
 
 
@@ -433,7 +433,7 @@ def test_a_fast_kind_asked_for_cpu_augmentation_says_what_it_ran(env: Path) -> N
     )
     doc = run_bench(config)
     assert any(n.startswith("pinned ran GpuAugment on the device in place of") for n in doc["notes"])
-    said = [r for r in doc["recommendations"] if r.startswith("Use pinned")] + [doc["verdict"]]
+    said = [r for r in doc["recommendations"] if r.startswith("Use pinned")] + [doc["detail"]]
     if doc["best"]["loader"] == "pinned":
         assert all("in place of the CPU augmentation" in text for text in said)
         assert "GpuAugment(16" in said[0]

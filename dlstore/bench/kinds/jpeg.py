@@ -80,7 +80,7 @@ def jpeg_gpu_kind(ctx: LoaderContext) -> PreparedLoader:
     decoders = ctx.device.type == "cuda"
 
     def make(ds: Any, workers: int, pin: bool, cfg: Any) -> DecodeLoader:
-        from dlstore.bench.verdict import decode_lanes
+        from dlstore.bench.advice import decode_lanes
 
         n = workers if decoders else 0
         return DecodeLoader(

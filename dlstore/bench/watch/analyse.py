@@ -7,18 +7,25 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, Prediction, compose, prediction_error
-from dlstore.bench.verdict import STAGE_WORDS, WORTH_FRACTION, rank
+from dlstore.bench import advice as rules
+from dlstore.bench.advice import fmt, item, plural
+from dlstore.bench.predict import (
+    FedTiming,
+    LoaderTiming,
+    LoopParts,
+    Prediction,
+    compose,
+    over_epochs,
+    prediction_error,
+)
 from dlstore.bench.watch.grounding import tried_parts
 from dlstore.bench.watch.steps import by_phase, epoch_start_excess, slope, step_rows, window_max, window_mean
 
-# TF profiler's input-pipeline analyser classes (share of step time waiting for input)
-NOT_INPUT_BOUND, HIGHLY_INPUT_BOUND = 0.05, 0.20
 # A DataLoader worker's hand-over to the main thread (unpickling shared-memory handles): used only when
 # the loop ran with 0 workers, so none was measured. ~0.1–1 ms per batch on the machines measured.
 HANDOVER_S = 0.3e-3
 DEVICE_BUSY = 0.95  # a replayed device span this share of the period: the device never idled
-CACHE_READ_BYTES_PER_S = 4e9  # a RAM cache's gather + collate, about half of memcpy (PERFORMANCE.md)
+CACHE_READ_BYTES_PER_S = 4e9  # a RAM cache's gather + collate, about half of memcpy
 WORKER_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 STAGE_NAMES = {
@@ -28,14 +35,6 @@ STAGE_NAMES = {
     "collate_s": "collate",
     "getitem_s": "the Dataset's __getitem__",
 }
-
-
-def input_class(share: float) -> str:
-    if share < NOT_INPUT_BOUND:
-        return "not input-bound"
-    if share < HIGHLY_INPUT_BOUND:
-        return "moderately input-bound"
-    return "highly input-bound"
 
 
 def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -63,11 +62,10 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     primary = max(out["loaders"], key=lambda r: r["steps_observed"])
     out["primary"] = primary["index"]
     out["ranks"] = rank_summary(docs) if len(docs) > 1 else None
-    out["verdict"] = verdict_text(primary, out["ranks"])
+    out["verdict"] = verdict(primary)
+    out["detail"] = detail(primary, out["ranks"])
     out["advice"] = primary["advice"]
-    out["recommendations"] = [
-        a["text"] + (f" Apply: {a['command']}" if a.get("command") else "") for a in primary["advice"]
-    ]
+    out["recommendations"] = rules.recommendations(primary["advice"])
     out["notes"] += primary["notes"]
     return out
 
@@ -108,7 +106,9 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
         "advice": [],
     }
     if ld["settings"].get("keeps_state") is False:
-        rep["notes"].append(stateless_note())
+        from dlstore.read.order import STATELESS_NOTE
+
+        rep["notes"].append(STATELESS_NOTE)
     if steady is None:
         rep["notes"].append("No step of this loader completed: nothing to time.")
         return rep
@@ -120,16 +120,16 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     rep["resources"] = resources(ld, doc, steady)
     if "replay" in phases:
         rep["notes"].append(
-            f"{rep['steps_replayed']} steps were replayed on {doc['config']['replay_batches']} of the "
+            f"{plural(rep['steps_replayed'], 'step')} replayed on {doc['config']['replay_batches']} of the "
             "loop's own batches to time it with data free: the model trained on those repeated batches "
             "(turn this off with --no-replay)."
         )
     tried = trial_of(rep)
     if tried is not None:
         rep["notes"].append(
-            f"{rep['steps_trial']} steps trained on real batches from a second DataLoader over the same dataset "
-            f"with {tried['workers']} workers (the in-loop trial of the workers advice, its first "
-            f"{tried['dropped']} steps dropped as its queue filled; turn this off with --no-trial)."
+            f"{plural(rep['steps_trial'], 'step')} trained on real batches from a second DataLoader over the same "
+            f"dataset with {plural(tried['workers'], 'worker')} (the in-loop trial of the workers advice, its first "
+            f"{plural(tried['dropped'], 'step')} dropped as its queue filled; turn this off with --no-trial)."
         )
     elif (ld.get("trial") or {}).get("skipped"):
         rep["notes"].append(f"No in-loop trial: {ld['trial']['skipped']}.")
@@ -139,12 +139,12 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     pred = compose(parts)
     rep["model"] = model_summary(parts, pred, steady)
     rep["binding"] = binding(rep, parts, pred, ld.get("parts") or {})
-    rep["advice"] = rank(advice(rep, parts, ld, doc))
+    rep["advice"] = rules.rank(advice(rep, parts, ld, doc))
     tried = trial_of(rep)
     if tried is not None and not any(a.get("workers") == tried["workers"] for a in rep["advice"]):
         rep["notes"].append(
-            f"Tried in the loop with {tried['workers']} workers: {_fmt(tried['img_per_s'])} img/s (now "
-            f"{_fmt(steady['img_per_s'])}): more workers do not speed this loop up, so they are not advised."
+            f"Tried in the loop with {plural(tried['workers'], 'worker')}: {fmt(tried['img_per_s'])} img/s (now "
+            f"{fmt(steady['img_per_s'])}): more workers do not speed this loop up, so they are not advised."
         )
     if ld.get("try_cache") is not None:
         _ground_tried(rep, parts, ld["try_cache"])
@@ -211,6 +211,11 @@ def loop_parts(rep: dict[str, Any], ld: dict[str, Any], doc: dict[str, Any]) -> 
             per_batch = steady["period_s"] * workers
         handover = steady["wait_p10_s"] or HANDOVER_S
         loader = LoaderTiming(period_s=per_batch / workers, main_s=handover, cpu_s=per_batch, in_caller=False)
+        # each epoch of the script starts with its queue empty (and its workers started again unless
+        # persistent): the first step's extra wait beyond one batch's build is that start-up
+        excess = epoch_start_excess(rep["rows"], steady["wait_mean_s"]) or 0.0
+        startup = max(0.0, excess + steady["wait_mean_s"] - per_batch)
+        loader = over_epochs(loader, workers, _epoch(rep), startup)
     return LoopParts(
         batch=b,
         workers=workers,
@@ -265,16 +270,17 @@ def binding(rep: dict[str, Any], parts: LoopParts, pred: Prediction, p: dict[str
     """The stage that binds, in words a user acts on, e.g. "CPU transform: 4 workers reach 1,900 img/s,
     the step takes 9,800"."""
     model = rep["model"]
-    b = parts.batch
     stage = pred.bottleneck
     fed = parts.fed
     if stage == "host" and fed.device_s is not None and fed.device_s >= DEVICE_BUSY * fed.period_s:
         # the device ran the whole replayed period: the main thread's time there is its wait for the
-        # device (back-pressure), not its own work, so the step's compute binds (ResNet-50 on the H200:
-        # main 29.51 vs device 29.48 ms, the hand-over tipping it)
+        # device (back-pressure), not its own work, so the step's compute binds
         stage = "compute"
-    out: dict[str, Any] = {"stage": stage, "words": STAGE_WORDS.get(stage, stage)}
-    split = stage_split(p, b)
+    stage = rules.named_stage(
+        stage, rep["steady"]["img_per_s"], model["data_free_img_per_s"], parts.step_on_host
+    )
+    out: dict[str, Any] = {"stage": stage, "words": rules.STAGE_WORDS.get(stage, stage)}
+    split = stage_split(p, parts.batch)
     if stage in ("transform", "cores") and split:
         key = max(split, key=lambda k: split[k])
         out["part"] = key.removesuffix("_s")
@@ -283,49 +289,58 @@ def binding(rep: dict[str, Any], parts: LoopParts, pred: Prediction, p: dict[str
             steps = [t["name"] for t in rep["dataset"].get("transforms", [])]
             name += f" ({', '.join(steps)})" if steps else ""
         out["part_share"] = split[key] / sum(split.values())
-        who = f"{parts.workers} workers" if parts.workers != 1 else "1 worker"
-        if parts.workers == 0:
-            who = "0 workers (the main thread)"
+        who = plural(parts.workers, "worker") if parts.workers else "0 workers (the main thread)"
+        part = f"{name}, {100 * out['part_share']:.0f}% of the loader's work,"
+        if stage == "transform":  # the part the user changes; with too few cores, the cores are it
+            out["words"] = part
         out["text"] = (
-            f"{name} ({100 * out['part_share']:.0f}% of the loader's work): {who} reach "
-            f"{_fmt(model['loader_img_per_s'])} img/s, the step takes {_fmt(model['data_free_img_per_s'])}"
+            f"{part.rstrip(',')}: {who} {'reaches' if parts.workers == 1 else 'reach'} "
+            f"{fmt(model['loader_img_per_s'])} img/s, the step takes "
+            f"{fmt(model['data_free_img_per_s'])}"
         )
     else:
         out["text"] = (
-            f"{out['words']}: the step with data free runs {_fmt(model['data_free_img_per_s'])} img/s, "
-            f"the loader alone {_fmt(model['loader_img_per_s'])}"
+            f"{out['words']}: the step with data free runs {fmt(model['data_free_img_per_s'])} img/s, "
+            f"the loader alone {fmt(model['loader_img_per_s'])}"
         )
     return out
 
 
-def verdict_text(primary: dict[str, Any], ranks: dict[str, Any] | None) -> str:
-    steady = primary["steady"]
+def verdict(primary: dict[str, Any]) -> str:
+    """The one sentence the report leads with."""
+    steady, model, b = primary["steady"], primary.get("model"), primary.get("binding")
     if steady is None:
         return "No step completed: nothing to judge."
-    share = steady["wait_share"]
+    if not model or not b:
+        return f"The loop ran {fmt(steady['img_per_s'])} img/s and waited for data {100 * steady['wait_share']:.0f}% of the time."
+    best = primary["advice"][0] if primary["advice"] else None
+    return rules.lead(
+        b["stage"], steady["img_per_s"], model["data_free_img_per_s"], steady["wait_share"], best, b["words"]
+    )
+
+
+def detail(primary: dict[str, Any], ranks: dict[str, Any] | None) -> str:
+    """The figures behind the lead sentence: the wait, the step with data free, the prediction for now."""
+    steady = primary["steady"]
+    if steady is None:
+        return ""
     text = [
-        f"{input_class(share).capitalize()}: the loop waited for data {100 * share:.1f}% of its step time "
-        f"({1e3 * steady['wait_mean_s']:.2f} ms of {1e3 * steady['period_s']:.2f} ms per step, p95 wait "
-        f"{1e3 * steady['wait_p95_s']:.2f} ms; classes as TF's profiler: <5% not, 5–20% moderately, ≥20% "
-        "highly input-bound)."
+        f"The loop waited for data {100 * steady['wait_share']:.1f}% of its step time "
+        f"({1e3 * steady['wait_mean_s']:.2f} ms of {1e3 * steady['period_s']:.2f} ms per step, p95 "
+        f"{1e3 * steady['wait_p95_s']:.2f} ms) over {plural(steady['steps'], 'step')}."
     ]
     model = primary.get("model")
     if model:
         free = primary["phases"].get("replay")
-        how = "measured on replayed batches" if free else "estimated from the step's own time (no replay)"
+        how = "timed on replayed batches" if free else "estimated from the step's own time (no replay)"
         if free and free.get("rounds"):
-            each = ", ".join(_fmt(r["img_per_s"]) for r in free["rounds"])
-            how += f"; the median of {len(free['rounds'])} rounds: {each}"
-        text.append(
-            f"Now {_fmt(steady['img_per_s'])} img/s; with data free {_fmt(model['data_free_img_per_s'])} img/s "
-            f"({how})."
-        )
-        text.append(f"Binds: {primary['binding']['text']}.")
-        err = model["prediction_error"]
-        if err is not None:
+            each = ", ".join(fmt(r["img_per_s"]) for r in free["rounds"])
+            how += f"; the median of {plural(len(free['rounds']), 'round')}: {each}"
+        text.append(f"With data free the step runs {fmt(model['data_free_img_per_s'])} img/s ({how}).")
+        if model["prediction_error"] is not None:
             text.append(
-                f"The parts model predicts {_fmt(model['predicted_img_per_s'])} img/s for this loop "
-                f"(measured {100 * err:+.0f}%)."
+                f"The parts timed alone predict {fmt(model['predicted_img_per_s'])} img/s for this loop "
+                f"(measured {100 * model['prediction_error']:+.0f}%)."
             )
     if ranks:
         text.append(
@@ -367,19 +382,33 @@ def advice(
 ) -> list[dict[str, Any]]:
     now = rep["steady"]["img_per_s"]
     out = []
-    for make in (_workers_advice, _persistent_advice, _pin_advice, _cache_advice, _step_advice):
+    for make in (_workers_advice, _persistent_advice, _pin_advice, _cache_advice):
         got = make(rep, parts, ld, doc, now)
         if got is not None:
             out.append(got)
-    return out
+    step = rules.step_advice(rep.get("binding", {}).get("stage", ""), doc["cuda"], now)
+    untried = ld.get("untried") or {}
+    for a in out:
+        key = "workers" if a.get("workers") else "cache" if a.get("cache") else None
+        if key in untried:
+            a["not_tried"] = untried[key]
+    return out + ([step] if step else [])
 
 
-def _advice(text: str, command: str | None, now: float | None, expected: float | None) -> dict[str, Any]:
-    gain = expected / now if expected and now else None
-    return {"text": text, "command": command, "gain": gain, "expected_img_per_s": expected}
+def _advice(
+    text: str, command: str | None, now: float | None, expected: float | None, what: str, **extra: Any
+) -> dict[str, Any]:
+    return item(text, command, expected / now if expected and now else None, expected, what=what, **extra)
 
 
-def _rate(parts: LoopParts) -> float:
+def _epoch(rep: dict[str, Any]) -> int | None:
+    return rep["settings"].get("batches_per_epoch")
+
+
+def _rate(parts: LoopParts, epoch: int | None = None) -> float:
+    """The rate of an advised loop over the script's epochs (its workers persistent, as advised)."""
+    if epoch:
+        parts = replace(parts, loader=over_epochs(parts.loader, parts.workers, epoch, 0.0))
     return compose(parts).img_per_s
 
 
@@ -387,8 +416,9 @@ def _workers_advice(
     rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
 ) -> dict[str, Any] | None:
     """More workers while cores are idle: N picked by composing each candidate with the loader's per-batch
-    CPU cost spread over N workers (the fewest within 5% of the best); the predicted rate from the loader
-    timed alone at N (``probes``) when it was, since workers contend for the cores."""
+    CPU cost spread over N workers (the fewest within 5% of the best), over the script's epochs; the
+    predicted rate from the loader timed alone at N (``probes``) when it was, since workers contend for
+    the cores, or the rate the loop reached with N in the in-loop trial."""
     cost = parts.loader.cpu_s if parts.workers else parts.loader.main_s
     if cost <= 0:
         return None
@@ -396,48 +426,45 @@ def _workers_advice(
     if not cands:
         return None
     main = parts.loader.main_s if parts.workers else HANDOVER_S
+    e = _epoch(rep)
     rates = {
-        n: _rate(replace(parts, workers=n, loader=LoaderTiming(cost / n, main, cost + main, in_caller=False)))
+        n: _rate(
+            replace(parts, workers=n, loader=LoaderTiming(cost / n, main, cost + main, in_caller=False)), e
+        )
         for n in cands
     }
     best = max(rates.values())
-    n = next(k for k in cands if rates[k] >= best / WORTH_FRACTION)
+    n = next(k for k in cands if rates[k] >= best / rules.WORTH_FRACTION)
     tried = trial_of(rep)
     if tried is not None and tried["workers"] in cands:
         n = tried["workers"]  # the count tried in the loop (the advice at the pause named it)
     probe = _probe(ld, "workers")
     measured = probe is not None and probe.get("n") == n
-    expected = _rate(tried_parts(parts, probe)) if measured else rates[n]
+    expected = _rate(tried_parts(parts, probe), e) if measured else rates[n]
     baseline = parts.batch / compose(parts).period_s  # a modelled rate against the model's rate now
-    if tried is not None and tried["workers"] == n:
-        # the rate the loop itself reached with n workers, against the rate it runs now: both measured
-        # (H200: a trial at 6 workers reached 44,274 img/s, now 32,964, the model rated now 56,430)
-        expected, baseline = tried["img_per_s"], now
-    if expected < WORTH_FRACTION * baseline:
-        return None
-    busy = _cores_busy(rep)
-    idle = f" ({busy:.1f} of {parts.cores} cores busy now)" if busy is not None else ""
-    pin = ", pin_memory=True" if doc["cuda"] else ""
     how = (
-        f"; the loader alone at {n} workers: {_fmt(probe['loader_img_per_s'])} img/s"
+        f"; the loader alone at {plural(n, 'worker')}: {fmt(probe['loader_img_per_s'])} img/s"
         if measured
         else "; modelled, the loader not timed at that count"
     )
     if tried is not None and tried["workers"] == n:
-        how = (
-            f"; tried in the loop: {tried['steps']} timed steps on a second DataLoader with {n} worker{'s' if n > 1 else ''}, "
-            f"the rate your loop reached"
-        )
-    return {
-        **_advice(
-            f"Use {n} DataLoader worker{'s' if n > 1 else ''}{idle}: predicted {_fmt(expected)} img/s "
-            f"(now {_fmt(now)}{how}).",
-            f"DataLoader(..., num_workers={n}, persistent_workers=True{pin})",
-            now,
-            expected,
-        ),
-        "workers": n,
-    }
+        # the rate the loop itself reached with n workers, against the rate it runs now: both measured
+        expected, baseline = tried["img_per_s"], now
+        how = f"; tried in the loop: {plural(tried['steps'], 'timed step')} on a second DataLoader with {plural(n, 'worker')}"
+    if expected < rules.WORTH_FRACTION * baseline:
+        return None
+    if e and not (tried is not None and tried["workers"] == n):
+        how += f", over epochs of {plural(e, 'batch', 'batches')} each starting with an empty queue"
+    busy = _cores_busy(rep)
+    idle = f" ({busy:.1f} of {parts.cores} cores busy now)" if busy is not None else ""
+    return _advice(
+        f"Use {plural(n, 'DataLoader worker')}{idle}: predicted {fmt(expected)} img/s (now {fmt(now)}{how}).",
+        rules.workers_code(n, True if doc["cuda"] else None),
+        now,
+        expected,
+        plural(n, "DataLoader worker"),
+        workers=n,
+    )
 
 
 def trial_of(rep: dict[str, Any]) -> dict[str, Any] | None:
@@ -473,15 +500,16 @@ def _persistent_advice(
     period = rep["steady"]["period_s"] + excess / s["batches_per_epoch"]  # per batch, epoch start included
     now_epoch = parts.batch / period
     expected = parts.batch / max(parts.fed.period_s, period - excess / s["batches_per_epoch"])
-    if expected < WORTH_FRACTION * now_epoch:
+    if expected < rules.WORTH_FRACTION * now_epoch:
         return None
     return _advice(
         f"Keep the workers between epochs: each epoch's first batch waited {1e3 * excess:.0f} ms more than "
-        f"the steady steps (worker start-up): predicted {_fmt(expected)} img/s over an epoch, start "
-        f"included (now {_fmt(now_epoch)} with it).",
+        f"the steady steps (worker start-up): predicted {fmt(expected)} img/s over an epoch, start "
+        f"included (now {fmt(now_epoch)} with it).",
         "DataLoader(..., persistent_workers=True)",
         now_epoch,
         expected,
+        "persistent_workers=True",
     )
 
 
@@ -490,8 +518,7 @@ def _pin_advice(
 ) -> dict[str, Any] | None:
     """A pageable copy blocks the main thread for the whole transfer; a pinned one is asynchronous. The
     gain is the parts model's ratio with and without the saving, applied to the rate measured now (the
-    model's own rate for the loop is not it: on the H200 an input-bound loop modelled 11,143 img/s for
-    pinning ran 8,674, as unpinned)."""
+    model's own rate for an input-bound loop is not it)."""
     h2d = (ld.get("parts") or {}).get("h2d")
     if not doc["cuda"] or rep["settings"]["pin_memory"] or not h2d:
         return None
@@ -506,42 +533,30 @@ def _pin_advice(
         ),
     )
     expected = now * _rate(faster) / _rate(parts)
-    if expected < WORTH_FRACTION * now:
+    if expected < rules.WORTH_FRACTION * now:
         return None
     return _advice(
         f"Pin the batches: the copy takes {1e3 * h2d['pageable_s']:.2f} ms pageable vs {1e3 * h2d['pinned_s']:.2f} "
-        f"ms pinned ({h2d['bytes'] / 1e6:.1f} MB per batch): predicted {_fmt(expected)} img/s.",
+        f"ms pinned ({h2d['bytes'] / 1e6:.1f} MB per batch): predicted {fmt(expected)} img/s.",
         "DataLoader(..., pin_memory=True); x = x.to('cuda', non_blocking=True)",
         now,
         expected,
+        "pin_memory=True",
     )
 
 
 def cache_size(transforms: list[dict[str, Any]]) -> tuple[int, str] | None:
-    """The cache side S read off the user's transform: Resize's size, else CenterCrop's, else a crop's
-    with the usual 256/224 margin (a random crop needs room around it)."""
+    """The cache side S read off the user's transform: Resize's size, else CenterCrop's, else a random
+    crop's plus the room ImageNet's recipe leaves around it (224 cut from 256)."""
     sized = {t["name"]: min(t["size"]) for t in transforms if t.get("size")}
     if "Resize" in sized:
         return sized["Resize"], f"Resize({sized['Resize']})"
     if "CenterCrop" in sized:
         return sized["CenterCrop"], f"CenterCrop({sized['CenterCrop']})"
-    for name in ("RandomResizedCrop", "RandomCrop"):
+    for name in (*rules.WHOLE_IMAGE_CROPS, "RandomCrop"):
         if name in sized:
             s = round(sized[name] * 256 / 224)
-            return s, f"{name}({sized[name]}) with the 256/224 margin"
-    return None
-
-
-def convert_source(ds: dict[str, Any]) -> tuple[str, str] | None:
-    """What ``dlstore convert`` takes for this dataset: (SOURCE, extra options)."""
-    root = ds.get("root")
-    if not root:
-        return None
-    if ds.get("image_folder"):
-        return root, ""
-    name = ds["type"].rsplit(".", 1)[-1]
-    if name in ("MNIST", "FashionMNIST", "CIFAR10", "CIFAR100"):
-        return f"torchvision:{name}", f" --root {root}"
+            return s, f"{name}({sized[name]}) with room around the crop"
     return None
 
 
@@ -549,63 +564,76 @@ def _cache_advice(
     rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
 ) -> dict[str, Any] | None:
     """A dlstore cache removes the file read, decode and resize; with the random augmentation moved to
-    the GPU (GpuAugment) the loader's CPU work is a gather from memory."""
+    the GPU (GpuAugment, with the user's parameters) the loader's CPU work is a gather from memory."""
     ds = rep["dataset"]
-    src = convert_source(ds)
+    src = ds.get("convert") or ({"source": ds["root"], "extra": ""} if ds.get("image_folder") else {})
     sized = cache_size(ds.get("transforms") or [])
     p = ld.get("parts") or {}
-    if src is None or sized is None or p.get("getitem_s") is None:
+    if src.get("why"):
+        rep["notes"].append(f"No cache advice: {src['why']}.")
+    if not src.get("source") or sized is None or p.get("getitem_s") is None:
         return None
     size, why = sized
-    random_steps = [t for t in ds["transforms"] if t.get("random")]
+    random_steps = [t["name"] for t in ds["transforms"] if t.get("random")]
     gpu = doc["cuda"] and bool(random_steps)
-    b = parts.batch
-    channels = 1 if src[0].startswith("torchvision:") and "MNIST" in src[0] else 3
-    gather = b * size * size * channels / CACHE_READ_BYTES_PER_S
-    per_sample = gather / b if gpu else (p.get("transform_s") or 0.0) + gather / b
-    cost = b * per_sample + (p.get("collate_s") or 0.0) * (0.2 if gpu else 1.0)
-    loader = LoaderTiming(cost, cost, cost, in_caller=True)
-    cached = (
-        replace(parts, workers=0, loader=loader)
-        if gpu
-        else replace(
-            parts,
-            loader=replace(
-                parts.loader,
-                period_s=cost / max(1, parts.workers),
-                cpu_s=cost,
-                main_s=cost if not parts.workers else parts.loader.main_s,
-            ),
-        )
-    )
+    channels = 1 if "MNIST" in src["source"] else 3
     probe = _probe(ld, "cache")
-    expected = _rate(tried_parts(parts, probe) if probe else cached)
-    if expected < WORTH_FRACTION * now:
+    cached = tried_parts(parts, probe) if probe else _cached_parts(parts, p, size, channels, gpu)
+    expected = _rate(cached, _epoch(rep))
+    if expected < rules.WORTH_FRACTION * now:
         return None
-    command = _convert_command(src, size, ds.get("len"), channels)
-    plan = _cache_plan(size, channels, gpu, ds, b)
+    plan = _cache_plan(size, channels, gpu, ds, parts.batch)
+    command = rules.convert_command(
+        src["source"], size, src["extra"], channels, plan["bytes"], plan["avail"]
+    )[0]
+    command = (f"{src['prepare']}; " if src.get("prepare") else "") + command
     memory = ", in_memory=True" if plan["in_memory"] else ""
+    caveat = (
+        rules.border_note(src["source"], size, src["extra"])
+        if rules.crops_whole_image(ds["transforms"])
+        else ""
+    )
+    caveat += f" ({src['why_callable']}.)" if src.get("why_callable") else ""
+    how = f"predicted {fmt(expected)} img/s"
     if gpu:
-        crop, deg = plan["crop"], plan["degrees"]
         text = (
-            f"CPU augmentation ({', '.join(t['name'] for t in random_steps)}) on decoded files binds: cache the "
-            f"images pre-resized (size {size}, from {why}) and augment on the GPU: predicted {_fmt(expected)} "
-            f"img/s ({_cache_how(probe, gpu)})."
+            f"CPU augmentation ({', '.join(random_steps)}) on decoded files binds: cache the images pre-resized "
+            f"(size {size}, from {why}) and augment on the GPU with the same parameters: {how} "
+            f"({_cache_how(probe, gpu)}).{rules.not_reproduced(plan['missing'])}{caveat}"
         )
-        code = (
-            f"ds = dlstore.CachedDataset(DEST{memory}); aug = dlstore.gpu.GpuAugment({crop}, degrees={deg:g}).to('cuda'); "
-            "x = aug(x.to('cuda', non_blocking=True))"
+        code = f"ds = dlstore.CachedDataset(DEST{memory}); aug = {rules.augment_code(plan['augment'])}; x = aug(x.to('cuda', non_blocking=True))"
+        return _advice(
+            text,
+            f"{command}; {code}",
+            now,
+            expected,
+            "a dlstore cache with the augmentation on the GPU",
+            cache=plan,
         )
-        return {**_advice(text, f"{command}; {code}", now, expected), "cache": plan}
-    split = stage_split(p, b)
+    split = stage_split(p, parts.batch)
     share = sum(v for k, v in split.items() if k in ("read_s", "decode_s")) / (sum(split.values()) or 1.0)
     text = (
         f"A dlstore cache pre-resized to {size} (from {why}) removes the file read and decode "
-        f"({100 * share:.0f}% of the loader's work): predicted {_fmt(expected)} img/s with your transforms kept "
-        f"({_cache_how(probe, gpu)})."
+        f"({100 * share:.0f}% of the loader's work): {how} with your transforms kept ({_cache_how(probe, gpu)}).{caveat}"
     )
-    code = f"ds = dlstore.CachedDataset(DEST, transform=..., pil=True{memory})"
-    return {**_advice(text, f"{command}; {code}", now, expected), "cache": plan}
+    code = f"ds = dlstore.CachedDataset(DEST, transform=your_transform, pil=True{memory})"
+    return _advice(text, f"{command}; {code}", now, expected, "a dlstore cache", cache=plan)
+
+
+def _cached_parts(parts: LoopParts, p: dict[str, Any], size: int, channels: int, gpu: bool) -> LoopParts:
+    """The loop with a cache's loader, modelled: a gather from memory, plus the CPU transform kept
+    where the augmentation stays on the CPU (then in the loop's own workers)."""
+    b = parts.batch
+    cost = b * size * size * channels / CACHE_READ_BYTES_PER_S + (p.get("collate_s") or 0.0) * (
+        0.2 if gpu else 1.0
+    )
+    if gpu:
+        return replace(parts, workers=0, loader=LoaderTiming(cost, cost, cost, in_caller=True))
+    cost += b * (p.get("transform_s") or 0.0)
+    main = parts.loader.main_s if parts.workers else cost
+    return replace(
+        parts, loader=replace(parts.loader, period_s=cost / max(1, parts.workers), cpu_s=cost, main_s=main)
+    )
 
 
 def _cache_how(probe: dict[str, Any] | None, gpu: bool) -> str:
@@ -616,86 +644,33 @@ def _cache_how(probe: dict[str, Any] | None, gpu: bool) -> str:
         )
     aug = " + GpuAugment" if gpu else ""
     return (
-        f"its loader{aug} timed on {probe['images']:,} synthetic images of that shape: "
-        f"{_fmt(probe['loader_img_per_s'])} img/s alone"
+        f"its loader{aug} timed on {plural(probe['images'], 'synthetic image')} of that shape: "
+        f"{fmt(probe['loader_img_per_s'])} img/s alone"
     )
 
 
-def _convert_command(src: tuple[str, str], size: int, n: int | None, channels: int) -> str:
-    """``dlstore convert``: a raw RAM cache when it fits in the memory available, else JPEGs kept at the
-    shorter side and decoded on the GPU (DecodeLoader)."""
-    base = f"dlstore convert {src[0]} DEST --size {size}{src[1]}"
-    if channels == 1:
-        base += " --channels 1"
-    jpeg = _jpeg_instead(size, n, channels)
-    if jpeg is not None:
-        return (
-            f"{base} --format {jpeg[0]} --codec {jpeg[1]} --resize shorter   "
-            "# a raw cache would not fit in memory; read it with dlstore.read.gpu_decode.DecodeLoader"
-        )
-    return base
-
-
-def _jpeg_instead(size: int, n: int | None, channels: int) -> tuple[str, str] | None:
-    """(format, codec) of a GPU-decoded JPEG cache when a raw one would not fit in memory, else None."""
-    from dlstore.formats import compressed_gpu_format
+def _cache_plan(size: int, channels: int, gpu: bool, ds: dict[str, Any], b: int) -> dict[str, Any]:
+    """The cache advice as data: what ``--try-cache`` converts and reads (the same options as the command,
+    the same GpuAugment arguments as the snippet)."""
+    from dlstore.formats import DEFAULT_FORMAT, get_format
     from dlstore.machine import available_memory
 
+    augment, missing = rules.gpu_augment(ds["transforms"], size)
+    needed = (ds.get("len") or 0) * size * size * channels or None
     avail = available_memory()[0]
-    jpeg = compressed_gpu_format()
-    if n and avail and n * size * size * channels > avail and jpeg is not None:
-        return jpeg
-    return None
-
-
-def _cache_plan(size: int, channels: int, gpu: bool, ds: dict[str, Any], b: int) -> dict[str, Any]:
-    """The cache advice as data: what ``--try-cache`` converts and reads (the same options as the command)."""
-    from dlstore.formats import DEFAULT_FORMAT, get_format
-
-    random_steps = [t for t in ds["transforms"] if t.get("random")]
+    jpeg = rules.convert_command("S", size, "", channels, needed, avail)[1]
     return {
         "size": size,
         "channels": channels,
         "format": DEFAULT_FORMAT,
         "in_memory": get_format(DEFAULT_FORMAT).traits.loads_into_ram,
-        "jpeg": _jpeg_instead(size, ds.get("len"), channels) is not None,
+        "jpeg": jpeg,
+        "bytes": needed,
+        "avail": avail,
         "gpu": gpu,
-        "crop": next((min(t["size"]) for t in random_steps if t.get("size")), size),
-        "degrees": max((t.get("degrees", 0.0) for t in ds["transforms"]), default=0.0),
+        "augment": augment,
+        "missing": missing if gpu else [],  # what GpuAugment cannot do of the user's transform
+        "crop": augment["size"],
+        "degrees": augment.get("degrees", 0.0),
         "batch": b,
     }
-
-
-def _step_advice(
-    rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any], now: float
-) -> dict[str, Any] | None:
-    """When the step itself binds: what to speed up, with no predicted number (the input is not it)."""
-    b = rep.get("binding", {}).get("stage")
-    fed = parts.fed
-    if b == "host" and doc["cuda"] and fed.device_s and fed.serial_s >= 0.9 * fed.period_s:
-        return _advice(
-            "The main thread's own work binds and spans the device's time: the step likely synchronises "
-            "each iteration (loss.item(), .cpu(), printing a tensor). Read such values every N steps.",
-            None,
-            now,
-            None,
-        )
-    if b == "compute":
-        return _advice(
-            "The training step binds, not the input: speed up the step (bf16 autocast, channels_last, "
-            "torch.compile, a larger batch).",
-            None,
-            now,
-            None,
-        )
-    return None
-
-
-def _fmt(rate: float | None) -> str:
-    return "n/a" if rate is None else f"{rate:,.0f}"
-
-
-def stateless_note() -> str:
-    from dlstore.read.order import STATELESS_NOTE
-
-    return STATELESS_NOTE

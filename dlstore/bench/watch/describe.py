@@ -3,14 +3,14 @@ angles the advice reads off it), and the number of images in a batch. Plain data
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
-# transforms whose output size the cache advice reads (torchvision.transforms and .v2 share these names)
-SIZED = ("Resize", "RandomResizedCrop", "CenterCrop", "RandomCrop")
 # transforms that draw random parameters per sample: augmentation that GpuAugment can take over
 RANDOM = (
     "RandomResizedCrop",
+    "RandomResizedCropAndInterpolation",
     "RandomCrop",
     "RandomHorizontalFlip",
     "RandomVerticalFlip",
@@ -21,14 +21,10 @@ RANDOM = (
 )
 
 
-def keeps_state(loader: Any) -> bool:
-    from dlstore.read.order import keeps_state as loader_keeps_state
-
-    return loader_keeps_state(loader)
-
-
 def loader_settings(loader: Any) -> dict[str, Any]:
     """The DataLoader options that decide its speed, as the user set them."""
+    from dlstore.read.order import keeps_state as loader_keeps_state
+
     ctx = getattr(loader, "multiprocessing_context", None)
     method = ctx.get_start_method() if ctx is not None and hasattr(ctx, "get_start_method") else None
     if method is None and getattr(loader, "num_workers", 0):
@@ -51,7 +47,7 @@ def loader_settings(loader: Any) -> dict[str, Any]:
         "sampler": _type_name(getattr(loader, "sampler", None)),
         "collate_fn": getattr(getattr(loader, "collate_fn", None), "__name__", None),
         "batches_per_epoch": batches,
-        "keeps_state": keeps_state(loader),
+        "keeps_state": loader_keeps_state(loader),
     }
 
 
@@ -70,15 +66,98 @@ def dataset_info(dataset: Any) -> dict[str, Any]:
     except TypeError:
         n = None
     info: dict[str, Any] = {"type": _type_name(ds), "len": n, "wrapped": ds is not dataset}
-    info["image_folder"] = is_dataset_folder(ds)
+    info["image_folder"] = is_dataset_folder(ds) or _timm_folder(ds) is not None
     info["torchvision"] = type(ds).__module__.startswith("torchvision.datasets")
-    if info["image_folder"] or info["torchvision"]:
-        root = getattr(ds, "root", None)
-        info["root"] = None if root is None else str(root)
+    try:
+        info["convert"] = convert_source(ds)
+    except Exception as e:  # a Dataset's own attribute that raises: no cache advice, never the script's error
+        info["convert"] = {"why": f"reading {type(ds).__name__}'s files failed ({type(e).__name__}: {e})"}
+    info["root"] = info["convert"].get("root")
     transform = getattr(ds, "transform", None)
     info["transform"] = None if transform is None else repr(transform)
     info["transforms"] = transform_steps(transform)
     return info
+
+
+TORCHVISION_SOURCES = ("MNIST", "FashionMNIST", "CIFAR10", "CIFAR100")
+PATH_LISTS = ("samples", "imgs", "image_paths", "img_paths", "paths", "files", "filenames")
+
+
+def convert_source(ds: Any) -> dict[str, Any]:
+    """How ``dlstore convert`` reads this dataset's images: ``source`` (the SOURCE argument), ``extra``
+    (its options), ``prepare`` (code to run first, writing the file the source names) and ``root`` (a
+    folder of class folders); or ``why`` there is none."""
+    name = type(ds).__name__
+    root = _timm_folder(ds) or (getattr(ds, "root", None) if is_dataset_folder(ds) else None)
+    if root is not None:
+        return {"source": str(root), "extra": "", "root": str(root)}
+    if type(ds).__module__.startswith("torchvision.datasets") and name in TORCHVISION_SOURCES:
+        split = "" if getattr(ds, "train", True) else " --split test"
+        return {"source": f"torchvision:{name}", "extra": f" --root {ds.root}{split}", "root": str(ds.root)}
+    if type(ds).__module__.split(".")[0] == "datasets" and hasattr(ds, "to_parquet"):
+        return _hf_source(ds)
+    listed = _path_rows(ds)
+    if listed is not None:
+        return {
+            "source": "files.csv",
+            "extra": "",
+            "prepare": "import csv; csv.writer(open('files.csv', 'w', newline='')).writerows("
+            f"[('path', 'label'), *{listed}])",
+        }
+    if isinstance(ds, sys.modules["torch.utils.data"].IterableDataset):
+        return {"why": f"{name} is an IterableDataset: it streams samples and names no files to convert"}
+    if type(ds).__module__ == "__main__":
+        return {
+            "why": f"{name} is defined in the script itself and names no image files: dlstore convert "
+            "cannot import it (move it to a module, then dlstore convert MODULE:CALLABLE DEST with a "
+            "CALLABLE that returns it with transform=None)"
+        }
+    return {
+        "source": f"{type(ds).__module__}:CALLABLE",
+        "extra": "",
+        "why_callable": f"{name} names no image files: CALLABLE is a function in {type(ds).__module__} that "
+        "returns it with transform=None (its items then hold the images as loaded)",
+    }
+
+
+def _timm_folder(ds: Any) -> str | None:
+    """timm's ImageDataset over its folder reader: the reader's root (class folders, as ImageFolder)."""
+    reader = getattr(ds, "reader", None)
+    if type(reader).__name__ == "ReaderImageFolder" and getattr(reader, "root", None):
+        return str(reader.root)
+    return None
+
+
+def _path_rows(ds: Any) -> str | None:
+    """Python for the (path, label) rows of a Dataset over a list of paths or of (path, label) pairs."""
+    for attr in ("reader.samples", *PATH_LISTS):
+        value = ds
+        for part in attr.split("."):
+            value = getattr(value, part, None)
+        first = value[0] if isinstance(value, (list, tuple)) and value else None
+        if isinstance(first, (tuple, list)) and len(first) >= 2 and isinstance(first[0], (str, os.PathLike)):
+            return f"[(str(p), y) for p, y, *_ in ds.{attr}]"
+        if isinstance(first, (str, os.PathLike)):
+            n = len(value)  # type: ignore[arg-type]
+            ys = next(
+                (f"ds.{a}" for a in ("targets", "labels") if len(getattr(ds, a, None) or ()) == n), None
+            )
+            return f"zip(map(str, ds.{attr}), {ys or '[0] * len(ds)'})"
+    return None
+
+
+def _hf_source(ds: Any) -> dict[str, Any]:
+    """A Hugging Face ``datasets`` table: written as parquet, read by dlstore's parquet source."""
+    features = getattr(ds, "features", {}) or {}
+    kinds = {k: type(v).__name__ for k, v in features.items()}
+    if "Image" not in kinds.values():
+        return {"why": "the Hugging Face table has no Image column: nothing to cache as images"}
+    label = next((k for k, v in kinds.items() if v == "ClassLabel"), "label")
+    return {
+        "source": "train.parquet",
+        "extra": f" --label {label}",
+        "prepare": "ds.to_parquet('train.parquet')",
+    }
 
 
 def is_dataset_folder(ds: Any) -> bool:
@@ -88,20 +167,32 @@ def is_dataset_folder(ds: Any) -> bool:
     return folder is not None and isinstance(ds, folder.DatasetFolder)
 
 
+# the parameters the advice reproduces, read off each transform where it has them
+PARAMS = ("size", "scale", "ratio", "p", "mean", "std", "degrees", "dtype")
+
+
 def transform_steps(transform: Any) -> list[dict[str, Any]]:
-    """A transform pipeline flattened: name, repr, and the size/degrees where it has them."""
+    """A transform pipeline flattened: name, repr, and the parameters the advice reproduces."""
     if transform is None:
         return []
     inner = getattr(transform, "transforms", None)
     if isinstance(inner, (list, tuple)):
         return [s for t in inner for s in transform_steps(t)]
     step: dict[str, Any] = {"name": type(transform).__name__, "repr": repr(transform)}
-    size = getattr(transform, "size", None)
-    if step["name"] in SIZED and size is not None:
-        step["size"] = list(size) if isinstance(size, (list, tuple)) else [int(size)]
-    degrees = getattr(transform, "degrees", None)
-    if isinstance(degrees, (list, tuple)) and len(degrees) == 2:
-        step["degrees"] = max(abs(float(degrees[0])), abs(float(degrees[1])))
+    for key in PARAMS:
+        value = getattr(transform, key, None)
+        if hasattr(value, "tolist"):  # a tensor (timm's Normalize keeps its mean and std as tensors)
+            value = value.tolist()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]
+        if isinstance(value, (list, tuple)) and value and all(isinstance(v, (int, float)) for v in value):
+            step[key] = [round(float(v), 6) if key != "size" else int(v) for v in value]
+        elif key == "dtype" and str(value).startswith("torch."):
+            step[key] = str(value)
+    if "degrees" in step:
+        step["degrees"] = max(abs(d) for d in step["degrees"])
+    if "p" in step:
+        step["p"] = step["p"][0]
     step["random"] = step["name"] in RANDOM
     return [step]
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from dlstore.bench.advice import plural
 from dlstore.bench.predict import LoaderTiming, LoopParts, compose, prediction_error
 
 
@@ -44,12 +45,12 @@ def ground(advice: dict[str, Any], parts: LoopParts, tried: dict[str, Any]) -> N
         "loop_img_per_s": rate,
         "error_vs_predicted": prediction_error(rate, expected) if expected else None,
     }
-    how = f"{tried['workers']} workers" if tried["workers"] else "0 workers"
+    how = plural(tried["workers"], "worker")
     if tried.get("gpu_augment"):
         how += " + GpuAugment"
     vs = f", predicted {expected:,.0f}" if expected else ""
     advice["text"] += (
-        f" --try-cache: a sample of {tried['images']:,} images converted in {tried['convert_s']:.1f} s; that "
+        f" --try-cache: a sample of {plural(tried['images'], 'image')} converted in {tried['convert_s']:.1f} s; that "
         f"loader alone read {tried['loader_img_per_s']:,.0f} img/s at batch {tried['batch']} ({how}), "
         f"which with your step gives {rate:,.0f} img/s{vs}."
     )

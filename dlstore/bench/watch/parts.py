@@ -130,31 +130,20 @@ def tensors_of(batch: Any) -> list[torch.Tensor]:
 
 
 def h2d_times(batch: Any, budget_s: float) -> dict[str, float | int] | None:
-    """Seconds to copy the batch's CPU tensors to the current CUDA device, pageable and pinned."""
+    """Seconds to copy the batch's largest CPU tensor to the current CUDA device, pageable and pinned, timed
+    as the bench times its copy (``stages.measure_h2d``, on a batch of that shape and dtype)."""
+    from dlstore.bench.stages import measure_h2d
+
     host = [t for t in tensors_of(batch) if t.device.type == "cpu"]
     if not host:
         return None
-    nbytes = sum(t.numel() * t.element_size() for t in host)
-    pageable = [t.clone() for t in host] if any(t.is_pinned() for t in host) else host
-    pinned = [t if t.is_pinned() else t.pin_memory() for t in host]
-    return {
-        "bytes": nbytes,
-        "pageable_s": _copy_time(pageable, budget_s / 2),
-        "pinned_s": _copy_time(pinned, budget_s / 2),
-    }
-
-
-def _copy_time(tensors: list[torch.Tensor], budget_s: float) -> float:
+    x = max(host, key=lambda t: t.numel())
+    steps = max(3, min(50, int(budget_s / max(1e-4, x.numel() * x.element_size() / 4e9))))
     dev = torch.device("cuda", torch.cuda.current_device())
-    for t in tensors:  # first copy: allocator growth, not the copy
-        t.to(dev, non_blocking=True)
-    torch.cuda.synchronize()
-    spent, n = 0.0, 0
-    while n < 3 or (spent < budget_s and n < 50):
-        t0 = time.perf_counter()
-        for t in tensors:
-            t.to(dev, non_blocking=True)
-        torch.cuda.synchronize()
-        spent += time.perf_counter() - t0
-        n += 1
-    return spent / n
+    got = measure_h2d("watch", tuple(x.shape), x.dtype, dev, steps).detail
+    n = int(x.shape[0])
+    return {
+        "bytes": got["batch_bytes"],
+        "pageable_s": n / got["pageable_img_per_s"],
+        "pinned_s": n / got["pinned_img_per_s"],
+    }

@@ -6,6 +6,8 @@ import csv
 from pathlib import Path
 from typing import Any
 
+from dlstore.bench.advice import plural
+
 CSV_FIELDS = (
     "loader",
     "step",
@@ -21,24 +23,26 @@ CSV_FIELDS = (
 
 
 def text_report(report: dict[str, Any]) -> str:
-    lines = [f"dlstore watch — {report['device']}, {report['cores']} usable cores; script {_ending(report)}"]
-    if not report["loaders"]:
-        return "\n".join([*lines, "", report["verdict"]])
-    for rep in report["loaders"]:
-        lines += ["", *_loader_lines(rep, primary=rep["index"] == report.get("primary"))]
-    lines += ["", "Verdict: " + report["verdict"]]
+    """The one sentence first, then what to do, then the figures behind it."""
+    lines = [
+        report["verdict"],
+        "",
+        f"dlstore watch — {report['device']}, {plural(report['cores'], 'usable core')}; script {_ending(report)}",
+    ]
     if report["recommendations"]:
         lines.append("Recommendations (largest predicted gain first):")
         lines += [f"  {i}. {r}" for i, r in enumerate(report["recommendations"], 1)]
+    if report.get("detail"):
+        lines += ["", report["detail"]]
+    for rep in report["loaders"]:
+        lines += ["", *_loader_lines(rep, primary=rep["index"] == report.get("primary"))]
     if report.get("ranks"):
         lines.append(
             "Per rank: "
             + ", ".join(f"rank {r['rank']} wait {_pct(r['wait_share'])}" for r in report["ranks"]["per_rank"])
         )
     shown = {n for rep in report["loaders"] for n in rep["notes"]}
-    for note in report["notes"]:
-        if note not in shown:
-            lines.append("Note: " + note)
+    lines += ["Note: " + note for note in report["notes"] if note not in shown]
     if report.get("profile_trace"):
         lines.append(f"Profiler trace: {report['profile_trace']}")
     return "\n".join(lines)
@@ -60,7 +64,7 @@ def _loader_lines(rep: dict[str, Any], primary: bool) -> list[str]:
     s, d = rep["settings"], rep["dataset"]
     head = (
         f"DataLoader #{rep['index']}{' (the training loop)' if primary else ''}: {d['type']} "
-        f"({d.get('len')} samples{', root ' + d['root'] if d.get('root') else ''}), batch {rep['images_per_batch']}, "
+        f"({plural(d.get('len') or 0, 'sample')}{', root ' + d['root'] if d.get('root') else ''}), batch {rep['images_per_batch']}, "
         f"workers {s['num_workers']}, pin_memory {s['pin_memory']}, prefetch_factor {s['prefetch_factor']}, "
         f"persistent_workers {s['persistent_workers']}"
     )
@@ -68,7 +72,7 @@ def _loader_lines(rep: dict[str, Any], primary: bool) -> list[str]:
     if d.get("transform"):
         out.append("  transform: " + " ".join(d["transform"].split()))
     out.append(
-        f"  steps: {rep['steps_observed']} observed over {rep['epochs']} epoch(s), {rep['steps_replayed']} replayed"
+        f"  steps: {rep['steps_observed']} observed over {plural(rep['epochs'], 'epoch')}, {rep['steps_replayed']} replayed"
         + (f", {rep['steps_trial']} in the workers trial" if rep.get("steps_trial") else "")
     )
     for phase, s_ in rep["phases"].items():
@@ -89,7 +93,9 @@ def _loader_lines(rep: dict[str, Any], primary: bool) -> list[str]:
     if b:
         m = rep["model"]
         limits = ", ".join(f"{k} {v:.2f}" for k, v in m["limits_ms"].items())
-        out.append(f"  parts model (ms per batch): {limits} → {_rate(m['predicted_img_per_s'])} img/s")
+        out.append(
+            f"  predicted from the parts timed alone (ms per batch): {limits} → {_rate(m['predicted_img_per_s'])} img/s"
+        )
         out.append(f"  binds: {b['text']}")
     out += [f"  note: {n}" for n in rep["notes"]]
     return out

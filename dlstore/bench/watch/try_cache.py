@@ -25,19 +25,21 @@ SAMPLE_IMAGES = 2048  # at most: enough for a steady loader, converted in second
 SAMPLE_BATCHES = 4  # at least this many batches of the user's size
 WARM_BATCHES = 2
 EPOCH_BATCHES = 64  # batches per epoch of the loader timed on a sample
-HARD_LIMIT = 3  # × the budget: a loader slower than that is timed on fewer batches
 
 
 def sample_source(ds_info: dict[str, Any], dataset: Any, batch: int, seed: int = 0) -> Any:
-    """The observed dataset as a dlstore Source, cut to a seeded random sample."""
+    """The observed dataset as a dlstore Source (a folder of class folders, or a torchvision set), cut to a
+    seeded random sample; None for a dataset whose files must first be listed or written out."""
     from dlstore.convert.sources import load_torchvision, scan_folder
 
-    root = ds_info.get("root")
-    if ds_info.get("image_folder"):
-        source = scan_folder(Path(root))
-    else:
-        name = ds_info["type"].rsplit(".", 1)[-1]
+    src, root = ds_info.get("convert") or {}, ds_info.get("root")
+    if not root:
+        return None
+    if src.get("source", "").startswith("torchvision:"):
+        name = src["source"].split(":", 1)[1]
         source = load_torchvision(name, Path(root), bool(getattr(dataset, "train", True)))
+    else:
+        source = scan_folder(Path(root))
     keep = min(len(source), max(SAMPLE_IMAGES, SAMPLE_BATCHES * batch))
     if keep < len(source):
         picked = np.sort(np.random.default_rng(seed).choice(len(source), keep, replace=False))
@@ -55,6 +57,8 @@ def try_cache(
     dataset = base_dataset(getattr(loader, "dataset", None))
     batch = int(getattr(loader, "batch_size", None) or plan.get("batch") or 32)
     source = sample_source(ds_info, dataset, batch)
+    if source is None:
+        return {"skipped": f"the advice first writes {ds_info['convert']['source']}: not tried on a sample"}
     if len(source) < batch + 1:
         return {"skipped": f"the dataset holds {len(source)} images, fewer than two batches of {batch}"}
     return convert_and_time(loader, source, plan, batch, cuda, budget_s)
@@ -70,7 +74,12 @@ def convert_and_time(
     try:
         t0 = time.perf_counter()
         dest = tmp / "cache"
-        convert_sample(source, dest, plan)
+        from dlstore.convert.conversion import convert
+        from dlstore.convert.options import ConvertOptions
+
+        convert(
+            source, dest, ConvertOptions(size=plan["size"], channels=plan["channels"], format=plan["format"])
+        )
         out: dict[str, Any] = {
             "images": len(source),
             "convert_s": time.perf_counter() - t0,
@@ -82,14 +91,6 @@ def convert_and_time(
         return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def convert_sample(source: Any, dest: Path, plan: dict[str, Any]) -> None:
-    from dlstore.convert.conversion import convert
-    from dlstore.convert.options import ConvertOptions
-
-    options = ConvertOptions(size=plan["size"], channels=plan["channels"], format=plan["format"])
-    convert(source, dest, options)
 
 
 def time_loader(
@@ -132,127 +133,76 @@ def time_loader(
         from dlstore.gpu import GpuAugment
 
         device = torch.device("cuda", torch.cuda.current_device())
-        augment = GpuAugment(plan["crop"], degrees=plan.get("degrees", 0.0)).to(device)
+        augment = GpuAugment(**augment_kwargs(plan)).to(device)
     try:
         return time_batches(dl, batch, budget_s, augment, device)
     finally:
         del dl
 
 
+def augment_kwargs(plan: dict[str, Any]) -> dict[str, Any]:
+    """The advice's GpuAugment arguments (the snippet's), its dtype named as code turned into the dtype."""
+    kw = dict(plan.get("augment") or {"size": plan["crop"], "degrees": plan.get("degrees", 0.0)})
+    if "out_dtype" in kw:
+        kw["out_dtype"] = getattr(torch, str(kw["out_dtype"]).removeprefix("torch."))
+    return kw
+
+
 def time_batches(
     dl: Any, batch: int, budget_s: float, augment: Any = None, device: torch.device | None = None
 ) -> dict[str, Any]:
-    """A loader alone (epochs repeated until ``budget_s``, past the batches its workers queued ahead),
-    as the bench times a loader alone: per batch its period, the main thread's share (the wall time in
-    next() and the augmentation's launch with 0 workers, where the loader works in the caller; the main
-    thread's CPU time there with workers, whose wait is not work), its workers' CPU seconds (/proc) and,
-    with ``augment`` (a module on the CUDA ``device``), the augmentation's device time."""
+    """A loader alone, as the bench times one (``stages.measure_loader``: past the batches its workers
+    queued ahead, epochs repeated until ``budget_s``), with ``augment`` (a module on the CUDA ``device``)
+    applied in next(): per batch its period, the main thread's share, the workers' CPU seconds and the
+    augmentation's device time."""
+    from dlstore.bench.stages import measure_loader
+
     workers = int(getattr(dl, "num_workers", 0) or 0)
-    main = _Timer()
-    events: list[tuple[Any, Any]] = []  # the augmentation's device span per timed batch
-    n, t_start, deadline, cpu0 = 0, 0.0, float("inf"), 0.0
-    # past the batches the workers queued ahead (prefetch), or the first timed batches cost nothing
-    least = WARM_BATCHES + max(3, 2 * workers * (getattr(dl, "prefetch_factor", None) or 2))
-    hard = time.perf_counter() + HARD_LIMIT * budget_s + 60.0  # a very slow loader: stop short of ``least``
-    its: list[Any] = []
-    while True:
-        for x in _iterate(dl, main, its):
-            if augment is not None:
-                with main:
-                    e0 = _event()
-                    augment(_first_tensor(x).to(device, non_blocking=True))
-                    if n >= WARM_BATCHES:
-                        events.append((e0, _event()))
-            n += 1
-            if n == WARM_BATCHES:  # start-up (workers, allocator, kernels) kept out
-                if device is not None:
-                    torch.cuda.synchronize(device)
-                main.reset()
-                cpu0 = workers_cpu_s(its[-1])
-                t_start = time.perf_counter()
-                deadline = t_start + budget_s
-            now = time.perf_counter()
-            if (n >= least and now >= deadline) or (n > WARM_BATCHES and now >= hard):
-                break
-        else:
-            continue
-        break
-    if device is not None:
-        torch.cuda.synchronize(device)
-    timed = n - WARM_BATCHES
-    wall = time.perf_counter() - t_start
-    cpu = workers_cpu_s(its[-1]) - cpu0
-    main_s = (main.cpu if workers else main.total) / timed
+    timed = _Augmented(dl, augment, device) if augment is not None else dl
+    queued = max(3, 2 * workers * (getattr(dl, "prefetch_factor", None) or 2))
+    got = measure_loader(timed, WARM_BATCHES + queued, 100_000, device or torch.device("cpu"), budget_s)
     out = {
         "workers": workers,
         "gpu_augment": augment is not None,
-        "batches_timed": timed,
-        "period_s": wall / timed,
-        "main_s": main_s,
-        "workers_cpu_s": cpu / timed if workers else None,
-        "loader_img_per_s": batch * timed / wall,
+        "batches_timed": got["batches"],
+        "period_s": got["period_s"],
+        "main_s": got["main_s"],
+        "workers_cpu_s": max(0.0, got["cpu_s"] - got["main_s"]) if workers else None,
+        "loader_img_per_s": batch / got["period_s"],
     }
-    if events:
-        out["augment_device_s"] = sum(a.elapsed_time(b) for a, b in events) / 1e3 / len(events)
+    if augment is not None:
+        out["augment_device_s"] = _device_time(augment, next(iter(dl)), device)
     return out
 
 
-def workers_cpu_s(it: Any) -> float:
-    """The CPU seconds (user + system) of a DataLoader iterator's live worker processes."""
-    from dlstore.bench.monitor import process_cpu_s
+class _Augmented:
+    """A loader whose batches come out of ``augment`` on the device: its launch is the main thread's."""
 
-    total = 0.0
-    for w in getattr(it, "_workers", None) or ():
-        got = process_cpu_s(w.pid) if getattr(w, "pid", None) else None
-        total += got or 0.0
-    return total
+    def __init__(self, dl: Any, augment: Any, device: Any) -> None:
+        self.dl, self.augment, self.device, self.num_workers = dl, augment, device, dl.num_workers
+
+    def __len__(self) -> int:
+        return len(self.dl)
+
+    def __iter__(self) -> Any:
+        from dlstore.bench.watch.parts import tensors_of
+
+        for x in self.dl:
+            yield self.augment(tensors_of(x)[0].to(self.device, non_blocking=True))
 
 
-def _first_tensor(batch: Any) -> torch.Tensor:
+def _device_time(augment: Any, batch: Any, device: Any, n: int = 10) -> float:
     from dlstore.bench.watch.parts import tensors_of
 
-    return tensors_of(batch)[0]
-
-
-class _Timer:
-    """Seconds spent inside ``with timer:`` blocks, summed: wall (``total``) and this thread's CPU (``cpu``)."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self.cpu = 0.0
-        self._t = 0.0
-        self._c = 0.0
-
-    def __enter__(self) -> None:
-        self._t = time.perf_counter()
-        self._c = time.thread_time()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.total += time.perf_counter() - self._t
-        self.cpu += time.thread_time() - self._c
-
-    def reset(self) -> None:
-        self.total = 0.0
-        self.cpu = 0.0
-
-
-def _iterate(dl: Any, main: _Timer, its: list[Any]) -> Any:
-    """The loader's batches, the time in each next() counted in ``main``; the iterator goes in ``its``."""
-    it = iter(dl)
-    its.append(it)
-    while True:
-        with main:
-            try:
-                item = next(it)
-            except StopIteration:
-                return
-        yield item
-
-
-def _event() -> Any:
-    e = torch.cuda.Event(enable_timing=True)
-    e.record()
-    return e
+    x = tensors_of(batch)[0].to(device)
+    augment(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        augment(x)
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / n
 
 
 def attach_try_cache(doc: dict[str, Any], session: Any) -> None:

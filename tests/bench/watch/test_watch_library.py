@@ -80,7 +80,7 @@ def test_replay_rounds_are_spaced_take_real_batches_places_and_the_rate_is_the_m
     rounds = rep["phases"]["replay"]["rounds"]
     assert len(rounds) == 3
     assert rep["phases"]["replay"]["period_s"] == sorted(r["period_s"] for r in rounds)[1]
-    assert "the median of 3 rounds" in w.report["verdict"]
+    assert "the median of 3 rounds" in w.report["detail"]
 
 
 def test_steps_stops_after_the_last_replay_round() -> None:

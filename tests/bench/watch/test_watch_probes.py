@@ -23,6 +23,7 @@ WAIT, HOST = 0.030, 0.005  # a 0-worker loop: 30 ms of loader work in next(), 5 
 def input_bound(cuda: bool = False, cores: int = 16, **probes: Any) -> dict[str, Any]:
     doc = raw(wait=WAIT, host=HOST, replay_period=HOST, getitem=WAIT / B, cores=cores, cuda=cuda)
     ld = doc["loaders"][0]
+    ld["settings"]["batches_per_epoch"] = None  # no epoch ends: the loader alone (epochs: test_watch_analyse)
     if cuda:  # the step's device span: 1 ms of its 5 (a launch-bound step)
         ld["device_s"] = [0.001] * len(ld["t_call"])
     ld["probes"] = probes
