@@ -260,7 +260,15 @@ def test_the_report_leads_with_one_sentence_and_counts_in_good_english() -> None
 
 def test_untried_predictions_are_marked_with_how_to_try_them() -> None:
     doc = raw(wait=0.030, host=0.005, replay_period=0.005, getitem=0.030 / 32)
-    doc["loaders"][0]["untried"] = {"workers": "the run ended before the trial; run --steps 200"}
+    doc["loaders"][0]["tried"] = {
+        "pause_at": 100,
+        "replay": False,
+        "trial": False,
+        "why": "the run ended after 14 real steps, before watch's pause at step 100",
+        "how": "run the script longer",
+    }
     report = analyse([doc])
     line = next(r for r in report["recommendations"] if "num_workers" in r)
-    assert line.endswith("(Not tried: the run ended before the trial; run --steps 200)")
+    assert line.endswith(
+        "(Not tried: the run ended after 14 real steps, before watch's pause at step 100; run the script longer)"
+    )

@@ -137,7 +137,7 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     if parts is None:
         return rep
     pred = compose(parts)
-    rep["model"] = model_summary(parts, pred, steady)
+    rep["model"] = model_summary(parts, pred, rate_with_starts(phases, rep["images_per_batch"]))
     rep["binding"] = binding(rep, parts, pred, ld.get("parts") or {})
     rep["advice"] = rules.rank(advice(rep, parts, ld, doc))
     tried = trial_of(rep)
@@ -238,8 +238,23 @@ def fed_of(steady: dict[str, Any], replay: dict[str, Any] | None) -> FedTiming:
     return FedTiming(period_s=max(host, device or 0.0), serial_s=host, device_s=device)
 
 
-def model_summary(parts: LoopParts, pred: Prediction, steady: dict[str, Any]) -> dict[str, Any]:
-    measured = steady["img_per_s"]
+def rate_with_starts(phases: dict[str, Any], images: int | None) -> float | None:
+    """The loop's rate over its real steps, later epochs' starts included: what the prediction (made over
+    the script's epochs) is checked against; the steady figure leaves those starts out."""
+    groups = [phases[k] for k in ("real", "start") if k in phases]
+    steps = sum(g["steps"] for g in groups)
+    seconds = sum(g["steps"] * g["period_mean_s"] for g in groups)
+    return images * steps / seconds if images and seconds > 0 else None
+
+
+def loop_rate(rep: dict[str, Any]) -> float | None:
+    """The loop's rate as the script would time it over its real steps, epoch starts included (the steady
+    figure leaves them out); the advice's gains and the lead sentence are against it."""
+    measured = (rep.get("model") or {}).get("measured_img_per_s")
+    return measured if measured else (rep.get("steady") or {}).get("img_per_s")
+
+
+def model_summary(parts: LoopParts, pred: Prediction, measured: float | None) -> dict[str, Any]:
     return {
         "predicted_img_per_s": pred.img_per_s,
         "measured_img_per_s": measured,
@@ -276,9 +291,7 @@ def binding(rep: dict[str, Any], parts: LoopParts, pred: Prediction, p: dict[str
         # the device ran the whole replayed period: the main thread's time there is its wait for the
         # device (back-pressure), not its own work, so the step's compute binds
         stage = "compute"
-    stage = rules.named_stage(
-        stage, rep["steady"]["img_per_s"], model["data_free_img_per_s"], parts.step_on_host
-    )
+    stage = rules.named_stage(stage, loop_rate(rep), model["data_free_img_per_s"], parts.step_on_host)
     out: dict[str, Any] = {"stage": stage, "words": rules.STAGE_WORDS.get(stage, stage)}
     split = stage_split(p, parts.batch)
     if stage in ("transform", "cores") and split:
@@ -315,7 +328,7 @@ def verdict(primary: dict[str, Any]) -> str:
         return f"The loop ran {fmt(steady['img_per_s'])} img/s and waited for data {100 * steady['wait_share']:.0f}% of the time."
     best = primary["advice"][0] if primary["advice"] else None
     return rules.lead(
-        b["stage"], steady["img_per_s"], model["data_free_img_per_s"], steady["wait_share"], best, b["words"]
+        b["stage"], loop_rate(primary), model["data_free_img_per_s"], steady["wait_share"], best, b["words"]
     )
 
 
@@ -380,14 +393,17 @@ def rank_summary(docs: list[dict[str, Any]]) -> dict[str, Any]:
 def advice(
     rep: dict[str, Any], parts: LoopParts, ld: dict[str, Any], doc: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    now = rep["steady"]["img_per_s"]
+    now = loop_rate(rep)
     out = []
     for make in (_workers_advice, _persistent_advice, _pin_advice, _cache_advice):
         got = make(rep, parts, ld, doc, now)
         if got is not None:
             out.append(got)
     step = rules.step_advice(rep.get("binding", {}).get("stage", ""), doc["cuda"], now)
-    untried = ld.get("untried") or {}
+    tried = ld.get("tried") or {}
+    untried = {}
+    if tried.get("trial") is False:  # the in-loop trial did not run long enough: its rate is a prediction
+        untried["workers"] = "; ".join(x for x in (tried.get("why"), tried.get("how")) if x)
     for a in out:
         key = "workers" if a.get("workers") else "cache" if a.get("cache") else None
         if key in untried:

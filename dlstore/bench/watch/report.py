@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from dlstore.bench.advice import plural
+from dlstore.bench.watch.analyse import loop_rate
 
 CSV_FIELDS = (
     "loader",
@@ -184,7 +185,7 @@ def _column(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def rate_bars(report: dict[str, Any], rep: dict[str, Any]) -> list[dict[str, Any]]:
     """(label, img/s, kind) per bar: now, with data free, each fix as predicted, and after --apply."""
-    bars = [{"label": "now", "img_per_s": (rep.get("steady") or {}).get("img_per_s"), "kind": "now"}]
+    bars = [{"label": "now", "img_per_s": loop_rate(rep), "kind": "now"}]
     free = (rep.get("model") or {}).get("data_free_img_per_s")
     bars.append({"label": "with data free", "img_per_s": free, "kind": "data free"})
     for a in rep.get("advice") or []:
