@@ -15,9 +15,7 @@ processes where ``cpu_decoders`` > 0, the hardware engines, nvJPEG); ``split`` f
 each lane's fraction, ``cpu_share`` the CPU's alone (the GPU lanes share the rest equally); otherwise
 ``dlstore.read.lane_split.LaneSplit`` sets them from each lane's rate measured in place, so that all
 lanes finish each batch together, or, while the training step is the slower side, the CPU takes what
-it decodes in one step. ``decode_in="process"`` runs all of that in ``decode_processes`` processes of
-their own, batches to them in turn (``dlstore.read.decode_process``), out of reach of the training loop's
-GIL. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
+it decodes in one step. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
 decoded (C, H_i, W_i) uint8 tensors into one batch::
 
     from dlstore.gpu import RaggedRandomResizedCrop
@@ -58,7 +56,6 @@ if TYPE_CHECKING:
     from dlstore.gpu.ragged import FlatImages
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
-DECODE_IN = ("stream", "thread", "process")
 # The decode lanes, in the order the split fills them while the training step is the slower side
 # (cheapest for the step first): CPU processes, the hardware JPEG engines through nvImageCodec, and
 # torchvision's batched nvJPEG call. On an A100/H100/H200 torchvision opens nvJPEG with its hardware
@@ -178,8 +175,6 @@ class DecodeLoader(CoreLoader):
         *,
         read_ahead: int = 4,
         threads: int | None = None,
-        decode_in: str = "thread",
-        decode_processes: int = 1,
         cpu_decoders: int = 0,
         cpu_share: float | None = None,
         fields: Sequence[str] | None = None,
@@ -204,43 +199,6 @@ class DecodeLoader(CoreLoader):
         self.cache.reader.threads = threads or max(self.cache.reader.threads, len(os.sched_getaffinity(0)))
         self.gpu = self.device.type == "cuda" and self.cache.reader.gpu_jpeg
         self.read_ahead = max(1, read_ahead)
-        if decode_in not in DECODE_IN:
-            raise ValueError(f"decode_in must be one of {', '.join(DECODE_IN)}, got {decode_in!r}")
-        # "stream": decode and crop in the caller's thread on a side stream (the caller's stream waits
-        # on an event); "thread": a second thread does that, so the caller's next step is queued while
-        # the next batch decodes. Never on the caller's own stream: the crop would queue behind the
-        # training step, and nvJPEG's outputs could reuse memory that step still reads (see below).
-        # "process": all of it in a process of its own (dlstore.read.decode_process), out of reach of
-        # the training loop's GIL; this process keeps the order and the counts. Not the default: on the
-        # H200 (results/jpeg_lanes_h200 run 6) the loader alone ran faster in 2 of them, but training
-        # slower, as two CUDA contexts time-slice the GPU (ResNet-50 from the GPU lanes 0.74-0.80 of its
-        # ceiling, 0.97-0.98 here).
-        self.decode_in = decode_in
-        if (
-            isinstance(decode_processes, bool)
-            or not isinstance(decode_processes, int)
-            or decode_processes < 1
-        ):
-            raise ValueError(f"decode_processes is a count >= 1, got {decode_processes!r}")
-        self.decode_processes = decode_processes  # with "process": batches go to them in turn
-        self.process_decode_in = "thread"  # how each decode process decodes (its own threads)
-        self._proc: Any = None
-        self._recipe = {
-            "path": self.core.path,
-            "batch_size": batch_size,
-            "transform": transform,
-            "device": str(self.device),
-            "options": {
-                "read_ahead": read_ahead,
-                "threads": threads,
-                "cpu_decoders": cpu_decoders,
-                "cpu_share": cpu_share,
-                "fields": fields,
-                "lanes": lanes,
-                "split": split,
-                **{k: v for k, v in core.items() if k in ("storage_options", "cache_dir", "cache_bytes")},
-            },
-        }
         self._stream: Any = None
         self.stats = DecodeStats()
         if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
@@ -254,18 +212,6 @@ class DecodeLoader(CoreLoader):
         self._asked, self._yielded = 0.0, 0  # when the caller asked for this epoch's last batch; how many
         self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
         self._refs: list[Any] = []
-        # Without CPU decoders the read-ahead thread reads the next batch while a device decode call
-        # runs (its token is given back as the call starts). Both GPU decoders take the GIL back about
-        # once per image inside their batched call, so a read in Python then lengthens the call by
-        # about its own time (H200, run 4: nvJPEG's call 20.9 ms with reads of 6.2 ms, 13.5 ms bare).
-        # False: the token is given back when the call returns (reads then run beside the crop); run 5
-        # measured that +17% at 128 px and -15% at 256 px (hw+nvjpeg), so the default stays.
-        self.read_during_decode = True
-        self.gate_reads: bool | None = None  # see _read_gate
-        # A transform that takes FlatImages gets each batch where the lanes decoded it (the CPU share's
-        # buffer, nvJPEG's tensors, the hardware lane's slots: ragged.scattered_flat), with no per-image
-        # tensor or copy; False: copied into one buffer first (the design before; kept to compare).
-        self.scatter = True
 
     def _setup_lanes(self) -> None:
         """The lanes that exist here and the split over them (again if ``gpu`` was changed since)."""
@@ -282,8 +228,6 @@ class DecodeLoader(CoreLoader):
     def _open_hardware_lane(self, lanes: Sequence[str] | None) -> Any:
         """The hardware JPEG lane where it can run (else None: the lane is absent, not an error)."""
         if not self.gpu or "hw" not in (DEFAULT_LANES if lanes is None else lanes):
-            return None
-        if self.decode_in == "process":  # the decode process opens it (this process reports its split)
             return None
         from dlstore.read.hw_decode import HardwareJpeg
 
@@ -316,64 +260,10 @@ class DecodeLoader(CoreLoader):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batches = list(self._next_epoch())
-        if self.decode_in == "process":
-            yield from self._process_epoch(batches)
-        else:
-            yield from self._decode_epoch(batches)
-
-    def _process_epoch(self, batches: list[list[int]]) -> Iterator[tuple[Any, Any]]:
-        """The epoch decoded in the decode processes (started on first use, again after one died)."""
-        from dlstore.read.decode_process import interleaved, merged_stats
-
-        procs = self._start_processes()
-        tunables = {
-            "read_during_decode": self.read_during_decode,
-            "gate_reads": self.gate_reads,
-            "scatter": self.scatter,
-            "decode_in": self.process_decode_in,
-        }
-        try:
-            yield from interleaved(procs, batches, tunables)
-        finally:
-            stats = merged_stats(procs)
-            if stats is not None:
-                self.stats, self.split = stats, procs[0].split
-
-    def _start_processes(self) -> list[Any]:
-        """The decode processes, each with its share of the CPU decoders."""
-        from dlstore.read.cache import Cache
-        from dlstore.read.decode_process import DecodeProcess
-
-        if self._proc is not None and not all(p.alive for p in self._proc):
-            self.close()
-        if self._proc is None:
-            if isinstance(self._recipe["path"], Cache):
-                raise ValueError(
-                    "decode_in='process' opens the cache again in its own process: pass the cache's "
-                    "path or URL to DecodeLoader, not an open Cache"
-                )
-            n = self.decode_processes
-            recipe = dict(self._recipe)
-            cpu = recipe["options"]["cpu_decoders"]
-            recipe["options"] = recipe["options"] | {"cpu_decoders": -(-cpu // n) if cpu else 0}
-            # Each process draws its own random numbers (crops, flips), from a seed of this process's
-            # RNG (reproducible under torch.manual_seed), as DataLoader seeds its workers.
-            recipe["seed"] = int(torch.randint(0, 2**62, ()).item())
-            procs: list[DecodeProcess] = []
-            try:
-                for rank in range(n):
-                    procs.append(DecodeProcess(recipe | {"rank": rank}, self.device))
-                for proc in procs:
-                    proc.wait_ready()
-            except BaseException:
-                for proc in procs:
-                    proc.close()
-                raise
-            self._proc = procs
-        return self._proc  # type: ignore[no-any-return]
+        yield from self._decode_epoch(batches)
 
     def _decode_epoch(self, batches: list[list[int]]) -> Iterator[tuple[Any, Any]]:
-        """The batches decoded in this process (the decode process runs this too)."""
+        """The batches decoded in this process."""
         self._last_batch, self._epoch_batches = None, 0
         self._asked, self._yielded = time.perf_counter(), 0
         if self._lanes_for != self.gpu:
@@ -382,21 +272,13 @@ class DecodeLoader(CoreLoader):
             self.cpu = self._start_cpu_decoders()
         if self.hw is not None and self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlstore-hw-decode")
-        # One thread reads batches ahead (4 measured faster than 2 on the H200: 29.5k vs 24.8k img/s,
-        # benchmarks/jpeg_loader_parts.py) while batch i is decoded and cropped on a side stream, in
-        # this thread ("stream") or in a second one ("thread").
+        # One thread reads batches ahead while a second one decodes and crops batch i on a side stream,
+        # so the caller's next step is queued while the next batch decodes. Never on the caller's own
+        # stream: the crop would queue behind the training step, and nvJPEG's outputs could reuse memory
+        # that step still reads (see _decode_batch).
         gate = self._read_gate()
         reads = _Pipe(iter(batches), self._read, self.read_ahead, "dlstore-read-ahead", gate)
-        decode = functools.partial(self._decode, gate=gate)
-        if self.decode_in == "stream":
-            try:
-                for item in reads:
-                    yield from self._timed_yield(self._handed_over(decode(item)))
-            finally:
-                reads.close()
-                self._epoch_done(reads)
-            return
-        decoded = _Pipe(iter(reads), decode, 1, "dlstore-decode")
+        decoded = _Pipe(iter(reads), functools.partial(self._decode, gate=gate), 1, "dlstore-decode")
         try:
             for item in decoded:
                 yield from self._timed_yield(self._handed_over(item))
@@ -425,15 +307,11 @@ class DecodeLoader(CoreLoader):
         the read-ahead thread reads while that call runs without the GIL. Read whenever the queue had
         room (the previous design), it ran while the decoding thread held or wanted the GIL, and each
         time that thread came back from a C call it could wait for the reader's Python (up to the
-        interpreter's 5 ms switch interval); see benchmarks/RESULTS.md, issue 10 round E.
+        interpreter's 5 ms switch interval.
 
         Not with CPU decoders: there the read-ahead thread also hands each batch's CPU share to the
-        decode processes, which should run as far ahead as the queue allows. The gate was measured to
-        help only nvJPEG-alone decoding; with 12 CPU decoders ResNet-18 @112 ran at 0.72 / 0.81 of its
-        ceiling ungated (round D) and 0.63 / 0.69 gated (rounds E and F). Those were separate runs, not
-        side by side, so the ungated design is kept here until a side-by-side run decides.
-        ``gate_reads`` True / False forces the gate on / off (None: as above)."""
-        gated = "cpu" not in self.split.lanes if self.gate_reads is None else self.gate_reads
+        decode processes, which should run as far ahead as the queue allows."""
+        gated = "cpu" not in self.split.lanes
         return threading.Semaphore(self.read_ahead) if gated else None
 
     def _epoch_done(self, reads: _Pipe) -> None:
@@ -488,11 +366,7 @@ class DecodeLoader(CoreLoader):
         return images, labels, event
 
     def close(self) -> None:
-        """Stop the CPU decode workers and the decode process (if any); iterating again starts new ones."""
-        if self._proc is not None:
-            for proc in self._proc:
-                proc.close()
-            self._proc = None
+        """Stop the CPU decode workers (if any); iterating again starts new ones."""
         if self.cpu is not None:
             self.cpu.close()
             self.cpu = None
@@ -584,14 +458,14 @@ class DecodeLoader(CoreLoader):
         if self.gpu:
             payloads, tensors, share, parts = data
             first = share.count if share is not None else 0
-            takes_flat = getattr(self.transform, "takes_flat", False)
-            scatter = self.scatter and takes_flat
+            # A transform that takes FlatImages gets the batch where the lanes decoded it (the CPU
+            # share's buffer, nvJPEG's tensors, the hardware lane's slots): no per-image tensor or copy.
+            scatter = getattr(self.transform, "takes_flat", False)
             images: list[Any] = []
             if payloads:
                 t0 = time.perf_counter()
-                starts = launching if self.read_during_decode else _no_op
                 images = self._decode_device_part(
-                    index[first:], payloads, tensors, shapes, parts, starts, scatter
+                    index[first:], payloads, tensors, shapes, parts, launching, scatter
                 )
                 self.stats.decode_seconds += time.perf_counter() - t0
             launching()  # all on the CPU decoders: no device call to wait for
@@ -606,9 +480,6 @@ class DecodeLoader(CoreLoader):
             if scatter:  # where the lanes left them: no per-image tensors, no copy
                 return self._out(self._scattered(flat, share, images, shapes), labels)
             if share is not None:
-                if takes_flat:  # no per-image tensors for the CPU share, one cat
-                    flat_images = self._flat_images(flat, share, images, shapes)
-                    return self._out(flat_images, labels)
                 images = _views(flat, share.offsets, share.shapes) + images
         else:  # decoded by the read-ahead thread's pool already
             launching()
@@ -674,19 +545,6 @@ class DecodeLoader(CoreLoader):
             self.cpu.release(share.slot)
         self.stats.cpu_images += share.count
         return flat, waited, busy
-
-    def _flat_images(
-        self, cpu_flat: torch.Tensor, share: CpuShare, gpu_images: list[torch.Tensor], gpu_shapes: np.ndarray
-    ) -> FlatImages:
-        """The CPU share's flat buffer (already back to back, planar) followed by nvJPEG's images."""
-        from dlstore.gpu.ragged import FlatImages, to_device
-
-        flat = torch.cat([cpu_flat, *(img.reshape(-1) for img in gpu_images)]) if gpu_images else cpu_flat
-        hwc = np.concatenate([share.shapes, np.asarray(gpu_shapes, np.int64).reshape(-1, 3)])
-        sizes = np.prod(hwc, axis=1)
-        meta = np.stack([np.concatenate(([0], np.cumsum(sizes)[:-1])), hwc[:, 0], hwc[:, 1]]).astype(np.int64)
-        meta_t = to_device(torch.from_numpy(meta), self.device)
-        return FlatImages(flat, meta_t[0], meta_t[1], meta_t[2], int(hwc[0, 2]), host=meta)
 
     def _scattered(
         self, cpu_flat: torch.Tensor | None, share: CpuShare | None, images: list[Any], shapes: Any
@@ -807,10 +665,6 @@ class DecodeLoader(CoreLoader):
             self.split.observe("cpu", cpu_count, busy / self.cpu.processes, waited, now - last)
         if self.cpu is not None and "cpu" in self.split.state and not self.cpu.alive():
             self.split.fail("cpu", "its decode processes exited")
-
-
-def _no_op() -> None:
-    pass
 
 
 def _views(flat: torch.Tensor, offsets: np.ndarray, shapes: np.ndarray) -> list[torch.Tensor]:

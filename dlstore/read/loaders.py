@@ -6,10 +6,7 @@
   is refilled only after the copy that read it has finished.
 - ``ResidentLoader``: the whole uint8 cache lives in device memory; batches are an ``index_select``
   there, with no host work per batch.
-- ``batch_dataloader``: torch's DataLoader with worker processes, each producing a whole batch
-  (one storage pass, written straight into shared memory) and passed through without a collate copy.
-
-All three yield ``(images, labels)``: images uint8 (B, C, H, W) (channels-last strides, as stored),
+Both yield ``(images, labels)``: images uint8 (B, C, H, W) (channels-last strides, as stored),
 labels int64 (B,). Convert, normalise and augment on the GPU (``dlstore.gpu.GpuAugment``).
 """
 
@@ -28,7 +25,6 @@ import torch
 
 from dlstore.errors import DlstoreError
 from dlstore.machine import usable_cores
-from dlstore.read.batch import ImageBatch, in_worker, labels_tensor, new_batch
 from dlstore.read.cache import Cache
 from dlstore.read.loader_core import (  # noqa: F401  (make_sampler, default_window: their old home)
     CoreLoader,
@@ -272,10 +268,9 @@ class _PinnedIter:
     one runs, instead of the caller's stream waiting for it at the start of the next step (25 MB at
     55 GB/s is 0.45 ms, 4 % of a ResNet-18 step). Only a batch already gathered is taken ahead: waiting
     for the gather thread here would hold the training thread (and the launch of its step) up to one
-    gather longer (H200 round B: 0.932 -> 0.875 of the ResNet-18 ceiling with a blocking fetch)."""
+    gather longer."""
 
     _END = object()
-    copy_ahead = True  # class switch for the benchmark's A/B
 
     def __init__(
         self,
@@ -304,8 +299,7 @@ class _PinnedIter:
         if isinstance(current, BaseException):
             self._ahead = self._END
             raise current
-        if self.copy_ahead:  # issue the next copy before this batch is used, if it is gathered
-            self._ahead = self._fetch(block=False)
+        self._ahead = self._fetch(block=False)  # the next copy issued now, if that batch is gathered
         x, y, done = current
         if done is not None:
             torch.cuda.current_stream(self.device).wait_event(done)
@@ -533,60 +527,3 @@ def upload(cache: Cache, device: torch.device, block_bytes: int) -> torch.Tensor
         cache.read(np.arange(start, stop), out=host.numpy())
         out[start:stop].copy_(host, non_blocking=False)
     return out
-
-
-class BatchDataset(torch.utils.data.Dataset):
-    """A cache indexed by *lists* of indices: one storage pass per batch, written into shared memory
-    in DataLoader workers so handing the batch to the main process copies nothing."""
-
-    def __init__(self, path: str | Path, in_memory: bool = False, **remote: Any) -> None:
-        from dlstore.read.dataset import CachedDataset
-
-        self.dataset = CachedDataset(path, in_memory=in_memory, **remote)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, indices: list[int]) -> Batch:
-        cache = self.dataset.cache
-        idx = storage_sorted(cache, indices)
-        x = new_batch((len(idx), *cache.spec.shape), shared=in_worker())
-        cache.read(idx, out=x.numpy())
-        return x.permute(0, 3, 1, 2).as_subclass(ImageBatch), labels_tensor(cache.labels[idx])
-
-
-def batch_dataloader(
-    path: str | Path,
-    batch_size: int,
-    num_workers: int = 2,
-    *,
-    pin_memory: bool = True,
-    in_memory: bool = False,
-    **kw: Any,
-) -> torch.utils.data.DataLoader:
-    """A DataLoader whose workers each build whole batches (see BatchDataset). The keywords of
-    ``LoaderCore`` (order, seed, drop_last, window, num_replicas, rank, the remote-cache options)
-    shape the epoch as for the other loaders; any other keyword goes to torch's DataLoader. Under DDP
-    pass ``num_replicas``/``rank`` and call ``loader.sampler.sampler.set_epoch(e)`` each epoch."""
-    given = {k: kw.pop(k) for k in (*LoaderCore.names(), "shuffle") if k in kw}
-    core = LoaderCore.from_keywords(path, batch_size, given, "batch_dataloader", stacklevel=3)
-    if isinstance(core.path, Cache):
-        raise ValueError(
-            "batch_dataloader: pass the cache's path or URL (each worker opens its own), not a Cache"
-        )
-    remote = {
-        "storage_options": core.storage_options,
-        "cache_dir": core.cache_dir,
-        "cache_bytes": core.cache_bytes,
-    }
-    ds = BatchDataset(core.path, in_memory=in_memory, **remote)
-    batches = torch.utils.data.BatchSampler(core.sampler(ds.dataset.cache), batch_size, core.drop_last)
-    return torch.utils.data.DataLoader(
-        ds,
-        sampler=batches,
-        batch_size=None,
-        num_workers=num_workers,
-        pin_memory=pin_memory and torch.cuda.is_available(),
-        persistent_workers=num_workers > 0,
-        **kw,
-    )

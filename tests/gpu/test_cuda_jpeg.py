@@ -84,10 +84,7 @@ def test_decode_loader_on_cuda(jpeg_cache: Path) -> None:
     assert seen == len(loader) * 4 and loader.stats.gpu_images == seen and loader.stats.cpu_fallbacks == 0
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_decode_loader_pixels_survive_a_slow_consumer(
-    image_tree: Path, tmp_path: Path, decode_in: str
-) -> None:
+def test_decode_loader_pixels_survive_a_slow_consumer(image_tree: Path, tmp_path: Path) -> None:
     """nvJPEG writes on its own stream: while a slow crop of batch i is still queued, the decode of batch
     i+1 must not reuse (overwrite) batch i's freed images. Each batch must equal its own decode."""
     from dlstore.read.loaders import storage_sorted
@@ -100,9 +97,7 @@ def test_decode_loader_pixels_survive_a_slow_consumer(
         return torch.stack(images)
 
     batch = 4
-    loader = DecodeLoader(
-        cache, batch, transform=slow_stack, order="sequential", decode_in=decode_in, lanes=["nvjpeg"]
-    )
+    loader = DecodeLoader(cache, batch, transform=slow_stack, order="sequential", lanes=["nvjpeg"])
     got = [x.clone() for x, _y in loader]
     torch.cuda.synchronize()
     dev = torch.device("cuda")
@@ -143,10 +138,7 @@ def test_fused_crop_kernel_equals_the_pytorch_path(
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_split_decode_on_cuda_equals_each_sides_own_decode(
-    image_tree: Path, tmp_path: Path, decode_in: str
-) -> None:
+def test_split_decode_on_cuda_equals_each_sides_own_decode(image_tree: Path, tmp_path: Path) -> None:
     """cpu_decoders: each batch's first half is decoded by CPU processes (pinned slots, one copy), the
     rest by nvJPEG; behind a slow consumer (slots reused while copies and crops are queued) every image
     must equal its own CPU or nvJPEG decode."""
@@ -165,7 +157,6 @@ def test_split_decode_on_cuda_equals_each_sides_own_decode(
         batch,
         transform=slow_stack,
         order="sequential",
-        decode_in=decode_in,
         cpu_decoders=2,
         cpu_share=0.5,
         read_ahead=1,
@@ -240,10 +231,7 @@ def test_hardware_lane_decodes_like_the_cpu(photo_cache: Path) -> None:
         assert diff.mean().item() <= 1.5
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(
-    image_tree: Path, tmp_path: Path, decode_in: str
-) -> None:
+def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(image_tree: Path, tmp_path: Path) -> None:
     """Half of each batch on the hardware engines, half on nvJPEG, at once, behind a slow consumer:
     every image equals its own lane's decode."""
     from dlstore.read.loaders import storage_sorted
@@ -261,7 +249,6 @@ def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(
         4,
         transform=slow_stack,
         order="sequential",
-        decode_in=decode_in,
         lanes=["hw", "nvjpeg"],
         split={"hw": 0.5, "nvjpeg": 0.5},
     )
@@ -329,79 +316,3 @@ class _SlowCrop(RaggedRandomResizedCrop):
     def forward(self, images, target=None):  # type: ignore[no-untyped-def]
         torch.cuda._sleep(20_000_000)
         return super().forward(images, target)
-
-
-@pytest.mark.parametrize(
-    "lanes", [["nvjpeg"], ["cpu", "nvjpeg"], ["hw", "nvjpeg"], ["hw"], ["cpu", "hw", "nvjpeg"]], ids="+".join
-)
-def test_scattered_batches_equal_copied_ones_behind_a_slow_crop(
-    image_tree: Path, tmp_path: Path, lanes: list[str]
-) -> None:
-    """The loader's scattered batches (each lane's output read where it lies, the hardware lane's
-    slots reused every batch) crop to the same pixels as the same batches copied into one buffer
-    first (``scatter = False``, the design before), behind a slow crop, for two epochs."""
-    if "hw" in lanes:
-        _hardware_lane()
-    convert(
-        image_tree,
-        tmp_path / "c",
-        ConvertOptions(format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2),
-    )
-    split = {"cpu": 0.25, "hw": 0.5, "nvjpeg": 0.25} if len(lanes) == 3 else None
-    if lanes == ["cpu", "nvjpeg"] or lanes == ["hw", "nvjpeg"]:
-        split = dict.fromkeys(lanes, 0.5)
-    got = {}
-    for scatter in (True, False):
-        crop = _SlowCrop(16, generator=torch.Generator().manual_seed(2)).cuda()
-        loader = DecodeLoader(
-            tmp_path / "c",
-            4,
-            transform=crop,
-            order="sequential",
-            lanes=lanes,
-            split=split,
-            cpu_decoders=2 if "cpu" in lanes else 0,
-        )
-        loader.scatter = scatter
-        try:
-            got[scatter] = [x.clone() for _ in range(2) for x, _y in loader]
-            assert loader.stats.rerouted == 0
-            assert loader.stats.hw_images == (0 if "hw" not in lanes else loader.stats.hw_images) and (
-                "hw" not in lanes or loader.stats.hw_images > 0
-            )
-        finally:
-            loader.close()
-    assert len(got[True]) == len(got[False]) > 0
-    for k, (a, b) in enumerate(zip(got[True], got[False])):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"batch {k}")
-
-
-def test_the_decode_process_equals_this_process_behind_a_slow_consumer(jpeg_cache: Path) -> None:
-    """decode_in="process" on CUDA: the ring's slots cross by CUDA IPC with an event each way; a training
-    stream that queues 20 ms before each batch must still get every batch intact (the child writes a
-    slot again only after this stream copied it out), equal to decoding in this process."""
-
-    def loader(decode_in: str) -> DecodeLoader:
-        crop = RaggedRandomResizedCrop(
-            16, out_dtype=torch.bfloat16, channels_last=True, generator=torch.Generator().manual_seed(1)
-        ).cuda()
-        return DecodeLoader(
-            jpeg_cache, 4, transform=crop, order="random", seed=2, lanes=["nvjpeg"], decode_in=decode_in
-        )
-
-    here, there = loader("thread"), loader("process")
-    try:
-        expected = [(x.clone(), y.clone()) for x, y in here]
-        got = []
-        for x, y in there:
-            torch.cuda._sleep(40_000_000)  # the step, queued before the copy of the next batch
-            got.append((x.clone(), y.clone()))
-        torch.cuda.synchronize()
-    finally:
-        here.close()
-        there.close()
-    assert len(got) == len(expected)
-    for k, ((a, la), (b, lb)) in enumerate(zip(expected, got)):
-        assert b.is_cuda and lb.is_cuda and b.is_contiguous(memory_format=torch.channels_last)
-        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"batch {k}")
-        assert torch.equal(la, lb)

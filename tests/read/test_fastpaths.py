@@ -14,7 +14,7 @@ from reliability_helpers import small_units
 from dlstore import convert, open_cache
 from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
-from dlstore.read.loaders import BufferRing, PinnedLoader, ResidentLoader, batch_dataloader
+from dlstore.read.loaders import BufferRing, PinnedLoader, ResidentLoader
 from dlstore.read.sampler import ChunkSampler
 
 UNIT = 8  # images per unit (shard, chunk, slab): 97 images make 13 units
@@ -185,14 +185,6 @@ def test_loaders_refuse_a_batch_size_torch_refuses(caches: dict[str, Path], batc
     for make in (PinnedLoader, ResidentLoader):
         with pytest.raises(ValueError, match=f"batch_size should be a positive integer.*={batch_size}"):
             make(caches["ram"], batch_size=batch_size, device="cpu")  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("workers,ctx", [(0, None), (2, "fork"), (2, "spawn")])
-def test_batch_dataloader(caches: dict[str, Path], workers: int, ctx: str | None) -> None:
-    loader = batch_dataloader(
-        caches["npz"], batch_size=9, num_workers=workers, drop_last=False, multiprocessing_context=ctx
-    )
-    check_epoch(list(loader), caches["npz"], expect_all=True)
 
 
 @pytest.mark.parametrize("fmt", [n for n, f in FORMATS.items() if f.traits.unit_grouped])

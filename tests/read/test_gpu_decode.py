@@ -20,12 +20,9 @@ def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return ragged_jpeg_cache(image_tree, tmp_path_factory.mktemp("gpu-decode"))
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path, decode_in: str) -> None:
+def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path) -> None:
     crop = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(0))
-    loader = DecodeLoader(
-        jpeg_cache, batch_size=5, transform=crop, device="cpu", drop_last=False, decode_in=decode_in
-    )
+    loader = DecodeLoader(jpeg_cache, batch_size=5, transform=crop, device="cpu", drop_last=False)
     labels = []
     for images, batch_labels in loader:
         assert images.shape[1:] == (3, 16, 16) and images.dtype == torch.float32
@@ -38,8 +35,6 @@ def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path, d
 def test_ragged_cache_needs_a_transform(jpeg_cache: Path) -> None:
     with pytest.raises(ValueError, match="RaggedRandomResizedCrop"):
         DecodeLoader(jpeg_cache, batch_size=4, device="cpu")
-    with pytest.raises(ValueError, match="decode_in"):
-        DecodeLoader(jpeg_cache, batch_size=4, transform=lambda x: x, device="cpu", decode_in="gpu")
 
 
 def test_batched_decode_equals_cpu_decode_and_falls_back_per_image(
@@ -71,14 +66,11 @@ def test_batched_decode_equals_cpu_decode_and_falls_back_per_image(
     np.testing.assert_array_equal(out[2].permute(1, 2, 0).numpy(), cpu[2])
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path, decode_in: str) -> None:
+def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path) -> None:
     import threading
 
     crop = RaggedRandomResizedCrop(8)
-    loader = DecodeLoader(
-        jpeg_cache, batch_size=2, transform=crop, device="cpu", read_ahead=1, decode_in=decode_in
-    )
+    loader = DecodeLoader(jpeg_cache, batch_size=2, transform=crop, device="cpu", read_ahead=1)
     it = iter(loader)
     next(it)
     it.close()  # type: ignore[attr-defined]
@@ -86,9 +78,8 @@ def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path, decode_
     assert not [t for t in threading.enumerate() if t.name in ("dlstore-read-ahead", "dlstore-decode")]
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_reads_ahead_happen_while_a_decode_call_runs(
-    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In steady state a batch is read only once the decode call of the batch read_ahead before it has
     started (so the reader's Python runs while that call is outside the GIL): before decode k starts,
@@ -115,9 +106,7 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
         return images
 
     monkeypatch.setattr(gd, "decode_on_device", slow_decode)
-    loader = DecodeLoader(
-        jpeg_cache, batch_size=2, transform=slow_transform, device="cpu", read_ahead=2, decode_in=decode_in
-    )  # type: ignore[arg-type,return-value]
+    loader = DecodeLoader(jpeg_cache, batch_size=2, transform=slow_transform, device="cpu", read_ahead=2)  # type: ignore[arg-type,return-value]
     loader.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
     read = loader._read
 
@@ -133,49 +122,6 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
     assert loader.stats.batches == batches
     assert loader.stats.decode_seconds >= 0.02 * batches and loader.stats.read_seconds > 0
     assert loader.stats.transform_seconds >= 0.005 * batches
-
-
-def test_reads_can_wait_for_the_decode_call_to_return(
-    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``read_during_decode = False``: batch j (past the first read_ahead) is read only after the decode
-    call of batch j - read_ahead has returned (the GPU decoders take the GIL back per image, so a read
-    beside the call lengthens it); every batch still arrives, in order."""
-    import time
-
-    import dlstore.read.gpu_decode as gd
-
-    real, returned, seen_at_read = gd.decode_on_device, [0], []
-
-    def slow_decode(*args, **kw):  # type: ignore[no-untyped-def]
-        out = real(*args, **kw)
-        time.sleep(0.02)
-        returned[0] += 1
-        return out
-
-    monkeypatch.setattr(gd, "decode_on_device", slow_decode)
-    loader = DecodeLoader(
-        jpeg_cache, batch_size=2, transform=lambda x: x, device="cpu", read_ahead=2, order="sequential"
-    )  # type: ignore[arg-type,return-value]
-    loader.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
-    loader.read_during_decode = False
-    read = loader._read
-
-    def counted(batch: list[int]) -> object:
-        seen_at_read.append(returned[0])
-        return read(batch)
-
-    loader._read = counted  # type: ignore[method-assign]
-    labels = [y for _x, y in loader]
-    assert len(labels) == len(loader) > 4
-    later = list(enumerate(seen_at_read))[loader.read_ahead :]
-    assert all(n >= j - loader.read_ahead + 1 for j, n in later), seen_at_read
-    assert any(n > 0 for n in seen_at_read)
-
-
-# --- a batch split between nvJPEG and CPU decode processes (cpu_decoders) ---------------------------
-# Without a GPU, the "GPU" side is torchvision's CPU decode_jpeg through the same decode_on_device call
-# (``loader.gpu`` forced on); the CPU side is the real worker processes.
 
 
 def _check_split_epoch(loader: DecodeLoader, cache_path: Path, share: float) -> int:
@@ -201,9 +147,8 @@ def _check_split_epoch(loader: DecodeLoader, cache_path: Path, share: float) -> 
     return cpu_count
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_split_batches_equal_the_single_path_decodes(
-    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import dlstore.read.gpu_decode as gd
 
@@ -214,26 +159,13 @@ def test_split_batches_equal_the_single_path_decodes(
         return real(cache, payloads, *args, **kw)
 
     monkeypatch.setattr(gd, "decode_on_device", spy)
-    loader = cpu_split_loader(jpeg_cache, 0.5, decode_in=decode_in)
+    loader = cpu_split_loader(jpeg_cache, 0.5)
     try:
         cpu_count = _check_split_epoch(loader, jpeg_cache, 0.5)
         n = len(open_cache(jpeg_cache))
         assert cpu_count > 0 and loader.stats.cpu_images == cpu_count
         assert loader.stats.gpu_images == n - cpu_count == sum(sent)
         assert sent == [b - round(0.5 * b) for b in [4] * (n // 4) + ([n % 4] if n % 4 else [])]
-    finally:
-        loader.close()
-
-
-def test_split_batches_with_reads_gated_after_each_device_call(jpeg_cache: Path) -> None:
-    """``gate_reads = True`` with CPU decoders (and reads held until the device call returns): the
-    CPU share is submitted no further ahead than the gate allows, and every batch still equals the
-    single-path decodes, for two epochs."""
-    loader = cpu_split_loader(jpeg_cache, 0.5, read_ahead=1)
-    loader.gate_reads, loader.read_during_decode = True, False
-    try:
-        for _ in range(2):
-            assert _check_split_epoch(loader, jpeg_cache, 0.5) > 0
     finally:
         loader.close()
 
@@ -340,9 +272,8 @@ class _FlakyEngine:
             ]
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_a_lane_failing_mid_epoch_hands_its_images_to_another(
-    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three lanes (CPU processes, a hardware lane, "nvJPEG"), a fixed split; the hardware lane fails at
     its third batch. That batch's hardware part (and those of batches already split) is decoded by
@@ -353,7 +284,7 @@ def test_a_lane_failing_mid_epoch_hands_its_images_to_another(
     engine = _FlakyEngine(fail_at=3)
     monkeypatch.setattr(hw_decode.HardwareJpeg, "open", classmethod(lambda cls, device, channels=3: engine))
     split = {"cpu": 0.25, "hw": 0.5, "nvjpeg": 0.25}
-    loader = cpu_split_loader(jpeg_cache, None, decode_in=decode_in, split=split, lanes=list(split))
+    loader = cpu_split_loader(jpeg_cache, None, split=split, lanes=list(split))
     try:
         n = len(open_cache(jpeg_cache))
         assert _check_split_epoch(loader, jpeg_cache, 0.25) == loader.stats.cpu_images

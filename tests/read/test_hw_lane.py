@@ -170,9 +170,8 @@ def _torchvision_chw(payload: bytes) -> np.ndarray:
         return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(payload), dtype=torch.uint8)).numpy()
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_the_crop_reads_each_lane_where_it_decoded_and_a_failed_lane_loses_nothing(
-    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CPU processes, the hardware lane (its slots; here over the stand-in decoder) and "nvJPEG" (the
     CPU decode_jpeg) split each batch; the crop gets it as one scattered FlatImages (no per-image tensor,
@@ -207,7 +206,7 @@ def test_the_crop_reads_each_lane_where_it_decoded_and_a_failed_lane_loses_nothi
 
     crop.forward = spy  # type: ignore[method-assign]
     split = {"cpu": 0.25, "hw": 0.5, "nvjpeg": 0.25}
-    loader = cpu_split_loader(jpeg_cache, None, decode_in=decode_in, split=split, lanes=list(split))
+    loader = cpu_split_loader(jpeg_cache, None, split=split, lanes=list(split))
     loader.transform = crop
     cache = open_cache(jpeg_cache)
     seen = 0

@@ -19,7 +19,7 @@ from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
 from dlstore.read.gpu_decode import DecodeLoader
 from dlstore.read.loader_core import LoaderCore
-from dlstore.read.loaders import PinnedLoader, ResidentLoader, batch_dataloader
+from dlstore.read.loaders import PinnedLoader, ResidentLoader
 from dlstore.read.sampler import ChunkSampler
 
 PAYLOAD_FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
@@ -174,7 +174,6 @@ def test_resident_auto_order_is_a_device_shuffle_that_set_epoch_replays(ram_cach
 def test_chunk_sampler_takes_the_dataset_itself(jpeg_cache: Path) -> None:
     ds = CachedDataset(jpeg_cache)
     direct = list(ChunkSampler(ds, num_replicas=2, rank=1, seed=4, window=2))
-    assert direct == list(ChunkSampler.for_dataset(ds, num_replicas=2, rank=1, seed=4, window=2))
     cache = ds.cache
     assert cache.reader.unit == 6
     assert direct == list(ChunkSampler(cache, num_replicas=2, rank=1, seed=4, window=2))
@@ -182,21 +181,3 @@ def test_chunk_sampler_takes_the_dataset_itself(jpeg_cache: Path) -> None:
     assert len(direct) == N // 2
     with pytest.raises(TypeError, match="pass the images per chunk too"):
         ChunkSampler(cache.positions, num_replicas=2, rank=1)
-
-
-def test_batch_dataloader_takes_the_core_and_passes_the_rest_to_dataloader(ram_cache: Path) -> None:
-    shares = []
-    for rank in range(2):
-        dl = batch_dataloader(
-            ram_cache,
-            5,
-            num_workers=0,
-            pin_memory=False,
-            order="sequential",
-            num_replicas=2,
-            rank=rank,
-            timeout=0,
-        )
-        shares.append(torch.cat([y for _, y in dl]))
-    assert len(shares[0]) == len(shares[1]) == N // 2
-    assert sorted(torch.cat(shares).tolist()) == sorted(open_cache(ram_cache).labels.tolist())

@@ -28,7 +28,6 @@ from typing import Any
 
 import numpy as np
 
-from dlstore import settings
 from dlstore.formats.base import group_runs
 from dlstore.read.engines.unit_procs import populate
 from dlstore.read.engines.workers import Workers, attach, shutdown, worker_connection
@@ -47,7 +46,7 @@ def _worker(conn: Connection) -> None:
         ring = np.ndarray(tuple(hello["ring"]), np.uint8, buffer=shm.buf)
         reader = cls(Path(hello["root"]), read_spec(Path(hello["root"])))
         # One thread here: mapping chunk files beats reading them (readers that cannot map ignore it).
-        reader.map_chunks = settings.flag("DLSTORE_MAP_CHUNKS")  # benchmarks' A/B
+        reader.map_chunks = True
         buf = np.empty(tuple(hello["unit"]), np.uint8)  # reused: stays in this core's cache
         populate(ring)
         while True:

@@ -27,7 +27,6 @@ from typing import Any
 
 import numpy as np
 
-from dlstore import settings
 from dlstore.errors import CacheCorruptError
 from dlstore.read.engines.workers import Workers, attach, shutdown, worker_connection
 from dlstore.spec import read_spec
@@ -172,23 +171,33 @@ class UnitProcesses:
         self._collector.join(5)
 
 
-_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14; elsewhere pages fault as used
+_libc: Any = None
 
 
 def populate(arr: np.ndarray) -> None:
     """Map every page of ``arr`` writable in one ``madvise`` instead of one fault per 4 KiB page on
     first write. Workers write all over a shared block: without this, each process takes a fault
-    on most of its writes for the first several epochs (one per page it has not written yet). A no-op where unsupported."""
-    if not settings.flag("DLSTORE_PREFAULT") or arr.nbytes == 0:  # benchmarks' A/B switch
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    except (OSError, AttributeError):
-        return
+    on most of its writes for the first several epochs (one per page it has not written yet)."""
     addr = arr.ctypes.data
     start = addr - addr % mmap.PAGESIZE
-    libc.madvise(start, arr.nbytes + (addr - start), _MADV_POPULATE_WRITE)
+    madvise_populate(start, arr.nbytes + (addr - start), write=True)
+
+
+def madvise_populate(address: int, nbytes: int, write: bool = False) -> bool:
+    """``madvise(MADV_POPULATE_WRITE|READ)`` over ``nbytes`` from the page-aligned ``address``; False
+    where unsupported (Linux < 5.14, no libc), and the pages then fault in as they are first used."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc or nbytes == 0:
+        return False
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    return int(_libc.madvise(address, nbytes, advice)) == 0
 
 
 def main() -> None:
