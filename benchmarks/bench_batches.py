@@ -330,7 +330,7 @@ def decode_parts(
 
     from dlstore.bench.endtoend import feeder
     from dlstore.bench.kinds import LoaderContext, prepare_loader
-    from dlstore.bench.kinds.base import default_size, source_channels
+    from dlstore.bench.kinds.context import default_size, source_channels
     from dlstore.bench.models import configure_numerics
     from dlstore.bench.monitor import steal_s
     from dlstore.bench.run import bench_cache_root, make_step, resolve_config, resolve_device

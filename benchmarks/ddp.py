@@ -4,7 +4,7 @@
         [--batch-size 256] [--epochs 2] [--order auto|chunk|random] [--checkpoint DIR [--resume EPOCH]]
         [--record DIR] [--compare-single --steps 60 --warmup 15 --out DIR]
 
-Each rank reads its own share of every epoch through ``PinnedLoader(num_replicas=G, rank=r)``
+Each rank reads its own share of every epoch through ``dlstore.Loader(via="pinned", num_replicas=G, rank=r)``
 (``ChunkSampler`` for chunked caches, ``DistributedSampler`` for ``--order random``), augments on its
 GPU (``GpuAugment``: RandomResizedCrop + flip, bf16, channels-last) and trains a DDP model. Every rank
 gets the same number of samples (padded like ``DistributedSampler``), hence the same number of
@@ -43,7 +43,7 @@ from dlstore.bench.models import build_model  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
 from dlstore.read import (  # noqa: E402
     Cache,
-    PinnedLoader,  # noqa: E402
+    Loader,  # noqa: E402
     open_cache,
 )
 
@@ -131,9 +131,10 @@ def make_augment(args: argparse.Namespace, device: torch.device, rank: int) -> G
 
 def make_loader(
     args: argparse.Namespace, cache: Cache, device: torch.device, world: int, rank: int
-) -> PinnedLoader:
-    return PinnedLoader(
+) -> Loader:
+    return Loader(
         cache,
+        via="pinned",
         batch_size=args.batch_size,
         device=device,
         order=args.order,
@@ -170,9 +171,7 @@ def load_checkpoint(folder: Path, epoch: int, step: Step, device: torch.device) 
     return int(state["next_epoch"])
 
 
-def run_epoch(
-    loader: PinnedLoader, augment: GpuAugment, step: Step, epoch: int, cache: Cache
-) -> dict[str, Any]:
+def run_epoch(loader: Loader, augment: GpuAugment, step: Step, epoch: int, cache: Cache) -> dict[str, Any]:
     """One epoch; returns what this rank was given and whether the loader delivered exactly that."""
     loader.set_epoch(epoch)
     indices = np.fromiter(iter(loader.sampler), dtype=np.int64)  # this rank's share of the epoch
@@ -221,7 +220,7 @@ def train(args: argparse.Namespace, rank: int, world: int, device: torch.device)
 # --- 1 GPU vs G GPUs in one launch -------------------------------------------------------------------
 
 
-def endless(loader: PinnedLoader, augment: GpuAugment) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def endless(loader: Loader, augment: GpuAugment) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Batches across epoch boundaries (each a new sampler order), augmented on the device."""
     while True:
         for x, y in loader:
@@ -275,7 +274,7 @@ def compare_single(args: argparse.Namespace, rank: int, world: int, device: torc
 def report(args: argparse.Namespace, cache: Cache, world: int, rates: dict[str, list[float]]) -> None:
     one, many = float(np.median(rates["1gpu"])), float(np.median(rates[f"{world}gpu"]))
     doc = {
-        "what": f"{args.model} bf16 @{args.size}, bs {args.batch_size}/GPU, PinnedLoader from one cache, "
+        "what": f"{args.model} bf16 @{args.size}, bs {args.batch_size}/GPU, Loader(via='pinned') from one cache, "
         f"1 GPU alone vs {world} GPUs under DDP, alternating in one launch",
         "cache": {"format": cache.spec.format, "n": len(cache), "shape": list(cache.spec.shape)},
         "args": {k: str(v) for k, v in vars(args).items()},

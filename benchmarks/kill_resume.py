@@ -18,7 +18,7 @@ with torch.multiprocessing) on a JPEG cache whose image i is of class i, so a ba
 sample ids:
 
 - ``cached``: ``CachedDataset`` + ``ChunkSampler`` under torchdata's ``StatefulDataLoader``, 2 workers;
-- ``pinned``, ``resident``, ``decode``: ``PinnedLoader``, ``ResidentLoader``, ``DecodeLoader`` on the CPU.
+- ``pinned``, ``resident``, ``decode``: ``dlstore.Loader``'s three paths (``via=``) on the CPU.
 
 The loop runs by steps across epoch boundaries; every ``--every`` steps rank 0 writes a checkpoint
 (model, optimizer, step, every rank's loader state) by temp file and rename. Each rank logs every step's
@@ -198,9 +198,7 @@ KINDS = ("cached", "pinned", "resident", "decode")
 
 
 def make_loader(kind: str, cache: Path, batch: int, rank: int, world: int) -> Any:
-    from dlstore import CachedDataset
-    from dlstore.read.gpu_decode import DecodeLoader
-    from dlstore.read.loaders import PinnedLoader, ResidentLoader
+    from dlstore import CachedDataset, Loader
     from dlstore.read.sampler import ChunkSampler
 
     core = {"order": "chunk", "window": 2, "seed": 5, "num_replicas": world, "rank": rank}
@@ -210,8 +208,7 @@ def make_loader(kind: str, cache: Path, batch: int, rank: int, world: int) -> An
         ds = CachedDataset(cache)
         sampler = ChunkSampler(ds, window=2, seed=5, num_replicas=world, rank=rank)
         return StatefulDataLoader(ds, batch_size=batch, sampler=sampler, num_workers=2, drop_last=True)
-    loader = {"pinned": PinnedLoader, "resident": ResidentLoader, "decode": DecodeLoader}[kind]
-    return loader(cache, batch, device="cpu", **core)
+    return Loader(cache, batch, device="cpu", via=kind, **core)
 
 
 def endless(loader: Any) -> Any:

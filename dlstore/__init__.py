@@ -1,6 +1,6 @@
 """dlstore: find and remove the input bottleneck of PyTorch image training.
 
-``from dlstore import CachedDataset, convert, open_cache, verify``; the loaders and sampler from
+``from dlstore import CachedDataset, Loader, convert, open_cache, verify``; the samplers from
 ``dlstore.read``, GPU augmentation from ``dlstore.gpu``. Names load lazily so that importing
 dlstore (and ``dlstore --help``) does not import torch.
 """
@@ -17,6 +17,8 @@ __all__ = [
     "CachedDataset",
     "ConvertOptions",
     "DlstoreError",
+    "Loader",
+    "Remote",
     "__version__",
     "convert",
     "open_cache",
@@ -26,6 +28,8 @@ __all__ = [
 _LAZY = {
     "CachedDataset": "dlstore.read.dataset",
     "ConvertOptions": "dlstore.convert.options",
+    "Loader": "dlstore.read.loader",
+    "Remote": "dlstore.read.cache",
     "convert": "dlstore.convert",  # the write side's package, callable as the function
     "open_cache": "dlstore.read.cache",
     "verify": "dlstore.convert.verification",

@@ -82,7 +82,7 @@ def test_readme_commands_and_example_run(tmp_path: Path, monkeypatch: pytest.Mon
     import torch
 
     namespace["model"] = torch.nn.Linear(2, 2)
-    fresh = namespace["PinnedLoader"]("cache/zarr", batch_size=32, device="cpu").state_dict()
+    fresh = namespace["Loader"]("cache/zarr", batch_size=32, device="cpu").state_dict()
     torch.save({"loader": fresh}, "ckpt.pt")
     exec(compile(pattern, str(README), "exec"), namespace)
     assert torch.load("ckpt.pt")["loader"]["epoch"] == 2  # two epochs done, the next is the third

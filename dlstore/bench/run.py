@@ -30,7 +30,7 @@ from dlstore.bench.endtoend import (
     run_once,
 )
 from dlstore.bench.kinds import LoaderContext, PreparedLoader, prepare_loader
-from dlstore.bench.kinds.base import default_size, source_arguments, source_channels
+from dlstore.bench.kinds.context import default_size, source_arguments, source_channels
 from dlstore.bench.models import (
     TrainStep,
     UserStep,
@@ -677,7 +677,7 @@ def numerics(device: torch.device, step: dict[str, Any]) -> dict[str, Any]:
 
 
 def kind_transforms(p: PreparedLoader) -> dict[str, Any]:
-    from dlstore.bench.kinds.base import describe_transform
+    from dlstore.bench.kinds.context import describe_transform
 
     return {
         "cpu": describe_transform(getattr(p.dataset, "transform", None)),

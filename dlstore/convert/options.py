@@ -11,7 +11,7 @@ re-run compares two plans made from two ``ConvertOptions``.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -171,16 +171,22 @@ def parse_non_negative(name: str, value: float) -> float:
 
 def fold_shortcuts(options: ConvertOptions | None, shortcuts: Mapping[str, Any]) -> ConvertOptions:
     """``convert(src, dest, size=64)`` → ``ConvertOptions(size=64)``: the one place keyword shortcuts
-    become options (on top of ``options`` when both are given)."""
+    become options. The options object or keywords, never both (one route per choice)."""
     known = {f.name for f in fields(ConvertOptions)}
     unknown = sorted(set(shortcuts) - known)
     if unknown:
         raise TypeError(f"convert() got unexpected keyword argument(s) {', '.join(unknown)}")
-    if options is None:
-        if "size" not in shortcuts:
-            raise TypeError("convert() needs the options: convert(source, dest, ConvertOptions(size=...))")
-        return ConvertOptions(**shortcuts)
-    return replace(options, **shortcuts) if shortcuts else options
+    if options is not None and shortcuts:
+        named = ", ".join(f"{k}=..." for k in sorted(shortcuts))
+        raise TypeError(
+            f"convert() takes ConvertOptions or keywords, not both; put {named} in the options "
+            "(dataclasses.replace(options, ...))"
+        )
+    if options is not None:
+        return options
+    if "size" not in shortcuts:
+        raise TypeError("convert() needs the options: convert(source, dest, ConvertOptions(size=...))")
+    return ConvertOptions(**shortcuts)
 
 
 # --- reading the manifest back ------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 torch hands each worker batch to the main process in a new shared-memory file: the worker creates and
 zero-fills it, sends its descriptor over a socket (a connection and an HMAC handshake per batch), the
 main process maps it, takes one page fault per 4 KiB when the batch is first read (about 12,800 for a
-50 MB batch) and unmaps it when the batch is freed. On the H200 that per-batch cost in the main
+50 MB batch) and unmaps it when the batch is freed. On a large machine that per-batch cost in the main
 process capped 16 workers at about 35k img/s of 256 px images, under a fifth of memcpy bandwidth.
 
 Here each worker keeps a small pool of slots: anonymous shared memory (``memfd_create``: no name, so

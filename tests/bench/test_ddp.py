@@ -14,7 +14,7 @@ import pytest
 from dlstore.convert.conversion import convert
 from dlstore.convert.options import ConvertOptions
 from dlstore.read.cache import open_cache
-from dlstore.read.loaders import make_sampler
+from dlstore.read.loader import make_sampler
 
 ROOT = Path(__file__).resolve().parents[2]
 N_IMAGES = 301  # not a multiple of 2 ranks x batch 16: exercises the padding

@@ -71,6 +71,8 @@ def test_keyword_shortcuts_fold_into_the_same_options(src: Path, tmp_path: Path)
     assert by_object.n == by_keywords.n
     with pytest.raises(TypeError, match="unexpected keyword.*compress"):
         convert(src, tmp_path / "c", size=8, compress=True)
+    with pytest.raises(TypeError, match=r"ConvertOptions or keywords, not both; put workers=\.\.\."):
+        convert(src, tmp_path / "d", ConvertOptions(size=8), workers=1)
 
 
 @pytest.mark.parametrize(

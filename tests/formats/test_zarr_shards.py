@@ -15,7 +15,7 @@ import pytest
 
 from dlstore.convert.conversion import convert
 from dlstore.errors import SampleReadError, SpecError
-from dlstore.read.cache import open_cache
+from dlstore.read.cache import Remote, open_cache
 
 CHUNK = 2  # images per chunk: small, so the 27-image tree spans 5 shards, the last one partial
 SHARD_MB = 3 * CHUNK * 12 * 12 * 3 / 2**20  # three chunks per shard at 12 px
@@ -135,7 +135,7 @@ def test_sharded_cache_on_s3_costs_one_get_per_shard(
     s3: None, image_tree: Path, pairs: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:
     make(image_tree, "s3://shards/c", "zstd", SHARD_MB)
-    cache = open_cache("s3://shards/c", cache_dir=tmp_path / "mirror")
+    cache = open_cache("s3://shards/c", remote=Remote(cache_dir=tmp_path / "mirror"))
     store = cache.mirror.store
     before = store.requests
     everything = np.arange(len(cache))

@@ -9,11 +9,11 @@ import pytest
 import torch
 from decode_helpers import ragged_jpeg_cache
 
-from dlstore import convert, open_cache
+from dlstore import Loader, convert, open_cache
 from dlstore.convert.options import ConvertOptions
 from dlstore.formats import FORMATS
 from dlstore.gpu.ragged import RaggedRandomResizedCrop, bilinear_gather, crop_coords, flat_batch
-from dlstore.read.gpu_decode import DecodeLoader, decode_on_device
+from dlstore.read.decode.lanes import decode_on_device
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
@@ -76,7 +76,7 @@ def test_ragged_crop_on_cuda_equals_cpu(jpeg_cache: Path) -> None:
 
 def test_decode_loader_on_cuda(jpeg_cache: Path) -> None:
     crop = RaggedRandomResizedCrop(16, out_dtype=torch.bfloat16, channels_last=True).cuda()
-    loader = DecodeLoader(jpeg_cache, batch_size=4, transform=crop, device="cuda")
+    loader = Loader(jpeg_cache, batch_size=4, transform=crop, device="cuda", via="decode")
     seen = 0
     for images, labels in loader:
         assert images.is_cuda and images.shape == (4, 3, 16, 16) and labels.is_cuda
@@ -87,7 +87,7 @@ def test_decode_loader_on_cuda(jpeg_cache: Path) -> None:
 def test_decode_loader_pixels_survive_a_slow_consumer(image_tree: Path, tmp_path: Path) -> None:
     """nvJPEG writes on its own stream: while a slow crop of batch i is still queued, the decode of batch
     i+1 must not reuse (overwrite) batch i's freed images. Each batch must equal its own decode."""
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.loader import storage_sorted
 
     convert(image_tree, tmp_path / "c", ConvertOptions(format=FORMAT, size=32, codec="jpeg", workers=2))
     cache = open_cache(tmp_path / "c")
@@ -97,7 +97,7 @@ def test_decode_loader_pixels_survive_a_slow_consumer(image_tree: Path, tmp_path
         return torch.stack(images)
 
     batch = 4
-    loader = DecodeLoader(cache, batch, transform=slow_stack, order="sequential", lanes=["nvjpeg"])
+    loader = Loader(cache, batch, transform=slow_stack, order="sequential", lanes=["nvjpeg"], via="decode")
     got = [x.clone() for x, _y in loader]
     torch.cuda.synchronize()
     dev = torch.device("cuda")
@@ -142,7 +142,7 @@ def test_split_decode_on_cuda_equals_each_sides_own_decode(image_tree: Path, tmp
     """cpu_decoders: each batch's first half is decoded by CPU processes (pinned slots, one copy), the
     rest by nvJPEG; behind a slow consumer (slots reused while copies and crops are queued) every image
     must equal its own CPU or nvJPEG decode."""
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.loader import storage_sorted
 
     convert(image_tree, tmp_path / "c", ConvertOptions(format=FORMAT, size=32, codec="jpeg", workers=2))
     cache = open_cache(tmp_path / "c")
@@ -152,19 +152,20 @@ def test_split_decode_on_cuda_equals_each_sides_own_decode(image_tree: Path, tmp
         return torch.stack(images)
 
     batch = 4
-    loader = DecodeLoader(
+    loader = Loader(
         cache,
         batch,
         transform=slow_stack,
         order="sequential",
         cpu_decoders=2,
-        cpu_share=0.5,
-        read_ahead=1,
+        split={"cpu": 0.5},
         lanes=["cpu", "nvjpeg"],
+        via="decode",
     )
+    loader._path.read_ahead = 1
     try:
         got = [x.clone() for x, _y in loader]
-        assert loader.cpu is not None and loader.cpu.pinned
+        assert loader._path.cpu is not None and loader._path.cpu.pinned
     finally:
         loader.close()
     torch.cuda.synchronize()
@@ -182,7 +183,7 @@ def test_split_decode_into_the_fused_crop_equals_the_crop_of_the_list(
 ) -> None:
     """With a crop that takes FlatImages, the CPU share reaches the (fused) crop as one flat buffer:
     the crops equal the same-seeded crop of the CPU-decoded + nvJPEG-decoded list."""
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.loader import storage_sorted
 
     convert(
         image_tree,
@@ -193,8 +194,15 @@ def test_split_decode_into_the_fused_crop_equals_the_crop_of_the_list(
     dev = torch.device("cuda")
     crop = RaggedRandomResizedCrop(16, generator=torch.Generator(dev).manual_seed(1)).cuda()
     ref_crop = RaggedRandomResizedCrop(16, generator=torch.Generator(dev).manual_seed(1)).cuda()
-    loader = DecodeLoader(
-        cache, 4, transform=crop, order="sequential", cpu_decoders=2, cpu_share=0.5, lanes=["cpu", "nvjpeg"]
+    loader = Loader(
+        cache,
+        4,
+        transform=crop,
+        order="sequential",
+        cpu_decoders=2,
+        split={"cpu": 0.5},
+        lanes=["cpu", "nvjpeg"],
+        via="decode",
     )
     try:
         got = [x.clone() for x, _y in loader]
@@ -209,7 +217,7 @@ def test_split_decode_into_the_fused_crop_equals_the_crop_of_the_list(
 
 
 def _hardware_lane() -> object:
-    from dlstore.read.hw_decode import HardwareJpeg
+    from dlstore.read.decode.hw_lane import HardwareJpeg
 
     lane = HardwareJpeg.open(torch.device("cuda"))
     if lane is None:
@@ -234,7 +242,7 @@ def test_hardware_lane_decodes_like_the_cpu(photo_cache: Path) -> None:
 def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(image_tree: Path, tmp_path: Path) -> None:
     """Half of each batch on the hardware engines, half on nvJPEG, at once, behind a slow consumer:
     every image equals its own lane's decode."""
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.loader import storage_sorted
 
     lane = _hardware_lane()
     convert(image_tree, tmp_path / "c", ConvertOptions(format=FORMAT, size=32, codec="jpeg", workers=2))
@@ -244,13 +252,14 @@ def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(image_tree: P
         torch.cuda._sleep(20_000_000)
         return torch.stack(images)
 
-    loader = DecodeLoader(
+    loader = Loader(
         cache,
         4,
         transform=slow_stack,
         order="sequential",
         lanes=["hw", "nvjpeg"],
         split={"hw": 0.5, "nvjpeg": 0.5},
+        via="decode",
     )
     try:
         got = [x.clone() for x, _y in loader]
@@ -270,7 +279,7 @@ def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(image_tree: P
 def test_hardware_lane_slots_hold_the_same_bytes_as_its_tensors(photo_cache: Path) -> None:
     """``decode_into`` (into the lane's reused slots, or an allocation of its own for an image larger
     than a slot) gives byte for byte what ``decode`` (a tensor per image) gives, call after call."""
-    from dlstore.read.hw_decode import HardwareJpeg
+    from dlstore.read.decode.hw_lane import HardwareJpeg
 
     lane = _hardware_lane()
     cache = open_cache(photo_cache)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader, convert_command
+from dlstore.bench.kinds.context import META_FILES, LoaderContext, PreparedLoader, convert_command
 from dlstore.bench.transforms import cached_cpu_transform, device_transform
 from dlstore.spec import SKIPPED_FILE
 

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 from dlstore.convert.sources import (  # noqa: F401 - each registers its kind
     coco,
-    dataset,
-    demo,
+    demo_source,
     filelist,
     folder,
     multilabel,
     parquet,
     segmentation,
+    torch_dataset,
     torchvision,
     webdataset,
 )
 from dlstore.convert.sources.base import ArraySource, Source
-from dlstore.convert.sources.dataset import DatasetSource
-from dlstore.convert.sources.demo import DemoSource
+from dlstore.convert.sources.demo_source import DemoSource
 from dlstore.convert.sources.folder import FolderSource, scan_folder
 from dlstore.convert.sources.registry import (
     SourceArgs,
@@ -34,6 +33,7 @@ from dlstore.convert.sources.registry import (
     register_source,
     source_kinds,
 )
+from dlstore.convert.sources.torch_dataset import DatasetSource
 from dlstore.convert.sources.torchvision import TORCHVISION_SETS, TorchvisionSource, load_torchvision
 from dlstore.sourcefiles import IMAGE_EXTENSIONS
 

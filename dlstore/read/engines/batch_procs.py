@@ -2,7 +2,7 @@
 
 ``unit_procs`` decodes units ahead into shared slots and the reading process then gathers each batch's
 rows out of them: one more pass over every byte, in threads of one process that also pays the GIL
-hand-overs of ~100 runs per 256-image batch (issue 13, round B: 0.44-0.48 of the codec's all-core rate).
+hand-overs of ~100 runs per 256-image batch (under half of the codec's all-core rate).
 Here the reading process plans the epoch up front: for each unit, which rows of which batches its
 images go to. A worker decodes the unit into a private buffer (still in its core's cache) and copies
 those images into the batches' rows, in a ring of batch slots in one shared-memory block. The reading

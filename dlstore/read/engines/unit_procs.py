@@ -2,7 +2,7 @@
 
 Threads decoding zstd chunks release the GIL inside the decode, but every chunk still costs a handful
 of GIL hand-overs (open, read, close, the decode call, the future, the copy); with 16 threads those
-hand-overs, not the decoding, bound a one-process reader (issue 13: 0.24 of the codec's all-core rate).
+hand-overs, not the decoding, bound a one-process reader (a quarter of the codec's all-core rate).
 A worker process has a GIL of its own: it reads and decodes unit k into slot s of one shared-memory
 block mapped once, and answers with 16 bytes. The reading process pays one message per unit.
 

@@ -1,7 +1,7 @@
 """Worker interpreters that share one block of memory with the process that starts them.
 
 The plumbing under ``unit_procs`` (units decoded ahead), ``batch_procs`` (batches decoded straight into a
-ring) and ``dlstore.read.cpu_decode`` (the CPU share of a JPEG batch): each has its own protocol on top.
+ring) and ``dlstore.read.decode.cpu_lane`` (the CPU share of a JPEG batch): each has its own protocol on top.
 
 - Workers are fresh interpreters (``python -c "from MODULE import main; main()" FD``), not
   multiprocessing's: spawn and forkserver re-run the user's main module in the child (a script without
@@ -120,8 +120,8 @@ def shutdown(
 
 def _hang_up(conn: Connection) -> None:
     """Shut the socket down before closing it: a collector thread waiting on it wakes at once (closing
-    the descriptor alone does not wake it, so its owner's join waited out its timeout, 5 s per pool on
-    the H200) and the worker sees EOF."""
+    the descriptor alone does not wake it, so its owner's join waited out its timeout, 5 s per pool) and
+    the worker sees EOF."""
     try:
         socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
     except OSError:  # already closed, or never connected

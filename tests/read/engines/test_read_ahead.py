@@ -16,7 +16,7 @@ from dlstore.errors import CacheCorruptError, SampleReadError
 from dlstore.formats.base import ChunkedReader
 from dlstore.formats.describe import Traits
 from dlstore.formats.zarr_cache import ZarrWriter
-from dlstore.read.loaders import make_sampler, storage_sorted
+from dlstore.read.loader import make_sampler, storage_sorted
 
 UNIT, SHAPE = 4, (2, 2, 1)
 

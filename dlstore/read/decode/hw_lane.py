@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 # nvImageCodec's CPU threads (JPEG header parsing for the engines). Its default is one per core, which
-# would compete with the CPU decode processes for the same cores; at 128 px, batches of 256, the lane
-# decoded 30.8k / 30.2k / 29.4k / 29.7k / 27.0k img/s with 1 / 2 / 4 / 8 / 16 (H200, jpeg_lanes.py).
+# would compete with the CPU decode processes for the same cores, and more threads did not decode
+# faster (benchmarks/RESULTS.md).
 CPU_THREADS = 2
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 from dlstore.bench.protocol import BenchConfig
 from dlstore.convert.sources import ArraySource, Source
 from dlstore.read.dataset import CachedDataset
-from dlstore.read.loader_core import CoreLoader
+from dlstore.read.loader import Loader
 from dlstore.read.order import keeps_state
 
 NATIVE_SIZES = {"MNIST": 28, "FashionMNIST": 28, "CIFAR10": 32, "CIFAR100": 32}
@@ -60,7 +60,7 @@ def dataloader_factory(dataset: Dataset, workers: int, pin_memory: bool, config:
 
 def fields_collate(dataset: Dataset) -> Callable[[Any], Any] | None:
     """A dataset of (image, target dict) samples (a cache or source with fields): its own collate, which
-    stacks the masks and keeps the boxes as lists (``dlstore.read.targets.collate_fields``); None (the
+    stacks the masks and keeps the boxes as lists (``dlstore.read.field_targets.collate_fields``); None (the
     default collate) otherwise."""
     if getattr(getattr(dataset, "spec", None), "fields", None) or getattr(dataset, "fields", None):
         return dataset.collate_fn  # type: ignore[attr-defined, no-any-return]
@@ -120,12 +120,12 @@ class PreparedLoader:
 
 def loader_settings(loader: Iterable) -> dict[str, Any]:
     """What the loader object that ran was set to (read back from it, not from what was asked): a
-    torch DataLoader's own settings, a dlstore loader's ``LoaderCore``; a kind's own iterable, its type."""
+    torch DataLoader's own settings, a ``dlstore.Loader``'s; a kind's own iterable, its type."""
     out: dict[str, Any] = {"type": type(loader).__name__, "keeps_state": keeps_state(loader)}
     if isinstance(loader, DataLoader):
         out.update(dataloader_settings(loader))
-    elif isinstance(loader, CoreLoader):
-        out.update(loader.core.settings())
+    elif isinstance(loader, Loader):
+        out.update(loader.settings())
         out["sampler"] = type(loader.sampler).__name__
         out["shuffle"] = isinstance(loader.sampler, RandomSampler)
     return out

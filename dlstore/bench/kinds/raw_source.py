@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 from torch.utils.data import Dataset
 
-from dlstore.bench.kinds.base import NATIVE_SIZES, LoaderContext, PreparedLoader
+from dlstore.bench.kinds.context import NATIVE_SIZES, LoaderContext, PreparedLoader
 from dlstore.bench.transforms import device_transform, raw_field_transform, raw_transform
 from dlstore.convert.sources import FolderSource
 from dlstore.convert.sources.encoded import EncodedSource
@@ -172,7 +172,7 @@ class SourceFieldSamples(Dataset):
     def collate_fn(self) -> Any:
         import functools
 
-        from dlstore.read.targets import collate_fields
+        from dlstore.read.field_targets import collate_fields
 
         ragged = frozenset(k for k, f in self.fields.items() if f.ragged)
         return functools.partial(collate_fields, ragged=ragged)

@@ -1,12 +1,10 @@
-"""One loader vocabulary (``LoaderCore``): every loader takes the same core, shards an epoch the same way
-under DDP (``num_replicas``/``rank``), says ``order`` (``shuffle=`` warns), and ``ChunkSampler`` takes
-the dataset itself."""
+"""``dlstore.Loader``: it picks its path from the cache and the machine (``via`` forces one), every path
+shards an epoch the same way under DDP (``num_replicas``/``rank``), ``ChunkSampler`` takes the dataset
+itself, and caches written by an earlier commit still open."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from dlstore import CachedDataset, convert, open_cache
+from dlstore import CachedDataset, DlstoreError, Loader, Remote, convert, open_cache
 from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
-from dlstore.read.gpu_decode import DecodeLoader
-from dlstore.read.loader_core import LoaderCore
-from dlstore.read.loaders import PinnedLoader, ResidentLoader
 from dlstore.read.sampler import ChunkSampler
 
 PAYLOAD_FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
-LOADERS = [PinnedLoader, ResidentLoader, DecodeLoader]
 N = 40  # even: two ranks' shares are then disjoint (an odd count pads one rank with a repeat)
 
 
@@ -59,31 +53,50 @@ def ram_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
-def test_every_loader_takes_the_whole_core_with_the_same_defaults() -> None:
-    fields = {f.name: f.default for f in dataclasses.fields(LoaderCore)}
-    for loader in LOADERS:
-        params = inspect.signature(loader).parameters
-        assert set(fields) <= set(params), loader.__name__
-        for name, default in fields.items():
-            if default is not dataclasses.MISSING:
-                assert params[name].default == default, (loader.__name__, name)
-                assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+def test_auto_picks_the_path_from_the_cache_and_the_machine(ram_cache: Path, jpeg_cache: Path) -> None:
+    assert Loader(ram_cache, 8, device="cpu").via == "pinned"  # resident only on a GPU, by itself
+    assert Loader(jpeg_cache, 8, device="cpu").via == "decode"
+    assert Loader(ram_cache, 8, device="cpu", via="resident").via == "resident"
+    assert Loader(ram_cache, 8, device="cpu", via="resident").order == "random"  # what auto means there
+    assert Loader(ram_cache, 8, device="cpu").order == "auto"
 
 
-def test_the_core_is_validated_once_with_errors_that_name_the_fix(ram_cache: Path) -> None:
+def test_one_signature_with_no_pass_through() -> None:
+    params = inspect.signature(Loader).parameters
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    for name in ("via", "order", "seed", "drop_last", "num_replicas", "rank", "fields", "transform"):
+        assert params[name].kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def test_every_path_yields_the_same_batches_in_the_same_order(ram_cache: Path) -> None:
+    """The same order whatever the path; within a batch the pinned path reads in storage order."""
+    batches = {
+        via: [sorted(x.flatten(1).tolist()) for x, _ in Loader(ram_cache, 8, device="cpu", via=via, seed=4)]
+        for via in ("pinned", "resident")
+    }
+    assert batches["pinned"] == batches["resident"]
+
+
+def test_bad_arguments_get_errors_that_name_the_fix(ram_cache: Path) -> None:
     with pytest.raises(ValueError, match="order must be one of auto, chunk, random, sequential"):
-        PinnedLoader(ram_cache, 8, device="cpu", order="shuffled")
+        Loader(ram_cache, 8, device="cpu", order="shuffled")
     with pytest.raises(ValueError, match=r"rank 2 not in \[0, 2\)"):
-        DecodeLoader(ram_cache, 8, device="cpu", num_replicas=2, rank=2)
+        Loader(ram_cache, 8, device="cpu", num_replicas=2, rank=2)
     with pytest.raises(TypeError, match="unexpected keyword argument 'ordr'"):
-        ResidentLoader(ram_cache, 8, device="cpu", ordr="random")
-    with pytest.raises(ValueError, match="pass them to open_cache"):
-        PinnedLoader(open_cache(ram_cache), 8, device="cpu", cache_dir="/tmp/x")
+        Loader(ram_cache, 8, device="cpu", ordr="random")  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="pass it to open_cache"):
+        Loader(open_cache(ram_cache), 8, device="cpu", remote=Remote(cache_dir="/tmp/x"))
     with pytest.raises(ValueError, match="batch_size should be a positive integer"):
-        ResidentLoader(ram_cache, 0, device="cpu")
+        Loader(ram_cache, 0, device="cpu")
+    with pytest.raises(ValueError, match="via must be one of auto, pinned, resident, decode"):
+        Loader(ram_cache, 8, device="cpu", via="gpu")
+    with pytest.raises(ValueError, match="via='decode' crops these to one size"):
+        Loader(OLD / "zarr-jpeg", 8, device="cpu", via="pinned")  # ragged
+    with pytest.raises(DlstoreError, match="use via='pinned', or raise resident_budget"):
+        Loader(ram_cache, 8, device="cpu", via="resident", resident_budget=1e-12)
 
 
-def record_decode_reads(loader: DecodeLoader) -> list[int]:
+def record_decode_reads(loader: Loader) -> list[int]:
     """The dataset indices the loader reads (on the CPU path every batch is one read_images)."""
     seen: list[int] = []
     read = loader.cache.read_images
@@ -100,7 +113,7 @@ def record_decode_reads(loader: DecodeLoader) -> list[int]:
 def test_decode_loader_shards_an_epoch_across_ranks(jpeg_cache: Path, order: str) -> None:
     shares, counts = [], []
     for rank in range(2):
-        loader = DecodeLoader(
+        loader = Loader(
             jpeg_cache, 4, device="cpu", order=order, seed=3, drop_last=False, num_replicas=2, rank=rank
         )
         seen = record_decode_reads(loader)
@@ -116,26 +129,26 @@ def test_decode_loader_shards_an_epoch_across_ranks(jpeg_cache: Path, order: str
 def test_decode_loader_ranks_get_the_same_number_of_batches_when_the_epoch_does_not_split(
     jpeg_cache: Path,
 ) -> None:
-    lengths = {len(DecodeLoader(jpeg_cache, 4, device="cpu", num_replicas=3, rank=r)) for r in range(3)}
+    lengths = {len(Loader(jpeg_cache, 4, device="cpu", num_replicas=3, rank=r)) for r in range(3)}
     assert lengths == {-(-N // 3) // 4}
 
 
-def record_resident_batches(loader: ResidentLoader) -> list[int]:
+def record_resident_batches(loader: Loader) -> list[int]:
     seen: list[int] = []
-    batch = loader.batch
+    batch = loader._path.batch
 
     def recording(idx: torch.Tensor) -> Any:
         seen.extend(idx.tolist())
         return batch(idx)
 
-    loader.batch = recording  # type: ignore[method-assign]
+    loader._path.batch = recording
     return seen
 
 
 def test_resident_loader_shards_an_epoch_across_ranks(ram_cache: Path) -> None:
     shares = []
     for rank in range(2):
-        loader = ResidentLoader(ram_cache, 5, device="cpu", order="random", num_replicas=2, rank=rank)
+        loader = Loader(ram_cache, 5, device="cpu", via="resident", order="random", num_replicas=2, rank=rank)
         seen = record_resident_batches(loader)
         cache = open_cache(ram_cache)
         for x, _ in loader:
@@ -146,23 +159,8 @@ def test_resident_loader_shards_an_epoch_across_ranks(ram_cache: Path) -> None:
     assert sorted(shares[0] + shares[1]) == list(range(N))
 
 
-def test_shuffle_is_the_old_spelling_of_order_and_warns(ram_cache: Path) -> None:
-    with pytest.warns(DeprecationWarning, match="say order='sequential'") as caught:
-        old = ResidentLoader(ram_cache, 8, device="cpu", shuffle=False)
-    assert caught[0].filename == __file__  # points at the caller's line
-    assert old.order == "sequential"
-    new = ResidentLoader(ram_cache, 8, device="cpu", order="sequential")
-    assert all(torch.equal(a[1], b[1]) for a, b in zip(old, new))
-    assert torch.cat([y for _, y in new]).tolist() == open_cache(ram_cache).labels.tolist()
-    with pytest.warns(DeprecationWarning, match="order='random'"):
-        assert ResidentLoader(ram_cache, 8, device="cpu", shuffle=True).order == "random"
-    with warnings.catch_warnings(), pytest.raises(TypeError, match="both shuffle= and order="):
-        warnings.simplefilter("ignore", DeprecationWarning)
-        ResidentLoader(ram_cache, 8, device="cpu", shuffle=True, order="random")
-
-
 def test_resident_auto_order_is_a_device_shuffle_that_set_epoch_replays(ram_cache: Path) -> None:
-    loader = ResidentLoader(ram_cache, 8, device="cpu", drop_last=False)
+    loader = Loader(ram_cache, 8, device="cpu", via="resident", drop_last=False)
     assert loader.order == "random"
     first = torch.cat([y for _, y in loader])
     second = torch.cat([y for _, y in loader])
@@ -181,3 +179,21 @@ def test_chunk_sampler_takes_the_dataset_itself(jpeg_cache: Path) -> None:
     assert len(direct) == N // 2
     with pytest.raises(TypeError, match="pass the images per chunk too"):
         ChunkSampler(cache.positions, num_replicas=2, rank=1)
+
+
+OLD = Path(__file__).parent / "caches_4e04c2e"  # written by commit 4e04c2e (tests/read/caches_4e04c2e)
+
+
+@pytest.mark.parametrize("name", ["ram", "npz", "zarr", "zarr-jpeg"])
+def test_caches_written_by_4e04c2e_still_open(name: str) -> None:
+    expected = np.load(OLD / "expected.npz")
+    cache = open_cache(OLD / name)
+    assert cache.labels.tolist() == expected[f"{name}-labels"].tolist()
+    got = cache.read_images(np.arange(len(cache))) if cache.ragged else cache.read(np.arange(len(cache)))
+    assert np.array_equal(np.stack([np.asarray(g) for g in got]), expected[name])
+    crop = (lambda images: torch.stack(images)) if cache.ragged else None
+    loader = Loader(OLD / name, 4, device="cpu", order="sequential", drop_last=False, transform=crop)
+    labels = expected[f"{name}-labels"].tolist()
+    assert [sorted(y.tolist()) for _, y in loader] == [sorted(labels[i : i + 4]) for i in range(0, 12, 4)]
+    dataset = CachedDataset(OLD / name)
+    assert np.array_equal(dataset[3][0].permute(1, 2, 0).numpy(), expected[name][3])

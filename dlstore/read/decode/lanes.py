@@ -1,32 +1,25 @@
-"""``DecodeLoader``: batches of a payload cache (JPEG or raw pixels, fixed-size or ragged) decoded on
-the device and cropped there to one size.
+"""The decode path of ``dlstore.Loader``: batches of a payload cache (JPEG or raw pixels, fixed-size or
+ragged) decoded on the device and cropped there to one size.
 
 A background thread reads batch i+1's payloads (grouped by chunk, chunks loaded in the reader's threads,
-each payload's CRC checked) while the iterating thread decodes batch i: JPEG caches in one batched nvJPEG
+each payload's CRC checked) while a second thread decodes batch i: JPEG caches in one batched nvJPEG
 call (torchvision ``decode_jpeg(list, device="cuda")``), anything else (raw payloads, or no GPU) on the
 CPU in the reader's threads. An image nvJPEG refuses is decoded on the CPU instead and counted in
 ``stats.cpu_fallbacks``. With ``cpu_decoders=N`` each JPEG batch is split: its first part is decoded by
-N worker processes on the CPU (``dlstore.read.cpu_decode``; started when the first epoch starts) while
-nvJPEG decodes the rest, both feeding the same crop (as one flat buffer when the transform takes
-``FlatImages``). Where nvImageCodec is installed (the ``nvimgcodec`` extra) and the GPU has hardware JPEG
-engines (A100, H100, H200), a third lane decodes part of each batch on them (``dlstore.read.hw_decode``),
-at the same time as nvJPEG. ``lanes`` picks the lanes (default: each of them that exists here: the CPU
-processes where ``cpu_decoders`` > 0, the hardware engines, nvJPEG); ``split`` fixes
-each lane's fraction, ``cpu_share`` the CPU's alone (the GPU lanes share the rest equally); otherwise
-``dlstore.read.lane_split.LaneSplit`` sets them from each lane's rate measured in place, so that all
-lanes finish each batch together, or, while the training step is the slower side, the CPU takes what
-it decodes in one step. ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) turns the list of
-decoded (C, H_i, W_i) uint8 tensors into one batch::
-
-    from dlstore.gpu import RaggedRandomResizedCrop
-    from dlstore.read.gpu_decode import DecodeLoader
+N worker processes on the CPU (``cpu_lane``; started when the first epoch starts) while the GPU lanes
+decode the rest, all feeding the same crop. Where nvImageCodec is installed (the ``nvimgcodec`` extra)
+and the GPU has hardware JPEG engines (A100, H100, H200), a third lane decodes part of each batch on
+them (``hw_lane``), at the same time as nvJPEG. ``lanes`` picks the lanes (default: each of them that
+exists here); ``split`` fixes each lane's fraction; otherwise ``split.LaneSplit`` sets them from each
+lane's rate measured in place, so that all lanes finish each batch together, or, while the training
+step is the slower side, the CPU takes what it decodes in one step. ``transform`` (e.g.
+``dlstore.gpu.RaggedRandomResizedCrop``) turns the decoded (C, H_i, W_i) uint8 images into one batch::
 
     crop = RaggedRandomResizedCrop(224, mean=MEAN, std=STD, out_dtype=torch.bfloat16,
                                    channels_last=True).cuda()
-    loader = DecodeLoader("jpeg-cache/", batch_size=256, transform=crop)
-    for epoch in range(epochs):
-        for images, labels in loader:          # (256, 3, 224, 224) bf16 and (256,) int64 on the GPU
-            ...
+    loader = dlstore.Loader("jpeg-cache/", batch_size=256, transform=crop)
+    for images, labels in loader:          # (256, 3, 224, 224) bf16 and (256,) int64 on the GPU
+        ...
 """
 
 from __future__ import annotations
@@ -40,17 +33,16 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from dlstore.read.cache import Cache
-from dlstore.read.cpu_decode import CpuDecoders, CpuShare
-from dlstore.read.lane_split import LaneSplit, decode_parts
-from dlstore.read.loader_core import CoreLoader, storage_sorted
-from dlstore.read.targets import read_target, target_tensors, target_to_device
+from dlstore.read.decode.cpu_lane import CpuDecoders, CpuShare
+from dlstore.read.decode.split import LaneSplit, decode_parts
+from dlstore.read.field_targets import read_target, target_tensors, target_to_device
+from dlstore.read.loader import split_batches, storage_sorted
 
 if TYPE_CHECKING:
     from dlstore.gpu.ragged import FlatImages
@@ -58,16 +50,12 @@ if TYPE_CHECKING:
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
 # The decode lanes, in the order the split fills them while the training step is the slower side
 # (cheapest for the step first): CPU processes, the hardware JPEG engines through nvImageCodec, and
-# torchvision's batched nvJPEG call. On an A100/H100/H200 torchvision opens nvJPEG with its hardware
-# backend, so its baseline JPEGs go to the same NVJPG engines (H200, jpeg_lanes_h200 run 7's probe:
-# the engines 63-68% busy under torchvision's batches, 45-48% under the hw lane's; no CUDA-core
-# decoder runs in either): the two GPU lanes are two clients of one set of engines there.
+# torchvision's batched nvJPEG call. On GPUs with NVJPG engines torchvision opens nvJPEG with its
+# hardware backend, so its baseline JPEGs go to the same engines: the two GPU lanes are two clients of
+# one set of engines there (benchmarks/RESULTS.md).
 LANES = ("cpu", "hw", "nvjpeg")
-# Every lane that exists here. The hardware lane was opt-in while it made a code stream and a tensor per
-# image (inside the loader it lowered every configuration); decoding into reused slots, read in place,
-# it raised 4 of the 6 loader-alone figures and both training runs on the H200 (results/jpeg_lanes_h200,
-# run 4: ResNet-18 @112 0.864 of the ceiling with it, 0.786 without). Run 5, on a busier machine, measured
-# the loader alone with CPU decoders lower with it (training was not repeated there).
+# Every lane that exists here: the hardware lane decodes into reused slots that the crop reads in
+# place, which made it pay its way in training.
 DEFAULT_LANES = LANES
 
 
@@ -146,6 +134,20 @@ def decode_on_device(
     return out, fallbacks  # type: ignore[return-value]
 
 
+def fixed_split(split: Mapping[str, float] | None, names: list[str]) -> dict[str, float] | None:
+    """``split`` over the lanes running here: a lane absent here gives its share to the others, and
+    the lanes it leaves out share what it leaves of the batch equally (``{"cpu": 0.3}``: the CPU
+    decoders take 30%, the GPU lanes the rest)."""
+    if split is not None and not all(0.0 <= v <= 1.0 for v in split.values()):
+        raise ValueError(f"split gives each lane its fraction of a batch, 0..1; got {dict(split)}")
+    if split is None or not set(split) <= set(LANES):
+        return None if split is None else dict(split)  # LaneSplit names the unknown lanes
+    fixed = {k: v for k, v in split.items() if k in names}
+    rest = [n for n in names if n not in split]
+    left = max(0.0, 1.0 - sum(split.values()))
+    return fixed | dict.fromkeys(rest, left / len(rest)) if rest else fixed
+
+
 def _decode_one(data: torch.Tensor, mode: Any, device: torch.device) -> torch.Tensor | None:
     from torchvision.io import decode_jpeg
 
@@ -155,56 +157,36 @@ def _decode_one(data: torch.Tensor, mode: Any, device: torch.device) -> torch.Te
         return None
 
 
-class DecodeLoader(CoreLoader):
+class DecodePath:
     """Batches of a payload cache, decoded (nvJPEG on CUDA) and cropped on ``device``; see the module.
 
     ``transform`` is required for a ragged cache (images differ in size); without it a fixed-size cache
-    yields (B, C, H, W) uint8. ``read_ahead`` batches are read while the current one decodes. The
-    cache (a folder or a URL, with the remote-cache options), batch_size, ``order`` (``auto``/``chunk``:
-    chunk-aware shuffle, ``random``, ``sequential``), seed, drop_last, window and ``num_replicas``/
-    ``rank`` (each rank decodes its own equal share of every epoch) are the ``LoaderCore`` every
-    loader takes.
-    """
+    yields (B, C, H, W) uint8. ``read_ahead`` batches are read while the current one decodes."""
+
+    read_ahead = 4  # batches read while one decodes
 
     def __init__(
         self,
-        path: str | Path | Cache,
+        cache: Cache,
         batch_size: int,
-        transform: Transform | None = None,
-        device: str | torch.device = "cuda",
-        *,
-        read_ahead: int = 4,
-        threads: int | None = None,
+        transform: Transform | None,
+        device: torch.device,
         cpu_decoders: int = 0,
-        cpu_share: float | None = None,
-        fields: Sequence[str] | None = None,
         lanes: Sequence[str] | None = None,
         split: Mapping[str, float] | None = None,
-        **core: Any,
     ) -> None:
-        self._open_core(path, batch_size, core)
-        self.cache.select_fields(fields)  # a cache with fields: only these are read (None: all)
-        if not self.cache.reader.traits.payloads:
+        if cache.ragged and transform is None:
             raise ValueError(
-                f"{self.cache.root}: this cache stores plain pixel arrays; DecodeLoader reads payload caches "
-                "(--codec jpeg or --resize shorter); use PinnedLoader for this one"
-            )
-        if self.cache.ragged and transform is None:
-            raise ValueError(
-                f"{self.cache.root}: images differ in size; pass a transform that makes them one size, "
+                f"{cache.root}: images differ in size; pass a transform that makes them one size, "
                 "e.g. dlstore.gpu.RaggedRandomResizedCrop(224)"
             )
-        self.transform = transform
-        self.device = torch.device(device)
-        self.cache.reader.threads = threads or max(self.cache.reader.threads, len(os.sched_getaffinity(0)))
-        self.gpu = self.device.type == "cuda" and self.cache.reader.gpu_jpeg
-        self.read_ahead = max(1, read_ahead)
+        self.cache, self.batch_size, self.transform, self.device = cache, batch_size, transform, device
+        cache.reader.threads = max(cache.reader.threads, len(os.sched_getaffinity(0)))
+        self.gpu = device.type == "cuda" and cache.reader.gpu_jpeg
         self._stream: Any = None
         self.stats = DecodeStats()
-        if cpu_share is not None and not 0.0 <= cpu_share <= 1.0:
-            raise ValueError(f"cpu_share is the CPU decoders' fraction of a batch, 0..1; got {cpu_share}")
         self.cpu_decoders = max(0, cpu_decoders)
-        self._lane_args = (lanes, split, cpu_share)
+        self._lane_args = (lanes, split)
         self._setup_lanes()
         self.cpu: CpuDecoders | None = None
         self._last_batch: float | None = None
@@ -215,21 +197,18 @@ class DecodeLoader(CoreLoader):
 
     def _setup_lanes(self) -> None:
         """The lanes that exist here and the split over them (again if ``gpu`` was changed since)."""
-        lanes, split, cpu_share = self._lane_args
+        lanes, split = self._lane_args
         self._lanes_for = self.gpu
         self.hw = self._open_hardware_lane(lanes)
         names = self._lane_names(lanes)
-        fixed = self._fixed_split(split, cpu_share)
-        if fixed is not None:  # shares of lanes absent here go to the others
-            fixed = {k: v for k, v in fixed.items() if k in names} if set(fixed) <= set(LANES) else fixed
-        self.split = LaneSplit(names, fixed=fixed)
+        self.split = LaneSplit(names, fixed=fixed_split(split, names))
         self.stats.lanes = list(self.split.lanes)
 
     def _open_hardware_lane(self, lanes: Sequence[str] | None) -> Any:
         """The hardware JPEG lane where it can run (else None: the lane is absent, not an error)."""
         if not self.gpu or "hw" not in (DEFAULT_LANES if lanes is None else lanes):
             return None
-        from dlstore.read.hw_decode import HardwareJpeg
+        from dlstore.read.decode.hw_lane import HardwareJpeg
 
         return HardwareJpeg.open(self.device, int(self.cache.spec.shape[2]))
 
@@ -242,28 +221,14 @@ class DecodeLoader(CoreLoader):
         names = [n for n in LANES if here[n] and n in (DEFAULT_LANES if lanes is None else lanes)]
         return names or ["nvjpeg"]  # asked only for lanes absent here: nvJPEG (or the CPU path) decodes
 
-    def _fixed_split(
-        self, split: Mapping[str, float] | None, cpu_share: float | None
-    ) -> dict[str, float] | None:
-        """``split`` as given, or ``cpu_share`` for the CPU and the rest equally over the GPU lanes."""
-        if split is not None:
-            return dict(split)
-        if cpu_share is None:
-            return None
-        gpu = [n for n in ("hw", "nvjpeg") if n != "hw" or self.hw is not None]
-        return {"cpu": cpu_share} | dict.fromkeys(gpu, (1.0 - cpu_share) / len(gpu))
-
     @property
     def fixed_share(self) -> float | None:
         """The CPU's fixed fraction of each batch, or None when the split is measured."""
         return None if self.split.fixed is None else float(self.split.fixed.get("cpu", 0.0))
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        batches = list(self._next_epoch())
-        yield from self._decode_epoch(batches)
-
-    def _decode_epoch(self, batches: list[list[int]]) -> Iterator[tuple[Any, Any]]:
-        """The batches decoded in this process."""
+    def epoch(self, indices: np.ndarray) -> Iterator[tuple[Any, Any]]:
+        """The epoch's batches (``indices``: this rank's, in order), decoded and cropped."""
+        batches = split_batches(indices, self.batch_size)
         self._last_batch, self._epoch_batches = None, 0
         self._asked, self._yielded = time.perf_counter(), 0
         if self._lanes_for != self.gpu:
@@ -391,14 +356,14 @@ class DecodeLoader(CoreLoader):
             pin=self.device.type == "cuda",
         )
 
-    def _read(self, batch: list[int]) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
+    def _read(self, batch: np.ndarray) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
         t0 = time.perf_counter()
         try:
             return self._read_batch(batch)
         finally:
             self.stats.read_seconds += time.perf_counter() - t0
 
-    def _read_batch(self, batch: list[int]) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
+    def _read_batch(self, batch: np.ndarray) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
         """The batch's dataset indices in storage order, (the device part's payloads, the same as
         tensors, the CPU share in flight, the device lanes' parts), the device part's shapes, the labels.
         The split decides here, as the batch is read: the CPU share must start decoding now."""
@@ -532,9 +497,8 @@ class DecodeLoader(CoreLoader):
                 start = share.out_start + int(share.offsets[i])
                 block[start : start + h * w * c].reshape(c, h, w)[...] = hwc.transpose(2, 0, 1)
         region = torch.from_numpy(block[share.out_start : share.out_start + share.out_bytes])
-        # After the device lanes' call returns, on the batch's stream. Copying a share decoded already
-        # before that call, on a stream of its own (b200432), measured no faster on the H200
-        # (jpeg_lanes_h200 run 7, d2: 20.5k / 20.8k img/s against 22.5k / 24.4k at 256 px) and was undone.
+        # After the device lanes' call returns, on the batch's stream: copying a share decoded already
+        # before that call, on a stream of its own, measured no faster.
         if self.device.type == "cuda":
             flat = region.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
@@ -655,7 +619,7 @@ class DecodeLoader(CoreLoader):
         self._epoch_batches += 1
         # The first read_ahead + 1 batches of an epoch were all handed to the workers at its start, with
         # no lead time: their waits are the pipeline filling, not the workers falling behind (counting
-        # them halved the share every epoch in round H: it ended at 0.19 where all-CPU trained fastest).
+        # them halved the share every epoch, far below where the CPU share trained fastest).
         filling = self._epoch_batches <= self.read_ahead + 1
         if filling or last is None or now <= last:
             if cpu_count:

@@ -1,9 +1,9 @@
 """How a batch is split between JPEG decode lanes, and what happens when a lane fails (pure logic).
 
-``DecodeLoader`` decodes each JPEG batch with several lanes at once: CPU worker processes (the batch's
+``dlstore.Loader``'s decode path decodes each JPEG batch with several lanes at once: CPU worker processes (the batch's
 first part, decoded ahead of time), the GPU's hardware JPEG engines (NVJPG, through nvImageCodec) and
 torchvision's batched nvJPEG call (which itself drives the same engines for baseline JPEGs where the GPU
-has them: jpeg_lanes_h200 run 7's probe). ``LaneSplit`` decides how many images of the next batch each lane
+has them). ``LaneSplit`` decides how many images of the next batch each lane
 takes, from each lane's measured rate (images per second of its own busy time, an EWMA) and the
 loader's measured batch period:
 
@@ -22,7 +22,7 @@ place, so the split moves when the step's own CPU (or GPU) use changes. A lane t
 for good: its images go to the next live lane (``decode_parts``), counted in ``rerouted``.
 
 The model does not see what a lane costs the training step (nvJPEG's kernels beside the step's, the CPU
-processes beside the step's own threads): on the H200 it landed 4-9% below the best fixed split. So the
+processes beside the step's own threads): it landed 4-9% below the best fixed split. So the
 first lane's share is then tuned on the measured loop itself (``ShareTuner``): an offset to the model's
 share is tried a step up and down, each trial for ``window`` batches of the training loop's own
 batch-to-batch time (``loop_period``), kept where the loop ran faster, the step halved where neither
@@ -49,8 +49,8 @@ ALPHA = 0.25
 # Consumer-bound: a lane is filled to what it decodes in MARGIN of a batch period (headroom for noise).
 MARGIN = 0.85
 # A last lane left with fewer than MIN_PART of a batch gives them to the lanes before it: a device
-# decode call costs a fixed time on the batch's path however few images it has (round H2: 17 images
-# per nvJPEG call trained at 0.65 of the ceiling where all-CPU did 0.86).
+# decode call costs a fixed time on the batch's path however few images it has (a few images per
+# nvJPEG call trained well below all-CPU decoding).
 MIN_PART = 0.1
 # A lane decoded ahead (the CPU processes) that the loader had to wait for more than WAIT_TOLERANCE of
 # the period is slower than its busy time says: its sample shrinks in proportion to the wait.
