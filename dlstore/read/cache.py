@@ -49,10 +49,6 @@ class Cache:
     >>> images = cache.read([5, 1, 9])          # (3, H, W, C) uint8, in the order asked
     """
 
-    # Units decoded ahead (``prefetch``) in this many worker processes instead of the reader's
-    # threads when > 0 (``dlstore.read.engines``); set it on an open cache.
-    decode_processes: int = 0
-
     def __init__(
         self,
         root: str | Path,
@@ -155,7 +151,6 @@ class Cache:
         if self.mirror is not None:
             self.mirror.prefetch(self.reader.files_for(pos))
         else:
-            self.engines.decode_ahead(self.decode_processes)
             self.reader.prefetch(pos)
 
     def read_batches(

@@ -52,7 +52,7 @@ import torch
 
 from dlstore import settings
 from dlstore.machine import process_alive
-from dlstore.read.engines.unit_procs import madvise_populate
+from dlstore.read.engines.workers import madvise_populate
 
 _HEADER = mmap.PAGESIZE  # the flag byte, then the batch page-aligned
 _FREE, _HELD = 0, 1

@@ -146,14 +146,11 @@ def test_sharded_cache_on_s3_costs_one_get_per_shard(
     assert store.requests - before == -(-len(cache) // (3 * CHUNK))
 
 
-def test_sharded_chunks_decoded_ahead_in_processes_match(pairs: dict[str, tuple[Path, Path]]) -> None:
+def test_sharded_chunks_decoded_in_processes_match(pairs: dict[str, tuple[Path, Path]]) -> None:
     plain, sharded = pairs["zstd"]
     ref = open_cache(plain)
     cache = open_cache(sharded)
-    cache.reader.threads, cache.decode_processes = 2, 2
     batches = [np.sort(b) for b in np.array_split(np.random.default_rng(1).permutation(len(cache)), 5)]
-    for i, idx in enumerate(batches):
-        if i + 1 < len(batches):
-            cache.prefetch(batches[i + 1])
-        np.testing.assert_array_equal(cache.read(idx), ref.read(idx))
+    for idx, got in zip(batches, cache.read_batches(batches, processes=2), strict=True):
+        np.testing.assert_array_equal(got, ref.read(idx))
     cache.close()

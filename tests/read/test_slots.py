@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from dlstore import CachedDataset, convert
 from dlstore.convert.options import ConvertOptions
 from dlstore.read import slots
-from dlstore.read.engines import unit_procs
+from dlstore.read.engines import workers
 
 pytestmark = pytest.mark.skipif(not slots.supported(), reason="needs os.memfd_create (Linux)")
 
@@ -172,7 +172,7 @@ def _populate_supported() -> bool:
 def test_slots_still_work_where_populate_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """An old kernel refuses MADV_POPULATE_*: the slot is still made, its pages fault in as used."""
     _fresh_pool(monkeypatch)
-    monkeypatch.setattr(unit_procs, "_libc", False)
+    monkeypatch.setattr(workers, "_libc", False)
     t = slots.acquire(8 * 4096)
     assert t is not None and _resident_bytes(t) <= 4096  # the flag's page only, written by acquire
     t.fill_(7)

@@ -13,7 +13,7 @@ worker rows of (where, CRC, shape). A payload of a unit stored as a file (npz sh
 is read by the worker from that file (memory-mapped, kept open); any other is copied into the slot's
 input area first, one slice per image. Each worker checks the CRC-32 of every payload it decodes.
 
-Workers are fresh interpreters (as ``dlstore.read.engines.unit_procs``: no multiprocessing spawn/fork of
+Workers are fresh interpreters (as ``dlstore.read.engines.batch_procs``: no multiprocessing spawn/fork of
 the user's process), import no torch, and answer each run with its decode time, which the loader uses
 to balance the split. A run a worker fails (or loses by dying) is decoded again in the loader's
 thread, where a corrupt payload (a CRC that does not match, bytes that do not decode) becomes the
