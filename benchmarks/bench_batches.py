@@ -335,8 +335,8 @@ def decode_parts(
     from dlstore.bench.monitor import steal_s
     from dlstore.bench.run import bench_cache_root, make_step, resolve_config, resolve_device
     from dlstore.bench.stages import BatchStream, batch_images
-    from dlstore.convert.sources import open_source
     from dlstore.machine import synchronize
+    from dlstore.write.sources import open_source
 
     device = resolve_device(config.device)
     config = resolve_config(config, device)

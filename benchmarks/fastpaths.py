@@ -27,7 +27,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import harness  # noqa: E402
 
 from dlstore import convert, open_cache  # noqa: E402
-from dlstore.convert.sources import ArraySource, open_source, scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.datasets.mnist_idx import write_fashion_mnist_like  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
@@ -35,6 +34,7 @@ from dlstore.machine import usable_cores  # noqa: E402
 from dlstore.read.dataset import CachedDataset  # noqa: E402
 from dlstore.read.loaders import PinnedLoader, ResidentLoader, batch_dataloader, make_sampler, storage_sorted  # noqa: E402
 from dlstore.spec import FieldSpec, ImagePolicy  # noqa: E402
+from dlstore.write.sources import ArraySource, open_source, scan_folder  # noqa: E402
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 RESULTS: dict[str, Any] = {}

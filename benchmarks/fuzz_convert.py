@@ -33,10 +33,10 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 
-from dlstore.convert.imageops import DECODE_ERRORS, decode_file  # noqa: E402
-from dlstore.convert.unit_work import DecodeTimeout, time_limit  # noqa: E402
 from dlstore.errors import ImageDecodeError  # noqa: E402
 from dlstore.spec import ImagePolicy  # noqa: E402
+from dlstore.write.imageops import DECODE_ERRORS, decode_file  # noqa: E402
+from dlstore.write.unit_work import DecodeTimeout, time_limit  # noqa: E402
 
 SUFFIX = {"JPEG": ".jpg", "PNG": ".png", "WEBP": ".webp"}
 

@@ -55,8 +55,8 @@ import numpy as np
 from PIL import Image
 
 from dlstore import open_cache
-from dlstore.convert.verification import verify
 from dlstore.errors import CacheNotFoundError
+from dlstore.write.verification import verify
 
 DLSTORE = str(Path(sys.executable).with_name("dlstore"))
 
@@ -279,8 +279,8 @@ def child(args: argparse.Namespace) -> None:
 
 def make_cache(root: Path, n: int) -> Path:
     from dlstore import convert
-    from dlstore.convert.sources import ArraySource
     from dlstore.formats import FORMATS
+    from dlstore.write.sources import ArraySource
 
     payload = next(f for f in FORMATS.values() if f.ragged_ok)
     payload.payload_writer.target_unit_bytes = 8 * (192 // 10)  # units of ~8 images: many units

@@ -48,7 +48,6 @@ from dlstore import (
     CachedDataset,  # noqa: E402
     open_cache,  # noqa: E402
 )
-from dlstore.convert.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.gpu import GpuAugment  # noqa: E402
 from dlstore.read import slots  # noqa: E402
@@ -60,6 +59,7 @@ from dlstore.read.loaders import (  # noqa: E402
     storage_sorted,
 )
 from dlstore.spec import ImagePolicy  # noqa: E402
+from dlstore.write.sources import scan_folder  # noqa: E402
 
 RESULTS: dict[str, Any] = {}
 LABELS_TENSOR = __import__("dlstore.read.batch", fromlist=["labels_tensor"]).labels_tensor

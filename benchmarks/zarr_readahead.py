@@ -33,9 +33,9 @@ from harness import Targets, convert_cache, environment, log  # noqa: E402
 from slowpaths import chunk_files, decode_rate, py_spy, summarize_profile  # noqa: E402
 
 from dlstore import open_cache  # noqa: E402
-from dlstore.convert.sources import scan_folder  # noqa: E402
 from dlstore.datasets.demo import ensure_demo  # noqa: E402
 from dlstore.read.loaders import PinnedLoader, make_sampler, storage_sorted  # noqa: E402
+from dlstore.write.sources import scan_folder  # noqa: E402
 
 CORES = len(os.sched_getaffinity(0))
 B = 256

@@ -18,9 +18,9 @@ from dlstore.cli.shared_options import (
     size_option,
     writer_options,
 )
-from dlstore.convert.sizes import count, human_bytes
 from dlstore.formats import DEFAULT_FORMAT, FORMATS
 from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
+from dlstore.write.sizes import count, human_bytes
 
 
 @click.command("convert")
@@ -120,7 +120,7 @@ def convert_cmd(source: str, dest: Any, as_json: bool, **params: Any) -> None:
     a CSV/JSON-lines list of path,label (images under --root) or MODULE:CALLABLE returning a
     map-style Dataset.
     """
-    from dlstore.convert.conversion import convert
+    from dlstore.write.conversion import convert
 
     options = convert_options(params)
     with ProgressBars() as bars:
@@ -177,7 +177,7 @@ def convert_options(params: dict[str, Any]) -> Any:
     """The command's flags → one ``ConvertOptions`` (its fields are the flags' names, but for
     ``--split`` → ``train``, ``--channels`` as a number and the writer options → ``codec`` +
     ``writer_options``)."""
-    from dlstore.convert.options import ConvertOptions
+    from dlstore.write.options import ConvertOptions
 
     writer = given_writer_options(params)
     return ConvertOptions(

@@ -27,12 +27,12 @@ __all__ = [
 
 _LAZY = {
     "CachedDataset": "dlstore.read.dataset",
-    "ConvertOptions": "dlstore.convert.options",
+    "ConvertOptions": "dlstore.write.options",
     "Loader": "dlstore.read.loader",
     "Remote": "dlstore.read.cache",
-    "convert": "dlstore.convert",  # the write side's package, callable as the function
+    "convert": "dlstore.write.conversion",
     "open_cache": "dlstore.read.cache",
-    "verify": "dlstore.convert.verification",
+    "verify": "dlstore.write.verification",
     "watch": "dlstore.bench.watch",  # dlstore.watch(loader) / with dlstore.watch() as w
 }
 
@@ -42,5 +42,5 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         module = importlib.import_module(_LAZY[name])
-        return module if name == "convert" else getattr(module, name)
+        return getattr(module, name)
     raise AttributeError(f"module 'dlstore' has no attribute {name!r}")

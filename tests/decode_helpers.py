@@ -86,8 +86,8 @@ class RandomDraws:
 def ragged_jpeg_cache(image_tree: Path, tmp: Path) -> Path:
     """The JPEG ``--resize shorter`` cache (24 px, a ragged format) of ``image_tree`` under ``tmp``."""
     from dlstore import convert
-    from dlstore.convert.options import ConvertOptions
     from dlstore.formats import FORMATS
+    from dlstore.write.options import ConvertOptions
 
     fmt = next(f.name for f in FORMATS.values() if f.ragged_ok)
     dest = tmp / "c"

@@ -71,11 +71,11 @@ from dlstore.bench.report import (
 )
 from dlstore.bench.stages import BatchStream, device_label, synthetic_batch
 from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse, state_notes
-from dlstore.convert.plan import source_warnings
-from dlstore.convert.sizes import count
-from dlstore.convert.sources import Source, open_source
 from dlstore.errors import DlstoreError
 from dlstore.machine import usable_cores
+from dlstore.write.plan import source_warnings
+from dlstore.write.sizes import count
+from dlstore.write.sources import Source, open_source
 
 Log = Callable[[str], None]
 Step = TrainStep | UserStep

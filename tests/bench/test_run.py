@@ -242,7 +242,7 @@ def test_a_large_source_is_benched_on_one_sample_by_every_kind(env: Path, tmp_pa
     from dlstore.bench.kinds.context import LoaderContext
     from dlstore.bench.kinds.raw_source import raw_kind
     from dlstore.bench.protocol import BenchConfig
-    from dlstore.convert.sources import scan_folder
+    from dlstore.write.sources import scan_folder
 
     root = make_tree(tmp_path / "tree", per_class=2, classes=tuple(f"c{i:02d}" for i in range(12)))
     args = ["--loaders", "raw,ram", "--workers", "0", "--batch-size", "1", "--size", "16", "--steps", "3"]

@@ -14,12 +14,12 @@ import pytest
 from reliability_helpers import make_tree, small_units
 
 from dlstore import Remote, convert, open_cache
-from dlstore.convert.conversion import ConvertResult
-from dlstore.convert.progress import ConvertProgress
 from dlstore.formats import FORMATS
 from dlstore.spec import read_spec
 from dlstore.storage.mirror import spec_at
 from dlstore.storage.stores import RemoteStore
+from dlstore.write.conversion import ConvertResult
+from dlstore.write.progress import ConvertProgress
 
 pytestmark = pytest.mark.s3
 distributed = pytest.importorskip("distributed")
@@ -139,7 +139,7 @@ def test_a_hanging_decode_is_a_named_bad_file_when_workers_write_to_the_store(
 
     from reliability_helpers import HangingSource
 
-    from dlstore.convert.sources import scan_folder
+    from dlstore.write.sources import scan_folder
 
     src = HangingSource.of(scan_folder(make_tree(tmp_path / "src", per_class=4)), "b/img002.jpg")
     url = f"s3://{BUCKET}/hang"

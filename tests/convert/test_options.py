@@ -15,9 +15,9 @@ import pytest
 from reliability_helpers import make_tree
 
 from dlstore import ConvertOptions, convert, open_cache
-from dlstore.convert.options import recorded_options
 from dlstore.errors import CacheExistsError, DlstoreError
 from dlstore.spec import MANIFEST, read_spec
+from dlstore.write.options import recorded_options
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_convert_is_one_options_object_and_two_hooks() -> None:
-    from dlstore.convert.conversion import convert as function
+    from dlstore.write.conversion import convert as function
 
     params = inspect.signature(function).parameters
     assert len(params) <= 6

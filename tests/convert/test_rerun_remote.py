@@ -14,10 +14,10 @@ from reliability_helpers import make_tree
 
 from dlstore import ConvertOptions, Remote, convert, open_cache
 from dlstore.cli import main
-from dlstore.convert.sources import open_source
 from dlstore.errors import CacheExistsError
 from dlstore.spec import MANIFEST
 from dlstore.storage.stores import RemoteStore
+from dlstore.write.sources import open_source
 
 pytestmark = pytest.mark.s3
 pytest.importorskip("moto.server")

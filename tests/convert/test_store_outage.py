@@ -18,10 +18,10 @@ import pytest
 from reliability_helpers import make_tree, read_all
 
 import dlstore.storage.stores as stores
-from dlstore.convert.conversion import convert
 from dlstore.errors import DlstoreError
 from dlstore.read.cache import Remote, open_cache
 from dlstore.storage.stores import RemoteStore
+from dlstore.write.conversion import convert
 
 pytestmark = pytest.mark.s3
 pytest.importorskip("moto.server")

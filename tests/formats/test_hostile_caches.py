@@ -23,12 +23,12 @@ from reliability_helpers import make_tree
 
 from dlstore.checksums import checksum_tree
 from dlstore.cli import main
-from dlstore.convert.conversion import convert
-from dlstore.convert.verification import verify
 from dlstore.errors import DlstoreError, SpecError
 from dlstore.formats.codecs import JpegCodec, PayloadError
 from dlstore.read.cache import Remote, open_cache
 from dlstore.spec import MANIFEST
+from dlstore.write.conversion import convert
+from dlstore.write.verification import verify
 
 
 @pytest.fixture(scope="module")

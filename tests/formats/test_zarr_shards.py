@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlstore.convert.conversion import convert
 from dlstore.errors import SampleReadError, SpecError
 from dlstore.read.cache import Remote, open_cache
+from dlstore.write.conversion import convert
 
 CHUNK = 2  # images per chunk: small, so the 27-image tree spans 5 shards, the last one partial
 SHARD_MB = 3 * CHUNK * 12 * 12 * 3 / 2**20  # three chunks per shard at 12 px

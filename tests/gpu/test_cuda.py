@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dlstore import Loader, convert, open_cache
-from dlstore.convert.sources import ArraySource
 from dlstore.gpu import GpuAugment
+from dlstore.write.sources import ArraySource
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -10,10 +10,10 @@ import torch
 from decode_helpers import ragged_jpeg_cache
 
 from dlstore import Loader, convert, open_cache
-from dlstore.convert.options import ConvertOptions
 from dlstore.formats import FORMATS
 from dlstore.gpu.ragged import RaggedRandomResizedCrop, bilinear_gather, crop_coords, flat_batch
 from dlstore.read.decode.lanes import decode_on_device
+from dlstore.write.options import ConvertOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)

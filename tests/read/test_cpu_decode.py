@@ -11,9 +11,9 @@ import pytest
 from decode_helpers import corrupt_payload, cpu_split_loader
 
 from dlstore import Loader, convert, open_cache
-from dlstore.convert.options import ConvertOptions
 from dlstore.errors import CacheCorruptError, SampleReadError
 from dlstore.formats import FORMATS
+from dlstore.write.options import ConvertOptions
 
 PAYLOAD_FORMATS = [f.name for f in FORMATS.values() if f.ragged_ok]
 

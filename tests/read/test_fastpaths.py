@@ -12,10 +12,10 @@ import torch
 from reliability_helpers import small_units
 
 from dlstore import Loader, convert, open_cache
-from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
 from dlstore.read.pinned import BufferRing
 from dlstore.read.sampler import ChunkSampler
+from dlstore.write.sources import ArraySource
 
 UNIT = 8  # images per unit (shard, chunk, slab): 97 images make 13 units
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dlstore import CachedDataset, DlstoreError, Loader, Remote, convert, open_cache
-from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
 from dlstore.read.sampler import ChunkSampler
+from dlstore.write.sources import ArraySource
 
 PAYLOAD_FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
 N = 40  # even: two ranks' shares are then disjoint (an odd count pads one rank with a repeat)

@@ -19,13 +19,13 @@ import torch
 from reliability_helpers import FORMAT_NAMES, make_tree, read_all
 
 import dlstore.machine as resources
-from dlstore.convert.conversion import convert
-from dlstore.convert.options import ConvertOptions
-from dlstore.convert.verification import verify
 from dlstore.errors import CacheCorruptError, CacheTooLargeError, DlstoreError, SharedMemoryError, SpecError
 from dlstore.read.cache import open_cache
 from dlstore.read.dataset import CachedDataset
 from dlstore.spec import parse_relpath
+from dlstore.write.conversion import convert
+from dlstore.write.options import ConvertOptions
+from dlstore.write.verification import verify
 
 REPO = Path(__file__).resolve().parents[2]
 

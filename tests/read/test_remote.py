@@ -19,10 +19,10 @@ from s3server import aws_env, start_server
 import dlstore.storage.stores as stores
 from dlstore import CachedDataset, Loader, Remote, convert, open_cache, verify
 from dlstore.cli import main
-from dlstore.convert.options import ConvertOptions
 from dlstore.errors import CacheExistsError, CacheNotFoundError, CacheReplacedError, SampleReadError
 from dlstore.formats import FORMATS
 from dlstore.storage.stores import RemoteStore
+from dlstore.write.options import ConvertOptions
 
 pytestmark = pytest.mark.s3
 pytest.importorskip("moto.server")

@@ -18,10 +18,10 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from dlstore import CachedDataset, Loader, convert
-from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
 from dlstore.read.order import EpochSampler, keeps_state
 from dlstore.read.sampler import ChunkSampler
+from dlstore.write.sources import ArraySource
 
 PAYLOAD_FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
 N, B, WINDOW = 60, 4, 2

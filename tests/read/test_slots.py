@@ -18,9 +18,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlstore import CachedDataset, convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.read import slots
 from dlstore.read.engines import workers
+from dlstore.write.options import ConvertOptions
 
 pytestmark = pytest.mark.skipif(not slots.supported(), reason="needs os.memfd_create (Linux)")
 

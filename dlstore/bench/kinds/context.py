@@ -12,10 +12,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from dlstore.bench.protocol import BenchConfig
-from dlstore.convert.sources import ArraySource, Source
 from dlstore.read.dataset import CachedDataset
 from dlstore.read.loader import Loader
 from dlstore.read.order import keeps_state
+from dlstore.write.sources import ArraySource, Source
 
 NATIVE_SIZES = {"MNIST": 28, "FashionMNIST": 28, "CIFAR10": 32, "CIFAR100": 32}
 DEFAULT_FOLDER_SIZE = 224  # what image folders are usually trained at

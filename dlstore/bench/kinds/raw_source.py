@@ -15,9 +15,9 @@ from torch.utils.data import Dataset
 
 from dlstore.bench.kinds.context import NATIVE_SIZES, LoaderContext, PreparedLoader
 from dlstore.bench.transforms import device_transform, raw_field_transform, raw_transform
-from dlstore.convert.sources import FolderSource
-from dlstore.convert.sources.encoded import EncodedSource
 from dlstore.errors import DlstoreError
+from dlstore.write.sources import FolderSource
+from dlstore.write.sources.encoded import EncodedSource
 
 
 def raw_kind(ctx: LoaderContext) -> PreparedLoader:

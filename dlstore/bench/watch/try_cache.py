@@ -30,7 +30,7 @@ HARD_LIMIT = 3  # × the budget: a loader slower than that is timed on fewer bat
 
 def sample_source(ds_info: dict[str, Any], dataset: Any, batch: int, seed: int = 0) -> Any:
     """The observed dataset as a dlstore Source, cut to a seeded random sample."""
-    from dlstore.convert.sources import load_torchvision, scan_folder
+    from dlstore.write.sources import load_torchvision, scan_folder
 
     root = ds_info.get("root")
     if ds_info.get("image_folder"):
@@ -85,8 +85,8 @@ def convert_and_time(
 
 
 def convert_sample(source: Any, dest: Path, plan: dict[str, Any]) -> None:
-    from dlstore.convert.conversion import convert
-    from dlstore.convert.options import ConvertOptions
+    from dlstore.write.conversion import convert
+    from dlstore.write.options import ConvertOptions
 
     options = ConvertOptions(size=plan["size"], channels=plan["channels"], format=plan["format"])
     convert(source, dest, options)

@@ -132,22 +132,6 @@ def _hang_up(conn: Connection) -> None:
         pass
 
 
-def start_interpreter(module: str) -> tuple[Connection, subprocess.Popen[bytes]]:
-    """One fresh interpreter running ``module.main()`` with a socket to it (no shared block)."""
-    return _start(module)
-
-
-def shutdown_interpreter(conn: Connection, proc: subprocess.Popen[bytes]) -> None:
-    """Hang up on one interpreter (it exits when its socket closes) and reap it."""
-    _hang_up(conn)
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    conn.close()
-
-
 def _start(module: str) -> tuple[Connection, subprocess.Popen[bytes]]:
     here, there = socket.socketpair()
     for end in (here, there):  # blocking fds whatever socket.setdefaulttimeout the program set: a timeout

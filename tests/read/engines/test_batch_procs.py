@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from dlstore import Loader, convert, open_cache
-from dlstore.convert.sources import ArraySource
 from dlstore.errors import SampleReadError
 from dlstore.formats.npz import NpzWriter
 from dlstore.formats.zarr_cache import ZarrWriter
 from dlstore.read.engines.batch_procs import plan_jobs
 from dlstore.read.loader import make_sampler
+from dlstore.write.sources import ArraySource
 
 UNIT = 7
 

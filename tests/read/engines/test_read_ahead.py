@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from dlstore import convert, open_cache
-from dlstore.convert.sources import ArraySource
 from dlstore.errors import CacheCorruptError, SampleReadError
 from dlstore.formats.base import ChunkedReader
 from dlstore.formats.describe import Traits
 from dlstore.formats.zarr_cache import ZarrWriter
 from dlstore.read.loader import make_sampler, storage_sorted
+from dlstore.write.sources import ArraySource
 
 UNIT, SHAPE = 4, (2, 2, 1)
 
