@@ -233,7 +233,7 @@ class _RaggedCrop(torch.nn.Module):
         """(top, left, height, width, flip) per image."""
         raise NotImplementedError
 
-    takes_flat = True  # forward accepts FlatImages (DecodeLoader hands them over when it can)
+    takes_flat = True  # forward accepts FlatImages (the Loader's decode path hands them over when it can)
     # Whether boxes may be drawn on the host (where the image sizes are known): then the whole batch's
     # parameters reach the device in one small copy instead of ~50 tiny kernels launched per batch.
     samples_on_host = True

@@ -1,6 +1,6 @@
 """JPEG payloads decoded on the CPU in worker processes, into slots of one shared-memory block.
 
-``DecodeLoader(cpu_decoders=N)`` splits each batch: part goes to nvJPEG on the GPU, part to N of these
+``dlstore.Loader(cpu_decoders=N)`` on a JPEG cache splits each batch: part goes to nvJPEG on the GPU, part to N of these
 workers (simplejpeg, or Pillow without it), so that both finish a batch at about the same time. The
 reading thread writes the CPU share's payloads into a slot's input area; each worker decodes its
 contiguous run of them and writes every image as planar (C, H, W) uint8 into the slot's output area,
