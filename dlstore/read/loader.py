@@ -110,7 +110,8 @@ def choose_via(cache: Cache, device: torch.device, via: str, budget: float) -> s
         return via
     if cache.reader.traits.payloads:
         return "decode"
-    if device.type == "cuda" and resident_need(cache) <= budget * free_memory(device):
+    on_gpu = device.type == "cuda" and torch.cuda.is_available()
+    if on_gpu and resident_need(cache) <= budget * free_memory(device):
         return "resident"
     return "pinned"
 
