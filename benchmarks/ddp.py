@@ -269,7 +269,7 @@ def compare_single(args: argparse.Namespace, rank: int, world: int, device: torc
 def report(args: argparse.Namespace, cache: Cache, world: int, rates: dict[str, list[float]]) -> None:
     one, many = float(np.median(rates["1gpu"])), float(np.median(rates[f"{world}gpu"]))
     doc = {
-        "what": f"{args.model} bf16 @{args.size}, bs {args.batch_size}/GPU, PinnedLoader from one cache, "
+        "what": f"{args.model} bf16 @{args.size}, bs {args.batch_size}/GPU, dlstore's Loader (via pinned) from one cache, "
         f"1 GPU alone vs {world} GPUs under DDP, alternating in one launch",
         "cache": {"format": cache.spec.format, "n": len(cache), "shape": list(cache.spec.shape)},
         "args": {k: str(v) for k, v in vars(args).items()},

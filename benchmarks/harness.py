@@ -208,16 +208,21 @@ def make_loader(
     cache through the decode lanes, ``cpu_decoders`` CPU processes beside the GPU). ``order``: the
     sampling (``order``, ``window``, ``seed``, ``num_replicas``, ``rank``, ``drop_last``); a raw cache is
     read in random order unless it says otherwise. ``device``: ``DEV`` unless given."""
-    from dlstore.read import DecodeLoader, PinnedLoader, ResidentLoader
+    from dlstore import Loader
 
     device = device or DEV
-    if path == "decode":
-        return DecodeLoader(
-            cache, batch_size, transform=transform, device=device, cpu_decoders=cpu_decoders, **order
-        )
-    kind = {"pinned": PinnedLoader, "resident": ResidentLoader}[path]
-    order = {"order": "random", **order}
-    return kind(cache, batch_size, device=device, transform=transform, cuda_graph=cuda_graph, **order)
+    if path != "decode":
+        order = {"order": "random", **order}
+    return Loader(
+        cache,
+        batch_size,
+        device,
+        via=path,
+        transform=transform,
+        cuda_graph=cuda_graph,
+        cpu_decoders=cpu_decoders,
+        **order,
+    )
 
 
 # --- training: the step, its synthetic ceiling, rotated repeats -----------------------------------------

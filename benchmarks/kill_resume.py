@@ -18,7 +18,7 @@ with torch.multiprocessing) on a JPEG cache whose image i is of class i, so a ba
 sample ids:
 
 - ``cached``: ``CachedDataset`` + ``ChunkSampler`` under torchdata's ``StatefulDataLoader``, 2 workers;
-- ``pinned``, ``resident``, ``decode``: ``PinnedLoader``, ``ResidentLoader``, ``DecodeLoader`` on the CPU.
+- ``pinned``, ``resident``, ``decode``: ``dlstore.Loader``'s three paths (``via=``) on the CPU.
 
 The loop runs by steps across epoch boundaries; every ``--every`` steps rank 0 writes a checkpoint
 (model, optimizer, step, every rank's loader state) by temp file and rename. Each rank logs every step's
@@ -282,8 +282,8 @@ def child(args: argparse.Namespace) -> None:
 
 def make_cache(root: Path, n: int) -> Path:
     from dlstore import convert
-    from dlstore.convert.sources import ArraySource
     from dlstore.formats import FORMATS
+    from dlstore.write.sources import ArraySource
 
     payload = next(f for f in FORMATS.values() if f.ragged_ok)
     payload.payload_writer.target_unit_bytes = 8 * (192 // 10)  # units of ~8 images: many units

@@ -20,10 +20,11 @@ from dlstore.cli.shared_options import (
     size_option,
     writer_options,
 )
-from dlstore.convert.options import ConvertOptions
-from dlstore.convert.sizes import count, human_bytes
+from dlstore.write.options import ConvertOptions
+from dlstore.write.sizes import count, human_bytes
 from dlstore.formats import FORMATS, cli_options
 from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
+from dlstore.write.sizes import count, human_bytes
 
 IMAGES = "The images"
 SOURCE = "The source"
@@ -111,7 +112,7 @@ def convert_cmd(source: str, dest: Any, as_json: bool, **params: Any) -> None:
     a CSV/JSON-lines list of path,label (images under --root) or MODULE:CALLABLE returning a
     map-style Dataset.
     """
-    from dlstore.convert.conversion import convert
+    from dlstore.write.conversion import convert
 
     options = convert_options(params)
     with ProgressBars() as bars:

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from dlstore.cli.render import StorePath, emit_json, storage_options_option
-from dlstore.convert.sizes import count, human_bytes
+from dlstore.write.sizes import count, human_bytes
 
 
 @click.command("info")
@@ -77,7 +77,7 @@ def verify_cmd(
     dest: Path | str, deep: bool, source: Path | None, storage_options: dict[str, Any] | None
 ) -> None:
     """Recompute checksums of the cache at DEST and check its source; exit 1 naming the first problem."""
-    from dlstore.convert.verification import verify
+    from dlstore.write.verification import verify
 
     result = verify(dest, deep=deep, source=source, storage_options=storage_options)
     for note in result.notes:

@@ -1,6 +1,6 @@
 """dlstore: find and remove the input bottleneck of PyTorch image training.
 
-``from dlstore import CachedDataset, convert, open_cache, verify``; the loaders and sampler from
+``from dlstore import CachedDataset, Loader, convert, open_cache, verify``; the samplers from
 ``dlstore.read``, GPU augmentation from ``dlstore.gpu``. Names load lazily so that importing
 dlstore (and ``dlstore --help``) does not import torch.
 """
@@ -17,6 +17,8 @@ __all__ = [
     "CachedDataset",
     "ConvertOptions",
     "DlstoreError",
+    "Loader",
+    "Remote",
     "__version__",
     "convert",
     "open_cache",
@@ -25,10 +27,12 @@ __all__ = [
 
 _LAZY = {
     "CachedDataset": "dlstore.read.dataset",
-    "ConvertOptions": "dlstore.convert.options",
-    "convert": "dlstore.convert",  # the write side's package, callable as the function
+    "ConvertOptions": "dlstore.write.options",
+    "Loader": "dlstore.read.loader",
+    "Remote": "dlstore.read.cache",
+    "convert": "dlstore.write.conversion",
     "open_cache": "dlstore.read.cache",
-    "verify": "dlstore.convert.verification",
+    "verify": "dlstore.write.verification",
     "watch": "dlstore.bench.watch",  # dlstore.watch(loader) / with dlstore.watch() as w
 }
 
@@ -38,5 +42,5 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         module = importlib.import_module(_LAZY[name])
-        return module if name == "convert" else getattr(module, name)
+        return getattr(module, name)
     raise AttributeError(f"module 'dlstore' has no attribute {name!r}")

@@ -46,14 +46,10 @@ SETTINGS = {
             "CPU JPEG decoder: auto (simplejpeg when installed), simplejpeg or pillow",
         ),
         Setting(
-            "DLSTORE_SHM_SLOTS", "1", "0: DataLoader workers hand batches over as torch does (A/B switch)"
+            "DLSTORE_SHM_SLOTS",
+            "1",
+            "0: DataLoader workers hand batches over as torch does (the escape hatch if shared slots fail)",
         ),
-        Setting(
-            "DLSTORE_PIN_IN_PLACE", "1", "0: pin a copy of a worker's batch instead of its shared slot (A/B)"
-        ),
-        Setting("DLSTORE_SHM_WARM", "1", "0: make shared batch slots on demand instead of ahead (A/B)"),
-        Setting("DLSTORE_PREFAULT", "1", "0: do not pre-fault read-ahead slots (A/B)"),
-        Setting("DLSTORE_MAP_CHUNKS", "1", "0: read zarr chunks with read() instead of mmap (A/B)"),
     ]
 }
 

@@ -48,7 +48,7 @@ class ImagePolicy:
     EXIF orientation is applied. ``pixels="torchvision"``: the file as ImageFolder's default loader
     takes it (``convert("RGB")``: alpha dropped, no EXIF transpose, 16-bit as Pillow converts it).
     ``decode="exact"`` decodes every image in full (the torchvision pixels); ``"fast"`` lets large JPEGs
-    be DCT-scaled while decoding, within a bounded error (see ``dlstore.convert.imageops``).
+    be DCT-scaled while decoding, within a bounded error (see ``dlstore.write.imageops``).
     """
 
     size: int
@@ -188,7 +188,7 @@ class CacheSpec:
     spec_version: int = SPEC_VERSION
     dlstore_version: str = ""
     created: str = ""
-    # The conversion's choices that shaped the cache (``dlstore.convert.options.ConvertOptions``,
+    # The conversion's choices that shaped the cache (``dlstore.write.options.ConvertOptions``,
     # recorded): format, image policy, ``codec``, ``writer_options``, storage order, seed, limits.
     options: dict[str, Any] = field(default_factory=dict)
     # Named per-sample fields beside the images (detection boxes, masks, multi-label vectors); none for

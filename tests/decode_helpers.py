@@ -1,4 +1,4 @@
-"""A DecodeLoader whose batches are split with CPU decode workers, on a machine without a GPU: the
+"""A decoding ``Loader`` whose batches are split with CPU decode workers, on a machine without a GPU: the
 "device" is the CPU and torchvision's CPU decode stands in for nvJPEG (tests/read)."""
 
 from __future__ import annotations
@@ -8,28 +8,37 @@ from typing import Any
 
 import torch
 
-from dlstore import open_cache
-from dlstore.read.gpu_decode import DecodeLoader, decode_on_device
-from dlstore.read.loaders import storage_sorted
+from dlstore import Loader, open_cache
+from dlstore.read.decode.lanes import decode_on_device
+from dlstore.read.loader import storage_sorted
 
 
 def cpu_split_loader(
-    path: Path, share: float | None, batch: int = 4, order: str = "sequential", **kw: object
-) -> DecodeLoader:
+    path: Path,
+    share: float | None,
+    batch: int = 4,
+    order: str = "sequential",
+    read_ahead: int | None = None,
+    **kw: object,
+) -> Loader:
     """Batches of ``batch`` (the last one short) as lists of decoded tensors, ``share`` of each decoded by
     2 CPU worker processes (None: the automatic split)."""
-    loader = DecodeLoader(
+    split = kw.pop("split", None if share is None else {"cpu": share})
+    loader = Loader(
         path,
-        batch_size=batch,
-        transform=lambda images: images,  # type: ignore[arg-type,return-value]
+        batch,
         device="cpu",
+        via="decode",
+        transform=lambda images: images,
         order=order,
         drop_last=False,
         cpu_decoders=2,
-        cpu_share=share,
+        split=split,
         **kw,  # type: ignore[arg-type]
     )
-    loader.gpu = True
+    loader._path.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
+    if read_ahead is not None:
+        loader._path.read_ahead = read_ahead
     return loader
 
 
@@ -77,8 +86,8 @@ class RandomDraws:
 def ragged_jpeg_cache(image_tree: Path, tmp: Path) -> Path:
     """The JPEG ``--resize shorter`` cache (24 px, a ragged format) of ``image_tree`` under ``tmp``."""
     from dlstore import convert
-    from dlstore.convert.options import ConvertOptions
     from dlstore.formats import FORMATS
+    from dlstore.write.options import ConvertOptions
 
     fmt = next(f.name for f in FORMATS.values() if f.ragged_ok)
     dest = tmp / "c"

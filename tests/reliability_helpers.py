@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dlstore.convert.sources import FolderSource
 from dlstore.formats import FORMATS
 from dlstore.read.cache import open_cache
 from dlstore.spec import ImagePolicy
+from dlstore.write.sources import FolderSource
 
 FORMAT_NAMES = list(FORMATS)
 

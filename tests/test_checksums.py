@@ -8,7 +8,7 @@ import pytest
 
 import dlstore.checksums as checksums
 from dlstore import convert, verify
-from dlstore.convert.options import ConvertOptions
+from dlstore.write.options import ConvertOptions
 
 
 def test_ranged_checksums_locate_damage(

@@ -9,14 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from dlstore.convert.sizes import count
+from dlstore.write.sizes import count
 
 WORTH_FRACTION = 1.05  # a change is advised when it is expected to gain at least 5%
 MAX_RECOMMENDATIONS = 5
 # A loop within 5% of the step alone runs as fast as its step: nothing around the step can be cut.
 STEP_ALONE_FRACTION = 0.95
 # The fast loader every snippet names: the one line to change when it is renamed.
-FAST_LOADER = "dlstore.read.gpu_decode.DecodeLoader"
+FAST_LOADER = "dlstore.Loader"
 
 STAGE_WORDS = {
     "read": "reading the files from storage",

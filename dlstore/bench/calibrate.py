@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from dlstore.bench.kinds.base import LoaderContext
+from dlstore.bench.kinds.context import LoaderContext
 from dlstore.bench.plan import Costs, Plan
 from dlstore.bench.protocol import BenchConfig
 from dlstore.machine import synchronize, usable_cores

@@ -19,7 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from dlstore.bench.kinds import PreparedLoader
-from dlstore.bench.kinds.base import loader_settings
+from dlstore.bench.kinds.context import loader_settings
 from dlstore.bench.monitor import ResourceMonitor
 from dlstore.bench.protocol import (
     MIN_TIMED_STEPS,
@@ -96,7 +96,7 @@ def move_batch(batch: Any, device: torch.device, non_blocking: bool) -> tuple[to
     x, y = batch[0], batch[1]
     with record_function("h2d_transfer"):
         if isinstance(y, dict):
-            from dlstore.read.targets import target_to_device
+            from dlstore.read.field_targets import target_to_device
 
             return x.to(device, non_blocking=non_blocking), target_to_device(y, device)
         return x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)

@@ -38,7 +38,7 @@ from dlstore.bench.stages import (
     synthetic_batch,
 )
 from dlstore.bench.verdict import KindStages
-from dlstore.convert.sizes import count
+from dlstore.write.sizes import count
 
 Log = Callable[[str], None]
 Step = Callable[[torch.Tensor, torch.Tensor], None]

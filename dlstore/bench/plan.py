@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dlstore.bench.protocol import MIN_TIMED_STEPS
-from dlstore.convert.sizes import count
+from dlstore.write.sizes import count
 
 BUDGET_SHARE = 0.85  # plan to 85% of the budget: on 2 shared cores the estimate was 10–25% low
 MIN_STAGE_STEPS = 4

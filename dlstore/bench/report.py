@@ -23,9 +23,9 @@ import torch
 
 from dlstore.bench.monitor import load_average, mem_available_bytes, shm_usage
 from dlstore.bench.protocol import STAGES
-from dlstore.convert.sizes import count
 from dlstore.errors import DlstoreError
 from dlstore.machine import cpu_model, usable_cores
+from dlstore.write.sizes import count
 
 STEP_COLUMNS = (
     "loader",

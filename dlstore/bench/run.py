@@ -30,7 +30,7 @@ from dlstore.bench.endtoend import (
     run_once,
 )
 from dlstore.bench.kinds import LoaderContext, PreparedLoader, prepare_loader
-from dlstore.bench.kinds.base import default_size, source_arguments, source_channels
+from dlstore.bench.kinds.context import default_size, source_arguments, source_channels
 from dlstore.bench.models import (
     TrainStep,
     UserStep,
@@ -71,11 +71,11 @@ from dlstore.bench.report import (
 )
 from dlstore.bench.stages import BatchStream, device_label, synthetic_batch
 from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse, state_notes
-from dlstore.convert.plan import source_warnings
-from dlstore.convert.sizes import count
-from dlstore.convert.sources import Source, open_source
 from dlstore.errors import DlstoreError
 from dlstore.machine import usable_cores
+from dlstore.write.plan import source_warnings
+from dlstore.write.sizes import count
+from dlstore.write.sources import Source, open_source
 
 Log = Callable[[str], None]
 Step = TrainStep | UserStep
@@ -676,7 +676,7 @@ def numerics(device: torch.device, step: dict[str, Any]) -> dict[str, Any]:
 
 
 def kind_transforms(p: PreparedLoader) -> dict[str, Any]:
-    from dlstore.bench.kinds.base import describe_transform
+    from dlstore.bench.kinds.context import describe_transform
 
     return {
         "cpu": describe_transform(getattr(p.dataset, "transform", None)),

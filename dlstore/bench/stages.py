@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from dlstore.bench.protocol import StageResult
-from dlstore.convert.sizes import count
 from dlstore.errors import DlstoreError
 from dlstore.machine import synchronize
+from dlstore.write.sizes import count
 
 EVICTED_MAX_RESIDENT = 0.05  # at most 5% of the pages still cached counts as evicted
 COLD_WARM_RATIO = 0.67  # without mincore: cold must be this much slower than warm to count as evicted

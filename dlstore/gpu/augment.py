@@ -57,7 +57,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dlstore.gpu.targets import crop_boxes, crop_masks, mask_batch, move_target, rotate_masks
+from dlstore.gpu.target_geometry import crop_boxes, crop_masks, mask_batch, move_target, rotate_masks
 
 __all__ = ["AugmentParams", "GpuAugment", "normalize"]
 
@@ -349,7 +349,7 @@ class GpuAugment(torch.nn.Module):
         device. With ``target`` (a collated dict of a cache with fields,
         ``dlstore.read.collate_fields``) returns ``(images, target)`` with its
         masks and boxes moved by each sample's own crop, flip and rotation
-        (``dlstore.gpu.targets``).
+        (``dlstore.gpu.target_geometry``).
         """
         if target is None:
             return self._images(batch_uint8, params)[0]

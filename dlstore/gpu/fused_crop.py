@@ -2,8 +2,8 @@
 output batch (any memory format).
 
 The plain-PyTorch path (``ragged.bilinear_gather``) builds int64 index tensors of the whole output
-four times and lerps in separate kernels: ~3 GB of memory traffic per 256×224² batch, ~3 ms on an
-H200, which runs beside (and slows) the training step. This kernel reads the four neighbours of each
+four times and lerps in separate kernels: ~3 GB of memory traffic per 256×224² batch, ~3 ms on a
+recent GPU, which runs beside (and slows) the training step. This kernel reads the four neighbours of each
 output pixel and writes it once. Used on CUDA when Triton imports; the PyTorch path otherwise (and on
 CPU). Same sampling positions and the same lerp order as the PyTorch path (tests/gpu compare them).
 """

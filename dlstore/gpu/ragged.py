@@ -29,7 +29,7 @@ import torch
 
 from dlstore.gpu import fused_crop
 from dlstore.gpu.augment import _CROP_ATTEMPTS, _channel_affine, _check_channels, _pair
-from dlstore.gpu.targets import crop_boxes, crop_masks, move_target
+from dlstore.gpu.target_geometry import crop_boxes, crop_masks, move_target
 
 __all__ = [
     "PARAM_COLUMNS",
@@ -233,7 +233,7 @@ class _RaggedCrop(torch.nn.Module):
         """(top, left, height, width, flip) per image."""
         raise NotImplementedError
 
-    takes_flat = True  # forward accepts FlatImages (DecodeLoader hands them over when it can)
+    takes_flat = True  # forward accepts FlatImages (the Loader's decode path hands them over when it can)
     # Whether boxes may be drawn on the host (where the image sizes are known): then the whole batch's
     # parameters reach the device in one small copy instead of ~50 tiny kernels launched per batch.
     samples_on_host = True
@@ -244,7 +244,7 @@ class _RaggedCrop(torch.nn.Module):
         With ``target`` (a collated dict of a cache with fields, ``dlstore.read.collate_fields``: masks
         a list of (H_i, W_i) ``tv_tensors.Mask`` or one (B, H, W), boxes a list of ``BoundingBoxes``)
         returns ``(images, target)`` with each sample's masks and boxes cropped and flipped as its image
-        (``dlstore.gpu.targets``)."""
+        (``dlstore.gpu.target_geometry``)."""
         if target is None:
             return self._crop(images)[0]
         out, params = self._crop(images)

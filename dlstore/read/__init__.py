@@ -1,7 +1,7 @@
-"""Reading a cache: ``open_cache`` (batched reads), ``CachedDataset``, ``ChunkSampler``, the fast
-loaders ``PinnedLoader`` / ``ResidentLoader`` and ``DecodeLoader`` (JPEG / ragged caches, decoded on the GPU).
+"""Reading a cache: ``open_cache`` (batched reads), ``CachedDataset`` (the torch Dataset), the samplers
+``ChunkSampler`` / ``EpochSampler``, and ``Loader``, the fast loader (``dlstore.read.loader``).
 
->>> from dlstore.read import CachedDataset, PinnedLoader, ChunkSampler   # doctest: +SKIP
+>>> from dlstore.read import CachedDataset, ChunkSampler, Loader   # doctest: +SKIP
 
 Names load lazily so that importing this package does not import torch.
 """
@@ -13,14 +13,12 @@ from typing import Any
 
 _LAZY = {
     "Cache": "dlstore.read.cache",
+    "Remote": "dlstore.read.cache",
     "open_cache": "dlstore.read.cache",
     "CachedDataset": "dlstore.read.dataset",
     "ChunkSampler": "dlstore.read.sampler",
     "EpochSampler": "dlstore.read.order",
-    "PinnedLoader": "dlstore.read.loaders",
-    "ResidentLoader": "dlstore.read.loaders",
-    "DecodeLoader": "dlstore.read.gpu_decode",
-    "LoaderCore": "dlstore.read.loader_core",
+    "Loader": "dlstore.read.loader",
 }
 
 __all__ = sorted(_LAZY)

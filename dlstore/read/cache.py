@@ -6,8 +6,9 @@ import io
 import os
 import stat
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -49,27 +50,17 @@ class Cache:
     >>> images = cache.read([5, 1, 9])          # (3, H, W, C) uint8, in the order asked
     """
 
-    # Units decoded ahead (``prefetch``) in this many worker processes instead of the reader's
-    # threads when > 0 (``dlstore.read.engines``); set it on an open cache.
-    decode_processes: int = 0
-
     def __init__(
         self,
         root: str | Path,
         in_memory: bool = False,
-        storage_options: dict[str, Any] | None = None,
-        cache_dir: str | Path | None = None,
-        cache_bytes: int | None = None,
+        remote: Remote | None = None,
     ) -> None:
         location = parse_store_path(root)
         self.location = location  # what errors name: the folder, or the URL of a remote cache
         # A remote cache is read through its local mirror (dlstore.storage.mirror); below this point
         # every format reads local files, on today's code path.
-        self.mirror = (
-            open_mirror(location, storage_options, cache_dir, cache_bytes)
-            if isinstance(location, str)
-            else None
-        )
+        self.mirror = open_mirror(location, remote) if isinstance(location, str) else None
         self.root: Path = self.mirror.path if self.mirror is not None else location
         self._generation = self._open(in_memory)
         self.engines = ReaderEngines(self.reader)  # the reader's decode processes, started on demand
@@ -161,7 +152,6 @@ class Cache:
         if self.mirror is not None:
             self.mirror.prefetch(self.reader.files_for(pos))
         else:
-            self.engines.decode_ahead(self.decode_processes)
             self.reader.prefetch(pos)
 
     def read_batches(
@@ -485,9 +475,7 @@ def open_cache(
     in_memory: bool = False,
     strict: bool = False,
     check_source: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    cache_dir: str | Path | None = None,
-    cache_bytes: int | None = None,
+    remote: Remote | None = None,
 ) -> Cache:
     """Open a complete cache for batched reads; raises CacheNotFoundError if it is not complete.
 
@@ -498,12 +486,11 @@ def open_cache(
     changed path. ``in_memory`` (formats that load into RAM) is refused up front when the images
     exceed the available memory, and for formats that are read unit by unit.
 
-    ``path`` may be a URL (``s3://bucket/prefix``): credentials from the store's environment or
-    ``storage_options``; data units are fetched on first use into a local read-through cache under
-    ``cache_dir`` (default ``~/.cache/dlstore/remote``) of at most ``cache_bytes``, each checked
-    against the manifest's checksum. The source is not re-scanned for a remote cache.
+    ``path`` may be a URL (``s3://bucket/prefix``), read as ``remote`` says (``Remote``): data units are
+    fetched on first use into a local read-through cache, each checked against the manifest's
+    checksum. The source is not re-scanned for a remote cache.
     """
-    cache = Cache(path, in_memory, storage_options, cache_dir, cache_bytes)
+    cache = Cache(path, in_memory, remote)
     if cache.mirror is None:  # a remote cache's source folder is on the machine that converted it
         check_staleness(cache.root, cache.spec, check_source, strict)
     return cache
@@ -536,14 +523,27 @@ def _short(indices: object) -> str:
     return f"{seq}{'...' if np.asarray(indices).size > 8 else ''}"
 
 
-def open_mirror(
-    url: str,
-    storage_options: dict[str, Any] | None = None,
-    cache_dir: str | Path | None = None,
-    cache_bytes: int | None = None,
-) -> RemoteMirror:
+@dataclass(frozen=True)
+class Remote:
+    """How a cache at a URL (``s3://bucket/prefix``, ``gs://…``) is read.
+
+    - ``storage_options``: keyword arguments of the fsspec filesystem (credentials, endpoint); never
+      recorded, never shown. Without them the store's own environment variables apply.
+    - ``cache_dir``: where the local read-through cache of its chunks lives (default
+      ``$DLSTORE_REMOTE_CACHE``, ``~/.cache/dlstore/remote``); ``cache_bytes``: its bound.
+
+    >>> loader = dlstore.Loader("s3://bucket/cache", 256, remote=Remote(cache_dir="/scratch"))  # doctest: +SKIP
+    """
+
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    cache_dir: str | Path | None = None
+    cache_bytes: int | None = None
+
+
+def open_mirror(url: str, remote: Remote | None = None) -> RemoteMirror:
     """The mirror of the cache at ``url``; its format says which files are fetched unit by unit."""
-    store = RemoteStore(url, storage_options)
+    remote = remote or Remote()
+    store = RemoteStore(url, dict(remote.storage_options or {}))
     raw, spec = fetch_manifest(store)
     lazy = get_format(spec.format).reader_for(spec).unit_files(spec)
-    return RemoteMirror(store, lazy, cache_dir, cache_bytes, manifest=(raw, spec))
+    return RemoteMirror(store, lazy, remote.cache_dir, remote.cache_bytes, manifest=(raw, spec))

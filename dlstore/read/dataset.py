@@ -15,8 +15,8 @@ import torch
 from dlstore.errors import CacheReplacedError
 from dlstore.machine import check_loader_shared_memory, usable_cores
 from dlstore.read.batch import BatchSamples, ImageBatch, in_worker, new_batch
-from dlstore.read.cache import Cache, check_staleness
-from dlstore.read.targets import collate_fields, ragged_names, sample_targets
+from dlstore.read.cache import Cache, Remote, check_staleness
+from dlstore.read.field_targets import collate_fields, ragged_names, sample_targets
 from dlstore.spec import CacheSpec
 from dlstore.storage.mirror import spec_at
 from dlstore.storage.stores import parse_store_path
@@ -24,7 +24,7 @@ from dlstore.storage.stores import parse_store_path
 
 class CachedDataset(torch.utils.data.Dataset):
     """Images of a dlstore cache as uint8 CHW tensors with int labels (with a dict of its named fields
-    as the target when the cache has fields: boxes, masks, multi-label vectors; ``dlstore.read.targets``).
+    as the target when the cache has fields: boxes, masks, multi-label vectors; ``dlstore.read.field_targets``).
 
     Cheap to pickle (a path, never pixels) and opened lazily in each process, so it works with
     DataLoader workers under fork, spawn and forkserver. ``__getitems__`` reads a whole batch in one
@@ -66,9 +66,7 @@ class CachedDataset(torch.utils.data.Dataset):
         in_memory: bool = False,
         strict: bool = False,
         check_source: bool = False,
-        storage_options: dict[str, Any] | None = None,
-        cache_dir: str | Path | None = None,
-        cache_bytes: int | None = None,
+        remote: Remote | None = None,
         pil: bool = False,
         fields: Sequence[str] | None = None,
     ) -> None:
@@ -78,8 +76,8 @@ class CachedDataset(torch.utils.data.Dataset):
         self.pil = pil
         self.in_memory = in_memory
         # A remote cache (URL): what each worker process needs to open its own mirror of it.
-        self.remote = {"storage_options": storage_options, "cache_dir": cache_dir, "cache_bytes": cache_bytes}
-        self.spec: CacheSpec = spec_at(self.path, storage_options)
+        self.remote = remote
+        self.spec: CacheSpec = spec_at(self.path, dict(remote.storage_options or {}) if remote else None)
         # The source is only scanned when asked (check_source=True: warns, strict: raises, naming the
         # first changed file); otherwise one stat of its root, so opening costs nothing per file. A
         # remote cache's source folder is on the machine that converted it: not checked.
@@ -98,7 +96,7 @@ class CachedDataset(torch.utils.data.Dataset):
     @property
     def cache(self) -> Cache:
         if self._cache is None or (self._pid != os.getpid() and not self._cache.reader.fork_safe):
-            self._cache = Cache(self.path, self.in_memory, **self.remote)
+            self._cache = Cache(self.path, self.in_memory, self.remote)
             self._pid = os.getpid()
             if self._cache.spec != self.spec:  # e.g. a spawned worker opening a cache rebuilt since
                 raise CacheReplacedError(
@@ -132,7 +130,7 @@ class CachedDataset(torch.utils.data.Dataset):
         return functools.partial(collate_fields, ragged=ragged_names(self.spec))
 
     def _field_samples(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
-        """(image, target dict) per index (``dlstore.read.targets``); the transform gets both, as a
+        """(image, target dict) per index (``dlstore.read.field_targets``); the transform gets both, as a
         torchvision.transforms.v2 pipeline takes them (``transform(image, target)``)."""
         images, _ = self._batch(indices)
         cache = self.cache

@@ -39,7 +39,7 @@ refused. A state of version 1 (ranks taking turns in ``G``) is a segment of widt
 ``StatefulDataLoader`` snapshots in the main process right after drawing each batch's indices, and
 it keeps its own account of the batches its workers prefetched (it restores the snapshot of the
 last batch the loop received). A dlstore loader counts the batches its iterator handed to the
-training loop (``CoreLoader``), not what its gather thread or read-ahead prepared.
+training loop (``dlstore.Loader``), not what its gather thread or read-ahead prepared.
 
 **Epochs.** A pass that yields its last sample moves the sampler to the next epoch, so a state taken
 after an epoch's last batch reads ``{epoch: e+1, consumed: 0}``. ``set_epoch(e)`` starts epoch e

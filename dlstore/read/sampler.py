@@ -12,8 +12,6 @@ ranks, and ``state_dict``/``load_state_dict`` to resume anywhere (see ``dlstore.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from dlstore.read.cache import Cache
@@ -60,8 +58,3 @@ class ChunkSampler(EpochSampler):
             drop_last=drop_last,
             shuffle=shuffle,
         )
-
-    @classmethod
-    def for_dataset(cls, dataset: _HasCache, **kw: Any) -> ChunkSampler:
-        """From a CachedDataset (or anything with ``.cache``); the same as ``ChunkSampler(dataset, ...)``."""
-        return cls(dataset, **kw)

@@ -3,7 +3,7 @@
 torch hands each worker batch to the main process in a new shared-memory file: the worker creates and
 zero-fills it, sends its descriptor over a socket (a connection and an HMAC handshake per batch), the
 main process maps it, takes one page fault per 4 KiB when the batch is first read (about 12,800 for a
-50 MB batch) and unmaps it when the batch is freed. On the H200 that per-batch cost in the main
+50 MB batch) and unmaps it when the batch is freed. On a large machine that per-batch cost in the main
 process capped 16 workers at about 35k img/s of 256 px images, under a fifth of memcpy bandwidth.
 
 Here each worker keeps a small pool of slots: anonymous shared memory (``memfd_create``: no name, so
@@ -21,7 +21,6 @@ per batch (which moved every byte a second time and halved the rate at 16 worker
 goes back to its worker only once the device has read it: its release records a CUDA event on the
 releasing thread's current stream (where ``images.cuda(non_blocking=True)`` ran, in a training loop
 that drops the batch where it copied it), and the slot is freed when that event has completed.
-``DLSTORE_PIN_IN_PLACE=0`` copies into pinned memory instead (the benchmark's A/B).
 
 A pool is made whole on its first batch (``WARM_SLOTS``, each populated in one ``madvise`` rather than
 12,800 page faults) and the main process maps all of them, populated too, when that batch arrives.
@@ -30,12 +29,13 @@ before last as the worker started its next one, a race it lost at random, hundre
 (16 workers on 2 cores: 8 of 16 still had 2 slots after 60 batches, the last one got its third at
 batch ~290), and each late slot cost a page-fault-bound 50 MB first fill in the worker and a
 descriptor hand-shake and first-touch faults in the main thread, in the middle of training.
-``DLSTORE_SHM_WARM=0`` makes slots one at a time, unpopulated, as before (the benchmark's A/B).
+
+``DLSTORE_SHM_SLOTS=0`` is the escape hatch: batches then cross processes as torch hands them over
+(named by the one error this path can raise).
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import secrets
@@ -52,6 +52,7 @@ import torch
 
 from dlstore import settings
 from dlstore.machine import process_alive
+from dlstore.read.engines.workers import madvise_populate
 
 _HEADER = mmap.PAGESIZE  # the flag byte, then the batch page-aligned
 _FREE, _HELD = 0, 1
@@ -62,12 +63,8 @@ MAX_LOCAL_SLOTS = 3  # in a process reading for itself (0 workers): this batch, 
 # consumed, and the previous one, which the loop variable holds until next() returns. A loader that
 # holds more makes the rest on demand (up to MAX_SLOTS), as before.
 WARM_SLOTS = 4
-_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14; elsewhere pages fault as used
-# DLSTORE_SHM_SLOTS=0 hands batches over as torch does (benchmarks' A/B; forked workers inherit
-# a change of ``enabled`` made before they start).
+# The escape hatch (forked workers inherit a change of ``enabled`` made before they start).
 enabled = settings.flag("DLSTORE_SHM_SLOTS")
-pin_in_place_enabled = settings.flag("DLSTORE_PIN_IN_PLACE")
-warm_enabled = settings.flag("DLSTORE_SHM_WARM")
 
 
 @dataclass
@@ -114,31 +111,11 @@ def _worker_pool() -> _Pool:
     return _pool
 
 
-_libc: Any = None
-
-
 def populate(whole: np.ndarray, write: bool) -> bool:
-    """Map every page of a slot's mapping in one ``madvise(MADV_POPULATE_WRITE|READ)``: in the
-    process that fills it, allocates its pages at once instead of one fault per 4 KiB while the first
-    batch is gathered; in one that reads it, maps the pages the other process made. False where the
-    kernel (< 5.14) or libc cannot: the pages then fault in as they are first used, as before."""
+    """Map every page of a slot's mapping in one ``madvise``: in the process that fills it, allocates
+    its pages at once instead of one fault per 4 KiB while the first batch is gathered; in one that
+    reads it, maps the pages the other process made."""
     return madvise_populate(whole.ctypes.data, whole.nbytes, write)  # an mmap: page-aligned
-
-
-def madvise_populate(address: int, nbytes: int, write: bool = False) -> bool:
-    """``madvise(MADV_POPULATE_WRITE|READ)`` over ``nbytes`` from the page-aligned ``address``; False
-    where unsupported (Linux < 5.14, no libc), and the pages then fault in as they are first used."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        except (OSError, AttributeError):
-            _libc = False
-    if not _libc or nbytes == 0:
-        return False
-    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
-    return int(_libc.madvise(address, nbytes, advice)) == 0
 
 
 def _new_slot(pool: _Pool, nbytes: int) -> _Slot:
@@ -146,8 +123,7 @@ def _new_slot(pool: _Pool, nbytes: int) -> _Slot:
     os.ftruncate(fd, _HEADER + nbytes)
     buf = mmap.mmap(fd, _HEADER + nbytes)
     whole = np.frombuffer(buf, dtype=np.uint8)
-    if warm_enabled:
-        populate(whole, write=True)
+    populate(whole, write=True)
     pool.created += 1
     slot = _Slot((pool.pid, pool.nonce, pool.created), fd, nbytes, buf, whole[:1], whole[_HEADER:])
     pool.slots.append(slot)
@@ -180,7 +156,7 @@ def acquire(nbytes: int, limit: int = MAX_SLOTS) -> torch.Tensor | None:
             if len(pool.slots) >= limit and not _drop_a_free_slot(pool):
                 return None
             slot = _new_slot(pool, nbytes)
-            if warm_enabled and len(pool.slots) == 1:  # the pool's first batch: make the rest now
+            if len(pool.slots) == 1:  # the pool's first batch: make the rest now
                 for _ in range(min(limit, WARM_SLOTS) - 1):
                     _new_slot(pool, nbytes)
         slot.flag[0] = _HELD
@@ -222,8 +198,7 @@ class _Mapped:
     def __init__(self, fd: int, capacity: int) -> None:
         self.buf = mmap.mmap(fd, _HEADER + capacity)
         whole = np.frombuffer(self.buf, dtype=np.uint8)
-        if warm_enabled:  # now, with the pool's first batch, not at the first touch of each slot
-            populate(whole, write=False)
+        populate(whole, write=False)  # now, with the pool's first batch, not at each slot's first touch
         self.flag, self.data = whole[:1], whole[_HEADER:]
         self.address, self.size = whole.ctypes.data, whole.nbytes
         self.live = 0
@@ -310,10 +285,10 @@ def _cudart() -> Any:
 def pin_in_place(t: torch.Tensor) -> bool:
     """True when ``t`` lies in a worker slot mapped here that is (now) page-locked for CUDA: the
     batch is then pinned as it is. Registers the slot the first time (one ``cudaHostRegister`` of
-    the slot, ~ms, then never again); False (the caller copies into pinned memory) when disabled,
+    the slot, ~ms, then never again); False (the caller copies into pinned memory) when
     not a slot, or the registration fails. Also frees the fenced slots the device has finished."""
     reclaim()
-    if not pin_in_place_enabled or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return False
     m = _by_address.get(t.untyped_storage().data_ptr())
     if m is None:

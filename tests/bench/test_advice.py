@@ -132,7 +132,7 @@ def test_convert_sources_read_off_the_datasets_people_use(folder: Path) -> None:
     os.chdir(folder)
     try:
         exec(got["prepare"], {"ds": ds})
-        from dlstore.convert.sources import open_source
+        from dlstore.write.sources import open_source
 
         assert len(open_source("files.csv")) == 6
     finally:

@@ -14,11 +14,11 @@ from PIL import Image
 from torchvision import tv_tensors
 
 from dlstore.bench.kinds import prepare_loader
-from dlstore.bench.kinds.base import LoaderContext
+from dlstore.bench.kinds.context import LoaderContext
 from dlstore.bench.models import TrainStep, build_model
 from dlstore.bench.protocol import BenchConfig
 from dlstore.bench.stages import time_loader
-from dlstore.convert.sources import open_source
+from dlstore.write.sources import open_source
 
 SIZE, BATCH = 16, 4
 

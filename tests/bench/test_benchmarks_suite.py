@@ -122,9 +122,9 @@ PAST_IT = {
         "dlstore.bench.verdict",
     },  # fmt: skip
     # a payload cache of units of ~8 tiny images (many units to kill between): no option makes one
-    "kill_resume.py": {"dlstore.convert.sources", "dlstore.formats"},
+    "kill_resume.py": {"dlstore.write.sources", "dlstore.formats"},
 }
-LOADERS = ("PinnedLoader", "ResidentLoader", "DecodeLoader", "LoaderCore", "batch_dataloader")
+LOADERS = ("dlstore.Loader", " Loader", "PinnedLoader", "ResidentLoader", "DecodeLoader")
 
 
 def test_scripts_use_the_public_api_and_build_loaders_in_one_place() -> None:

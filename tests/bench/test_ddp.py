@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlstore.convert.conversion import convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.read.cache import open_cache
-from dlstore.read.loaders import make_sampler
+from dlstore.read.loader import make_sampler
+from dlstore.write.conversion import convert
+from dlstore.write.options import ConvertOptions
 
 ROOT = Path(__file__).resolve().parents[2]
 N_IMAGES = 301  # not a multiple of 2 ranks x batch 16: exercises the padding

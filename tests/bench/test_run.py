@@ -206,7 +206,7 @@ def test_a_folder_with_broken_files_is_benched_and_they_are_named(env: Path, tmp
     from reliability_helpers import make_tree
     from torchvision.datasets.folder import default_loader
 
-    from dlstore.bench.kinds.raw import tolerant_loader
+    from dlstore.bench.kinds.raw_source import tolerant_loader
 
     root = make_tree(tmp_path / "tree", per_class=10)
     good = root / "b" / "img000.jpg"
@@ -239,10 +239,10 @@ def test_a_large_source_is_benched_on_one_sample_by_every_kind(env: Path, tmp_pa
     from reliability_helpers import make_tree
 
     from dlstore import open_cache
-    from dlstore.bench.kinds.base import LoaderContext
-    from dlstore.bench.kinds.raw import raw_kind
+    from dlstore.bench.kinds.context import LoaderContext
+    from dlstore.bench.kinds.raw_source import raw_kind
     from dlstore.bench.protocol import BenchConfig
-    from dlstore.convert.sources import scan_folder
+    from dlstore.write.sources import scan_folder
 
     root = make_tree(tmp_path / "tree", per_class=2, classes=tuple(f"c{i:02d}" for i in range(12)))
     args = ["--loaders", "raw,ram", "--workers", "0", "--batch-size", "1", "--size", "16", "--steps", "3"]

@@ -15,7 +15,7 @@ from photo_forms import PhotoDataset, make_photo_folder, write_csv, write_hf_par
 from dlstore.bench.kinds import LoaderContext, prepare_loader
 from dlstore.bench.protocol import BenchConfig
 from dlstore.cli import main
-from dlstore.convert.sources import DatasetSource, open_source
+from dlstore.write.sources import DatasetSource, open_source
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("webdataset")

@@ -92,7 +92,7 @@ def test_full_disk_at_the_first_write_message(
 ) -> None:
     import errno
 
-    import dlstore.convert.staging as staging
+    import dlstore.write.staging as staging
 
     def full(fd: int, data: bytes, offset: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -109,7 +109,7 @@ def test_full_disk_at_the_first_write_message(
 
 
 def test_sizes_read_as_people_read_them() -> None:
-    from dlstore.convert.sizes import human_bytes
+    from dlstore.write.sizes import human_bytes
 
     assert [human_bytes(n) for n in (0, 999, 270_300, 4.2e9)] == ["0 B", "999 B", "270.3 KB", "4.2 GB"]
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from dlstore.bench.protocol import BenchConfig
 from dlstore.cli import main
-from dlstore.convert.options import ConvertOptions
+from dlstore.write.options import ConvertOptions
 
 
 def help_of(*command: str) -> str:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from dlstore.convert.conversion import convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.read.cache import open_cache
 from dlstore.spec import read_spec
+from dlstore.write.conversion import convert
+from dlstore.write.options import ConvertOptions
 
 WORKER_KEYS = (
     "workers_decode_s",
@@ -68,7 +68,7 @@ def test_many_units_with_a_bounded_window(
 
     monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 1))
     journaled: list[int] = []
-    import dlstore.convert.staging as staging_mod
+    import dlstore.write.staging as staging_mod
 
     real = staging_mod.Staging.record_many
 
@@ -90,7 +90,7 @@ def test_the_pool_hands_out_units_without_waiting_for_the_whole_window(
     first window instead of last."""
     import time
 
-    import dlstore.convert.unit_work as unit_work
+    import dlstore.write.unit_work as unit_work
     from dlstore.formats.ram import RamWriter
 
     monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 1))
@@ -108,7 +108,7 @@ def test_the_pool_hands_out_units_without_waiting_for_the_whole_window(
 
     monkeypatch.setattr(unit_work, "convert_job_unit", unit_zero_last)  # inherited by the forked workers
     spy: list[int] = []
-    import dlstore.convert.staging as staging_mod
+    import dlstore.write.staging as staging_mod
 
     record_many = staging_mod.Staging.record_many
 
@@ -135,11 +135,11 @@ def test_workers_checksum_their_units_as_they_write_them(
     """A writer that digests its units (ram: one range per slab, cut at RANGE_BYTES) spares finalize
     a second read of the pixels; the ranges tile the file and match its bytes."""
     import dlstore.checksums as checksums
-    import dlstore.convert.finish as finish
+    import dlstore.write.finish as finish
     from dlstore.checksums import mismatches
-    from dlstore.convert.verification import verify
     from dlstore.formats.ram import RamWriter
     from dlstore.spec import read_spec
+    from dlstore.write.verification import verify
 
     monkeypatch.setattr(RamWriter, "choose_unit_size", staticmethod(lambda image_bytes: 3))
     monkeypatch.setattr(checksums, "RANGE_BYTES", range_bytes)  # forked workers inherit it

@@ -18,12 +18,12 @@ from click.testing import CliRunner
 from reliability_helpers import FORMAT_NAMES, HangingSource, assert_same_cache, make_tree, small_units
 
 from dlstore.cli import main
-from dlstore.convert.conversion import ConvertResult, convert
-from dlstore.convert.dask_engine import SchedulerSpec, local_layout, parse_scheduler
-from dlstore.convert.progress import ConvertProgress
-from dlstore.convert.sources import scan_folder
 from dlstore.errors import ConvertError, MissingExtraError
 from dlstore.spec import read_spec
+from dlstore.write.conversion import ConvertResult, convert
+from dlstore.write.dask_engine import SchedulerSpec, local_layout, parse_scheduler
+from dlstore.write.progress import ConvertProgress
+from dlstore.write.sources import scan_folder
 
 distributed = pytest.importorskip("distributed")
 
@@ -102,7 +102,7 @@ def test_a_hanging_decode_on_a_dask_worker_is_a_named_bad_file(tmp_path: Path, c
     assert result.n == len(src) - 1
 
     def decode_processes() -> int:  # in each worker (a local function: cloudpickle sends it by value)
-        from dlstore.convert import dask_engine
+        from dlstore.write import dask_engine
 
         return len(dask_engine._CHILD)
 
@@ -163,7 +163,7 @@ def test_local_cluster_workers_do_not_import_the_callers_main(tree: Path, tmp_pa
         "import os, sys\n"
         f"with open({str(marks)!r}, 'a') as f:\n"
         "    f.write(f'{os.getpid()}\\n')\n"
-        "from dlstore.convert.conversion import convert\n"
+        "from dlstore.write.conversion import convert\n"
         "if __name__ == '__main__':\n"
         "    r = convert(sys.argv[1], sys.argv[2], format='npz', size=8, scheduler='local:2')\n"
         "    print(r.n, r.workers)\n"
@@ -228,7 +228,7 @@ def test_a_local_cluster_sees_the_environment_of_its_start() -> None:
 
     code = """if True:
         import os
-        from dlstore.convert.dask_engine import EarlyClient, SchedulerSpec
+        from dlstore.write.dask_engine import EarlyClient, SchedulerSpec
         if __name__ == "__main__":
             for value in ("first", "second"):
                 os.environ["DLSTORE_TEST_ENV"] = value

@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 from reliability_helpers import KillingSource, assert_same_cache, make_tree, small_units
 
-from dlstore.convert.conversion import convert
-from dlstore.convert.sources import scan_folder
 from dlstore.errors import ConvertError
+from dlstore.write.conversion import convert
+from dlstore.write.sources import scan_folder
 
 pytest.importorskip("distributed")
 
@@ -44,7 +44,7 @@ def tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def cluster(workers: int) -> Any:
-    from dlstore.convert.dask_engine import start_local_cluster
+    from dlstore.write.dask_engine import start_local_cluster
 
     return start_local_cluster(workers, most_threads=1)  # `workers` processes of one task thread
 
@@ -106,7 +106,7 @@ DRIVER = """
 import sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-import dlstore.convert.plan as plan
+import dlstore.write.plan as plan
 from dlstore.cli import main
 from dlstore.formats import FORMATS
 from reliability_helpers import KillingSource

@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 from reliability_helpers import make_tree, small_units
 
-from dlstore import convert, open_cache
-from dlstore.convert.conversion import ConvertResult
-from dlstore.convert.progress import ConvertProgress
+from dlstore import Remote, convert, open_cache
 from dlstore.formats import FORMATS
 from dlstore.spec import read_spec
 from dlstore.storage.mirror import spec_at
 from dlstore.storage.stores import RemoteStore
+from dlstore.write.conversion import ConvertResult
+from dlstore.write.progress import ConvertProgress
 
 pytestmark = pytest.mark.s3
 distributed = pytest.importorskip("distributed")
@@ -94,7 +94,7 @@ def test_workers_write_units_to_the_store_with_the_checksums_of_a_local_run(
     assert len(unit_files) > 1 and watch.calls > len(unit_files) // 2
     assert watch.unit_files_seen(unit_files) == []  # the driver never held a unit
     assert remote.workers == 2 and remote.n == local.n == 24
-    cache = open_cache(url, cache_dir=tmp_path / "mirror")
+    cache = open_cache(url, remote=Remote(cache_dir=tmp_path / "mirror"))
     np.testing.assert_array_equal(
         cache.read(np.arange(24)), open_cache(tmp_path / "local").read(np.arange(24))
     )
@@ -139,7 +139,7 @@ def test_a_hanging_decode_is_a_named_bad_file_when_workers_write_to_the_store(
 
     from reliability_helpers import HangingSource
 
-    from dlstore.convert.sources import scan_folder
+    from dlstore.write.sources import scan_folder
 
     src = HangingSource.of(scan_folder(make_tree(tmp_path / "src", per_class=4)), "b/img002.jpg")
     url = f"s3://{BUCKET}/hang"

@@ -17,8 +17,8 @@ from imagegen import ORIENT_TAG
 from PIL import Image, ImageOps
 from torchvision import transforms
 
-from dlstore.convert.imageops import decode_file, draft_scale
 from dlstore.spec import ImagePolicy
+from dlstore.write.imageops import decode_file, draft_scale
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from reliability_helpers import assert_same_cache, make_tree
 
 from dlstore.cli import main
-from dlstore.convert.conversion import convert
 from dlstore.errors import ConvertError
+from dlstore.write.conversion import convert
 
 
 def mount_tmpfs(where: Path, size: str) -> bool:
@@ -145,7 +145,7 @@ def test_a_publish_rename_refused_by_the_system_is_one_line(
     tree: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Any other refusal of the final rename (EBUSY, EROFS...) names DEST and where the cache waits."""
-    import dlstore.convert.staging as staging
+    import dlstore.write.staging as staging
 
     dest = tmp_path / "c"
     convert(tree, dest, format="npz", size=8, workers=1)

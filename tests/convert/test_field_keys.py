@@ -24,9 +24,9 @@ from torchvision.transforms import v2
 
 from dlstore import convert
 from dlstore.cli import main
-from dlstore.convert.sources.fieldmap import field_texts
 from dlstore.errors import DlstoreError
 from dlstore.read.dataset import CachedDataset
+from dlstore.write.sources.fieldmap import field_texts
 
 SIZE = 24
 N = 4

@@ -22,8 +22,8 @@ from torchvision import tv_tensors
 from torchvision.transforms import v2
 
 from dlstore import convert
-from dlstore.convert.verification import verify as verify_cache
 from dlstore.read.dataset import CachedDataset
+from dlstore.write.verification import verify as verify_cache
 
 SIZE = 24
 

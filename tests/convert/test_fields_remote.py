@@ -14,8 +14,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dlstore import CachedDataset, convert, verify
-from dlstore.read.loaders import PinnedLoader
+from dlstore import CachedDataset, Loader, Remote, convert, verify
 from dlstore.storage.stores import RemoteStore
 
 BUCKET = "dlstore-fields"
@@ -96,7 +95,14 @@ def test_fields_through_an_object_store(parquet: Path, local: list, s3: None, tm
     conv(parquet, url, "npz")
     same(targets(url), local)
     assert verify(url).ok
-    loader = PinnedLoader(url, batch_size=4, device="cpu", order="sequential", cache_dir=tmp_path / "mirror")
+    loader = Loader(
+        url,
+        batch_size=4,
+        device="cpu",
+        order="sequential",
+        remote=Remote(cache_dir=tmp_path / "mirror"),
+        via="pinned",
+    )
     images, target = next(iter(loader))
     assert images.shape == (4, 3, 12, 12) and target["mask"].shape == (4, 12, 12)
     for j in range(4):

@@ -16,9 +16,9 @@ from torchvision import tv_tensors
 from torchvision.ops import masks_to_boxes
 from torchvision.transforms import v2
 
-from dlstore.convert.geometry import Geometry, place_boxes, place_mask
-from dlstore.convert.imageops import _TRANSPOSE, target_size
 from dlstore.spec import ImagePolicy
+from dlstore.write.geometry import Geometry, place_boxes, place_mask
+from dlstore.write.imageops import _TRANSPOSE, target_size
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ from imagegen import ORIENT_TAG, jpeg_bytes, smooth_rgb
 from PIL import Image, ImageOps
 from torchvision import transforms
 
-from dlstore.convert.imageops import decode_file
 from dlstore.errors import ImageDecodeError
 from dlstore.spec import ImagePolicy
+from dlstore.write.imageops import decode_file
 
 
 def reference(path: Path, size: int) -> np.ndarray:

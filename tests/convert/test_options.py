@@ -15,9 +15,9 @@ import pytest
 from reliability_helpers import make_tree
 
 from dlstore import ConvertOptions, convert, open_cache
-from dlstore.convert.options import recorded_options
 from dlstore.errors import CacheExistsError, DlstoreError
 from dlstore.spec import MANIFEST, read_spec
+from dlstore.write.options import recorded_options
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_convert_is_one_options_object_and_two_hooks() -> None:
-    from dlstore.convert.conversion import convert as function
+    from dlstore.write.conversion import convert as function
 
     params = inspect.signature(function).parameters
     assert len(params) <= 6
@@ -71,6 +71,8 @@ def test_keyword_shortcuts_fold_into_the_same_options(src: Path, tmp_path: Path)
     assert by_object.n == by_keywords.n
     with pytest.raises(TypeError, match="unexpected keyword.*compress"):
         convert(src, tmp_path / "c", size=8, compress=True)
+    with pytest.raises(TypeError, match=r"ConvertOptions or keywords, not both; put workers=\.\.\."):
+        convert(src, tmp_path / "d", ConvertOptions(size=8), workers=1)
 
 
 @pytest.mark.parametrize(

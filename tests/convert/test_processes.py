@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 from reliability_helpers import make_tree, read_all, small_units
 
-from dlstore.convert.conversion import convert
 from dlstore.errors import ConvertError, DlstoreError
+from dlstore.write.conversion import convert
 
 TESTS = Path(__file__).resolve().parents[1]
 DRIVER = """
 import sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-from dlstore.convert.conversion import convert
-from dlstore.convert.sources import scan_folder
+from dlstore.write.conversion import convert
+from dlstore.write.sources import scan_folder
 from dlstore.formats import FORMATS
 from reliability_helpers import HangingSource
 

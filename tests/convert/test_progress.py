@@ -12,9 +12,9 @@ import pytest
 from reliability_helpers import make_tree, small_units
 
 from dlstore import ConvertOptions, convert
-from dlstore.convert.progress import ConvertProgress
 from dlstore.spec import MANIFEST
 from dlstore.storage.stores import RemoteStore
+from dlstore.write.progress import ConvertProgress
 
 
 @pytest.fixture(scope="module")

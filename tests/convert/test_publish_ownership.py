@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from reliability_helpers import make_tree
 
-from dlstore import convert, open_cache
+from dlstore import Remote, convert, open_cache
 from dlstore.cli import main
 from dlstore.errors import CacheExistsError
 from dlstore.storage.stores import RemoteStore
@@ -86,7 +86,7 @@ def test_an_empty_bucket_root_takes_a_cache_and_its_rebuild(server: Any, tree: P
     RemoteStore("s3://own-empty").fs.mkdir("own-empty")
     conv(tree, "s3://own-empty")
     conv(tree, "s3://own-empty", fmt="zarr", overwrite=True)
-    cache = open_cache("s3://own-empty", cache_dir=tmp_path)
+    cache = open_cache("s3://own-empty", remote=Remote(cache_dir=tmp_path))
     assert cache.spec.format == "zarr"
     assert not [k for k in everything("own-empty") if k.startswith("shards/")]  # the npz generation went
 
@@ -105,7 +105,7 @@ def test_overwrite_deletes_only_what_the_old_manifest_lists(bucket: str, tree: P
     assert not [k for k in now if k.startswith(".dlstore-staging")]
     assert {k for k in old if k.startswith("shards/")}  # there were npz shards to delete
     assert store.get_bytes("notes.txt") == b"mine"
-    assert open_cache(url, cache_dir=tmp_path).spec.format == "zarr"
+    assert open_cache(url, remote=Remote(cache_dir=tmp_path)).spec.format == "zarr"
     assert_foreign_intact(bucket)
 
 
@@ -132,7 +132,7 @@ def test_a_publish_killed_mid_replace_resumes_and_still_keeps_foreign_objects(
     assert "dlstore.json" not in store.sizes()  # mid-replace: no cache opens
     # The re-run sees objects without a manifest, but knows them as its own from the staged records.
     conv(tree, url, fmt="zarr", overwrite=True)
-    cache = open_cache(url, cache_dir=tmp_path)
+    cache = open_cache(url, remote=Remote(cache_dir=tmp_path))
     images = cache.read(np.arange(len(cache)))
     assert images.shape[0] == 12 and cache.spec.format == "zarr"
     now = store.sizes()

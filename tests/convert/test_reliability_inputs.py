@@ -25,12 +25,8 @@ from click.testing import CliRunner
 from PIL import Image
 from reliability_helpers import image_bytes, make_tree, small_units
 
-import dlstore.convert.imageops as imageops
+import dlstore.write.imageops as imageops
 from dlstore.cli import main
-from dlstore.convert.conversion import convert
-from dlstore.convert.imageops import DECODE_ERRORS, decode_file
-from dlstore.convert.sources import scan_folder
-from dlstore.convert.verification import skipped_problems, verify
 from dlstore.errors import (
     CacheExistsError,
     CacheNotFoundError,
@@ -46,6 +42,10 @@ from dlstore.read.cache import open_cache
 from dlstore.read.dataset import CachedDataset
 from dlstore.sourcefiles import read_record
 from dlstore.spec import ImagePolicy, read_spec
+from dlstore.write.conversion import convert
+from dlstore.write.imageops import DECODE_ERRORS, decode_file
+from dlstore.write.sources import scan_folder
+from dlstore.write.verification import skipped_problems, verify
 
 POLICY = ImagePolicy(size=8)
 
@@ -355,7 +355,7 @@ def test_c10_huge_jpeg_decodes_with_bounded_memory(tmp_path: Path) -> None:
     path = tmp_path / "huge.jpg"
     Image.new("RGB", (9000, 9000), (40, 120, 200)).save(path, quality=85)
     probe = (
-        "import resource, sys; from dlstore.convert.imageops import decode_file; from dlstore.spec import ImagePolicy;"
+        "import resource, sys; from dlstore.write.imageops import decode_file; from dlstore.spec import ImagePolicy;"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss;"
         "out = decode_file(sys.argv[1], ImagePolicy(size=224));"
         "print(out.shape, (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)"
@@ -386,7 +386,7 @@ def test_c11_short_fuzz_only_expected_errors(tmp_path: Path) -> None:
 
 
 def test_c11_per_file_timeout_skips_a_hanging_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dlstore.convert.sources.folder as sources
+    import dlstore.write.sources.folder as sources
 
     src = make_tree(tmp_path / "src", per_class=4)
     real = sources.decode_file
@@ -407,7 +407,7 @@ def test_c11_per_file_timeout_skips_a_hanging_file(tmp_path: Path, monkeypatch: 
 def test_c11_worker_killed_by_a_crashing_decoder_is_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlstore.convert.sources.folder as sources
+    import dlstore.write.sources.folder as sources
 
     src = make_tree(tmp_path / "src", per_class=4)
     real = sources.decode_file

@@ -12,11 +12,11 @@ import pytest
 from click.testing import CliRunner
 from reliability_helpers import make_tree
 
-import dlstore.convert.verification as verification
+import dlstore.write.verification as verification
 from dlstore.checksums import checksum_tree
 from dlstore.cli import main
-from dlstore.convert.conversion import convert
-from dlstore.convert.verification import verify
+from dlstore.write.conversion import convert
+from dlstore.write.verification import verify
 from dlstore.read.cache import open_cache
 from dlstore.sourcefiles import read_record
 from dlstore.spec import MANIFEST, SOURCE_RECORD, manifest_digest

@@ -15,7 +15,7 @@ from PIL import Image
 from torchvision import tv_tensors
 
 from dlstore.cli import main
-from dlstore.convert.conversion import convert
+from dlstore.write.conversion import convert
 from dlstore.errors import SourceError
 from dlstore.read.dataset import CachedDataset
 

@@ -19,15 +19,15 @@ import numpy as np
 import pytest
 from reliability_helpers import FORMAT_NAMES, assert_same_cache, make_tree, read_all, small_units
 
-import dlstore.convert.finish as finish
-import dlstore.convert.plan as plan
-import dlstore.convert.staging as staging_mod
-from dlstore.convert.conversion import convert
-from dlstore.convert.verification import verify
+import dlstore.write.finish as finish
+import dlstore.write.plan as plan
+import dlstore.write.staging as staging_mod
 from dlstore.errors import CacheNotFoundError, ConvertError, DlstoreError, SampleReadError
 from dlstore.formats import FORMATS
 from dlstore.read.cache import open_cache
 from dlstore.spec import MANIFEST, read_spec
+from dlstore.write.conversion import convert
+from dlstore.write.verification import verify
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,13 +133,13 @@ import signal, sys, time
 # A terminal's Ctrl-C: a runner that starts the suite in the background hands its children SIGINT
 # ignored, and Python then installs no KeyboardInterrupt handler (that made this test fail on CI).
 signal.signal(signal.SIGINT, signal.default_int_handler)
-import dlstore.convert.imageops as io_
+import dlstore.write.imageops as io_
 real = io_.decode_file
 def slow(path, policy, data=None):
     time.sleep(0.25)  # slow enough that Ctrl-C lands mid-run even on a loaded 2-core machine
     return real(path, policy, data)
 io_.decode_file = slow
-import dlstore.convert.sources.folder as s; s.decode_file = slow
+import dlstore.write.sources.folder as s; s.decode_file = slow
 from dlstore.cli import main
 sys.exit(main())
 """

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from reliability_helpers import make_tree
 
-from dlstore.convert.conversion import convert
 from dlstore.errors import CacheExistsError
 from dlstore.spec import MANIFEST, read_spec
+from dlstore.write.conversion import convert
 
 
 def conv(src: Path, dest: Path, **kw: object):  # type: ignore[no-untyped-def]

@@ -12,12 +12,12 @@ import pytest
 from click.testing import CliRunner
 from reliability_helpers import make_tree
 
-from dlstore import ConvertOptions, convert, open_cache
+from dlstore import ConvertOptions, Remote, convert, open_cache
 from dlstore.cli import main
-from dlstore.convert.sources import open_source
 from dlstore.errors import CacheExistsError
 from dlstore.spec import MANIFEST
 from dlstore.storage.stores import RemoteStore
+from dlstore.write.sources import open_source
 
 pytestmark = pytest.mark.s3
 pytest.importorskip("moto.server")
@@ -92,7 +92,9 @@ def test_other_options_are_refused_naming_the_difference_and_the_url(tree: Path,
     assert res.exit_code == 1 and "--codec deflate was none" in res.output and "Traceback" not in res.output
     assert objects(url) == before
     rebuilt = convert(tree, url, ConvertOptions(size=16, format="npz", workers=1, overwrite=True))
-    assert not rebuilt.up_to_date and open_cache(url, cache_dir=tree.parent / "m").spec.shape == (16, 16, 3)
+    assert not rebuilt.up_to_date and open_cache(
+        url, remote=Remote(cache_dir=tree.parent / "m")
+    ).spec.shape == (16, 16, 3)
 
 
 def test_a_changed_source_is_refused_naming_the_first_changed_file(tree: Path, url: str) -> None:
@@ -130,6 +132,6 @@ def test_a_resumed_upload_that_finished_says_so_in_one_line(
     ]
     assert len(lines) == 1 and "resumed an interrupted upload" in lines[0] and url in lines[0]
     assert "warning" not in res.output and "up to date" not in res.output
-    assert open_cache(url, cache_dir=tree.parent / "m").spec.n == len(open_source(tree))
+    assert open_cache(url, remote=Remote(cache_dir=tree.parent / "m")).spec.n == len(open_source(tree))
     res = cli(tree, url, "--size", "8", "--format", "npz", "--workers", "1")
     assert res.exit_code == 0 and f"{url} is up to date" in res.stderr

@@ -1,4 +1,4 @@
-from dlstore.convert.sizes import count, human_bytes
+from dlstore.write.sizes import count, human_bytes
 
 
 def test_counts_read_as_english() -> None:

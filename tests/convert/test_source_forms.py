@@ -25,9 +25,9 @@ from photo_forms import (
 )
 
 from dlstore import ConvertOptions, convert
-from dlstore.convert.sources import open_source
 from dlstore.errors import DlstoreError
 from dlstore.read.cache import open_cache
+from dlstore.write.sources import open_source
 
 pytest.importorskip("pyarrow")
 pytest.importorskip("webdataset")
@@ -66,7 +66,7 @@ def cache_arrays(dest: Path) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
 def test_every_form_converts_to_the_same_cache(
     forms: dict, tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlstore.convert.sources.parquet as parquet
+    import dlstore.write.sources.parquet as parquet
 
     made = {}
     with monkeypatch.context() as m:  # a source larger than the row-group cache: spooled by unit
@@ -291,8 +291,8 @@ def test_reruns_are_make_like_and_verify_deep_rehashes(forms: dict, tmp_path: Pa
 
     import pyarrow.parquet as pq
 
-    from dlstore.convert.verification import verify
     from dlstore.errors import CacheExistsError
+    from dlstore.write.verification import verify
 
     pq_path = tmp_path / "photos.parquet"
     shutil.copy(forms["parquet"][0], pq_path)

@@ -37,7 +37,7 @@ def test_dask_converts_parquet_and_shards_as_the_pool_does(
     photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("distributed")
-    import dlstore.convert.sources.parquet as parquet
+    import dlstore.write.sources.parquet as parquet
 
     monkeypatch.setattr(parquet, "CACHE_BYTES", 1000)  # spooled by unit in the driver, read by the workers
     pq = write_hf_parquet(photos, tmp_path / "p.parquet", rows_per_group=7)
@@ -52,7 +52,7 @@ def test_dask_converts_parquet_and_shards_as_the_pool_does(
 
 SLOW_CLI = """
 import sys, time
-import dlstore.convert.sources.encoded as enc
+import dlstore.write.sources.encoded as enc
 real = enc.decode_file
 def slow(name, policy, data=None):
     time.sleep(0.15)

@@ -18,10 +18,10 @@ import pytest
 from reliability_helpers import make_tree, read_all
 
 import dlstore.storage.stores as stores
-from dlstore.convert.conversion import convert
 from dlstore.errors import DlstoreError
-from dlstore.read.cache import open_cache
+from dlstore.read.cache import Remote, open_cache
 from dlstore.storage.stores import RemoteStore
+from dlstore.write.conversion import convert
 
 pytestmark = pytest.mark.s3
 pytest.importorskip("moto.server")
@@ -122,7 +122,7 @@ def interrupted_then_resumed(
     server.start()  # back, empty: what the first run staged is gone
     result = conv(tree, URL)
     assert result.n == 12
-    c = open_cache(URL, cache_dir=tmp_path / f"chunks-{verb}-{nth}", check_source=False)
+    c = open_cache(URL, check_source=False, remote=Remote(cache_dir=tmp_path / f"chunks-{verb}-{nth}"))
     try:
         remote = c.read(np.arange(len(c))), c.labels.copy()
     finally:

@@ -12,8 +12,8 @@ import torch
 import torchvision.datasets as tvd
 
 from dlstore import CachedDataset, convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.errors import SourceError
+from dlstore.write.options import ConvertOptions
 
 
 def write_cifar(root: Path, name: str, n: int, seed: int = 0) -> np.ndarray:
@@ -84,7 +84,7 @@ def test_a_sample_of_an_in_memory_source_keeps_its_pixels(
 ) -> None:
     import torchvision.datasets.cifar
 
-    from dlstore.convert.sources import load_torchvision
+    from dlstore.write.sources import load_torchvision
 
     monkeypatch.setattr(torchvision.datasets.cifar, "check_integrity", lambda *a, **k: True)
     images = write_cifar(tmp_path, "CIFAR10", n=25)

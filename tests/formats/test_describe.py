@@ -14,10 +14,10 @@ from click.testing import CliRunner
 
 import dlstore
 from dlstore import convert, open_cache
-from dlstore.convert.options import ConvertOptions
 from dlstore.errors import SpecError
 from dlstore.formats import FORMATS, Codec, cli_options, get_format, in_memory_format, register_codec
 from dlstore.formats.zarr_cache import ZarrWriter, chunk_path
+from dlstore.write.options import ConvertOptions
 
 PACKAGE = Path(dlstore.__file__).parent
 CLI = PACKAGE.parent / "cli"

@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from torchvision.datasets import ImageFolder
 
 from dlstore import convert, open_cache
-from dlstore.convert.imageops import decode_file
-from dlstore.convert.options import ConvertOptions
-from dlstore.convert.sources import ArraySource
 from dlstore.formats import FORMATS
 from dlstore.formats.codecs import is_image_codec
 from dlstore.spec import ImagePolicy
+from dlstore.write.imageops import decode_file
+from dlstore.write.options import ConvertOptions
+from dlstore.write.sources import ArraySource
 
 FORMAT_CASES = [
     ("ram", {}),

@@ -23,12 +23,12 @@ from reliability_helpers import make_tree
 
 from dlstore.checksums import checksum_tree
 from dlstore.cli import main
-from dlstore.convert.conversion import convert
-from dlstore.convert.verification import verify
 from dlstore.errors import DlstoreError, SpecError
 from dlstore.formats.codecs import JpegCodec, PayloadError
-from dlstore.read.cache import open_cache
+from dlstore.read.cache import Remote, open_cache
 from dlstore.spec import MANIFEST, manifest_digest
+from dlstore.write.conversion import convert
+from dlstore.write.verification import verify
 
 
 @pytest.fixture(scope="module")
@@ -431,7 +431,7 @@ RSS_PROBE = """
 import json, sys
 import numpy as np
 from dlstore.errors import DlstoreError
-from dlstore.read.cache import open_cache
+from dlstore.read.cache import Remote, open_cache
 
 def status(key):
     for line in open("/proc/self/status"):
@@ -561,7 +561,7 @@ def test_a_remote_zarr_with_a_disallowed_codec_leaves_nothing_outside_the_chunk_
     outside = [work, tmp_path / "tmp", tmp_path / "spool", Path.home() / ".cache" / "dlstore"]
     before = [files_under(f) for f in outside]
     with pytest.raises(DlstoreError, match="codec"):
-        open_cache("s3://hostile/zarr", cache_dir=tmp_path / "chunks")
+        open_cache("s3://hostile/zarr", remote=Remote(cache_dir=tmp_path / "chunks"))
     after = [files_under(f) for f in outside]
     assert [a - b for a, b in zip(after, before)] == [set()] * len(outside)
 
@@ -578,7 +578,7 @@ def test_a_remote_cache_declaring_65536_squared_images_is_refused_at_open(
     upload(s3, tmp_path / "z" / "c", "s3://hostile/huge")
     chunks = tmp_path / "chunks"
     with pytest.raises(DlstoreError, match="is declared to decode to .* MB, but the whole cache holds"):
-        open_cache("s3://hostile/huge", cache_dir=chunks, check_source=False)
+        open_cache("s3://hostile/huge", check_source=False, remote=Remote(cache_dir=chunks))
     assert not any("images/c" in p for p in files_under(chunks))  # no chunk was fetched
 
 
@@ -599,7 +599,7 @@ def test_a_remote_file_with_a_forged_tail_fails_read_and_verify(
     result = verify("s3://hostile/tail")
     assert not result.ok and "appended" in result.first_problem
     with pytest.raises(DlstoreError, match="checksums cover only"):
-        c = open_cache("s3://hostile/tail", cache_dir=tmp_path / "chunks")
+        c = open_cache("s3://hostile/tail", remote=Remote(cache_dir=tmp_path / "chunks"))
         c.read(np.arange(len(c)))
 
 

@@ -9,9 +9,9 @@ import pytest
 from imagegen import smooth_rgb
 
 from dlstore import convert, open_cache
-from dlstore.convert.options import ConvertOptions
 from dlstore.errors import SpecError
 from dlstore.formats.codecs import PayloadError, get_codec
+from dlstore.write.options import ConvertOptions
 
 
 def _photo_like(shape: tuple[int, int, int], seed: int) -> np.ndarray:

@@ -12,14 +12,14 @@ from PIL import Image, ImageOps
 from torchvision.transforms import Resize
 
 from dlstore import convert, open_cache
-from dlstore.convert.imageops import decode_file
-from dlstore.convert.options import ConvertOptions
-from dlstore.convert.sources import open_source
 from dlstore.errors import SampleReadError, SpecError
 from dlstore.formats import FORMATS
 from dlstore.formats.codecs import get_codec
 from dlstore.read.dataset import CachedDataset
 from dlstore.spec import ImagePolicy
+from dlstore.write.imageops import decode_file
+from dlstore.write.options import ConvertOptions
+from dlstore.write.sources import open_source
 
 PAYLOAD_FORMATS = [f.name for f in FORMATS.values() if f.ragged_ok]
 PIXEL_ONLY_FORMATS = [f.name for f in FORMATS.values() if not f.ragged_ok]
@@ -150,7 +150,7 @@ def _corrupt_one_payload(cache_root: Path, position: int) -> Path:
 def test_corrupt_jpeg_bytes_name_index_and_chunk_never_wrong_pixels(
     photo_tree: Path, tmp_path: Path, fmt: str
 ) -> None:
-    from dlstore.convert.verification import verify
+    from dlstore.write.verification import verify
 
     convert(
         photo_tree,

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlstore.convert.conversion import convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.read.cache import open_cache
+from dlstore.write.conversion import convert
+from dlstore.write.options import ConvertOptions
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from dlstore.convert.conversion import convert
 from dlstore.errors import SampleReadError, SpecError
-from dlstore.read.cache import open_cache
+from dlstore.read.cache import Remote, open_cache
+from dlstore.write.conversion import convert
 
 CHUNK = 2  # images per chunk: small, so the 27-image tree spans 5 shards, the last one partial
 SHARD_MB = 3 * CHUNK * 12 * 12 * 3 / 2**20  # three chunks per shard at 12 px
@@ -135,7 +135,7 @@ def test_sharded_cache_on_s3_costs_one_get_per_shard(
     s3: None, image_tree: Path, pairs: dict[str, tuple[Path, Path]], tmp_path: Path
 ) -> None:
     make(image_tree, "s3://shards/c", "zstd", SHARD_MB)
-    cache = open_cache("s3://shards/c", cache_dir=tmp_path / "mirror")
+    cache = open_cache("s3://shards/c", remote=Remote(cache_dir=tmp_path / "mirror"))
     store = cache.mirror.store
     before = store.requests
     everything = np.arange(len(cache))
@@ -146,14 +146,11 @@ def test_sharded_cache_on_s3_costs_one_get_per_shard(
     assert store.requests - before == -(-len(cache) // (3 * CHUNK))
 
 
-def test_sharded_chunks_decoded_ahead_in_processes_match(pairs: dict[str, tuple[Path, Path]]) -> None:
+def test_sharded_chunks_decoded_in_processes_match(pairs: dict[str, tuple[Path, Path]]) -> None:
     plain, sharded = pairs["zstd"]
     ref = open_cache(plain)
     cache = open_cache(sharded)
-    cache.reader.threads, cache.decode_processes = 2, 2
     batches = [np.sort(b) for b in np.array_split(np.random.default_rng(1).permutation(len(cache)), 5)]
-    for i, idx in enumerate(batches):
-        if i + 1 < len(batches):
-            cache.prefetch(batches[i + 1])
-        np.testing.assert_array_equal(cache.read(idx), ref.read(idx))
+    for idx, got in zip(batches, cache.read_batches(batches, processes=2), strict=True):
+        np.testing.assert_array_equal(got, ref.read(idx))
     cache.close()

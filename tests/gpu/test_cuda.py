@@ -9,10 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from dlstore import convert, open_cache
-from dlstore.convert.sources import ArraySource
+from dlstore import Loader, convert, open_cache
 from dlstore.gpu import GpuAugment
-from dlstore.read.loaders import PinnedLoader, ResidentLoader
+from dlstore.write.sources import ArraySource
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -44,7 +43,7 @@ def ids(x: torch.Tensor) -> list[int]:
 def test_pinned_loader_on_cuda_matches_plain_reads(cache_dir: Path, slow: bool) -> None:
     cache = open_cache(cache_dir)
     ref = torch.from_numpy(cache.read(np.arange(len(cache)))).permute(0, 3, 1, 2)
-    loader = PinnedLoader(cache_dir, batch_size=16, device="cuda", num_buffers=2, drop_last=False)
+    loader = Loader(cache_dir, batch_size=16, device="cuda", drop_last=False, via="pinned")
     seen = []
     for x, y in loader:
         assert x.is_cuda and y.is_cuda
@@ -63,11 +62,16 @@ def test_resident_loader_on_cuda(cache_dir: Path) -> None:
     cache = open_cache(cache_dir)
     ref = torch.from_numpy(cache.read(np.arange(len(cache)))).permute(0, 3, 1, 2)
     seen = []
-    for x, _ in ResidentLoader(cache_dir, batch_size=32, device="cuda", drop_last=False):
+    for x, _ in Loader(cache_dir, batch_size=32, device="cuda", drop_last=False, via="resident"):
         idx = ids(x.cpu())
         assert torch.equal(x.cpu(), ref[idx])
         seen += idx
     assert sorted(seen) == list(range(len(cache)))
+
+
+def test_auto_holds_a_cache_that_fits_the_budget_on_the_gpu(cache_dir: Path) -> None:
+    assert Loader(cache_dir, batch_size=32, device="cuda").via == "resident"
+    assert Loader(cache_dir, batch_size=32, device="cuda", resident_budget=1e-12).via == "pinned"
 
 
 def test_gpu_augment_matches_cpu(cache_dir: Path) -> None:
@@ -82,10 +86,16 @@ def test_gpu_augment_matches_cpu(cache_dir: Path) -> None:
 
 def test_resident_cuda_graph_matches_eager(cache_dir: Path) -> None:
     aug = GpuAugment(24, degrees=10).cuda()
-    graphed = ResidentLoader(
-        cache_dir, batch_size=32, device="cuda", transform=aug, cuda_graph=True, order="sequential"
+    graphed = Loader(
+        cache_dir,
+        batch_size=32,
+        device="cuda",
+        transform=aug,
+        cuda_graph=True,
+        order="sequential",
+        via="resident",
     )
-    eager = ResidentLoader(cache_dir, batch_size=32, device="cuda", order="sequential")
+    eager = Loader(cache_dir, batch_size=32, device="cuda", order="sequential", via="resident")
     for (gx, gy), (_, ey) in zip(graphed, eager):
         assert gx.shape == (32, 3, 24, 24) and torch.equal(gy, ey)
         assert gx.abs().sum() > 0  # the replay wrote the output
@@ -111,7 +121,7 @@ def test_cuda_graphed_transform_matches_eager() -> None:
 
 def test_pinned_loader_graphed_transform(cache_dir: Path) -> None:
     aug = GpuAugment(24, degrees=10).cuda()
-    loader = PinnedLoader(cache_dir, batch_size=64, device="cuda", transform=aug, cuda_graph=True)
+    loader = Loader(cache_dir, batch_size=64, device="cuda", transform=aug, cuda_graph=True, via="pinned")
     shapes = [tuple(x.shape) for x, _ in loader]
     assert shapes and all(s == (64, 3, 24, 24) for s in shapes)
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from decode_helpers import ragged_jpeg_cache
 
-from dlstore import convert, open_cache
-from dlstore.convert.options import ConvertOptions
+from dlstore import Loader, convert, open_cache
 from dlstore.formats import FORMATS
 from dlstore.gpu.ragged import RaggedRandomResizedCrop, bilinear_gather, crop_coords, flat_batch
-from dlstore.read.gpu_decode import DecodeLoader, decode_on_device
+from dlstore.read.decode.lanes import decode_on_device
+from dlstore.write.options import ConvertOptions
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
@@ -76,7 +76,7 @@ def test_ragged_crop_on_cuda_equals_cpu(jpeg_cache: Path) -> None:
 
 def test_decode_loader_on_cuda(jpeg_cache: Path) -> None:
     crop = RaggedRandomResizedCrop(16, out_dtype=torch.bfloat16, channels_last=True).cuda()
-    loader = DecodeLoader(jpeg_cache, batch_size=4, transform=crop, device="cuda")
+    loader = Loader(jpeg_cache, batch_size=4, transform=crop, device="cuda", via="decode")
     seen = 0
     for images, labels in loader:
         assert images.is_cuda and images.shape == (4, 3, 16, 16) and labels.is_cuda
@@ -84,13 +84,10 @@ def test_decode_loader_on_cuda(jpeg_cache: Path) -> None:
     assert seen == len(loader) * 4 and loader.stats.gpu_images == seen and loader.stats.cpu_fallbacks == 0
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_decode_loader_pixels_survive_a_slow_consumer(
-    image_tree: Path, tmp_path: Path, decode_in: str
-) -> None:
+def test_decode_loader_pixels_survive_a_slow_consumer(image_tree: Path, tmp_path: Path) -> None:
     """nvJPEG writes on its own stream: while a slow crop of batch i is still queued, the decode of batch
     i+1 must not reuse (overwrite) batch i's freed images. Each batch must equal its own decode."""
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.loader import storage_sorted
 
     convert(image_tree, tmp_path / "c", ConvertOptions(format=FORMAT, size=32, codec="jpeg", workers=2))
     cache = open_cache(tmp_path / "c")
@@ -100,9 +97,7 @@ def test_decode_loader_pixels_survive_a_slow_consumer(
         return torch.stack(images)
 
     batch = 4
-    loader = DecodeLoader(
-        cache, batch, transform=slow_stack, order="sequential", decode_in=decode_in, lanes=["nvjpeg"]
-    )
+    loader = Loader(cache, batch, transform=slow_stack, order="sequential", lanes=["nvjpeg"], via="decode")
     got = [x.clone() for x, _y in loader]
     torch.cuda.synchronize()
     dev = torch.device("cuda")
@@ -143,14 +138,11 @@ def test_fused_crop_kernel_equals_the_pytorch_path(
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_split_decode_on_cuda_equals_each_sides_own_decode(
-    image_tree: Path, tmp_path: Path, decode_in: str
-) -> None:
+def test_split_decode_on_cuda_equals_each_sides_own_decode(image_tree: Path, tmp_path: Path) -> None:
     """cpu_decoders: each batch's first half is decoded by CPU processes (pinned slots, one copy), the
     rest by nvJPEG; behind a slow consumer (slots reused while copies and crops are queued) every image
     must equal its own CPU or nvJPEG decode."""
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.loader import storage_sorted
 
     convert(image_tree, tmp_path / "c", ConvertOptions(format=FORMAT, size=32, codec="jpeg", workers=2))
     cache = open_cache(tmp_path / "c")
@@ -160,20 +152,20 @@ def test_split_decode_on_cuda_equals_each_sides_own_decode(
         return torch.stack(images)
 
     batch = 4
-    loader = DecodeLoader(
+    loader = Loader(
         cache,
         batch,
         transform=slow_stack,
         order="sequential",
-        decode_in=decode_in,
         cpu_decoders=2,
-        cpu_share=0.5,
-        read_ahead=1,
+        split={"cpu": 0.5},
         lanes=["cpu", "nvjpeg"],
+        via="decode",
     )
+    loader._path.read_ahead = 1
     try:
         got = [x.clone() for x, _y in loader]
-        assert loader.cpu is not None and loader.cpu.pinned
+        assert loader._path.cpu is not None and loader._path.cpu.pinned
     finally:
         loader.close()
     torch.cuda.synchronize()
@@ -191,7 +183,7 @@ def test_split_decode_into_the_fused_crop_equals_the_crop_of_the_list(
 ) -> None:
     """With a crop that takes FlatImages, the CPU share reaches the (fused) crop as one flat buffer:
     the crops equal the same-seeded crop of the CPU-decoded + nvJPEG-decoded list."""
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.loader import storage_sorted
 
     convert(
         image_tree,
@@ -202,8 +194,15 @@ def test_split_decode_into_the_fused_crop_equals_the_crop_of_the_list(
     dev = torch.device("cuda")
     crop = RaggedRandomResizedCrop(16, generator=torch.Generator(dev).manual_seed(1)).cuda()
     ref_crop = RaggedRandomResizedCrop(16, generator=torch.Generator(dev).manual_seed(1)).cuda()
-    loader = DecodeLoader(
-        cache, 4, transform=crop, order="sequential", cpu_decoders=2, cpu_share=0.5, lanes=["cpu", "nvjpeg"]
+    loader = Loader(
+        cache,
+        4,
+        transform=crop,
+        order="sequential",
+        cpu_decoders=2,
+        split={"cpu": 0.5},
+        lanes=["cpu", "nvjpeg"],
+        via="decode",
     )
     try:
         got = [x.clone() for x, _y in loader]
@@ -218,7 +217,7 @@ def test_split_decode_into_the_fused_crop_equals_the_crop_of_the_list(
 
 
 def _hardware_lane() -> object:
-    from dlstore.read.hw_decode import HardwareJpeg
+    from dlstore.read.decode.hw_lane import HardwareJpeg
 
     lane = HardwareJpeg.open(torch.device("cuda"))
     if lane is None:
@@ -240,13 +239,10 @@ def test_hardware_lane_decodes_like_the_cpu(photo_cache: Path) -> None:
         assert diff.mean().item() <= 1.5
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(
-    image_tree: Path, tmp_path: Path, decode_in: str
-) -> None:
+def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(image_tree: Path, tmp_path: Path) -> None:
     """Half of each batch on the hardware engines, half on nvJPEG, at once, behind a slow consumer:
     every image equals its own lane's decode."""
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.loader import storage_sorted
 
     lane = _hardware_lane()
     convert(image_tree, tmp_path / "c", ConvertOptions(format=FORMAT, size=32, codec="jpeg", workers=2))
@@ -256,14 +252,14 @@ def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(
         torch.cuda._sleep(20_000_000)
         return torch.stack(images)
 
-    loader = DecodeLoader(
+    loader = Loader(
         cache,
         4,
         transform=slow_stack,
         order="sequential",
-        decode_in=decode_in,
         lanes=["hw", "nvjpeg"],
         split={"hw": 0.5, "nvjpeg": 0.5},
+        via="decode",
     )
     try:
         got = [x.clone() for x, _y in loader]
@@ -283,7 +279,7 @@ def test_hardware_and_nvjpeg_lanes_together_behind_a_slow_consumer(
 def test_hardware_lane_slots_hold_the_same_bytes_as_its_tensors(photo_cache: Path) -> None:
     """``decode_into`` (into the lane's reused slots, or an allocation of its own for an image larger
     than a slot) gives byte for byte what ``decode`` (a tensor per image) gives, call after call."""
-    from dlstore.read.hw_decode import HardwareJpeg
+    from dlstore.read.decode.hw_lane import HardwareJpeg
 
     lane = _hardware_lane()
     cache = open_cache(photo_cache)
@@ -329,79 +325,3 @@ class _SlowCrop(RaggedRandomResizedCrop):
     def forward(self, images, target=None):  # type: ignore[no-untyped-def]
         torch.cuda._sleep(20_000_000)
         return super().forward(images, target)
-
-
-@pytest.mark.parametrize(
-    "lanes", [["nvjpeg"], ["cpu", "nvjpeg"], ["hw", "nvjpeg"], ["hw"], ["cpu", "hw", "nvjpeg"]], ids="+".join
-)
-def test_scattered_batches_equal_copied_ones_behind_a_slow_crop(
-    image_tree: Path, tmp_path: Path, lanes: list[str]
-) -> None:
-    """The loader's scattered batches (each lane's output read where it lies, the hardware lane's
-    slots reused every batch) crop to the same pixels as the same batches copied into one buffer
-    first (``scatter = False``, the design before), behind a slow crop, for two epochs."""
-    if "hw" in lanes:
-        _hardware_lane()
-    convert(
-        image_tree,
-        tmp_path / "c",
-        ConvertOptions(format=FORMAT, size=24, resize="shorter", codec="jpeg", workers=2),
-    )
-    split = {"cpu": 0.25, "hw": 0.5, "nvjpeg": 0.25} if len(lanes) == 3 else None
-    if lanes == ["cpu", "nvjpeg"] or lanes == ["hw", "nvjpeg"]:
-        split = dict.fromkeys(lanes, 0.5)
-    got = {}
-    for scatter in (True, False):
-        crop = _SlowCrop(16, generator=torch.Generator().manual_seed(2)).cuda()
-        loader = DecodeLoader(
-            tmp_path / "c",
-            4,
-            transform=crop,
-            order="sequential",
-            lanes=lanes,
-            split=split,
-            cpu_decoders=2 if "cpu" in lanes else 0,
-        )
-        loader.scatter = scatter
-        try:
-            got[scatter] = [x.clone() for _ in range(2) for x, _y in loader]
-            assert loader.stats.rerouted == 0
-            assert loader.stats.hw_images == (0 if "hw" not in lanes else loader.stats.hw_images) and (
-                "hw" not in lanes or loader.stats.hw_images > 0
-            )
-        finally:
-            loader.close()
-    assert len(got[True]) == len(got[False]) > 0
-    for k, (a, b) in enumerate(zip(got[True], got[False])):
-        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"batch {k}")
-
-
-def test_the_decode_process_equals_this_process_behind_a_slow_consumer(jpeg_cache: Path) -> None:
-    """decode_in="process" on CUDA: the ring's slots cross by CUDA IPC with an event each way; a training
-    stream that queues 20 ms before each batch must still get every batch intact (the child writes a
-    slot again only after this stream copied it out), equal to decoding in this process."""
-
-    def loader(decode_in: str) -> DecodeLoader:
-        crop = RaggedRandomResizedCrop(
-            16, out_dtype=torch.bfloat16, channels_last=True, generator=torch.Generator().manual_seed(1)
-        ).cuda()
-        return DecodeLoader(
-            jpeg_cache, 4, transform=crop, order="random", seed=2, lanes=["nvjpeg"], decode_in=decode_in
-        )
-
-    here, there = loader("thread"), loader("process")
-    try:
-        expected = [(x.clone(), y.clone()) for x, y in here]
-        got = []
-        for x, y in there:
-            torch.cuda._sleep(40_000_000)  # the step, queued before the copy of the next batch
-            got.append((x.clone(), y.clone()))
-        torch.cuda.synchronize()
-    finally:
-        here.close()
-        there.close()
-    assert len(got) == len(expected)
-    for k, ((a, la), (b, lb)) in enumerate(zip(expected, got)):
-        assert b.is_cuda and lb.is_cuda and b.is_contiguous(memory_format=torch.channels_last)
-        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=f"batch {k}")
-        assert torch.equal(la, lb)

@@ -22,7 +22,7 @@ from torchvision.transforms.v2 import functional as F
 
 from dlstore.gpu.augment import GpuAugment
 from dlstore.gpu.ragged import RaggedRandomResizedCrop, _flat_host
-from dlstore.read.targets import collate_fields
+from dlstore.read.field_targets import collate_fields
 
 
 @pytest.fixture(scope="module")

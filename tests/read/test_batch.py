@@ -13,9 +13,9 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 
 from dlstore import CachedDataset, convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.read import batch as batchmod
 from dlstore.read.batch import BatchSamples, ImageBatch, Sample, new_batch, pin_parallel
+from dlstore.write.options import ConvertOptions
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from decode_helpers import corrupt_payload, cpu_split_loader
 
-from dlstore import convert, open_cache
-from dlstore.convert.options import ConvertOptions
+from dlstore import Loader, convert, open_cache
 from dlstore.errors import CacheCorruptError, SampleReadError
 from dlstore.formats import FORMATS
-from dlstore.read.gpu_decode import DecodeLoader
+from dlstore.write.options import ConvertOptions
 
 PAYLOAD_FORMATS = [f.name for f in FORMATS.values() if f.ragged_ok]
 
@@ -32,7 +31,7 @@ def jpeg_cache(
     return dest
 
 
-def _epoch_equals_cpu_decode(loader: DecodeLoader, path: Path) -> int:
+def _epoch_equals_cpu_decode(loader: Loader, path: Path) -> int:
     """The epoch's (label, image) pairs equal the reader's own CPU decode of every index, each once;
     returns the count."""
     from collections import Counter
@@ -141,7 +140,7 @@ def test_a_worker_checks_crcs_and_reads_files(tmp_path: Path) -> None:
     import zlib
 
     from dlstore.formats.codecs import get_codec
-    from dlstore.read.cpu_decode import MappedFiles, decode_table
+    from dlstore.read.decode.cpu_lane import MappedFiles, decode_table
 
     codec = get_codec("jpeg", 90)
     img = np.random.default_rng(1).integers(0, 255, (8, 6, 3), dtype=np.uint8)
@@ -172,16 +171,16 @@ def test_fewer_runs_than_processes_decode_the_same_epoch(jpeg_cache: Path) -> No
         it = iter(loader)
         next(it)  # the decoders start with the first epoch
         it.close()  # type: ignore[attr-defined]  # and its read-ahead stops before _send is counted
-        assert loader.cpu is not None
-        loader.cpu.runs = 1
+        assert loader._path.cpu is not None
+        loader._path.cpu.runs = 1
         sent: list[int] = []
-        real = loader.cpu._send
+        real = loader._path.cpu._send
 
         def counting(table: Any, names: bytes = b"") -> Any:
             sent.append(len(table))
             return real(table, names)
 
-        loader.cpu._send = counting  # type: ignore[method-assign]
+        loader._path.cpu._send = counting  # type: ignore[method-assign]
         assert _epoch_equals_cpu_decode(loader, jpeg_cache) == len(open_cache(jpeg_cache))
         assert sent and len(sent) == len(loader) and loader.stats.cpu_redecoded == 0
     finally:
@@ -193,7 +192,7 @@ def test_the_worker_module_imports_no_torch() -> None:
     import subprocess
     import sys
 
-    probe = "import sys; from dlstore.read.cpu_decode import main; print('torch' in sys.modules)"
+    probe = "import sys; from dlstore.read.decode.cpu_lane import main; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -12,8 +12,8 @@ from torch.utils.data import DataLoader
 from torchvision.datasets import ImageFolder
 
 from dlstore import CachedDataset, convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.formats import FORMATS
+from dlstore.write.options import ConvertOptions
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ import pytest
 import torch
 from reliability_helpers import small_units
 
-from dlstore import convert, open_cache
-from dlstore.convert.sources import ArraySource
+from dlstore import Loader, convert, open_cache
 from dlstore.formats import FORMATS
-from dlstore.read.loaders import BufferRing, PinnedLoader, ResidentLoader, batch_dataloader
+from dlstore.read.pinned import BufferRing
 from dlstore.read.sampler import ChunkSampler
+from dlstore.write.sources import ArraySource
 
 UNIT = 8  # images per unit (shard, chunk, slab): 97 images make 13 units
 
@@ -67,9 +67,7 @@ def check_epoch(batches: list[tuple[torch.Tensor, torch.Tensor]], path: Path, ex
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("order", ["auto", "random", "sequential"])
 def test_pinned_loader_matches_plain_reads(caches: dict[str, Path], fmt: str, order: str) -> None:
-    loader = PinnedLoader(
-        caches[fmt], batch_size=10, device="cpu", order=order, drop_last=False, num_buffers=2
-    )
+    loader = Loader(caches[fmt], batch_size=10, device="cpu", order=order, drop_last=False, via="pinned")
     for _ in range(2):
         check_epoch(list(loader), caches[fmt], expect_all=True)
 
@@ -78,9 +76,7 @@ def test_pinned_loader_matches_plain_reads(caches: dict[str, Path], fmt: str, or
 def test_pinned_loader_decoding_ahead_in_processes_matches_plain_reads(
     caches: dict[str, Path], fmt: str
 ) -> None:
-    loader = PinnedLoader(
-        caches[fmt], batch_size=10, device="cpu", drop_last=False, num_buffers=2, decode_processes=2
-    )
+    loader = Loader(caches[fmt], batch_size=10, device="cpu", drop_last=False, cpu_decoders=2, via="pinned")
     for _ in range(2):
         check_epoch(list(loader), caches[fmt], expect_all=True)
     procs = loader.cache.engines.batch_processes
@@ -91,7 +87,7 @@ def test_pinned_loader_decoding_ahead_in_processes_matches_plain_reads(
 
 
 def test_pinned_loader_with_slow_consumer(caches: dict[str, Path]) -> None:
-    loader = PinnedLoader(caches["zarr"], batch_size=8, device="cpu", num_buffers=2)
+    loader = Loader(caches["zarr"], batch_size=8, device="cpu", via="pinned")
     batches = []
     for x, y in loader:
         time.sleep(0.01)  # the producer runs ahead and must wait for a free buffer
@@ -103,7 +99,7 @@ def test_pinned_loader_with_slow_consumer(caches: dict[str, Path]) -> None:
 def test_pinned_loader_yields_the_batches_before_a_read_error_then_raises(caches: dict[str, Path]) -> None:
     """The next batch is fetched ahead of the one returned: an error reading it must still come after
     every batch read before it, and end the epoch."""
-    loader = PinnedLoader(caches["ram"], batch_size=8, device="cpu", order="sequential", num_buffers=2)
+    loader = Loader(caches["ram"], batch_size=8, device="cpu", order="sequential", via="pinned")
     real, calls = loader.cache.read, []
 
     def failing(indices, out=None):  # type: ignore[no-untyped-def]
@@ -125,7 +121,7 @@ def test_pinned_loader_yields_the_batches_before_a_read_error_then_raises(caches
 def test_pinned_loader_returns_a_ready_batch_without_waiting_for_the_next(caches: dict[str, Path]) -> None:
     """The copy ahead takes the next batch only when it is already gathered: the batch in hand must
     come back while the gather of the next one is still held up (a blocking fetch would wait here)."""
-    loader = PinnedLoader(caches["ram"], batch_size=8, device="cpu", order="sequential", num_buffers=3)
+    loader = Loader(caches["ram"], batch_size=8, device="cpu", order="sequential", via="pinned")
     real, calls, gate = loader.cache.read, [], threading.Event()
 
     def held(indices, out=None):  # type: ignore[no-untyped-def]
@@ -173,7 +169,7 @@ def test_buffer_is_not_refilled_before_its_copy_finished() -> None:
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_resident_loader(caches: dict[str, Path], fmt: str) -> None:
-    loader = ResidentLoader(caches[fmt], batch_size=16, device="cpu", drop_last=False)
+    loader = Loader(caches[fmt], batch_size=16, device="cpu", drop_last=False, via="resident")
     check_epoch(list(loader), caches[fmt], expect_all=True)
     assert len(list(loader)) == len(loader) == 7
 
@@ -182,17 +178,9 @@ def test_resident_loader(caches: dict[str, Path], fmt: str) -> None:
 def test_loaders_refuse_a_batch_size_torch_refuses(caches: dict[str, Path], batch_size: object) -> None:
     with pytest.raises(ValueError, match="batch_size should be a positive integer"):
         torch.utils.data.BatchSampler(range(4), batch_size, False)  # type: ignore[arg-type]
-    for make in (PinnedLoader, ResidentLoader):
+    for via in ("pinned", "resident"):
         with pytest.raises(ValueError, match=f"batch_size should be a positive integer.*={batch_size}"):
-            make(caches["ram"], batch_size=batch_size, device="cpu")  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize("workers,ctx", [(0, None), (2, "fork"), (2, "spawn")])
-def test_batch_dataloader(caches: dict[str, Path], workers: int, ctx: str | None) -> None:
-    loader = batch_dataloader(
-        caches["npz"], batch_size=9, num_workers=workers, drop_last=False, multiprocessing_context=ctx
-    )
-    check_epoch(list(loader), caches["npz"], expect_all=True)
+            Loader(caches["ram"], batch_size=batch_size, device="cpu", via=via)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("fmt", [n for n, f in FORMATS.items() if f.traits.unit_grouped])
@@ -241,7 +229,7 @@ def test_chunk_sampler_drop_last() -> None:
 
 
 def test_abandoned_epoch_does_not_block_the_next(caches: dict[str, Path]) -> None:
-    loader = PinnedLoader(caches["ram"], batch_size=4, device="cpu", num_buffers=2, drop_last=False)
+    loader = Loader(caches["ram"], batch_size=4, device="cpu", drop_last=False, via="pinned")
     for _ in range(3):
         next(iter(loader))  # start an epoch and walk away, buffers still filled
     check_epoch(list(loader), caches["ram"], expect_all=True)

@@ -1,6 +1,6 @@
 """A cache with fields read the ways users read it: CachedDataset under a torchvision v2 pipeline and
 DataLoader workers (unchanged v2 code), the collate that keeps boxes as lists, and the fast loaders
-(PinnedLoader, ResidentLoader, DecodeLoader) yielding the same targets, moved by the GPU crops."""
+(``Loader``'s pinned, resident and decode paths) yielding the same targets, moved by the GPU crops."""
 
 from __future__ import annotations
 
@@ -14,11 +14,9 @@ from PIL import Image
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from dlstore import convert
+from dlstore import Loader, convert
 from dlstore.gpu import GpuAugment, RaggedRandomResizedCrop
 from dlstore.read.dataset import CachedDataset
-from dlstore.read.gpu_decode import DecodeLoader
-from dlstore.read.loaders import PinnedLoader, ResidentLoader
 
 N = 12
 
@@ -113,23 +111,29 @@ def check_same(target: dict, refs: list[dict]) -> None:
         assert torch.equal(target["labels"][j].cpu(), ref["labels"])
 
 
-@pytest.mark.parametrize("loader_class", [PinnedLoader, ResidentLoader])
-def test_fast_loaders_yield_the_datasets_targets(fixed_cache: Path, loader_class: type) -> None:
-    loader = loader_class(fixed_cache, batch_size=5, device="cpu", order="sequential", drop_last=False)
+@pytest.mark.parametrize("via", ["pinned", "resident"])
+def test_fast_loaders_yield_the_datasets_targets(fixed_cache: Path, via: str) -> None:
+    loader = Loader(fixed_cache, batch_size=5, device="cpu", via=via, order="sequential", drop_last=False)
     batches = list(loader)
     assert [len(x) for x, _ in batches] == [5, 5, 2]
     for b, (images, target) in enumerate(batches):
         check_same(target, reference_targets(fixed_cache, list(range(5 * b, 5 * b + len(images)))))
     aug = GpuAugment(8, generator=torch.Generator().manual_seed(0))
-    x, moved = next(iter(loader_class(fixed_cache, batch_size=5, device="cpu", transform=aug)))
+    x, moved = next(iter(Loader(fixed_cache, batch_size=5, device="cpu", via=via, transform=aug)))
     assert x.shape == (5, 3, 8, 8) and moved["mask"].shape == (5, 8, 8)
     assert all(b.canvas_size == (8, 8) for b in moved["boxes"])
 
 
 def test_decode_loader_moves_ragged_masks_with_its_crop(ragged_cache: Path) -> None:
     crop = RaggedRandomResizedCrop(10, scale=(1.0, 1.0), ratio=(1.0, 1.0), hflip_p=0.0)
-    loader = DecodeLoader(
-        ragged_cache, batch_size=4, transform=crop, device="cpu", order="sequential", drop_last=False
+    loader = Loader(
+        ragged_cache,
+        batch_size=4,
+        transform=crop,
+        device="cpu",
+        order="sequential",
+        drop_last=False,
+        via="decode",
     )
     seen = 0
     for x, target in loader:
@@ -137,12 +141,13 @@ def test_decode_loader_moves_ragged_masks_with_its_crop(ragged_cache: Path) -> N
         assert len(target["boxes"]) == len(x) == len(target["labels"])
         seen += len(x)
     assert seen == N
-    plain = DecodeLoader(
+    plain = Loader(
         ragged_cache,
         batch_size=4,
         transform=lambda images, target: (images, target),
         device="cpu",
         order="sequential",
+        via="decode",
     )
     images, target = next(iter(plain))
     refs = reference_targets(ragged_cache, [0, 1, 2, 3])
@@ -153,25 +158,25 @@ def test_decode_loader_moves_ragged_masks_with_its_crop(ragged_cache: Path) -> N
 
 
 def test_fields_selects_what_is_read(fixed_cache: Path) -> None:
-    x, target = next(iter(ResidentLoader(fixed_cache, batch_size=4, device="cpu", fields=("mask",))))
+    x, target = next(iter(Loader(fixed_cache, batch_size=4, device="cpu", fields=("mask",), via="resident")))
     assert list(target) == ["mask"]
-    for loader_class in (PinnedLoader, ResidentLoader):  # boxes alone: nothing resident, still a target
+    for via in ("pinned", "resident"):  # boxes alone: nothing resident, still a target
         _, target = next(
-            iter(loader_class(fixed_cache, batch_size=4, device="cpu", fields=("boxes", "labels")))
+            iter(Loader(fixed_cache, batch_size=4, device="cpu", via=via, fields=("boxes", "labels")))
         )
         assert list(target) == ["boxes", "labels"] and len(target["boxes"]) == 4
     assert list(CachedDataset(fixed_cache, fields=["labels"])[0][1]) == ["labels"]
     with pytest.raises(ValueError, match="no field"):
-        PinnedLoader(fixed_cache, batch_size=4, device="cpu", fields=("masks",))
+        Loader(fixed_cache, batch_size=4, device="cpu", fields=("masks",), via="pinned")
 
 
 def test_pinned_ring_stages_stacked_fields_in_its_own_buffers(fixed_cache: Path) -> None:
-    """PinnedLoader on CUDA: the gather thread reads a batch's masks straight into the slot's (pinned)
+    """The pinned path on CUDA: the gather thread reads a batch's masks straight into the slot's (pinned)
     buffer, or copies them there, so the device copy reads pinned memory; the buffer is the slot's,
     reused, and holds the ids a plain read gives."""
     from dlstore.read.cache import open_cache
-    from dlstore.read.loaders import BufferRing
-    from dlstore.read.targets import read_target
+    from dlstore.read.field_targets import read_target
+    from dlstore.read.pinned import BufferRing
 
     cache = open_cache(fixed_cache)
     ring = BufferRing(2, (5, *cache.spec.shape), pin=False)  # the staging, without a GPU to pin for

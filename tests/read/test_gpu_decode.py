@@ -10,9 +10,9 @@ import torch
 import torchvision.io
 from decode_helpers import cpu_split_loader, ragged_jpeg_cache, split_reference
 
-from dlstore import open_cache
+from dlstore import Loader, open_cache
 from dlstore.gpu.ragged import RaggedRandomResizedCrop
-from dlstore.read.gpu_decode import DecodeLoader, decode_on_device
+from dlstore.read.decode.lanes import decode_on_device
 
 
 @pytest.fixture(scope="module")
@@ -20,12 +20,9 @@ def jpeg_cache(image_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return ragged_jpeg_cache(image_tree, tmp_path_factory.mktemp("gpu-decode"))
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path, decode_in: str) -> None:
+def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path) -> None:
     crop = RaggedRandomResizedCrop(16, generator=torch.Generator().manual_seed(0))
-    loader = DecodeLoader(
-        jpeg_cache, batch_size=5, transform=crop, device="cpu", drop_last=False, decode_in=decode_in
-    )
+    loader = Loader(jpeg_cache, batch_size=5, transform=crop, device="cpu", drop_last=False, via="decode")
     labels = []
     for images, batch_labels in loader:
         assert images.shape[1:] == (3, 16, 16) and images.dtype == torch.float32
@@ -37,9 +34,7 @@ def test_loader_yields_fixed_size_batches_covering_the_epoch(jpeg_cache: Path, d
 
 def test_ragged_cache_needs_a_transform(jpeg_cache: Path) -> None:
     with pytest.raises(ValueError, match="RaggedRandomResizedCrop"):
-        DecodeLoader(jpeg_cache, batch_size=4, device="cpu")
-    with pytest.raises(ValueError, match="decode_in"):
-        DecodeLoader(jpeg_cache, batch_size=4, transform=lambda x: x, device="cpu", decode_in="gpu")
+        Loader(jpeg_cache, batch_size=4, device="cpu", via="decode")
 
 
 def test_batched_decode_equals_cpu_decode_and_falls_back_per_image(
@@ -71,14 +66,12 @@ def test_batched_decode_equals_cpu_decode_and_falls_back_per_image(
     np.testing.assert_array_equal(out[2].permute(1, 2, 0).numpy(), cpu[2])
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
-def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path, decode_in: str) -> None:
+def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path) -> None:
     import threading
 
     crop = RaggedRandomResizedCrop(8)
-    loader = DecodeLoader(
-        jpeg_cache, batch_size=2, transform=crop, device="cpu", read_ahead=1, decode_in=decode_in
-    )
+    loader = Loader(jpeg_cache, batch_size=2, transform=crop, device="cpu", via="decode")
+    loader._path.read_ahead = 1
     it = iter(loader)
     next(it)
     it.close()  # type: ignore[attr-defined]
@@ -86,16 +79,15 @@ def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path, decode_
     assert not [t for t in threading.enumerate() if t.name in ("dlstore-read-ahead", "dlstore-decode")]
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_reads_ahead_happen_while_a_decode_call_runs(
-    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """In steady state a batch is read only once the decode call of the batch read_ahead before it has
     started (so the reader's Python runs while that call is outside the GIL): before decode k starts,
     at most read_ahead + k batches were read. The stats say where the time went."""
     import time
 
-    import dlstore.read.gpu_decode as gd
+    import dlstore.read.decode.lanes as gd
 
     real, reads, at_launch = gd.decode_on_device, [0], []
 
@@ -115,73 +107,29 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
         return images
 
     monkeypatch.setattr(gd, "decode_on_device", slow_decode)
-    loader = DecodeLoader(
-        jpeg_cache, batch_size=2, transform=slow_transform, device="cpu", read_ahead=2, decode_in=decode_in
-    )  # type: ignore[arg-type,return-value]
-    loader.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
-    read = loader._read
+    loader = Loader(jpeg_cache, batch_size=2, transform=slow_transform, device="cpu", via="decode")
+    loader._path.read_ahead = 2  # type: ignore[arg-type,return-value]
+    loader._path.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
+    read = loader._path._read
 
     def counted(batch: list[int]) -> object:
         out = read(batch)
         reads[0] += 1
         return out
 
-    loader._read = counted  # type: ignore[method-assign]
+    loader._path._read = counted  # type: ignore[method-assign]
     batches = sum(1 for _ in loader)
     assert batches == len(loader) == len(at_launch) > 4
-    assert all(n <= loader.read_ahead + k for k, n in enumerate(at_launch)), at_launch
+    assert all(n <= loader._path.read_ahead + k for k, n in enumerate(at_launch)), at_launch
     assert loader.stats.batches == batches
     assert loader.stats.decode_seconds >= 0.02 * batches and loader.stats.read_seconds > 0
     assert loader.stats.transform_seconds >= 0.005 * batches
 
 
-def test_reads_can_wait_for_the_decode_call_to_return(
-    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``read_during_decode = False``: batch j (past the first read_ahead) is read only after the decode
-    call of batch j - read_ahead has returned (the GPU decoders take the GIL back per image, so a read
-    beside the call lengthens it); every batch still arrives, in order."""
-    import time
-
-    import dlstore.read.gpu_decode as gd
-
-    real, returned, seen_at_read = gd.decode_on_device, [0], []
-
-    def slow_decode(*args, **kw):  # type: ignore[no-untyped-def]
-        out = real(*args, **kw)
-        time.sleep(0.02)
-        returned[0] += 1
-        return out
-
-    monkeypatch.setattr(gd, "decode_on_device", slow_decode)
-    loader = DecodeLoader(
-        jpeg_cache, batch_size=2, transform=lambda x: x, device="cpu", read_ahead=2, order="sequential"
-    )  # type: ignore[arg-type,return-value]
-    loader.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
-    loader.read_during_decode = False
-    read = loader._read
-
-    def counted(batch: list[int]) -> object:
-        seen_at_read.append(returned[0])
-        return read(batch)
-
-    loader._read = counted  # type: ignore[method-assign]
-    labels = [y for _x, y in loader]
-    assert len(labels) == len(loader) > 4
-    later = list(enumerate(seen_at_read))[loader.read_ahead :]
-    assert all(n >= j - loader.read_ahead + 1 for j, n in later), seen_at_read
-    assert any(n > 0 for n in seen_at_read)
-
-
-# --- a batch split between nvJPEG and CPU decode processes (cpu_decoders) ---------------------------
-# Without a GPU, the "GPU" side is torchvision's CPU decode_jpeg through the same decode_on_device call
-# (``loader.gpu`` forced on); the CPU side is the real worker processes.
-
-
-def _check_split_epoch(loader: DecodeLoader, cache_path: Path, share: float) -> int:
+def _check_split_epoch(loader: Loader, cache_path: Path, share: float) -> int:
     """Every batch: its first round(share * n) images equal the CPU decode, the rest the single-path
     (decode_on_device) decode, each with its own label. Returns the CPU-decoded count."""
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.loader import storage_sorted
 
     cache = open_cache(cache_path)
     cpu_count, seen = 0, 0
@@ -201,11 +149,10 @@ def _check_split_epoch(loader: DecodeLoader, cache_path: Path, share: float) -> 
     return cpu_count
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_split_batches_equal_the_single_path_decodes(
-    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlstore.read.gpu_decode as gd
+    import dlstore.read.decode.lanes as gd
 
     real, sent = gd.decode_on_device, []
 
@@ -214,7 +161,7 @@ def test_split_batches_equal_the_single_path_decodes(
         return real(cache, payloads, *args, **kw)
 
     monkeypatch.setattr(gd, "decode_on_device", spy)
-    loader = cpu_split_loader(jpeg_cache, 0.5, decode_in=decode_in)
+    loader = cpu_split_loader(jpeg_cache, 0.5)
     try:
         cpu_count = _check_split_epoch(loader, jpeg_cache, 0.5)
         n = len(open_cache(jpeg_cache))
@@ -225,25 +172,12 @@ def test_split_batches_equal_the_single_path_decodes(
         loader.close()
 
 
-def test_split_batches_with_reads_gated_after_each_device_call(jpeg_cache: Path) -> None:
-    """``gate_reads = True`` with CPU decoders (and reads held until the device call returns): the
-    CPU share is submitted no further ahead than the gate allows, and every batch still equals the
-    single-path decodes, for two epochs."""
-    loader = cpu_split_loader(jpeg_cache, 0.5, read_ahead=1)
-    loader.gate_reads, loader.read_during_decode = True, False
-    try:
-        for _ in range(2):
-            assert _check_split_epoch(loader, jpeg_cache, 0.5) > 0
-    finally:
-        loader.close()
-
-
 def test_a_run_whose_worker_died_is_decoded_in_the_loader(jpeg_cache: Path) -> None:
     loader = cpu_split_loader(jpeg_cache, 1.0)
     try:
         next(iter(loader))  # workers started
-        assert loader.cpu is not None
-        for proc in loader.cpu.procs:
+        assert loader._path.cpu is not None
+        for proc in loader._path.cpu.procs:
             proc.kill()
             proc.wait()
         assert _check_split_epoch(loader, jpeg_cache, 1.0) == len(open_cache(jpeg_cache))
@@ -284,7 +218,7 @@ def test_the_measured_split_gives_the_cpu_what_a_slow_gpu_lane_cannot_keep_up_wi
     part to the CPU decoders, so a later epoch is decoded on the CPU alone."""
     import time
 
-    import dlstore.read.gpu_decode as gd
+    import dlstore.read.decode.lanes as gd
 
     real = gd.decode_on_device
 
@@ -299,10 +233,10 @@ def test_the_measured_split_gives_the_cpu_what_a_slow_gpu_lane_cannot_keep_up_wi
         for _ in range(3):
             for _batch in loader:
                 pass
-        rates = loader.split.rates()
+        rates = loader._path.split.rates()
         assert rates["cpu"] and rates["nvjpeg"] and rates["cpu"] > rates["nvjpeg"]
-        assert loader.split.last_period and loader.split.last_period > 0
-        assert loader.split.counts(4) == {"cpu": 4, "nvjpeg": 0}
+        assert loader._path.split.last_period and loader._path.split.last_period > 0
+        assert loader._path.split.counts(4) == {"cpu": 4, "nvjpeg": 0}
         gpu_before, cpu_before = loader.stats.gpu_images, loader.stats.cpu_images
         for _batch in loader:
             pass
@@ -310,13 +244,15 @@ def test_the_measured_split_gives_the_cpu_what_a_slow_gpu_lane_cannot_keep_up_wi
         assert loader.stats.cpu_images - cpu_before == len(open_cache(jpeg_cache))
         for _batch in loader:  # a slow consumer: the split's period is its step, not this loader's
             time.sleep(0.03)
-        assert loader.split.last_period >= 0.02
+        assert loader._path.split.last_period >= 0.02
     finally:
         loader.close()
-    with pytest.raises(ValueError, match="cpu_share"):
-        DecodeLoader(jpeg_cache, batch_size=4, transform=lambda x: x, device="cpu", cpu_share=1.5)
+    with pytest.raises(ValueError, match="its fraction of a batch, 0..1"):
+        Loader(
+            jpeg_cache, batch_size=4, transform=lambda x: x, device="cpu", split={"cpu": 1.5}, via="decode"
+        )
     with pytest.raises(ValueError, match="lanes are some of"):
-        DecodeLoader(jpeg_cache, batch_size=4, transform=lambda x: x, device="cpu", lanes=["dali"])
+        Loader(jpeg_cache, batch_size=4, transform=lambda x: x, device="cpu", lanes=["dali"], via="decode")
 
 
 class _FlakyEngine:
@@ -340,29 +276,28 @@ class _FlakyEngine:
             ]
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_a_lane_failing_mid_epoch_hands_its_images_to_another(
-    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three lanes (CPU processes, a hardware lane, "nvJPEG"), a fixed split; the hardware lane fails at
     its third batch. That batch's hardware part (and those of batches already split) is decoded by
     nvJPEG and counted; later batches give the lane nothing; every image of the epoch arrives once, with its label, as the single path decodes
     it."""
-    from dlstore.read import hw_decode
+    from dlstore.read.decode import hw_lane as hw_decode
 
     engine = _FlakyEngine(fail_at=3)
     monkeypatch.setattr(hw_decode.HardwareJpeg, "open", classmethod(lambda cls, device, channels=3: engine))
     split = {"cpu": 0.25, "hw": 0.5, "nvjpeg": 0.25}
-    loader = cpu_split_loader(jpeg_cache, None, decode_in=decode_in, split=split, lanes=list(split))
+    loader = cpu_split_loader(jpeg_cache, None, split=split, lanes=list(split))
     try:
         n = len(open_cache(jpeg_cache))
         assert _check_split_epoch(loader, jpeg_cache, 0.25) == loader.stats.cpu_images
-        assert loader.split.lanes == ["cpu", "hw", "nvjpeg"]
-        assert engine.calls > 3 - 1 and not loader.split.state["hw"].alive
+        assert loader._path.split.lanes == ["cpu", "hw", "nvjpeg"]
+        assert engine.calls > 3 - 1 and not loader._path.split.state["hw"].alive
         # its part of the failed batch, and of the batches already split (read ahead) before it failed
-        assert loader.stats.rerouted == loader.split.state["hw"].rerouted >= 2
+        assert loader.stats.rerouted == loader._path.split.state["hw"].rerouted >= 2
         assert loader.stats.hw_images == 2 * 2  # half of each batch of 4, two batches before it failed
-        assert loader.split.counts(4)["hw"] == 0
+        assert loader._path.split.counts(4)["hw"] == 0
         assert loader.stats.cpu_images + loader.stats.gpu_images == n
     finally:
         loader.close()
@@ -385,7 +320,7 @@ def test_split_batches_reach_a_flat_taking_crop_as_one_buffer(jpeg_cache: Path) 
 
     crop.forward = spy  # type: ignore[method-assign]
     loader = cpu_split_loader(jpeg_cache, 0.5)
-    loader.transform = crop
+    loader._path.transform = crop
     seen = 0
     try:
         for x, _y in loader:

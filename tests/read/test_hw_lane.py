@@ -1,4 +1,4 @@
-"""The hardware JPEG lane's batch plumbing (dlstore.read.hw_decode) without a GPU.
+"""The hardware JPEG lane's batch plumbing (dlstore.read.decode.hw_lane) without a GPU.
 
 The decoder is a stand-in with nvImageCodec's Python surface (``Decoder.decode(sources, images=...)``,
 ``as_images``, Images over external buffers that a decode reuses, refused images as None), decoding
@@ -17,7 +17,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dlstore.read.hw_decode import HardwareJpeg
+from dlstore.read.decode.hw_lane import HardwareJpeg
 
 
 class _Image:
@@ -170,9 +170,8 @@ def _torchvision_chw(payload: bytes) -> np.ndarray:
         return torchvision.io.decode_jpeg(torch.frombuffer(bytearray(payload), dtype=torch.uint8)).numpy()
 
 
-@pytest.mark.parametrize("decode_in", ["stream", "thread"])
 def test_the_crop_reads_each_lane_where_it_decoded_and_a_failed_lane_loses_nothing(
-    jpeg_cache: Path, decode_in: str, monkeypatch: pytest.MonkeyPatch
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """CPU processes, the hardware lane (its slots; here over the stand-in decoder) and "nvJPEG" (the
     CPU decode_jpeg) split each batch; the crop gets it as one scattered FlatImages (no per-image tensor,
@@ -182,8 +181,8 @@ def test_the_crop_reads_each_lane_where_it_decoded_and_a_failed_lane_loses_nothi
 
     from dlstore import open_cache
     from dlstore.gpu.ragged import FlatImages, RaggedRandomResizedCrop
-    from dlstore.read import hw_decode
-    from dlstore.read.loaders import storage_sorted
+    from dlstore.read.decode import hw_lane as hw_decode
+    from dlstore.read.loader import storage_sorted
 
     lane = HardwareJpeg(torch.device("cpu"), fake_nvimgcodec(_torchvision_chw), backends=(("CPU_ONLY", 1.0),))
     real, calls = lane.decode_into, [0]
@@ -207,8 +206,8 @@ def test_the_crop_reads_each_lane_where_it_decoded_and_a_failed_lane_loses_nothi
 
     crop.forward = spy  # type: ignore[method-assign]
     split = {"cpu": 0.25, "hw": 0.5, "nvjpeg": 0.25}
-    loader = cpu_split_loader(jpeg_cache, None, decode_in=decode_in, split=split, lanes=list(split))
-    loader.transform = crop
+    loader = cpu_split_loader(jpeg_cache, None, split=split, lanes=list(split))
+    loader._path.transform = crop
     cache = open_cache(jpeg_cache)
     seen = 0
     try:
@@ -220,7 +219,7 @@ def test_the_crop_reads_each_lane_where_it_decoded_and_a_failed_lane_loses_nothi
             assert labels.tolist() == cache.labels[index].tolist()
             seen += len(x)
         assert seen == len(cache) and seen_kinds and all(seen_kinds)
-        assert calls[0] >= 3 and not loader.split.state["hw"].alive
+        assert calls[0] >= 3 and not loader._path.split.state["hw"].alive
         assert loader.stats.hw_images == 2 * 2 and loader.stats.rerouted >= 2
         assert loader.stats.cpu_images + loader.stats.gpu_images == len(cache)
     finally:

@@ -1,4 +1,4 @@
-"""The split of a batch over decode lanes (dlstore.read.lane_split), with fake lane rates: pure logic, no
+"""The split of a batch over decode lanes (dlstore.read.decode.split), with fake lane rates: pure logic, no
 decoding. The loop that feeds it from a real DecodeLoader is tested in test_gpu_decode.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dlstore.read.lane_split import MARGIN, LaneSplit, decode_parts
+from dlstore.read.decode.split import MARGIN, LaneSplit, decode_parts
 
 RATES = {"cpu": 40_000.0, "hw": 25_000.0, "nvjpeg": 27_000.0}  # img/s of each lane's own busy time
 

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 from reliability_helpers import make_tree
 
-from dlstore.convert.conversion import convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.errors import StaleCacheWarning
 from dlstore.read.cache import open_cache
 from dlstore.read.dataset import CachedDataset
 from dlstore.spec import SOURCE_RECORD
+from dlstore.write.conversion import convert
+from dlstore.write.options import ConvertOptions
 
 
 @pytest.fixture
@@ -97,8 +97,8 @@ def test_dest_inside_the_source_root_is_refused(tmp_path: Path) -> None:
     """It would read as a class folder of the source next time (and publishing it would change the root's
     mtime, which the one-stat check on open reads): refused before anything is written, whether SOURCE is a
     path or a Source."""
-    from dlstore.convert.sources import scan_folder
     from dlstore.errors import ConvertError
+    from dlstore.write.sources import scan_folder
 
     src = make_tree(tmp_path / "src", per_class=3)
     for source in (src, scan_folder(src)):

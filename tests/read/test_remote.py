@@ -17,14 +17,12 @@ from reliability_helpers import FORMAT_NAMES, make_tree, read_all
 from s3server import aws_env, start_server
 
 import dlstore.storage.stores as stores
-from dlstore import CachedDataset, convert, open_cache, verify
+from dlstore import CachedDataset, Loader, Remote, convert, open_cache, verify
 from dlstore.cli import main
-from dlstore.convert.options import ConvertOptions
 from dlstore.errors import CacheExistsError, CacheNotFoundError, CacheReplacedError, SampleReadError
 from dlstore.formats import FORMATS
-from dlstore.read.gpu_decode import DecodeLoader
-from dlstore.read.loaders import PinnedLoader
 from dlstore.storage.stores import RemoteStore
+from dlstore.write.options import ConvertOptions
 
 pytestmark = pytest.mark.s3
 pytest.importorskip("moto.server")
@@ -75,7 +73,7 @@ def test_convert_to_s3_and_read_back_the_same_pixels(
     remote = conv(tree, url(f"roundtrip-{fmt}"), fmt)
     assert remote.dest == url(f"roundtrip-{fmt}") and remote.n == local.n == 24
     images, labels = read_all(tmp_path / "local")
-    cache = open_cache(url(f"roundtrip-{fmt}"), cache_dir=tmp_path / "mirror")
+    cache = open_cache(url(f"roundtrip-{fmt}"), remote=Remote(cache_dir=tmp_path / "mirror"))
     assert np.array_equal(cache.read(np.arange(len(cache))), images)
     assert np.array_equal(cache.labels, labels)
     assert verify(url(f"roundtrip-{fmt}")).ok
@@ -92,7 +90,7 @@ def test_dataset_and_loaders_read_a_url(
     loader = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context="spawn")
     seen = torch.cat([y for _, y in loader])
     assert sorted(seen.tolist()) == sorted(ds.targets)
-    pinned = PinnedLoader(url("ds"), batch_size=8, device="cpu", order="chunk")
+    pinned = Loader(url("ds"), batch_size=8, device="cpu", order="chunk", via="pinned")
     assert sum(len(y) for _, y in pinned) == 24
 
 
@@ -101,8 +99,10 @@ def test_decode_loader_reads_a_url_and_shards_it_across_ranks(s3: dict, tree: Pa
     conv(tree, tmp_path / "local", fmt, codec="jpeg")
     conv(tree, url("jpeg"), fmt, codec="jpeg")
     kw: dict[str, Any] = {"device": "cpu", "order": "sequential", "drop_last": False}
-    local = [(x, y) for x, y in DecodeLoader(tmp_path / "local", 4, **kw)]
-    remote = DecodeLoader(url("jpeg"), 4, cache_dir=tmp_path / "mirror", cache_bytes=64 << 20, **kw)
+    local = [(x, y) for x, y in Loader(tmp_path / "local", 4, via="decode", **kw)]
+    remote = Loader(
+        url("jpeg"), 4, remote=Remote(cache_dir=tmp_path / "mirror", cache_bytes=64 << 20), via="decode", **kw
+    )
     got = list(remote)
     assert remote.cache.mirror is not None and (tmp_path / "mirror") in remote.cache.mirror.path.parents
     assert len(got) == len(local) == 6
@@ -111,8 +111,14 @@ def test_decode_loader_reads_a_url_and_shards_it_across_ranks(s3: dict, tree: Pa
         torch.cat(
             [
                 y
-                for _, y in DecodeLoader(
-                    url("jpeg"), 4, cache_dir=tmp_path / "m2", num_replicas=2, rank=r, **kw
+                for _, y in Loader(
+                    url("jpeg"),
+                    4,
+                    num_replicas=2,
+                    rank=r,
+                    remote=Remote(cache_dir=tmp_path / "m2"),
+                    via="decode",
+                    **kw,
                 )
             ]
         )
@@ -127,7 +133,7 @@ def test_second_epoch_reads_local_disk_and_the_mirror_stays_bounded(
 ) -> None:
     monkeypatch.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 4))
     conv(tree, url("lru"), "npz")
-    cache = open_cache(url("lru"), cache_dir=tmp_path / "big")
+    cache = open_cache(url("lru"), remote=Remote(cache_dir=tmp_path / "big"))
     for start in range(0, 24, 4):
         cache.read(np.arange(start, min(24, start + 4)))
     store = cache.mirror.store
@@ -135,7 +141,7 @@ def test_second_epoch_reads_local_disk_and_the_mirror_stays_bounded(
     cache.read(np.arange(24))  # the whole second epoch
     assert store.requests == before  # nothing fetched again
     unit_bytes = max(p.stat().st_size for p in (cache.mirror.path / "shards").iterdir())
-    small = open_cache(url("lru"), cache_dir=tmp_path / "small", cache_bytes=2 * unit_bytes)
+    small = open_cache(url("lru"), remote=Remote(cache_dir=tmp_path / "small", cache_bytes=2 * unit_bytes))
     for start in range(0, 24, 4):
         small.read(np.arange(start, min(24, start + 4)))
         shards = list((small.mirror.path / "shards").iterdir())
@@ -148,7 +154,7 @@ def test_pinned_loader_prefetches_the_next_batch_units(
 ) -> None:
     monkeypatch.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 4))
     conv(tree, url("prefetch"), "npz")
-    cache = open_cache(url("prefetch"), cache_dir=tmp_path)
+    cache = open_cache(url("prefetch"), remote=Remote(cache_dir=tmp_path))
     cache.prefetch(np.arange(8))
     cache.mirror._prefetcher.shutdown(wait=True)
     assert sorted(p.name for p in (cache.mirror.path / "shards").iterdir()) == [
@@ -157,7 +163,7 @@ def test_pinned_loader_prefetches_the_next_batch_units(
     asked: list[list[int]] = []
     real = type(cache).prefetch
     monkeypatch.setattr(type(cache), "prefetch", lambda self, idx: (asked.append(list(idx)), real(self, idx)))
-    loader = PinnedLoader(cache, batch_size=8, device="cpu", order="chunk")
+    loader = Loader(cache, batch_size=8, device="cpu", order="chunk", via="pinned")
     batches = [sorted(y.tolist()) for _, y in loader]
     assert (
         len(asked) == len(batches) - 1
@@ -190,13 +196,13 @@ def test_publish_is_atomic_and_resumes_from_staging(
     )
     convert(tree, url("atomic"), ConvertOptions(format="npz", size=12, workers=1, overwrite=True))
     assert 0 < len(calls) < 9  # only what was not staged yet
-    assert open_cache(url("atomic"), cache_dir=tmp_path / "m2").spec.shape == (12, 12, 3)
+    assert open_cache(url("atomic"), remote=Remote(cache_dir=tmp_path / "m2")).spec.shape == (12, 12, 3)
     leftovers = [k for k in RemoteStore(url("atomic")).sizes() if k.startswith(".dlstore-staging")]
     assert leftovers == []
 
 
 def read_all_url(u: str, mirror: Path) -> tuple[np.ndarray, np.ndarray]:
-    cache = open_cache(u, cache_dir=mirror)
+    cache = open_cache(u, remote=Remote(cache_dir=mirror))
     return cache.read(np.arange(len(cache))), cache.labels
 
 
@@ -205,7 +211,7 @@ def test_a_reader_of_a_rebuilt_remote_cache_is_told_never_mixed(
 ) -> None:
     monkeypatch.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 5))
     conv(tree, url("rebuilt"), "npz")
-    cache = open_cache(url("rebuilt"), cache_dir=tmp_path)
+    cache = open_cache(url("rebuilt"), remote=Remote(cache_dir=tmp_path))
     first = cache.read(np.arange(5))
     convert(
         tree,
@@ -224,7 +230,7 @@ def test_no_manifest_means_no_cache_and_existing_needs_overwrite(
     store = RemoteStore(url("half"))
     store.put_bytes(b"x" * 10, "labels.npy")  # objects without a manifest: a half-written cache
     with pytest.raises(CacheNotFoundError, match="no dlstore.json"):
-        open_cache(url("half"), cache_dir=tmp_path)
+        open_cache(url("half"), remote=Remote(cache_dir=tmp_path))
     conv(tree, url("exists"), "npz")
     assert conv(tree, url("exists"), "npz").up_to_date  # the same command: make-like, as locally
     with pytest.raises(CacheExistsError, match="--overwrite"):
@@ -254,7 +260,7 @@ def test_damaged_objects_are_caught_by_their_checksum(
     shard = next(k for k in store.sizes() if k.startswith("shards/"))
     data = store.get_bytes(shard)
     store.put_bytes(data[: len(data) // 2] if damage == "truncate" else data[:-8] + b"XXXXXXXX", shard)
-    cache = open_cache(u, cache_dir=tmp_path)
+    cache = open_cache(u, remote=Remote(cache_dir=tmp_path))
     with pytest.raises(SampleReadError, match=rf"{shard}.*(checksum mismatch|truncated)"):
         cache.read(np.arange(len(cache)))
     assert not (cache.mirror.path / shard).exists()  # never kept, never read
@@ -277,7 +283,7 @@ def test_server_dying_mid_epoch_gives_a_clear_error_naming_the_object(tree: Path
         monkey.setattr("dlstore.formats.npz.NpzWriter.choose_unit_size", staticmethod(lambda b: 5))
         monkey.setenv("DLSTORE_SPOOL", str(tmp_path / "spool"))
         convert(tree, "s3://dying/c", ConvertOptions(format="npz", size=8, workers=1, storage_options=opts))
-        cache = open_cache("s3://dying/c", cache_dir=tmp_path / "m", storage_options=opts)
+        cache = open_cache("s3://dying/c", remote=Remote(cache_dir=tmp_path / "m", storage_options=opts))
         cache.read(np.arange(5))  # the first unit arrives
     finally:
         server.stop()
@@ -332,7 +338,7 @@ def test_jpeg_ragged_cache_on_s3_reads_the_same_images(
     conv(tree, tmp_path / "local", fmt, **kw)
     conv(tree, url(f"jpeg-{fmt}"), fmt, **kw)
     local = open_cache(tmp_path / "local").read_images(np.arange(24))
-    remote_cache = open_cache(url(f"jpeg-{fmt}"), cache_dir=tmp_path / "mirror")
+    remote_cache = open_cache(url(f"jpeg-{fmt}"), remote=Remote(cache_dir=tmp_path / "mirror"))
     remote = remote_cache.read_images(np.arange(24))
     assert all(np.array_equal(a, b) for a, b in zip(local, remote))
     # the mirror's unit files may be evicted once read: CPU decode workers get the bytes copied, never

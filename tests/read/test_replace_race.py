@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from dlstore.convert.conversion import convert
 from dlstore.errors import CacheReplacedError
 from dlstore.read.cache import open_cache
+from dlstore.write.conversion import convert
 
 LEVELS = (20, 128, 235)  # grey level of each class: far apart enough for any codec and resize
 # Options each overwrite cycles through, per format: a mix of sizes, codecs and storage orders.
@@ -33,7 +33,7 @@ VARIANTS = {
 }
 CONVERT = """
 import json, sys
-from dlstore.convert.conversion import convert
+from dlstore.write.conversion import convert
 from dlstore.errors import ConvertError
 src, dest, fmt, opts = sys.argv[1], sys.argv[2], sys.argv[3], json.loads(sys.argv[4])
 try:

@@ -17,16 +17,15 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from dlstore import CachedDataset, convert
-from dlstore.convert.sources import ArraySource
+from dlstore import CachedDataset, Loader, convert
 from dlstore.formats import FORMATS
-from dlstore.read.gpu_decode import DecodeLoader
-from dlstore.read.loaders import PinnedLoader, ResidentLoader
 from dlstore.read.order import EpochSampler, keeps_state
 from dlstore.read.sampler import ChunkSampler
+from dlstore.write.sources import ArraySource
 
 PAYLOAD_FORMAT = next(f.name for f in FORMATS.values() if f.ragged_ok)
 N, B, WINDOW = 60, 4, 2
+VIAS = ["pinned", "resident", "decode"]
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +56,9 @@ def collect_after() -> Any:
     gc.collect()
 
 
-def fast_loader(kind: type, cache: Path, **kw: Any) -> Any:
+def fast_loader(via: str, cache: Path, **kw: Any) -> Loader:
     kw = {"order": "chunk", "window": WINDOW, "seed": 7, "drop_last": True, **kw}
-    return kind(cache, B, device="cpu", **kw)
+    return Loader(cache, B, device="cpu", via=via, **kw)
 
 
 def stateful(cache: Path, workers: int, **kw: Any) -> StatefulDataLoader:
@@ -77,22 +76,22 @@ def test_one_order_whatever_the_loader_and_the_workers(ids_cache: Path) -> None:
     sampler = ChunkSampler(CachedDataset(ids_cache), window=WINDOW, seed=7)
     sampler.set_epoch(1)
     expected = np.sort(sampler.sequence(1)[: N // B * B].reshape(-1, B), axis=1).tolist()
-    for kind in (PinnedLoader, ResidentLoader, DecodeLoader):
-        loader = fast_loader(kind, ids_cache)
+    for via in VIAS:
+        loader = fast_loader(via, ids_cache)
         loader.set_epoch(1)
-        assert ids(loader) == expected, kind.__name__
+        assert ids(loader) == expected, via
     for workers in (0, 2):
         dl = stateful(ids_cache, workers)
         dl.sampler.set_epoch(1)
         assert ids(dl) == expected, workers
 
 
-@pytest.mark.parametrize("kind", [PinnedLoader, ResidentLoader, DecodeLoader])
-def test_a_loader_resumes_with_the_exact_next_batch(ids_cache: Path, kind: type) -> None:
+@pytest.mark.parametrize("kind", VIAS)
+def test_a_loader_resumes_with_the_exact_next_batch(ids_cache: Path, kind: str) -> None:
     whole = ids(fast_loader(kind, ids_cache))
-    first = (
-        fast_loader(kind, ids_cache, read_ahead=3) if kind is DecodeLoader else fast_loader(kind, ids_cache)
-    )
+    first = fast_loader(kind, ids_cache)
+    if kind == "decode":
+        first._path.read_ahead = 3
     it = iter(first)
     seen = ids(it, 5)  # the read-ahead and gather threads have prepared more than five by now
     state = json.loads(json.dumps(first.state_dict()))  # plain JSON
@@ -137,7 +136,7 @@ def test_two_ranks_resume_on_three_and_continue_the_one_global_sequence(ids_cach
     glob = ChunkSampler(CachedDataset(ids_cache), window=WINDOW, seed=7).sequence(0).tolist()
     size = 6 * WINDOW  # units of 6 images, all full: windows of 12
     windows = [glob[i : i + size] for i in range(0, N, size)]
-    two = [fast_loader(PinnedLoader, ids_cache, num_replicas=2, rank=r) for r in range(2)]
+    two = [fast_loader("pinned", ids_cache, num_replicas=2, rank=r) for r in range(2)]
     iters = [iter(x) for x in two]
     steps = [[sorted(next(it)[1].tolist()) for it in iters] for _ in range(2)]
     states = [x.state_dict() for x in two]
@@ -148,7 +147,7 @@ def test_two_ranks_resume_on_three_and_continue_the_one_global_sequence(ids_cach
         for r in range(2):
             assert pair[r] == sorted(c2[s * 2 * B + r : (s + 1) * 2 * B : 2])
             assert set(pair[r]) <= set(windows[r])
-    three = [fast_loader(ResidentLoader, ids_cache, num_replicas=3, rank=r) for r in range(3)]
+    three = [fast_loader("resident", ids_cache, num_replicas=3, rank=r) for r in range(3)]
     for x in three:
         x.load_state_dict(states[0])
     rest = [ids(x) for x in three]
@@ -221,7 +220,7 @@ def test_a_state_of_another_cache_is_refused_and_plain_dataloader_keeps_none(ids
     state = EpochSampler(np.arange(10), 1, order="random").state_dict()
     with pytest.raises(ValueError, match="saved for a cache of 10 images"):
         EpochSampler(np.arange(12), 1, order="random").load_state_dict(state)
-    assert keeps_state(fast_loader(PinnedLoader, ids_cache)) and keeps_state(stateful(ids_cache, 0))
+    assert keeps_state(fast_loader("pinned", ids_cache)) and keeps_state(stateful(ids_cache, 0))
     assert not keeps_state(torch.utils.data.DataLoader(CachedDataset(ids_cache), shuffle=True))
     bad = {**ChunkSampler(np.arange(40), 4, window=2).state_dict(), "base": 99}
     with pytest.raises(ValueError, match="base=99"):

@@ -18,9 +18,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlstore import CachedDataset, convert
-from dlstore.convert.options import ConvertOptions
 from dlstore.read import slots
-from dlstore.read.loaders import batch_dataloader
+from dlstore.read.engines import workers
+from dlstore.write.options import ConvertOptions
 
 pytestmark = pytest.mark.skipif(not slots.supported(), reason="needs os.memfd_create (Linux)")
 
@@ -94,12 +94,6 @@ def test_new_workers_each_epoch_do_not_pile_up_mappings(ram: Path, reference: to
         counts.append(slots.mapped_slots())
     # the slots of the previous epoch's (exited) workers are unmapped when the next workers' arrive
     assert max(counts[1:]) <= counts[0] + 2 * slots.MAX_SLOTS
-
-
-def test_batch_dataloader_uses_slots(ram: Path) -> None:
-    loader = batch_dataloader(ram, 4, num_workers=2, order="sequential", pin_memory=False)
-    n = sum(len(x) for _ in range(2) for x, _ in loader)
-    assert n == 2 * 4 * len(loader) and 2 <= slots.mapped_slots(_worker_pids(loader)) <= 8
 
 
 def test_worker_errors_still_reach_the_main_process(ram: Path) -> None:
@@ -178,7 +172,7 @@ def _populate_supported() -> bool:
 def test_slots_still_work_where_populate_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """An old kernel refuses MADV_POPULATE_*: the slot is still made, its pages fault in as used."""
     _fresh_pool(monkeypatch)
-    monkeypatch.setattr(slots, "_libc", False)
+    monkeypatch.setattr(workers, "_libc", False)
     t = slots.acquire(8 * 4096)
     assert t is not None and _resident_bytes(t) <= 4096  # the flag's page only, written by acquire
     t.fill_(7)
@@ -275,7 +269,6 @@ class _FakeEvent:
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> _FakeCudart:
     rt = _FakeCudart()
     monkeypatch.setattr(slots, "_cudart", lambda: rt)
-    monkeypatch.setattr(slots, "pin_in_place_enabled", True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(_FakeEvent, "done", False)

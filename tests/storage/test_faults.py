@@ -20,7 +20,7 @@ from reliability_helpers import make_tree
 from s3server import free_port
 
 import dlstore.storage.stores as stores
-from dlstore import convert, open_cache
+from dlstore import Remote, convert, open_cache
 from dlstore.cli import main
 from dlstore.errors import SampleReadError
 from dlstore.storage.stores import RemoteAccessError, RemoteStore, RemoteStoreError
@@ -85,7 +85,7 @@ def test_a_stopped_server_ends_a_read_within_its_deadline_naming_the_object(
 ) -> None:
     url = "s3://faults/stopped"
     small_remote_cache(tmp_path, url, monkeypatch)
-    cache = open_cache(url, cache_dir=tmp_path / "mirror")
+    cache = open_cache(url, remote=Remote(cache_dir=tmp_path / "mirror"))
     cache.read([0])  # unit 0 fetched while the server answers
     os.kill(server.pid, signal.SIGSTOP)
     t0 = time.monotonic()
@@ -103,7 +103,7 @@ def test_a_stopped_server_ends_a_read_within_its_deadline_naming_the_object(
 
 def test_a_missing_bucket_is_one_line_naming_it(server: subprocess.Popen[str], tmp_path: Path) -> None:
     with pytest.raises(RemoteStoreError, match=r"the bucket 'no-such-bucket' does not exist"):
-        open_cache("s3://no-such-bucket/c", cache_dir=tmp_path)
+        open_cache("s3://no-such-bucket/c", remote=Remote(cache_dir=tmp_path))
     res = CliRunner().invoke(main, ["verify", "s3://no-such-bucket/c"])
     assert res.exit_code == 1 and "Traceback" not in res.output
     assert "bucket 'no-such-bucket' does not exist" in res.output
@@ -119,7 +119,7 @@ def test_no_credentials_fail_at_once_in_one_line(
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     t0 = time.monotonic()
     with pytest.raises(RemoteAccessError) as e:
-        open_cache("s3://faults/c", cache_dir=tmp_path)
+        open_cache("s3://faults/c", remote=Remote(cache_dir=tmp_path))
     assert time.monotonic() - t0 < 10
     assert "s3://faults/c" in str(e.value) and "AWS_ACCESS_KEY_ID" in str(e.value)
 

@@ -39,9 +39,9 @@ DEADLINE_S = 15.0
 
 READ = f"""
 import sys
-from dlstore import open_cache
+from dlstore import Remote, open_cache
 try:
-    open_cache({URL!r}, cache_dir=sys.argv[1], storage_options={json.loads(OPTIONS)!r})
+    open_cache({URL!r}, remote=Remote(storage_options={json.loads(OPTIONS)!r}, cache_dir=sys.argv[1]))
 except Exception as e:
     print(f"Error: {{e}}")
     sys.exit(1)

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 
 from dlstore import CachedDataset, convert, open_cache, verify
 from dlstore.cli import main
-from dlstore.convert.options import ConvertOptions
 from dlstore.errors import UnsupportedStoreError
 from dlstore.storage.stores import parse_store_path
+from dlstore.write.options import ConvertOptions
 
 URLS = ["http://host/x", "https://host/x", "az://c/p", "ftp:/host/p"]
 

@@ -13,7 +13,8 @@ kind is one more entry here::
 
 Built-in kinds: ``raw`` (torchvision ImageFolder / dataset, per-file decode in DataLoader workers), one
 cached kind per registered format (``ram``, ``npz``, ``zarr``) read through ``CachedDataset``, and the
-fast paths ``pinned`` and ``resident``, and the JPEG cache's ``jpeg-gpu`` / ``jpeg-cpu``.
+paths of ``dlstore.Loader``: ``pinned``, ``resident`` and the JPEG cache's ``jpeg-gpu`` (its decode path),
+and ``jpeg-cpu``.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dlstore.errors import DlstoreError
 from dlstore.formats import FORMATS
 
 if TYPE_CHECKING:
-    from dlstore.bench.kinds.base import LoaderContext, PreparedLoader
+    from dlstore.bench.kinds.context import LoaderContext, PreparedLoader
 
 __all__ = [
     "LOADER_KINDS",
@@ -39,10 +40,10 @@ __all__ = [
 ]
 
 RAW = "torchvision ImageFolder/dataset: per-file PIL decode + resize + transform"
-PINNED = "ram cache, PinnedLoader: gather thread → pinned ring → side-stream copy, no workers"
-RESIDENT = "ram cache held in device memory, batches gathered there (ResidentLoader)"
+PINNED = "ram cache, Loader(via='pinned'): gather thread → pinned ring → side-stream copy, no workers"
+RESIDENT = "ram cache held in device memory, batches gathered there (Loader(via='resident'))"
 JPEG_GPU = (
-    "JPEG cache (variable size), DecodeLoader: batched nvJPEG decode + GPU crop, no workers"
+    "JPEG cache (variable size), Loader(via='decode'): batched nvJPEG decode + GPU crop, no workers"
     " (on a GPU the worker count is its CPU decoders beside nvJPEG)"
 )
 JPEG_CPU = "JPEG cache (variable size), CachedDataset in DataLoader workers: Pillow decode + v2 crop"
@@ -84,13 +85,13 @@ def imported_on_use(module: str, name: str, *args: str) -> Callable[[LoaderConte
 
 def __getattr__(name: str) -> Any:
     if name in ("LoaderContext", "PreparedLoader"):
-        from dlstore.bench.kinds import base
+        from dlstore.bench.kinds import context
 
-        return getattr(base, name)
+        return getattr(context, name)
     raise AttributeError(f"module 'dlstore.bench.kinds' has no attribute {name!r}")
 
 
-register_loader_kind(LoaderKind("raw", RAW, imported_on_use("raw", "raw_kind")))
+register_loader_kind(LoaderKind("raw", RAW, imported_on_use("raw_source", "raw_kind")))
 for _fmt in FORMATS:
     register_loader_kind(
         LoaderKind(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader, convert_command
+from dlstore.bench.kinds.context import META_FILES, LoaderContext, PreparedLoader, convert_command
 from dlstore.bench.transforms import cached_cpu_transform, device_transform
 from dlstore.spec import SKIPPED_FILE
 
@@ -75,8 +75,8 @@ def megapixels_key(ctx: LoaderContext) -> str:
 def convert_into(ctx: LoaderContext, dest: Path, **choices: Any) -> dict[str, Any]:
     """Convert the run's source into ``dest`` with ``choices`` (ConvertOptions fields: format, codec,
     resize, …) on top of the run's size, channels and limits; what happened."""
-    from dlstore.convert.conversion import convert
-    from dlstore.convert.options import ConvertOptions
+    from dlstore.write.conversion import convert
+    from dlstore.write.options import ConvertOptions
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     options = ConvertOptions(

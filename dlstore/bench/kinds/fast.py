@@ -1,8 +1,9 @@
-"""Kinds for dlstore's fast paths, so users see them next to raw files and DataLoader caches.
+"""Kinds for ``dlstore.Loader``'s raw-cache paths, so users see them next to raw files and DataLoader
+caches.
 
-``pinned``: ``PinnedLoader`` over a ram cache: no worker processes, a gather thread into pinned buffers
-and a side-stream copy; batches arrive on the device. ``resident``: the whole cache in device memory
-(``ResidentLoader``). Both ignore the worker count (they use none) and apply the run's device transform
+``pinned``: ``Loader(via="pinned")`` over a ram cache: no worker processes, a gather thread into pinned
+buffers and a side-stream copy; batches arrive on the device. ``resident``: the whole cache in device
+memory (``via="resident"``). Both ignore the worker count (they use none) and apply the run's device transform
 (``light`` → float, ``gpu-augment``/``augment`` → GpuAugment on the device).
 """
 
@@ -13,8 +14,8 @@ from typing import Any
 
 import torch
 
-from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader, convert_command
 from dlstore.bench.kinds.cached import ensure_cache
+from dlstore.bench.kinds.context import META_FILES, LoaderContext, PreparedLoader, convert_command
 from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
 from dlstore.bench.transforms import device_transform
 
@@ -64,27 +65,27 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code:
     )
 
 
-def pinned_kind(ctx: LoaderContext) -> PreparedLoader:
-    from dlstore.read.loaders import PinnedLoader
+def loader_kind(ctx: LoaderContext, via: str, description: str) -> PreparedLoader:
+    """The kind of ``dlstore.Loader(..., via=via)`` over the run's ram cache."""
+    from dlstore.read.loader import Loader
 
+    order = ", order='random'" if via == "pinned" else ""
     return _fast_kind(
         ctx,
-        "pinned",
-        "PinnedLoader(ram, in memory)",
-        lambda cache, cfg: PinnedLoader(cache, cfg.batch_size, device=ctx.device, order="random"),
-        f"from dlstore.read import PinnedLoader; loader = PinnedLoader(DEST, {ctx.config.batch_size}, "
-        f"device='{ctx.device.type}', order='random')",
+        via,
+        description,
+        # resident_budget: as much of the free memory as the bench's own runs may take
+        lambda cache, cfg: Loader(
+            cache, cfg.batch_size, device=ctx.device, via=via, order="random", resident_budget=0.8
+        ),
+        f"import dlstore; loader = dlstore.Loader(DEST, {ctx.config.batch_size}, "
+        f"device='{ctx.device.type}', via='{via}'{order})",
     )
+
+
+def pinned_kind(ctx: LoaderContext) -> PreparedLoader:
+    return loader_kind(ctx, "pinned", "Loader(ram, in memory, via='pinned')")
 
 
 def resident_kind(ctx: LoaderContext) -> PreparedLoader:
-    from dlstore.read.loaders import ResidentLoader
-
-    return _fast_kind(
-        ctx,
-        "resident",
-        f"ResidentLoader(ram, on {ctx.device})",
-        lambda cache, cfg: ResidentLoader(cache, cfg.batch_size, device=ctx.device),
-        f"from dlstore.read import ResidentLoader; loader = ResidentLoader(DEST, {ctx.config.batch_size}, "
-        f"device='{ctx.device.type}')",
-    )
+    return loader_kind(ctx, "resident", f"Loader(ram, on {ctx.device}, via='resident')")

@@ -1,6 +1,6 @@
 """Kinds for the JPEG cache (``--codec jpeg --resize shorter``: per-image JPEGs of variable size).
 
-``jpeg-gpu``: ``DecodeLoader`` — a read-ahead thread gathers the JPEG bytes chunk by chunk, one batched
+``jpeg-gpu``: ``dlstore.Loader``'s decode path — a read-ahead thread gathers the JPEG bytes chunk by chunk, one batched
 nvJPEG call decodes them on the device, and ``RaggedRandomResizedCrop`` (``augment``/``gpu-augment``) or
 ``RaggedCenterCrop`` (``light``) makes the fixed-size batch there; no DataLoader workers: on a GPU the
 run's worker count is its CPU decode processes beside nvJPEG (``cpu_decoders``, the measured split), so
@@ -19,8 +19,8 @@ import torch
 from torch.utils.data import Dataset
 
 from dlstore.bench.kinds import JPEG_CPU, JPEG_GPU
-from dlstore.bench.kinds.base import META_FILES, LoaderContext, PreparedLoader
 from dlstore.bench.kinds.cached import convert_into, megapixels_key
+from dlstore.bench.kinds.context import META_FILES, LoaderContext, PreparedLoader
 from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
 from dlstore.bench.transforms import device_transform
 
@@ -70,21 +70,27 @@ def gpu_crop(transform: str, size: int, device: torch.device) -> torch.nn.Module
 
 def jpeg_gpu_kind(ctx: LoaderContext) -> PreparedLoader:
     from dlstore.read.dataset import CachedDataset
-    from dlstore.read.gpu_decode import DecodeLoader
+    from dlstore.read.loader import Loader
 
     path, info = ensure_jpeg_cache(ctx)
     crop = gpu_crop(ctx.config.transform, ctx.size, ctx.device)
     c = ctx.channels
     # On a GPU the worker count is the CPU decode processes beside nvJPEG (``cpu_decoders``), so the sweep
-    # measures the lanes for this model; without one DecodeLoader decodes on the CPU in threads.
+    # measures the lanes for this model; without one the loader decodes on the CPU in threads.
     decoders = ctx.device.type == "cuda"
 
-    def make(ds: Any, workers: int, pin: bool, cfg: Any) -> DecodeLoader:
+    def make(ds: Any, workers: int, pin: bool, cfg: Any) -> Loader:
         from dlstore.bench.advice import decode_lanes
 
         n = workers if decoders else 0
-        return DecodeLoader(
-            ds.cache, cfg.batch_size, transform=crop, device=ctx.device, cpu_decoders=n, lanes=decode_lanes(n)
+        return Loader(
+            ds.cache,
+            cfg.batch_size,
+            device=ctx.device,
+            via="decode",
+            transform=crop,
+            cpu_decoders=n,
+            lanes=decode_lanes(n),
         )
 
     return PreparedLoader(

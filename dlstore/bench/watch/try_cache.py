@@ -30,7 +30,7 @@ EPOCH_BATCHES = 64  # batches per epoch of the loader timed on a sample
 def sample_source(ds_info: dict[str, Any], dataset: Any, batch: int, seed: int = 0) -> Any:
     """The observed dataset as a dlstore Source (a folder of class folders, or a torchvision set), cut to a
     seeded random sample; None for a dataset whose files must first be listed or written out."""
-    from dlstore.convert.sources import load_torchvision, scan_folder
+    from dlstore.write.sources import load_torchvision, scan_folder
 
     src, root = ds_info.get("convert") or {}, ds_info.get("root")
     if not root:
@@ -74,8 +74,8 @@ def convert_and_time(
     try:
         t0 = time.perf_counter()
         dest = tmp / "cache"
-        from dlstore.convert.conversion import convert
-        from dlstore.convert.options import ConvertOptions
+        from dlstore.write.conversion import convert
+        from dlstore.write.options import ConvertOptions
 
         convert(
             source, dest, ConvertOptions(size=plan["size"], channels=plan["channels"], format=plan["format"])

@@ -1,8 +1,8 @@
 """Whole batches decoded straight into shared memory by worker processes.
 
-``unit_procs`` decodes units ahead into shared slots and the reading process then gathers each batch's
-rows out of them: one more pass over every byte, in threads of one process that also pays the GIL
-hand-overs of ~100 runs per 256-image batch (issue 13, round B: 0.44-0.48 of the codec's all-core rate).
+Units decoded ahead into shared slots, then gathered into each batch by the reading process, cost one
+more pass over every byte, in threads of one process that also pays the GIL hand-overs of ~100 runs
+per 256-image batch (under half of the codec's all-core rate; that design is gone).
 Here the reading process plans the epoch up front: for each unit, which rows of which batches its
 images go to. A worker decodes the unit into a private buffer (still in its core's cache) and copies
 those images into the batches' rows, in a ring of batch slots in one shared-memory block. The reading
@@ -28,10 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from dlstore import settings
 from dlstore.formats.base import group_runs
-from dlstore.read.engines.unit_procs import populate
-from dlstore.read.engines.workers import Workers, attach, shutdown, worker_connection
+from dlstore.read.engines.workers import Workers, attach, populate, shutdown, worker_connection
 from dlstore.spec import read_spec
 
 _JOB = struct.Struct("<qqq")  # job id, unit, rows (then rows x (slot, row, local) int64)
@@ -47,7 +45,7 @@ def _worker(conn: Connection) -> None:
         ring = np.ndarray(tuple(hello["ring"]), np.uint8, buffer=shm.buf)
         reader = cls(Path(hello["root"]), read_spec(Path(hello["root"])))
         # One thread here: mapping chunk files beats reading them (readers that cannot map ignore it).
-        reader.map_chunks = settings.flag("DLSTORE_MAP_CHUNKS")  # benchmarks' A/B
+        reader.map_chunks = True
         buf = np.empty(tuple(hello["unit"]), np.uint8)  # reused: stays in this core's cache
         populate(ring)
         while True:

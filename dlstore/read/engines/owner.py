@@ -1,8 +1,7 @@
 """``ReaderEngines``: the worker processes one open cache runs over its reader, started on demand.
 
-The reader (``dlstore.formats``) decodes; this decides when other processes do it for it. Units
-decoded ahead go to ``UnitProcesses`` attached to the reader as its ``unit_decoder``; a whole epoch
-of batches goes to ``BatchProcesses``, which drives the reader's primitives. Both belong to the
+The reader (``dlstore.formats``) decodes; this decides when other processes do it for it: a whole epoch
+of batches goes to ``BatchProcesses``, which drives the reader's primitives. They belong to the
 process that started them: a forked child starts its own (or, as a DataLoader worker, none).
 """
 
@@ -18,7 +17,7 @@ import numpy as np
 
 from dlstore.formats.base import CacheReader, ChunkedReader
 from dlstore.read.engines.batch_procs import BatchProcesses, ring_slots
-from dlstore.read.engines.unit_procs import UnitProcesses, opener_for
+from dlstore.read.engines.workers import opener_for
 
 
 def may_start_processes(reader: CacheReader) -> bool:
@@ -28,40 +27,18 @@ def may_start_processes(reader: CacheReader) -> bool:
 
 
 class ReaderEngines:
-    """The decode processes of one reader: ``decode_ahead`` (units ahead) and ``decode_batches``."""
+    """The decode processes of one reader (``decode_batches``)."""
 
     def __init__(self, reader: CacheReader) -> None:
         self.reader = reader
         self._lock = threading.Lock()
-        self._units: UnitProcesses | None = None
-        self._units_pid = -1
         self._batches: BatchProcesses | None = None
         self._batches_pid = -1
-
-    @property
-    def unit_processes(self) -> UnitProcesses | None:
-        """The processes decoding units ahead for this process, if started."""
-        return self._units if self._units_pid == os.getpid() else None
 
     @property
     def batch_processes(self) -> BatchProcesses | None:
         """The processes and ring of ``decode_batches`` for this process, if started."""
         return self._batches if self._batches_pid == os.getpid() else None
-
-    def decode_ahead(self, processes: int) -> None:
-        """Have the reader's units decoded ahead by ``processes`` worker processes instead of its
-        threads, starting them on the first call (later calls keep them, whatever ``processes``)."""
-        if processes <= 0 or not may_start_processes(self.reader):
-            return
-        reader = cast(ChunkedReader, self.reader)  # unit_arrays: a ChunkedReader's units
-        with self._lock:
-            procs = self.unit_processes
-            if procs is None:
-                slots = reader.max_units + reader.max_ahead + 2 * max(1, reader.threads) + 4
-                shape = (reader.unit, *reader.spec.shape)
-                procs = UnitProcesses(opener_for(reader), shape, processes, slots)
-                self._units, self._units_pid = procs, os.getpid()
-            reader.unit_decoder = procs
 
     def decode_batches(self, batches: list[np.ndarray], processes: int) -> Iterator[np.ndarray]:
         """Each batch of storage positions (rows in the order given), decoded by ``processes`` worker
@@ -88,9 +65,6 @@ class ReaderEngines:
         """Stop this process's workers and free their shared memory; call after the reader's
         ``close`` (its decoded units may be views of that memory)."""
         with self._lock:
-            units, batches = self.unit_processes, self.batch_processes
-            self._units = self._batches = None
-        if units is not None:
-            units.close()
+            batches, self._batches = self.batch_processes, None
         if batches is not None:
             batches.close()

@@ -1,7 +1,7 @@
 """Worker interpreters that share one block of memory with the process that starts them.
 
-The plumbing under ``unit_procs`` (units decoded ahead), ``batch_procs`` (batches decoded straight into a
-ring) and ``dlstore.read.cpu_decode`` (the CPU share of a JPEG batch): each has its own protocol on top.
+The plumbing under ``batch_procs`` (batches decoded straight into a ring) and
+``dlstore.read.decode.cpu_lane`` (the CPU share of a JPEG batch): each has its own protocol on top.
 
 - Workers are fresh interpreters (``python -c "from MODULE import main; main()" FD``), not
   multiprocessing's: spawn and forkserver re-run the user's main module in the child (a script without
@@ -14,7 +14,9 @@ ring) and ``dlstore.read.cpu_decode`` (the CPU share of a JPEG batch): each has 
 
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
 import signal
 import socket
@@ -24,6 +26,8 @@ from multiprocessing import shared_memory
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from dlstore.errors import DlstoreError
 
@@ -120,28 +124,12 @@ def shutdown(
 
 def _hang_up(conn: Connection) -> None:
     """Shut the socket down before closing it: a collector thread waiting on it wakes at once (closing
-    the descriptor alone does not wake it, so its owner's join waited out its timeout, 5 s per pool on
-    the H200) and the worker sees EOF."""
+    the descriptor alone does not wake it, so its owner's join waited out its timeout, 5 s per pool) and
+    the worker sees EOF."""
     try:
         socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
     except OSError:  # already closed, or never connected
         pass
-
-
-def start_interpreter(module: str) -> tuple[Connection, subprocess.Popen[bytes]]:
-    """One fresh interpreter running ``module.main()`` with a socket to it (no shared block)."""
-    return _start(module)
-
-
-def shutdown_interpreter(conn: Connection, proc: subprocess.Popen[bytes]) -> None:
-    """Hang up on one interpreter (it exits when its socket closes) and reap it."""
-    _hang_up(conn)
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    conn.close()
 
 
 def _start(module: str) -> tuple[Connection, subprocess.Popen[bytes]]:
@@ -181,3 +169,37 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         except Exception:  # the tracker is best effort; the block is unlinked by its owner anyway
             pass
+
+
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14; elsewhere pages fault as used
+_libc: Any = None
+
+
+def populate(arr: np.ndarray) -> None:
+    """Map every page of ``arr`` writable in one ``madvise`` instead of one fault per 4 KiB page on
+    first write. Workers write all over a shared block: without this, each process takes a fault
+    on most of its writes for the first several epochs (one per page it has not written yet)."""
+    addr = arr.ctypes.data
+    start = addr - addr % mmap.PAGESIZE
+    madvise_populate(start, arr.nbytes + (addr - start), write=True)
+
+
+def madvise_populate(address: int, nbytes: int, write: bool = False) -> bool:
+    """``madvise(MADV_POPULATE_WRITE|READ)`` over ``nbytes`` from the page-aligned ``address``; False
+    where unsupported (Linux < 5.14, no libc), and the pages then fault in as they are first used."""
+    global _libc
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        except (OSError, AttributeError):
+            _libc = False
+    if not _libc or nbytes == 0:
+        return False
+    advice = _MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ
+    return int(_libc.madvise(address, nbytes, advice)) == 0
+
+
+def opener_for(reader: Any) -> tuple[type, Path]:
+    """What a worker needs to open its own copy of the reader (it reads the manifest itself)."""
+    return (type(reader), Path(reader.root).resolve())

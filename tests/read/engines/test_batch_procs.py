@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dlstore import convert, open_cache
-from dlstore.convert.sources import ArraySource
+from dlstore import Loader, convert, open_cache
 from dlstore.errors import SampleReadError
 from dlstore.formats.npz import NpzWriter
 from dlstore.formats.zarr_cache import ZarrWriter
 from dlstore.read.engines.batch_procs import plan_jobs
-from dlstore.read.loaders import PinnedLoader, make_sampler
+from dlstore.read.loader import make_sampler
+from dlstore.write.sources import ArraySource
 
 UNIT = 7
 
@@ -190,8 +190,8 @@ def test_an_epoch_abandoned_mid_way_leaves_the_next_one_correct(zarr_cache: Path
 
 
 def test_pinned_loader_with_decode_processes_yields_the_same_batches(zarr_cache: Path) -> None:
-    plain = PinnedLoader(zarr_cache, batch_size=32, device="cpu", order="chunk")
-    procs = PinnedLoader(zarr_cache, batch_size=32, device="cpu", order="chunk", decode_processes=2)
+    plain = Loader(zarr_cache, batch_size=32, device="cpu", order="chunk", via="pinned")
+    procs = Loader(zarr_cache, batch_size=32, device="cpu", order="chunk", cpu_decoders=2, via="pinned")
     for _ in range(2):
         pairs = list(zip(plain, procs))
         assert len(pairs) == len(plain)
@@ -206,7 +206,7 @@ READ_FOREVER = """
 import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a background job may start with SIGINT ignored
 from dlstore import open_cache
-from dlstore.read.loaders import make_sampler, storage_sorted
+from dlstore.read.loader import make_sampler, storage_sorted
 cache = open_cache(sys.argv[1])
 order = list(make_sampler(cache, "chunk", seed=0))
 batches = [storage_sorted(cache, order[i : i + 16]) for i in range(0, len(order), 16)]

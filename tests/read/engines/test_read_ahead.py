@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from dlstore import convert, open_cache
-from dlstore.convert.sources import ArraySource
 from dlstore.errors import CacheCorruptError, SampleReadError
 from dlstore.formats.base import ChunkedReader
 from dlstore.formats.describe import Traits
 from dlstore.formats.zarr_cache import ZarrWriter
-from dlstore.read.loaders import make_sampler, storage_sorted
+from dlstore.read.loader import make_sampler, storage_sorted
+from dlstore.write.sources import ArraySource
 
 UNIT, SHAPE = 4, (2, 2, 1)
 
@@ -151,12 +151,10 @@ def zarr_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return dest
 
 
-def epoch(root: Path, depth: int, processes: int = 0) -> tuple[list[np.ndarray], list[int]]:
-    """Batches of 32 in ChunkSampler order, prefetching `depth` batches ahead; the units decoded
-    in this process (decode processes are not counted)."""
+def epoch(root: Path, depth: int) -> tuple[list[np.ndarray], list[int]]:
+    """Batches of 32 in ChunkSampler order, prefetching `depth` batches ahead; the units decoded."""
     cache = open_cache(root)
     cache.reader.threads = 3
-    cache.decode_processes = processes
     calls: list[int] = []
     load = cache.reader.load_unit
     cache.reader.load_unit = lambda k: (calls.append(k), load(k))[1]  # type: ignore[method-assign]
@@ -196,41 +194,3 @@ def test_a_damaged_zarr_chunk_decoded_ahead_names_the_chunk_in_the_read(
     with pytest.raises(SampleReadError, match=r"images/c/1/0/0/0: chunk 1"):
         cache.read(index)
     cache.close()
-
-
-def test_zarr_units_decoded_ahead_in_processes_match_and_are_not_decoded_again(zarr_cache: Path) -> None:
-    plain, _ = epoch(zarr_cache, 0)
-    ahead, here = epoch(zarr_cache, 2, processes=2)
-    assert all(np.array_equal(a, b) for a, b in zip(plain, ahead))
-    assert len(here) < 43 // 2  # the processes decoded most (all but the first batch's units)
-
-
-def test_decode_processes_name_a_damaged_chunk_recover_from_a_lost_worker_and_shut_down(
-    zarr_cache: Path, tmp_path: Path
-) -> None:
-    import shutil
-
-    root = tmp_path / "z"
-    shutil.copytree(zarr_cache, root)
-    chunk = root / "images" / "c" / "1" / "0" / "0" / "0"
-    chunk.write_bytes(chunk.read_bytes()[:100])
-    cache = open_cache(root)
-    cache.reader.threads, cache.decode_processes = 2, 2
-    unit = cache.reader.unit
-    damaged = np.flatnonzero(cache.positions // unit == 1)[:2]
-    cache.prefetch(damaged)
-    procs = cache.engines.unit_processes
-    assert procs is not None and len(procs.procs) == 2
-    with pytest.raises(SampleReadError, match=r"images/c/1/0/0/0: chunk 1"):
-        cache.read(damaged)
-    for p in procs.procs:  # every worker gone: units are decoded in this process instead
-        p.kill()
-        p.wait()
-    good = np.flatnonzero(cache.positions // unit == 2)[:3]
-    cache.prefetch(good)
-    expected = open_cache(zarr_cache).read(good)
-    assert np.array_equal(cache.read(good), expected)
-    name = procs.shm.name
-    cache.close()
-    assert all(p.poll() is not None for p in procs.procs)
-    assert not (Path("/dev/shm") / name).exists()

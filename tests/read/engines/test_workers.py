@@ -13,11 +13,11 @@ import pytest
 from dlstore.errors import DlstoreError
 from dlstore.read.engines.workers import Workers, shutdown
 
-HELLO = {"size": 4096, "codec": "jpeg", "quality": 90}  # what dlstore.read.cpu_decode's workers expect
+HELLO = {"size": 4096, "codec": "jpeg", "quality": 90}  # what dlstore.read.decode.cpu_lane's workers expect
 
 
 def test_the_block_has_no_name_once_the_workers_have_mapped_it() -> None:
-    w = Workers("dlstore.read.cpu_decode", 2, 4096, HELLO)
+    w = Workers("dlstore.read.decode.cpu_lane", 2, 4096, HELLO)
     try:
         assert not (Path("/dev/shm") / w.shm.name.lstrip("/")).exists()  # kill -9 now leaves nothing
         assert all(p.poll() is None for p in w.procs)  # and the workers are still there, serving

@@ -1,0 +1,223 @@
+"""The ``raw`` kind: torchvision ImageFolder / torchvision dataset, per-file PIL decode + resize + transform
+in DataLoader workers — what users start from. Sources of encoded samples (parquet, WebDataset, a file
+list, a Dataset of your own) are read the way their users read them: pyarrow row-group reads, ranged
+reads of the tar members, PIL from the listed paths, the Dataset's own ``__getitem__``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset
+
+from dlstore.bench.kinds.context import NATIVE_SIZES, LoaderContext, PreparedLoader
+from dlstore.bench.transforms import device_transform, raw_field_transform, raw_transform
+from dlstore.errors import DlstoreError
+from dlstore.write.sources import FolderSource
+from dlstore.write.sources.encoded import EncodedSource
+
+
+def raw_kind(ctx: LoaderContext) -> PreparedLoader:
+    tf_name, size = ctx.config.transform, ctx.size
+    dtype = torch.uint8 if tf_name == "gpu-augment" else torch.float32
+    dev_tf = device_transform(tf_name, size, ctx.device) if tf_name == "gpu-augment" else None
+    if ctx.source.fields:
+        return fields_kind(ctx, tf_name, dtype, dev_tf)
+    if isinstance(ctx.source, FolderSource):
+        root = ctx.source.root
+        files = [root / n for n in ctx.source.names]
+        listed = frozenset(str(f) for f in files)  # the files convert reads (ImageFolder's, plus GIF)
+
+        def new_dataset() -> Dataset:
+            from torchvision.datasets import ImageFolder
+
+            return ImageFolder(
+                str(root),
+                transform=raw_transform(tf_name, size, None),
+                loader=tolerant_loader,
+                is_valid_file=listed.__contains__,
+                allow_empty=True,  # a sample (--max-images) may miss some classes; their indices stay
+            )
+
+        return PreparedLoader(
+            "raw",
+            f"torchvision ImageFolder({root}) + {tf_name}",
+            len(ctx.source),
+            files,
+            True,
+            dtype,
+            (3, size, size),
+            new_dataset,
+            dev_tf,
+            fresh_for_cold=False,
+            info={"root": str(root)},
+        )
+    if isinstance(ctx.source, EncodedSource):
+        return encoded_kind(ctx, ctx.source, tf_name, dtype, dev_tf)
+    name = ctx.source.kind.removeprefix("torchvision:")
+    root = ctx.config.root
+    if root is None:
+        raise DlstoreError(f"raw loader for {ctx.source.kind} needs --root")
+    files = sorted(p for p in Path(root).rglob("*") if p.is_file() and _torchvision_file(name, p))
+
+    sample = ctx.source.sample
+
+    def new_tv_dataset() -> Dataset:
+        import torchvision.datasets as tvd
+        from torch.utils.data import Subset
+
+        ds = getattr(tvd, name)(
+            str(root),
+            train=True,
+            download=False,
+            transform=raw_transform(tf_name, size, NATIVE_SIZES.get(name)),
+        )
+        return ds if sample is None else Subset(ds, sample.tolist())  # the run's sample (--max-images)
+
+    return PreparedLoader(
+        "raw",
+        f"torchvision.datasets.{name}({root}) + {tf_name}",
+        len(ctx.source),
+        files,
+        False,
+        dtype,
+        (ctx.channels, size, size),
+        new_tv_dataset,
+        dev_tf,
+        info={"root": str(root), "loads_once": True},
+    )
+
+
+class SourceImages(Dataset):
+    """(transformed image, label) of a source's sample i, opened as the source's users open it."""
+
+    def __init__(self, source: EncodedSource, transform: Any) -> None:
+        self.source, self.transform = source, transform
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        try:
+            img = self.source.open_image(i).convert("RGB")
+        except (OSError, ValueError, SyntaxError, DlstoreError, Image.DecompressionBombError):
+            img = Image.new("RGB", (1, 1))  # as tolerant_loader: counted in the bench's note, not fatal
+        return self.transform(img), int(self.source.labels[i])
+
+
+def encoded_kind(
+    ctx: LoaderContext, source: EncodedSource, tf_name: str, dtype: torch.dtype, dev_tf: Any
+) -> PreparedLoader:
+    size = ctx.size
+
+    def new_dataset() -> Dataset:
+        return SourceImages(source, raw_transform(tf_name, size, None))
+
+    return PreparedLoader(
+        "raw",
+        f"{source.kind} {source.description} read per sample + {tf_name}",
+        len(source),
+        source.source_files(),
+        True,
+        dtype,
+        (3, size, size),
+        new_dataset,
+        dev_tf,
+        fresh_for_cold=False,
+        info={"source": source.description},
+    )
+
+
+def fields_kind(ctx: LoaderContext, tf_name: str, dtype: torch.dtype, dev_tf: Any) -> PreparedLoader:
+    """A source of fields read as its users read it: the image and its annotations per sample, then a
+    torchvision v2 pipeline that moves the masks and boxes with the image (``raw_field_transform``)."""
+    source, size = ctx.source, ctx.size
+    boxes = any(f.kind == "boxes" for f in source.fields.values())
+
+    def new_dataset() -> Dataset:
+        return SourceFieldSamples(source, raw_field_transform(tf_name, size, boxes))
+
+    files = source.source_files() if isinstance(source, EncodedSource) else []
+    if isinstance(source, FolderSource):
+        files = [source.root / n for n in source.names]
+    return PreparedLoader(
+        "raw",
+        f"{source.kind} {source.description} read per sample (image + {', '.join(source.fields)}) + v2 {tf_name}",
+        len(source),
+        files,
+        True,
+        dtype,
+        (3, size, size),
+        new_dataset,
+        dev_tf,
+        fresh_for_cold=False,
+        info={"source": source.description, "fields": list(source.fields)},
+    )
+
+
+class SourceFieldSamples(Dataset):
+    """(image, target dict) of a source's sample i: its file opened with PIL, its fields as
+    ``tv_tensors`` in the file's frame (boxes, masks), through a v2 ``transform``."""
+
+    def __init__(self, source: Any, transform: Any) -> None:
+        self.source, self.transform, self.fields = source, transform, source.fields
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def collate_fn(self) -> Any:
+        import functools
+
+        from dlstore.read.field_targets import collate_fields
+
+        ragged = frozenset(k for k, f in self.fields.items() if f.ragged)
+        return functools.partial(collate_fields, ragged=ragged)
+
+    def __getitem__(self, i: int) -> tuple[Any, dict[str, Any]]:
+        from torchvision import tv_tensors
+
+        src = self.source
+        opened = src.open_image(i) if hasattr(src, "open_image") else Image.open(src.root / src.names[i])
+        img = opened.convert("RGB")
+        h, w = img.height, img.width
+        target: dict[str, Any] = {}
+        for name, value in src.raw_targets(i).items():
+            kind = self.fields[name].kind
+            if kind == "boxes":
+                b = torch.as_tensor(value, dtype=torch.float32).reshape(-1, 4)
+                target[name] = tv_tensors.BoundingBoxes(b, format="XYXY", canvas_size=(h, w))
+            elif kind == "mask":
+                ids = np.zeros((h, w), np.uint8) if value is None else np.asarray(value)
+                target[name] = tv_tensors.Mask(
+                    torch.from_numpy(ids.astype(np.int64 if ids.itemsize > 1 else np.uint8))
+                )
+            elif kind == "json":
+                target[name] = value
+            else:
+                target[name] = torch.as_tensor(value)
+        return self.transform(img, target)
+
+
+def tolerant_loader(path: str) -> Image.Image:
+    """torchvision's default loader, except that a file it cannot decode reads as a 1×1 black image: a
+    plain ImageFolder loop stops at the first broken file, where convert skips it and names it (the
+    bench's note counts them); one blank image costs about nothing, so the rate stays the files'."""
+    from torchvision.datasets.folder import default_loader
+
+    try:
+        return default_loader(path)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return Image.new("RGB", (1, 1))
+
+
+def _torchvision_file(name: str, path: Path) -> bool:
+    if name in ("MNIST", "FashionMNIST"):
+        return (
+            path.parent.name == "raw" and path.parent.parent.name == name and path.name.startswith("train-")
+        )
+    folder = "cifar-10-batches-py" if name == "CIFAR10" else "cifar-100-python"
+    return path.parent.name == folder

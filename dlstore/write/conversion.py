@@ -1,0 +1,262 @@
+"""``convert``: source → pre-resized cache, in parallel, through a staging directory.
+
+The driver of three phases: plan (``plan.py``: source, writer, storage order, the plan record),
+run (``runners.py``: the units on a process pool, in this process, or on Dask), finish (``finish.py``:
+labels, checksums, the manifest last). Work is split into the format's units (shard, chunk, slab);
+workers decode a unit's images and write that unit themselves, so pixels never cross a pipe; the
+driver only journals which units are done. The cache appears at DEST by one rename, after its
+manifest, so DEST is either absent, the previous cache, or the new complete one. An interrupted run
+leaves the staging directory and its journal next to DEST; the same command resumes it. A URL DEST
+is built in a local spool folder by the same driver, then published (``publish.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dlstore.errors import ConvertError
+from dlstore.formats.base import CacheWriter
+from dlstore.spec import MANIFEST, CacheSpec
+from dlstore.storage.stores import RemoteStore, parse_store_path
+from dlstore.write.diskfull import disk_full_as_error
+from dlstore.write.finish import ConvertResult, converted_result, finalize, local_unchanged_result
+from dlstore.write.ledger import UnitLedger, check_bad_fraction
+from dlstore.write.options import ConvertOptions, fold_shortcuts
+from dlstore.write.plan import (
+    Plan,
+    check_dest_outside_source,
+    check_destination,
+    make_plan,
+    open_plan_source,
+    preflight,
+)
+from dlstore.write.progress import IMAGES, Progress, ProgressCounter
+from dlstore.write.rerun import is_up_to_date
+from dlstore.write.runners import Runner, done_images, local_runner, run_units, workers_reason
+from dlstore.write.sources import Source
+from dlstore.write.staging import Staging
+from dlstore.write.store_units import StoreUnits, journaled_sums, units_prefix
+from dlstore.write.unit_work import Job
+from dlstore.errors import ConvertInterrupted
+from dlstore.formats.base import CacheWriter
+from dlstore.spec import MANIFEST, CacheSpec
+from dlstore.storage.stores import RemoteStore, parse_store_path
+
+__all__ = ["ConvertOptions", "ConvertResult", "convert"]
+
+Log = Callable[[str], None]
+
+
+def convert(
+    source: str | Path | Source,
+    dest: str | Path,
+    options: ConvertOptions | None = None,
+    *,
+    progress: Progress | None = None,
+    log: Log | None = None,
+    **shortcuts: Any,
+) -> ConvertResult:
+    """Convert SOURCE (folder, ``torchvision:NAME``, ``demo`` or a Source) into a cache at DEST, as
+    ``options`` say (``ConvertOptions``: size, format, codec, ...; its docstring lists them all).
+
+    ``decode="exact"`` (default) gives torchvision's ``Resize`` + ``CenterCrop`` pixels exactly;
+    ``"fast"`` DCT-scales large JPEGs while decoding (faster, a bounded error). ``storage_order=
+    "shuffled"`` (default) stores images in a seeded random order, so every chunk holds a mix of
+    classes; dataset index ``i`` is still source sample ``i``. Undecodable images are skipped and
+    reported (``skipped.json``); ``strict`` stops at the first one, more than ``max_bad`` aborts.
+
+    A finished DEST is make-like: the same source and options are "up to date" (no work), others are
+    refused naming the first difference until ``overwrite``. DEST may be a URL (``s3://bucket/prefix``;
+    credentials from the environment or ``storage_options``): built in a local spool folder, then
+    published by ``dlstore.write.publish`` (never touching objects that are not dlstore's).
+    ``progress`` receives ``ConvertProgress`` events (``dlstore.write.progress``): images written
+    of the total, then bytes uploaded for a URL, as absolute counts; ``log`` warnings as they arise.
+
+    Keyword shortcuts (``convert(src, dest, size=64)``) are ConvertOptions fields, folded into
+    ``options`` in one place (``fold_shortcuts``).
+
+    >>> convert("photos/", "cache/", ConvertOptions(size=128, format="zarr"))     # doctest: +SKIP
+    """
+    options = fold_shortcuts(options, shortcuts)
+    target = parse_store_path(dest)
+    if isinstance(target, str):
+        from dlstore.write.to_store import convert_to_store
+
+        return convert_to_store(source, target, options, progress, log)
+    return convert_locally(source, target, options, progress, log)
+
+
+def convert_locally(
+    source: str | Path | Source,
+    dest: Path,
+    options: ConvertOptions,
+    progress: Progress | None = None,
+    log: Log | None = None,
+    unit_store: RemoteStore | None = None,
+) -> ConvertResult:
+    """``convert`` to a local folder. ``unit_store``: with a scheduler, the object store the Dask
+    workers write the units to themselves (a URL DEST's spool then holds only the small files)."""
+    t0, t0_mono = time.perf_counter(), time.monotonic()
+    # A local cluster starts in the background while the source is scanned and the plan staged; a
+    # re-run that may be up to date starts none yet.
+    rerun = not Staging.pending(dest) and not options.overwrite and (dest / MANIFEST).is_file()
+    dask = None
+    if options.scheduler is not None:
+        from dlstore.write.dask_engine import DaskRunner
+
+        dask = DaskRunner(options.scheduler, start=not rerun)
+    try:
+        # A full disk outside the writer's own stages (the lock, the journal, the layout) ends in the
+        # same message as theirs.
+        with disk_full_as_error(dest.parent, f"setting up {dest.name}"):
+            return plan_and_build(source, dest, options, rerun, dask, unit_store, progress, log, t0, t0_mono)
+    finally:
+        if dask is not None:
+            dask.close()
+
+
+def plan_and_build(
+    source: str | Path | Source,
+    dest: Path,
+    options: ConvertOptions,
+    rerun: bool,
+    dask: Runner | None,
+    unit_store: RemoteStore | None,
+    progress: Progress | None,
+    log: Log | None,
+    t0: float,
+    t0_mono: float,
+) -> ConvertResult:
+    """Scan and plan; a finished DEST of the same plan is up to date, else ``build``."""
+    check_dest_outside_source(source, dest)
+    if not Staging.pending(dest) and not rerun:
+        check_destination(dest, options.overwrite)
+    stages: dict[str, float] = {}
+    src = open_plan_source(source, options)
+    stages["setup_scan_s"] = time.perf_counter() - t0
+    plan = make_plan(src, options)
+    stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
+    if rerun and is_up_to_date(dest, plan.record, src):
+        return local_unchanged_result(dest, plan, t0, up_to_date=True)
+    return build(plan, dest, dask, unit_store, progress, log, (t0, t0_mono, stages))
+
+
+def build(
+    plan: Plan,
+    dest: Path,
+    dask: Runner | None,
+    unit_store: RemoteStore | None,
+    progress: Progress | None,
+    log: Log | None,
+    clock: tuple[float, float, dict[str, float]],
+) -> ConvertResult:
+    """Stage, run, finish and publish the plan at DEST (resuming a staged run of the same plan)."""
+    t0, t0_mono, stages = clock
+    overwrite, writer = plan.options.overwrite, plan.writer
+    entries = plan.src.entries_json()
+    with (
+        Staging(dest, plan.record, discard_mismatch=overwrite, entries=entries) as staging,
+        disk_full_as_error(staging.path, "writing the cache", writer.n * writer.image_bytes),
+    ):
+        if staging.already_published:
+            return local_unchanged_result(dest, plan, t0)
+        check_destination(dest, overwrite)
+        t_create = time.perf_counter()
+        stages["setup_staging_s"] = t_create - t0 - stages["setup_scan_s"] - stages["setup_plan_s"]
+        create_writer(writer, staging)
+        stages["setup_create_s"] = time.perf_counter() - t_create
+        store_units = units_on_store(unit_store, dask is not None, writer, staging)
+        plan.warnings += preflight(writer, set(staging.done), staging.path)
+        for w in plan.warnings:
+            if log:
+                log(w)
+        todo = [k for k in range(writer.n_units) if k not in staging.done]
+        counter = ProgressCounter(progress, IMAGES, "images", writer.n, done_images(writer, staging))
+        t_stage = time.perf_counter()
+        plan.src.stage(plan.order, writer.unit_size, staging.journal / "source-spool", todo)
+        stages["setup_source_s"] = time.perf_counter() - t_stage
+        job = make_job(plan, store_units)
+        ledger = UnitLedger(len(plan.src), plan.options.max_bad, staging)
+        stages["setup_s"] = time.perf_counter() - t0
+        runner = dask if dask is not None else local_runner(plan.options.workers, len(todo))
+        n_workers = runner.start(len(todo))
+        why_workers = workers_reason(
+            plan.options.workers, n_workers, len(todo), writer.unit_size, dask is not None
+        )
+        run_units(runner, job, todo, staging, ledger, counter)
+        stages.update(ledger.stages(n_workers))
+        stages.update(runner.finish(t0_mono))
+        bad = staging.bad()
+        check_bad_fraction(bad, len(plan.src), plan.options.max_bad)
+        remote_sums = journaled_sums(staging.journal, set(staging.done)) if store_units else None
+        spec = finish(plan, staging, bad, stages, remote_sums)
+    result = converted_result(plan, dest, spec, bad, todo, n_workers, t0, stages)
+    result.workers_reason = why_workers
+    return result
+
+
+def create_writer(writer: CacheWriter, staging: Staging) -> None:
+    """The writer's layout in the staging folder: made now, or as a resumed run recorded it."""
+    writer.root = staging.path
+    saved = None if staging.fresh else staging.writer_options()
+    if saved is None:  # fresh, or killed before the layout was recorded (then no unit was written)
+        writer.create()
+        writer.create_fields()
+        staging.save_writer_options(writer.options)
+    else:
+        writer.options = saved
+
+
+def make_job(plan: Plan, store_units: StoreUnits | None) -> Job:
+    o = plan.options
+    return Job(
+        plan.src,
+        o.policy,
+        plan.writer,
+        o.strict,
+        o.decode_timeout,
+        plan.order,
+        store_units=store_units,
+        max_pixels=plan.max_pixels,
+    )
+
+
+def finish(
+    plan: Plan,
+    staging: Staging,
+    bad: list[dict[str, Any]],
+    stages: dict[str, float],
+    remote_sums: dict[str, str] | None,
+) -> CacheSpec:
+    """Finish the cache and publish it at DEST; a full disk or Ctrl-C here is one clear message."""
+    try:
+        w = plan.writer
+        with disk_full_as_error(
+            w.root, "finishing the cache (labels, checksums, manifest)", w.n * w.image_bytes
+        ):
+            t_fin = time.perf_counter()
+            spec = finalize(plan, staging, bad, stages, remote_sums)
+            stages["finalize_s"] = time.perf_counter() - t_fin
+            staging.commit(plan.options.overwrite)
+            stages["commit_s"] = time.perf_counter() - t_fin - stages["finalize_s"]
+            return spec
+    except KeyboardInterrupt:
+        raise ConvertInterrupted(
+            f"interrupted: {done_images(plan.writer, staging)} of {plan.writer.n} done (while finishing); "
+            "re-run the same command to resume"
+        ) from None
+
+
+def units_on_store(
+    store: RemoteStore | None, on_dask: bool, writer: CacheWriter, staging: Staging
+) -> StoreUnits | None:
+    """Where Dask workers write the units of a URL destination, or None: units go to the spool (no
+    URL, no scheduler, a writer whose units are not files of their own, or a cache with fields)."""
+    if store is None or not on_dask or not writer.units_are_own_files or writer.fields:
+        return None  # (a cache with fields: its field files go to the spool with the rest, issue 26)
+    units = StoreUnits(store, units_prefix(staging.plan))
+    units.capture(writer.root)
+    return units

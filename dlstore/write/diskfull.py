@@ -1,0 +1,45 @@
+"""A full disk, anywhere in a conversion, ends in one message: what was being written, where, the space
+the cache needs and the space free, and that the same command resumes. One context manager
+(``disk_full_as_error``) for every stage, from the lock file to the manifest (zarr's own writes
+included: they raise the same ``OSError(ENOSPC)``), so no path reports it differently."""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from dlstore.errors import ConvertError
+from dlstore.write.sizes import human_bytes
+
+
+@contextmanager
+def disk_full_as_error(where: Path, what: str, need: int | None = None) -> Iterator[None]:
+    """Turn ENOSPC (and EDQUOT, a full quota) raised inside into ConvertError naming ``where``;
+    ``need``: the bytes the whole cache needs (uncompressed), when known."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise ConvertError(disk_full_message(where, what, need)) from None
+
+
+def disk_full_message(where: Path, what: str, need: int | None = None) -> str:
+    needs = f"the cache needs up to {human_bytes(need)} (uncompressed) and " if need else ""
+    return (
+        f"disk full while {what} under {where}: {needs}{human_bytes(free_bytes(where))} is free; "
+        "free space and re-run the same command to resume (finished parts are kept)"
+    )
+
+
+def free_bytes(where: Path) -> int:
+    """Free space on the disk of ``where``, or of its nearest existing parent."""
+    for folder in (Path(where), *Path(where).parents):
+        try:
+            return shutil.disk_usage(folder).free
+        except OSError:
+            continue
+    return 0

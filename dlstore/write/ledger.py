@@ -1,0 +1,102 @@
+"""The ledger of a run: finished units journaled (one fsync per batch), undecodable images counted
+against ``--max-bad``, and the workers' time summed by kind for the conversion's stages.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dlstore.errors import ConvertError
+from dlstore.write.staging import Staging
+from dlstore.write.unit_work import UnitResult
+
+
+class UnitLedger:
+    """Journals finished units, aborts as soon as the undecodable images exceed ``max_bad``, and
+    keeps where the workers' time went."""
+
+    def __init__(self, n: int, max_bad: float, staging: Staging) -> None:
+        self.n, self.max_bad, self.staging = n, max_bad, staging
+        self.started = time.monotonic()  # reset when the units are handed out
+        self.journal_s = 0.0
+        self.worker: dict[str, float] = {
+            "decode": 0.0,
+            "digest": 0.0,
+            "write": 0.0,
+            "checksum": 0.0,
+            "unit_other": 0.0,
+        }
+        self.starts: list[float] = []
+        self.ends: list[float] = []
+        self.slots: dict[float, list[float]] = {}  # slot → [units, its first start, its last end]
+
+    def record(self, results: list[UnitResult]) -> None:
+        """Journal finished units, with one fsync for all of them."""
+        t0 = time.perf_counter()
+        self.staging.record_many(
+            [(k, bad, digests) for k, bad, digests, _, _ in results], {r[0]: r[4] for r in results if r[4]}
+        )
+        self.journal_s += time.perf_counter() - t0
+        kinds = ("decode", "digest", "write", "checksum")
+        for *_, times, _ in results:
+            for key in kinds:
+                self.worker[key] += times.get(key, 0.0)
+            # Inside the unit but none of the four (buffers, bookkeeping, signals): per-unit overhead;
+            # what is left of the workers' time after this is start-up and waiting between units.
+            spent = times["end"] - times["start"]
+            self.worker["unit_other"] += max(0.0, spent - sum(times.get(k, 0.0) for k in kinds))
+            self.starts.append(times["start"])
+            self.ends.append(times["end"])
+            slot = self.slots.setdefault(times.get("slot", -1.0), [0.0, times["start"], times["end"]])
+            slot[0] += 1
+            slot[1], slot[2] = min(slot[1], times["start"]), max(slot[2], times["end"])
+        if any(r[1] for r in results):
+            check_bad_fraction(self.staging.bad(), self.n, self.max_bad, final=False)
+
+    def stages(self, n_workers: int) -> dict[str, float]:
+        """Seconds: units handed out → first unit started (process start-up), the run, the main
+        process's journaling, worker time by kind (summed over workers) and what was left over."""
+        now = time.monotonic()
+        run = now - self.started
+        out = {
+            "workers": float(n_workers),
+            "run_s": run,
+            "startup_s": min(self.starts) - self.started if self.starts else 0.0,
+            "journal_s": self.journal_s,
+            "after_last_unit_s": now - max(self.ends) if self.ends else 0.0,
+        }
+        out.update({f"workers_{k}_s": v for k, v in self.worker.items()})
+        out["workers_other_or_idle_s"] = max(0.0, n_workers * run - sum(self.worker.values()))
+        out.update(self.slot_spread())
+        return out
+
+    def slot_spread(self) -> dict[str, float]:
+        """How evenly the units went round (a slot: one worker process or decode process): units per
+        slot, and the spread of the slots' first starts (start-up) and last ends (the tail), in
+        seconds after the units were handed out."""
+        if not self.slots:
+            return {}
+        units, firsts, lasts = zip(*self.slots.values(), strict=True)
+        return {
+            "slots": float(len(self.slots)),
+            "units_per_slot_min": min(units),
+            "units_per_slot_max": max(units),
+            "slot_first_start_min_s": min(firsts) - self.started,
+            "slot_first_start_max_s": max(firsts) - self.started,
+            "slot_last_end_min_s": min(lasts) - self.started,
+            "slot_last_end_max_s": max(lasts) - self.started,
+        }
+
+
+def check_bad_fraction(bad: list[dict[str, Any]], n: int, max_bad: float, final: bool = True) -> None:
+    """More than ``max_bad`` of all n images undecodable (or all of them) aborts the conversion."""
+    if not n or not bad or (len(bad) < n and len(bad) / n <= max_bad):
+        return
+    first = "; ".join(f"{b['path']}: {b['reason']}" for b in bad[:3])
+    when = "" if final else " (stopped early)"
+    raise ConvertError(
+        f"{len(bad)} of {n} images could not be decoded{when}, more than --max-bad {max_bad:g} "
+        f"of them; nothing was marked complete. First: {first}. Fix or remove the files and "
+        "re-run with --overwrite, or raise --max-bad"
+    )

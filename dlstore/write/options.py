@@ -1,0 +1,253 @@
+"""``ConvertOptions``: every choice a conversion takes, validated once, here, at the boundary.
+
+The CLI builds one from its flags, the bench from its config, a library caller by hand; ``convert``
+and everything under it trust it. The choices that shape the cache (``CACHE_FIELDS``) are recorded in
+the manifest under one key (``options``) and read back as the same type (``recorded_options``), so a
+re-run compares two plans made from two ``ConvertOptions``.
+
+>>> ConvertOptions(size=64, format="zarr", codec="lz4")       # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from dlstore.errors import SpecError
+from dlstore.formats import DEFAULT_FORMAT, FORMATS, get_format
+from dlstore.spec import STORAGE_ORDERS, CacheSpec, ImagePolicy
+
+DECODE_TIMEOUT_S = 60.0
+# What decides the cache's bytes: recorded in the manifest and compared by a re-run. The other fields
+# say how the run goes (workers, scheduler, overwrite, credentials) or where the source is.
+CACHE_FIELDS = (
+    "format",
+    "size",
+    "resize",
+    "channels",
+    "decode",
+    "max_side",
+    "codec",
+    "writer_options",
+    "storage_order",
+    "seed",
+    "max_megapixels",
+    "pixels",
+)
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """What ``convert(source, dest, options)`` builds and how.
+
+    ``size``, ``resize``, ``channels``, ``decode``, ``max_side``: the image policy
+    (``dlstore.spec.ImagePolicy``). ``codec`` (None: the format's default) and ``writer_options``
+    (the format's other declared options, e.g. ``{"quality": 90}``, ``{"shard_mb": 64}``) go to the
+    format's Writer, which refuses what it does not take. ``storage_order``/``seed``: the stored order.
+    ``max_megapixels``: the decompression-bomb limit (None: Pillow's). ``workers``/``scheduler``: the
+    runner (process pool, in-process, or Dask ``local[:N]``/``tcp://…``). ``strict``/``max_bad``/
+    ``decode_timeout``: what an undecodable file does. ``root``/``train``/``demo_images``/``label``: the
+    source (torchvision files or a file list's images, split, demo size, the label column or field).
+    ``storage_options``: fsspec options for a URL DEST (never recorded, never shown). ``pixels``:
+    "dlstore" (upright by EXIF, 16-bit scaled, alpha composited) or "torchvision" (stock ImageFolder +
+    transforms, bit for bit). ``fields``: ``("NAME=KEY[:KIND[:DTYPE]]", ...)`` or ``{NAME:
+    "KEY[:KIND[:DTYPE]]"}``, a parquet, WebDataset or Dataset source's extra columns or keys stored as
+    named fields (``dlstore.write.sources.fieldmap``); part of the source's fingerprint.
+    """
+
+    size: int
+    format: str = DEFAULT_FORMAT
+    resize: str = "crop"
+    channels: int = 3
+    decode: str = "exact"
+    max_side: int | None = None
+    codec: str | None = None
+    writer_options: Mapping[str, Any] = field(default_factory=dict)
+    storage_order: str = "shuffled"
+    seed: int = 0
+    max_megapixels: float | None = None
+    workers: int | None = None
+    scheduler: str | None = None
+    overwrite: bool = False
+    strict: bool = False
+    max_bad: float = 0.5
+    decode_timeout: float = DECODE_TIMEOUT_S
+    root: Path | None = None
+    train: bool = True
+    demo_images: int = 512
+    label: str | None = None
+    storage_options: Mapping[str, Any] | None = field(default=None, repr=False)
+    pixels: str = "dlstore"
+    fields: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.size is None:
+            raise SpecError("size is required: ConvertOptions(size=PIXELS)")
+        parse_int("size", self.size, 1)
+        self.policy  # noqa: B018 - ImagePolicy validates size, resize, channels, decode, max_side
+        self.resolved_writer_options  # noqa: B018 - the format validates its codec and options
+        parse_storage_order(self.storage_order)
+        parse_int("seed", self.seed, 0)
+        parse_positive("max_megapixels", self.max_megapixels)
+        parse_int("workers", self.workers, 1)
+        parse_fraction("max_bad", self.max_bad)
+        parse_non_negative("decode_timeout", self.decode_timeout)
+        parse_int("demo_images", self.demo_images, 1)
+        if self.scheduler is not None:
+            from dlstore.write.dask_engine import parse_scheduler
+
+            parse_scheduler(self.scheduler)
+        object.__setattr__(self, "writer_options", dict(self.writer_options))
+        object.__setattr__(self, "fields", parse_fields(self.fields))
+        if self.root is not None:
+            object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def policy(self) -> ImagePolicy:
+        return ImagePolicy(
+            size=self.size,
+            resize=self.resize,
+            channels=self.channels,
+            decode=self.decode,
+            max_side=self.max_side,
+            pixels=self.pixels,
+            exif_transpose=self.pixels != "torchvision",  # ImageFolder's loader ignores EXIF
+        )
+
+    @property
+    def resolved_writer_options(self) -> dict[str, Any]:
+        """The format's declared writer options: these, validated, defaults filled in (codec included)."""
+        return parse_writer_options(self.format, self.codec, self.writer_options)
+
+    def record(self) -> dict[str, Any]:
+        """The cache-shaping choices as the manifest records them (``options``): the codec and the
+        other writer options resolved, so a re-run that leaves them to the default compares equal."""
+        resolved = self.resolved_writer_options
+        out = {name: getattr(self, name) for name in CACHE_FIELDS}
+        out["codec"] = resolved.pop("codec", None)
+        out["writer_options"] = resolved
+        return out
+
+
+def parse_writer_options(fmt: str, codec: str | None, others: Mapping[str, Any]) -> dict[str, Any]:
+    """One route for the codec: ``codec=``, never ``writer_options["codec"]``."""
+    if "codec" in others:
+        raise SpecError("give the codec as ConvertOptions(codec=...), not in writer_options")
+    given = dict(others) if codec is None else {**others, "codec": codec}
+    taken = {o.name for o in get_format(fmt).options}
+    for name, value in given.items():  # an option of another format: name the --format that takes it
+        takers = [
+            f
+            for f, d in FORMATS.items()
+            if any(o.name == name and value in (o.choices or [value]) for o in d.options)
+        ]
+        if name not in taken and takers:
+            flag = "--" + name.replace("_", "-")
+            raise SpecError(
+                f"the {fmt} format does not take {flag}; {flag} {value} needs --format {' or '.join(takers)}"
+            )
+    return get_format(fmt).writer.parse_options(given)
+
+
+def parse_storage_order(value: str) -> str:
+    if value not in STORAGE_ORDERS:
+        raise SpecError(f"storage_order must be one of {', '.join(STORAGE_ORDERS)}, got {value!r}")
+    return value
+
+
+def parse_int(name: str, value: int | None, least: int) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+        raise SpecError(f"{name} must be a whole number of at least {least}, got {value!r}")
+    return value
+
+
+def parse_positive(name: str, value: float | None) -> float | None:
+    if value is not None and not (isinstance(value, int | float) and value > 0):
+        raise SpecError(f"{name} must be a positive number of megapixels, got {value}")
+    return value
+
+
+def parse_fraction(name: str, value: float) -> float:
+    if not (isinstance(value, int | float) and 0 <= value <= 1):
+        raise SpecError(f"{name} must be a fraction between 0 and 1, got {value!r}")
+    return value
+
+
+def parse_non_negative(name: str, value: float) -> float:
+    if not (isinstance(value, int | float) and value >= 0):
+        raise SpecError(f"{name} must be a number of seconds ≥ 0 (0 = no limit), got {value!r}")
+    return value
+
+
+def fold_shortcuts(options: ConvertOptions | None, shortcuts: Mapping[str, Any]) -> ConvertOptions:
+    """``convert(src, dest, size=64)`` → ``ConvertOptions(size=64)``: the one place keyword shortcuts
+    become options. The options object or keywords, never both (one route per choice)."""
+    known = {f.name for f in fields(ConvertOptions)}
+    unknown = sorted(set(shortcuts) - known)
+    if unknown:
+        raise TypeError(f"convert() got unexpected keyword argument(s) {', '.join(unknown)}")
+    if options is not None and shortcuts:
+        named = ", ".join(f"{k}=..." for k in sorted(shortcuts))
+        raise TypeError(
+            f"convert() takes ConvertOptions or keywords, not both; put {named} in the options "
+            "(dataclasses.replace(options, ...))"
+        )
+    if options is not None:
+        return options
+    if "size" not in shortcuts:
+        raise TypeError("convert() needs the options: convert(source, dest, ConvertOptions(size=...))")
+    return ConvertOptions(**shortcuts)
+
+
+# --- reading the manifest back ------------------------------------------------------------------------
+
+
+def from_record(record: Mapping[str, Any]) -> ConvertOptions:
+    """A manifest's ``options`` → the ConvertOptions that built it (run-only fields at their defaults)."""
+    return ConvertOptions(**{k: record[k] for k in CACHE_FIELDS if k in record})
+
+
+def recorded_options(spec: CacheSpec) -> ConvertOptions | None:
+    """The options a cache was built with: its ``options`` key, or the plan an older manifest kept
+    under ``source.plan`` (caches written before ``ConvertOptions``); None when neither is there."""
+    if spec.options:
+        return from_record(spec.options)
+    plan = spec.source.get("plan")
+    return from_old_plan(plan) if isinstance(plan, dict) and "policy" in plan else None
+
+
+def from_old_plan(plan: Mapping[str, Any]) -> ConvertOptions:
+    """The options an older manifest's plan records: ``policy`` (the image policy), ``options`` (the
+    writer options, or ``compress`` before npz took ``--codec``), ``format``, ``storage_order``, ``seed``."""
+    policy = plan["policy"]
+    writer = dict(plan.get("options") or {})
+    if "compress" in writer and "codec" not in writer:  # npz before --codec: deflate or stored
+        writer["codec"] = "deflate" if writer.pop("compress") else "none"
+    writer.pop("compress", None)
+    codec = writer.pop("codec", None)
+    return ConvertOptions(
+        size=policy["size"],
+        format=plan["format"],
+        resize=policy.get("resize", "crop"),
+        channels=policy.get("channels", 3),
+        decode=policy.get("decode", "exact"),
+        max_side=policy.get("max_side"),
+        codec=codec,
+        writer_options=writer,
+        storage_order=plan.get("storage_order", "shuffled"),
+        seed=plan.get("seed", 0),
+        max_megapixels=plan.get("max_megapixels"),
+    )
+
+
+def parse_fields(value: Any) -> tuple[str, ...]:
+    """``fields`` as its one form, each ``NAME=KEY[:KIND[:DTYPE]]`` checked (SpecError naming it)."""
+    from dlstore.errors import SourceError
+    from dlstore.write.sources.fieldmap import field_texts
+
+    try:
+        return field_texts(value)
+    except SourceError as e:
+        raise SpecError(str(e)) from None

@@ -1,0 +1,211 @@
+"""Phase 2 of a conversion, the run: every unit decoded and written by a ``Runner``.
+
+One interface, three implementations: ``InProcessRunner`` (one worker: no process to start),
+``PoolRunner`` (a process pool on this machine) and ``dlstore.write.dask_engine.DaskRunner``
+(a Dask cluster). The driver (``run_units``) journals what they hand back and turns a worker's
+death, Ctrl-C and ``--strict`` into one message each, whichever runner ran.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
+from itertools import islice
+from typing import Protocol
+
+from PIL import Image
+
+from dlstore.write.ledger import UnitLedger
+from dlstore.write.progress import ProgressCounter
+from dlstore.write.sizes import count
+from dlstore.write.staging import Staging
+from dlstore.write.store_units import journal_sums, strip_sums
+from dlstore.write.unit_work import Job, UnitResult, _init_worker, convert_job_unit, convert_unit
+from dlstore.errors import ConvertError, ConvertInterrupted, ImageDecodeError
+from dlstore.formats.base import CacheWriter
+from dlstore.machine import usable_cores
+from dlstore.write.ledger import UnitLedger
+from dlstore.write.progress import ProgressCounter
+from dlstore.write.sizes import count
+from dlstore.write.staging import Staging
+from dlstore.write.store_units import journal_sums, strip_sums
+from dlstore.write.unit_work import Job, UnitResult, _init_worker, convert_job_unit, convert_unit
+
+Done = Callable[[list[UnitResult]], None]
+
+
+class Runner(Protocol):
+    """Runs a conversion's units and hands each result back to the driver as it finishes."""
+
+    def start(self, n_units: int) -> int:
+        """Get ready for ``n_units`` units (a cluster up); returns how many run at once."""
+        ...
+
+    def run(self, job: Job, todo: list[int], done: Done) -> None:
+        """Run every unit of ``todo``, calling ``done(results)`` in this process as they finish; a
+        unit's error is raised here (an unfinished unit is not journaled: a resume redoes it)."""
+        ...
+
+    def lost_worker(self, error: BaseException) -> str | None:
+        """What to tell the user when ``error`` means a worker died; None when it does not."""
+        ...
+
+    def finish(self, t0: float) -> dict[str, float]:
+        """Stop what ``start`` started; the seconds it took, by stage (``t0``: the conversion's
+        ``time.monotonic()`` start, for timelines)."""
+        ...
+
+
+class InProcessRunner:
+    """One worker: the units run in this process, one after another."""
+
+    def start(self, n_units: int) -> int:
+        return 1
+
+    def run(self, job: Job, todo: list[int], done: Done) -> None:
+        limit = Image.MAX_IMAGE_PIXELS  # the caller's process: its own limit again afterwards
+        try:
+            for k in todo:
+                done([convert_job_unit(job, k)])
+        finally:
+            Image.MAX_IMAGE_PIXELS = limit
+
+    def lost_worker(self, error: BaseException) -> str | None:
+        return None
+
+    def finish(self, t0: float) -> dict[str, float]:
+        return {}
+
+
+class PoolRunner:
+    """A process pool on this machine; each worker decodes and writes whole units."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.cpu_limit_s = 0.0  # a worker spinning longer than this is killed (``unit_work``)
+
+    def start(self, n_units: int) -> int:
+        return self.workers
+
+    def run(self, job: Job, todo: list[int], done: Done) -> None:
+        self.cpu_limit_s = 3 * job.decode_timeout + 1
+        ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+        pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker, initargs=(job,))
+        # A bounded window of submitted units: ``wait`` walks every pending future on each call, so
+        # submitting all units at once costs O(units²) in the main process on large datasets.
+        queue = iter(todo)
+        try:
+            pending: set[Future[UnitResult]] = {
+                pool.submit(convert_unit, k) for k in islice(queue, 4 * self.workers)
+            }
+            while pending:
+                # FIRST_COMPLETED, not FIRST_EXCEPTION: without an error FIRST_EXCEPTION waits for the
+                # whole window, so workers idled at the end of every window until its slowest unit
+                # was done.
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                results = [fut.result() for fut in finished]  # re-raises a worker's error here
+                pending |= {pool.submit(convert_unit, k) for k in islice(queue, len(finished))}
+                done(results)
+        except BaseException:
+            stop_pool(pool)
+            raise
+        pool.shutdown(wait=True)
+
+    def lost_worker(self, error: BaseException) -> str | None:
+        if not isinstance(error, BrokenProcessPool):
+            return None
+        return (
+            "a conversion worker died (killed, out of memory, or a decoder crashed or spun for more than "
+            f"{self.cpu_limit_s:g} s of CPU)"
+        )
+
+    def finish(self, t0: float) -> dict[str, float]:
+        return {}
+
+
+def stop_pool(pool: ProcessPoolExecutor) -> None:
+    """End the workers now (not after their current unit): Ctrl-C must return within seconds.
+    An unfinished unit is not journaled, so it is simply redone on resume."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    for p in procs:
+        p.terminate()
+    pool.shutdown(wait=True, cancel_futures=True)
+    for p in procs:
+        p.join(5)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def local_runner(workers: int | None, n_units: int) -> InProcessRunner | PoolRunner:
+    """The runner on this machine: ``workers`` processes (default: every usable core), never more
+    than there are units; one means in this process."""
+    count = max(1, min(usable_cores() if workers is None else workers, n_units))
+    return InProcessRunner() if count == 1 else PoolRunner(count)
+
+
+def workers_reason(asked: int | None, used: int, n_units: int, unit_size: int, cluster: bool) -> str:
+    """Why the run used ``used`` workers, in words (``ConvertResult.workers_reason``): a unit (a
+    shard, chunk or slab of up to ``unit_size`` images) is written whole by one worker, so a run never
+    has more workers than units left to do."""
+    if cluster:
+        return f"the Dask cluster's {count(used, 'worker')}"
+    wanted = usable_cores() if asked is None else asked
+    if used < wanted:
+        given = f"the {count(wanted, 'worker')} asked for" if asked else f"the {wanted} usable cores"
+        return (
+            f"only {count(n_units, 'unit')} of work, fewer than {given}: one worker writes a whole unit "
+            f"of up to {count(unit_size, 'image')}"
+        )
+    return "as asked (--workers)" if asked is not None else f"all {count(used, 'usable core')}"
+
+
+def run_units(
+    runner: Runner,
+    job: Job,
+    todo: list[int],
+    staging: Staging,
+    ledger: UnitLedger,
+    counter: ProgressCounter,
+) -> None:
+    """Run ``todo`` on ``runner``, journaling each finished unit and counting its images on
+    ``counter`` (after the journal: a reported image is a kept one); every way a run can stop early ends
+    in a ConvertError saying how far it got and how to go on."""
+
+    def done(results: list[UnitResult]) -> None:
+        on_store = [r for r in results if len(r) > 5]  # units the workers wrote to an object store
+        if on_store:
+            journal_sums(staging.journal, on_store)  # the objects' digests first, then "done"
+        ledger.record([strip_sums(r) for r in results])
+        for res in results:
+            counter.add(len(job.writer.unit_range(res[0])))
+
+    ledger.started = time.monotonic()  # the units are handed out now (a cluster is up)
+    try:
+        runner.run(job, todo, done)
+    except KeyboardInterrupt:
+        raise ConvertInterrupted(
+            f"interrupted: {done_images(job.writer, staging)} of {job.writer.n} done; "
+            "re-run the same command to resume"
+        ) from None
+    except ImageDecodeError as e:
+        raise ConvertError(
+            f"--strict: stopped at the first undecodable image: {e}; "
+            f"{done_images(job.writer, staging)} of {job.writer.n} done; fix or remove the "
+            "file and re-run with --overwrite (or drop --strict to skip and report it)"
+        ) from None
+    except Exception as e:
+        lost = runner.lost_worker(e)
+        if lost is None:
+            raise
+        raise ConvertError(
+            f"{lost}; {done_images(job.writer, staging)} of {job.writer.n} done; "
+            "re-run the same command to resume"
+        ) from None
+
+
+def done_images(writer: CacheWriter, staging: Staging) -> int:
+    return sum(len(writer.unit_range(k)) for k in staging.done)

@@ -1,0 +1,115 @@
+"""An ImageFolder-style tree: ROOT/<class>/<image>, any path no other kind claims."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from dlstore.checksums import file_sha256
+from dlstore.errors import ImageDecodeError, SourceError
+from dlstore.sourcefiles import scan_tree
+from dlstore.spec import ImagePolicy
+from dlstore.write.geometry import Geometry
+from dlstore.write.imageops import decode_file, decode_with_geometry
+from dlstore.write.sources.base import Source
+from dlstore.write.sources.registry import SourceArgs, register_source
+
+
+@register_source
+@dataclass
+class FolderSource(Source):
+    """A folder of class subfolders, scanned exactly like ``torchvision.datasets.ImageFolder``.
+
+    Differences, on purpose: hidden folders and files (``.name``, so ``.DS_Store``) are skipped,
+    symlinked folders and files are followed, also when they point outside the root (a link loop, or a
+    folder reached twice, ends that descent), non-regular files (FIFOs, devices) and entries that
+    cannot be listed or stat'ed are reported in ``scan_errors`` rather than read, GIFs are accepted.
+    """
+
+    claim_order = 1000
+    form = "a folder of class subfolders (ImageFolder layout)"
+
+    root: Path = Path(".")
+    root_mtime_ns: int = 0
+    scan_errors: list[tuple[str, str]] = field(default_factory=list)
+
+    def decode(self, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
+        """Sample i's pixels; ``data``: its file's bytes, when already read (``decode_and_digest``)."""
+        return decode_file(self.root / self.names[i], policy, data)
+
+    def decode_and_digest(self, i: int, policy: ImagePolicy) -> tuple[np.ndarray, str, float]:
+        # One read for both: the converter hashed each file in a second open and read (2.9 % of
+        # the workers' time at 256 px on the H200), and the digest is now of the very bytes decoded.
+        path = self.root / self.names[i]
+        try:
+            data = path.read_bytes()
+        except OSError as e:
+            raise ImageDecodeError(f"{path}: cannot decode image ({type(e).__name__}: {e})") from e
+        t0 = time.perf_counter()
+        digest = hashlib.sha256(data).hexdigest()
+        hashed = time.perf_counter() - t0
+        return self.decode(i, policy, data), digest, hashed
+
+    def decode_geometry(
+        self, i: int, policy: ImagePolicy, data: bytes | None = None
+    ) -> tuple[np.ndarray, Geometry]:
+        image, geometry = decode_with_geometry(self.root / self.names[i], policy, data)
+        return image, geometry  # type: ignore[return-value]
+
+    def digest(self, i: int, missing_ok: bool = False) -> str:
+        try:
+            return file_sha256(self.root / self.names[i])
+        except OSError:
+            if missing_ok:
+                return ""
+            raise
+
+    @classmethod
+    def claims(cls, text: str) -> bool:
+        return True  # any path: asked last, and a path that is no folder gets scan_tree's message
+
+    @classmethod
+    def open(cls, text: str, args: SourceArgs) -> FolderSource:
+        if not Path(text).is_dir():
+            raise SourceError(
+                f"{text}: {missing_path(Path(text))}; `dlstore convert --help` lists the kinds of SOURCE"
+            )
+        return cls.scanned(Path(text))
+
+    @classmethod
+    def local_root(cls, text: str) -> Path | None:
+        return Path(text)
+
+    @classmethod
+    def scanned(cls, root: Path, kind: str = "folder") -> FolderSource:
+        scan = scan_tree(root)
+        return cls(
+            description=str(scan.root),
+            classes=scan.classes,
+            names=scan.names,
+            labels=scan.labels,
+            stats=scan.stats,
+            kind=kind,
+            root=scan.root,
+            scan_errors=scan.errors,
+            root_mtime_ns=scan.root_mtime_ns,
+        )
+
+
+def scan_folder(root: Path, kind: str = "folder") -> FolderSource:
+    return FolderSource.scanned(Path(root), kind)
+
+
+def missing_path(path: Path) -> str:
+    """What is wrong with a path that is no folder, and the nearest name that exists (a typo)."""
+    if path.exists():
+        return "neither a folder of class subfolders nor a file of a known SOURCE kind"
+    parent = path.parent
+    names = [p.name for p in parent.iterdir() if not p.name.startswith(".")] if parent.is_dir() else []
+    near = difflib.get_close_matches(path.name, names, n=1, cutoff=0.6)
+    return "no such file or folder" + (f" (did you mean {parent / near[0]}?)" if near else "")

@@ -1,0 +1,130 @@
+"""Dask workers writing a URL destination's units straight to the object store (no local spool of the
+data).
+
+With ``convert(SRC, "s3://…", scheduler=…)`` each task writes its unit into a temporary folder of its
+own worker (seeded with the layout the driver's ``writer.create()`` made: zarr metadata, folders),
+uploads the unit's files under ``URL/.dlstore-staging/units-<plan>/``, takes their sha256, deletes
+the local copy and returns the digests. The driver keeps everything else as always: the journal (each
+finished unit's object digests are journaled in ``remote_units.jsonl`` before the unit is marked
+done, so a resume skips it), the small files (labels, positions, metadata), the checksums (the
+workers' digests for the units, the driver's own for the rest) and the manifest. Publishing copies
+the staged unit objects to their keys server-side with the other files, manifest last: the protocol
+of ``dlstore.write.publish``, unchanged. The objects are the bytes a local run writes, so the
+manifest's checksums are the same.
+
+A writer whose units are not files of their own (``CacheWriter.units_are_own_files`` false: ``ram``'s
+one shared file, the payload layouts whose ``finish`` reads the units back) keeps the spool.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dlstore.checksums import digest_key, keys_for
+from dlstore.storage.stores import RemoteStore
+
+STAGING = ".dlstore-staging"  # the staging prefix of dlstore.write.publish
+SUMS = "remote_units.jsonl"  # in the driver's journal folder: unit → its objects' checksums
+
+
+@dataclass
+class StoreUnits:
+    """Where the workers put units, and the layout they start from (picklable: a URL, no client)."""
+
+    store: RemoteStore
+    prefix: str  # relative to the store's root: ``.dlstore-staging/units-<plan digest>``
+    skeleton_files: dict[str, bytes] = field(default_factory=dict)
+    skeleton_dirs: list[str] = field(default_factory=list)
+
+    def capture(self, root: Path) -> None:
+        """The layout ``writer.create()`` made (small: metadata and folders), before any unit."""
+        self.skeleton_dirs = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_dir())
+        self.skeleton_files = {
+            p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()
+        }
+
+    def staged_key(self, rel: str) -> str:
+        return f"{self.prefix}/{rel}"
+
+
+def units_prefix(plan: dict[str, Any]) -> str:
+    """The staging prefix of a conversion's units: one per plan (options, source), so a resume finds
+    its units and another plan never mixes with them."""
+    digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+    return f"{STAGING}/units-{digest}"
+
+
+def convert_unit_to_store(job: Any, k: int) -> Any:
+    """A Dask task: ``convert_job_unit`` in a private folder, the unit's files uploaded, then removed.
+    Returns the usual unit result with a sixth item: {checksum key: sha256} of the uploaded files."""
+    from dlstore.write.unit_work import convert_job_unit
+
+    units: StoreUnits = job.store_units
+    tmp = Path(tempfile.mkdtemp(prefix=f"dlstore-unit{k}-"))
+    try:
+        for rel in units.skeleton_dirs:
+            (tmp / rel).mkdir(parents=True, exist_ok=True)
+        for rel, data in units.skeleton_files.items():
+            (tmp / rel).write_bytes(data)
+        local = copy.copy(job)
+        local.writer = copy.copy(job.writer)
+        local.writer.root = tmp
+        result = convert_job_unit(local, k)
+        written = sorted(
+            p
+            for p in tmp.rglob("*")
+            if p.is_file() and p.relative_to(tmp).as_posix() not in units.skeleton_files
+        )
+        for p in written:
+            units.store.put_file(p, units.staged_key(p.relative_to(tmp).as_posix()))
+        sums = {key: digest_key(tmp, key) for key in keys_for(tmp, written)}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return (*result, sums)  # result's own unit checksums are {}: its units are files of their own
+
+
+def convert_unit_to_store_in_process(k: int) -> Any:
+    """``convert_unit_to_store`` in a Dask worker's decode process, where ``_init_worker`` installed the
+    job: there the per-file time limit (SIGALRM) holds, as in the pool."""
+    from dlstore.write.unit_work import installed_job
+
+    return convert_unit_to_store(installed_job(), k)
+
+
+def journal_sums(journal: Path, results: list[Any]) -> None:
+    """Before the units are journaled as done: their objects' checksums, durably."""
+    lines = "".join(json.dumps({"unit": r[0], "checksums": r[5]}) + "\n" for r in results)
+    with open(journal / SUMS, "a", encoding="utf-8") as f:
+        f.write(lines)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def journaled_sums(journal: Path, done: set[int]) -> dict[str, str]:
+    """The checksums of every unit journaled as done (a torn last line belongs to an unfinished one)."""
+    out: dict[str, str] = {}
+    try:
+        lines = (journal / SUMS).read_text().splitlines()
+    except FileNotFoundError:
+        return out
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if entry["unit"] in done:
+            out.update(entry["checksums"])
+    return out
+
+
+def strip_sums(result: Any) -> Any:
+    """The unit result without the objects' checksums (journaled apart by ``journal_sums``)."""
+    return result[:5]
