@@ -20,10 +20,9 @@ from dlstore.cli.shared_options import (
     size_option,
     writer_options,
 )
-from dlstore.write.options import ConvertOptions
-from dlstore.write.sizes import count, human_bytes
 from dlstore.formats import FORMATS, cli_options
 from dlstore.spec import CHANNELS, DECODE_MODES, RESIZE_POLICIES, STORAGE_ORDERS
+from dlstore.write.options import ConvertOptions
 from dlstore.write.sizes import count, human_bytes
 
 IMAGES = "The images"

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dlstore.errors import ConvertError
+from dlstore.errors import ConvertInterrupted
 from dlstore.formats.base import CacheWriter
 from dlstore.spec import MANIFEST, CacheSpec
 from dlstore.storage.stores import RemoteStore, parse_store_path
@@ -40,10 +40,6 @@ from dlstore.write.sources import Source
 from dlstore.write.staging import Staging
 from dlstore.write.store_units import StoreUnits, journaled_sums, units_prefix
 from dlstore.write.unit_work import Job
-from dlstore.errors import ConvertInterrupted
-from dlstore.formats.base import CacheWriter
-from dlstore.spec import MANIFEST, CacheSpec
-from dlstore.storage.stores import RemoteStore, parse_store_path
 
 __all__ = ["ConvertOptions", "ConvertResult", "convert"]
 

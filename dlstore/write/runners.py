@@ -18,12 +18,6 @@ from typing import Protocol
 
 from PIL import Image
 
-from dlstore.write.ledger import UnitLedger
-from dlstore.write.progress import ProgressCounter
-from dlstore.write.sizes import count
-from dlstore.write.staging import Staging
-from dlstore.write.store_units import journal_sums, strip_sums
-from dlstore.write.unit_work import Job, UnitResult, _init_worker, convert_job_unit, convert_unit
 from dlstore.errors import ConvertError, ConvertInterrupted, ImageDecodeError
 from dlstore.formats.base import CacheWriter
 from dlstore.machine import usable_cores

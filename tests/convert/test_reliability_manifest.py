@@ -15,11 +15,11 @@ from reliability_helpers import make_tree
 import dlstore.write.verification as verification
 from dlstore.checksums import checksum_tree
 from dlstore.cli import main
-from dlstore.write.conversion import convert
-from dlstore.write.verification import verify
 from dlstore.read.cache import open_cache
 from dlstore.sourcefiles import read_record
 from dlstore.spec import MANIFEST, SOURCE_RECORD, manifest_digest
+from dlstore.write.conversion import convert
+from dlstore.write.verification import verify
 
 FORMATS = ("ram", "npz", "zarr")
 

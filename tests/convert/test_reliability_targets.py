@@ -15,9 +15,9 @@ from PIL import Image
 from torchvision import tv_tensors
 
 from dlstore.cli import main
-from dlstore.write.conversion import convert
 from dlstore.errors import SourceError
 from dlstore.read.dataset import CachedDataset
+from dlstore.write.conversion import convert
 
 SIZE, N = 16, 6
 

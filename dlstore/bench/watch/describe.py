@@ -122,10 +122,9 @@ def convert_source(ds: Any) -> dict[str, Any]:
 
 def _timm_folder(ds: Any) -> str | None:
     """timm's ImageDataset over its folder reader: the reader's root (class folders, as ImageFolder)."""
-    reader = getattr(ds, "reader", None)
-    if type(reader).__name__ == "ReaderImageFolder" and getattr(reader, "root", None):
-        return str(reader.root)
-    return None
+    timm_reader = getattr(ds, "reader", None)
+    root = vars(timm_reader).get("root") if type(timm_reader).__name__ == "ReaderImageFolder" else None
+    return str(root) if root else None
 
 
 def _path_rows(ds: Any) -> str | None:

@@ -45,8 +45,6 @@ from dlstore.write.sources.encoded import EncodedSource, IndexedNames, labels_fr
 from dlstore.write.sources.fieldmap import declare, described, raw_value, requests_of
 from dlstore.write.sources.registry import SourceArgs, register_source
 from dlstore.write.targets import place_targets
-from dlstore.errors import ImageDecodeError, SourceError
-from dlstore.spec import ImagePolicy
 
 _CALLABLE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 DEFAULT_LABEL = "label"
