@@ -572,7 +572,9 @@ def test_the_jpeg_gpu_sweep_over_cpu_decoders_recommends_the_lanes_for_the_model
     assert lanes["by_cpu_decoders"] == {0: 5_000, 4: 9_000, 12: 16_000}
     first = out["recommendations"][0]
     assert "Use jpeg-gpu with nvJPEG + 12 CPU decoders" in first
-    assert "dlstore.Loader(cache, 100, transform=crop, cpu_decoders=12, lanes=['cpu', 'hw', 'nvjpeg'])" in first
+    assert (
+        "dlstore.Loader(cache, 100, transform=crop, cpu_decoders=12, lanes=['cpu', 'hw', 'nvjpeg'])" in first
+    )
     assert "num_workers=12" not in first and "nvJPEG + 12 CPU decoders" in out["detail"]
     # where the CPU decoders do not help, nvJPEG alone is what it recommends
     slow = [run("jpeg-gpu", 0, 16_000, True), run("jpeg-gpu", 12, 15_900, True)]
