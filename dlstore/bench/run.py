@@ -73,7 +73,7 @@ from dlstore.bench.stages import BatchStream, device_label, synthetic_batch
 from dlstore.bench.verdict import PREDICTION_TOLERANCE, Facts, analyse, state_notes
 from dlstore.errors import DlstoreError
 from dlstore.machine import usable_cores
-from dlstore.write.plan import source_warnings
+from dlstore.write.conversion_plan import source_warnings
 from dlstore.write.sizes import count
 from dlstore.write.sources import Source, open_source
 

@@ -1,6 +1,6 @@
 """``convert``: source → pre-resized cache, in parallel, through a staging directory.
 
-The driver of three phases: plan (``plan.py``: source, writer, storage order, the plan record),
+The driver of three phases: plan (``conversion_plan.py``: source, writer, storage order, the plan record),
 run (``runners.py``: the units on a process pool, in this process, or on Dask), finish (``finish.py``:
 labels, checksums, the manifest last). Work is split into the format's units (shard, chunk, slab);
 workers decode a unit's images and write that unit themselves, so pixels never cross a pipe; the
@@ -21,11 +21,7 @@ from dlstore.errors import ConvertInterrupted
 from dlstore.formats.base import CacheWriter
 from dlstore.spec import MANIFEST, CacheSpec
 from dlstore.storage.stores import RemoteStore, parse_store_path
-from dlstore.write.diskfull import disk_full_as_error
-from dlstore.write.finish import ConvertResult, converted_result, finalize, local_unchanged_result
-from dlstore.write.ledger import UnitLedger, check_bad_fraction
-from dlstore.write.options import ConvertOptions, fold_shortcuts
-from dlstore.write.plan import (
+from dlstore.write.conversion_plan import (
     Plan,
     check_dest_outside_source,
     check_destination,
@@ -33,6 +29,10 @@ from dlstore.write.plan import (
     open_plan_source,
     preflight,
 )
+from dlstore.write.diskfull import disk_full_as_error
+from dlstore.write.finish import ConvertResult, converted_result, finalize, local_unchanged_result
+from dlstore.write.ledger import UnitLedger, check_bad_fraction
+from dlstore.write.options import ConvertOptions, fold_shortcuts
 from dlstore.write.progress import IMAGES, Progress, ProgressCounter
 from dlstore.write.rerun import is_up_to_date
 from dlstore.write.runners import Runner, done_images, local_runner, run_units, workers_reason

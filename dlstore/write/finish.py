@@ -29,7 +29,7 @@ from dlstore.spec import (
     ImagePolicy,
     read_spec,
 )
-from dlstore.write.plan import Plan, scan_errors
+from dlstore.write.conversion_plan import Plan, scan_errors
 from dlstore.write.sources import Source
 from dlstore.write.staging import Staging
 

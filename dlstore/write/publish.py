@@ -46,7 +46,7 @@ from dlstore.checksums import split_key
 from dlstore.errors import CacheCorruptError, CacheExistsError, DlstoreError
 from dlstore.spec import MANIFEST, parse_manifest
 from dlstore.storage.stores import RemoteStore, RemoteStoreError
-from dlstore.write.plan import recorded_plan
+from dlstore.write.conversion_plan import recorded_plan
 from dlstore.write.progress import UPLOAD, Progress, ProgressCounter
 from dlstore.write.store_units import units_prefix
 

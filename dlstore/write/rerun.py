@@ -2,7 +2,7 @@
 up to date, no work; other options, another source or a changed source → refused, naming the first
 difference and DEST, until ``--overwrite`` rebuilds it.
 
-The comparison is of two plans (``dlstore.write.plan``): the one the new ``ConvertOptions`` make, and
+The comparison is of two plans (``dlstore.write.conversion_plan``): the one the new ``ConvertOptions`` make, and
 the one rebuilt from the manifest's recorded options (for a manifest older than ``ConvertOptions``,
 from the plan it kept).
 """
@@ -16,7 +16,7 @@ from typing import Any
 from dlstore.errors import CacheExistsError
 from dlstore.sourcefiles import SourceRecord, first_difference, read_record
 from dlstore.spec import CacheSpec, read_spec
-from dlstore.write.plan import recorded_plan
+from dlstore.write.conversion_plan import recorded_plan
 from dlstore.write.sources import Source
 from dlstore.write.staging import option_changes
 

@@ -212,7 +212,7 @@ class Staging:
     def _open(self) -> None:
         old_plan = self._read_json(self.journal / "plan.json")
         if isinstance(old_plan, dict):  # staged by a dlstore before ConvertOptions: today's layout
-            from dlstore.write.plan import upgraded_plan
+            from dlstore.write.conversion_plan import upgraded_plan
 
             old_plan = upgraded_plan(old_plan)
         if old_plan is not None and self._finish_interrupted_commit(old_plan):

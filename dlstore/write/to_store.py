@@ -19,9 +19,9 @@ from dlstore.spec import SKIPPED_FILE, SOURCE_RECORD, CacheSpec
 from dlstore.storage.mirror import fetch_manifest
 from dlstore.storage.stores import RemoteStore, RemoteStoreError
 from dlstore.write.conversion import convert_locally
+from dlstore.write.conversion_plan import Plan, make_plan, open_plan_source
 from dlstore.write.finish import ConvertResult, unchanged_result
 from dlstore.write.options import ConvertOptions
-from dlstore.write.plan import Plan, make_plan, open_plan_source
 from dlstore.write.progress import Progress
 from dlstore.write.publish import check_ownership, check_writable, publish, spool_dir
 from dlstore.write.rerun import matches_plan

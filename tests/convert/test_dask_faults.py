@@ -106,7 +106,7 @@ DRIVER = """
 import sys
 sys.path.insert(0, {tests!r})
 from pathlib import Path
-import dlstore.write.plan as plan
+import dlstore.write.conversion_plan as plan
 from dlstore.cli import main
 from dlstore.formats import FORMATS
 from reliability_helpers import KillingSource

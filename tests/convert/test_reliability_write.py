@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 from reliability_helpers import FORMAT_NAMES, assert_same_cache, make_tree, read_all, small_units
 
+import dlstore.write.conversion_plan as plan
 import dlstore.write.finish as finish
-import dlstore.write.plan as plan
 import dlstore.write.staging as staging_mod
 from dlstore.errors import CacheNotFoundError, ConvertError, DlstoreError, SampleReadError
 from dlstore.formats import FORMATS

@@ -1,6 +1,6 @@
 """Where images come from. One module per kind of SOURCE, each a ``Source`` class that declares which
 arguments it reads (``claims``); ``open_source`` asks the registered kinds in turn
-(``registry.py``). ``base.py`` holds the interface every kind implements:
+(``registry.py``). ``source.py`` holds the interface every kind implements:
 
 - ``names[i]``, ``labels[i]``, ``classes``, ``stats`` (size, mtime_ns per sample, when files);
 - ``decode(i, policy)`` → the pre-resized pixels (``imageops``), or ImageDecodeError naming sample i;
@@ -23,7 +23,6 @@ from dlstore.write.sources import (  # noqa: F401 - each registers its kind
     torchvision,
     webdataset,
 )
-from dlstore.write.sources.base import ArraySource, Source
 from dlstore.write.sources.demo_source import DemoSource
 from dlstore.write.sources.folder import FolderSource, scan_folder
 from dlstore.write.sources.registry import (
@@ -34,6 +33,7 @@ from dlstore.write.sources.registry import (
     register_source,
     source_kinds,
 )
+from dlstore.write.sources.source import ArraySource, Source
 from dlstore.write.sources.torch_dataset import DatasetSource
 from dlstore.write.sources.torchvision import TORCHVISION_SETS, TorchvisionSource, load_torchvision
 

@@ -22,7 +22,7 @@ from dlstore.errors import ImageDecodeError, SourceError
 from dlstore.spec import ImagePolicy
 from dlstore.write.geometry import Geometry
 from dlstore.write.imageops import decode_file, decode_with_geometry
-from dlstore.write.sources.base import Source
+from dlstore.write.sources.source import Source
 from dlstore.write.targets import place_targets
 
 

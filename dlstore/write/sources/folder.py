@@ -16,8 +16,8 @@ from dlstore.sourcefiles import scan_tree
 from dlstore.spec import ImagePolicy
 from dlstore.write.geometry import Geometry
 from dlstore.write.imageops import decode_file, decode_with_geometry
-from dlstore.write.sources.base import Source
 from dlstore.write.sources.registry import SourceArgs, register_source
+from dlstore.write.sources.source import Source
 
 
 @register_source

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dlstore.errors import SourceError
-from dlstore.write.sources.base import Source
+from dlstore.write.sources.source import Source
 
 _KINDS: list[type[Source]] = []
 K = TypeVar("K", bound=type[Source])

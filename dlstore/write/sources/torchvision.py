@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from dlstore.errors import SourceError
-from dlstore.write.sources.base import ArraySource
 from dlstore.write.sources.registry import SourceArgs, register_source
+from dlstore.write.sources.source import ArraySource
 
 TORCHVISION_SETS = ("MNIST", "FashionMNIST", "CIFAR10", "CIFAR100")
 PREFIX = "torchvision:"
