@@ -1,27 +1,23 @@
-"""Running a conversion's units as Dask tasks (``convert(..., scheduler=)``, ``--scheduler``).
+"""Running a conversion's units as Dask tasks (``--scheduler``): ``DaskRunner``, the ``Runner``
+(``dlstore.write.runners``) on a ``distributed`` cluster.
 
-``DaskRunner`` is the one implementation of the conversion's ``Runner`` interface
-(``dlstore.write.runners``) for Dask; the built-in runners are the process pool and in-process
-ones there. This one hands the same units to a
-``distributed`` cluster: ``local`` / ``local:N`` starts a cluster of N task threads on this machine
-(``start_local_cluster``: Dask's ``SubprocessCluster``, worker processes of up to 4 threads, each thread
-with its decode process, so N processes decode), ``tcp://HOST:PORT`` (or ``tls://``) uses a running scheduler whose workers see SOURCE and
-DEST at the same paths. Each task is ``convert_unit``: it decodes and writes its unit into the staging
-directory itself, exactly as a pool worker does, and returns only the bad files and digests; the
-driver journals each finished unit, so resume, the bad-file budget, the atomic publish and the result
-are the built-in engine's. With a URL destination the tasks write their units to the object store
-instead (``store_units.convert_unit_to_store``), so no worker needs the driver's spool folder.
+``local`` / ``local:N`` starts N task threads on this machine (``start_local_cluster``);
+``tcp://HOST:PORT`` (or ``tls://``) uses a running scheduler whose workers see SOURCE and DEST at the
+same paths. Each task is ``convert_unit``: it writes its unit into the staging folder itself and returns
+only the bad files and digests; the driver journals each finished unit, so resume, the bad-file budget
+and the atomic publish are the pool's. A URL DEST's units go to the object store instead
+(``store_units``).
 
-The per-file ``decode_timeout``: Dask runs tasks in worker threads, where SIGALRM (the pool's way to
-interrupt a decoder) cannot be used. So each Dask worker runs its units in a decode process of its own
-(``unit_in_child``; one per task thread), started once per conversion and worker, whose main thread takes the pool worker's
-time limits: a file that hangs becomes a named bad file, and a decoder stuck inside C code ends that
-process (a clear error, resumable) instead of hanging the cluster. Pixels still never cross a pipe: the
-decode process writes its unit itself and returns only the bad files and digests.
+SIGALRM (the per-file ``decode_timeout``) needs a process's main thread, which a Dask task thread is
+not: so each worker runs its units in decode processes of its own (``unit_in_child``), one per task
+thread, which write their units themselves. A hung file becomes a named bad file; a decoder stuck in
+C code ends its process (a clear, resumable error) instead of hanging the cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -31,17 +27,16 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice
 from typing import Any
 
 from dlstore.errors import ConvertError, require_extra
 from dlstore.machine import usable_cores
-from dlstore.write.dask_cleanup import close_cluster
 
 _ADDRESS = re.compile(r"^(tcp|tls|inproc|ucx)://\S+$")
 
@@ -73,11 +68,8 @@ def parse_scheduler(text: str) -> SchedulerSpec:
     )
 
 
-# Our own cluster's workers only wait for their decode processes, on every core: what would only
-# take CPU from those (each worker's statistical profiler walking every stack each 10 ms, event-loop
-# health ticks every 20 ms, system and memory monitors several times a second) is off or slowed.
-# (Round C on the H200: Dask's decode processes took 7 % longer per image than the pool's workers on a
-# default running cluster, 5 % with profiling off.)
+# Our own cluster's workers only wait for their decode processes: the profiler and monitors that would
+# take CPU from those are off or slowed (decoding measured 5-7 % slower with Dask's defaults).
 QUIET_CONFIG = {
     "distributed.worker.profile.enabled": False,
     "distributed.admin.tick.interval": "500ms",
@@ -90,55 +82,41 @@ WORKERS_START_S = 60
 
 
 def local_layout(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> tuple[int, int]:
-    """(worker processes, task threads each) for ``local:N``: N task threads in all, each with a
-    decode process of its own, in as few worker processes as hold at most ``most_threads`` each
-    (the worker count divides N, so every worker gets the same number of threads).
-
-    Fewer, larger worker processes: every task thread only waits on its decode process, so more
-    worker processes would only add interpreters to start, scheduler connections and event loops.
-    """
+    """(worker processes, task threads each) for ``local:N``: the fewest workers of at most
+    ``most_threads`` whose count divides N. A task thread only waits on its decode process, so more
+    workers would only add interpreters, connections and event loops."""
     first = -(-slots // max(1, most_threads))
     workers = next(w for w in range(first, slots + 1) if slots % w == 0)
     return workers, slots // workers
 
 
 def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> Any:
-    """The cluster of ``local:N`` (also for benchmarks that want it running beforehand): a scheduler in
-    this process and worker processes started as ``python -m dask spec`` subprocesses (Dask's
-    ``SpecCluster`` with the ``SubprocessWorker`` of its ``SubprocessCluster``). Not ``LocalCluster``:
-    its workers are started by multiprocessing's spawn, which re-imports the caller's ``__main__``
-    script in every worker (a training or benchmark script that imports torch made each of 16 workers
-    import torch: 8 s before the cluster was up on the H200, and again in every decode process). The
-    scheduler stays in this process (a scheduler subprocess would start first and alone, about a
-    second more). No nanny: our decode processes already isolate the decoders (a crash kills a decode
-    process, not the worker), and closing the cluster kills its processes at once.
-    ``cluster.close()`` stops it; ``cluster.scheduler_address`` is its address."""
+    """The cluster of ``local:N``: a scheduler in this process, workers started as ``python -m dask
+    spec`` subprocesses (``SpecCluster`` of ``SubprocessWorker``). Not ``LocalCluster``: its spawned
+    workers re-import the caller's ``__main__`` (a script importing torch made each worker import
+    it). No nanny: the decode processes already isolate the decoders. ``cluster.close()`` stops it."""
     import dask
     from distributed import Scheduler, SpecCluster
     from distributed.deploy.subprocess import SubprocessWorker
 
     workers, threads = local_layout(slots, most_threads)
+    worker_kwargs = {
+        "host": "127.0.0.1",
+        "nthreads": threads,
+        "memory_limit": 0,  # the workers hold no data
+        "silence_logs": logging.WARN,  # as LocalCluster: no INFO lines on the user's terminal
+        "driver_pid": os.getpid(),  # the workers die with this process (kill -9 included)
+    }
     worker = {
         "cls": SubprocessWorker,
-        "options": {
-            "worker_class": WORKER_CLASS,
-            # the workers hold no data: no memory limit, no memory monitor
-            "worker_kwargs": {
-                "host": "127.0.0.1",
-                "nthreads": threads,
-                "memory_limit": 0,
-                "silence_logs": logging.WARN,  # as LocalCluster: no INFO lines on the user's terminal
-                "driver_pid": os.getpid(),  # the workers die with this process (kill -9 included)
-            },
-        },
+        "options": {"worker_class": WORKER_CLASS, "worker_kwargs": worker_kwargs},
     }
     scheduler = {
         "cls": Scheduler,
         "options": {"host": "127.0.0.1", "port": 0, "dashboard": False, "dashboard_address": "127.0.0.1:0"},
     }
-    # The scheduler's ticks quieted as the workers' (they set their own). Worker saturation 1.5: a
-    # worker of 4 threads then holds 2 queued units instead of 1 (Dask's 1.1 rounds 4.4 up to 5), so
-    # two threads finishing together both start their next unit without a round trip to the scheduler.
+    # Saturation 1.5: a worker of 4 threads holds 2 queued units, so two threads finishing together
+    # both start their next unit without a round trip to the scheduler.
     with dask.config.set({**QUIET_CONFIG, "distributed.scheduler.worker-saturation": 1.5}):
         return SpecCluster(
             workers=dict.fromkeys(range(workers), worker),
@@ -150,10 +128,9 @@ def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER
 
 
 def open_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> tuple[Any, Any]:
-    """A connected ``distributed.Client`` and the local cluster it runs on (None for an address).
-    Not entered as context managers: ``Client.__enter__`` makes it the thread's current client, and
-    ``EarlyClient`` opens it in one thread and closes it in another. ``stamps`` receives
-    ``time.monotonic()`` at each step (cluster up, client connected, workers registered)."""
+    """A connected ``distributed.Client`` and its local cluster (None for an address), not entered as
+    context managers (``EarlyClient`` opens and closes them in different threads). ``stamps`` gets
+    ``time.monotonic()`` at each step."""
     require_extra("distributed", "dask", "--scheduler")
     from distributed import Client
 
@@ -172,9 +149,7 @@ def open_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> 
     try:
         client = Client(cluster)
         _stamp(stamps, "client")
-        # SubprocessCluster returns once the worker processes are launched: wait until they have
-        # all registered, or the first units would all go to the first worker up.
-        try:
+        try:  # else the first units would all go to the first worker up
             client.wait_for_workers(len(cluster.workers), timeout=WORKERS_START_S)
         except TimeoutError:
             raise ConvertError(
@@ -194,10 +169,8 @@ def _stamp(stamps: dict[str, float] | None, name: str) -> None:
 
 
 def open_warm_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> tuple[Any, Any]:
-    """``open_client``, then each worker starts its decode processes' fork server (importing the
-    converter takes about 0.5 s) before any unit is handed out: with ``EarlyClient`` this happens
-    while the driver is still scanning the source. (Our own cluster's workers start it as they start;
-    a running cluster's workers start it here.)"""
+    """``open_client``, then each worker starts its decode processes' fork server (a running cluster's
+    workers here; our own as they start) before any unit is handed out."""
     client, cluster = open_client(spec, stamps)
     try:
         client.run(warm_decode_forkserver)
@@ -208,17 +181,13 @@ def open_warm_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None
 
 
 DECODE_MODULE = "dlstore.write.unit_work"  # what a decode process runs, imported by its fork server
-
-
 TRACKER_LEAK_WARNING = "ignore:resource_tracker:UserWarning"
 
 
 def warm_decode_forkserver() -> None:
-    """On a Dask worker: start the fork server of ``_child_pool`` with the converter imported.
-
-    The resource tracker it starts takes this process's warning options: a worker killed -9 leaves its
-    decode pool's semaphores to the tracker, which cleans them up and would warn about each on the
-    user's terminal, before dlstore's one line about the dead worker."""
+    """On a Dask worker: start the fork server of ``_child_pool`` with the converter imported. Its
+    resource tracker takes this process's warning options: a worker killed -9 leaves semaphores it
+    would warn about before dlstore's one line about the dead worker."""
     if TRACKER_LEAK_WARNING not in sys.warnoptions:
         sys.warnoptions.append(TRACKER_LEAK_WARNING)
     if "forkserver" not in mp.get_all_start_methods():
@@ -230,10 +199,9 @@ def warm_decode_forkserver() -> None:
 
 
 class EarlyClient:
-    """``open_client(spec)`` in a background thread from the conversion's start, so a local cluster
-    boots (seconds for 16 worker processes) while the driver scans the source and stages the plan;
-    ``client()`` waits for it, ``close()`` (idempotent) disconnects and stops a local cluster (a
-    cluster given by address keeps running). With ``start=False`` nothing starts before ``client()``."""
+    """``open_client(spec)`` in a background thread, so a local cluster boots while the driver scans
+    the source; ``client()`` waits for it, ``close()`` (idempotent) disconnects and stops a local
+    cluster. With ``start=False`` nothing starts before ``client()``."""
 
     def __init__(self, spec: SchedulerSpec, start: bool = True) -> None:
         self.spec = spec
@@ -269,14 +237,11 @@ class EarlyClient:
             client.close()
         finally:
             if cluster is not None:
-                close_cluster(cluster)  # and every process its workers started, reaped
+                close_cluster(cluster)
 
 
 def dask_timeline(stamps: dict[str, float], t0: float) -> dict[str, float]:
-    """The start steps of a Dask conversion, in seconds after ``t0`` (the conversion's start, from
-    ``time.monotonic()``): cluster thread started, cluster up (scheduler running, workers launched),
-    client connected, all workers registered, decode fork servers started, job on the workers, first
-    units submitted."""
+    """The start steps of a Dask conversion, in seconds after ``t0`` (``time.monotonic()``)."""
     steps = ("start", "cluster", "client", "workers", "warm", "scattered", "submitted")
     return {f"dask_{name}_at_s": stamps[name] - t0 for name in steps if name in stamps}
 
@@ -293,25 +258,20 @@ NO_WORKERS_GRACE_S = 20.0  # a running cluster's nannies restart killed workers 
 
 
 class LostWorkerNoise(logging.Filter):
-    """Drops Dask's own log lines about a worker lost or its results rescheduled (the scheduler's and
-    client's, in the driver): dlstore reruns those units, or says in one line what died."""
+    """Drops Dask's log lines about a lost worker and its rescheduled results, and asyncio's "Task
+    exception was never retrieved" for a result wait given up on (``AllExit``): dlstore reruns those
+    units, or says in one line what died."""
 
     PREFIXES = ("Removing worker", "Couldn't gather", "Lost all workers")
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == "asyncio":
+            return "exception=AllExit()" not in record.getMessage()
         return not str(record.msg).startswith(self.PREFIXES)
 
 
-class AbandonedGatherNoise(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" for a result wait the driver gave up on
-    (``outcome``'s poll) that ended when the client closed: ``AllExit`` is Dask's "stop waiting"."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "exception=AllExit()" not in record.getMessage()
-
-
 LOST_WORKER_LOGGERS = ("distributed.scheduler", "distributed.client")
-_ASYNCIO_NOISE = AbandonedGatherNoise()
+_NOISE = LostWorkerNoise()
 
 
 class WorkersLostError(RuntimeError):
@@ -320,8 +280,8 @@ class WorkersLostError(RuntimeError):
 
 @dataclass(frozen=True)
 class TaskFailed:
-    """A unit's error handed back as a value, not raised in the worker: a raised one makes every
-    worker log "Compute Failed" with a traceback on the user's terminal before dlstore's one line."""
+    """A unit's error handed back as a value: a raised one makes every worker log "Compute Failed"
+    with a traceback on the user's terminal."""
 
     error: BaseException
 
@@ -333,27 +293,83 @@ def _the_job(job: Any) -> Any:
 def guarded(job: Any, k: int, *, task: Callable[[Any, int], Any]) -> Any:
     try:
         return task(job, k)
-    except Exception as e:  # noqa: BLE001 - re-raised by the driver (``outcome``)
+    except Exception as e:  # noqa: BLE001 - re-raised by the driver (``UnitWindow.outcome``)
         return TaskFailed(e)
 
 
-def outcome(future: Any, lost: Callable[[], str], still_workers: Callable[[], None]) -> Any:
-    """A finished task's result, its error raised here, or WorkersLostError for a unit cancelled
-    because the cluster lost what it needed (its workers). A result held by a worker that died is
-    recomputed: waited for while ``still_workers`` finds the cluster has some."""
-    from distributed.client import FutureCancelledError
+@dataclass
+class UnitWindow:
+    """The units of one conversion on the cluster: a bounded window of tasks (``SUBMITTED_PER_THREAD``
+    per task thread), refilled by one ``client.map`` per batch of finished units, so the scheduler
+    never holds millions of tasks. A worker killed mid-convert: the scheduler recomputes the job (a
+    task's result) and reruns the lost units on the workers left; none left for ``grace_s`` is
+    WorkersLostError, naming the dead."""
 
-    while True:
-        try:
-            result = future.result(timeout=POLL_S)
-            break
-        except FutureCancelledError:
-            raise WorkersLostError(lost()) from None
-        except TimeoutError:
-            still_workers()
-    if isinstance(result, TaskFailed):
-        raise result.error
-    return result
+    client: Any
+    task: Callable[..., Any]
+    shared: Any
+    token: str
+    queue: Iterator[int]
+    grace_s: float
+    pending: set[Any] = field(default_factory=set)
+    seen: set[str] = field(default_factory=set)  # every worker seen, to name the dead ones
+    no_workers_since: float | None = None
+
+    def submit(self, count: int) -> None:
+        ks = list(islice(self.queue, count))
+        if ks:
+            keys = [f"dlstore-unit-{self.token}-{k}" for k in ks]
+            self.pending.update(self.client.map(self.task, [self.shared] * len(ks), ks, key=keys, pure=False))
+
+    def lost(self) -> str:
+        dead = sorted(self.seen - set(self.client.scheduler_info()["workers"]))
+        named = f"worker{'s' if len(dead) > 1 else ''} {', '.join(dead)}" if dead else "workers"
+        return (
+            f"the Dask {named} died (killed, out of memory or crashed) and no worker is left to run "
+            "the conversion's units"
+        )
+
+    def still_workers(self) -> None:
+        """WorkersLostError once the cluster has had no worker for ``grace_s``."""
+        now_seen = set(self.client.scheduler_info()["workers"])
+        self.seen.update(now_seen)
+        if now_seen:
+            self.no_workers_since = None
+            return
+        self.no_workers_since = self.no_workers_since or time.monotonic()
+        if time.monotonic() - self.no_workers_since >= self.grace_s:
+            raise WorkersLostError(self.lost())
+
+    def outcome(self, future: Any) -> Any:
+        """A finished task's result, its error raised here, or WorkersLostError for a unit cancelled
+        with its workers; a result held by a worker that died is recomputed and waited for."""
+        from distributed.client import FutureCancelledError
+
+        while True:
+            try:
+                result = future.result(timeout=POLL_S)
+                break
+            except FutureCancelledError:
+                raise WorkersLostError(self.lost()) from None
+            except TimeoutError:
+                self.still_workers()
+        if isinstance(result, TaskFailed):
+            raise result.error
+        return result
+
+    def drain(self, record: Callable[[Any], None]) -> None:
+        from distributed import wait
+
+        while self.pending:
+            try:
+                finished = wait(list(self.pending), timeout=POLL_S, return_when="FIRST_COMPLETED").done
+            except TimeoutError:  # none finished within POLL_S
+                self.still_workers()
+                continue
+            self.pending.difference_update(finished)
+            self.submit(len(finished))
+            for fut in finished:
+                record(self.outcome(fut))  # a unit's error (e.g. --strict's) is raised here
 
 
 def run_on_dask(
@@ -367,88 +383,36 @@ def run_on_dask(
     no_workers_grace_s: float = NO_WORKERS_GRACE_S,
 ) -> None:
     """Run every unit as a task, ``record`` each result in the driver as it finishes; on any error the
-    remaining tasks are cancelled (unfinished units are not journaled and are redone on resume).
-
-    With ``child`` = (init, unit_by_index), each worker runs its units in a decode process of its own
-    (``unit_in_child``) where ``init(job)`` ran first; else ``unit(job, k)`` runs in the task thread.
-
-    Units go out in a bounded window (``SUBMITTED_PER_THREAD`` per task thread), refilled by one
-    ``client.map`` per batch of finished units: one graph message per batch instead of one per unit
-    (2,341 single ``submit`` calls kept the driver busy before the first unit ran), and a conversion of
-    millions of images never holds millions of tasks in the scheduler. ``stamps`` receives
-    ``time.monotonic()`` after the job is on the workers and after the first window is submitted.
-
-    A worker killed mid-convert (F6): the job is a task's result, not scattered data, so the scheduler
-    recomputes it and reruns the lost units on the workers left; when none is left for
-    ``no_workers_grace_s`` (a nanny restarts its worker sooner), WorkersLostError names the dead."""
+    remaining tasks are cancelled (unjournaled units are redone on resume). With ``child`` = (init,
+    unit_by_index) each worker runs its units in decode processes (``unit_in_child``)."""
     from distributed import wait
 
     token = uuid.uuid4().hex  # keys of their own: two conversions may share one cluster
     shared = client.submit(_the_job, job, key=f"dlstore-job-{token}", pure=False)
     wait([shared])  # on a worker before the units: the first units need not wait for it
-    seen = set(client.scheduler_info()["workers"])  # every worker seen, to name the dead ones
-    _stamp(stamps, "scattered")
     inner = unit if child is None else partial(unit_in_child, init=child[0], unit=child[1], token=token)
-    task = partial(guarded, task=inner)
-    queue = iter(todo)
-    pending: set[Any] = set()
-
-    def submit(count: int) -> None:
-        ks = list(islice(queue, count))
-        if ks:
-            keys = [f"dlstore-unit-{token}-{k}" for k in ks]
-            pending.update(client.map(task, [shared] * len(ks), ks, key=keys, pure=False))
-
-    def lost() -> str:
-        dead = sorted(seen - set(client.scheduler_info()["workers"]))
-        named = f"worker{'s' if len(dead) > 1 else ''} {', '.join(dead)}" if dead else "workers"
-        return (
-            f"the Dask {named} died (killed, out of memory or crashed) and no worker is left to run "
-            "the conversion's units"
-        )
-
-    noise = LostWorkerNoise()
-    logging.getLogger("asyncio").addFilter(_ASYNCIO_NOISE)  # logged as late as the exit: kept
-    for name in LOST_WORKER_LOGGERS:
-        logging.getLogger(name).addFilter(noise)
-    submit(SUBMITTED_PER_THREAD * max(1, count_workers(client)))
+    window = UnitWindow(client, partial(guarded, task=inner), shared, token, iter(todo), no_workers_grace_s)
+    window.seen = set(client.scheduler_info()["workers"])
+    _stamp(stamps, "scattered")
+    loggers = [logging.getLogger(name) for name in LOST_WORKER_LOGGERS]
+    logging.getLogger("asyncio").addFilter(_NOISE)  # logged as late as the exit: kept
+    for logger in loggers:
+        logger.addFilter(_NOISE)
+    window.submit(SUBMITTED_PER_THREAD * max(1, count_workers(client)))
     _stamp(stamps, "submitted")
-    no_workers_since: list[float] = []  # since when the cluster has had no worker
-
-    def still_workers() -> None:
-        """WorkersLostError once the cluster has had no worker for ``no_workers_grace_s``."""
-        now_seen = set(client.scheduler_info()["workers"])
-        seen.update(now_seen)
-        if now_seen:
-            no_workers_since.clear()
-            return
-        no_workers_since[:] = no_workers_since or [time.monotonic()]
-        if time.monotonic() - no_workers_since[0] >= no_workers_grace_s:
-            raise WorkersLostError(lost())
-
     try:
-        while pending:
-            try:
-                finished = wait(list(pending), timeout=POLL_S, return_when="FIRST_COMPLETED").done
-            except TimeoutError:  # none finished within POLL_S
-                still_workers()
-                continue
-            pending.difference_update(finished)
-            submit(len(finished))
-            for fut in finished:
-                # a unit's error (e.g. --strict's ImageDecodeError) is raised here
-                record(outcome(fut, lost, still_workers))
+        window.drain(record)
     except BaseException:
-        client.cancel([*pending, shared])
+        client.cancel([*window.pending, shared])
         raise
     finally:
         if child is not None:
             stop_children(client)
-        for name in LOST_WORKER_LOGGERS:
-            logging.getLogger(name).removeFilter(noise)
+        for logger in loggers:
+            logger.removeFilter(_NOISE)
 
 
-# --- the decode process of each Dask worker -------------------------------------------------------
+# --- the decode processes of each Dask worker -----------------------------------------------------
 
 _CHILD: dict[str, Any] = {}  # in a Dask worker: {"token": conversion, "pool": its decode process(es)}
 _CHILD_LOCK = threading.Lock()
@@ -458,8 +422,7 @@ def unit_in_child(
     job: Any, k: int, *, init: Callable[[Any], None], unit: Callable[[int], Any], token: str
 ) -> Any:
     """A Dask task: unit k, run by this worker's decode process for conversion ``token``. A process
-    that dies (a decoder that crashed, or spun past the CPU-time backstop) raises BrokenProcessPool,
-    which the driver reports as the pool's dead worker."""
+    that dies raises BrokenProcessPool, reported as a dead worker."""
     pool = _child_pool(job, init, token)
     try:
         return pool.submit(unit, k).result()
@@ -474,15 +437,11 @@ def _child_pool(job: Any, init: Callable[[Any], None], token: str) -> ProcessPoo
             close_child(locked=True)
             # Not fork: a Dask worker is multi-threaded (its event loop, its comms).
             ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn")
-            if ctx.get_start_method() == "forkserver":
-                # The fork server lives as long as this worker: later conversions fork decode
-                # processes with the converter already imported (about 0.3 s each, otherwise).
+            if ctx.get_start_method() == "forkserver":  # lives as long as this worker, converter imported
                 ctx.set_forkserver_preload([init.__module__])  # = DECODE_MODULE, as warmed
-            # Dask starts its workers as daemonic processes, which multiprocessing forbids to have
-            # children (a daemon is ended without joining them). Ours are ended by ``close_child``
-            # after each conversion, and exit by themselves when this worker's end of the pipe closes.
+            # Dask's workers are daemonic, which multiprocessing forbids to have children; ours are
+            # ended by ``close_child`` and exit by themselves when this worker's pipe end closes.
             mp.current_process()._config["daemon"] = False  # type: ignore[attr-defined]
-            # The job goes to each decode process once, pickled as the pool's does under spawn.
             pool = ProcessPoolExecutor(
                 _worker_threads(), mp_context=ctx, initializer=_start_decode_process, initargs=(init, job)
             )
@@ -496,17 +455,12 @@ def _start_decode_process(init: Callable[[Any], None], job: Any) -> None:
 
 
 def _undo_dask_malloc_tuning() -> None:
-    """Dask's nanny starts its workers with ``MALLOC_TRIM_THRESHOLD_=65536`` (to hand freed memory back
-    to the OS), which the decode processes inherit. Setting it also turns off glibc's adaptive mmap
-    threshold, so every large decode buffer becomes an mmap/munmap pair and its pages fault in again
-    (on a dev VM that variable alone made one-process decoding 10-30% slower; on the H200 the decode
-    processes took 26-43% longer per image than the pool's workers). Restore the adaptive behaviour's
-    ceiling (buffers up to 32 MB from the heap, trimmed above 64 MB) in these processes only."""
+    """Dask's ``MALLOC_TRIM_THRESHOLD_=65536``, inherited, turns off glibc's adaptive mmap threshold:
+    every large decode buffer became an mmap/munmap pair (decoding 10-43 % slower). Restore the
+    adaptive ceiling (32 MB from the heap, trimmed above 64 MB) in the decode processes only."""
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
         return
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None)
         libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
         libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
@@ -540,25 +494,17 @@ def close_child(locked: bool = False) -> None:
 
 
 def stop_children(client: Any) -> None:
-    """After a conversion: no decode process stays behind on any worker (best effort: a worker that
-    died or a cluster that is closing has none left to stop)."""
+    """After a conversion: no decode process stays behind on any worker (best effort)."""
     try:
         client.run(close_child)
     except Exception:  # noqa: BLE001 - clean-up only; the conversion's own outcome stands
         pass
 
 
-def is_killed_worker(error: BaseException) -> bool:
-    """A task whose workers kept dying (killed, out of memory, crashed decoder)."""
-    return type(error).__name__ == "KilledWorker"
-
-
 class DaskRunner:
     """The conversion's ``Runner`` on a Dask cluster. A local cluster starts in the background at
-    construction (``start=True``), while the driver scans the source and stages the plan (a
-    LocalCluster of 16 takes seconds); ``start`` waits for it. With a per-file time limit each worker
-    runs its units in a decode process of its own (``unit_in_child``); with ``job.store_units`` the
-    tasks upload their units to the object store and hand back the objects' checksums too."""
+    construction (``start=True``); ``start`` waits for it. With a per-file time limit the units run in
+    decode processes (``unit_in_child``); with ``job.store_units`` the tasks upload their units."""
 
     def __init__(self, scheduler: str, start: bool = True) -> None:
         require_extra("distributed", "dask", "--scheduler")
@@ -581,7 +527,6 @@ class DaskRunner:
             unit, in_child = convert_unit_to_store, convert_unit_to_store_in_process
         else:
             unit, in_child = convert_job_unit, convert_unit
-        # A per-file time limit needs a process's main thread: the units then run in a decode process.
         child = (_init_worker, in_child) if job.decode_timeout > 0 else None
         # dlstore's own cluster has no nanny to restart a killed worker: no worker left is final at once
         grace = NO_WORKERS_GRACE_S if self.early.spec.address else 0.0
@@ -597,10 +542,12 @@ class DaskRunner:
                 "a decode process of a Dask worker died (killed, out of memory, or a decoder crashed "
                 "or spun past its CPU-time limit)"
             )
-        return f"Dask workers kept dying on a unit ({error})" if is_killed_worker(error) else None
+        if type(error).__name__ == "KilledWorker":
+            return f"Dask workers kept dying on a unit ({error})"
+        return None
 
     def finish(self, t0: float) -> dict[str, float]:
-        """Stop the cluster (before the cache is finished, as it always was); the start-up timeline."""
+        """Stop the cluster (before the cache is finished); the start-up timeline."""
         t_close = time.perf_counter()
         self.close()
         self.stages["dask_close_s"] = time.perf_counter() - t_close
@@ -617,9 +564,8 @@ class DaskRunner:
 
 
 def terminate_as_interrupt() -> Any:
-    """SIGTERM (``kill``, a job scheduler's stop) as Ctrl-C while a Dask conversion runs: its cluster
-    is then closed and reaped like on Ctrl-C, where the default action ended the driver at once and left
-    the workers' processes behind. Returns the handler to restore (None outside the main thread)."""
+    """SIGTERM as Ctrl-C while a Dask conversion runs, so its cluster is closed and reaped (the default
+    action left the workers' processes behind). Returns the handler to restore (None: not changed)."""
     if threading.current_thread() is not threading.main_thread():
         return None
     previous = signal.getsignal(signal.SIGTERM)
@@ -631,3 +577,75 @@ def terminate_as_interrupt() -> Any:
 
     signal.signal(signal.SIGTERM, interrupt)
     return previous
+
+
+# --- closing dlstore's own local cluster: nothing left behind ---------------------------------------
+# A killed worker cannot reap its children (fork server, resource tracker, decode processes): they were
+# left as orphans. For the close the driver becomes their reaper (Linux's PR_SET_CHILD_SUBREAPER) and
+# waits for exactly the workers' process trees, listed before the close, and nothing else of the caller's.
+
+PR_SET_CHILD_SUBREAPER = 36
+REAP_S = 10.0  # a killed process is gone within this (SIGKILL); then we stop waiting
+
+
+def close_cluster(cluster: Any) -> None:
+    """``cluster.close()``, then every process the workers had started is gone and reaped."""
+    procs = [getattr(w, "process", None) for w in getattr(cluster, "workers", {}).values()]
+    tree = descendants([int(p.pid) for p in procs if getattr(p, "pid", None)])
+    with reaper():
+        try:
+            cluster.close()
+        finally:
+            end_processes(tree)
+
+
+def descendants(roots: list[int]) -> list[int]:
+    """Every pid below ``roots``, found by /proc (without psutil)."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if entry.isdigit():
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    parents.setdefault(int(f.read().rsplit(b")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], list(roots)
+    while todo:
+        for child in parents.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+@contextlib.contextmanager
+def reaper() -> Iterator[None]:
+    """This process adopts the orphans of its descendants while inside (Linux; elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    on = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    try:
+        yield
+    finally:
+        if on:
+            libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def end_processes(pids: list[int], within_s: float = REAP_S) -> None:
+    """Kill each of ``pids`` and reap those that are (now) our children; wait up to ``within_s`` for
+    the others to disappear."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    left = set(pids)
+    deadline = time.monotonic() + within_s
+    while left and time.monotonic() < deadline:
+        left = {pid for pid in left if not reaped_or_gone(pid)}
+        if left:
+            time.sleep(0.02)
+
+
+def reaped_or_gone(pid: int) -> bool:
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:  # not ours (yet): gone once /proc no longer lists it
+        return not os.path.exists(f"/proc/{pid}")

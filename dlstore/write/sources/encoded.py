@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from dlstore.write.geometry import Geometry
 from dlstore.write.imageops import decode_file, decode_with_geometry
 from dlstore.write.sources.source import Source
 from dlstore.write.targets import place_targets
+
+if TYPE_CHECKING:
+    from dlstore.write.sources.registry import SourceArgs
 
 
 @dataclass
@@ -90,6 +93,12 @@ class EncodedSource(Source):
             if missing_ok:
                 return ""
             raise
+
+
+def stop_if_strict(errors: list[tuple[str, str]], args: SourceArgs) -> None:
+    """``--strict``: a sample the listing cannot take stops the open, named."""
+    if errors and args.strict:
+        raise SourceError(f"{errors[0][0]}: {errors[0][1]}; stopped (--strict)")
 
 
 def unreadable(name: str, e: BaseException) -> ImageDecodeError:

@@ -26,7 +26,7 @@ import numpy as np
 
 from dlstore.checksums import file_sha256
 from dlstore.errors import SourceError
-from dlstore.write.sources.encoded import EncodedSource, labels_from_values, unreadable
+from dlstore.write.sources.encoded import EncodedSource, labels_from_values, stop_if_strict, unreadable
 from dlstore.write.sources.registry import SourceArgs, register_source
 
 DEFAULT_LABEL = "label"
@@ -107,8 +107,7 @@ class FileListSource(EncodedSource):
                 names.append(str(p))
                 values.append(int(v) if isinstance(v, str) and v.strip().lstrip("-").isdigit() else v)
                 lines.append(row["_line"])
-            if errors and args.strict:
-                raise SourceError(f"{errors[0][0]}: {errors[0][1]}; stopped (--strict)")
+            stop_if_strict(errors, args)
         classes, labels = labels_from_values(values, f"{path} column {label!r}")
         root = Path(args.root) if args.root is not None else path.parent
         return cls(

@@ -34,7 +34,13 @@ from typing import Any
 import numpy as np
 
 from dlstore.errors import ImageDecodeError, SourceError
-from dlstore.write.sources.encoded import EncodedSource, IndexedNames, labels_from_values, unreadable
+from dlstore.write.sources.encoded import (
+    EncodedSource,
+    IndexedNames,
+    labels_from_values,
+    stop_if_strict,
+    unreadable,
+)
 from dlstore.write.sources.fieldmap import declare, requests_of
 from dlstore.write.sources.registry import SourceArgs, register_source
 
@@ -137,6 +143,100 @@ def image_column(schema: Any, features: dict[str, Any], where: str) -> tuple[str
     return found[0][0], found[0][1] == "struct"
 
 
+@dataclass
+class _Scan:
+    """What listing the files gathers: footers, row groups, the label column (and --field columns)."""
+
+    label: str
+    keys: list[str]  # --field columns
+    unlabelled: bool = False
+    footers: list[list[Any]] = field(default_factory=list)
+    rg_file: list[int] = field(default_factory=list)
+    rg_local: list[int] = field(default_factory=list)
+    rg_rows: list[int] = field(default_factory=list)
+    values: list[np.ndarray] = field(default_factory=list)
+    valid: list[np.ndarray] = field(default_factory=list)
+    classes: tuple[str, ...] | None = None
+    image_col: str = ""
+    hf_struct: bool = True
+    data_bytes: int = 0
+    images: set[str] = field(default_factory=set)  # image-like --field columns: read by row group
+    field_values: dict[str, list[Any]] = field(default_factory=dict)
+    file_start: np.ndarray = field(default_factory=lambda: np.zeros(1, np.int64))
+
+    def read_file(self, k: int, path: Path, rel: str) -> None:
+        self.footers.append([rel, *footer_digest(path)])
+        pf = import_pyarrow().ParquetFile(path)
+        schema = pf.schema_arrow
+        if k == 0:
+            features = hf_features(schema)
+            self.image_col, self.hf_struct = image_column(schema, features, str(path))
+            declared = features.get(self.label, {})
+            self.classes = tuple(declared.get("names")) if declared.get("_type") == "ClassLabel" else None
+        for key in self.keys:
+            if key not in schema.names:
+                raise SourceError(
+                    f"{path}: no column {key!r} for --field; columns: {', '.join(schema.names)}"
+                )
+            if image_like(schema.field(key).type):
+                self.images.add(key)
+        self.unlabelled = self.unlabelled and self.label not in schema.names
+        if self.label not in schema.names and not self.unlabelled:
+            raise SourceError(
+                f"{path}: no label column {self.label!r}; columns: {', '.join(schema.names)}; "
+                "name the class column with --label COLUMN"
+            )
+        md = pf.metadata
+        for g in range(md.num_row_groups):
+            self.data_bytes += md.row_group(g).total_byte_size
+            self.rg_file.append(k)
+            self.rg_local.append(g)
+            self.rg_rows.append(md.row_group(g).num_rows)
+        small = [c for c in self.keys if c not in self.images]
+        table = pf.read(columns=list(dict.fromkeys(([] if self.unlabelled else [self.label]) + small)))
+        for c in small:
+            self.field_values.setdefault(c, []).append(table.column(c))
+        if self.unlabelled:
+            self.valid.append(np.ones(md.num_rows, bool))
+            self.values.append(np.zeros(md.num_rows, np.int64))
+        else:
+            col = table.column(self.label)
+            self.valid.append(col.is_valid().to_numpy(zero_copy_only=False))
+            self.values.append(fill_nulls(col).to_numpy(zero_copy_only=False))
+
+    def labels(self, text: str) -> tuple[np.ndarray, tuple[str, ...], np.ndarray, list[tuple[str, str]]]:
+        """(the rows listed, classes, every row's label, the rows not listed, named)."""
+        self.file_start = np.concatenate([[0], np.cumsum([len(v) for v in self.values], dtype=np.int64)])
+        raw = np.concatenate(self.values) if self.values else np.zeros(0, np.int64)
+        ok = np.concatenate(self.valid) if self.valid else np.zeros(0, bool)
+        present = ok.copy()
+        if self.unlabelled:
+            classes, labels = (), np.zeros(len(raw), np.int64)
+        elif self.classes is not None:
+            classes, labels = self.classes, np.where(ok, raw, -1).astype(np.int64)
+            ok &= (labels >= 0) & (labels < len(classes))
+        else:
+            classes, labels_ok = labels_from_values(raw[ok], f"{text} column {self.label!r}")
+            labels = np.full(len(raw), -1, np.int64)
+            labels[ok] = labels_ok
+        errors = []
+        for r in np.flatnonzero(~ok)[:1000].tolist():  # named; more than 1000 are counted in the message
+            shown = "null" if not present[r] else "-1 (no label)" if raw[r] == -1 else repr(raw[r])
+            errors.append((self.row_name(r), f"label {self.label!r} is {shown}: not one of the classes"))
+        missing = int((~ok).sum())
+        if missing > len(errors):
+            errors.append((f"{text}", f"{missing - len(errors)} more rows without a label"))
+        return np.flatnonzero(ok).astype(np.int64), classes, labels, errors
+
+    def row_name(self, r: int) -> str:
+        f = int(np.searchsorted(self.file_start, r, side="right") - 1)
+        return f"{self.footers[f][0]}#{r - self.file_start[f]}"
+
+    def names(self, rows: np.ndarray) -> IndexedNames:
+        file_of = (np.searchsorted(self.file_start, rows, side="right") - 1).astype(np.int32)
+        return IndexedNames([f[0] for f in self.footers], file_of, rows - self.file_start[file_of])
+
+
 @register_source
 @dataclass
 class ParquetSource(EncodedSource):
@@ -174,114 +274,38 @@ class ParquetSource(EncodedSource):
 
     @classmethod
     def open(cls, text: str, args: SourceArgs) -> ParquetSource:
-        pq = import_pyarrow()
+        import_pyarrow()
         base, files = parquet_files(text)
-        label = args.label or DEFAULT_LABEL
         requests = requests_of(args.fields)
-        keys = list(dict.fromkeys(r.key for r in requests))
-        field_values: dict[str, list[Any]] = {k: [] for k in keys}
-        images: set[str] = set()
+        scan = _Scan(args.label or DEFAULT_LABEL, list(dict.fromkeys(r.key for r in requests)))
         # With --field and no --label, a file without the default label column has no classes.
-        unlabelled = bool(requests) and args.label is None
-        footers, rg_file, rg_local, rg_rows, values, valid = [], [], [], [], [], []
-        classes: tuple[str, ...] | None = None
-        image_col, hf_struct = "", True
-        data_bytes = 0
+        scan.unlabelled = bool(requests) and args.label is None
         for k, path in enumerate(files):
-            rel = os.path.relpath(path, base)
-            size, mtime, sha = footer_digest(path)
-            footers.append([rel, size, mtime, sha])
-            pf = pq.ParquetFile(path)
-            schema = pf.schema_arrow
-            features = hf_features(schema)
-            if k == 0:
-                image_col, hf_struct = image_column(schema, features, str(path))
-                names = features.get(label, {}).get("names")
-                classes = tuple(names) if features.get(label, {}).get("_type") == "ClassLabel" else None
-            for key in keys:
-                if key not in schema.names:
-                    raise SourceError(
-                        f"{path}: no column {key!r} for --field; columns: {', '.join(schema.names)}"
-                    )
-                if image_like(schema.field(key).type):
-                    images.add(key)
-            unlabelled = unlabelled and label not in schema.names
-            if label not in schema.names and not unlabelled:
-                raise SourceError(
-                    f"{path}: no label column {label!r}; columns: {', '.join(schema.names)}; "
-                    "name the class column with --label COLUMN"
-                )
-            md = pf.metadata
-            for g in range(md.num_row_groups):
-                data_bytes += md.row_group(g).total_byte_size
-                rg_file.append(k)
-                rg_local.append(g)
-                rg_rows.append(md.row_group(g).num_rows)
-            small = [k for k in keys if k not in images]
-            table = pf.read(columns=list(dict.fromkeys(([] if unlabelled else [label]) + small)))
-            for k in small:
-                field_values[k].append(table.column(k))
-            if unlabelled:
-                n_rows = md.num_rows
-                valid.append(np.ones(n_rows, bool))
-                values.append(np.zeros(n_rows, np.int64))
-                continue
-            col = table.column(label)
-            valid.append(col.is_valid().to_numpy(zero_copy_only=False))
-            values.append(fill_nulls(col).to_numpy(zero_copy_only=False))
-        rg_start = np.concatenate([[0], np.cumsum(rg_rows, dtype=np.int64)]).astype(np.int64)
-        file_start = np.concatenate([[0], np.cumsum([len(v) for v in values], dtype=np.int64)])
-        raw = np.concatenate(values) if values else np.zeros(0, np.int64)
-        ok = np.concatenate(valid) if valid else np.zeros(0, bool)
-        present = ok.copy()
-        if unlabelled:
-            classes, labels = (), np.zeros(len(raw), np.int64)
-        elif classes is not None:
-            filled = np.where(ok, raw, -1).astype(np.int64)
-            ok &= (filled >= 0) & (filled < len(classes))
-            labels = filled
-        else:
-            classes, labels_ok = labels_from_values(raw[ok], f"{text} column {label!r}")
-            labels = np.full(len(raw), -1, np.int64)
-            labels[ok] = labels_ok
-        rows = np.flatnonzero(ok).astype(np.int64)
-        file_of = (np.searchsorted(file_start, rows, side="right") - 1).astype(np.int32)
-        names = IndexedNames([f[0] for f in footers], file_of, rows - file_start[file_of])
-        errors = []
-        for r in np.flatnonzero(~ok)[:1000].tolist():  # named; more than 1000 are counted in the message
-            f = int(np.searchsorted(file_start, r, side="right") - 1)
-            shown = "null" if not present[r] else "-1 (no label)" if raw[r] == -1 else repr(raw[r])
-            errors.append(
-                (
-                    f"{footers[f][0]}#{r - file_start[f]}",
-                    f"label {label!r} is {shown}: not one of the classes",
-                )
-            )
-        missing = int((~ok).sum())
-        if missing > len(errors):
-            errors.append((f"{text}", f"{missing - len(errors)} more rows without a label"))
-        if errors and args.strict:
-            raise SourceError(f"{errors[0][0]}: {errors[0][1]}; stopped (--strict)")
+            scan.read_file(k, path, os.path.relpath(path, base))
+        rows, classes, labels, errors = scan.labels(text)
+        stop_if_strict(errors, args)
         src = cls(
             description=str(text),
             classes=tuple(classes),
-            names=names,  # type: ignore[arg-type]
+            names=scan.names(rows),  # type: ignore[arg-type]
             labels=labels[rows],
             kind="parquet",
             files=[str(Path(f).resolve()) for f in files],
-            image_col=image_col,
-            hf_struct=hf_struct,
-            rg_start=rg_start,
-            rg_file=np.asarray(rg_file, np.int32),
-            rg_local=np.asarray(rg_local, np.int32),
+            image_col=scan.image_col,
+            hf_struct=scan.hf_struct,
+            rg_start=np.concatenate([[0], np.cumsum(scan.rg_rows, dtype=np.int64)]).astype(np.int64),
+            rg_file=np.asarray(scan.rg_file, np.int32),
+            rg_local=np.asarray(scan.rg_local, np.int32),
             rows=rows,
-            footers=footers,
-            label_column=label,
+            footers=scan.footers,
+            label_column=scan.label,
             scan_errors=errors,
-            data_bytes=data_bytes,
+            data_bytes=scan.data_bytes,
             field_requests=requests,
-            field_columns={k: take_rows(v, rows) for k, v in field_values.items() if k not in images},
-            field_images=tuple(sorted(images)),
+            field_columns={
+                k: take_rows(v, rows) for k, v in scan.field_values.items() if k not in scan.images
+            },
+            field_images=tuple(sorted(scan.images)),
         )
         if requests:
             src.fields = declare(requests, src.first_values(), text)

@@ -28,7 +28,13 @@ import numpy as np
 from dlstore.errors import SourceError
 from dlstore.sourcefiles import IMAGE_EXTENSIONS
 from dlstore.storage.stores import RemoteStore, is_url
-from dlstore.write.sources.encoded import EncodedSource, IndexedNames, labels_from_values, unreadable
+from dlstore.write.sources.encoded import (
+    EncodedSource,
+    IndexedNames,
+    labels_from_values,
+    stop_if_strict,
+    unreadable,
+)
 from dlstore.write.sources.fieldmap import declare, requests_of
 from dlstore.write.sources.registry import SourceArgs, register_source
 
@@ -142,8 +148,7 @@ class WebDatasetSource(EncodedSource):
             parts["sizes"].append(np.asarray(sizes, np.int64))
             parts["keys"].append(np.asarray(keys, dtype=str))
             parts["values"].append(np.asarray(values))
-            if errors and args.strict:
-                raise SourceError(f"{errors[0][0]}: {errors[0][1]}; stopped (--strict)")
+            stop_if_strict(errors, args)
         src.shard_stats = stats
         src.shard_of = join_arrays(parts["shard_of"], np.int32)
         src.offsets = join_arrays(parts["offsets"], np.int64)
