@@ -1,14 +1,10 @@
-"""``convert``: source → pre-resized cache, in parallel, through a staging directory.
+"""``convert``: source → pre-resized cache, in parallel, through a staging folder.
 
-The driver of three phases: plan (``conversion_plan.py``: source, writer, storage order, the plan record),
-run (``runners.py``: the units on a process pool, in this process, or on Dask), finish (``finish.py``:
-labels, checksums, the manifest last). Work is split into the format's units (shard, chunk, slab);
-workers decode a unit's images and write that unit themselves, so pixels never cross a pipe; the
-driver only journals which units are done. The cache appears at DEST by one rename, after its
-manifest, so DEST is either absent, the previous cache, or the new complete one. An interrupted run
-leaves the staging directory and its journal next to DEST; the same command resumes it. A URL DEST
-is built in a local spool folder by the same driver, then published (``publish.py``).
-"""
+Three phases: plan (``conversion_plan.py``), run (``runners.py``: a process pool, this process, or
+Dask), finish (``finish.py``: the manifest last). Workers decode and write whole units (shard, chunk,
+slab), so pixels never cross a pipe; the driver journals finished units. The cache appears at DEST by
+one rename; an interrupted run resumes from its journal. A URL DEST is built in a local spool folder,
+then published (``publish.py``)."""
 
 from __future__ import annotations
 
@@ -55,27 +51,17 @@ def convert(
     log: Log | None = None,
     **shortcuts: Any,
 ) -> ConvertResult:
-    """Convert SOURCE (folder, ``torchvision:NAME``, ``demo`` or a Source) into a cache at DEST, as
-    ``options`` say (``ConvertOptions``: size, format, codec, ...; its docstring lists them all).
+    """Convert SOURCE (a SOURCE argument, a Source or a map-style Dataset) into a cache at DEST, as
+    ``options`` (``ConvertOptions``) say, or keywords that are its fields (``convert(src, dest,
+    size=64)``), not both.
 
-    ``decode="exact"`` (default) gives torchvision's ``Resize`` + ``CenterCrop`` pixels exactly;
-    ``"fast"`` DCT-scales large JPEGs while decoding (faster, a bounded error). ``storage_order=
-    "shuffled"`` (default) stores images in a seeded random order, so every chunk holds a mix of
-    classes; dataset index ``i`` is still source sample ``i``. Undecodable images are skipped and
-    reported (``skipped.json``); ``strict`` stops at the first one, more than ``max_bad`` aborts.
+    Undecodable images are skipped and listed in ``skipped.json`` (``strict`` stops, ``max_bad``
+    aborts). A finished DEST is make-like: the same source and options are "up to date", others are
+    refused, naming the first difference, until ``overwrite``. DEST may be a URL (``s3://bucket/prefix``).
+    ``progress`` receives ``ConvertProgress`` events (images written, then bytes uploaded); ``log`` the
+    warnings.
 
-    A finished DEST is make-like: the same source and options are "up to date" (no work), others are
-    refused naming the first difference until ``overwrite``. DEST may be a URL (``s3://bucket/prefix``;
-    credentials from the environment or ``storage_options``): built in a local spool folder, then
-    published by ``dlstore.write.publish`` (never touching objects that are not dlstore's).
-    ``progress`` receives ``ConvertProgress`` events (``dlstore.write.progress``): images written
-    of the total, then bytes uploaded for a URL, as absolute counts; ``log`` warnings as they arise.
-
-    Keyword shortcuts (``convert(src, dest, size=64)``) are ConvertOptions fields, folded into
-    ``options`` in one place (``fold_shortcuts``).
-
-    >>> convert("photos/", "cache/", ConvertOptions(size=128, format="zarr"))     # doctest: +SKIP
-    """
+    >>> convert("photos/", "cache/", ConvertOptions(size=128, format="zarr"))     # doctest: +SKIP"""
     options = fold_shortcuts(options, shortcuts)
     target = parse_store_path(dest)
     if isinstance(target, str):
@@ -93,11 +79,9 @@ def convert_locally(
     log: Log | None = None,
     unit_store: RemoteStore | None = None,
 ) -> ConvertResult:
-    """``convert`` to a local folder. ``unit_store``: with a scheduler, the object store the Dask
-    workers write the units to themselves (a URL DEST's spool then holds only the small files)."""
+    """``convert`` to a local folder; ``unit_store``: where Dask workers write the units of a URL DEST."""
     t0, t0_mono = time.perf_counter(), time.monotonic()
-    # A local cluster starts in the background while the source is scanned and the plan staged; a
-    # re-run that may be up to date starts none yet.
+    # A local cluster boots while the source is scanned; a re-run that may be up to date starts none yet.
     rerun = not Staging.pending(dest) and not options.overwrite and (dest / MANIFEST).is_file()
     dask = None
     if options.scheduler is not None:
@@ -105,8 +89,6 @@ def convert_locally(
 
         dask = DaskRunner(options.scheduler, start=not rerun)
     try:
-        # A full disk outside the writer's own stages (the lock, the journal, the layout) ends in the
-        # same message as theirs.
         with disk_full_as_error(dest.parent, f"setting up {dest.name}"):
             return plan_and_build(source, dest, options, rerun, dask, unit_store, progress, log, t0, t0_mono)
     finally:
@@ -249,10 +231,10 @@ def finish(
 def units_on_store(
     store: RemoteStore | None, on_dask: bool, writer: CacheWriter, staging: Staging
 ) -> StoreUnits | None:
-    """Where Dask workers write the units of a URL destination, or None: units go to the spool (no
-    URL, no scheduler, a writer whose units are not files of their own, or a cache with fields)."""
+    """Where Dask workers write a URL DEST's units, or None (the spool: no URL or scheduler, units
+    not files of their own, or a cache with fields)."""
     if store is None or not on_dask or not writer.units_are_own_files or writer.fields:
-        return None  # (a cache with fields: its field files go to the spool with the rest, issue 26)
+        return None
     units = StoreUnits(store, units_prefix(staging.plan))
     units.capture(writer.root)
     return units

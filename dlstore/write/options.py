@@ -1,12 +1,6 @@
-"""``ConvertOptions``: every choice a conversion takes, validated once, here, at the boundary.
-
-The CLI builds one from its flags, the bench from its config, a library caller by hand; ``convert``
-and everything under it trust it. The choices that shape the cache (``CACHE_FIELDS``) are recorded in
-the manifest under one key (``options``) and read back as the same type (``recorded_options``), so a
-re-run compares two plans made from two ``ConvertOptions``.
-
->>> ConvertOptions(size=64, format="zarr", codec="lz4")       # doctest: +SKIP
-"""
+"""``ConvertOptions``: every choice a conversion takes, validated once, here. The choices that shape
+the cache (``CACHE_FIELDS``) are recorded in the manifest (``options``) and read back as the same type
+(``recorded_options``), so a re-run compares two plans made from two ``ConvertOptions``."""
 
 from __future__ import annotations
 
@@ -20,8 +14,7 @@ from dlstore.formats import DEFAULT_FORMAT, FORMATS, get_format
 from dlstore.spec import STORAGE_ORDERS, CacheSpec, ImagePolicy
 
 DECODE_TIMEOUT_S = 60.0
-# What decides the cache's bytes: recorded in the manifest and compared by a re-run. The other fields
-# say how the run goes (workers, scheduler, overwrite, credentials) or where the source is.
+# What decides the cache's bytes: recorded in the manifest and compared by a re-run.
 CACHE_FIELDS = (
     "format",
     "size",
@@ -42,20 +35,14 @@ CACHE_FIELDS = (
 class ConvertOptions:
     """What ``convert(source, dest, options)`` builds and how.
 
-    ``size``, ``resize``, ``channels``, ``decode``, ``max_side``: the image policy
-    (``dlstore.spec.ImagePolicy``). ``codec`` (None: the format's default) and ``writer_options``
-    (the format's other declared options, e.g. ``{"quality": 90}``, ``{"shard_mb": 64}``) go to the
-    format's Writer, which refuses what it does not take. ``storage_order``/``seed``: the stored order.
-    ``max_megapixels``: the decompression-bomb limit (None: Pillow's). ``workers``/``scheduler``: the
-    runner (process pool, in-process, or Dask ``local[:N]``/``tcp://…``). ``strict``/``max_bad``/
-    ``decode_timeout``: what an undecodable file does. ``root``/``train``/``demo_images``/``label``: the
-    source (torchvision files or a file list's images, split, demo size, the label column or field).
-    ``storage_options``: fsspec options for a URL DEST (never recorded, never shown). ``pixels``:
-    "dlstore" (upright by EXIF, 16-bit scaled, alpha composited) or "torchvision" (stock ImageFolder +
-    transforms, bit for bit). ``fields``: ``("NAME=KEY[:KIND[:DTYPE]]", ...)`` or ``{NAME:
-    "KEY[:KIND[:DTYPE]]"}``, a parquet, WebDataset or Dataset source's extra columns or keys stored as
-    named fields (``dlstore.write.sources.fieldmap``); part of the source's fingerprint.
-    """
+    ``size``, ``resize``, ``channels``, ``decode``, ``max_side``: the image policy (``ImagePolicy``).
+    ``codec`` (None: the format's default) and ``writer_options`` (e.g. ``{"quality": 90}``) go to the
+    format's Writer. ``storage_order``/``seed``: the stored order. ``max_megapixels``: the bomb limit
+    (None: Pillow's). ``workers``/``scheduler``: the runner (pool, in-process, Dask ``local[:N]``/
+    ``tcp://…``). ``strict``/``max_bad``/``decode_timeout``: undecodable files. ``root``/``train``/
+    ``demo_images``/``label``: the source. ``storage_options``: fsspec options for a URL DEST (never
+    recorded). ``pixels``: "dlstore" (EXIF-upright, 16-bit scaled, alpha composited) or "torchvision"
+    (ImageFolder's pixels). ``fields``: ``("NAME=KEY[:KIND[:DTYPE]]", ...)`` or a mapping (``fieldmap``)."""
 
     size: int
     format: str = DEFAULT_FORMAT
@@ -85,16 +72,27 @@ class ConvertOptions:
     def __post_init__(self) -> None:
         if self.size is None:
             raise SpecError("size is required: ConvertOptions(size=PIXELS)")
-        parse_int("size", self.size, 1)
+        for name, least in (("size", 1), ("seed", 0), ("workers", 1), ("demo_images", 1)):
+            value = getattr(self, name)
+            whole = value is None or (
+                isinstance(value, int) and not isinstance(value, bool) and value >= least
+            )
+            require(name, value, whole, f"a whole number of at least {least}")
         self.policy  # noqa: B018 - ImagePolicy validates size, resize, channels, decode, max_side
         self.resolved_writer_options  # noqa: B018 - the format validates its codec and options
-        parse_storage_order(self.storage_order)
-        parse_int("seed", self.seed, 0)
-        parse_positive("max_megapixels", self.max_megapixels)
-        parse_int("workers", self.workers, 1)
-        parse_fraction("max_bad", self.max_bad)
-        parse_non_negative("decode_timeout", self.decode_timeout)
-        parse_int("demo_images", self.demo_images, 1)
+        order = self.storage_order
+        require("storage_order", order, order in STORAGE_ORDERS, f"one of {', '.join(STORAGE_ORDERS)}")
+        mp, bad, timeout = self.max_megapixels, self.max_bad, self.decode_timeout
+        require(
+            "max_megapixels", mp, mp is None or is_number(mp) and mp > 0, "a positive number of megapixels"
+        )
+        require("max_bad", bad, is_number(bad) and 0 <= bad <= 1, "a fraction between 0 and 1")
+        require(
+            "decode_timeout",
+            timeout,
+            is_number(timeout) and timeout >= 0,
+            "a number of seconds ≥ 0 (0 = no limit)",
+        )
         if self.scheduler is not None:
             from dlstore.write.dask_engine import parse_scheduler
 
@@ -151,34 +149,13 @@ def parse_writer_options(fmt: str, codec: str | None, others: Mapping[str, Any])
     return get_format(fmt).writer.parse_options(given)
 
 
-def parse_storage_order(value: str) -> str:
-    if value not in STORAGE_ORDERS:
-        raise SpecError(f"storage_order must be one of {', '.join(STORAGE_ORDERS)}, got {value!r}")
-    return value
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def parse_int(name: str, value: int | None, least: int) -> int | None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-        raise SpecError(f"{name} must be a whole number of at least {least}, got {value!r}")
-    return value
-
-
-def parse_positive(name: str, value: float | None) -> float | None:
-    if value is not None and not (isinstance(value, int | float) and value > 0):
-        raise SpecError(f"{name} must be a positive number of megapixels, got {value}")
-    return value
-
-
-def parse_fraction(name: str, value: float) -> float:
-    if not (isinstance(value, int | float) and 0 <= value <= 1):
-        raise SpecError(f"{name} must be a fraction between 0 and 1, got {value!r}")
-    return value
-
-
-def parse_non_negative(name: str, value: float) -> float:
-    if not (isinstance(value, int | float) and value >= 0):
-        raise SpecError(f"{name} must be a number of seconds ≥ 0 (0 = no limit), got {value!r}")
-    return value
+def require(name: str, value: Any, ok: bool, must: str) -> None:
+    if not ok:
+        raise SpecError(f"{name} must be {must}, got {value!r}")
 
 
 def fold_shortcuts(options: ConvertOptions | None, shortcuts: Mapping[str, Any]) -> ConvertOptions:

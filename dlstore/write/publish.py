@@ -1,34 +1,22 @@
-"""Publishing a finished local cache to an object store, atomically, on a store without rename, and
-without ever touching an object that is not dlstore's.
+"""Publishing a finished local cache to an object store: atomically, without rename, and never
+touching an object that is not dlstore's.
 
-An object store has no folder to replace: a prefix is shared with whatever else lives under it. So
-dlstore owns exactly the objects a manifest lists, its own ``.dlstore-staging/`` prefix, and nothing
-else (``Ownership``): a prefix that holds other objects and no dlstore cache is refused whatever the
-flags, a bucket's root only takes a cache while it holds nothing else, and ``--overwrite`` deletes
-only what the previous cache's manifest lists.
+dlstore owns exactly the objects a manifest lists and its ``.dlstore-staging/`` prefix
+(``Ownership``): a prefix holding other objects and no cache is refused whatever the flags, a
+bucket's root takes a cache only while empty, ``--overwrite`` deletes only what the old manifest lists.
 
-The protocol (object stores have no rename, but a single PUT is atomic):
-
-1. The new manifest, then every other file, is uploaded under a staging prefix
-   ``URL/.dlstore-staging/<id>/``, ``<id>`` being a digest of the new manifest's checksums. A re-run
-   after a kill finds that prefix and skips the objects already there with the right size (resume);
-   the previous cache at URL stays complete and readable all along. The staged manifest is what
-   tells a re-run that the objects it lists are dlstore's, even before the final manifest exists.
-2. What the previous generation owns (its manifest's list, and whatever a killed publish had
-   recorded) is written to ``.dlstore-staging/replacing.json``; then the previous manifest is deleted:
-   from then on readers refuse it (no manifest, no cache) instead of mixing generations.
-3. Each staged object is copied to its final key server-side (no bytes through this machine), and
-   objects the previous generation owned that the new manifest does not list are deleted.
+1. Every file, manifest first, is uploaded under ``URL/.dlstore-staging/<id>/`` (``<id>``: a digest
+   of the new checksums); a re-run skips the objects already there (resume). The old cache stays
+   readable; the staged manifest marks the listed objects as dlstore's.
+2. What the old generation owns goes to ``.dlstore-staging/replacing.json``; its manifest is deleted,
+   so readers refuse it instead of mixing generations.
+3. Staged objects are copied server-side to their keys; old objects not listed anew are deleted.
 4. The manifest is written last, in one PUT: the cache appears complete or not at all.
 5. The staging prefix is removed.
 
-Units that Dask workers wrote to the store themselves (``dlstore.write.store_units``) are already
-staged, under ``URL/.dlstore-staging/units-<plan>/``: the manifest lists them, the local folder does
-not hold them, and step 3 copies them from there like the rest.
-
-Readers open only a cache whose manifest exists, and check every object they download against the
-manifest's sha256 (``dlstore.storage.mirror``), so a truncated or half-copied object is never read.
-"""
+Units Dask workers wrote to the store (``store_units``) are already staged under
+``.dlstore-staging/units-<plan>/`` and step 3 copies them too. Readers open only a cache whose manifest
+exists and check each object against its sha256."""
 
 from __future__ import annotations
 
@@ -89,9 +77,8 @@ SURVEY_ATTEMPTS = 3
 
 
 def survey(store: RemoteStore) -> Ownership:
-    """A fresh listing of the prefix, split into dlstore's objects and foreign ones. A manifest listed
-    but gone when read (another publish finished meanwhile, or the store lost it in an outage) means
-    the listing is stale: list again."""
+    """A fresh listing of the prefix, split into dlstore's objects and foreign ones; listed again
+    when a manifest listed is gone when read (a stale listing)."""
     gone: FileNotFoundError | None = None
     for _ in range(SURVEY_ATTEMPTS):
         try:
@@ -137,8 +124,7 @@ def examples(names: list[str], k: int = 3) -> str:
 
 
 def check_remote_destination(store: RemoteStore, overwrite: bool) -> Ownership:
-    """Refuse a destination that holds anything dlstore does not own, and an existing cache without
-    ``overwrite``; returns what is there."""
+    """``check_ownership``, and an existing cache refused without ``overwrite``."""
     there = check_ownership(store)
     if there.has_cache and not overwrite:
         raise CacheExistsError(f"{store.url}: already holds a dlstore cache; pass --overwrite to replace it")
@@ -164,8 +150,8 @@ def check_ownership(store: RemoteStore) -> Ownership:
 
 
 def check_writable(store: RemoteStore) -> None:
-    """One empty object written and deleted under the staging prefix, before any work: a missing
-    bucket or credentials that may not write fail now, not at the upload after the conversion."""
+    """An empty object written and deleted under the staging prefix before any work: a missing
+    bucket or read-only credentials fail now, not after the conversion."""
     probe = f"{STAGING}/write-check-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         store.put_bytes(b"", probe)
@@ -196,8 +182,7 @@ def local_files(root: Path) -> dict[str, int]:
 
 
 def staged_units(manifest: bytes, files: dict[str, int]) -> dict[str, str]:
-    """Files the manifest lists that are not in the local folder → their staged key on the store
-    (units written there by the workers)."""
+    """Listed files not in the local folder (units the workers wrote) → their staged key."""
     doc = json.loads(manifest)
     listed = {split_key(key)[0] for key in doc["checksums"]}
     remote = sorted(listed - set(files) - {MANIFEST})
@@ -208,7 +193,7 @@ def staged_units(manifest: bytes, files: dict[str, int]) -> dict[str, str]:
 
 
 def manifest_plan(manifest: bytes) -> dict[str, Any]:
-    """The plan a finished manifest was built from: its units' staging prefix is named after it."""
+    """The plan a manifest was built from (its units' staging prefix is named after it)."""
     plan = recorded_plan(parse_manifest(manifest, Path(MANIFEST)))
     if plan is None:
         raise CacheCorruptError(f"{MANIFEST}: records no options; re-run with --overwrite to rebuild")
@@ -231,8 +216,7 @@ def check_units_staged(store: RemoteStore, manifest: bytes, units: dict[str, str
 
 @dataclass(frozen=True)
 class Published:
-    """What a publish did: the cache's bytes on the store, and how many of its objects an interrupted
-    earlier attempt had already staged (0: a fresh upload)."""
+    """A publish's bytes on the store, objects, and those an interrupted attempt had staged."""
 
     bytes: int
     objects: int
@@ -242,8 +226,7 @@ class Published:
 def publish(
     root: Path, store: RemoteStore, overwrite: bool, log: Log | None = None, progress: Progress | None = None
 ) -> Published:
-    """Upload the complete cache at ``root`` to ``store`` by the protocol above; ``progress`` gets the
-    bytes uploaded (stage ``upload``: the files left to upload, counted as each one is stored)."""
+    """Upload the cache at ``root`` to ``store`` as above; ``progress`` gets the bytes uploaded."""
     manifest = (root / MANIFEST).read_bytes()
     files = local_files(root)
     units = staged_units(manifest, files)

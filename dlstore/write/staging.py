@@ -1,15 +1,10 @@
-"""The staging directory and journal that make a conversion atomic, resumable and exclusive.
+"""The staging folder and journal that make a conversion atomic, resumable and exclusive.
 
-Next to DEST live, only while a conversion is unfinished:
-  ``.NAME.dlstore-staging/``  the cache being built (becomes DEST by one rename)
-  ``.NAME.dlstore-journal/``  ``plan.json`` (what is being built), ``entries.json`` (the source files
-                              it was planned from), ``writer.json``, ``done.jsonl``, ``commit.json``
-  ``.NAME.dlstore-lock``      an flock held by the running converter, with its pid
-
-Publishing: ``commit.json`` records the sha256 of the new manifest before the swap, so a run killed
-between the swap and the clean-up can tell on resume whether DEST already holds the new cache
-(then it only cleans up) or the staging directory still does (then it swaps again).
-"""
+Beside DEST, only while a conversion is unfinished: ``.NAME.dlstore-staging/`` (the cache being
+built, DEST by one rename), ``.NAME.dlstore-journal/`` (``plan.json``, ``entries.json``,
+``writer.json``, ``done.jsonl``, ``commit.json``) and ``.NAME.dlstore-lock`` (an flock with the pid).
+``commit.json`` records the new manifest's sha256 before the swap, so a run killed between the swap
+and the clean-up knows on resume whether DEST already holds the new cache."""
 
 from __future__ import annotations
 
@@ -31,14 +26,12 @@ from dlstore.write.diskfull import disk_full_message
 
 _RENAME_EXCHANGE = 2
 LOCK_ATTEMPTS = 5
-# Lock descriptors this process holds: a forked conversion worker closes its copies at once
-# (``release_inherited_locks``), so only the driver itself holds a destination's lock.
 HELD_LOCKS: set[int] = set()
 
 
 def release_inherited_locks() -> None:
-    """In a forked child: close the copies of the parent's lock descriptors (the parent's lock is
-    unaffected), so the lock ends with the parent even if the child outlives it."""
+    """In a forked worker: close the copies of the driver's lock descriptors, so the lock ends with
+    the driver even if the worker outlives it."""
     for fd in list(HELD_LOCKS):
         try:
             os.close(fd)
@@ -48,7 +41,7 @@ def release_inherited_locks() -> None:
 
 
 def pid_alive(text: str) -> bool:
-    """Whether the pid written in a lock file is a running process (unknown text: assume so)."""
+    """Whether the pid written in a lock file is running (unknown text: assume so)."""
     try:
         pid = int(text.split()[0])
     except (ValueError, IndexError):
@@ -73,13 +66,10 @@ class Staging:
         self.journal = parent / f".{name}.dlstore-journal"
         self.lock_path = parent / f".{name}.dlstore-lock"
         self.done: dict[int, list[dict[str, Any]]] = {}
-        # Per unit, in storage order: the first DIGEST_BYTES of each source sample's sha256, packed (zeros
-        # where unknown); one bytes object per unit, not a hex string per sample (1M samples: 8 MB, not ~110).
+        # Per unit: the first DIGEST_BYTES of each sample's sha256, packed (1M samples: 8 MB, not ~110).
         self.digests: dict[int, bytes] = {}
-        # Checksums of the cache's own bytes that a worker computed as it wrote the unit (checksum
-        # key -> sha256), so finishing does not read those bytes again.
         self.unit_sums: dict[int, dict[str, str]] = {}
-        self.fresh = True
+        self.fresh = True  # unit_sums: checksum key -> sha256 of the unit's bytes, taken by its worker
         self.already_published = False  # a previous run of this plan was killed after publishing DEST
         self._lock_fd: int | None = None
 
@@ -118,8 +108,8 @@ class Staging:
             self._unlock()
 
     def _leave_only_what_resumes(self, error: BaseException) -> None:
-        """A failed run keeps the staging folder and journal only when they hold finished units a
-        re-run resumes from, and then says so in its error; otherwise nothing is left beside DEST."""
+        """A failed run keeps the staging folder and journal only when a re-run resumes from them (and
+        says so in its error); otherwise nothing is left beside DEST."""
         if not self.path.exists() and not self.journal.exists():
             return
         if not self.done and not (self.journal / "commit.json").exists():
@@ -141,9 +131,7 @@ class Staging:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
-                # Held, but by a dead pid: only processes it left behind (workers of a killed
-                # driver, before they die too) hold the old file. Take the lock over at once: a
-                # new lock file, after removing the stale one (if nobody replaced it meanwhile).
+                # Held by a dead pid's leftover workers: replace the stale file, then lock the new one.
                 stale = not pid_alive(holder)
                 if stale:
                     self._remove_if_same(fd)
@@ -200,8 +188,7 @@ class Staging:
         )
 
     def _unlock(self) -> None:
-        """Remove the lock file while still holding it (a converter waiting on it re-checks that
-        the file it locked is still the lock file), then release it."""
+        """Remove the lock file while still holding it (a waiter re-checks it locked the lock file)."""
         if self._lock_fd is not None:
             self._remove_if_same(self._lock_fd)
             HELD_LOCKS.discard(self._lock_fd)
@@ -299,8 +286,8 @@ class Staging:
         units: list[tuple[int, list[dict[str, Any]], list[str]]],
         sums: dict[int, dict[str, str]] | None = None,
     ) -> None:
-        """Journal several durable units with one fsync (lines, so a torn last line is ignored);
-        ``sums``: unit -> the checksums of its bytes in the cache, where the worker computed them."""
+        """Journal durable units with one fsync (a torn last line is ignored); ``sums``: unit ->
+        the checksums of its bytes, where the worker took them."""
         if not units:
             return
         sums = sums or {}
@@ -311,8 +298,7 @@ class Staging:
         with open(self.journal / "done.jsonl", "a", encoding="utf-8") as f:
             f.write(lines)
             f.flush()
-            # Counted as soon as written: a re-run reads these lines even if Ctrl-C lands in the fsync
-            # (the units' data is already durable; only the journal's own flush is pending).
+            # Counted once written: a re-run reads these lines even if Ctrl-C lands in the fsync.
             for k, bad, digests in units:
                 self.done[k] = bad
                 self.digests[k] = packed_digests(digests or [])
@@ -374,8 +360,7 @@ def manifest_digest(root: Path) -> str | None:
         return None
 
 
-# Plan keys by how the user gives them: ``options.size`` → ``--size``, ``options.writer_options.
-# quality`` → ``--quality`` (``option_flag``); these few by name.
+# Plan keys as the user gives them (``options.size`` → ``--size``, ``option_flag``); these few by name.
 _OPTION_NAMES = {
     "n": "number of source images",
     "dlstore": "dlstore major version",

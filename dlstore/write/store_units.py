@@ -1,20 +1,11 @@
-"""Dask workers writing a URL destination's units straight to the object store (no local spool of the
-data).
+"""Dask workers writing a URL destination's units straight to the object store.
 
-With ``convert(SRC, "s3://…", scheduler=…)`` each task writes its unit into a temporary folder of its
-own worker (seeded with the layout the driver's ``writer.create()`` made: zarr metadata, folders),
-uploads the unit's files under ``URL/.dlstore-staging/units-<plan>/``, takes their sha256, deletes
-the local copy and returns the digests. The driver keeps everything else as always: the journal (each
-finished unit's object digests are journaled in ``remote_units.jsonl`` before the unit is marked
-done, so a resume skips it), the small files (labels, positions, metadata), the checksums (the
-workers' digests for the units, the driver's own for the rest) and the manifest. Publishing copies
-the staged unit objects to their keys server-side with the other files, manifest last: the protocol
-of ``dlstore.write.publish``, unchanged. The objects are the bytes a local run writes, so the
-manifest's checksums are the same.
-
-A writer whose units are not files of their own (``CacheWriter.units_are_own_files`` false: ``ram``'s
-one shared file, the payload layouts whose ``finish`` reads the units back) keeps the spool.
-"""
+Each task writes its unit into a temporary folder (seeded with the layout ``writer.create()`` made),
+uploads its files under ``URL/.dlstore-staging/units-<plan>/``, and returns their sha256. The driver
+journals those digests (``remote_units.jsonl``) before the unit is marked done, writes the small files
+and the manifest, and ``publish`` copies the staged units to their keys: the same bytes and checksums
+as a local run. A writer whose units are not files of their own (``units_are_own_files``) keeps the
+spool."""
 
 from __future__ import annotations
 
@@ -45,7 +36,7 @@ class StoreUnits:
     skeleton_dirs: list[str] = field(default_factory=list)
 
     def capture(self, root: Path) -> None:
-        """The layout ``writer.create()`` made (small: metadata and folders), before any unit."""
+        """The layout ``writer.create()`` made (metadata and folders), before any unit."""
         self.skeleton_dirs = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_dir())
         self.skeleton_files = {
             p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()
@@ -56,15 +47,15 @@ class StoreUnits:
 
 
 def units_prefix(plan: dict[str, Any]) -> str:
-    """The staging prefix of a conversion's units: one per plan (options, source), so a resume finds
-    its units and another plan never mixes with them."""
+    """The staging prefix of a conversion's units, one per plan (a resume finds them, another
+    plan never mixes with them)."""
     digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
     return f"{STAGING}/units-{digest}"
 
 
 def convert_unit_to_store(job: Any, k: int) -> Any:
-    """A Dask task: ``convert_job_unit`` in a private folder, the unit's files uploaded, then removed.
-    Returns the usual unit result with a sixth item: {checksum key: sha256} of the uploaded files."""
+    """A Dask task: ``convert_job_unit`` in a private folder, its files uploaded; the unit result
+    with a sixth item, {checksum key: sha256} of the uploaded files."""
     from dlstore.write.unit_work import convert_job_unit
 
     units: StoreUnits = job.store_units
@@ -92,8 +83,7 @@ def convert_unit_to_store(job: Any, k: int) -> Any:
 
 
 def convert_unit_to_store_in_process(k: int) -> Any:
-    """``convert_unit_to_store`` in a Dask worker's decode process, where ``_init_worker`` installed the
-    job: there the per-file time limit (SIGALRM) holds, as in the pool."""
+    """``convert_unit_to_store`` in a decode process (the job ``_init_worker`` installed)."""
     from dlstore.write.unit_work import installed_job
 
     return convert_unit_to_store(installed_job(), k)

@@ -1,7 +1,5 @@
-"""``convert`` to a URL (``s3://bucket/prefix``): refuse what is not dlstore's, answer a re-run of a
-finished conversion "up to date" as a local DEST does, else build in a local spool folder with the
-local driver and publish (``publish.py``).
-"""
+"""``convert`` to a URL: a re-run of a finished conversion is "up to date"; else the cache is
+built in a local spool folder and published (``publish.py``)."""
 
 from __future__ import annotations
 
@@ -45,8 +43,7 @@ def convert_to_store(
         on_store = str(e.filename or "").startswith((url.rstrip("/"), store.key("")))
         if isinstance(e, DlstoreError) or not on_store:  # worded already, or a local file's
             raise
-        # An object this run listed or wrote, gone when read (an outage lost it, or a server restarted
-        # without its data): everything built is in the spool folder, so the same command resumes.
+        # An object of this run gone (an outage): all that was built is in the spool, so a re-run resumes.
         raise RemoteStoreError(
             f"{e.filename or url}: an object of this conversion is missing from the store (lost in an "
             "outage or removed meanwhile); re-run the same command to resume"
@@ -87,8 +84,7 @@ def build_spool(
     progress: Progress | None,
     log: Log | None,
 ) -> ConvertResult:
-    """The cache in the spool folder, by the local driver; with a scheduler the Dask workers write the
-    units to the store themselves (only the small files are spooled)."""
+    """The cache in the spool folder; with a scheduler the workers write the units to the store."""
     local = replace(options, overwrite=False, storage_options=None)
     unit_store = RemoteStore(store.url, store.storage_options) if options.scheduler is not None else None
     try:  # a spool built by an interrupted attempt with the same options is up to date
