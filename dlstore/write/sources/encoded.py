@@ -1,15 +1,12 @@
-"""Sources whose samples are encoded image bytes inside something else: a parquet row, a tar member,
-a file named by a list, a Dataset's item. Each kind says how to fetch sample i's bytes
-(``read_bytes``); decoding is the folder's own path (``imageops.decode_file``: EXIF orientation,
-every mode, the bomb limit), and the digest is of the very bytes decoded.
-
-``labels_from_values`` is the class rule for kinds without a declaration of their own: the sorted
-distinct label values are the classes, recorded in the manifest like a folder's class names.
-"""
+"""Sources whose samples are encoded image bytes: a file, a parquet row, a tar member, a Dataset's
+item. Each kind fetches sample i's bytes (``read_bytes``); decoding is ``imageops.decode_file`` (EXIF,
+every mode, the bomb limit) and the digest is of the very bytes decoded. ``labels_from_values``: the
+class rule for kinds without a declaration of their own."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -31,13 +28,17 @@ if TYPE_CHECKING:
 
 @dataclass
 class EncodedSource(Source):
-    """``read_bytes(i)``: sample i's encoded image, or ImageDecodeError naming it (``names[i]``)."""
+    """``read_bytes(i)``: sample i's encoded image, or ImageDecodeError naming ``where(i)``."""
 
     def read_bytes(self, i: int) -> bytes:
         raise NotImplementedError
 
+    def where(self, i: int) -> Path | str:
+        """What errors name for sample i."""
+        return self.names[i]
+
     def decode(self, i: int, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
-        return decode_file(self.names[i], policy, self.read_bytes(i) if data is None else data)
+        return decode_file(self.where(i), policy, self.read_bytes(i) if data is None else data)
 
     def decode_and_digest(self, i: int, policy: ImagePolicy) -> tuple[np.ndarray, str, float]:
         data = self.read_bytes(i)
@@ -50,14 +51,14 @@ class EncodedSource(Source):
         self, i: int, policy: ImagePolicy, data: bytes | None = None
     ) -> tuple[np.ndarray, Geometry]:
         image, geometry = decode_with_geometry(
-            self.names[i], policy, self.read_bytes(i) if data is None else data
+            self.where(i), policy, self.read_bytes(i) if data is None else data
         )
         return image, geometry  # type: ignore[return-value]
 
     def decode_targets_and_digest(
         self, i: int, policy: ImagePolicy
     ) -> tuple[np.ndarray, str, float, dict[str, np.ndarray], dict[str, int]]:
-        """``Source.decode_targets_and_digest`` with the bytes read once (decoded and hashed)."""
+        """``Source.decode_targets_and_digest`` with the bytes read once."""
         data = self.read_bytes(i)
         t0 = time.perf_counter()
         digest = hashlib.sha256(data).hexdigest()
@@ -74,12 +75,29 @@ class EncodedSource(Source):
         again = self.reopen()
         return {**super().info(), **({"reopen": again} if again else {})}
 
+    def reopen_with(self, source: str, label: str) -> dict[str, Any]:
+        """``reopen`` of a kind with a label column or key, and --field requests."""
+        again = {"source": source, "label": label if self.classes or not self.field_requests else None}
+        return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
+
+    def fingerprint_of(self, *parts: Any) -> str:
+        """sha256 of ``parts`` (JSON, arrays as bytes), and of the --field requests when there are
+        any (a classification source's fingerprint stays what it was)."""
+        h = hashlib.sha256()
+        for part in parts:
+            h.update(
+                part.tobytes() if isinstance(part, np.ndarray) else json.dumps(part, default=str).encode()
+            )
+        if self.field_requests:
+            h.update(json.dumps([r.text for r in self.field_requests]).encode())
+        return h.hexdigest()
+
     def source_files(self) -> list[Path]:
         """The local files an epoch of per-sample reads reads (the bench's read stage); [] if none."""
         return []
 
     def open_image(self, i: int) -> Any:
-        """Sample i as its users open it: a PIL image of its bytes (the bench's ``raw`` kind)."""
+        """Sample i as its users open it: a PIL image (the bench's ``raw`` kind)."""
         import io
 
         from PIL import Image
@@ -106,8 +124,7 @@ def unreadable(name: str, e: BaseException) -> ImageDecodeError:
 
 
 class IndexedNames(Sequence[str]):
-    """``prefix[k]#row`` names computed on demand from arrays (a parquet file and row, a shard and
-    member key): no Python string per sample is held."""
+    """``prefix[k]#row`` names computed on demand from arrays: no Python string per sample."""
 
     def __init__(self, prefixes: Sequence[str], owner: np.ndarray, local: np.ndarray, sep: str = "#") -> None:
         self.prefixes, self.owner, self.local, self.sep = list(prefixes), owner, local, sep
@@ -132,9 +149,8 @@ class IndexedNames(Sequence[str]):
 
 
 def labels_from_values(values: Any, where: str) -> tuple[tuple[str, ...], np.ndarray]:
-    """Class names and int labels from raw label values with no class declaration. Ints ≥ 0 are the
-    labels as they are (classes "0" … "max": the values, sorted); strings: the sorted distinct values are
-    the classes and a label is its value's index among them."""
+    """Classes and int labels from raw values with no class declaration: ints ≥ 0 as they are
+    (classes "0" … "max"); strings: the sorted distinct values are the classes."""
     arr = np.asarray(values)
     if arr.size == 0:
         return (), np.zeros(0, np.int64)

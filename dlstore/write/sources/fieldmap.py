@@ -1,29 +1,14 @@
-"""``--field NAME=KEY[:KIND[:DTYPE]]``: a sample's extra columns or keys as named fields of the cache
-(``ConvertOptions(fields=...)``, the same text from Python). A source kind whose samples carry such
-values declares what KEY means for it (``Source.field_form``: a parquet column, a WebDataset member
-extension or ``.json`` key, a Dataset item's dict key) and gives sample i's raw value of a key
-(``Source.field_value``); the rest is here: the declarations and the values as ``place_targets`` takes
-them, so the masks and boxes follow the image's geometry as every other field source's do.
+"""``--field NAME=KEY[:KIND[:DTYPE]]``: a sample's extra columns or keys as named cache fields. A kind
+declares what KEY means (``Source.field_form``) and gives sample i's raw value (``field_value``); the
+declarations and the values as ``place_targets`` takes them are here.
 
-KIND (``dlstore.spec.FIELD_KINDS``):
+KIND: ``values`` (a number or fixed-length list), ``boxes`` (N x 4 XYXY pixels; a BoundingBoxes of
+another format is converted), ``ragged`` (one row per box of the one boxes field), ``mask`` (an image
+of ids the image's size; torchvision's (N, H, W) Mask becomes ids 1..N), ``json``. Left out, it is
+read from the first value; DTYPE defaults: int64 / float32 / uint8 (booleans), masks uint8 or uint16
+when the first mask's ids exceed 255. A sample without the key gets the field's empty value.
 
-- ``values``: a number or a fixed-length list (a multi-hot vector, floats, a regression target);
-- ``boxes``: N x 4 XYXY boxes in the stored image's pixels (a ``tv_tensors.BoundingBoxes`` of another
-  format is converted);
-- ``ragged``: one row per box of the (one) boxes field, such as the boxes' labels;
-- ``mask``: an image of ids matching the sample's image in size (PNG bytes, a PIL image, an (H, W)
-  array or tensor); the first channel of a colour one; torchvision's (N, H, W) instance
-  ``tv_tensors.Mask`` becomes one map of ids 1..N;
-- ``json``: any JSON value.
-
-Left out, KIND is read from the first sample's value: bytes or an image → mask, a BoundingBoxes or an
-N x 4 array → boxes, another (H, W) array → mask, a number or a flat list → values, anything else →
-json. DTYPE defaults: values and ragged int64 for integers, float32 for floats, uint8 for booleans;
-mask uint8, or uint16 when the first mask's ids exceed 255 (``:mask:uint16`` for later ones). A sample
-without the key gets the field's empty value (no boxes, a zero mask, zeros, null).
-
-    dlstore convert data.parquet cache/ --size 256 --field tags=tags:values --field boxes=objects
-"""
+    dlstore convert data.parquet cache/ --size 256 --field tags=tags:values --field boxes=objects"""
 
 from __future__ import annotations
 
@@ -46,8 +31,7 @@ FORM = "NAME=KEY[:KIND[:DTYPE]]"
 
 @dataclass(frozen=True)
 class FieldRequest:
-    """One ``--field``: the cache's field ``name`` from the sample's ``key``, its kind and dtype
-    when given (None: read from the first sample's value)."""
+    """One ``--field``: field ``name`` from ``key``, its kind and dtype (None: read from a value)."""
 
     name: str
     key: str
@@ -61,8 +45,7 @@ class FieldRequest:
 
 
 def parse_field(text: str) -> FieldRequest:
-    """``NAME=KEY[:KIND[:DTYPE]]`` (``NAME`` alone: the key of that name) → a request, or SpecError-like
-    SourceError naming the text and the form."""
+    """``NAME=KEY[:KIND[:DTYPE]]`` (``NAME`` alone: that key) → a request, or SourceError."""
     name, eq, rest = str(text).partition("=")
     name = name.strip()
     parts = (rest if eq else name).split(":")
@@ -79,8 +62,8 @@ def parse_field(text: str) -> FieldRequest:
 
 
 def field_texts(given: Iterable[str] | Mapping[str, str] | None) -> tuple[str, ...]:
-    """The one form ``ConvertOptions.fields`` keeps: ``("NAME=KEY[:KIND[:DTYPE]]", ...)``, from those
-    texts or a ``{NAME: "KEY[:KIND[:DTYPE]]"}`` mapping, each parsed (so a bad one fails at once)."""
+    """``ConvertOptions.fields``' one form, ``("NAME=KEY[:KIND[:DTYPE]]", ...)``, from texts or a
+    mapping, each parsed (a bad one fails at once)."""
     if not given:
         return ()
     if isinstance(given, str):
@@ -95,9 +78,6 @@ def field_texts(given: Iterable[str] | Mapping[str, str] | None) -> tuple[str, .
 
 def requests_of(texts: Iterable[str]) -> tuple[FieldRequest, ...]:
     return tuple(parse_field(t) for t in texts)
-
-
-# --- declarations ---------------------------------------------------------------------------------
 
 
 def plain(value: Any) -> Any:
@@ -117,8 +97,7 @@ def plain(value: Any) -> Any:
 
 
 def instance_ids(masks: np.ndarray) -> np.ndarray:
-    """torchvision's instance masks (N, H, W), one per object, as one (H, W) map of ids 1..N (0: none;
-    a later object paints over an earlier one, as COCO's rasterisation here does)."""
+    """Instance masks (N, H, W) as one (H, W) map of ids 1..N (later objects paint over earlier)."""
     ids = np.zeros(masks.shape[1:], np.int64)
     for k, m in enumerate(masks, 1):
         ids[m.astype(bool)] = k
@@ -130,8 +109,7 @@ def is_image_like(value: Any) -> bool:
 
 
 def declare(requests: Iterable[FieldRequest], first: Mapping[str, Any], where: str) -> dict[str, FieldSpec]:
-    """The fields' declarations: each request's given kind and dtype, or those its first sample's
-    value (``first[name]``; absent when no sample has the key) implies."""
+    """Each request's kind and dtype, given or implied by its first value (``first[name]``)."""
     out: dict[str, FieldSpec] = {}
     requests = list(requests)
     boxes = [r.name for r in requests if (r.kind or guess_kind(first.get(r.name), r, where)) == "boxes"]
@@ -164,10 +142,8 @@ def declare(requests: Iterable[FieldRequest], first: Mapping[str, Any], where: s
 
 
 def described(target: Mapping[str, Any], where: str) -> tuple[FieldRequest, ...]:
-    """The fields a target dict describes itself, with no ``--field``: none unless a value is one of
-    torchvision's tv_tensors; then every key, a BoundingBoxes as boxes, a Mask as mask, numbers one per
-    box of the one boxes field as ragged, the rest as ``--field KEY`` reads them. A key no field can
-    store is an error naming it."""
+    """The fields a target dict of torchvision tv_tensors describes (none without one): every key,
+    BoundingBoxes as boxes, Mask as mask, one number per box as ragged; a key none can store is an error."""
     if not any(type(v).__module__.startswith("torchvision.tv_tensors") for v in target.values()):
         return ()
     boxes = [plain(v) for v in target.values() if type(v).__name__ == "BoundingBoxes"]
@@ -235,9 +211,6 @@ def mask_dtype(value: Any) -> str:
         return "uint8"
     ids = mask_array(value)
     return "uint16" if ids.size and int(ids.max()) > 255 else "uint8"
-
-
-# --- values -----------------------------------------------------------------------------------------
 
 
 def mask_array(value: Any) -> np.ndarray:

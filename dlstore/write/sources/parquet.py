@@ -485,11 +485,7 @@ class ParquetSource(EncodedSource):
         return got
 
     def reopen(self) -> dict[str, Any]:
-        again = {
-            "source": os.path.abspath(self.description),
-            "label": self.label_column if self.classes or not self.field_requests else None,
-        }
-        return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
+        return self.reopen_with(os.path.abspath(self.description), self.label_column)
 
     def source_files(self) -> list[Path]:
         return [Path(f) for f in self.files]
@@ -501,12 +497,7 @@ class ParquetSource(EncodedSource):
         return [[rel, size, mtime, sha[:16]] for rel, size, mtime, sha in self.footers]
 
     def fingerprint(self) -> str:
-        h = hashlib.sha256(json.dumps([self.classes, self.label_column, self.image_col]).encode())
-        h.update(json.dumps(self.footers).encode())
-        h.update(self.rows.tobytes())
-        if self.field_requests:  # a classification source's fingerprint stays what it was
-            h.update(json.dumps([r.text for r in self.field_requests]).encode())
-        return h.hexdigest()
+        return self.fingerprint_of([self.classes, self.label_column, self.image_col], self.footers, self.rows)
 
     def _subset_fields(self, idx: np.ndarray) -> dict[str, Any]:
         return {

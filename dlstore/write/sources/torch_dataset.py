@@ -1,20 +1,11 @@
-"""``MODULE:CALLABLE``: a map-style Dataset of your own (``len`` and ``ds[i]``), or, from Python,
-``convert(dataset, dest, options)`` with the object itself.
+"""``MODULE:CALLABLE``: a map-style Dataset of your own, or ``convert(dataset, dest, options)``.
 
-- An item is ``(image, target)`` or a dict with ``image`` and ``--label KEY`` (default ``label``; a
-  Hugging Face ``datasets.Dataset`` row). The image is a PIL image, a uint8 ndarray (H,W or H,W,C),
-  a uint8 tensor (C,H,W, torchvision's layout) or encoded bytes; it takes the folder's path from
-  there (EXIF orientation of a PIL image or bytes, every mode, the resize).
-- A target dict holding torchvision's tv_tensors (detection's ``boxes``, ``masks``, ``labels``) is
-  carried as fields without ``--field`` (``fieldmap.described``); a key none can store is an error.
-- Labels: ``ds.targets`` (torchvision's attribute) when it has one entry per item, else every item is
-  read once at open for its target. Classes: ``ds.classes`` when present, else ``labels_from_values``.
-- A failing ``ds[i]`` or an image of another type is skipped, named by its index.
-- Fingerprint: ``ds.fingerprint()`` when the Dataset declares one (any string that changes when its
-  data does). Otherwise the weaker check that is stated in the manifest (``fingerprint_check``): the
-  SOURCE text, the length and the labels; a changed image under the same labels is not noticed by a
-  re-run (``verify --deep`` re-hashes the images against the digests recorded).
-"""
+An item is ``(image, target)`` or a dict with ``image`` and ``--label KEY``. The image is a PIL image,
+a uint8 ndarray (H,W[,C]) or tensor (C,H,W), or encoded bytes. A target dict of tv_tensors is carried
+as fields without ``--field`` (``fieldmap.described``). Labels: ``ds.targets`` when it has one per
+item, else each item's target; classes: ``ds.classes``, else ``labels_from_values``. A failing
+``ds[i]`` is skipped, named by its index. Fingerprint: ``ds.fingerprint()`` when declared, else only
+the SOURCE text, length and labels (``fingerprint_check``; ``verify --deep`` re-hashes the images)."""
 
 from __future__ import annotations
 
@@ -51,8 +42,7 @@ DEFAULT_LABEL = "label"
 
 
 def load_callable(text: str) -> Any:
-    """``pkg.module:name`` → the object (called when it is a function or class), importing from the
-    current folder as ``python -m`` would."""
+    """``pkg.module:name`` → the object (called when a function or class), importable from here."""
     module, _, name = text.partition(":")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
@@ -111,7 +101,6 @@ class DatasetSource(EncodedSource):
             label_key=label,
             field_requests=requests,
         )
-        # With --field and no --label an item's label is read where it has one (none at all: no classes)
         optional = bool(requests) and args.label is None
         items: dict[int, Any] = {}
         if targets is not None and len(targets) == n and not (optional and not is_label_list(targets)):
@@ -119,7 +108,6 @@ class DatasetSource(EncodedSource):
         else:
             items = {i: dataset[i] for i in range(n)}
             values = [src._target(items[i], i, optional) for i in range(n)]
-        # torchvision's ``classes``, or a Hugging Face Dataset's ClassLabel names for the label column
         declared = getattr(dataset, "classes", None) or getattr(
             (getattr(dataset, "features", None) or {}).get(label), "names", None
         )
@@ -207,7 +195,7 @@ class DatasetSource(EncodedSource):
     def decode_targets_and_digest(
         self, i: int, policy: ImagePolicy
     ) -> tuple[np.ndarray, str, float, dict[str, np.ndarray], dict[str, int]]:
-        """One ``ds[i]``: its image decoded and hashed, its fields placed in the cache image's frame."""
+        """One ``ds[i]``: decoded, hashed, fields placed in the cache image's frame."""
         item = self._item(i)
         image = self._image(i, item)
         digest = hashlib.sha256(self._bytes_of(image, i)).hexdigest()
@@ -237,7 +225,7 @@ class DatasetSource(EncodedSource):
         )
 
     def _bytes_of(self, image: Any, i: int) -> bytes:
-        """What the digest covers: encoded bytes as given, else the decoded pixels and their mode."""
+        """The digest's bytes: encoded bytes as given, else the pixels and their mode."""
         if isinstance(image, (bytes, bytearray, memoryview)):
             return bytes(image)
         try:
@@ -258,11 +246,7 @@ class DatasetSource(EncodedSource):
     def reopen(self) -> dict[str, Any] | None:
         if not _CALLABLE.match(self.description):
             return None
-        again = {
-            "source": self.description,
-            "label": self.label_key if self.classes or not self.field_requests else None,
-        }
-        return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
+        return self.reopen_with(self.description, self.label_key)
 
     def fingerprint(self) -> str:
         own = getattr(self.dataset, "fingerprint", None)
@@ -283,7 +267,7 @@ class DatasetSource(EncodedSource):
 
 
 def item_fields(item: Any) -> dict[str, Any]:
-    """What --field KEYs name in an item: its own dict, or the target dict of an (image, target) item."""
+    """What --field KEYs name: an item's dict, or the target dict of (image, target)."""
     if isinstance(item, dict):
         return item
     if isinstance(item, (tuple, list)) and len(item) >= 2 and isinstance(item[1], dict):
@@ -296,7 +280,7 @@ def int_or_value(t: Any) -> Any:
 
 
 def target_dict(dataset: Any, n: int) -> dict[str, Any]:
-    """The target dict of the first item when items are (image, target dict); else empty."""
+    """The first item's target dict when items are (image, target dict); else empty."""
     try:
         item = dataset[0] if n else None
     except Exception:  # noqa: BLE001 - a failing item is skipped and named later, like any other
@@ -306,7 +290,7 @@ def target_dict(dataset: Any, n: int) -> dict[str, Any]:
 
 
 def is_label_list(targets: Any) -> bool:
-    """``ds.targets`` holds one int label per item (not, say, a list of annotation dicts)."""
+    """``ds.targets`` holds one int label per item (not, say, annotation dicts)."""
     try:
         return all(hasattr(t, "__index__") or np.ndim(t) == 0 for t in list(targets)[:64])
     except TypeError:

@@ -1,20 +1,12 @@
-"""WebDataset tar shards: ``shards-{000000..000099}.tar``, local or on an object store (``s3://…``,
-``gs://…``, through dlstore's fsspec stores), read with the standard library's ``tarfile``.
-
-- A sample is the consecutive members sharing a key (WebDataset's rule: the member's path up to the
-  first dot of its file name). The image is the member whose extension is an image's.
-- The target is the ``.cls`` member's text by default; ``--label EXT`` takes another member (``txt``,
-  ``label``) and, where the sample has no such member, ``--label FIELD`` reads that field of its
-  ``.json``. Ints are labels as they are; other values follow ``labels_from_values``.
-- Listing streams each shard once (``tarfile`` mode ``r|``) and keeps arrays, made shard by shard: the
-  shard, offset and size of each sample's image, and its key (no Python object per sample is held). A sample then reads its image by one ranged read; a shard is
-  the unit of listing, and a truncated shard keeps the samples before the cut, naming the shard.
-- The fingerprint is the shards' names, sizes and mtimes (ETag where the store has no mtime).
-"""
+"""WebDataset tar shards (``shards-{000000..000099}.tar``), local or on an object store, read with
+``tarfile``. A sample is the consecutive members sharing a key (WebDataset's rule); its image is the
+member with an image extension. The label is the ``.cls`` member, or ``--label EXT`` (another
+member), else that field of the ``.json``. Listing streams each shard once into arrays (no object
+per sample); a sample reads its image by one ranged read; a truncated shard keeps the samples before
+the cut. The fingerprint: the shards' names, sizes and mtimes (ETag where there is no mtime)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -45,7 +37,7 @@ _BRACES = re.compile(r"\{([^{}]*)\}")
 
 
 def expand_braces(pattern: str) -> list[str]:
-    """``a-{000..002}.tar`` → a-000.tar, a-001.tar, a-002.tar (zero padding kept); ``{x,y}`` lists."""
+    """``a-{000..002}.tar`` → a-000.tar, a-001.tar, a-002.tar (padding kept); ``{x,y}`` lists."""
     m = _BRACES.search(pattern)
     if m is None:
         return [pattern]
@@ -75,8 +67,7 @@ def label_value(raw: bytes) -> Any:
 
 
 def join_arrays(parts: list[np.ndarray], dtype: Any = None) -> np.ndarray:
-    """The shards' arrays as one; label values that are ints in some shards and text in others are
-    all text (as one list of them would be)."""
+    """The shards' arrays as one (label values mixing ints and text: all text)."""
     parts = [p for p in parts if p.size] or [np.zeros(0, dtype or np.int64)]
     if dtype is None and len({p.dtype.kind for p in parts}) > 1:
         parts = [p.astype(str) for p in parts]
@@ -122,34 +113,20 @@ class WebDatasetSource(EncodedSource):
             storage_options=args.storage_options,
             field_requests=requests_of(args.fields),
         )
-        # With --field and no --label a sample's label is read where it has one; none at all: no classes
         src.__dict__["_label_optional"] = bool(args.fields) and args.label is None
-        # Each shard's listing becomes arrays as soon as it is read: Python objects for one shard's
-        # samples at a time, never one per sample of the whole source.
         parts: dict[str, list[np.ndarray]] = {
-            "shard_of": [],
-            "offsets": [],
-            "sizes": [],
-            "keys": [],
-            "values": [],
+            n: [] for n in ("shard_of", "offsets", "sizes", "keys", "values")
         }
         errors: list[tuple[str, str]] = []
-        stats = []
-        for k, shard in enumerate(shards):
-            stats.append([shard, *src._stat(shard)])
-            offsets: list[int] = []
-            sizes: list[int] = []
-            keys: list[str] = []
-            values: list[Any] = []
+        for k, shard in enumerate(shards):  # each shard's listing becomes arrays at once
+            src.shard_stats.append([shard, *src._stat(shard)])
+            got: dict[str, list[Any]] = {"offsets": [], "sizes": [], "keys": [], "values": []}
             with src._open(shard) as f:
-                src._list_shard(f, shard, keys, offsets, sizes, values, errors)
-            parts["shard_of"].append(np.full(len(keys), k, np.int32))
-            parts["offsets"].append(np.asarray(offsets, np.int64))
-            parts["sizes"].append(np.asarray(sizes, np.int64))
-            parts["keys"].append(np.asarray(keys, dtype=str))
-            parts["values"].append(np.asarray(values))
+                src._list_shard(f, shard, got["keys"], got["offsets"], got["sizes"], got["values"], errors)
+            parts["shard_of"].append(np.full(len(got["keys"]), k, np.int32))
+            for name, dtype in (("offsets", np.int64), ("sizes", np.int64), ("keys", str), ("values", None)):
+                parts[name].append(np.asarray(got[name], dtype))
             stop_if_strict(errors, args)
-        src.shard_stats = stats
         src.shard_of = join_arrays(parts["shard_of"], np.int32)
         src.offsets = join_arrays(parts["offsets"], np.int64)
         src.sizes = join_arrays(parts["sizes"], np.int64)
@@ -163,8 +140,8 @@ class WebDatasetSource(EncodedSource):
         return src
 
     def _classes(self, parts: list[np.ndarray], where: str) -> tuple[tuple[str, ...], np.ndarray]:
-        """Classes and labels from the shards' label values; a sample without one (None: --field and no
-        --label) leaves the source without classes when no sample has one, and is refused otherwise."""
+        """Classes and labels; samples without one (--field, no --label): no classes if none has one,
+        refused if some do."""
         missing = np.concatenate(
             [np.array([v is None for v in p.tolist()], bool) if p.dtype == object else np.zeros(len(p), bool)
              for p in parts] or [np.zeros(0, bool)]
@@ -186,7 +163,7 @@ class WebDatasetSource(EncodedSource):
         return value
 
     def first_value(self, key: str) -> Any:
-        """The first sample's value of ``key`` that has one (for ``declare``)."""
+        """The first value of ``key`` (for ``declare``)."""
         for i, row in enumerate(self.field_data):
             if row.get(key) is not None:
                 return self.field_value(i, key)
@@ -276,8 +253,8 @@ class WebDatasetSource(EncodedSource):
     def _field_row(
         self, found: dict[str, bytes], members: dict[str, Member], name: str, errors: list[tuple[str, str]]
     ) -> dict[str, Any] | None:
-        """A sample's --field values: a member (an image member by position), else its .json's key;
-        None (and the sample named in ``errors``) when a member is not readable as a value."""
+        """A sample's --field values (a member, else its .json's key); None, named in ``errors``, when one is
+        not readable."""
         doc: Any = None
         row: dict[str, Any] = {}
         for r in self.field_requests:
@@ -350,8 +327,7 @@ class WebDatasetSource(EncodedSource):
 
     def reopen(self) -> dict[str, Any]:
         text = self.description if is_url(self.base) else os.path.abspath(self.description)
-        again = {"source": text, "label": self.label_key if self.classes or not self.field_requests else None}
-        return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
+        return self.reopen_with(text, self.label_key)
 
     def source_files(self) -> list[Path]:
         return [] if is_url(self.base) else [Path(self.base) / s for s in self.shards]
@@ -361,11 +337,7 @@ class WebDatasetSource(EncodedSource):
         return [[name, size, mtime, 0] for name, size, mtime in self.shard_stats]
 
     def fingerprint(self) -> str:
-        h = hashlib.sha256(json.dumps([self.classes, self.label_key, self.shard_stats], default=str).encode())
-        h.update(self.offsets.tobytes())
-        if self.field_requests:  # a classification source's fingerprint stays what it was
-            h.update(json.dumps([r.text for r in self.field_requests]).encode())
-        return h.hexdigest()
+        return self.fingerprint_of([self.classes, self.label_key, self.shard_stats], self.offsets)
 
     def _subset_fields(self, idx: np.ndarray) -> dict[str, Any]:
         rows = {"field_data": [self.field_data[i] for i in idx]} if self.field_data else {}
@@ -397,7 +369,7 @@ class Member:
 
 
 def member_value(ext: str, data: bytes) -> Any:
-    """A --field member's bytes as a value: JSON (a .json, or text that parses), else its text."""
+    """A --field member's bytes: JSON when it parses (always for .json), else text."""
     text = data.decode("utf-8", "replace").strip()
     if ext.endswith("json"):
         return json.loads(text)
