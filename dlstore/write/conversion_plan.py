@@ -1,7 +1,5 @@
-"""Phase 1 of a conversion, the plan: the source opened, the format's writer chosen, the storage order
-drawn, and the plan record that the journal keeps and a re-run compares, all from one
-``ConvertOptions``; plus the checks of DEST made before any work.
-"""
+"""Phase 1 of a conversion, the plan: source, writer, storage order and the plan record (what the
+journal keeps and a re-run compares), from one ``ConvertOptions``; and the checks of DEST."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ from dlstore.write.sources import DatasetSource, Source, SourceArgs, local_root,
 
 @dataclass
 class Plan:
-    """What one conversion will build. ``record`` is the plan as data: the options' record, the
-    source's size and fingerprint, the unit size and dlstore's major version."""
+    """What one conversion will build; ``record``: the plan as data."""
 
     options: ConvertOptions
     fmt: Format
@@ -77,8 +74,7 @@ def make_plan(src: Source, options: ConvertOptions) -> Plan:
 def plan_record(
     options: dict[str, Any], n: int, unit_size: int, fingerprint: str, version: str | None = None
 ) -> dict[str, Any]:
-    """The plan as it reads back from JSON (tuples → lists), so two plans compare equal. ``version``:
-    the dlstore that built it (default: this one)."""
+    """The plan as it reads back from JSON; ``version``: the dlstore that built it (default: this one)."""
     version = __version__ if version is None else version
     plan = {
         "options": options,
@@ -91,8 +87,7 @@ def plan_record(
 
 
 def recorded_plan(spec: CacheSpec) -> dict[str, Any] | None:
-    """The plan a finished cache was built from, rebuilt from its manifest (an older manifest's
-    ``source.plan`` read through its options); None when the manifest does not say."""
+    """The plan a cache was built from, rebuilt from its manifest; None when it does not say."""
     try:
         options = recorded_options(spec)
     except (SpecError, KeyError, TypeError):  # an older plan this version cannot take as options
@@ -107,8 +102,8 @@ def recorded_plan(spec: CacheSpec) -> dict[str, Any] | None:
 
 
 def upgraded_plan(plan: dict[str, Any]) -> dict[str, Any]:
-    """A plan journaled by a dlstore before ``ConvertOptions`` (``policy`` + writer ``options`` at the
-    top), in today's layout, so its interrupted run resumes; any other plan as it is."""
+    """A plan journaled before ``ConvertOptions`` (``policy`` at the top) in today's layout, so its
+    interrupted run resumes; any other plan as it is."""
     if "policy" not in plan:
         return plan
     try:
@@ -147,8 +142,7 @@ def source_warnings(src: Source) -> list[str]:
 
 
 def one_class_warning(src: Source) -> str | None:
-    """A folder with a single class subfolder: every label is 0, which no classifier learns from; such
-    a SOURCE is nearly always one level off (a class folder itself, or a folder above the split)."""
+    """A folder of one class subfolder: every label is 0 (SOURCE is nearly always one level off)."""
     root = getattr(src, "root", None)
     if root is None or len(src.classes) != 1:
         return None
@@ -175,8 +169,7 @@ def check_destination(dest: Path, overwrite: bool) -> None:
 
 
 def mount_point_message(dest: Path) -> str:
-    """A cache appears at DEST by a rename of its staging folder (and the old one leaves by one), which
-    a mount point cannot take (EBUSY), read-only or not."""
+    """A mount point cannot take the rename that publishes a cache (EBUSY)."""
     return (
         f"{dest}: DEST is a mount point; a cache is published by renaming a folder onto DEST, which a "
         f"mount point cannot take; use a folder inside it as DEST (e.g. {dest / 'cache'})"
@@ -184,8 +177,7 @@ def mount_point_message(dest: Path) -> str:
 
 
 def check_dest_outside_source(source: str | Path | Source | Any, dest: Path) -> None:
-    """A cache inside the folder it is made from would be a class folder of that folder the next time it
-    is read, by the next conversion and by ImageFolder alike."""
+    """A cache inside its source folder would read as a class folder of it the next time."""
     if isinstance(source, (str, Path)):
         root = local_root(source)
     else:
@@ -198,7 +190,7 @@ def check_dest_outside_source(source: str | Path | Source | Any, dest: Path) -> 
 
 
 def preflight(writer: CacheWriter, done: set[int], folder: Path) -> list[str]:
-    """Warn before any work when the cache will likely not fit on the destination's disk."""
+    """Warn before any work when the cache will likely not fit on DEST's disk."""
     left = sum(len(writer.unit_range(k)) for k in range(writer.n_units) if k not in done)
     need = left * writer.image_bytes * writer.size_ratio
     free = shutil.disk_usage(folder).free

@@ -1,7 +1,5 @@
-"""A full disk, anywhere in a conversion, ends in one message: what was being written, where, the space
-the cache needs and the space free, and that the same command resumes. One context manager
-(``disk_full_as_error``) for every stage, from the lock file to the manifest (zarr's own writes
-included: they raise the same ``OSError(ENOSPC)``), so no path reports it differently."""
+"""A full disk anywhere in a conversion (zarr's writes included) ends in one message: what was
+being written, where, the space needed and free, and that the same command resumes."""
 
 from __future__ import annotations
 
@@ -17,8 +15,7 @@ from dlstore.write.sizes import human_bytes
 
 @contextmanager
 def disk_full_as_error(where: Path, what: str, need: int | None = None) -> Iterator[None]:
-    """Turn ENOSPC (and EDQUOT, a full quota) raised inside into ConvertError naming ``where``;
-    ``need``: the bytes the whole cache needs (uncompressed), when known."""
+    """ENOSPC or EDQUOT inside → ConvertError naming ``where``; ``need``: the cache's bytes, if known."""
     try:
         yield
     except OSError as e:

@@ -1,19 +1,9 @@
-"""Where a sample's masks and boxes go when its image is oriented and pre-resized. Pure numpy.
-
-The image's path (``imageops``): EXIF orientation (a transpose), then ``target_size`` (antialiased
-bilinear), then ``fit`` (centre crop, centred pad, or nothing). Masks and boxes take the same path, as
-torchvision.transforms.v2 moves ``tv_tensors.Mask`` and ``tv_tensors.BoundingBoxes`` under ``Resize`` +
-``CenterCrop``:
-
-* a mask is resized with ``interpolate(mode="nearest")``'s index rule (``floor(i * in / out)`` in
-  float32, so the ids equal v2's exactly), then cropped or padded with 0 like the image;
-* boxes (XYXY, pixel edges) are scaled by ``new / old`` per axis, shifted by the crop or pad offset,
-  clipped to the image, and a box left with no area is dropped (its index is reported, so rows that
-  follow it, box labels, are dropped too).
-
-Annotations are in the frame of the file's stored pixels; ``orient_*`` turns them as
-``ImageOps.exif_transpose`` turns the image.
-"""
+"""Where a sample's masks and boxes go when its image is oriented and pre-resized (pure numpy), as
+torchvision.transforms.v2 moves ``Mask`` and ``BoundingBoxes`` under ``Resize`` + ``CenterCrop``: a
+mask by ``interpolate(mode="nearest")``'s index rule, then cropped or padded with 0; XYXY boxes
+scaled, shifted, clipped, and dropped with no area left (their index reported, so the rows that follow
+them go too). Annotations are in the stored file's frame; ``orient_*`` turns them as
+``ImageOps.exif_transpose`` turns the image."""
 
 from __future__ import annotations
 
@@ -36,9 +26,6 @@ class Geometry:
         """(w, h) after the orientation: 5-8 swap the sides."""
         w, h = self.size
         return (h, w) if self.orientation in (5, 6, 7, 8) else (w, h)
-
-
-# --- orientation --------------------------------------------------------------------------------------
 
 
 def orient_mask(mask: np.ndarray, orientation: int) -> np.ndarray:
@@ -76,9 +63,6 @@ def orient_boxes(boxes: np.ndarray, geometry: Geometry) -> np.ndarray:
     return np.stack([np.minimum(ax, bx), np.minimum(ay, by), np.maximum(ax, bx), np.maximum(ay, by)], 1)
 
 
-# --- resize and fit -----------------------------------------------------------------------------------
-
-
 def nearest_index(n_in: int, n_out: int) -> np.ndarray:
     """Source index of each output index under ``interpolate(mode="nearest")`` (ATen's nearest_idx)."""
     if n_in == n_out:
@@ -99,8 +83,7 @@ def resize_mask(mask: np.ndarray, size: tuple[int, int]) -> np.ndarray:
 
 
 def fit_offset(size: tuple[int, int], policy: ImagePolicy) -> tuple[int, int]:
-    """(left, top) of the resized image inside the cache image: negative for a crop, positive for a
-    pad, 0 for stretch and shorter (``imageops.fit``'s rule)."""
+    """(left, top) of the resized image in the cache image (``imageops.fit``'s rule)."""
     w, h = size
     n = policy.size
     if policy.resize == "crop":
@@ -142,8 +125,7 @@ def place_mask(
 def place_boxes(
     boxes: np.ndarray, geometry: Geometry, target: tuple[int, int], policy: ImagePolicy
 ) -> tuple[np.ndarray, np.ndarray]:
-    """XYXY boxes in the stored frame → (float32 boxes in the cache image's frame, indices kept):
-    oriented, scaled to ``target``, shifted by the fit, clipped; boxes left with no area are dropped."""
+    """XYXY boxes in the stored frame → (float32 boxes in the cache image's frame, indices kept)."""
     b = orient_boxes(np.asarray(boxes, np.float64).reshape(-1, 4), geometry)
     ow, oh = geometry.oriented_size
     tw, th = target

@@ -1,14 +1,9 @@
-"""Decode, orient, convert and pre-resize one image. Pure functions over Pillow; no torch.
+"""Decode, orient, convert and pre-resize one image (Pillow, no torch).
 
-The pixel contract: with ``decode="exact"`` (the default) and ``resize="crop"`` the result equals
-torchvision ``Resize(size)`` followed by ``CenterCrop(size)`` on the PIL image (antialiased bilinear),
-pixel for pixel, and with ``resize="shorter"`` torchvision ``Resize(size, max_size=max_side)`` (aspect
-ratio kept, images differ in size; the output size always comes from the full-size image, so it is
-torchvision's in both decode modes). ``decode="fast"`` lets libjpeg scale a large JPEG by 1/2, 1/4 or 1/8 while decoding
-(``Image.draft``, DCT scaling), but only while the decoded image keeps at least ``FAST_MARGIN`` times
-the pixels the resize needs; the bilinear step then maps the exact source geometry (a ``box``), so the
-only error left is the narrower low-pass of DCT scaling (measured in benchmarks/RESULTS.md).
-"""
+``decode="exact"`` with ``resize="crop"`` equals torchvision ``Resize(size)`` + ``CenterCrop(size)``
+pixel for pixel, ``resize="shorter"`` ``Resize(size, max_size=max_side)``. ``decode="fast"`` lets
+libjpeg scale a large JPEG by 1/2, 1/4 or 1/8 while decoding, only while it keeps ``FAST_MARGIN``
+times the pixels the resize needs; the resize then maps the exact source box (RESULTS.md measures it)."""
 
 from __future__ import annotations
 
@@ -44,8 +39,7 @@ DECODE_ERRORS: tuple[type[BaseException], ...] = (
     Image.DecompressionBombError,
     Image.DecompressionBombWarning,
 )
-# Decoded side ≥ this many times the resize target before DCT scaling may be used (decode="fast").
-# Chosen by measurement on real photographs (benchmarks/decode_accuracy.py, RESULTS.md).
+# Decoded side ≥ this many times the resize target for DCT scaling (benchmarks/decode_accuracy.py).
 FAST_MARGIN = 3.0
 ORIENTATION_TAG = 0x0112
 _TRANSPOSE = {
@@ -62,16 +56,15 @@ _SIXTEEN_BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 
 
 def decode_file(path: Path | str, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
-    """Decode one image file into a (size, size, channels) uint8 array, or raise ImageDecodeError.
-    ``data``: the file's bytes, when the caller has read them already (errors still name ``path``)."""
+    """One image file → a (size, size, channels) uint8 array, or ImageDecodeError naming ``path``;
+    ``data``: its bytes, when already read."""
     return decode_with_geometry(path, policy, data, geometry=False)[0]
 
 
 def decode_with_geometry(
     path: Path | str, policy: ImagePolicy, data: bytes | None = None, geometry: bool = True
 ) -> tuple[np.ndarray, Geometry | None]:
-    """``decode_file``, and the file's stored size and EXIF orientation (what its masks and boxes
-    need to follow the image: ``dlstore.write.geometry``); None unless ``geometry``."""
+    """``decode_file``, and (``geometry``) the stored size and EXIF orientation its fields follow."""
     stream = path if data is None else io.BytesIO(data)
     try:
         with warnings.catch_warnings():
@@ -97,8 +90,7 @@ _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def check_png_chunks(path: Path | str | BinaryIO) -> None:
-    """Pillow skips the CRC of IDAT chunks and does not need IEND, so a corrupted or cut-off PNG can
-    decode to damaged pixels silently; walk the chunks (streamed, bounded memory) and refuse it."""
+    """Pillow skips IDAT CRCs and needs no IEND, so a damaged PNG decodes silently: walk the chunks."""
     with open(path, "rb") if isinstance(path, (str, Path)) else nullcontext(path) as f:
         if f.read(8) != _PNG_SIGNATURE:
             raise SyntaxError("not a PNG signature")
@@ -122,7 +114,7 @@ def check_png_chunks(path: Path | str | BinaryIO) -> None:
 
 
 def image_geometry(img: Image.Image, policy: ImagePolicy) -> Geometry:
-    """The opened file's stored size and the orientation ``prepare`` will apply (1 when it applies none)."""
+    """The stored size and the orientation ``prepare`` will apply (1 when none)."""
     orientation = img.getexif().get(ORIENTATION_TAG, 1) if policy.exif_transpose else 1
     return Geometry(img.size, orientation if orientation in _TRANSPOSE else 1)
 
@@ -155,8 +147,7 @@ def to_mode(img: Image.Image, policy: ImagePolicy) -> Image.Image:
 
 
 def torchvision_loaded(img: Image.Image, channels: int) -> Image.Image:
-    """What ImageFolder's default loader hands a transform, ``img.convert("RGB")`` (no EXIF transpose,
-    alpha dropped, 16-bit as Pillow converts it), then ``transforms.Grayscale()`` for one channel."""
+    """ImageFolder's default loader (``convert("RGB")``: no EXIF, alpha dropped), then Grayscale."""
     rgb = img.convert("RGB")
     return rgb if channels == 3 else rgb.convert("L")
 
@@ -185,8 +176,7 @@ def resize(img: Image.Image, policy: ImagePolicy) -> Image.Image:
 
 
 def target_size(size: tuple[int, int], policy: ImagePolicy) -> tuple[int, int]:
-    """The size the whole image is resized to before crop/pad; symmetric in w and h, so it is the same
-    computation before and after an EXIF rotation."""
+    """The size the image is resized to before crop/pad (symmetric in w and h)."""
     w, h = size
     n = policy.size
     if policy.resize == "stretch":
@@ -198,8 +188,7 @@ def target_size(size: tuple[int, int], policy: ImagePolicy) -> tuple[int, int]:
 
 
 def shorter_side_size(size: tuple[int, int], n: int, max_side: int | None = None) -> tuple[int, int]:
-    """(w, h) after torchvision ``Resize(n, max_size=max_side)``: its _compute_resized_output_size,
-    so the pixels match Resize exactly."""
+    """(w, h) after torchvision ``Resize(n, max_size=max_side)`` (its _compute_resized_output_size)."""
     w, h = size
     short, long = (w, h) if w <= h else (h, w)
     new_short, new_long = n, int(n * long / short)
@@ -209,8 +198,7 @@ def shorter_side_size(size: tuple[int, int], n: int, max_side: int | None = None
 
 
 def fit(img: Image.Image, policy: ImagePolicy) -> Image.Image:
-    """The resized image → ``size``²: centre crop (crop), centred on black (pad), as is (stretch,
-    shorter)."""
+    """The resized image → ``size``²: centre crop, centred pad, or as is."""
     if policy.resize == "crop":
         return _center_crop(img, policy.size)
     if policy.resize == "pad":
@@ -232,9 +220,8 @@ def _pad(img: Image.Image, n: int) -> Image.Image:
 
 
 def draft_scale(size: tuple[int, int], policy: ImagePolicy, margin: float | None = None) -> int:
-    """The largest DCT scale (1/8, 1/4, 1/2) keeping both decoded sides ≥ ``margin`` × the resize
-    target; 1 when none does. A scale that leaves less makes the bilinear step's antialiasing too
-    narrow to undo libjpeg's block-aligned averaging (a visible blur and shift on real photos)."""
+    """The largest DCT scale (8, 4, 2) keeping both sides ≥ ``margin`` × the target, else 1 (less
+    blurs and shifts real photos beyond what the bilinear antialiasing undoes)."""
     margin = FAST_MARGIN if margin is None else margin
     w, h = size
     tw, th = target_size(size, policy)
@@ -245,8 +232,8 @@ def draft_scale(size: tuple[int, int], policy: ImagePolicy, margin: float | None
 
 
 def decode_drafted(img: Image.Image, policy: ImagePolicy) -> np.ndarray:
-    """decode="fast" for a large JPEG: DCT-scaled decode, then resize in the file's own frame with the
-    exact source box (the drafted image's last row/column may cover a partial block), then orient."""
+    """decode="fast": DCT-scaled decode, resized in the file's frame with the exact source box, then
+    oriented."""
     w, h = img.size
     scale = draft_scale((w, h), policy)
     orientation = img.getexif().get(ORIENTATION_TAG, 1) if policy.exif_transpose else 1

@@ -1,6 +1,4 @@
-"""The ledger of a run: finished units journaled (one fsync per batch), undecodable images counted
-against ``--max-bad``, and the workers' time summed by kind for the conversion's stages.
-"""
+"""The ledger of a run: units journaled, ``--max-bad`` checked, the workers' time by kind."""
 
 from __future__ import annotations
 
@@ -13,20 +11,13 @@ from dlstore.write.unit_work import UnitResult
 
 
 class UnitLedger:
-    """Journals finished units, aborts as soon as the undecodable images exceed ``max_bad``, and
-    keeps where the workers' time went."""
+    """Journals finished units, aborts once the bad images exceed ``max_bad``, times the workers."""
 
     def __init__(self, n: int, max_bad: float, staging: Staging) -> None:
         self.n, self.max_bad, self.staging = n, max_bad, staging
         self.started = time.monotonic()  # reset when the units are handed out
         self.journal_s = 0.0
-        self.worker: dict[str, float] = {
-            "decode": 0.0,
-            "digest": 0.0,
-            "write": 0.0,
-            "checksum": 0.0,
-            "unit_other": 0.0,
-        }
+        self.worker = dict.fromkeys(("decode", "digest", "write", "checksum", "unit_other"), 0.0)
         self.starts: list[float] = []
         self.ends: list[float] = []
         self.slots: dict[float, list[float]] = {}  # slot → [units, its first start, its last end]
@@ -42,8 +33,7 @@ class UnitLedger:
         for *_, times, _ in results:
             for key in kinds:
                 self.worker[key] += times.get(key, 0.0)
-            # Inside the unit but none of the four (buffers, bookkeeping, signals): per-unit overhead;
-            # what is left of the workers' time after this is start-up and waiting between units.
+            # Inside the unit but none of the four: per-unit overhead (the rest is start-up and waits).
             spent = times["end"] - times["start"]
             self.worker["unit_other"] += max(0.0, spent - sum(times.get(k, 0.0) for k in kinds))
             self.starts.append(times["start"])
@@ -55,8 +45,7 @@ class UnitLedger:
             check_bad_fraction(self.staging.bad(), self.n, self.max_bad, final=False)
 
     def stages(self, n_workers: int) -> dict[str, float]:
-        """Seconds: units handed out → first unit started (process start-up), the run, the main
-        process's journaling, worker time by kind (summed over workers) and what was left over."""
+        """Seconds: start-up, the run, journaling, worker time by kind (summed) and the rest."""
         now = time.monotonic()
         run = now - self.started
         out = {
@@ -72,9 +61,8 @@ class UnitLedger:
         return out
 
     def slot_spread(self) -> dict[str, float]:
-        """How evenly the units went round (a slot: one worker process or decode process): units per
-        slot, and the spread of the slots' first starts (start-up) and last ends (the tail), in
-        seconds after the units were handed out."""
+        """How evenly the units went round the slots (worker or decode processes): units per slot and
+        the spread of first starts and last ends, after the units were handed out."""
         if not self.slots:
             return {}
         units, firsts, lasts = zip(*self.slots.values(), strict=True)

@@ -1,17 +1,8 @@
-"""What ``convert(..., progress=)`` receives: absolute counts, so a caller can draw a true bar.
+"""What ``convert(..., progress=)`` receives: absolute counts. Stages: ``"images"`` (written, per
+finished unit, resumed ones included) and, for a URL DEST, ``"upload"`` (bytes); ``done`` never
+decreases and reaches ``total`` when the stage ends.
 
-A conversion reports two stages: ``"images"`` (images decoded and written, counted per finished unit,
-resumed units included from the first event) and, for a URL DEST, ``"upload"`` (bytes uploaded, per
-finished object). Within a stage ``done`` never decreases and reaches ``total`` only when the stage's
-last piece of work is finished.
-
->>> def show(p: ConvertProgress) -> None:
-...     print(f"{p.stage}: {p.done}/{p.total} {p.unit}")
->>> convert("photos/", "cache/", ConvertOptions(size=64), progress=show)    # doctest: +SKIP
-images: 0/40 images
-images: 16/40 images
-...
-"""
+>>> convert("photos/", "cache/", ConvertOptions(size=64), progress=print)    # doctest: +SKIP"""
 
 from __future__ import annotations
 
@@ -37,8 +28,7 @@ Progress = Callable[[ConvertProgress], None]
 
 
 class ProgressCounter:
-    """Counts one stage's work and reports each step as an absolute ``ConvertProgress``; safe to call
-    from several threads (the upload's). Reports ``done`` at once, so the caller sees the total."""
+    """Counts one stage's work, reporting absolute ``ConvertProgress`` (thread-safe; ``done`` at once)."""
 
     def __init__(self, report: Progress | None, stage: str, unit: str, total: int, done: int = 0) -> None:
         self.report, self.stage, self.unit, self.total, self.done = report, stage, unit, total, done

@@ -1,11 +1,6 @@
-"""``convert`` run again on a finished DEST, local or a URL: make-like. The same source and options →
-up to date, no work; other options, another source or a changed source → refused, naming the first
-difference and DEST, until ``--overwrite`` rebuilds it.
-
-The comparison is of two plans (``dlstore.write.conversion_plan``): the one the new ``ConvertOptions`` make, and
-the one rebuilt from the manifest's recorded options (for a manifest older than ``ConvertOptions``,
-from the plan it kept).
-"""
+"""``convert`` run again on a finished DEST (local or URL) is make-like: the same source and options
+are up to date; anything else is refused, naming the first difference, until ``--overwrite``. It
+compares the new plan with the one rebuilt from the manifest (``conversion_plan.recorded_plan``)."""
 
 from __future__ import annotations
 
@@ -24,8 +19,7 @@ _REBUILD = "pass --overwrite to rebuild it"
 
 
 def is_up_to_date(dest: Path, plan: dict[str, Any], src: Source) -> bool:
-    """True when the complete cache at DEST was built from this plan; raises CacheExistsError naming
-    the first difference otherwise."""
+    """True when DEST's cache was built from this plan; else CacheExistsError naming the difference."""
     return matches_plan(read_spec(dest), str(dest), plan, src, lambda: read_record(dest))
 
 
@@ -36,8 +30,7 @@ def matches_plan(
     src: Source,
     record: Callable[[], SourceRecord | None],
 ) -> bool:
-    """``is_up_to_date`` for a cache's manifest read from ``where`` (a folder or a URL); ``record``
-    loads its source record, only to name the first changed file."""
+    """``is_up_to_date`` for a manifest read from ``where``; ``record`` loads its source record."""
     old = recorded_plan(spec)
     if old is None:
         raise CacheExistsError(
@@ -68,8 +61,8 @@ def source_place(src: Source) -> str:
 
 
 def first_change(record: SourceRecord | None, src: Source, recorded: dict[str, Any] | None = None) -> str:
-    """The first changed file: of the source's per-container entries where the manifest recorded them
-    (parquet files, shards), else of the per-sample record."""
+    """The first changed file: by the per-container entries the manifest recorded (parquet files,
+    shards), else by the per-sample record."""
     before = (recorded or {}).get("entries")
     if isinstance(before, list):
         diff = first_difference(before, src.entries())

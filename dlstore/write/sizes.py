@@ -1,5 +1,4 @@
-"""Byte counts and counts of things as people read them (decimal units, as ``df -H`` and the progress
-bar show them; "1 worker", "2 workers")."""
+"""Byte counts (decimal, as ``df -H``) and counts of things ("1 worker", "2 workers")."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""A sample's named fields, from what its source says (in the file's stored frame) to what the cache
-stores beside its image (in the cache image's frame): ``place_targets``. The geometry is
-``dlstore.write.geometry``'s; this module only knows the field kinds.
-"""
+"""A sample's named fields from its source's frame (the stored file) to the cache image's frame."""
 
 from __future__ import annotations
 
@@ -12,16 +9,15 @@ import numpy as np
 
 from dlstore.errors import SourceError
 from dlstore.spec import FieldSpec, ImagePolicy
-from dlstore.write.geometry import Geometry, canvas, place_boxes, place_mask
+from dlstore.write.geometry import Geometry, place_boxes, place_mask
 from dlstore.write.imageops import target_size
 
 
 def place_targets(
     raw: dict[str, Any], fields: dict[str, FieldSpec], geometry: Geometry, policy: ImagePolicy, where: str
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """(stored rows by field name, boxes dropped by boxes field) for one sample. ``raw``: boxes as
-    XYXY pixels, masks as (H, W) arrays of the file's stored size, values as array-likes, JSON
-    records as any JSON value; a field left out of ``raw`` is empty (no boxes, a zero mask)."""
+    """(rows by field name, boxes dropped per boxes field) for one sample. ``raw``: XYXY boxes, (H, W)
+    masks of the stored size, values, JSON values; a field left out is empty."""
     target = target_size(geometry.oriented_size, policy)
     rows: dict[str, np.ndarray] = {}
     kept: dict[str, np.ndarray] = {}
@@ -71,8 +67,3 @@ def empty_targets(fields: dict[str, FieldSpec], image_shape: tuple[int, ...]) ->
         elif f.kind == "json":
             rows[name] = np.frombuffer(b"null", np.uint8)
     return rows
-
-
-def cache_canvas(geometry: Geometry, policy: ImagePolicy) -> tuple[int, int]:
-    """(w, h) of the cache image a file of this geometry becomes."""
-    return canvas(target_size(geometry.oriented_size, policy), policy)
