@@ -1,7 +1,5 @@
-"""Phase 3 of a conversion, the finish: labels, positions, the source record and the checksums
-written beside the units, then the manifest last (it declares the cache complete); and the result a
-conversion returns, also for one that found DEST already built.
-"""
+"""Phase 3 of a conversion, the finish: labels, positions, source record and checksums beside the
+units, the manifest last (it declares the cache complete); and the result a conversion returns."""
 
 from __future__ import annotations
 
@@ -69,8 +67,8 @@ def finalize(
     stages: dict[str, float],
     remote_sums: dict[str, str] | None = None,
 ) -> CacheSpec:
-    """Everything beside the units, durably, then the manifest. ``remote_sums``: the checksums of
-    units the workers wrote to an object store (digested there)."""
+    """Everything beside the units, durably, then the manifest; ``remote_sums``: the checksums of
+    units the workers wrote to an object store."""
     t_start = time.perf_counter()
     src, writer, order, policy = plan.src, plan.writer, plan.order, plan.options.policy
     root = staging.path
@@ -124,16 +122,14 @@ def finalize(
 
 
 def derived_facts(plan: Plan) -> dict[str, Any]:
-    """What the writer recorded beyond the options it was given (unit size, layout, encode error):
-    the writer options themselves are the manifest's ``options``, their one key."""
+    """What the writer recorded beyond its options (unit size, layout, encode error)."""
     declared = {o.name for o in plan.fmt.options}
     return {k: v for k, v in plan.writer.recorded_options().items() if k not in declared}
 
 
 def cache_checksums(root: Path, writer: CacheWriter, staging: Staging) -> dict[str, str]:
-    """Every file's checksums for the manifest. Files the writer checksums unit by unit get the keys
-    of its units, digested by the workers as they wrote them (read here only for a unit journaled
-    without them, e.g. by an older version); every other file is digested here."""
+    """Every file's checksums for the manifest; a unit's are its worker's, taken as it wrote them
+    (read here only for a unit journaled without them)."""
     unit_keys = [key for k in range(writer.n_units) for key in writer.unit_checksum_keys(k)]
     covered = tuple(sorted({split_key(key)[0] for key in unit_keys}))
     known = {key: d for sums in staging.unit_sums.values() for key, d in sums.items()}
@@ -144,8 +140,8 @@ def cache_checksums(root: Path, writer: CacheWriter, staging: Staging) -> dict[s
 
 
 def source_record(src: Source, staging: Staging, writer: CacheWriter, order: np.ndarray) -> SourceRecord:
-    """What stale checks and ``verify --deep`` compare: (name, size, mtime_ns, label) per sample and
-    the sha256 of each file as it was decoded ("" where unknown), in source order."""
+    """(name, size, mtime_ns, label) per sample and the sha256 of each file as decoded ("" where
+    unknown), in source order: what stale checks and ``verify --deep`` compare."""
     digests = np.zeros((len(src), DIGEST_BYTES), np.uint8)
     for k, packed in staging.digests.items():
         got = np.frombuffer(packed, np.uint8).reshape(-1, DIGEST_BYTES)
@@ -173,8 +169,7 @@ def format_attributes(src: Source, policy: ImagePolicy, n: int) -> dict[str, Any
 
 
 def root_facts(src: Source) -> dict[str, Any]:
-    """The folder source's root and its mtime, for the one-``stat`` check on open (DEST is never inside
-    the root: ``check_dest_outside_source``)."""
+    """A folder source's root and mtime, for the one-``stat`` check on open."""
     root = getattr(src, "root", None)
     if root is None or not getattr(src, "folder_tree", True):  # images listed by a file: no tree to rescan
         return {}
@@ -200,7 +195,7 @@ def remove_temp_files(root: Path) -> None:
 
 
 def narrow_index(array: np.ndarray) -> np.ndarray:
-    """Index arrays as int32 when they fit (readers widen them): half the metadata bytes."""
+    """Index arrays as int32 when they fit (readers widen them)."""
     if array.dtype.kind == "i" and (array.size == 0 or (array.min() >= -(2**31) and array.max() < 2**31)):
         return array.astype(np.int32)
     return array
@@ -251,8 +246,7 @@ def unchanged_result(
     t0: float,
     up_to_date: bool,
 ) -> ConvertResult:
-    """The result of a run that found its cache already built: ``up_to_date`` (a re-run), or a run
-    killed after DEST was published. No work done."""
+    """A run that found its cache already built (``up_to_date``: a re-run; else killed after publishing)."""
     return ConvertResult(
         dest=dest,
         format=spec.format,

@@ -1,10 +1,6 @@
-"""Phase 2 of a conversion, the run: every unit decoded and written by a ``Runner``.
-
-One interface, three implementations: ``InProcessRunner`` (one worker: no process to start),
-``PoolRunner`` (a process pool on this machine) and ``dlstore.write.dask_engine.DaskRunner``
-(a Dask cluster). The driver (``run_units``) journals what they hand back and turns a worker's
-death, Ctrl-C and ``--strict`` into one message each, whichever runner ran.
-"""
+"""Phase 2 of a conversion, the run: every unit decoded and written by a ``Runner`` (in-process, a
+process pool, or ``dask_engine.DaskRunner``). ``run_units`` journals what they hand back and turns a
+worker's death, Ctrl-C and ``--strict`` into one message each."""
 
 from __future__ import annotations
 
@@ -39,8 +35,7 @@ class Runner(Protocol):
         ...
 
     def run(self, job: Job, todo: list[int], done: Done) -> None:
-        """Run every unit of ``todo``, calling ``done(results)`` in this process as they finish; a
-        unit's error is raised here (an unfinished unit is not journaled: a resume redoes it)."""
+        """Run ``todo``, calling ``done(results)`` here as they finish; a unit's error is raised here."""
         ...
 
     def lost_worker(self, error: BaseException) -> str | None:
@@ -48,8 +43,7 @@ class Runner(Protocol):
         ...
 
     def finish(self, t0: float) -> dict[str, float]:
-        """Stop what ``start`` started; the seconds it took, by stage (``t0``: the conversion's
-        ``time.monotonic()`` start, for timelines)."""
+        """Stop what ``start`` started; seconds by stage (``t0``: the monotonic start, for timelines)."""
         ...
 
 
@@ -88,17 +82,14 @@ class PoolRunner:
         self.cpu_limit_s = 3 * job.decode_timeout + 1
         ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
         pool = ProcessPoolExecutor(self.workers, mp_context=ctx, initializer=_init_worker, initargs=(job,))
-        # A bounded window of submitted units: ``wait`` walks every pending future on each call, so
-        # submitting all units at once costs O(units²) in the main process on large datasets.
+        # A bounded window: ``wait`` walks every pending future, O(units²) with all of them submitted.
         queue = iter(todo)
         try:
             pending: set[Future[UnitResult]] = {
                 pool.submit(convert_unit, k) for k in islice(queue, 4 * self.workers)
             }
             while pending:
-                # FIRST_COMPLETED, not FIRST_EXCEPTION: without an error FIRST_EXCEPTION waits for the
-                # whole window, so workers idled at the end of every window until its slowest unit
-                # was done.
+                # Not FIRST_EXCEPTION: without an error it waits for the whole window's slowest unit.
                 finished, pending = wait(pending, return_when=FIRST_COMPLETED)
                 results = [fut.result() for fut in finished]  # re-raises a worker's error here
                 pending |= {pool.submit(convert_unit, k) for k in islice(queue, len(finished))}
@@ -121,8 +112,7 @@ class PoolRunner:
 
 
 def stop_pool(pool: ProcessPoolExecutor) -> None:
-    """End the workers now (not after their current unit): Ctrl-C must return within seconds.
-    An unfinished unit is not journaled, so it is simply redone on resume."""
+    """End the workers now (Ctrl-C must return within seconds); an unfinished unit is redone on resume."""
     procs = list((getattr(pool, "_processes", None) or {}).values())
     for p in procs:
         p.terminate()
@@ -135,16 +125,14 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
 
 
 def local_runner(workers: int | None, n_units: int) -> InProcessRunner | PoolRunner:
-    """The runner on this machine: ``workers`` processes (default: every usable core), never more
-    than there are units; one means in this process."""
+    """``workers`` processes on this machine (default: every usable core, never more than units; one:
+    in this process)."""
     count = max(1, min(usable_cores() if workers is None else workers, n_units))
     return InProcessRunner() if count == 1 else PoolRunner(count)
 
 
 def workers_reason(asked: int | None, used: int, n_units: int, unit_size: int, cluster: bool) -> str:
-    """Why the run used ``used`` workers, in words (``ConvertResult.workers_reason``): a unit (a
-    shard, chunk or slab of up to ``unit_size`` images) is written whole by one worker, so a run never
-    has more workers than units left to do."""
+    """Why the run used ``used`` workers, in words: one worker writes a whole unit."""
     if cluster:
         return f"the Dask cluster's {count(used, 'worker')}"
     wanted = usable_cores() if asked is None else asked
@@ -165,9 +153,8 @@ def run_units(
     ledger: UnitLedger,
     counter: ProgressCounter,
 ) -> None:
-    """Run ``todo`` on ``runner``, journaling each finished unit and counting its images on
-    ``counter`` (after the journal: a reported image is a kept one); every way a run can stop early ends
-    in a ConvertError saying how far it got and how to go on."""
+    """Run ``todo`` on ``runner``, journaling each unit, then counting its images; every early stop
+    ends in a ConvertError saying how far it got and how to go on."""
 
     def done(results: list[UnitResult]) -> None:
         on_store = [r for r in results if len(r) > 5]  # units the workers wrote to an object store

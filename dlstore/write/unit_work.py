@@ -1,8 +1,6 @@
-"""What a worker does for one unit of a conversion: decode its images (each under a per-file time
-limit), write the unit through the format's writer, checksum its bytes. Pool workers, the driver's own
-process and Dask tasks all run ``convert_job_unit``; ``convert_unit`` is the pool workers' form, with
-the job installed once per process by ``_init_worker``.
-"""
+"""What a worker does for one unit: decode its images (each under a per-file time limit), write the
+unit through the format's writer, checksum its bytes. ``convert_job_unit`` runs in pool workers (as
+``convert_unit``, the job installed once by ``_init_worker``), the driver and Dask tasks."""
 
 from __future__ import annotations
 
@@ -30,9 +28,6 @@ if TYPE_CHECKING:
     from dlstore.write.store_units import StoreUnits
 
 
-# --- the parallel part ------------------------------------------------------------------------------
-
-
 @dataclass
 class Job:
     """What every worker needs; inherited by fork (or pickled once per worker under spawn)."""
@@ -45,7 +40,6 @@ class Job:
     order: np.ndarray  # storage position s holds source sample order[s]
     hard_limit: bool = False  # in pool workers: a CPU-time backstop for decoders stuck inside C code
     store_units: StoreUnits | None = None  # Dask tasks write the units to the object store
-    # Pillow's decompression-bomb limit in every worker: the driver's (None only if its caller set None)
     max_pixels: int | None = Image.MAX_IMAGE_PIXELS
 
 
@@ -68,11 +62,8 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """A worker must not outlive its driver (kill -9 of ``dlstore convert``): orphans go on holding
-    the destination's lock and CPU. Linux delivers SIGKILL when the parent dies (PR_SET_PDEATHSIG);
-    a worker whose parent died before that was armed exits now; and a thread watching the parent's
-    sentinel pipe covers the other platforms and start methods (under forkserver the parent is
-    the fork server, which exits with the driver)."""
+    """A worker must not outlive its driver (orphans hold the lock and CPU): PR_SET_PDEATHSIG on Linux,
+    an exit if the driver is already gone, and a thread watching its sentinel elsewhere."""
     import multiprocessing as mp
     import os
 
@@ -120,8 +111,8 @@ def _on_alarm(signum: int, frame: object) -> None:
 
 @contextmanager
 def time_limit(seconds: float, hard: bool) -> Iterator[None]:
-    """SIGALRM after ``seconds`` raises inside Python code (Pillow decodes in Python-driven slices);
-    with ``hard`` a CPU-time limit of 3x that ends a worker stuck inside one C call (SIGPROF)."""
+    """SIGALRM after ``seconds`` raises inside Python code; with ``hard`` a CPU-time limit of 3x that
+    (SIGPROF) ends a worker stuck inside one C call."""
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -138,18 +129,11 @@ def time_limit(seconds: float, hard: bool) -> Iterator[None]:
         signal.signal(signal.SIGALRM, old)
 
 
-def decode_one(job: Job, i: int, times: dict[str, float] | None = None) -> tuple[np.ndarray, str]:
-    """Image i and the sha256 of its file, or ImageDecodeError naming the file; ``times`` accumulates
-    the seconds spent decoding (and resizing) and hashing."""
-    image, digest, _, _ = decode_sample(job, i, times)
-    return image, digest
-
-
 def decode_sample(
     job: Job, i: int, times: dict[str, float] | None = None
 ) -> tuple[np.ndarray, str, dict[str, np.ndarray], dict[str, int]]:
-    """``decode_one``, and sample i's field rows in the cache image's frame (with the count of boxes
-    dropped) when the source brings fields; the field work counts as decoding."""
+    """Image i, the sha256 of its file, and its field rows in the cache image's frame (with the boxes
+    dropped); ``times`` accumulates the seconds decoding and hashing."""
     path = job.src.names[i]
     try:
         with time_limit(job.decode_timeout, job.hard_limit):
@@ -171,13 +155,12 @@ def decode_sample(
         ) from None
 
 
-# (unit, undecodable images, file digests, timings: decode/digest/write/checksum seconds, start/end
-# stamps, checksums of the unit's own bytes in the cache: {manifest key: sha256})
+# (unit, undecodable images, file digests, timings, checksums of the unit's bytes {key: sha256})
 UnitResult = tuple[int, list[dict[str, Any]], list[str], dict[str, float], dict[str, str]]
 
 
 def convert_unit(k: int) -> UnitResult:
-    """Decode and store unit k (in a worker process); return the undecodable images and file digests."""
+    """Decode and store unit k in a pool worker."""
     return convert_job_unit(installed_job(), k)
 
 
@@ -188,9 +171,8 @@ def installed_job() -> Job:
 
 
 def convert_job_unit(job: Job, k: int) -> UnitResult:
-    """``convert_unit`` with the job passed in: a Dask task (the job is scattered once per worker)."""
-    # "slot": the thread's system-wide id (a pool worker's or decode process's pid), to see each
-    # worker's share of the units and when it started and ended.
+    """``convert_unit`` with the job passed in (also the driver's and Dask tasks')."""
+    # "slot": the thread's system-wide id, for each worker's share of the units (``UnitLedger``).
     times = {
         "start": time.monotonic(),
         "decode": 0.0,
@@ -199,9 +181,7 @@ def convert_job_unit(job: Job, k: int) -> UnitResult:
     }
     Image.MAX_IMAGE_PIXELS = job.max_pixels  # Pillow reads its limit from this global
     r = job.writer.unit_range(k)
-    # Variable-size images (resize "shorter") go to the writer as a list; a skipped one as a 1x1 black
-    # placeholder that no dataset index maps to.
-    # Every row is assigned below (a skipped image gets zeros), so the buffer needs no clearing.
+    # Variable-size images go as a list (a skipped one: a 1x1 placeholder); every row is assigned below.
     out: Any = [] if job.policy.ragged else np.empty((len(r), *job.policy.shape), np.uint8)
     bad: list[dict[str, Any]] = []
     digests: list[str] = []

@@ -1,9 +1,5 @@
-"""``verify``: recompute every checksum in the manifest; name the first file that differs.
-
-Also checks ``skipped.json`` against the labels and the source folder against the cache's source record
-(sizes and mtimes; with ``deep`` the sha256 of every source file, which also catches an edit that
-kept the size and had its mtime restored).
-"""
+"""``verify``: every checksum of the manifest recomputed, the first file that differs named; also
+``skipped.json`` against the labels, and the source against its record (``deep``: by content)."""
 
 from __future__ import annotations
 
@@ -41,10 +37,9 @@ def verify(
     source: str | Path | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> VerifyResult:
-    """Check every data file against the manifest's sha256, that no data file is unlisted, that
-    ``skipped.json`` agrees with the manifest, and that the source is unchanged (``deep``: by content).
-    ``source`` overrides the recorded source root (a dataset that moved). A URL is checked object by
-    object (each downloaded to a temporary folder); its source is not checked."""
+    """Check every file against the manifest's sha256, no file unlisted, ``skipped.json`` against
+    the manifest, the source unchanged (``deep``: by content; ``source``: where it moved). A URL is checked
+    object by object; its source is not."""
     root = parse_store_path(path)
     if isinstance(root, str):
         return verify_remote(RemoteStore(root, storage_options))
@@ -86,8 +81,7 @@ def manifest_problems(root: Path) -> list[str]:
 
 
 def checksum_problems(root: Path, spec: CacheSpec) -> list[str]:
-    """Files that are not regular files (never followed or read), bytes no checksum covers, then
-    every checksum, then files the manifest does not list."""
+    """Non-regular files (never read), bytes no checksum covers, every checksum, unlisted files."""
     for name in spec.checksums:
         parse_relpath(split_key(name)[0], root / MANIFEST)
     try:
@@ -174,8 +168,7 @@ def source_content_problems(root: Path, source: str | Path | None) -> tuple[list
 
 
 def reopened_problems(record: SourceRecord, reopen: dict[str, Any]) -> tuple[list[str], int]:
-    """Open a parquet, WebDataset, list or Dataset source again as the manifest says, and re-hash each
-    sample's bytes against the digest recorded at conversion."""
+    """Open the source again as the manifest says; re-hash each sample against its recorded digest."""
     from dlstore.errors import DlstoreError
     from dlstore.write.sources import open_source
 

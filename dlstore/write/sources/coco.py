@@ -1,12 +1,9 @@
-"""``coco:ANNOTATIONS.json``: a COCO-style detection file (``images`` + ``annotations`` with ``bbox``
-and ``category_id``), the images under ``--root`` (default: the JSON's folder). Each image gets the
-fields ``boxes`` (XYXY pixels, from COCO's x, y, w, h) and ``labels`` (their category ids);
-``coco-masks:ANNOTATIONS.json`` also rasterises each annotation's ``segmentation`` (polygons, or an
-uncompressed RLE) into ``mask``: an (H, W) map of category ids (uint16 when an id exceeds 255; later
-annotations paint over earlier ones). The fields' ``classes`` list the category names by id.
+"""``coco:ANNOTATIONS.json``: COCO detection (``images`` + ``annotations``), images under
+``--root`` (default: the JSON's folder); fields ``boxes`` (XYXY) and ``labels`` (category ids).
+``coco-masks:`` also rasterises each ``segmentation`` (polygons or uncompressed RLE) into ``mask``,
+an (H, W) map of category ids (later annotations paint over earlier ones).
 
-    dlstore convert coco:annotations/instances_val2017.json cache/ --root val2017 --size 512
-"""
+    dlstore convert coco:annotations/instances_val2017.json cache/ --root val2017 --size 512"""
 
 from __future__ import annotations
 
@@ -32,7 +29,6 @@ class CocoSource(ListedSource):
     claim_order = 20
     form = "coco:ANNOTATIONS.json or coco-masks:ANNOTATIONS.json (COCO detection; --root IMAGES)"
 
-    # Per image (source order): its annotations (bbox XYWH, category_id, segmentation) and (w, h).
     objects: list[list[dict[str, Any]]] = field(default_factory=list)
     sizes: list[tuple[int, int]] = field(default_factory=list)
 

@@ -1,15 +1,8 @@
-"""A file list: a CSV (with a header row) or JSON-lines file naming one image and its label per row,
-the images under ``--root`` (default: the list's own folder).
-
-- The path column is the first of ``path``, ``file``, ``filename``, ``image``, ``image_path``; the
-  label column is ``--label COLUMN`` (default ``label``). Labels follow ``labels_from_values``: ints as
-  they are, else the sorted distinct values are the classes.
-- A row without a path or a label is not listed: it is named by its line in ``skipped.json``
-  (``--strict`` stops there). A missing or broken file is skipped at decode, named by its path and line.
-- The fingerprint is the list file's sha256 (and the root): a re-run notices any edit of the list.
-  It does not notice an image file replaced under the same name (a folder's size/mtime check would
-  stat every file); ``verify --deep`` re-hashes every image against the digests recorded.
-"""
+"""A file list: a CSV (header row) or JSON-lines file of one image and its label per row, the images
+under ``--root`` (default: the list's folder). The path column is the first of ``PATH_COLUMNS``; the
+label column is ``--label`` (default ``label``), read by ``labels_from_values``. A row without a path
+or label goes to ``skipped.json`` (``--strict`` stops). The fingerprint is the list's sha256 and the
+root: an image replaced under the same name is noticed only by ``verify --deep``."""
 
 from __future__ import annotations
 
@@ -35,7 +28,7 @@ SUFFIXES = (".csv", ".jsonl", ".ndjson")
 
 
 def read_rows(path: Path) -> tuple[list[str], list[dict[str, Any]]]:
-    """(column names, rows) of a CSV or JSON-lines file; each row keeps its line number as ``_line``."""
+    """(columns, rows) of a CSV or JSON-lines file; each row keeps its line number as ``_line``."""
     text = path.read_text(encoding="utf-8-sig")
     if path.suffix.lower() == ".csv":
         reader = csv.DictReader(io.StringIO(text))

@@ -1,6 +1,5 @@
-"""A base for sources that list image files relative to a folder and bring fields beside them (COCO
-detection JSON, image + mask folders, a multi-label CSV): the folder source's decode and digest, with
-the file list, sizes and mtimes taken from the listing instead of a class-folder scan."""
+"""A base for sources that list image files under a folder with fields beside them (COCO, image +
+mask folders, a multi-label CSV): the folder's decode, the names from the listing."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ class ListedSource(FolderSource):
     """Images at ``root / names[i]``; ``fields`` declared by the kind; no image-level classes."""
 
     annotations: str = ""  # the file the fields come from (its sha256 is in the fingerprint)
-    # Not an ImageFolder tree: the cache records no root for `verify` and the open to rescan as one
-    # (a re-run still compares the listing's names, sizes, mtimes and the annotations' sha256).
+    # Not an ImageFolder tree: no root is recorded to rescan as one.
     folder_tree: ClassVar[bool] = False
 
     @classmethod
@@ -37,7 +35,7 @@ class ListedSource(FolderSource):
         annotations: Path | None = None,
         **extra: object,
     ) -> ListedSource:
-        """The source of ``names`` under ``root``, each stat'ed now (a missing one is refused, named)."""
+        """``names`` under ``root``, each stat'ed now (a missing one is refused, named)."""
         stats = []
         for name in names:
             try:

@@ -1,10 +1,8 @@
-"""``multilabel:FILE.csv``: a multi-label list, one row per image: ``path,labels`` with the labels
-separated by spaces or ``|`` (a header row naming ``path`` and ``labels`` is skipped). Images are
-under ``--root`` (default: the CSV's folder). Each image gets the field ``labels``: a multi-hot
-uint8 vector over every label the file names (sorted; they are the field's ``classes``).
+"""``multilabel:FILE.csv``: rows ``path,labels`` (labels separated by spaces or ``|``; a header
+row is skipped), images under ``--root`` (default: the CSV's folder). Field ``labels``: a multi-hot
+uint8 vector over every label named (sorted: the field's ``classes``).
 
-    dlstore convert multilabel:train.csv cache/ --root images --size 224
-"""
+    dlstore convert multilabel:train.csv cache/ --root images --size 224"""
 
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
-"""Parquet, as Hugging Face publishes datasets: a ``.parquet`` file, a folder of them or a glob, read
-with pyarrow (``pip install 'dlstore[parquet]'``).
+"""Parquet, as Hugging Face publishes datasets: a file, a folder of them or a glob (pyarrow).
 
-- The image column is found by its type: HF's ``Image`` feature (``struct<bytes: binary, path:
-  string>``; a row with only a path reads that file, relative to its parquet file's folder) or plain
-  binary. The schema's ``huggingface`` metadata decides between several.
-- The target is ``--label COLUMN`` (default ``label``). Classes are HF's ``ClassLabel`` names when the
-  schema declares them, else ``labels_from_values``. A row whose label is null, -1 (HF's "no label")
-  or beyond the declared names is not listed: it is named in ``skipped.json`` (``--strict`` stops).
-- Listing reads the footers and the label column only. Rows are arrays (file and row of each sample),
-  no Python object per row. Row groups are the units of reading. With a shuffled storage order a
-  unit's samples come from many row groups, so before the units run ``stage`` reads every row group
-  once and appends each sample's encoded bytes to a spool file of the unit that stores it (local
-  disk, the size of the image column; removed with the journal); a unit then reads its spool file
-  once. A source that fits the per-process row-group cache (64 MB) is not spooled, nor one stored in
-  source order (each unit then reads its own few row groups).
-- The fingerprint is each file's footer (sha256 of its metadata block: schema, row groups, column
-  chunk offsets and statistics), size and mtime, as a folder's is its files' sizes and mtimes. The
-  footer alone would miss a rewrite that swaps two same-size images within a row group.
-"""
+The image column is found by type (HF's ``Image`` struct, a path-only row read relative to its file,
+or binary). Classes: HF's ``ClassLabel`` names, else ``labels_from_values``; a row whose label is
+null, -1 or beyond the names goes to ``skipped.json``. Listing reads footers and the label column
+only, into arrays. Row groups are the units of reading: with a shuffled order ``stage`` spools each
+unit's bytes into a file of its own (unless the source fits ``CACHE_BYTES``). The fingerprint is each
+file's footer digest, size and mtime."""
 
 from __future__ import annotations
 
@@ -93,7 +81,7 @@ def footer_digest(path: Path) -> tuple[int, int, str]:
 
 
 def fill_nulls(col: Any) -> Any:
-    """A label column with its nulls filled (-1, or "" for strings), so ints stay ints in numpy."""
+    """A label column's nulls filled (-1, or "" for strings), so ints stay ints in numpy."""
     import pyarrow as pa
 
     if col.null_count == 0:
@@ -345,8 +333,7 @@ class ParquetSource(EncodedSource):
         return c
 
     def _row_group(self, g: int, column: str | None = None) -> Any:
-        """Row group g's image column (bytes, and paths for HF structs), or another image-like
-        ``column`` (a --field mask), cached per process."""
+        """Row group g's image column, or an image-like ``column`` (a --field mask), cached per process."""
         cache = self._cache()
         key = g if column is None else (g, column)
         if key in cache:
@@ -442,8 +429,7 @@ class ParquetSource(EncodedSource):
         )
 
     def prefetch(self, indices: Any) -> None:
-        """Take the samples ``indices`` from their spool file, else read each row group they need
-        once; keep just their bytes."""
+        """The samples' bytes from their spool file, else from each row group they need, read once."""
         spooled = self._from_spool(np.asarray(indices, np.int64))
         if spooled is not None and len(spooled) == len(indices):
             self.__dict__["_taken"] = spooled
@@ -492,8 +478,7 @@ class ParquetSource(EncodedSource):
 
     # --- identity -----------------------------------------------------------------------------------
     def entries(self) -> list[list[Any]]:
-        """One row per file (name, size, mtime_ns, footer digest): what a re-run names when the source
-        changed (recorded in the manifest, a few per file)."""
+        """One row per file (name, size, mtime_ns, footer digest): what a re-run names as changed."""
         return [[rel, size, mtime, sha[:16]] for rel, size, mtime, sha in self.footers]
 
     def fingerprint(self) -> str:
@@ -532,7 +517,7 @@ def image_like(t: Any) -> bool:
 
 
 def take_rows(column: Any, rows: np.ndarray) -> Any:
-    """A column's items at ``rows`` (of all the files' rows, chunks or a list of them), one array."""
+    """A column's items at ``rows`` (of all the files' rows), one array."""
     import pyarrow as pa
 
     if isinstance(column, list):

@@ -1,11 +1,6 @@
-"""Which Source class reads a SOURCE argument: every kind declares itself (``claims(text)``) and is
-registered here in claim order; ``open_source`` asks each in turn and tests no names itself.
-
-A new kind is one module in this package that subclasses ``Source`` (or a kind of it), defines
-``claims`` and ``open`` and decorates the class with ``@register_source``; ``sources/__init__.py``
-imports the module. ``claim_order`` decides who is asked first (lower first): a kind recognised by a
-prefix or suffix goes before the folder, which claims any path and is asked last.
-"""
+"""Which Source class reads a SOURCE argument: each kind declares itself (``claims``) and is
+registered (``@register_source``) in ``claim_order``; ``open_source`` asks each in turn. Prefix and
+suffix kinds go first; the folder claims any path and is asked last."""
 
 from __future__ import annotations
 
@@ -22,10 +17,10 @@ K = TypeVar("K", bound=type[Source])
 
 @dataclass(frozen=True)
 class SourceArgs:
-    """What a SOURCE argument comes with besides its text: ``root`` (torchvision's files; a file list's
-    image folder), ``train`` (torchvision's split), ``demo_images``, ``label`` (the target column or
-    field, for the kinds that have columns), ``strict`` (a sample the listing cannot take - a row
-    without a label - stops the open, named, instead of being listed in ``scan_errors``)."""
+    """What a SOURCE argument comes with besides its text: ``root`` (torchvision's files; a list's
+    images), ``train``, ``demo_images``, ``label`` (the target column or key), ``strict`` (a sample the
+    listing cannot take stops the open instead of going to ``scan_errors``), ``storage_options``, and
+    ``fields`` (--field texts)."""
 
     root: Path | None = None
     train: bool = True
@@ -87,7 +82,6 @@ def check_fields_taken(kind: type[Source], text: str, fields: tuple[str, ...]) -
 
 
 def local_root(source: str | Path) -> Path | None:
-    """The local folder a SOURCE argument reads images from, where a cache must not be written
-    (``check_dest_outside_source``); None for kinds with no such folder."""
+    """The local folder a SOURCE reads images from (DEST must not be inside it), or None."""
     text = str(source)
     return kind_for(text).local_root(text)

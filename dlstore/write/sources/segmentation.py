@@ -1,11 +1,8 @@
-"""``seg:IMAGES:MASKS``: a segmentation set as two folders, images and masks matched by name (VOC's
-``JPEGImages`` + ``SegmentationClass``; Cityscapes-style trees, matched by relative path without the
-extension). Each image gets the field ``mask``: the mask file's ids as stored (a palette PNG's indices,
-a grey PNG's values; uint16 for 16-bit masks), moved with the image (nearest). An image without a
-mask is listed in ``skipped.json`` (not converted).
+"""``seg:IMAGES:MASKS``: images and masks in two folders matched by relative path without the
+extension (VOC, Cityscapes-style). Each image gets the field ``mask`` (its ids as stored; uint16 for
+16-bit masks), moved with the image (nearest); an image without a mask goes to ``skipped.json``.
 
-    dlstore convert seg:VOC2012/JPEGImages:VOC2012/SegmentationClass cache/ --size 512
-"""
+    dlstore convert seg:VOC2012/JPEGImages:VOC2012/SegmentationClass cache/ --size 512"""
 
 from __future__ import annotations
 

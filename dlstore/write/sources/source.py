@@ -1,9 +1,5 @@
 """The Source interface every kind implements, and ``ArraySource`` (samples already in memory).
-
-A Source lists its samples up front (name, label, size, mtime) and decodes sample ``i`` on demand,
-so a conversion can be split across processes by index. A kind also declares which SOURCE arguments
-it reads (``claims``) and how it opens one (``open``); ``registry.py`` asks the kinds in turn.
-"""
+A Source lists its samples up front and decodes sample ``i`` on demand, so a conversion splits by index."""
 
 from __future__ import annotations
 
@@ -38,17 +34,13 @@ class Source:
     stats: list[tuple[int, int]] = field(default_factory=list)  # (size, mtime_ns) per sample, when files
     kind: str = ""
     sample: np.ndarray | None = None  # a subset's indices in the whole source (``subset``); None: all of it
-    # Named per-sample fields the source brings beside its images (boxes, masks, ...); none for a
-    # classification source. ``raw_targets(i)`` gives sample i's, in its file's stored frame.
+    # Per-sample fields beside the images (boxes, masks, ...); ``raw_targets(i)`` gives sample i's.
     fields: dict[str, FieldSpec] = field(default_factory=dict)
-    # ``--field NAME=KEY[:KIND[:DTYPE]]`` requests (``fieldmap``): which of ``fields`` come from a key.
     field_requests: tuple[FieldRequest, ...] = ()
 
-    # The kind's declaration: when it is asked (lower first), the SOURCE form it reads (for messages
-    # and --help), which arguments it claims and how it opens one.
+    # The kind's declaration: when it is asked (lower first), the SOURCE form it reads (messages, --help).
     claim_order: ClassVar[int] = 500
     form: ClassVar[str] = ""
-    # What KEY names in ``--field NAME=KEY`` for this kind; "" for a kind that takes no --field.
     field_form: ClassVar[str] = ""
 
     @classmethod
@@ -62,8 +54,7 @@ class Source:
 
     @classmethod
     def local_root(cls, text: str) -> Path | None:
-        """The local folder the images of SOURCE ``text`` are read from (a cache must not go inside
-        it), or None."""
+        """The local folder SOURCE ``text`` reads images from (no cache goes inside it), or None."""
         return None
 
     def __len__(self) -> int:
@@ -73,24 +64,19 @@ class Source:
         raise NotImplementedError
 
     def stage(self, order: np.ndarray, unit_size: int, folder: Path, units: list[int]) -> None:
-        """Before the units run (in the driver): a kind read in blocks may regroup its samples by the
-        unit that stores them (``order``: storage position s holds sample order[s]), under ``folder``
-        (removed with the journal). Default: nothing."""
+        """Before the units run (in the driver): a kind read in blocks may regroup its samples by unit
+        (``order``: storage position s holds sample order[s]) under ``folder``. Default: nothing."""
 
     def prefetch(self, indices: np.ndarray) -> None:
-        """A conversion unit is about to decode samples ``indices``: a kind that reads in blocks (a
-        parquet row group) reads each block they need once. Default: nothing."""
+        """A unit is about to decode samples ``indices``: a kind read in blocks reads each block once."""
 
     def digest(self, i: int, missing_ok: bool = False) -> str:
         """sha256 of sample i's file, for ``verify --deep``; "" for in-memory samples."""
         return ""
 
-    # --- fields: the one place a source's per-sample targets enter a conversion ----------------------
-
     def raw_targets(self, i: int) -> dict[str, Any]:
-        """Sample i's fields as ``dlstore.write.targets.place_targets`` takes them (boxes XYXY in
-        the stored file's pixels, masks (H, W) of the stored file's size, values, JSON records).
-        Default: the ``--field`` requests' values (``field_value``)."""
+        """Sample i's fields as ``place_targets`` takes them (in the stored file's frame); default: the
+        ``--field`` requests' values."""
         return {
             r.name: raw_value(self.fields[r.name], self.field_value(i, r.key)) for r in self.field_requests
         }
@@ -108,8 +94,8 @@ class Source:
     def decode_targets_and_digest(
         self, i: int, policy: ImagePolicy
     ) -> tuple[np.ndarray, str, float, dict[str, np.ndarray], dict[str, int]]:
-        """``decode_and_digest``, with sample i's fields placed in the cache image's frame and the
-        boxes each boxes field dropped (clipped to no area)."""
+        """``decode_and_digest``, with sample i's fields placed in the cache image's frame and the boxes
+        each boxes field dropped."""
         image, geometry = self.decode_geometry(i, policy)
         t0 = time.perf_counter()
         digest = self.digest(i)
@@ -133,8 +119,8 @@ class Source:
         return [[n, s, m, int(lab)] for n, (s, m), lab in zip(self.names, stats, self.labels)]
 
     def entries_json(self) -> str:
-        """``entries()`` as JSON text, made once: the fingerprint hashes it and the journal stores it
-        (each a JSON dump of every row otherwise, about 0.3 s per 100k files)."""
+        """``entries()`` as JSON text, made once (about 0.3 s per 100k files), for the fingerprint and the
+        journal."""
         key = (len(self.names), len(self.stats))
         cached = self.__dict__.get("_entries_json")
         if cached is None or cached[0] != key:
@@ -156,7 +142,7 @@ class Source:
         return {k: v for k, v in self.__dict__.items() if k != "_entries_json"}
 
     def subset(self, indices: np.ndarray) -> Source:
-        """The samples at ``indices`` (ascending) as a source of their own: ``sample`` records which."""
+        """The samples at ``indices`` (ascending) as a source of their own (``sample`` records which)."""
         idx = np.asarray(indices, dtype=np.int64)
         return dataclasses.replace(
             self,  # type: ignore[arg-type]
