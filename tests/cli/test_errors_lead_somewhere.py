@@ -90,7 +90,7 @@ def test_a_codec_of_another_format_names_the_format_that_takes_it(photos: Path, 
 SLOW_CLI = """
 import signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-import dlstore.write.sources.folder as s
+import dlstore.write.sources.encoded as s
 real = s.decode_file
 def slow(path, policy, data=None):
     time.sleep(0.2)

@@ -386,7 +386,7 @@ def test_c11_short_fuzz_only_expected_errors(tmp_path: Path) -> None:
 
 
 def test_c11_per_file_timeout_skips_a_hanging_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dlstore.write.sources.folder as sources
+    import dlstore.write.sources.encoded as sources
 
     src = make_tree(tmp_path / "src", per_class=4)
     real = sources.decode_file
@@ -407,7 +407,7 @@ def test_c11_per_file_timeout_skips_a_hanging_file(tmp_path: Path, monkeypatch: 
 def test_c11_worker_killed_by_a_crashing_decoder_is_reported(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlstore.write.sources.folder as sources
+    import dlstore.write.sources.encoded as sources
 
     src = make_tree(tmp_path / "src", per_class=4)
     real = sources.decode_file

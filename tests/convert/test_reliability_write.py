@@ -139,7 +139,7 @@ def slow(path, policy, data=None):
     time.sleep(0.25)  # slow enough that Ctrl-C lands mid-run even on a loaded 2-core machine
     return real(path, policy, data)
 io_.decode_file = slow
-import dlstore.write.sources.folder as s; s.decode_file = slow
+import dlstore.write.sources.encoded as s; s.decode_file = slow
 from dlstore.cli import main
 sys.exit(main())
 """
