@@ -17,7 +17,7 @@ from PIL import Image, ImageDraw
 
 from dlstore.errors import SourceError
 from dlstore.spec import FieldSpec
-from dlstore.write.sources.listed import ListedSource, split_spec
+from dlstore.write.sources.folder import ListedSource, split_spec
 from dlstore.write.sources.registry import SourceArgs, register_source
 
 PREFIXES = ("coco-masks:", "coco:")

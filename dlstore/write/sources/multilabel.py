@@ -16,7 +16,7 @@ import numpy as np
 
 from dlstore.errors import SourceError
 from dlstore.spec import FieldSpec
-from dlstore.write.sources.listed import ListedSource, split_spec
+from dlstore.write.sources.folder import ListedSource, split_spec
 from dlstore.write.sources.registry import SourceArgs, register_source
 
 PREFIX = "multilabel:"

@@ -18,7 +18,7 @@ from PIL import Image
 from dlstore.errors import ImageDecodeError, SourceError
 from dlstore.sourcefiles import IMAGE_EXTENSIONS
 from dlstore.spec import FieldSpec
-from dlstore.write.sources.listed import ListedSource, split_spec
+from dlstore.write.sources.folder import ListedSource, split_spec
 from dlstore.write.sources.registry import SourceArgs, register_source
 
 PREFIX = "seg:"
