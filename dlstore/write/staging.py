@@ -277,10 +277,6 @@ class Staging:
         opts = self._read_json(self.journal / "writer.json")
         return dict(opts) if isinstance(opts, dict) else None
 
-    def record(self, unit: int, bad: list[dict[str, Any]], digests: list[str] | None = None) -> None:
-        """Journal a unit as done, after its data is durable (the writer fsyncs)."""
-        self.record_many([(unit, bad, digests or [])])
-
     def record_many(
         self,
         units: list[tuple[int, list[dict[str, Any]], list[str]]],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -144,26 +145,41 @@ def source_content_problems(root: Path, source: str | Path | None) -> tuple[list
     assert src_root is not None
     if not src_root.is_dir():
         return [f"source root {src_root} not found; pass the dataset's new location with --source DIR"], 0
-    problems: list[str] = []
-    hashed = 0
-    for i, (name, file) in enumerate(zip(record.names, inside_root(src_root, record.names))):
-        digest = record.digest(i)
-        if not digest:
-            continue
+    files = dict(zip(record.names, inside_root(src_root, record.names)))
+
+    def now(name: str) -> str:
+        file = files[name]
         if file is None:
-            problems.append(
+            raise ValueError(
                 f"{src_root}: the source record names {name!r}, outside the source root; not opened "
                 f"(the cache may be tampered with): rebuild it with `dlstore convert {src_root} {root} --overwrite`"
             )
+        try:
+            return file_sha256(file)
+        except OSError as e:
+            raise ValueError(f"{file}: cannot read source file ({e.strerror})") from None
+
+    return rehashed(record, now, lambda name: str(files[name]))
+
+
+def rehashed(
+    record: SourceRecord, now: Callable[[str], str], named: Callable[[str], str]
+) -> tuple[list[str], int]:
+    """Each recorded digest against ``now(name)`` (ValueError: a problem to report as it says)."""
+    problems: list[str] = []
+    hashed = 0
+    for k, name in enumerate(record.names):
+        digest = record.digest(k)
+        if not digest:
             continue
         try:
-            now = file_sha256(file)
-        except OSError as e:
-            problems.append(f"{file}: cannot read source file ({e.strerror})")
+            got = now(name)
+        except ValueError as e:
+            problems.append(str(e))
             continue
         hashed += 1
-        if not now.startswith(digest):
-            problems.append(f"{file}: source content changed since conversion (sha256 differs)")
+        if not got.startswith(digest):
+            problems.append(f"{named(name)}: source content changed since conversion (sha256 differs)")
     return problems, hashed
 
 
@@ -183,21 +199,13 @@ def reopened_problems(record: SourceRecord, reopen: dict[str, Any]) -> tuple[lis
     except (DlstoreError, OSError, KeyError) as e:
         return [f"source {reopen.get('source')}: cannot open it again to check by content ({e})"], 0
     where = {name: i for i, name in enumerate(src.names)}
-    problems: list[str] = []
-    hashed = 0
-    for k, name in enumerate(record.names):
-        digest = record.digest(k)
-        if not digest:
-            continue
-        i = where.get(name)
-        if i is None:
-            problems.append(f"{name}: no longer in the source {reopen['source']}")
-            continue
-        now = src.digest(i, missing_ok=True)
-        hashed += 1
-        if not now.startswith(digest):
-            problems.append(f"{name}: source content changed since conversion (sha256 differs)")
-    return problems, hashed
+
+    def now(name: str) -> str:
+        if name not in where:
+            raise ValueError(f"{name}: no longer in the source {reopen['source']}")
+        return src.digest(where[name], missing_ok=True)
+
+    return rehashed(record, now, str)
 
 
 def verify_remote(store: RemoteStore) -> VerifyResult:

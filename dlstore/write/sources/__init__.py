@@ -1,12 +1,6 @@
-"""Where images come from. One module per kind of SOURCE, each a ``Source`` class that declares which
-arguments it reads (``claims``); ``open_source`` asks the registered kinds in turn
-(``registry.py``). ``source.py`` holds the interface every kind implements:
-
-- ``names[i]``, ``labels[i]``, ``classes``, ``stats`` (size, mtime_ns per sample, when files);
-- ``decode(i, policy)`` → the pre-resized pixels (``imageops``), or ImageDecodeError naming sample i;
-- ``digest(i)`` / ``decode_and_digest`` for ``verify --deep``; ``entries()`` / ``fingerprint()`` for
-  make-like re-runs; ``subset(indices)`` for the bench's samples.
-"""
+"""Where images come from: one module per kind of SOURCE, each a ``Source`` class (``source.py``)
+that declares which arguments it reads (``claims``); ``open_source`` asks the kinds in turn
+(``registry.py``)."""
 
 from __future__ import annotations
 
@@ -31,7 +25,6 @@ from dlstore.write.sources.registry import (
     local_root,
     open_source,
     register_source,
-    source_kinds,
 )
 from dlstore.write.sources.source import ArraySource, Source
 from dlstore.write.sources.torch_dataset import DatasetSource
@@ -53,5 +46,4 @@ __all__ = [
     "open_source",
     "register_source",
     "scan_folder",
-    "source_kinds",
 ]

@@ -39,11 +39,6 @@ def register_source(cls: K) -> K:
     return cls
 
 
-def source_kinds() -> tuple[type[Source], ...]:
-    """The registered kinds, in the order they are asked."""
-    return tuple(_KINDS)
-
-
 def kind_for(text: str) -> type[Source]:
     for kind in _KINDS:
         if kind.claims(text):
