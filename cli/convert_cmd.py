@@ -40,8 +40,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
         "images differ in size (npz/zarr).",
     ),
     "max_side": dict(
-        type=click.IntRange(2, 65536),
-        help="With --resize shorter: cap the longer side (Resize's max_size).",
+        type=click.IntRange(2, 65536), help="With --resize shorter: cap the longer side (Resize's max_size)."
     ),
     "channels": dict(type=click.Choice(CHANNELS), help="3 = RGB, 1 = grey."),
     "decode": dict(
@@ -77,10 +76,7 @@ SECTIONS = {
 
 
 @click.command(
-    "convert",
-    cls=Command,
-    sections=SECTIONS,
-    short_help="Convert SOURCE into a pre-resized cache at DEST.",
+    "convert", cls=Command, sections=SECTIONS, short_help="Convert SOURCE into a pre-resized cache at DEST."
 )
 @click.argument("source")
 @click.argument("dest", type=StorePath())

@@ -265,11 +265,7 @@ Log = Callable[[str], None]
 
 
 def convert_to_store(
-    source: str | Path | Source,
-    url: str,
-    options: ConvertOptions,
-    progress: Progress | None,
-    log: Log | None,
+    source: str | Path | Source, url: str, options: ConvertOptions, progress: Progress | None, log: Log | None
 ) -> ConvertResult:
     """Build locally (resumable, as any conversion), publish to ``url``, drop the spool folder."""
     store = RemoteStore(url, dict(options.storage_options or {}))

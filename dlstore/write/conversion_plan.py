@@ -217,11 +217,7 @@ def is_up_to_date(dest: Path, plan: dict[str, Any], src: Source) -> bool:
 
 
 def matches_plan(
-    spec: CacheSpec,
-    where: str,
-    plan: dict[str, Any],
-    src: Source,
-    record: Callable[[], SourceRecord | None],
+    spec: CacheSpec, where: str, plan: dict[str, Any], src: Source, record: Callable[[], SourceRecord | None]
 ) -> bool:
     """``is_up_to_date`` for a manifest read from ``where``; ``record`` loads its source record."""
     old = recorded_plan(spec)

@@ -145,12 +145,7 @@ def workers_reason(asked: int | None, used: int, n_units: int, unit_size: int, c
 
 
 def run_units(
-    runner: Runner,
-    job: Job,
-    todo: list[int],
-    staging: Staging,
-    ledger: UnitLedger,
-    counter: ProgressCounter,
+    runner: Runner, job: Job, todo: list[int], staging: Staging, ledger: UnitLedger, counter: ProgressCounter
 ) -> None:
     """Run ``todo`` on ``runner``, journaling each unit, then counting its images; every early stop
     ends in a ConvertError saying how far it got and how to go on."""

@@ -357,11 +357,7 @@ def manifest_digest(root: Path) -> str | None:
 
 
 # Plan keys as the user gives them (``options.size`` → ``--size``, ``option_flag``); these few by name.
-_OPTION_NAMES = {
-    "n": "number of source images",
-    "dlstore": "dlstore major version",
-    "options.seed": "seed",
-}
+_OPTION_NAMES = {"n": "number of source images", "dlstore": "dlstore major version", "options.seed": "seed"}
 
 
 def option_flag(key: str) -> str:

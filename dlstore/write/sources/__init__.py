@@ -19,13 +19,7 @@ from dlstore.write.sources import (  # noqa: F401 - each registers its kind
 )
 from dlstore.write.sources.demo_source import DemoSource
 from dlstore.write.sources.folder import FolderSource, scan_folder
-from dlstore.write.sources.registry import (
-    SourceArgs,
-    kind_for,
-    local_root,
-    open_source,
-    register_source,
-)
+from dlstore.write.sources.registry import SourceArgs, kind_for, local_root, open_source, register_source
 from dlstore.write.sources.source import ArraySource, Source
 from dlstore.write.sources.torch_dataset import DatasetSource
 from dlstore.write.sources.torchvision import TORCHVISION_SETS, TorchvisionSource, load_torchvision
