@@ -1,18 +1,8 @@
-"""Running a conversion's units as Dask tasks (``--scheduler``): ``DaskRunner``, the ``Runner``
-(``dlstore.write.runners``) on a ``distributed`` cluster.
-
-``local`` / ``local:N`` starts N task threads on this machine (``start_local_cluster``);
-``tcp://HOST:PORT`` (or ``tls://``) uses a running scheduler whose workers see SOURCE and DEST at the
-same paths. Each task is ``convert_unit``: it writes its unit into the staging folder itself and returns
-only the bad files and digests; the driver journals each finished unit, so resume, the bad-file budget
-and the atomic publish are the pool's. A URL DEST's units go to the object store instead
-(``store_units``).
-
-SIGALRM (the per-file ``decode_timeout``) needs a process's main thread, which a Dask task thread is
-not: so each worker runs its units in decode processes of its own (``unit_in_child``), one per task
-thread, which write their units themselves. A hung file becomes a named bad file; a decoder stuck in
-C code ends its process (a clear, resumable error) instead of hanging the cluster.
-"""
+"""A conversion's units as Dask tasks (``--scheduler``): ``DaskRunner``, the ``Runner`` on a cluster,
+``local[:N]`` (``start_local_cluster``) or a running scheduler whose workers see SOURCE and DEST. Each
+task writes its unit itself (``convert_unit``) and returns only bad files and digests; the driver
+journals, so resume and the atomic publish are the pool's. SIGALRM (``decode_timeout``) needs a main
+thread, so each worker runs its units in decode processes of its own (``unit_in_child``)."""
 
 from __future__ import annotations
 
@@ -83,18 +73,15 @@ WORKERS_START_S = 60
 
 def local_layout(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> tuple[int, int]:
     """(worker processes, task threads each) for ``local:N``: the fewest workers of at most
-    ``most_threads`` whose count divides N. A task thread only waits on its decode process, so more
-    workers would only add interpreters, connections and event loops."""
+    ``most_threads`` threads whose count divides N."""
     first = -(-slots // max(1, most_threads))
     workers = next(w for w in range(first, slots + 1) if slots % w == 0)
     return workers, slots // workers
 
 
 def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> Any:
-    """The cluster of ``local:N``: a scheduler in this process, workers started as ``python -m dask
-    spec`` subprocesses (``SpecCluster`` of ``SubprocessWorker``). Not ``LocalCluster``: its spawned
-    workers re-import the caller's ``__main__`` (a script importing torch made each worker import
-    it). No nanny: the decode processes already isolate the decoders. ``cluster.close()`` stops it."""
+    """The cluster of ``local:N``: a scheduler here, workers as ``python -m dask spec`` subprocesses
+    (``LocalCluster``'s spawned workers re-import the caller's ``__main__``); no nanny."""
     import dask
     from distributed import Scheduler, SpecCluster
     from distributed.deploy.subprocess import SubprocessWorker
@@ -128,9 +115,7 @@ def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER
 
 
 def open_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> tuple[Any, Any]:
-    """A connected ``distributed.Client`` and its local cluster (None for an address), not entered as
-    context managers (``EarlyClient`` opens and closes them in different threads). ``stamps`` gets
-    ``time.monotonic()`` at each step."""
+    """A connected Client and its local cluster (None for an address); ``stamps``: each step's time."""
     require_extra("distributed", "dask", "--scheduler")
     from distributed import Client
 
@@ -185,9 +170,8 @@ TRACKER_LEAK_WARNING = "ignore:resource_tracker:UserWarning"
 
 
 def warm_decode_forkserver() -> None:
-    """On a Dask worker: start the fork server of ``_child_pool`` with the converter imported. Its
-    resource tracker takes this process's warning options: a worker killed -9 leaves semaphores it
-    would warn about before dlstore's one line about the dead worker."""
+    """On a worker: start ``_child_pool``'s fork server with the converter imported, its resource
+    tracker quiet about a killed worker's semaphores."""
     if TRACKER_LEAK_WARNING not in sys.warnoptions:
         sys.warnoptions.append(TRACKER_LEAK_WARNING)
     if "forkserver" not in mp.get_all_start_methods():
@@ -199,9 +183,8 @@ def warm_decode_forkserver() -> None:
 
 
 class EarlyClient:
-    """``open_client(spec)`` in a background thread, so a local cluster boots while the driver scans
-    the source; ``client()`` waits for it, ``close()`` (idempotent) disconnects and stops a local
-    cluster. With ``start=False`` nothing starts before ``client()``."""
+    """``open_client`` in a background thread, so a local cluster boots while the source is scanned;
+    ``client()`` waits for it, ``close()`` stops it (``start=False``: nothing before ``client()``)."""
 
     def __init__(self, spec: SchedulerSpec, start: bool = True) -> None:
         self.spec = spec
@@ -258,9 +241,8 @@ NO_WORKERS_GRACE_S = 20.0  # a running cluster's nannies restart killed workers 
 
 
 class LostWorkerNoise(logging.Filter):
-    """Drops Dask's log lines about a lost worker and its rescheduled results, and asyncio's "Task
-    exception was never retrieved" for a result wait given up on (``AllExit``): dlstore reruns those
-    units, or says in one line what died."""
+    """Drops Dask's lines about lost workers and asyncio's about an abandoned result wait
+    (``AllExit``): dlstore reruns those units, or says in one line what died."""
 
     PREFIXES = ("Removing worker", "Couldn't gather", "Lost all workers")
 
@@ -299,11 +281,9 @@ def guarded(job: Any, k: int, *, task: Callable[[Any, int], Any]) -> Any:
 
 @dataclass
 class UnitWindow:
-    """The units of one conversion on the cluster: a bounded window of tasks (``SUBMITTED_PER_THREAD``
-    per task thread), refilled by one ``client.map`` per batch of finished units, so the scheduler
-    never holds millions of tasks. A worker killed mid-convert: the scheduler recomputes the job (a
-    task's result) and reruns the lost units on the workers left; none left for ``grace_s`` is
-    WorkersLostError, naming the dead."""
+    """The units of one conversion on the cluster: a bounded window of tasks, refilled per batch of
+    finished units by one ``client.map``. A killed worker's units rerun on the others; none left for
+    ``grace_s`` is WorkersLostError, naming the dead."""
 
     client: Any
     task: Callable[..., Any]
@@ -382,9 +362,8 @@ def run_on_dask(
     stamps: dict[str, float] | None = None,
     no_workers_grace_s: float = NO_WORKERS_GRACE_S,
 ) -> None:
-    """Run every unit as a task, ``record`` each result in the driver as it finishes; on any error the
-    remaining tasks are cancelled (unjournaled units are redone on resume). With ``child`` = (init,
-    unit_by_index) each worker runs its units in decode processes (``unit_in_child``)."""
+    """Run every unit as a task, ``record`` each result as it finishes; on an error the rest are
+    cancelled. With ``child`` = (init, unit_by_index) the units run in decode processes."""
     from distributed import wait
 
     token = uuid.uuid4().hex  # keys of their own: two conversions may share one cluster
@@ -455,9 +434,8 @@ def _start_decode_process(init: Callable[[Any], None], job: Any) -> None:
 
 
 def _undo_dask_malloc_tuning() -> None:
-    """Dask's ``MALLOC_TRIM_THRESHOLD_=65536``, inherited, turns off glibc's adaptive mmap threshold:
-    every large decode buffer became an mmap/munmap pair (decoding 10-43 % slower). Restore the
-    adaptive ceiling (32 MB from the heap, trimmed above 64 MB) in the decode processes only."""
+    """Dask's ``MALLOC_TRIM_THRESHOLD_``, inherited, made every decode buffer an mmap/munmap pair
+    (10-43 % slower): restore glibc's adaptive ceiling in the decode processes."""
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
         return
     try:
@@ -502,9 +480,7 @@ def stop_children(client: Any) -> None:
 
 
 class DaskRunner:
-    """The conversion's ``Runner`` on a Dask cluster. A local cluster starts in the background at
-    construction (``start=True``); ``start`` waits for it. With a per-file time limit the units run in
-    decode processes (``unit_in_child``); with ``job.store_units`` the tasks upload their units."""
+    """The conversion's ``Runner`` on a Dask cluster, started in the background at construction."""
 
     def __init__(self, scheduler: str, start: bool = True) -> None:
         require_extra("distributed", "dask", "--scheduler")

@@ -215,26 +215,13 @@ def converted_result(
     t0: float,
     stages: dict[str, float],
 ) -> ConvertResult:
-    writer = plan.writer
     seconds = time.perf_counter() - t0
-    converted = sum(len(writer.unit_range(k)) for k in todo)
-    return ConvertResult(
-        dest=str(dest),
-        format=plan.fmt.name,
-        n=spec.n,
-        n_skipped=len(bad),
-        classes=list(plan.src.classes),
-        shape=list(plan.options.policy.shape),
-        bytes_on_disk=dir_bytes(dest),
-        seconds=seconds,
-        images_per_s=converted / max(seconds, 1e-9),
-        workers=workers,
-        resumed_units=writer.n_units - len(todo),
-        resumed_images=writer.n - converted,
-        skipped=bad,
-        warnings=plan.warnings,
-        stages=stages,
+    converted = sum(len(plan.writer.unit_range(k)) for k in todo)
+    more = dict(
+        seconds=seconds, images_per_s=converted / max(seconds, 1e-9), resumed_images=plan.writer.n - converted
     )
+    more.update(resumed_units=plan.writer.n_units - len(todo), workers=workers, stages=stages)
+    return unchanged_result(str(dest), spec, bad, dir_bytes(dest), plan, t0, False, **more)
 
 
 def unchanged_result(
@@ -245,23 +232,15 @@ def unchanged_result(
     plan: Plan,
     t0: float,
     up_to_date: bool,
+    **more: Any,
 ) -> ConvertResult:
-    """A run that found its cache already built (``up_to_date``: a re-run; else killed after publishing)."""
+    """A run that found its cache already built (``up_to_date``: a re-run; else killed after publishing);
+    ``more``: the figures of a run that built it."""
+    result = {"dest": dest, "format": spec.format, "n": spec.n, "n_skipped": spec.n_stored - spec.n}
+    result.update(classes=list(spec.classes), shape=list(spec.shape), bytes_on_disk=size, skipped=skipped)
+    result.update(seconds=time.perf_counter() - t0, images_per_s=0.0, workers=0, up_to_date=up_to_date)
     return ConvertResult(
-        dest=dest,
-        format=spec.format,
-        n=spec.n,
-        n_skipped=spec.n_stored - spec.n,
-        classes=list(spec.classes),
-        shape=list(spec.shape),
-        bytes_on_disk=size,
-        seconds=time.perf_counter() - t0,
-        images_per_s=0.0,
-        workers=0,
-        resumed_units=plan.writer.n_units,
-        skipped=skipped,
-        warnings=plan.warnings,
-        up_to_date=up_to_date,
+        **{**result, "resumed_units": plan.writer.n_units, "warnings": plan.warnings, **more}
     )
 
 

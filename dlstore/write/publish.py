@@ -1,22 +1,12 @@
-"""Publishing a finished local cache to an object store: atomically, without rename, and never
-touching an object that is not dlstore's.
+"""Publishing a finished local cache to an object store atomically, never touching an object that is
+not dlstore's: those a manifest lists and its ``.dlstore-staging/`` prefix (``Ownership``).
 
-dlstore owns exactly the objects a manifest lists and its ``.dlstore-staging/`` prefix
-(``Ownership``): a prefix holding other objects and no cache is refused whatever the flags, a
-bucket's root takes a cache only while empty, ``--overwrite`` deletes only what the old manifest lists.
-
-1. Every file, manifest first, is uploaded under ``URL/.dlstore-staging/<id>/`` (``<id>``: a digest
-   of the new checksums); a re-run skips the objects already there (resume). The old cache stays
-   readable; the staged manifest marks the listed objects as dlstore's.
-2. What the old generation owns goes to ``.dlstore-staging/replacing.json``; its manifest is deleted,
-   so readers refuse it instead of mixing generations.
+1. Every file, manifest first, goes under ``.dlstore-staging/<id>/`` (a re-run skips those there);
+   the old cache stays readable. Units Dask workers wrote are already staged (``store_units``).
+2. What the old generation owns goes to ``.dlstore-staging/replacing.json``; its manifest is deleted.
 3. Staged objects are copied server-side to their keys; old objects not listed anew are deleted.
 4. The manifest is written last, in one PUT: the cache appears complete or not at all.
-5. The staging prefix is removed.
-
-Units Dask workers wrote to the store (``store_units``) are already staged under
-``.dlstore-staging/units-<plan>/`` and step 3 copies them too. Readers open only a cache whose manifest
-exists and check each object against its sha256."""
+5. The staging prefix is removed."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""Dask workers writing a URL destination's units straight to the object store.
-
-Each task writes its unit into a temporary folder (seeded with the layout ``writer.create()`` made),
-uploads its files under ``URL/.dlstore-staging/units-<plan>/``, and returns their sha256. The driver
-journals those digests (``remote_units.jsonl``) before the unit is marked done, writes the small files
-and the manifest, and ``publish`` copies the staged units to their keys: the same bytes and checksums
-as a local run. A writer whose units are not files of their own (``units_are_own_files``) keeps the
-spool."""
+"""Dask workers writing a URL DEST's units straight to the object store: each task writes its unit
+in a temporary folder (seeded with the writer's layout), uploads it under
+``.dlstore-staging/units-<plan>/`` and returns its sha256s, journaled (``remote_units.jsonl``) before
+the unit is done; ``publish`` copies them to their keys. Units not files of their own keep the spool."""
 
 from __future__ import annotations
 

@@ -21,13 +21,8 @@ from dlstore.write.sources.registry import SourceArgs, register_source
 @register_source
 @dataclass
 class FolderSource(EncodedSource):
-    """A folder of class subfolders, scanned exactly like ``torchvision.datasets.ImageFolder``.
-
-    Differences, on purpose: hidden folders and files (``.name``, so ``.DS_Store``) are skipped,
-    symlinked folders and files are followed, also when they point outside the root (a link loop, or a
-    folder reached twice, ends that descent), non-regular files (FIFOs, devices) and entries that
-    cannot be listed or stat'ed are reported in ``scan_errors`` rather than read, GIFs are accepted.
-    """
+    """A folder of class subfolders, scanned like ``ImageFolder`` but hidden entries skipped, symlinks
+    followed (a loop ends that descent), unreadable or non-regular entries in ``scan_errors``, GIFs kept."""
 
     claim_order = 1000
     form = "a folder of class subfolders (ImageFolder layout)"
