@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import click
@@ -109,55 +111,40 @@ def convert_cmd(source: str, dest: Any, as_json: bool, **params: Any) -> None:
     """
     from dlstore.write.conversion import convert
 
-    options = convert_options(params)
-    with ProgressBars() as bars:
+    with ExitStack() as bars:
         result = convert(
             source,
             dest,
-            options,
-            progress=bars.show,
+            convert_options(params),
+            progress=progress_bars(bars),
             log=lambda message: click.echo(f"\nwarning: {message}", err=True),
         )
     render(result, as_json)
 
 
-class ProgressBars:
-    """A click progress bar on stderr for each stage ``convert`` reports (images written, then bytes
-    uploaded for a URL), drawn from its absolute counts."""
+def progress_bars(stack: ExitStack) -> Callable[[Any], None]:
+    """A click progress bar on stderr per stage ``convert`` reports (images written, then bytes uploaded
+    for a URL), drawn from its absolute counts; ``stack`` closes them."""
+    bars: dict[str, Any] = {}
 
-    LABELS = {"images": "converting", "upload": "uploading"}
+    def show(event: Any) -> None:
+        if event.stage not in bars:
+            stack.close()  # the previous stage's bar
+            in_bytes = event.unit == "bytes"
+            bars[event.stage] = stack.enter_context(
+                click.progressbar(
+                    length=max(event.total, 1),
+                    label={"images": "converting", "upload": "uploading"}.get(event.stage, event.stage),
+                    file=stderr(),
+                    show_pos=not in_bytes,
+                    item_show_func=lambda e: (
+                        f"{human_bytes(e.done)} of {human_bytes(e.total)}" if e and in_bytes else None
+                    ),
+                )
+            )
+        bars[event.stage].update(event.done - bars[event.stage].pos, current_item=event)
 
-    def __init__(self) -> None:
-        self.stage: str | None = None
-        self.bar: Any = None
-
-    def __enter__(self) -> ProgressBars:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def show(self, event: Any) -> None:
-        if event.stage != self.stage:
-            self.close()
-            self.stage = event.stage
-            self.bar = click.progressbar(
-                length=max(event.total, 1),
-                label=self.LABELS.get(event.stage, event.stage),
-                file=stderr(),
-                show_pos=event.unit != "bytes",
-                item_show_func=lambda e: (
-                    f"{human_bytes(e.done)} of {human_bytes(e.total)}"
-                    if e is not None and e.unit == "bytes"
-                    else None
-                ),
-            ).__enter__()
-        self.bar.update(event.done - self.bar.pos, current_item=event)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.__exit__(None, None, None)
-            self.bar = None
+    return show
 
 
 def convert_options(params: dict[str, Any]) -> Any:
