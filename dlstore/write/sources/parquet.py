@@ -303,9 +303,8 @@ class ParquetSource(EncodedSource):
     def field_value(self, i: int, key: str) -> Any:
         if key in self.field_columns:
             return self.field_columns[key][i].as_py()
-        r = int(self.rows[i])
-        g = int(np.searchsorted(self.rg_start, r, side="right") - 1)
-        col, j = self._row_group(g, key), r - int(self.rg_start[g])
+        g, j = self._locate(i)
+        col = self._row_group(g, key)
         if not col[j].is_valid:
             return None  # a null mask: the field's empty value
         got = self._item(col, j, i)
@@ -390,12 +389,8 @@ class ParquetSource(EncodedSource):
                 flush()
                 buffered = 0
         flush()
-        self.spool_dir, self.spool_unit, self.spool_offset, self.spool_len = (
-            str(folder),
-            unit_of,
-            offset,
-            length,
-        )
+        self.spool_dir = str(folder)
+        self.spool_unit, self.spool_offset, self.spool_len = unit_of, offset, length
 
     def _from_spool(self, indices: np.ndarray) -> dict[int, bytes] | None:
         """The samples' bytes from their unit's spool file (one read), or None when not spooled."""
@@ -451,21 +446,27 @@ class ParquetSource(EncodedSource):
                     path = col.field("path")[j].as_py()
                     if path is None:
                         return ImageDecodeError(f"{self.names[i]}: the image is null (no bytes, no path)")
-                    k = int(self.rg_file[np.searchsorted(self.rg_start, self.rows[i], side="right") - 1])
-                    return (Path(self.files[k]).parent / path).read_bytes()
+                    return (
+                        Path(self.files[int(self.rg_file[self._locate(i)[0]])]).parent / path
+                    ).read_bytes()
                 return data
             data = col[j].as_py()
             return data if data is not None else ImageDecodeError(f"{self.names[i]}: the image is null")
         except OSError as e:
             return unreadable(self.names[i], e)
 
+    def _locate(self, i: int) -> tuple[int, int]:
+        """(row group, row within it) of sample i."""
+        r = int(self.rows[i])
+        g = int(np.searchsorted(self.rg_start, r, side="right") - 1)
+        return g, r - int(self.rg_start[g])
+
     def read_bytes(self, i: int) -> bytes:
         taken = self.__dict__.get("_taken") or {}
         got = taken.pop(i, None)
         if got is None:
-            r = int(self.rows[i])
-            g = int(np.searchsorted(self.rg_start, r, side="right") - 1)
-            got = self._item(self._row_group(g), r - int(self.rg_start[g]), i)
+            g, j = self._locate(i)
+            got = self._item(self._row_group(g), j, i)
         if isinstance(got, BaseException):
             raise got
         return got

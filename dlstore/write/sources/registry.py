@@ -47,23 +47,12 @@ def kind_for(text: str) -> type[Source]:
     raise SourceError(f"{text}: not a SOURCE dlstore can read; give one of: {forms}")
 
 
-def open_source(
-    source: str | Path,
-    root: Path | None = None,
-    train: bool = True,
-    demo_images: int = 512,
-    label: str | None = None,
-    strict: bool = False,
-    storage_options: dict[str, Any] | None = None,
-    fields: tuple[str, ...] = (),
-) -> Source:
-    """Resolve a SOURCE argument through the kind that claims it (``SourceArgs`` lists the rest)."""
-    text = str(source)
+def open_source(source: str | Path, **args: Any) -> Source:
+    """Resolve a SOURCE argument through the kind that claims it; ``args``: ``SourceArgs``' fields."""
+    text, given = str(source), SourceArgs(**{**args, "fields": tuple(args.get("fields") or ())})
     kind = kind_for(text)
-    check_fields_taken(kind, text, fields)
-    return kind.open(
-        text, SourceArgs(root, train, demo_images, label, strict, storage_options, tuple(fields))
-    )
+    check_fields_taken(kind, text, given.fields)
+    return kind.open(text, given)
 
 
 def check_fields_taken(kind: type[Source], text: str, fields: tuple[str, ...]) -> None:
