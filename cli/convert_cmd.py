@@ -123,8 +123,7 @@ def convert_cmd(source: str, dest: Any, as_json: bool, **params: Any) -> None:
 
 
 def progress_bars(stack: ExitStack) -> Callable[[Any], None]:
-    """A click progress bar on stderr per stage ``convert`` reports (images written, then bytes uploaded
-    for a URL), drawn from its absolute counts; ``stack`` closes them."""
+    """A click progress bar on stderr per stage ``convert`` reports, closed by ``stack``."""
     bars: dict[str, Any] = {}
 
     def show(event: Any) -> None:
@@ -148,8 +147,7 @@ def progress_bars(stack: ExitStack) -> Callable[[Any], None]:
 
 
 def convert_options(params: dict[str, Any]) -> Any:
-    """The command's flags → one ``ConvertOptions`` (its fields are the flags' names, but for
-    ``--split`` → ``train`` and the writer options → ``codec`` + ``writer_options``)."""
+    """The flags → one ``ConvertOptions`` (``--split`` → ``train``, ``codec`` + ``writer_options``)."""
     writer = given_writer_options(params)
     return ConvertOptions(
         **{k: v for k, v in params.items() if k != "split"},

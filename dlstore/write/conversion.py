@@ -250,8 +250,7 @@ def finish(
 def units_on_store(
     store: RemoteStore | None, on_dask: bool, writer: CacheWriter, staging: Staging
 ) -> StoreUnits | None:
-    """Where Dask workers write a URL DEST's units, or None (the spool: no URL or scheduler, units
-    not files of their own, or a cache with fields)."""
+    """Where Dask workers write a URL DEST's units; None: to the spool (as without them)."""
     if store is None or not on_dask or not writer.units_are_own_files or writer.fields:
         return None
     units = StoreUnits(store, units_prefix(staging.plan))

@@ -105,8 +105,7 @@ def recorded_plan(spec: CacheSpec) -> dict[str, Any] | None:
 
 
 def upgraded_plan(plan: dict[str, Any]) -> dict[str, Any]:
-    """A plan journaled before ``ConvertOptions`` (``policy`` at the top) in today's layout, so its
-    interrupted run resumes; any other plan as it is."""
+    """A plan journaled before ``ConvertOptions`` in today's layout (its run resumes); others as they are."""
     if "policy" not in plan:
         return plan
     try:
@@ -250,8 +249,7 @@ def source_place(src: Source) -> str:
 
 
 def first_change(record: SourceRecord | None, src: Source, recorded: dict[str, Any] | None = None) -> str:
-    """The first changed file: by the per-container entries the manifest recorded (parquet files,
-    shards), else by the per-sample record."""
+    """The first changed file, by the manifest's per-container entries, else the per-sample record."""
     before = (recorded or {}).get("entries")
     if isinstance(before, list):
         diff = first_difference(before, src.entries())

@@ -72,16 +72,14 @@ WORKERS_START_S = 60
 
 
 def local_layout(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> tuple[int, int]:
-    """(worker processes, task threads each) for ``local:N``: the fewest workers of at most
-    ``most_threads`` threads whose count divides N."""
+    """(worker processes, threads each) for ``local:N``: fewest workers of ≤ ``most_threads`` dividing N."""
     first = -(-slots // max(1, most_threads))
     workers = next(w for w in range(first, slots + 1) if slots % w == 0)
     return workers, slots // workers
 
 
 def start_local_cluster(slots: int, most_threads: int = LOCAL_THREADS_PER_WORKER) -> Any:
-    """The cluster of ``local:N``: a scheduler here, workers as ``python -m dask spec`` subprocesses
-    (``LocalCluster``'s spawned workers re-import the caller's ``__main__``); no nanny."""
+    """``local:N``: a scheduler here, ``python -m dask spec`` workers (not re-importing ``__main__``)."""
     import dask
     from distributed import Scheduler, SpecCluster
     from distributed.deploy.subprocess import SubprocessWorker
@@ -154,8 +152,7 @@ def _stamp(stamps: dict[str, float] | None, name: str) -> None:
 
 
 def open_warm_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> tuple[Any, Any]:
-    """``open_client``, then each worker starts its decode processes' fork server (a running cluster's
-    workers here; our own as they start) before any unit is handed out."""
+    """``open_client``, then each worker starts its decode fork server before any unit is handed out."""
     client, cluster = open_client(spec, stamps)
     try:
         client.run(warm_decode_forkserver)
@@ -170,8 +167,7 @@ TRACKER_LEAK_WARNING = "ignore:resource_tracker:UserWarning"
 
 
 def warm_decode_forkserver() -> None:
-    """On a worker: start ``_child_pool``'s fork server with the converter imported, its resource
-    tracker quiet about a killed worker's semaphores."""
+    """On a worker: ``_child_pool``'s fork server, converter imported, quiet about leaked semaphores."""
     if TRACKER_LEAK_WARNING not in sys.warnoptions:
         sys.warnoptions.append(TRACKER_LEAK_WARNING)
     if "forkserver" not in mp.get_all_start_methods():
@@ -183,8 +179,7 @@ def warm_decode_forkserver() -> None:
 
 
 class EarlyClient:
-    """``open_client`` in a background thread, so a local cluster boots while the source is scanned;
-    ``client()`` waits for it, ``close()`` stops it (``start=False``: nothing before ``client()``)."""
+    """``open_client`` in a background thread (a cluster boots while the source is scanned)."""
 
     def __init__(self, spec: SchedulerSpec, start: bool = True) -> None:
         self.spec = spec
@@ -241,8 +236,7 @@ NO_WORKERS_GRACE_S = 20.0  # a running cluster's nannies restart killed workers 
 
 
 class LostWorkerNoise(logging.Filter):
-    """Drops Dask's lines about lost workers and asyncio's about an abandoned result wait
-    (``AllExit``): dlstore reruns those units, or says in one line what died."""
+    """Drops Dask's lines about lost workers and abandoned waits: dlstore says in one line what died."""
 
     PREFIXES = ("Removing worker", "Couldn't gather", "Lost all workers")
 
@@ -262,8 +256,7 @@ class WorkersLostError(RuntimeError):
 
 @dataclass(frozen=True)
 class TaskFailed:
-    """A unit's error handed back as a value: a raised one makes every worker log "Compute Failed"
-    with a traceback on the user's terminal."""
+    """A unit's error as a value (raised, every worker logs a traceback on the user's terminal)."""
 
     error: BaseException
 
@@ -321,8 +314,7 @@ class UnitWindow:
             raise WorkersLostError(self.lost())
 
     def outcome(self, future: Any) -> Any:
-        """A finished task's result, its error raised here, or WorkersLostError for a unit cancelled
-        with its workers; a result held by a worker that died is recomputed and waited for."""
+        """A finished task's result or its error; a result lost with its worker is recomputed, waited for."""
         from distributed.client import FutureCancelledError
 
         while True:
@@ -362,8 +354,7 @@ def run_on_dask(
     stamps: dict[str, float] | None = None,
     no_workers_grace_s: float = NO_WORKERS_GRACE_S,
 ) -> None:
-    """Run every unit as a task, ``record`` each result as it finishes; on an error the rest are
-    cancelled. With ``child`` = (init, unit_by_index) the units run in decode processes."""
+    """Run every unit as a task, ``record`` each result; on an error the rest are cancelled."""
     from distributed import wait
 
     token = uuid.uuid4().hex  # keys of their own: two conversions may share one cluster
@@ -400,8 +391,7 @@ _CHILD_LOCK = threading.Lock()
 def unit_in_child(
     job: Any, k: int, *, init: Callable[[Any], None], unit: Callable[[int], Any], token: str
 ) -> Any:
-    """A Dask task: unit k, run by this worker's decode process for conversion ``token``. A process
-    that dies raises BrokenProcessPool, reported as a dead worker."""
+    """A Dask task: unit k in this worker's decode process (one that dies raises BrokenProcessPool)."""
     pool = _child_pool(job, init, token)
     try:
         return pool.submit(unit, k).result()
@@ -434,8 +424,7 @@ def _start_decode_process(init: Callable[[Any], None], job: Any) -> None:
 
 
 def _undo_dask_malloc_tuning() -> None:
-    """Dask's ``MALLOC_TRIM_THRESHOLD_``, inherited, made every decode buffer an mmap/munmap pair
-    (10-43 % slower): restore glibc's adaptive ceiling in the decode processes."""
+    """Undo the inherited ``MALLOC_TRIM_THRESHOLD_`` (every buffer an mmap: decoding 10-43 % slower)."""
     if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
         return
     try:
@@ -540,8 +529,7 @@ class DaskRunner:
 
 
 def terminate_as_interrupt() -> Any:
-    """SIGTERM as Ctrl-C while a Dask conversion runs, so its cluster is closed and reaped (the default
-    action left the workers' processes behind). Returns the handler to restore (None: not changed)."""
+    """SIGTERM as Ctrl-C, so the cluster is closed and reaped; the handler to restore, or None."""
     if threading.current_thread() is not threading.main_thread():
         return None
     previous = signal.getsignal(signal.SIGTERM)
@@ -607,8 +595,7 @@ def reaper() -> Iterator[None]:
 
 
 def end_processes(pids: list[int], within_s: float = REAP_S) -> None:
-    """Kill each of ``pids`` and reap those that are (now) our children; wait up to ``within_s`` for
-    the others to disappear."""
+    """Kill ``pids``, reap our children among them, wait up to ``within_s`` for the others."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)

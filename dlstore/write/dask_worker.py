@@ -14,8 +14,7 @@ from dlstore.write.unit_work import arm_parent_death_signal
 
 
 class ConversionWorker(Worker):
-    """A ``distributed.Worker`` that quiets its own monitors (``QUIET_CONFIG``), dies with the driver
-    that started it, and starts its decode processes' fork server as it starts."""
+    """A quiet ``distributed.Worker`` that dies with its driver and warms its decode fork server."""
 
     def __init__(self, *args: Any, driver_pid: int | None = None, **kwargs: Any) -> None:
         if driver_pid is not None:

@@ -67,8 +67,7 @@ def finalize(
     stages: dict[str, float],
     remote_sums: dict[str, str] | None = None,
 ) -> CacheSpec:
-    """Everything beside the units, durably, then the manifest; ``remote_sums``: the checksums of
-    units the workers wrote to an object store."""
+    """Everything beside the units, durably, then the manifest (``remote_sums``: units on a store)."""
     t_start = time.perf_counter()
     src, writer, order, policy = plan.src, plan.writer, plan.order, plan.options.policy
     root = staging.path
@@ -128,8 +127,7 @@ def derived_facts(plan: Plan) -> dict[str, Any]:
 
 
 def cache_checksums(root: Path, writer: CacheWriter, staging: Staging) -> dict[str, str]:
-    """Every file's checksums for the manifest; a unit's are its worker's, taken as it wrote them
-    (read here only for a unit journaled without them)."""
+    """Every file's checksums; a unit's as its worker took them (else read here)."""
     unit_keys = [key for k in range(writer.n_units) for key in writer.unit_checksum_keys(k)]
     covered = tuple(sorted({split_key(key)[0] for key in unit_keys}))
     known = {key: d for sums in staging.unit_sums.values() for key, d in sums.items()}
@@ -140,8 +138,7 @@ def cache_checksums(root: Path, writer: CacheWriter, staging: Staging) -> dict[s
 
 
 def source_record(src: Source, staging: Staging, writer: CacheWriter, order: np.ndarray) -> SourceRecord:
-    """(name, size, mtime_ns, label) per sample and the sha256 of each file as decoded ("" where
-    unknown), in source order: what stale checks and ``verify --deep`` compare."""
+    """Per sample in source order: name, size, mtime_ns, label and the sha256 of the bytes decoded."""
     digests = np.zeros((len(src), DIGEST_BYTES), np.uint8)
     for k, packed in staging.digests.items():
         got = np.frombuffer(packed, np.uint8).reshape(-1, DIGEST_BYTES)
@@ -234,8 +231,7 @@ def unchanged_result(
     up_to_date: bool,
     **more: Any,
 ) -> ConvertResult:
-    """A run that found its cache already built (``up_to_date``: a re-run; else killed after publishing);
-    ``more``: the figures of a run that built it."""
+    """The result of a run (``more``: its figures), or of one that found the cache already built."""
     result = {"dest": dest, "format": spec.format, "n": spec.n, "n_skipped": spec.n_stored - spec.n}
     result.update(classes=list(spec.classes), shape=list(spec.shape), bytes_on_disk=size, skipped=skipped)
     result.update(seconds=time.perf_counter() - t0, images_per_s=0.0, workers=0, up_to_date=up_to_date)

@@ -56,8 +56,7 @@ _SIXTEEN_BIT_MODES = {"I;16", "I;16B", "I;16L", "I;16N", "I"}
 
 
 def decode_file(path: Path | str, policy: ImagePolicy, data: bytes | None = None) -> np.ndarray:
-    """One image file → a (size, size, channels) uint8 array, or ImageDecodeError naming ``path``;
-    ``data``: its bytes, when already read."""
+    """One image file → a (size, size, channels) uint8 array, or ImageDecodeError naming ``path``."""
     return decode_with_geometry(path, policy, data, geometry=False)[0]
 
 
@@ -220,8 +219,7 @@ def _pad(img: Image.Image, n: int) -> Image.Image:
 
 
 def draft_scale(size: tuple[int, int], policy: ImagePolicy, margin: float | None = None) -> int:
-    """The largest DCT scale (8, 4, 2) keeping both sides ≥ ``margin`` × the target, else 1 (less
-    blurs and shifts real photos beyond what the bilinear antialiasing undoes)."""
+    """The largest DCT scale (8, 4, 2) keeping both sides ≥ ``margin`` × the target, else 1."""
     margin = FAST_MARGIN if margin is None else margin
     w, h = size
     tw, th = target_size(size, policy)
@@ -232,8 +230,7 @@ def draft_scale(size: tuple[int, int], policy: ImagePolicy, margin: float | None
 
 
 def decode_drafted(img: Image.Image, policy: ImagePolicy) -> np.ndarray:
-    """decode="fast": DCT-scaled decode, resized in the file's frame with the exact source box, then
-    oriented."""
+    """decode="fast": a DCT-scaled decode, resized with the exact source box, then oriented."""
     w, h = img.size
     scale = draft_scale((w, h), policy)
     orientation = img.getexif().get(ORIENTATION_TAG, 1) if policy.exif_transpose else 1

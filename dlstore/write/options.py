@@ -120,8 +120,7 @@ class ConvertOptions:
         return parse_writer_options(self.format, self.codec, self.writer_options)
 
     def record(self) -> dict[str, Any]:
-        """The cache-shaping choices as the manifest records them (``options``): the codec and the
-        other writer options resolved, so a re-run that leaves them to the default compares equal."""
+        """The manifest's ``options``: writer options resolved, so a default compares equal to itself."""
         resolved = self.resolved_writer_options
         out = {name: getattr(self, name) for name in CACHE_FIELDS}
         out["codec"] = resolved.pop("codec", None)
@@ -159,8 +158,7 @@ def require(name: str, value: Any, ok: bool, must: str) -> None:
 
 
 def fold_shortcuts(options: ConvertOptions | None, shortcuts: Mapping[str, Any]) -> ConvertOptions:
-    """``convert(src, dest, size=64)`` → ``ConvertOptions(size=64)``: the one place keyword shortcuts
-    become options. The options object or keywords, never both (one route per choice)."""
+    """``convert(src, dest, size=64)`` → ``ConvertOptions(size=64)``: options or keywords, not both."""
     known = {f.name for f in fields(ConvertOptions)}
     unknown = sorted(set(shortcuts) - known)
     if unknown:
@@ -187,8 +185,7 @@ def from_record(record: Mapping[str, Any]) -> ConvertOptions:
 
 
 def recorded_options(spec: CacheSpec) -> ConvertOptions | None:
-    """The options a cache was built with: its ``options`` key, or the plan an older manifest kept
-    under ``source.plan`` (caches written before ``ConvertOptions``); None when neither is there."""
+    """A cache's options: its ``options`` key, or an older manifest's ``source.plan``; else None."""
     if spec.options:
         return from_record(spec.options)
     plan = spec.source.get("plan")
@@ -196,8 +193,7 @@ def recorded_options(spec: CacheSpec) -> ConvertOptions | None:
 
 
 def from_old_plan(plan: Mapping[str, Any]) -> ConvertOptions:
-    """The options an older manifest's plan records: ``policy`` (the image policy), ``options`` (the
-    writer options, or ``compress`` before npz took ``--codec``), ``format``, ``storage_order``, ``seed``."""
+    """The options an older manifest's plan records (``compress``: npz before ``--codec``)."""
     policy = plan["policy"]
     writer = dict(plan.get("options") or {})
     if "compress" in writer and "codec" not in writer:  # npz before --codec: deflate or stored

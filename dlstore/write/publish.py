@@ -67,8 +67,7 @@ SURVEY_ATTEMPTS = 3
 
 
 def survey(store: RemoteStore) -> Ownership:
-    """A fresh listing of the prefix, split into dlstore's objects and foreign ones; listed again
-    when a manifest listed is gone when read (a stale listing)."""
+    """The prefix listed, dlstore's objects apart; listed again if a listed manifest is gone."""
     gone: FileNotFoundError | None = None
     for _ in range(SURVEY_ATTEMPTS):
         try:
@@ -140,8 +139,7 @@ def check_ownership(store: RemoteStore) -> Ownership:
 
 
 def check_writable(store: RemoteStore) -> None:
-    """An empty object written and deleted under the staging prefix before any work: a missing
-    bucket or read-only credentials fail now, not after the conversion."""
+    """A missing bucket or read-only credentials fail now (a probe object), not after the conversion."""
     probe = f"{STAGING}/write-check-{os.getpid()}-{os.urandom(4).hex()}"
     try:
         store.put_bytes(b"", probe)

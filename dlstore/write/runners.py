@@ -124,8 +124,7 @@ def stop_pool(pool: ProcessPoolExecutor) -> None:
 
 
 def local_runner(workers: int | None, n_units: int) -> InProcessRunner | PoolRunner:
-    """``workers`` processes on this machine (default: every usable core, never more than units; one:
-    in this process)."""
+    """``workers`` processes (default: all usable cores, at most one per unit; one: in this process)."""
     count = max(1, min(usable_cores() if workers is None else workers, n_units))
     return InProcessRunner() if count == 1 else PoolRunner(count)
 
@@ -147,8 +146,7 @@ def workers_reason(asked: int | None, used: int, n_units: int, unit_size: int, c
 def run_units(
     runner: Runner, job: Job, todo: list[int], staging: Staging, ledger: UnitLedger, counter: ProgressCounter
 ) -> None:
-    """Run ``todo`` on ``runner``, journaling each unit, then counting its images; every early stop
-    ends in a ConvertError saying how far it got and how to go on."""
+    """Run ``todo``, journaling then counting each unit; an early stop says how far it got and how on."""
 
     def done(results: list[UnitResult]) -> None:
         on_store = [r for r in results if len(r) > 5]  # units the workers wrote to an object store
@@ -240,8 +238,7 @@ class UnitLedger:
         return out
 
     def slot_spread(self) -> dict[str, float]:
-        """How evenly the units went round the slots (worker or decode processes): units per slot and
-        the spread of first starts and last ends, after the units were handed out."""
+        """How evenly the units went round the slots: units per slot, first starts and last ends."""
         if not self.slots:
             return {}
         units, firsts, lasts = zip(*self.slots.values(), strict=True)

@@ -30,8 +30,7 @@ HELD_LOCKS: set[int] = set()
 
 
 def release_inherited_locks() -> None:
-    """In a forked worker: close the copies of the driver's lock descriptors, so the lock ends with
-    the driver even if the worker outlives it."""
+    """In a forked worker: close the driver's lock descriptors (the lock ends with the driver)."""
     for fd in list(HELD_LOCKS):
         try:
             os.close(fd)
@@ -108,8 +107,7 @@ class Staging:
             self._unlock()
 
     def _leave_only_what_resumes(self, error: BaseException) -> None:
-        """A failed run keeps the staging folder and journal only when a re-run resumes from them (and
-        says so in its error); otherwise nothing is left beside DEST."""
+        """A failed run leaves staging and journal only when they resume (saying so in its error)."""
         if not self.path.exists() and not self.journal.exists():
             return
         if not self.done and not (self.journal / "commit.json").exists():
@@ -282,8 +280,7 @@ class Staging:
         units: list[tuple[int, list[dict[str, Any]], list[str]]],
         sums: dict[int, dict[str, str]] | None = None,
     ) -> None:
-        """Journal durable units with one fsync (a torn last line is ignored); ``sums``: unit ->
-        the checksums of its bytes, where the worker took them."""
+        """Journal durable units with one fsync; ``sums``: unit -> the checksums its worker took."""
         if not units:
             return
         sums = sums or {}

@@ -43,15 +43,13 @@ class StoreUnits:
 
 
 def units_prefix(plan: dict[str, Any]) -> str:
-    """The staging prefix of a conversion's units, one per plan (a resume finds them, another
-    plan never mixes with them)."""
+    """The staging prefix of a conversion's units: one per plan."""
     digest = hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
     return f"{STAGING}/units-{digest}"
 
 
 def convert_unit_to_store(job: Any, k: int) -> Any:
-    """A Dask task: ``convert_job_unit`` in a private folder, its files uploaded; the unit result
-    with a sixth item, {checksum key: sha256} of the uploaded files."""
+    """A Dask task: ``convert_job_unit`` uploaded; a sixth item: {checksum key: sha256}."""
     from dlstore.write.unit_work import convert_job_unit
 
     units: StoreUnits = job.store_units

@@ -16,8 +16,7 @@ from dlstore.write.imageops import target_size
 def place_targets(
     raw: dict[str, Any], fields: dict[str, FieldSpec], geometry: Geometry, policy: ImagePolicy, where: str
 ) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-    """(rows by field name, boxes dropped per boxes field) for one sample. ``raw``: XYXY boxes, (H, W)
-    masks of the stored size, values, JSON values; a field left out is empty."""
+    """(rows by field, boxes dropped per boxes field) of a sample; a field left out of ``raw`` is empty."""
     target = target_size(geometry.oriented_size, policy)
     rows: dict[str, np.ndarray] = {}
     kept: dict[str, np.ndarray] = {}

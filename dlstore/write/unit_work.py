@@ -62,8 +62,7 @@ PR_SET_PDEATHSIG = 1
 
 
 def die_with_parent() -> None:
-    """A worker must not outlive its driver (orphans hold the lock and CPU): PR_SET_PDEATHSIG on Linux,
-    an exit if the driver is already gone, and a thread watching its sentinel elsewhere."""
+    """A worker dies with its driver (orphans hold the lock and CPU): PDEATHSIG, else a sentinel thread."""
     import multiprocessing as mp
     import os
 
@@ -111,8 +110,7 @@ def _on_alarm(signum: int, frame: object) -> None:
 
 @contextmanager
 def time_limit(seconds: float, hard: bool) -> Iterator[None]:
-    """SIGALRM after ``seconds`` raises inside Python code; with ``hard`` a CPU-time limit of 3x that
-    (SIGPROF) ends a worker stuck inside one C call."""
+    """SIGALRM after ``seconds``; with ``hard`` a CPU limit of 3x that ends a worker stuck in C."""
     if seconds <= 0 or threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -132,8 +130,7 @@ def time_limit(seconds: float, hard: bool) -> Iterator[None]:
 def decode_sample(
     job: Job, i: int, times: dict[str, float] | None = None
 ) -> tuple[np.ndarray, str, dict[str, np.ndarray], dict[str, int]]:
-    """Image i, the sha256 of its file, and its field rows in the cache image's frame (with the boxes
-    dropped); ``times`` accumulates the seconds decoding and hashing."""
+    """Image i, its file's sha256, its field rows and boxes dropped; ``times`` sums the seconds."""
     path = job.src.names[i]
     try:
         with time_limit(job.decode_timeout, job.hard_limit):

@@ -81,8 +81,7 @@ class EncodedSource(Source):
         return {**again, "fields": [r.text for r in self.field_requests]} if self.field_requests else again
 
     def fingerprint_of(self, *parts: Any) -> str:
-        """sha256 of ``parts`` (JSON, arrays as bytes), and of the --field requests when there are
-        any (a classification source's fingerprint stays what it was)."""
+        """sha256 of ``parts`` (JSON, arrays' bytes) and of the --field requests, when any."""
         h = hashlib.sha256()
         for part in parts:
             h.update(
@@ -149,8 +148,7 @@ class IndexedNames(Sequence[str]):
 
 
 def labels_from_values(values: Any, where: str) -> tuple[tuple[str, ...], np.ndarray]:
-    """Classes and int labels from raw values with no class declaration: ints ≥ 0 as they are
-    (classes "0" … "max"); strings: the sorted distinct values are the classes."""
+    """Classes and labels from raw values: ints ≥ 0 as they are, else the sorted distinct values."""
     arr = np.asarray(values)
     if arr.size == 0:
         return (), np.zeros(0, np.int64)

@@ -62,8 +62,7 @@ def parse_field(text: str) -> FieldRequest:
 
 
 def field_texts(given: Iterable[str] | Mapping[str, str] | None) -> tuple[str, ...]:
-    """``ConvertOptions.fields``' one form, ``("NAME=KEY[:KIND[:DTYPE]]", ...)``, from texts or a
-    mapping, each parsed (a bad one fails at once)."""
+    """``ConvertOptions.fields``' one form, ``("NAME=KEY[:KIND[:DTYPE]]", ...)``, each parsed."""
     if not given:
         return ()
     if isinstance(given, str):
@@ -142,8 +141,7 @@ def declare(requests: Iterable[FieldRequest], first: Mapping[str, Any], where: s
 
 
 def described(target: Mapping[str, Any], where: str) -> tuple[FieldRequest, ...]:
-    """The fields a target dict of torchvision tv_tensors describes (none without one): every key,
-    BoundingBoxes as boxes, Mask as mask, one number per box as ragged; a key none can store is an error."""
+    """The fields a target dict of tv_tensors describes (none without one); a key none can store fails."""
     if not any(type(v).__module__.startswith("torchvision.tv_tensors") for v in target.values()):
         return ()
     boxes = [plain(v) for v in target.values() if type(v).__name__ == "BoundingBoxes"]

@@ -21,8 +21,7 @@ from dlstore.write.sources.registry import SourceArgs, register_source
 @register_source
 @dataclass
 class FolderSource(EncodedSource):
-    """A folder of class subfolders, scanned like ``ImageFolder`` but hidden entries skipped, symlinks
-    followed (a loop ends that descent), unreadable or non-regular entries in ``scan_errors``, GIFs kept."""
+    """Class subfolders scanned like ``ImageFolder`` (hidden skipped, symlinks followed, GIFs kept)."""
 
     claim_order = 1000
     form = "a folder of class subfolders (ImageFolder layout)"

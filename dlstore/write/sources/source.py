@@ -64,8 +64,7 @@ class Source:
         raise NotImplementedError
 
     def stage(self, order: np.ndarray, unit_size: int, folder: Path, units: list[int]) -> None:
-        """Before the units run (in the driver): a kind read in blocks may regroup its samples by unit
-        (``order``: storage position s holds sample order[s]) under ``folder``. Default: nothing."""
+        """In the driver, before the units: a kind read in blocks may regroup samples by unit."""
 
     def prefetch(self, indices: np.ndarray) -> None:
         """A unit is about to decode samples ``indices``: a kind read in blocks reads each block once."""
@@ -75,8 +74,7 @@ class Source:
         return ""
 
     def raw_targets(self, i: int) -> dict[str, Any]:
-        """Sample i's fields as ``place_targets`` takes them (in the stored file's frame); default: the
-        ``--field`` requests' values."""
+        """Sample i's fields as ``place_targets`` takes them; default: the ``--field`` values."""
         return {
             r.name: raw_value(self.fields[r.name], self.field_value(i, r.key)) for r in self.field_requests
         }
@@ -94,8 +92,7 @@ class Source:
     def decode_targets_and_digest(
         self, i: int, policy: ImagePolicy
     ) -> tuple[np.ndarray, str, float, dict[str, np.ndarray], dict[str, int]]:
-        """``decode_and_digest``, with sample i's fields placed in the cache image's frame and the boxes
-        each boxes field dropped."""
+        """``decode_and_digest``, with the fields placed and the boxes dropped per boxes field."""
         image, geometry = self.decode_geometry(i, policy)
         t0 = time.perf_counter()
         digest = self.digest(i)
@@ -119,8 +116,7 @@ class Source:
         return [[n, s, m, int(lab)] for n, (s, m), lab in zip(self.names, stats, self.labels)]
 
     def entries_json(self) -> str:
-        """``entries()`` as JSON text, made once (about 0.3 s per 100k files), for the fingerprint and the
-        journal."""
+        """``entries()`` as JSON text, made once (0.3 s per 100k files)."""
         key = (len(self.names), len(self.stats))
         cached = self.__dict__.get("_entries_json")
         if cached is None or cached[0] != key:

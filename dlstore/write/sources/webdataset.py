@@ -140,8 +140,7 @@ class WebDatasetSource(EncodedSource):
         return src
 
     def _classes(self, parts: list[np.ndarray], where: str) -> tuple[tuple[str, ...], np.ndarray]:
-        """Classes and labels; samples without one (--field, no --label): no classes if none has one,
-        refused if some do."""
+        """Classes and labels (none when no sample has one: --field without --label)."""
         missing = np.concatenate(
             [np.array([v is None for v in p.tolist()], bool) if p.dtype == object else np.zeros(len(p), bool)
              for p in parts] or [np.zeros(0, bool)]
@@ -253,8 +252,7 @@ class WebDatasetSource(EncodedSource):
     def _field_row(
         self, found: dict[str, bytes], members: dict[str, Member], name: str, errors: list[tuple[str, str]]
     ) -> dict[str, Any] | None:
-        """A sample's --field values (a member, else its .json's key); None, named in ``errors``, when one is
-        not readable."""
+        """A sample's --field values; None (named in ``errors``) when one is not readable."""
         doc: Any = None
         row: dict[str, Any] = {}
         for r in self.field_requests:
