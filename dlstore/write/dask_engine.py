@@ -38,9 +38,6 @@ class SchedulerSpec:
     local_workers: int | None = None
     address: str | None = None
 
-    def describe(self) -> str:
-        return self.address or f"local:{self.local_workers}"
-
 
 def parse_scheduler(text: str) -> SchedulerSpec:
     """``local`` (one worker per core), ``local:N`` or ``tcp://HOST:PORT``."""
@@ -136,7 +133,7 @@ def open_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> 
             client.wait_for_workers(len(cluster.workers), timeout=WORKERS_START_S)
         except TimeoutError:
             raise ConvertError(
-                f"--scheduler {spec.describe()}: the Dask workers did not start within {WORKERS_START_S} s "
+                f"--scheduler local:{spec.local_workers}: the Dask workers did not start within {WORKERS_START_S} s "
                 f"(`{sys.executable} -m dask spec` must run {WORKER_CLASS}); try a running cluster's address"
             ) from None
         _stamp(stamps, "workers")

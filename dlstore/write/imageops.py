@@ -20,7 +20,7 @@ from PIL import Image, ImageOps
 
 from dlstore.errors import ImageDecodeError
 from dlstore.spec import ImagePolicy
-from dlstore.write.geometry import Geometry
+from dlstore.write.geometry import Geometry, fit_offset
 
 # Decoders Pillow may use. Anything else (EPS → Ghostscript, PDF, ...) is never opened.
 ALLOWED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "GIF", "BMP", "TIFF", "WEBP", "PPM", "TGA", "ICO", "DIB")
@@ -197,24 +197,14 @@ def shorter_side_size(size: tuple[int, int], n: int, max_side: int | None = None
 
 
 def fit(img: Image.Image, policy: ImagePolicy) -> Image.Image:
-    """The resized image → ``size``²: centre crop, centred pad, or as is."""
+    """The resized image → ``size``²: centre crop, centred pad, or as is (``geometry.fit_offset``)."""
+    if policy.resize not in ("crop", "pad"):
+        return img
+    (left, top), n = fit_offset(img.size, policy), policy.size
     if policy.resize == "crop":
-        return _center_crop(img, policy.size)
-    if policy.resize == "pad":
-        return _pad(img, policy.size)
-    return img
-
-
-def _center_crop(img: Image.Image, n: int) -> Image.Image:
-    w, h = img.size
-    top, left = int(round((h - n) / 2.0)), int(round((w - n) / 2.0))
-    return img.crop((left, top, left + n, top + n))
-
-
-def _pad(img: Image.Image, n: int) -> Image.Image:
-    w, h = img.size
+        return img.crop((-left, -top, n - left, n - top))
     out = Image.new(img.mode, (n, n), 0)
-    out.paste(img, ((n - w) // 2, (n - h) // 2))
+    out.paste(img, (left, top))
     return out
 
 

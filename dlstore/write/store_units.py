@@ -38,9 +38,6 @@ class StoreUnits:
             p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()
         }
 
-    def staged_key(self, rel: str) -> str:
-        return f"{self.prefix}/{rel}"
-
 
 def units_prefix(plan: dict[str, Any]) -> str:
     """The staging prefix of a conversion's units: one per plan."""
@@ -69,7 +66,7 @@ def convert_unit_to_store(job: Any, k: int) -> Any:
             if p.is_file() and p.relative_to(tmp).as_posix() not in units.skeleton_files
         )
         for p in written:
-            units.store.put_file(p, units.staged_key(p.relative_to(tmp).as_posix()))
+            units.store.put_file(p, f"{units.prefix}/{p.relative_to(tmp).as_posix()}")
         sums = {key: digest_key(tmp, key) for key in keys_for(tmp, written)}
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -107,8 +104,3 @@ def journaled_sums(journal: Path, done: set[int]) -> dict[str, str]:
         if entry["unit"] in done:
             out.update(entry["checksums"])
     return out
-
-
-def strip_sums(result: Any) -> Any:
-    """The unit result without the objects' checksums (journaled apart by ``journal_sums``)."""
-    return result[:5]
