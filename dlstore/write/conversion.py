@@ -1,10 +1,7 @@
-"""``convert``: source → pre-resized cache, in parallel, through a staging folder.
-
-Three phases: plan (``conversion_plan.py``), run (``runners.py``: a process pool, this process, or
-Dask), finish (``finish.py``: the manifest last). Workers decode and write whole units (shard, chunk,
-slab), so pixels never cross a pipe; the driver journals finished units. The cache appears at DEST by
-one rename; an interrupted run resumes from its journal. A URL DEST is built in a local spool folder,
-then published (``publish.py``)."""
+"""``convert``: source → pre-resized cache, through a staging folder. Plan (``conversion_plan``), run
+(``runners``: pool, this process or Dask; workers write whole units), finish (``finish``: manifest
+last); the cache appears at DEST by one rename and an interrupted run resumes. A URL DEST is built in
+a local spool folder, then published (``publish``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Where a sample's masks and boxes go when its image is oriented and pre-resized (pure numpy), as
-torchvision.transforms.v2 moves ``Mask`` and ``BoundingBoxes`` under ``Resize`` + ``CenterCrop``: a
-mask by ``interpolate(mode="nearest")``'s index rule, then cropped or padded with 0; XYXY boxes
-scaled, shifted, clipped, and dropped with no area left (their index reported, so the rows that follow
-them go too). Annotations are in the stored file's frame; ``orient_*`` turns them as
-``ImageOps.exif_transpose`` turns the image."""
+"""Where a sample's masks and boxes go when its image is oriented and pre-resized, as
+torchvision.transforms.v2 moves ``Mask`` (nearest) and ``BoundingBoxes`` (scaled, shifted, clipped,
+dropped with no area left) under ``Resize`` + ``CenterCrop``. Pure numpy."""
 
 from __future__ import annotations
 

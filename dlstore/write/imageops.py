@@ -1,9 +1,6 @@
-"""Decode, orient, convert and pre-resize one image (Pillow, no torch).
-
-``decode="exact"`` with ``resize="crop"`` equals torchvision ``Resize(size)`` + ``CenterCrop(size)``
-pixel for pixel, ``resize="shorter"`` ``Resize(size, max_size=max_side)``. ``decode="fast"`` lets
-libjpeg scale a large JPEG by 1/2, 1/4 or 1/8 while decoding, only while it keeps ``FAST_MARGIN``
-times the pixels the resize needs; the resize then maps the exact source box (RESULTS.md measures it)."""
+"""Decode, orient, convert and pre-resize one image (Pillow). ``decode="exact"`` equals torchvision
+``Resize`` (+ ``CenterCrop``) pixel for pixel; ``"fast"`` lets libjpeg DCT-scale a large JPEG while it
+keeps ``FAST_MARGIN`` times the pixels needed, then resizes from the exact source box."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""The staging folder and journal that make a conversion atomic, resumable and exclusive.
-
-Beside DEST, only while a conversion is unfinished: ``.NAME.dlstore-staging/`` (the cache being
-built, DEST by one rename), ``.NAME.dlstore-journal/`` (``plan.json``, ``entries.json``,
-``writer.json``, ``done.jsonl``, ``commit.json``) and ``.NAME.dlstore-lock`` (an flock with the pid).
-``commit.json`` records the new manifest's sha256 before the swap, so a run killed between the swap
-and the clean-up knows on resume whether DEST already holds the new cache."""
+"""The staging folder, journal and lock beside DEST (``.NAME.dlstore-staging/``, ``-journal/``,
+``-lock``) that make a conversion atomic, resumable and exclusive. ``commit.json`` holds the new
+manifest's sha256 before the swap, so a run killed after it knows on resume that DEST is done."""
 
 from __future__ import annotations
 

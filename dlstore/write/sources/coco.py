@@ -1,7 +1,6 @@
-"""``coco:ANNOTATIONS.json``: COCO detection (``images`` + ``annotations``), images under
-``--root`` (default: the JSON's folder); fields ``boxes`` (XYXY) and ``labels`` (category ids).
-``coco-masks:`` also rasterises each ``segmentation`` (polygons or uncompressed RLE) into ``mask``,
-an (H, W) map of category ids (later annotations paint over earlier ones).
+"""``coco:ANNOTATIONS.json``: COCO detection, images under ``--root`` (default: the JSON's folder);
+fields ``boxes`` (XYXY) and ``labels`` (category ids); ``coco-masks:`` also rasterises each
+``segmentation`` into ``mask`` (category ids; later annotations paint over earlier ones).
 
     dlstore convert coco:annotations/instances_val2017.json cache/ --root val2017 --size 512"""
 

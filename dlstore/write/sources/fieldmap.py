@@ -1,12 +1,7 @@
-"""``--field NAME=KEY[:KIND[:DTYPE]]``: a sample's extra columns or keys as named cache fields. A kind
-declares what KEY means (``Source.field_form``) and gives sample i's raw value (``field_value``); the
-declarations and the values as ``place_targets`` takes them are here.
-
-KIND: ``values`` (a number or fixed-length list), ``boxes`` (N x 4 XYXY pixels; a BoundingBoxes of
-another format is converted), ``ragged`` (one row per box of the one boxes field), ``mask`` (an image
-of ids the image's size; torchvision's (N, H, W) Mask becomes ids 1..N), ``json``. Left out, it is
-read from the first value; DTYPE defaults: int64 / float32 / uint8 (booleans), masks uint8 or uint16
-when the first mask's ids exceed 255. A sample without the key gets the field's empty value.
+"""``--field NAME=KEY[:KIND[:DTYPE]]``: a sample's extra columns or keys as named cache fields; each
+kind says what KEY means (``field_form``) and gives sample i's value (``field_value``). KIND: values,
+boxes (XYXY pixels), ragged (a row per box), mask (ids, the image's size), json; left out, read from
+the first value, as the DTYPE (int64 / float32 / uint8; masks uint16 when ids exceed 255).
 
     dlstore convert data.parquet cache/ --size 256 --field tags=tags:values --field boxes=objects"""
 

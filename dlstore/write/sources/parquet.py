@@ -1,11 +1,8 @@
-"""Parquet, as Hugging Face publishes datasets: a file, a folder of them or a glob (pyarrow).
-
-The image column is found by type (HF's ``Image`` struct, a path-only row read relative to its file,
-or binary). Classes: HF's ``ClassLabel`` names, else ``labels_from_values``; a row whose label is
-null, -1 or beyond the names goes to ``skipped.json``. Listing reads footers and the label column
-only, into arrays. Row groups are the units of reading: with a shuffled order ``stage`` spools each
-unit's bytes into a file of its own (unless the source fits ``CACHE_BYTES``). The fingerprint is each
-file's footer digest, size and mtime."""
+"""Parquet as Hugging Face publishes it: a file, a folder of them or a glob. The image column is found
+by type (HF's ``Image`` struct or binary); classes are HF's ``ClassLabel`` names or the values; a row
+without a valid label goes to ``skipped.json``. Listing reads footers and the label column into
+arrays; with a shuffled order ``stage`` spools each unit's bytes once. Fingerprint: footers, sizes,
+mtimes."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
-"""``MODULE:CALLABLE``: a map-style Dataset of your own, or ``convert(dataset, dest, options)``.
-
-An item is ``(image, target)`` or a dict with ``image`` and ``--label KEY``. The image is a PIL image,
-a uint8 ndarray (H,W[,C]) or tensor (C,H,W), or encoded bytes. A target dict of tv_tensors is carried
-as fields without ``--field`` (``fieldmap.described``). Labels: ``ds.targets`` when it has one per
-item, else each item's target; classes: ``ds.classes``, else ``labels_from_values``. A failing
-``ds[i]`` is skipped, named by its index. Fingerprint: ``ds.fingerprint()`` when declared, else only
-the SOURCE text, length and labels (``fingerprint_check``; ``verify --deep`` re-hashes the images)."""
+"""``MODULE:CALLABLE`` or ``convert(dataset, ...)``: a map-style Dataset of ``(image, target)`` or
+dicts (``image`` and ``--label KEY``); the image a PIL image, uint8 array or tensor, or encoded bytes.
+tv_tensors targets become fields. Labels: ``ds.targets``, else each item's; classes: ``ds.classes``.
+Fingerprint: ``ds.fingerprint()``, else only SOURCE, length and labels (``fingerprint_check``)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""WebDataset tar shards (``shards-{000000..000099}.tar``), local or on an object store, read with
-``tarfile``. A sample is the consecutive members sharing a key (WebDataset's rule); its image is the
-member with an image extension. The label is the ``.cls`` member, or ``--label EXT`` (another
-member), else that field of the ``.json``. Listing streams each shard once into arrays (no object
-per sample); a sample reads its image by one ranged read; a truncated shard keeps the samples before
-the cut. The fingerprint: the shards' names, sizes and mtimes (ETag where there is no mtime)."""
+"""WebDataset tar shards (``shards-{000000..000099}.tar``, local or on a store): a sample is the
+members sharing a key, its image the one with an image extension, its label ``.cls`` (``--label``:
+another member, or a ``.json`` field). Listing streams each shard once into arrays; an image is one
+ranged read; a truncated shard keeps what came before the cut. Fingerprint: names, sizes, mtimes."""
 
 from __future__ import annotations
 
