@@ -69,7 +69,9 @@ def make_plan(src: Source, options: ConvertOptions) -> Plan:
     mp = options.max_megapixels
     max_pixels = Image.MAX_IMAGE_PIXELS if mp is None else int(mp * 1e6)
     order = storage_permutation(len(src), options.storage_order, options.seed)
-    warnings = [scan_warning(src)] if scan_errors(src) else []
+    errs = scan_errors(src)
+    listing = f"{len(errs)} file(s) or folder(s) in the source could not be listed and are not in the cache"
+    warnings = [f"{listing} (listed in skipped.json); first: {errs[0][0]}: {errs[0][1]}"] if errs else []
     warnings += source_warnings(src)
     return Plan(options, fmt, src, writer, order, record, max_pixels, warnings)
 
@@ -126,15 +128,6 @@ def storage_permutation(n: int, storage_order: str, seed: int) -> np.ndarray:
 
 def scan_errors(src: Source) -> list[tuple[str, str]]:
     return list(getattr(src, "scan_errors", []))
-
-
-def scan_warning(src: Source) -> str:
-    errs = scan_errors(src)
-    path, reason = errs[0]
-    return (
-        f"{len(errs)} file(s) or folder(s) in the source could not be listed and are not in the cache "
-        f"(listed in skipped.json); first: {path}: {reason}"
-    )
 
 
 def source_warnings(src: Source) -> list[str]:

@@ -112,14 +112,6 @@ def examples(names: list[str], k: int = 3) -> str:
     return ", ".join(names[:k]) + more
 
 
-def check_remote_destination(store: RemoteStore, overwrite: bool) -> Ownership:
-    """``check_ownership``, and an existing cache refused without ``overwrite``."""
-    there = check_ownership(store)
-    if there.has_cache and not overwrite:
-        raise CacheExistsError(f"{store.url}: already holds a dlstore cache; pass --overwrite to replace it")
-    return there
-
-
 def check_ownership(store: RemoteStore) -> Ownership:
     """Refuse a destination that holds anything dlstore does not own; returns what is there."""
     there = survey(store)
@@ -219,7 +211,9 @@ def publish(
     files = local_files(root)
     units = staged_units(manifest, files)
     unit_sizes = check_units_staged(store, manifest, units)
-    there = check_remote_destination(store, overwrite)  # again: the prefix may have changed meanwhile
+    there = check_ownership(store)  # again: the prefix may have changed meanwhile
+    if there.has_cache and not overwrite:
+        raise CacheExistsError(f"{store.url}: already holds a dlstore cache; pass --overwrite to replace it")
     prefix = f"{STAGING}/{staging_id(manifest)}"
     staged = store.sizes(prefix)
     todo = [rel for rel, size in files.items() if staged.get(rel) != size]  # the rest: a resumed upload

@@ -146,12 +146,9 @@ class DatasetSource(EncodedSource):
             "--label KEY, or keep the keys as fields with --field KEY"
         )
 
-    def _index(self, i: int) -> int:
-        return int(self.indices[i]) if self.indices is not None else i
-
     def _item(self, i: int) -> Any:
         try:
-            return self.dataset[self._index(i)]
+            return self.dataset[int(self.indices[i]) if self.indices is not None else i]
         except Exception as e:  # noqa: BLE001 - the user's __getitem__ may raise anything
             raise ImageDecodeError(f"{self.names[i]}: the Dataset raised {type(e).__name__}: {e}") from e
 
