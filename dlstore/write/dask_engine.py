@@ -215,12 +215,6 @@ class EarlyClient:
                 close_cluster(cluster)
 
 
-def dask_timeline(stamps: dict[str, float], t0: float) -> dict[str, float]:
-    """The start steps of a Dask conversion, in seconds after ``t0`` (``time.monotonic()``)."""
-    steps = ("start", "cluster", "client", "workers", "warm", "scattered", "submitted")
-    return {f"dask_{name}_at_s": stamps[name] - t0 for name in steps if name in stamps}
-
-
 def count_workers(client: Any) -> int:
     """Task threads in the cluster (each runs one unit at a time): the conversion's parallelism."""
     workers = client.scheduler_info().get("workers", {}).values()
@@ -513,7 +507,9 @@ class DaskRunner:
         t_close = time.perf_counter()
         self.close()
         self.stages["dask_close_s"] = time.perf_counter() - t_close
-        self.stages.update(dask_timeline(self.early.stamps, t0))
+        steps = ("start", "cluster", "client", "workers", "warm", "scattered", "submitted")
+        stamps = self.early.stamps  # the start steps, in seconds after the conversion's start
+        self.stages.update({f"dask_{name}_at_s": stamps[name] - t0 for name in steps if name in stamps})
         return self.stages
 
     def close(self) -> None:

@@ -118,7 +118,8 @@ def image_geometry(img: Image.Image, policy: ImagePolicy) -> Geometry:
 def prepare(img: Image.Image, policy: ImagePolicy) -> np.ndarray:
     """Orient, convert and resize an opened image according to the policy (the exact path)."""
     if policy.pixels == "torchvision":
-        return as_array(resize(torchvision_loaded(img, policy.channels), policy))
+        rgb = img.convert("RGB")  # ImageFolder's loader (no EXIF, alpha dropped), then Grayscale
+        return as_array(resize(rgb if policy.channels == 3 else rgb.convert("L"), policy))
     if policy.exif_transpose:
         img = ImageOps.exif_transpose(img) or img
     img = to_mode(img, policy)
@@ -140,12 +141,6 @@ def to_mode(img: Image.Image, policy: ImagePolicy) -> Image.Image:
         img = composite(img, policy.background)
     target = "RGB" if policy.channels == 3 else "L"
     return img if img.mode == target else img.convert(target)
-
-
-def torchvision_loaded(img: Image.Image, channels: int) -> Image.Image:
-    """ImageFolder's default loader (``convert("RGB")``: no EXIF, alpha dropped), then Grayscale."""
-    rgb = img.convert("RGB")
-    return rgb if channels == 3 else rgb.convert("L")
 
 
 def sixteen_to_eight(img: Image.Image) -> Image.Image:

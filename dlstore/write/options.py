@@ -179,15 +179,10 @@ def fold_shortcuts(options: ConvertOptions | None, shortcuts: Mapping[str, Any])
 # --- reading the manifest back ------------------------------------------------------------------------
 
 
-def from_record(record: Mapping[str, Any]) -> ConvertOptions:
-    """A manifest's ``options`` → the ConvertOptions that built it (run-only fields at their defaults)."""
-    return ConvertOptions(**{k: record[k] for k in CACHE_FIELDS if k in record})
-
-
 def recorded_options(spec: CacheSpec) -> ConvertOptions | None:
     """A cache's options: its ``options`` key, or an older manifest's ``source.plan``; else None."""
     if spec.options:
-        return from_record(spec.options)
+        return ConvertOptions(**{k: spec.options[k] for k in CACHE_FIELDS if k in spec.options})
     plan = spec.source.get("plan")
     return from_old_plan(plan) if isinstance(plan, dict) and "policy" in plan else None
 

@@ -147,11 +147,6 @@ def check_writable(store: RemoteStore) -> None:
         ) from None
 
 
-def staging_id(manifest: bytes) -> str:
-    checksums = json.loads(manifest)["checksums"]
-    return hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def local_files(root: Path) -> dict[str, int]:
     """Relative name → size of every file of the finished local cache except the manifest."""
     return {
@@ -214,7 +209,8 @@ def publish(
     there = check_ownership(store)  # again: the prefix may have changed meanwhile
     if there.has_cache and not overwrite:
         raise CacheExistsError(f"{store.url}: already holds a dlstore cache; pass --overwrite to replace it")
-    prefix = f"{STAGING}/{staging_id(manifest)}"
+    staging_id = hashlib.sha256(json.dumps(json.loads(manifest)["checksums"], sort_keys=True).encode())
+    prefix = f"{STAGING}/{staging_id.hexdigest()[:16]}"
     staged = store.sizes(prefix)
     todo = [rel for rel, size in files.items() if staged.get(rel) != size]  # the rest: a resumed upload
     store.put_bytes(manifest, f"{prefix}/{MANIFEST}")  # from now on the listed objects are known as ours

@@ -98,10 +98,6 @@ def instance_ids(masks: np.ndarray) -> np.ndarray:
     return ids
 
 
-def is_image_like(value: Any) -> bool:
-    return isinstance(value, (bytes, bytearray, memoryview)) or type(value).__module__.startswith("PIL.")
-
-
 def declare(requests: Iterable[FieldRequest], first: Mapping[str, Any], where: str) -> dict[str, FieldSpec]:
     """Each request's kind and dtype, given or implied by its first value (``first[name]``)."""
     out: dict[str, FieldSpec] = {}
@@ -169,7 +165,7 @@ def guess_kind(value: Any, r: FieldRequest, where: str) -> str:
             f"{where}: --field {r.text}: no sample has {r.key!r}, so its kind cannot be read from a value; "
             f"give it ({FORM}, KIND one of {', '.join(KINDS)})"
         )
-    if is_image_like(value):
+    if isinstance(value, (bytes, bytearray, memoryview)) or type(value).__module__.startswith("PIL."):
         return "mask"
     if isinstance(value, (str, dict)):
         return "json"

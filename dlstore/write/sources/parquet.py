@@ -207,15 +207,13 @@ class _Scan:
         errors = []
         for r in np.flatnonzero(~ok)[:1000].tolist():  # named; more than 1000 are counted in the message
             shown = "null" if not present[r] else "-1 (no label)" if raw[r] == -1 else repr(raw[r])
-            errors.append((self.row_name(r), f"label {self.label!r} is {shown}: not one of the classes"))
+            f = int(np.searchsorted(self.file_start, r, side="right") - 1)
+            name = f"{self.footers[f][0]}#{r - self.file_start[f]}"
+            errors.append((name, f"label {self.label!r} is {shown}: not one of the classes"))
         missing = int((~ok).sum())
         if missing > len(errors):
             errors.append((f"{text}", f"{missing - len(errors)} more rows without a label"))
         return np.flatnonzero(ok).astype(np.int64), classes, labels, errors
-
-    def row_name(self, r: int) -> str:
-        f = int(np.searchsorted(self.file_start, r, side="right") - 1)
-        return f"{self.footers[f][0]}#{r - self.file_start[f]}"
 
     def names(self, rows: np.ndarray) -> IndexedNames:
         file_of = (np.searchsorted(self.file_start, rows, side="right") - 1).astype(np.int32)

@@ -55,7 +55,8 @@ class SegmentationSource(ListedSource):
         ]
         if not names:
             raise SourceError(f"{text}: no image under {images} has a mask of the same name under {masks}")
-        deep = any(mode_bits(masks / m) for m in mask_names[:1])
+        with Image.open(masks / mask_names[0]) as first:
+            deep = first.mode in ("I;16", "I;16B", "I;16L", "I")  # 16-bit masks
         fields = {"mask": FieldSpec("mask", "uint16" if deep else "uint8")}
         return cls.listed(
             images,
@@ -104,9 +105,3 @@ def files(root: Path) -> list[Path]:
 def strip(path: Path, root: Path) -> str:
     """The relative path without its extension: what an image and its mask share."""
     return path.relative_to(root).with_suffix("").as_posix()
-
-
-def mode_bits(path: Path) -> bool:
-    """True for a 16-bit mask file."""
-    with Image.open(path) as m:
-        return m.mode in ("I;16", "I;16B", "I;16L", "I")
