@@ -68,12 +68,17 @@ def make_plan(src: Source, options: ConvertOptions) -> Plan:
     # The given limit, else this process's (Pillow's, or one the caller set).
     mp = options.max_megapixels
     max_pixels = Image.MAX_IMAGE_PIXELS if mp is None else int(mp * 1e6)
-    order = storage_permutation(len(src), options.storage_order, options.seed)
+    n = len(src)  # storage position s holds source sample order[s]
+    order = (
+        np.arange(n)
+        if options.storage_order == "source"
+        else np.random.default_rng(options.seed).permutation(n)
+    )
     errs = scan_errors(src)
     listing = f"{len(errs)} file(s) or folder(s) in the source could not be listed and are not in the cache"
     warnings = [f"{listing} (listed in skipped.json); first: {errs[0][0]}: {errs[0][1]}"] if errs else []
     warnings += source_warnings(src)
-    return Plan(options, fmt, src, writer, order, record, max_pixels, warnings)
+    return Plan(options, fmt, src, writer, order.astype(np.int64), record, max_pixels, warnings)
 
 
 def plan_record(
@@ -119,13 +124,6 @@ def upgraded_plan(plan: dict[str, Any]) -> dict[str, Any]:
     return plan_record(options.record(), *facts)  # type: ignore[arg-type]
 
 
-def storage_permutation(n: int, storage_order: str, seed: int) -> np.ndarray:
-    """Storage position s holds source sample order[s]."""
-    if storage_order == "source":
-        return np.arange(n, dtype=np.int64)
-    return np.random.default_rng(seed).permutation(n).astype(np.int64)
-
-
 def scan_errors(src: Source) -> list[tuple[str, str]]:
     return list(getattr(src, "scan_errors", []))
 
@@ -154,21 +152,16 @@ def check_destination(dest: Path, overwrite: bool) -> None:
     if not dest.exists():
         return
     if os.path.ismount(dest):
-        raise ConvertError(mount_point_message(dest))
+        raise ConvertError(  # a mount point cannot take the rename that publishes a cache (EBUSY)
+            f"{dest}: DEST is a mount point; a cache is published by renaming a folder onto DEST, which a "
+            f"mount point cannot take; use a folder inside it as DEST (e.g. {dest / 'cache'})"
+        )
     if not dest.is_dir():
         raise CacheExistsError(f"{dest}: exists and is a file; choose another DEST")
     if not (dest / MANIFEST).is_file() and any(dest.iterdir()):  # --overwrite would not help: say so now
         raise CacheExistsError(f"{dest}: not a dlstore cache (no {MANIFEST}); choose another DEST")
     if not overwrite:
         raise CacheExistsError(f"{dest}: already exists; pass --overwrite to replace it")
-
-
-def mount_point_message(dest: Path) -> str:
-    """A mount point cannot take the rename that publishes a cache (EBUSY)."""
-    return (
-        f"{dest}: DEST is a mount point; a cache is published by renaming a folder onto DEST, which a "
-        f"mount point cannot take; use a folder inside it as DEST (e.g. {dest / 'cache'})"
-    )
 
 
 def check_dest_outside_source(source: str | Path | Source | Any, dest: Path) -> None:
@@ -225,7 +218,9 @@ def matches_plan(
         )
     if old.get("fingerprint") == plan.get("fingerprint"):
         return True
-    before, now = spec.source.get("root") or spec.source.get("description"), source_place(src)
+    root = getattr(src, "root", None)  # resolved: ``photos/`` and ``/data/photos`` are one source
+    now = str(Path(root).resolve()) if root is not None else src.description
+    before = spec.source.get("root") or spec.source.get("description")
     if before != now:
         raise CacheExistsError(
             f"{where}: holds a cache of another source: {now} was {before}; pass --overwrite to replace it"
@@ -233,12 +228,6 @@ def matches_plan(
     raise CacheExistsError(
         f"{where}: the source changed since the cache was built: {first_change(record(), src, spec.source)}; {_REBUILD}"
     )
-
-
-def source_place(src: Source) -> str:
-    """A folder source's resolved root (``photos/`` and ``/data/photos`` are the same source)."""
-    root = getattr(src, "root", None)
-    return str(Path(root).resolve()) if root is not None else src.description
 
 
 def first_change(record: SourceRecord | None, src: Source, recorded: dict[str, Any] | None = None) -> str:

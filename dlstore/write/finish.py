@@ -100,6 +100,8 @@ def finalize(
         sync_tree_s=t1 - t0,
         checksums_s=time.perf_counter() - t1,
     )
+    declared = {o.name for o in plan.fmt.options}  # the writer's own facts beyond its options (unit size)
+    facts = {k: v for k, v in writer.recorded_options().items() if k not in declared}
     spec = CacheSpec(
         format=plan.fmt.name,
         n=len(src) - len(bad),
@@ -107,7 +109,7 @@ def finalize(
         shape=policy.shape,
         classes=tuple(src.classes),
         image=policy,
-        format_options=derived_facts(plan),
+        format_options=facts,
         source={**src.info(), **root_facts(src)},
         checksums=checksums,
         dlstore_version=__version__,
@@ -118,12 +120,6 @@ def finalize(
     fsync_path(root)
     write_json_durably(root / MANIFEST, spec.to_json())
     return spec
-
-
-def derived_facts(plan: Plan) -> dict[str, Any]:
-    """What the writer recorded beyond its options (unit size, layout, encode error)."""
-    declared = {o.name for o in plan.fmt.options}
-    return {k: v for k, v in plan.writer.recorded_options().items() if k not in declared}
 
 
 def cache_checksums(root: Path, writer: CacheWriter, staging: Staging) -> dict[str, str]:

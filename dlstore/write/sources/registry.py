@@ -51,18 +51,13 @@ def open_source(source: str | Path, **args: Any) -> Source:
     """Resolve a SOURCE argument through the kind that claims it; ``args``: ``SourceArgs``' fields."""
     text, given = str(source), SourceArgs(**{**args, "fields": tuple(args.get("fields") or ())})
     kind = kind_for(text)
-    check_fields_taken(kind, text, given.fields)
-    return kind.open(text, given)
-
-
-def check_fields_taken(kind: type[Source], text: str, fields: tuple[str, ...]) -> None:
-    """``--field`` only for the kinds that declare what its KEY names (``field_form``)."""
-    if fields and not kind.field_form:
+    if given.fields and not kind.field_form:  # --field KEY: only for kinds that say what KEY names
         takers = "; ".join(f"{k.form}: KEY is {k.field_form}" for k in _KINDS if k.field_form)
         raise SourceError(
-            f"{text}: --field {fields[0]!r}: this kind of SOURCE brings no extra keys to take fields from "
+            f"{text}: --field {given.fields[0]!r}: this kind of SOURCE brings no extra keys to take fields from "
             f"(its fields, if any, are its own); --field is for: {takers}"
         )
+    return kind.open(text, given)
 
 
 def local_root(source: str | Path) -> Path | None:

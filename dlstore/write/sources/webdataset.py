@@ -51,19 +51,6 @@ def expand_braces(pattern: str) -> list[str]:
     return [out for item in items for out in expand_braces(head + item + tail)]
 
 
-def split_location(text: str) -> tuple[str, list[str]]:
-    """(the folder or URL prefix, the shard names under it) of a SOURCE argument."""
-    base, _, name = text.rpartition("/")
-    if not _:
-        base = "."
-    return base, expand_braces(name)
-
-
-def label_value(raw: bytes) -> Any:
-    text = raw.decode("utf-8", "replace").strip()
-    return int(text) if re.fullmatch(r"-?\d+", text) else text
-
-
 def join_arrays(parts: list[np.ndarray], dtype: Any = None) -> np.ndarray:
     """The shards' arrays as one (label values mixing ints and text: all text)."""
     parts = [p for p in parts if p.size] or [np.zeros(0, dtype or np.int64)]
@@ -97,7 +84,8 @@ class WebDatasetSource(EncodedSource):
 
     @classmethod
     def open(cls, text: str, args: SourceArgs) -> WebDatasetSource:
-        base, shards = split_location(text)
+        base, slash, name = text.rpartition("/")
+        base, shards = base if slash else ".", expand_braces(name)
         label = args.label or DEFAULT_LABEL
         src = cls(
             description=text,
@@ -161,10 +149,8 @@ class WebDatasetSource(EncodedSource):
 
     def first_value(self, key: str) -> Any:
         """The first value of ``key`` (for ``declare``)."""
-        for i, row in enumerate(self.field_data):
-            if row.get(key) is not None:
-                return self.field_value(i, key)
-        return None
+        i = next((i for i, row in enumerate(self.field_data) if row.get(key) is not None), None)
+        return None if i is None else self.field_value(i, key)
 
     def _list_shard(
         self,
@@ -232,7 +218,8 @@ class WebDatasetSource(EncodedSource):
         self, found: dict[str, bytes], name: str, errors: list[tuple[str, str]], optional: bool = False
     ) -> Any:
         if self.label_key in found:
-            return label_value(found[self.label_key])
+            text = found[self.label_key].decode("utf-8", "replace").strip()
+            return int(text) if re.fullmatch(r"-?\d+", text) else text
         if "json" in found:
             try:
                 doc = json.loads(found["json"])
