@@ -151,10 +151,8 @@ def _stamp(stamps: dict[str, float] | None, name: str) -> None:
 def open_warm_client(spec: SchedulerSpec, stamps: dict[str, float] | None = None) -> tuple[Any, Any]:
     """``open_client``, then each worker starts its decode fork server before any unit is handed out."""
     client, cluster = open_client(spec, stamps)
-    try:
+    with contextlib.suppress(Exception):  # only a head start: the first unit starts it otherwise
         client.run(warm_decode_forkserver)
-    except Exception:  # noqa: BLE001 - only a head start: the first unit starts it otherwise
-        pass
     _stamp(stamps, "warm")
     return client, cluster
 
@@ -453,10 +451,8 @@ def close_child(locked: bool = False) -> None:
 
 def stop_children(client: Any) -> None:
     """After a conversion: no decode process stays behind on any worker (best effort)."""
-    try:
+    with contextlib.suppress(Exception):  # clean-up only; the conversion's own outcome stands
         client.run(close_child)
-    except Exception:  # noqa: BLE001 - clean-up only; the conversion's own outcome stands
-        pass
 
 
 class DaskRunner:

@@ -4,6 +4,7 @@ manifest's sha256 before the swap, so a run killed after it knows on resume that
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -28,10 +29,8 @@ HELD_LOCKS: set[int] = set()
 def release_inherited_locks() -> None:
     """In a forked worker: close the driver's lock descriptors (the lock ends with the driver)."""
     for fd in list(HELD_LOCKS):
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
     HELD_LOCKS.clear()
 
 

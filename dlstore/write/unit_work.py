@@ -8,7 +8,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -86,10 +86,8 @@ def arm_parent_death_signal() -> None:
 
     if not sys.platform.startswith("linux"):
         return
-    try:
+    with suppress(OSError, AttributeError):  # no prctl: the sentinel thread remains
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    except (OSError, AttributeError):  # no prctl (a libc without it): the sentinel thread remains
-        pass
 
 
 def _exit_when_closed(sentinel: int) -> None:
