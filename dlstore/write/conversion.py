@@ -106,36 +106,19 @@ def convert_locally(
         dask = DaskRunner(options.scheduler, start=not rerun)
     try:
         with disk_full_as_error(dest.parent, f"setting up {dest.name}"):
-            return plan_and_build(source, dest, options, rerun, dask, unit_store, progress, log, t0, t0_mono)
+            check_dest_outside_source(source, dest)
+            if not Staging.pending(dest) and not rerun:
+                check_destination(dest, options.overwrite)
+            src = open_plan_source(source, options)
+            stages = {"setup_scan_s": time.perf_counter() - t0}
+            plan = make_plan(src, options)
+            stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
+            if rerun and is_up_to_date(dest, plan.record, src):
+                return local_unchanged_result(dest, plan, t0, up_to_date=True)
+            return build(plan, dest, dask, unit_store, progress, log, (t0, t0_mono, stages))
     finally:
         if dask is not None:
             dask.close()
-
-
-def plan_and_build(
-    source: str | Path | Source,
-    dest: Path,
-    options: ConvertOptions,
-    rerun: bool,
-    dask: Runner | None,
-    unit_store: RemoteStore | None,
-    progress: Progress | None,
-    log: Log | None,
-    t0: float,
-    t0_mono: float,
-) -> ConvertResult:
-    """Scan and plan; a finished DEST of the same plan is up to date, else ``build``."""
-    check_dest_outside_source(source, dest)
-    if not Staging.pending(dest) and not rerun:
-        check_destination(dest, options.overwrite)
-    stages: dict[str, float] = {}
-    src = open_plan_source(source, options)
-    stages["setup_scan_s"] = time.perf_counter() - t0
-    plan = make_plan(src, options)
-    stages["setup_plan_s"] = time.perf_counter() - t0 - stages["setup_scan_s"]
-    if rerun and is_up_to_date(dest, plan.record, src):
-        return local_unchanged_result(dest, plan, t0, up_to_date=True)
-    return build(plan, dest, dask, unit_store, progress, log, (t0, t0_mono, stages))
 
 
 def build(
@@ -293,32 +276,27 @@ def build_and_publish(
         plan = make_plan(src, options)
         _, spec = fetch_manifest(store)
         if matches_plan(spec, store.url, plan.record, src, lambda: remote_record(store)):
-            return remote_unchanged_result(store, spec, plan, sum(there.objects.values()), t0)
+            try:
+                skipped = json.loads(store.get_bytes(SKIPPED_FILE))
+            except (FileNotFoundError, ValueError):
+                skipped = []
+            return unchanged_result(
+                url, spec, skipped, sum(there.objects.values()), plan, t0, up_to_date=True
+            )
     check_writable(store)
     spool = spool_dir(url)
-    result = build_spool(src, spool, options, store, progress, log)
+    # The cache in the spool folder; with a scheduler the workers write the units to the store.
+    local = replace(options, overwrite=False, storage_options=None)
+    unit_store = RemoteStore(store.url, store.storage_options) if options.scheduler is not None else None
+    try:  # a spool built by an interrupted attempt with the same options is up to date
+        result = convert_locally(src, spool, local, progress, log, unit_store)
+    except CacheExistsError:  # built with other options: replace it
+        result = convert_locally(src, spool, replace(local, overwrite=True), progress, log, unit_store)
     published = publish(spool, store, options.overwrite, log, progress)
     result.bytes_on_disk, result.dest, result.up_to_date = published.bytes, url, False
     result.resumed_upload = published.already_staged
     shutil.rmtree(spool.parent, ignore_errors=True)
     return result
-
-
-def build_spool(
-    src: Source,
-    spool: Path,
-    options: ConvertOptions,
-    store: RemoteStore,
-    progress: Progress | None,
-    log: Log | None,
-) -> ConvertResult:
-    """The cache in the spool folder; with a scheduler the workers write the units to the store."""
-    local = replace(options, overwrite=False, storage_options=None)
-    unit_store = RemoteStore(store.url, store.storage_options) if options.scheduler is not None else None
-    try:  # a spool built by an interrupted attempt with the same options is up to date
-        return convert_locally(src, spool, local, progress, log, unit_store)
-    except CacheExistsError:  # built with other options: replace it
-        return convert_locally(src, spool, replace(local, overwrite=True), progress, log, unit_store)
 
 
 def remote_record(store: RemoteStore) -> SourceRecord | None:
@@ -329,13 +307,3 @@ def remote_record(store: RemoteStore) -> SourceRecord | None:
         except FileNotFoundError:
             return None
         return read_record(Path(tmp))
-
-
-def remote_unchanged_result(
-    store: RemoteStore, spec: CacheSpec, plan: Plan, size: int, t0: float
-) -> ConvertResult:
-    try:
-        skipped = json.loads(store.get_bytes(SKIPPED_FILE))
-    except (FileNotFoundError, ValueError):
-        skipped = []
-    return unchanged_result(store.url, spec, skipped, size, plan, t0, up_to_date=True)
