@@ -155,7 +155,18 @@ def build(
         t_stage = time.perf_counter()
         plan.src.stage(plan.order, writer.unit_size, staging.journal / "source-spool", todo)
         stages["setup_source_s"] = time.perf_counter() - t_stage
-        job = make_job(plan, store_units)
+        o = plan.options
+        job = Job(
+            plan.src,
+            o.policy,
+            writer,
+            o.strict,
+            o.decode_timeout,
+            plan.order,
+            False,
+            store_units,
+            plan.max_pixels,
+        )
         ledger = UnitLedger(len(plan.src), plan.options.max_bad, staging)
         stages["setup_s"] = time.perf_counter() - t0
         runner = dask if dask is not None else local_runner(plan.options.workers, len(todo))
@@ -185,20 +196,6 @@ def create_writer(writer: CacheWriter, staging: Staging) -> None:
         staging.save_writer_options(writer.options)
     else:
         writer.options = saved
-
-
-def make_job(plan: Plan, store_units: StoreUnits | None) -> Job:
-    o = plan.options
-    return Job(
-        plan.src,
-        o.policy,
-        plan.writer,
-        o.strict,
-        o.decode_timeout,
-        plan.order,
-        store_units=store_units,
-        max_pixels=plan.max_pixels,
-    )
 
 
 def finish(

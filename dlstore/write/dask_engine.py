@@ -408,20 +408,13 @@ def _child_pool(job: Any, init: Callable[[Any], None], token: str) -> ProcessPoo
 
 
 def _start_decode_process(init: Callable[[Any], None], job: Any) -> None:
-    _undo_dask_malloc_tuning()
-    init(job)
-
-
-def _undo_dask_malloc_tuning() -> None:
     """Undo the inherited ``MALLOC_TRIM_THRESHOLD_`` (every buffer an mmap: decoding 10-43 % slower)."""
-    if "MALLOC_TRIM_THRESHOLD_" not in os.environ:
-        return
-    try:
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
-        libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
-    except (OSError, AttributeError):  # not glibc: nothing to undo
-        return
+    if "MALLOC_TRIM_THRESHOLD_" in os.environ:
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to undo
+            libc = ctypes.CDLL(None)
+            libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD
+            libc.mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+    init(job)
 
 
 def _worker_threads() -> int:

@@ -87,7 +87,9 @@ def finalize(
     save_npy_durably(root / POSITIONS_FILE, narrow_index(positions))
     source_record(src, staging, writer, order).save(root / SOURCE_RECORD)
     write_json_durably(root / SKIPPED_FILE, json.dumps(bad + unlisted(src), indent=1))
-    remove_temp_files(root)
+    for p in list(root.rglob("*")):  # temp files of writers killed mid-write
+        if p.is_file() and _TEMP_NAME.search(p.name):
+            p.unlink()
     t0 = time.perf_counter()
     sync_tree(root)  # every data file durable before the manifest that declares the cache complete
     t1 = time.perf_counter()
@@ -177,14 +179,8 @@ def unlisted(src: Source) -> list[dict[str, Any]]:
     return [{"index": None, "path": p, "reason": r} for p, r in scan_errors(src)]
 
 
+# Temp files of writers killed mid-write: ours (hidden or ``.tmpPID``) and zarr's ``.partial``.
 _TEMP_NAME = re.compile(r"^\.|\.tmp\d+$|\.partial$")
-
-
-def remove_temp_files(root: Path) -> None:
-    """Temp files of writers killed mid-write (ours: hidden or ``.tmpPID``; zarr's ``.partial``)."""
-    for p in list(root.rglob("*")):
-        if p.is_file() and _TEMP_NAME.search(p.name):
-            p.unlink()
 
 
 def narrow_index(array: np.ndarray) -> np.ndarray:
