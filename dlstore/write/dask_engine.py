@@ -366,7 +366,8 @@ def run_on_dask(
         raise
     finally:
         if child is not None:
-            stop_children(client)
+            with contextlib.suppress(Exception):  # no decode process stays behind (best effort)
+                client.run(close_child)
         for logger in loggers:
             logger.removeFilter(_NOISE)
 
@@ -440,12 +441,6 @@ def close_child(locked: bool = False) -> None:
     for proc in list((getattr(pool, "_processes", None) or {}).values()):
         proc.terminate()
     pool.shutdown(wait=False, cancel_futures=True)
-
-
-def stop_children(client: Any) -> None:
-    """After a conversion: no decode process stays behind on any worker (best effort)."""
-    with contextlib.suppress(Exception):  # clean-up only; the conversion's own outcome stands
-        client.run(close_child)
 
 
 class DaskRunner:

@@ -92,19 +92,15 @@ def survey_once(store: RemoteStore) -> Ownership:
         if rel.startswith(f"{STAGING}/") and rel.endswith(f"/{MANIFEST}"):
             owned |= listed_files(store.get_bytes(rel), store.where(rel))
     if REPLACING in objects:
-        owned |= replacing_files(store)
+        try:
+            owned |= set(json.loads(store.get_bytes(REPLACING))["files"])
+        except (ValueError, KeyError, TypeError):
+            raise CacheCorruptError(
+                f"{store.where(REPLACING)}: the record of an interrupted replacement cannot be read; "
+                "remove it once you have checked the objects under the prefix, then re-run"
+            ) from None
     foreign = sorted(rel for rel in objects if not rel.startswith(f"{STAGING}/") and rel not in owned)
     return Ownership(objects, MANIFEST in objects, owned, foreign)
-
-
-def replacing_files(store: RemoteStore) -> set[str]:
-    try:
-        return set(json.loads(store.get_bytes(REPLACING))["files"])
-    except (ValueError, KeyError, TypeError):
-        raise CacheCorruptError(
-            f"{store.where(REPLACING)}: the record of an interrupted replacement cannot be read; "
-            "remove it once you have checked the objects under the prefix, then re-run"
-        ) from None
 
 
 def examples(names: list[str], k: int = 3) -> str:

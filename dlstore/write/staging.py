@@ -119,7 +119,10 @@ class Staging:
     # -- lock ---------------------------------------------------------------------------------------
     def _lock(self) -> None:
         for _ in range(LOCK_ATTEMPTS):
-            fd = self._open_lock_file()
+            try:
+                fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except OSError as e:  # a read-only folder: the first file this conversion writes
+                raise self._unwritable(e) from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -152,12 +155,6 @@ class Staging:
             f"{self.dest}: the lock {self.lock_path} kept changing hands; another dlstore convert is "
             "starting on this destination: wait for it, then re-run"
         )
-
-    def _open_lock_file(self) -> int:
-        try:
-            return os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:  # a read-only folder: the first file this conversion writes
-            raise self._unwritable(e) from None
 
     def _is_lock_file(self, fd: int) -> bool:
         try:
