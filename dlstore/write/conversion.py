@@ -143,7 +143,14 @@ def build(
         check_destination(dest, overwrite)
         t_create = time.perf_counter()
         stages["setup_staging_s"] = t_create - t0 - stages["setup_scan_s"] - stages["setup_plan_s"]
-        create_writer(writer, staging)
+        writer.root = staging.path  # the layout: made now, or as a resumed run recorded it
+        saved = None if staging.fresh else staging.writer_options()
+        if saved is None:  # fresh, or killed before the layout was recorded (then no unit was written)
+            writer.create()
+            writer.create_fields()
+            staging.save_writer_options(writer.options)
+        else:
+            writer.options = saved
         stages["setup_create_s"] = time.perf_counter() - t_create
         store_units = units_on_store(unit_store, dask is not None, writer, staging)
         plan.warnings += preflight(writer, set(staging.done), staging.path)
@@ -186,18 +193,6 @@ def build(
     return result
 
 
-def create_writer(writer: CacheWriter, staging: Staging) -> None:
-    """The writer's layout in the staging folder: made now, or as a resumed run recorded it."""
-    writer.root = staging.path
-    saved = None if staging.fresh else staging.writer_options()
-    if saved is None:  # fresh, or killed before the layout was recorded (then no unit was written)
-        writer.create()
-        writer.create_fields()
-        staging.save_writer_options(writer.options)
-    else:
-        writer.options = saved
-
-
 def finish(
     plan: Plan,
     staging: Staging,
@@ -236,8 +231,6 @@ def units_on_store(
 
 
 # --- a URL DEST: built in a local spool folder, then published (publish.py) ------------------------------
-
-Log = Callable[[str], None]
 
 
 def convert_to_store(

@@ -143,15 +143,6 @@ def check_writable(store: RemoteStore) -> None:
         ) from None
 
 
-def local_files(root: Path) -> dict[str, int]:
-    """Relative name → size of every file of the finished local cache except the manifest."""
-    return {
-        p.relative_to(root).as_posix(): p.stat().st_size
-        for p in sorted(root.rglob("*"))
-        if p.is_file() and p.name != MANIFEST
-    }
-
-
 def staged_units(manifest: bytes, files: dict[str, int]) -> dict[str, str]:
     """Listed files not in the local folder (units the workers wrote) → their staged key."""
     doc = json.loads(manifest)
@@ -199,7 +190,8 @@ def publish(
 ) -> Published:
     """Upload the cache at ``root`` to ``store`` as above; ``progress`` gets the bytes uploaded."""
     manifest = (root / MANIFEST).read_bytes()
-    files = local_files(root)
+    local = (p for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST)
+    files = {p.relative_to(root).as_posix(): p.stat().st_size for p in local}  # all but the manifest
     units = staged_units(manifest, files)
     unit_sizes = check_units_staged(store, manifest, units)
     there = check_ownership(store)  # again: the prefix may have changed meanwhile
