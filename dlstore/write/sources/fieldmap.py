@@ -121,7 +121,10 @@ def declare(requests: Iterable[FieldRequest], first: Mapping[str, Any], where: s
                 arr = np.asarray(0 if value is None else value)
                 out[r.name] = FieldSpec("values", r.dtype or number_dtype(arr, r), tuple(arr.shape))
             elif kind == "mask":
-                out[r.name] = FieldSpec("mask", r.dtype or mask_dtype(value))
+                ids = mask_array(value) if value is not None else np.zeros(0)
+                out[r.name] = FieldSpec(
+                    "mask", r.dtype or ("uint16" if ids.size and int(ids.max()) > 255 else "uint8")
+                )
             elif kind == "boxes":
                 out[r.name] = FieldSpec("boxes", r.dtype or "float32")
             else:
@@ -193,13 +196,6 @@ def number_dtype(arr: np.ndarray, r: FieldRequest) -> str:
     if arr.dtype.kind == "f" or arr.size == 0:
         return "float32"
     raise ValueError(f"values of {r.key!r} are {arr.dtype}, not numbers; give KIND json for other values")
-
-
-def mask_dtype(value: Any) -> str:
-    if value is None:
-        return "uint8"
-    ids = mask_array(value)
-    return "uint16" if ids.size and int(ids.max()) > 255 else "uint8"
 
 
 def mask_array(value: Any) -> np.ndarray:
