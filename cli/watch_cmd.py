@@ -175,8 +175,8 @@ def watch_cmd(
     observed, then say what binds the loop and what to change. The script's exit code is kept."""
     from dlstore.bench.watch.apply import apply_text, watch_and_apply
     from dlstore.bench.watch.config import WatchConfig
-    from dlstore.bench.watch.report import json_document, text_report, write_outputs
-    from dlstore.bench.watch.run import run_watch
+    from dlstore.bench.watch.launch import run_watch
+    from dlstore.bench.watch.watch_report import json_document, text_report, write_outputs
 
     config = WatchConfig(
         steps=steps,

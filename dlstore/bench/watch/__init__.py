@@ -83,14 +83,14 @@ class Watch:
             return self.report
         from dlstore.bench.watch.analyse import analyse
         from dlstore.bench.watch.boot import write_record
-        from dlstore.bench.watch.report import text_report, write_outputs
+        from dlstore.bench.watch.watch_report import text_report, write_outputs
 
         raw = self.session.finish(status, None, error)
         write_record(raw, self.config)
         rank, world = rank_info()
         docs = [raw]
         if world > 1 and rank == 0 and self.config.result_dir:
-            from dlstore.bench.watch.run import collect
+            from dlstore.bench.watch.launch import collect
 
             docs = collect(Path(self.config.result_dir), world)
         self.report = analyse(docs)
@@ -101,7 +101,7 @@ class Watch:
         return self.report
 
     def text(self) -> str:
-        from dlstore.bench.watch.report import text_report
+        from dlstore.bench.watch.watch_report import text_report
 
         return text_report(self.finish())
 

@@ -59,7 +59,7 @@ def watch_and_apply(
 ) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
     """(the first run's report with ``applied`` added, the second run's report or None, the exit code of
     the last run). With ``config.steps``, both runs stop after that many steps."""
-    from dlstore.bench.watch.run import run_watch
+    from dlstore.bench.watch.launch import run_watch
 
     if rank_info()[1] > 1:
         raise WatchError("--apply runs the script twice: not under torchrun (apply the advice by hand)")

@@ -143,7 +143,7 @@ def device_spans(rec: LoaderRecord) -> tuple[list[float | None], list[float | No
 
 
 def measure_record_parts(rec: LoaderRecord, cuda: bool, budget: float) -> dict[str, Any]:
-    from dlstore.bench.watch.parts import measure_parts
+    from dlstore.bench.watch.loop_parts import measure_parts
 
     batch = rec.sample_batch if rec.sample_batch is not None else (rec.kept[0] if rec.kept else None)
     try:

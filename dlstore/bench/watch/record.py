@@ -27,7 +27,7 @@ from dlstore.bench.monitor import memory_kb, process_cpu_s
 from dlstore.bench.watch import trial
 from dlstore.bench.watch.apply import inject
 from dlstore.bench.watch.config import WatchConfig, rank_info
-from dlstore.bench.watch.describe import batch_images, dataset_info, loader_settings
+from dlstore.bench.watch.describe_loop import batch_images, dataset_info, loader_settings
 from dlstore.bench.watch.window import MIN_TIMED, Window, cap_for
 
 FED = ("replay", "trial")  # steps watch fed the loop itself (not the user's loader's batches)

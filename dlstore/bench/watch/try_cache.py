@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dlstore.bench.watch.describe import base_dataset
+from dlstore.bench.watch.describe_loop import base_dataset
 
 SAMPLE_IMAGES = 2048  # at most: enough for a steady loader, converted in seconds
 SAMPLE_BATCHES = 4  # at least this many batches of the user's size
@@ -185,14 +185,14 @@ class _Augmented:
         return len(self.dl)
 
     def __iter__(self) -> Any:
-        from dlstore.bench.watch.parts import tensors_of
+        from dlstore.bench.watch.loop_parts import tensors_of
 
         for x in self.dl:
             yield self.augment(tensors_of(x)[0].to(self.device, non_blocking=True))
 
 
 def _device_time(augment: Any, batch: Any, device: Any, n: int = 10) -> float:
-    from dlstore.bench.watch.parts import tensors_of
+    from dlstore.bench.watch.loop_parts import tensors_of
 
     x = tensors_of(batch)[0].to(device)
     augment(x)

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from dlstore.bench.watch.apply import advised_settings, inject
 from dlstore.bench.watch.config import WatchConfig
-from dlstore.bench.watch.report import rates_top, timeline_series
+from dlstore.bench.watch.watch_report import rates_top, timeline_series
 from dlstore.cli import main
 from dlstore.machine import usable_cores
 

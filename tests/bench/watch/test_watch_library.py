@@ -51,7 +51,7 @@ def test_loader_form_is_the_same_loader_watched(tiny_folder: Path) -> None:
 
 
 def test_parts_split_read_decode_transform(tiny_folder: Path) -> None:
-    from dlstore.bench.watch.parts import measure_parts
+    from dlstore.bench.watch.loop_parts import measure_parts
 
     ds = ImageFolder(tiny_folder, transform=T.Compose([T.RandomRotation(10), T.ToTensor()]))
     loader = DataLoader(ds, batch_size=4)

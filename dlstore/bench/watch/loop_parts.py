@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dlstore.bench.watch.describe import base_dataset, is_dataset_folder
+from dlstore.bench.watch.describe_loop import base_dataset, is_dataset_folder
 
 
 def measure_parts(loader: Any, batch: Any, cuda: bool, budget_s: float) -> dict[str, Any]:
