@@ -473,13 +473,15 @@ def _workers_advice(
         how += f", over epochs of {plural(e, 'batch', 'batches')} each starting with an empty queue"
     busy = _cores_busy(rep)
     idle = f" ({busy:.1f} of {parts.cores} cores busy now)" if busy is not None else ""
+    settings = {"num_workers": n, "persistent_workers": True, **({"pin_memory": True} if doc["cuda"] else {})}
     return _advice(
         f"Use {plural(n, 'DataLoader worker')}{idle}: predicted {fmt(expected)} img/s (now {fmt(now)}{how}).",
-        rules.workers_code(n, True if doc["cuda"] else None),
+        rules.loader_code(settings),
         now,
         expected,
         plural(n, "DataLoader worker"),
         workers=n,
+        settings=settings,
     )
 
 
@@ -526,6 +528,7 @@ def _persistent_advice(
         now_epoch,
         expected,
         "persistent_workers=True",
+        settings={"persistent_workers": True},
     )
 
 
@@ -558,6 +561,7 @@ def _pin_advice(
         now,
         expected,
         "pin_memory=True",
+        settings={"pin_memory": True},
     )
 
 

@@ -1,16 +1,10 @@
-"""``dlstore watch --apply``: the script watched, then run again with the advised DataLoader settings put
-into its training loader (no edit to the script), and the rate it then reached beside the rate predicted.
-
-The settings reach the loader through the hook watch already has in the child (``DataLoader.__iter__``,
-``record.Session.install``): before the loader's first iteration, its ``num_workers``,
-``persistent_workers``, ``pin_memory`` and ``prefetch_factor`` are set as the advice's "Apply" line
-prints them. The loader is the one the first run's advice was for: the same position among the loaders
-the script iterates.
-"""
+"""``dlstore watch --apply``: the script watched, then run again with the advised DataLoader settings put into
+its training loader (no edit to the script) through watch's ``DataLoader.__iter__`` hook, and the rate it
+then reached beside the rate predicted. The settings are the advice's ``settings`` fields (in watch.json);
+the loader is the one the advice was for: the same position among the loaders the script iterates."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -18,35 +12,29 @@ from typing import Any
 from dlstore.bench.watch.compare import cell, compare, compare_text, summary
 from dlstore.bench.watch.config import WatchConfig, WatchError, rank_info
 
-SETTING = re.compile(r"\b(num_workers|persistent_workers|pin_memory|prefetch_factor)=(True|False|\d+)")
-
 
 def advised_settings(report: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The DataLoader arguments the advice's "Apply" lines name (the first advice, the largest gain, wins
-    where two name one setting), and the advice they come from."""
+    """The DataLoader settings the advice names (the first advice, the largest gain, wins where two name
+    one setting), and the advice they come from."""
     settings: dict[str, Any] = {}
-    used = []
-    for a in report.get("advice") or []:
-        call = (a.get("command") or "").split(";")[0]
-        found = SETTING.findall(call) if call.startswith("DataLoader(") else []
-        if found:
-            settings = {**{k: int(v) if v.isdigit() else v == "True" for k, v in found}, **settings}
-            used.append(a)
+    used = [a for a in report.get("advice") or [] if a.get("settings")]
+    for a in used:
+        for name, value in a["settings"].items():
+            settings.setdefault(name, value)
     return settings, used
 
 
 def inject(session: Any, loader: Any) -> None:
-    """Called before every ``iter(loader)`` in the watched child: on the advised loader's first iteration,
-    put the advised settings in place of the script's (the DataLoader reads them when it starts workers)."""
+    """Before every ``iter(loader)`` in the watched child: on the advised loader's first iteration, put the
+    advised settings in place of the script's (the DataLoader reads them when it starts workers)."""
     plan = session.config.apply
     if plan is None or id(loader) in session.records or len(session.records) != plan["loader"]:
         return
     s = plan["settings"]
     workers = int(s.get("num_workers", loader.num_workers))
-    prefetch = s.get("prefetch_factor", loader.prefetch_factor or 2) if workers else None
     values = {
         "num_workers": workers,
-        "prefetch_factor": prefetch,
+        "prefetch_factor": s.get("prefetch_factor", loader.prefetch_factor or 2) if workers else None,
         "pin_memory": bool(s.get("pin_memory", loader.pin_memory)),
         "persistent_workers": bool(s.get("persistent_workers", loader.persistent_workers)) and workers > 0,
     }
@@ -55,16 +43,17 @@ def inject(session: Any, loader: Any) -> None:
 
 
 def watch_and_apply(
-    argv: list[str], config: WatchConfig, out: Path | None = None, script_stdout_to_stderr: bool = False
-) -> tuple[dict[str, Any], dict[str, Any] | None, int]:
-    """(the first run's report with ``applied`` added, the second run's report or None, the exit code of
-    the last run). With ``config.steps``, both runs stop after that many steps."""
+    argv: list[str], config: WatchConfig, out: Path | None, stdout_to_stderr: bool, apply: bool = True
+) -> tuple[dict[str, Any] | None, dict[str, Any] | None, int]:
+    """(the first run's report, with ``applied`` when ``apply``; the second run's report or None; the last
+    run's exit code). With ``config.steps``, both runs stop after that many steps."""
     from dlstore.bench.watch.launch import run_watch
 
-    if rank_info()[1] > 1:
+    if apply and rank_info()[1] > 1:
         raise WatchError("--apply runs the script twice: not under torchrun (apply the advice by hand)")
-    first, code = run_watch(argv, config, out=out, script_stdout_to_stderr=script_stdout_to_stderr)
-    assert first is not None  # rank 0 of 1
+    first, code = run_watch(argv, config, out, stdout_to_stderr)
+    if not apply or first is None:
+        return first, None, code
     settings, used = advised_settings(first)
     if code != 0 or not settings:
         why = f"the script ended with exit code {code}" if code else "no advice changes a DataLoader setting"
@@ -75,7 +64,7 @@ def watch_and_apply(
     plan = {"loader": first["primary"], "settings": settings}
     # the trial tries more workers: with them applied it has nothing left to try
     again = replace(config, apply=plan, trial=False, try_cache=False)
-    second, code = run_watch(argv, again, None if out is None else out / "applied", script_stdout_to_stderr)
+    second, code = run_watch(argv, again, None if out is None else out / "applied", stdout_to_stderr)
     assert second is not None
     first["applied"] = applied_summary(first, second, plan, used)
     return first, second, code
@@ -84,8 +73,8 @@ def watch_and_apply(
 def applied_summary(
     first: dict[str, Any], second: dict[str, Any], plan: dict[str, Any], used: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """Measured against predicted: the second run's steady rate on the advised loader, the advice's
-    predicted rate (the largest of the advice applied), and the first run's rate."""
+    """The second run's steady rate on the advised loader beside the largest predicted rate of the advice
+    applied, and the first run's rate."""
     before, after = summary(first, plan["loader"]), summary(second, plan["loader"])
     reached = all(after.get(k) == v for k, v in plan["settings"].items())
     predicted = max(a["expected_img_per_s"] or 0.0 for a in used) or None
