@@ -65,7 +65,7 @@ def test_gpu_augment_reproduces_normalize_crop_flip_and_dtype() -> None:
     code = rules.augment_code(kw)
     assert code.startswith("dlstore.gpu.GpuAugment(176, scale=(0.35, 1.0)") and f"mean={MEAN}" in code
     # the snippet builds: the same module the probe and --try-cache time
-    from dlstore.bench.watch.try_cache import augment_kwargs
+    from dlstore.bench.watch.probes import augment_kwargs
     from dlstore.gpu import GpuAugment
 
     aug = GpuAugment(**augment_kwargs({"augment": kw}))

@@ -1,17 +1,11 @@
-"""``dlstore watch``: the bottleneck of the user's own training loop, the loop unchanged.
+"""``dlstore watch``: the bottleneck of the user's own training loop, the loop unchanged. From the shell,
+``dlstore watch -- python train.py ARGS…``; in code, around the loop or on one loader::
 
-From the shell, ``dlstore watch -- python train.py ARGS…``. In code, around the loop or on one loader::
-
-    with dlstore.watch(steps=200) as w:        # every DataLoader iterated inside is watched
+    with dlstore.watch(steps=200) as w:  # every DataLoader iterated inside is watched
         train()
-    print(w.text())                             # w.report: the same as a dict
+    print(w.text())                      # w.report: the same as a dict
 
-    loader = dlstore.watch(loader)              # the report prints to stderr when the script ends
-
-Each step's data wait, host work and device span are timed (perf_counter, CUDA events, no synchronisation
-added); once, the loop is fed its own batches again (its rate with data free) and, when the advice says
-more workers, batches from a second loader with them (the advice's rate), in its real batches' places;
-at the end the dataset's parts are timed alone and composed into a verdict and recommendations.
+    loader = dlstore.watch(loader)       # the report prints to stderr when the script ends
 """
 
 from __future__ import annotations
@@ -62,8 +56,8 @@ class Watch:
         return isinstance(exc, WatchStop)  # --steps reached: a clean end of the block
 
     def attach(self, loader: Any) -> Any:
-        """Watch this loader's iterations: its class becomes a subclass whose ``__iter__`` is watched (the
-        object, its attributes and ``isinstance`` stay the same)."""
+        """Watch this loader: its class becomes a subclass whose ``__iter__`` is watched (the object, its
+        attributes and ``isinstance`` stay the same)."""
         session = self.session
         base = type(loader)
         if getattr(base, "_dlstore_watched", False):
@@ -103,7 +97,7 @@ class Watch:
     def text(self) -> str:
         from dlstore.bench.watch.watch_report import text_report
 
-        return text_report(self.finish())
+        return text_report(self.finish())  # stops watching first
 
 
 def watch(
@@ -114,10 +108,9 @@ def watch(
     quiet: bool = False,
     **options: Any,
 ) -> Any:
-    """``with watch(...) as w:`` watches every DataLoader iterated in the block; ``watch(loader)`` returns
-    the same loader, watched, and reports when the script ends. The options are ``WatchConfig``'s, given
-    as one ``config`` or by name (``watch(steps=200, trial=False)``): ``steps`` stops the loop (the block,
-    or the script for a loader) after that many real steps, once the replay and the trial are done."""
+    """``with watch(config) as w:`` watches every DataLoader iterated in the block; ``watch(loader, config)``
+    returns the same loader, watched, and reports when the script ends. ``options``: WatchConfig's fields
+    by name instead of ``config`` (``watch(steps=200)``)."""
     if config is not None and options:
         raise WatchError("watch(): give a WatchConfig or options by name, not both")
     config = config if config is not None else WatchConfig(**options)  # an unknown name: TypeError

@@ -20,22 +20,12 @@ class WatchError(DlstoreError, ValueError):
 
 @dataclass(frozen=True)
 class WatchConfig:
-    """Options of one watch.
+    """Options of one watch (``dlstore watch --help`` says what each does).
 
-    ``steps``: stop the script after this many real (not stand-in) steps; None lets it run to its end.
-    ``warmup``: the first steps of the first epoch, kept apart (worker start, cudnn tuning), as the bench does.
-    ``replay``: after ``replay_at`` real steps (half the first epoch when sooner), feed ``replay_batches`` of
-    the loop's own batches back to it in its real batches' places: ``replay_warmup_s`` of warm-up, then at
-    least ``replay_s`` timed, ``replay_steps`` steps at most (half an epoch on short epochs): its rate with
-    data free. ``replay_rounds``: that many times, ``replay_every`` real steps apart, the median round's
-    rate (one window on a machine whose speed moves is that noisy).
-    ``trial``: then, when the advice says more workers, feed the loop for ``trial_s`` from a second
-    DataLoader with them (``trial.py``).
-    ``parts``: time the dataset's parts alone at the end (``parts_budget_s`` seconds at most).
-    ``try_cache``: when a dlstore cache is advised, convert a sample of the dataset that way and time the
-    recommended loader (``parts_budget_s`` seconds of timing too, after the conversion).
-    ``apply``: ``{"loader": index, "settings": {...}}``, the DataLoader settings ``--apply`` puts into the
-    script's loader of that index (``apply.py``).
+    ``steps`` counts real (not stand-in) steps. The replay feeds ``replay_batches`` of the loop's own
+    batches back to it in its real batches' places, after ``replay_at`` real steps (half the first epoch
+    when sooner): ``replay_warmup_s`` of warm-up, then at least ``replay_s`` timed, ``replay_steps`` at
+    most. ``apply``: ``{"loader": index, "settings": {...}}``, what ``--apply`` puts into that loader.
     """
 
     result_dir: str = ""
@@ -55,7 +45,7 @@ class WatchConfig:
     parts: bool = True
     parts_budget_s: float = 3.0
     profile: bool = False
-    try_cache: bool = False  # convert a sample as the cache advice says and time that loader (try_cache.py)
+    try_cache: bool = False  # convert a sample as the cache advice says and time that loader (probes.py)
     profile_steps: int = 8
     max_event_steps: int = 20_000  # CUDA event pairs kept (two small objects per step)
     # CUDA events on one step in N: a pair cost ~20 µs of the step's host time; the device span is a mean,
@@ -65,26 +55,21 @@ class WatchConfig:
     apply: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        parse_positive("--steps", self.steps, allow_none=True)
-        parse_positive("--replay-steps", self.replay_steps)
-        parse_positive("--replay-batches", self.replay_batches)
-        parse_positive("--replay-rounds", self.replay_rounds)
-        parse_positive("--replay-every", self.replay_every)
-        parse_positive("event_every", self.event_every)
-        parse_positive("--trial-steps", self.trial_steps)
-        for name, value in (("--replay-s", self.replay_s), ("--trial-s", self.trial_s)):
-            if not value >= 0:
-                raise WatchError(f"{name} must be ≥ 0 seconds, got {value!r}")
-        if self.warmup < 0:
-            raise WatchError(f"--warmup must be ≥ 0, got {self.warmup}")
+        positive = ("steps", "replay_steps", "replay_batches", "replay_rounds", "replay_every", "event_every")
+        for name in (*positive, "trial_steps"):
+            value = getattr(self, name)
+            if not (value is None and name == "steps") and (value is None or value < 1):
+                raise WatchError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("replay_s", "trial_s", "warmup"):
+            if not getattr(self, name) >= 0:
+                raise WatchError(f"{name} must be ≥ 0, got {getattr(self, name)!r}")
 
     def pauses(self) -> bool:
-        """Whether the loop is paused once (at ``replay_start``) for a replay or a trial."""
+        """Whether the loop is paused (at ``replay_start``) for a replay or a trial."""
         return self.replay or self.trial
 
     def pauses_total(self) -> int:
-        """How many times the loop is paused: once per replay round (once when only the trial runs)."""
-        return self.replay_rounds if self.replay else 1
+        return self.replay_rounds if self.replay else 1  # once per replay round, or for the trial alone
 
     def replay_start(self, epoch_len: int) -> int:
         """The real step count after which the replay runs: at --steps, else ``replay_at`` or half an epoch
@@ -106,13 +91,6 @@ class WatchConfig:
         doc = json.loads(raw)
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in doc.items() if k in known})
-
-
-def parse_positive(name: str, value: int | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value is None or value < 1:
-        raise WatchError(f"{name} must be a positive integer, got {value!r}")
 
 
 def rank_info(environ: dict[str, str] | None = None) -> tuple[int, int]:

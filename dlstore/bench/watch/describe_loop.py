@@ -8,16 +8,9 @@ import sys
 from typing import Any
 
 # transforms that draw random parameters per sample: augmentation that GpuAugment can take over
-RANDOM = (
-    "RandomResizedCrop",
-    "RandomResizedCropAndInterpolation",
-    "RandomCrop",
-    "RandomHorizontalFlip",
-    "RandomVerticalFlip",
-    "RandomRotation",
-    "RandomAffine",
-    "ColorJitter",
-    "RandomErasing",
+RANDOM = frozenset(
+    "RandomResizedCrop RandomResizedCropAndInterpolation RandomCrop RandomHorizontalFlip RandomVerticalFlip "
+    "RandomRotation RandomAffine ColorJitter RandomErasing".split()
 )
 
 

@@ -11,7 +11,7 @@ from dlstore.bench.predict import LoaderTiming, LoopParts, compose, prediction_e
 
 
 def tried_parts(parts: LoopParts, tried: dict[str, Any]) -> LoopParts:
-    """The observed loop with its loader replaced by one timed alone (``try_cache.time_batches``: a tried
+    """The observed loop with its loader replaced by one timed alone (``probes.time_batches``: a tried
     or probed cache loader, or the loop's loader at other workers), and the GPU augmentation's device time
     added to the step's when the advice moved the augmentation there."""
     workers = int(tried["workers"])

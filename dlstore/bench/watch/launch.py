@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -61,7 +62,7 @@ def parse_command(argv: list[str]) -> ChildCommand:
     while rest and rest[0].startswith("-") and rest[0] != "-m":
         if rest[0] == "-c":
             raise WatchError("python -c is not supported: put the code in a script and watch that")
-        flags.append(rest.pop(0) if rest[0] not in FLAGS_WITH_VALUE else rest.pop(0))
+        flags.append(rest.pop(0))
         if flags[-1] in FLAGS_WITH_VALUE and rest:
             flags.append(rest.pop(0))
     if not rest:
@@ -74,8 +75,8 @@ def parse_command(argv: list[str]) -> ChildCommand:
 
 
 def result_dir_for(out: Path | None, world: int) -> Path:
-    """Where the ranks write their records: --out DIR/ranks, else a temporary folder (one per run; under
-    torchrun one all ranks of the run agree on)."""
+    """Where the ranks write their records: --out DIR/ranks, else a temporary folder (under torchrun one
+    all ranks of the run agree on)."""
     if out is not None:
         path = out / "ranks"
     elif world > 1:
@@ -115,18 +116,13 @@ def run_child(cmd: ChildCommand, config: WatchConfig, script_stdout_to_stderr: b
         if proc.poll() is None:
             proc.send_signal(signal.SIGINT)
 
-    previous = signal.signal(signal.SIGINT, forward) if _main_thread() else None
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, forward) if main else None
     try:
         return proc.wait()
     finally:
         if previous is not None:
             signal.signal(signal.SIGINT, previous)
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
 
 
 def collect(result_dir: Path, world: int, wait_s: float = RANK_WAIT_S) -> list[dict[str, Any]]:
@@ -148,20 +144,8 @@ def lost_report(code: int) -> dict[str, Any]:
         f"The watched process ended (exit code {code}) without writing what it observed: it was killed "
         "(SIGKILL, out of memory) or could not start (see its error above)."
     )
-    return {
-        "status": "lost",
-        "exit_code": code,
-        "error": None,
-        "device": "?",
-        "cores": 0,
-        "cuda": False,
-        "world_size": 1,
-        "notes": [note],
-        "loaders": [],
-        "verdict": note,
-        "recommendations": [],
-        "advice": [],
-    }
+    report = dict(status="lost", exit_code=code, error=None, device="?", cores=0, cuda=False, world_size=1)
+    return {**report, "notes": [note], "verdict": note, "loaders": [], "recommendations": [], "advice": []}
 
 
 def run_watch(

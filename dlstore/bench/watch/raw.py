@@ -51,18 +51,16 @@ def raw_document(
     }
     for rec in session.records.values():
         doc["loaders"].append(loader_document(rec, session, cuda, status == "interrupted", side))
-    if not side:
+    if not side or status == "interrupted" or rank != 0:  # rank 0 reports: its probes and try
         return doc
-    if session.config.parts and status != "interrupted" and rank == 0:  # rank 0 reports: its probes
-        from dlstore.bench.watch.probes import attach_probes
+    from dlstore.bench.watch.probes import attach_probes, attach_try_cache
 
+    if session.config.parts:
         try:
             attach_probes(doc, session)
         except Exception as e:  # advice only: a failed probe must not lose the record of the loop
             doc["probes_error"] = f"{type(e).__name__}: {e}"
-    if session.config.try_cache and status != "interrupted" and rank == 0:  # one try: rank 0's
-        from dlstore.bench.watch.try_cache import attach_try_cache
-
+    if session.config.try_cache:
         attach_try_cache(doc, session)
     return doc
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from itertools import groupby
 from typing import Any
 
 
@@ -14,6 +15,7 @@ def step_rows(loader: dict[str, Any]) -> list[dict[str, Any]]:
     device = loader.get("device_s") or [None] * len(loader["t_call"])
     gap = loader.get("device_gap_s") or [None] * len(loader["t_call"])
     warm = set(loader.get("window_warm") or ())
+    firsts = {e["first_step"] for e in loader.get("epochs", [])}
     for i, (tc, tr, tn) in enumerate(zip(loader["t_call"], loader["t_ret"], loader["t_next"])):
         rows.append(
             {
@@ -27,16 +29,10 @@ def step_rows(loader: dict[str, Any]) -> list[dict[str, Any]]:
                 "device_s": device[i],
                 "device_wait_s": gap[i],
                 "warm": i in warm,  # a replay's or trial's warm-up step, not timed
+                "epoch_first": i in firsts,
             }
         )
-    _mark_epoch_starts(rows, loader)
     return rows
-
-
-def _mark_epoch_starts(rows: list[dict[str, Any]], loader: dict[str, Any]) -> None:
-    firsts = {e["first_step"] for e in loader.get("epochs", [])}
-    for r in rows:
-        r["epoch_first"] = r["step"] in firsts
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -128,16 +124,7 @@ def by_phase(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, An
 
 def contiguous(rows: Sequence[dict[str, Any]], phase: str) -> list[list[dict[str, Any]]]:
     """The runs of consecutive steps in ``phase`` (a replay round each)."""
-    runs: list[list[dict[str, Any]]] = []
-    last = None
-    for r in rows:
-        if r["phase"] != phase:
-            continue
-        if last is None or r["step"] != last + 1:
-            runs.append([])
-        runs[-1].append(r)
-        last = r["step"]
-    return runs
+    return [list(run) for inside, run in groupby(rows, key=lambda r: r["phase"] == phase) if inside]
 
 
 def _replay_rounds(replay: dict[str, Any], rows: Sequence[dict[str, Any]], images: int | None) -> None:

@@ -3,24 +3,17 @@
 from __future__ import annotations
 
 import csv
+import json
+from functools import partial
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 from dlstore.bench.advice import plural
 from dlstore.bench.watch.analyse import loop_rate
 
-CSV_FIELDS = (
-    "loader",
-    "step",
-    "epoch",
-    "phase",
-    "epoch_first",
-    "wait_ms",
-    "host_ms",
-    "period_ms",
-    "device_ms",
-    "device_wait_ms",
-)
+TIMES = ("wait", "host", "period", "device", "device_wait")  # steps.csv's columns in ms, after these:
+CSV_FIELDS = ("loader", "step", "epoch", "phase", "epoch_first", *(f"{k}_ms" for k in TIMES))
 
 
 def text_report(report: dict[str, Any]) -> str:
@@ -104,23 +97,12 @@ def _loader_lines(rep: dict[str, Any], primary: bool) -> list[str]:
 
 def write_csv(report: dict[str, Any], path: Path) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS)
         for rep in report["loaders"]:
             for r in rep["rows"]:
-                w.writerow(
-                    {
-                        "loader": rep["index"],
-                        "step": r["step"],
-                        "epoch": r["epoch"],
-                        "phase": r["phase"],
-                        "epoch_first": int(r["epoch_first"]),
-                        **{
-                            f"{k}_ms": _csv_ms(r[f"{k}_s"])
-                            for k in ("wait", "host", "period", "device", "device_wait")
-                        },
-                    }
-                )
+                ms = ["" if r[f"{k}_s"] is None else f"{1e3 * r[f'{k}_s']:.4f}" for k in TIMES]
+                w.writerow([rep["index"], r["step"], r["epoch"], r["phase"], int(r["epoch_first"]), *ms])
 
 
 # phase → (legend label, shading); stand-in phases (batches watch fed the loop) are drawn compacted
@@ -139,19 +121,13 @@ RATE_COLOURS = {"now": "#7f7f7f", "data free": "#bcbd22", "predicted": "#1f77b4"
 
 
 def timeline_series(report: dict[str, Any]) -> dict[str, Any] | None:
-    """What timeline.png draws of the training loader, None without steps. ``columns``: one per step, or
-    the mean of several (each stand-in phase's run of steps squeezed into a quarter of the real steps'
-    width at most, so the replay never pushes the user's steps to an edge; all within MAX_COLUMNS);
-    ``spans``: each phase's run of steps as columns [x0, x1). ``rates``: the bars beside it."""
+    """What timeline.png draws of the training loader, None without steps: ``columns``, one per step or the
+    mean of several (a stand-in phase squeezed into a quarter of the real steps' width at most, so the
+    user's steps never sit at an edge); ``spans``, each phase's run as columns [x0, x1); ``rates``."""
     rep = next((r for r in report["loaders"] if r["index"] == report.get("primary")), None)
     if rep is None or not rep["rows"]:
         return None
-    runs: list[list[dict[str, Any]]] = []
-    for r in rep["rows"]:
-        if runs and runs[-1][0]["phase"] == r["phase"]:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
+    runs = [list(run) for _, run in groupby(rep["rows"], key=lambda r: r["phase"])]
     real = sum(len(run) for run in runs if run[0]["phase"] not in STAND_IN)
     widths = [
         min(len(run), max(STAND_IN_COLUMNS, real // 4)) if run[0]["phase"] in STAND_IN else len(run)
@@ -173,29 +149,23 @@ def _column(rows: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r[key] for r in rows if r[key] is not None]
         return 1e3 * sum(vals) / len(vals) if vals else None
 
-    return {
-        "first_step": rows[0]["step"],
-        "steps": len(rows),
-        "phase": rows[0]["phase"],
-        "wait_ms": ms("wait_s"),
-        "host_ms": ms("host_s") or 0.0,  # the last step has none (no next() after it)
-        "device_ms": ms("device_s"),
-    }
+    out = {"first_step": rows[0]["step"], "steps": len(rows), "phase": rows[0]["phase"]}
+    # the last step has no host time (no next() after it)
+    return {**out, "wait_ms": ms("wait_s"), "host_ms": ms("host_s") or 0.0, "device_ms": ms("device_s")}
 
 
 def rate_bars(report: dict[str, Any], rep: dict[str, Any]) -> list[dict[str, Any]]:
     """(label, img/s, kind) per bar: now, with data free, each fix as predicted, and after --apply."""
-    bars = [{"label": "now", "img_per_s": loop_rate(rep), "kind": "now"}]
     free = (rep.get("model") or {}).get("data_free_img_per_s")
-    bars.append({"label": "with data free", "img_per_s": free, "kind": "data free"})
-    for a in rep.get("advice") or []:
-        if a.get("expected_img_per_s"):
-            label = f"{_fix_label(a)}\n(predicted)"
-            bars.append({"label": label, "img_per_s": a["expected_img_per_s"], "kind": "predicted"})
-    measured = (report.get("applied") or {}).get("measured_img_per_s")
-    if measured:
-        bars.append({"label": "after --apply\n(measured)", "img_per_s": measured, "kind": "measured"})
-    return [b for b in bars if b["img_per_s"]]
+    bars = [("now", loop_rate(rep), "now"), ("with data free", free, "data free")]
+    bars += [
+        (f"{_fix_label(a)}\n(predicted)", a.get("expected_img_per_s"), "predicted")
+        for a in rep.get("advice") or []
+    ]
+    bars.append(
+        ("after --apply\n(measured)", (report.get("applied") or {}).get("measured_img_per_s"), "measured")
+    )
+    return [{"label": label, "img_per_s": v, "kind": kind} for label, v, kind in bars if v]
 
 
 def _fix_label(advice: dict[str, Any]) -> str:
@@ -208,9 +178,8 @@ def _fix_label(advice: dict[str, Any]) -> str:
 
 
 def write_timeline(report: dict[str, Any], path: Path) -> str | None:
-    """timeline.png: per step, the data wait and host work stacked (the step's period) with the device
-    span over them, the phases shaded and named; beside it a bar per rate. Returns why not, when it
-    could not draw (matplotlib missing, no steps)."""
+    """timeline.png: per step the data wait and host work stacked, the device span over them, the phases
+    shaded; beside it a bar per rate. Returns why not when it could not draw."""
     try:
         import matplotlib
 
@@ -261,16 +230,14 @@ def _draw_steps(ax: Any, series: dict[str, Any]) -> None:
 
 
 def rates_top(rates: list[dict[str, Any]]) -> float:
-    """The rates axis' end: room for the largest bar's number, or for the rest's when the rate with data
-    free is over three times theirs (it then runs off the axis)."""
+    """The rates axis' end: room for the largest bar's number, or the rest's when the rate with data free
+    is over three times theirs (it then runs off the axis, so the bars that compare fixes stay readable)."""
     values = [b["img_per_s"] for b in rates]
     others = [b["img_per_s"] for b in rates if b["kind"] != "data free"]
     return 1.3 * (max(others) if others and max(values) > 3 * max(others) else max(values))
 
 
 def _draw_rates(ax: Any, rates: list[dict[str, Any]]) -> None:
-    """Horizontal bars with their numbers. A rate with data free far above the rest (a small step) runs
-    off the axis, its number inside it, so the bars that compare fixes stay readable."""
     values = [b["img_per_s"] for b in rates]
     top = rates_top(rates)
     y = range(len(rates))
@@ -298,31 +265,18 @@ def json_document(report: dict[str, Any], rows: bool = False) -> dict[str, Any]:
     return doc
 
 
-def _csv_ms(v: float | None) -> str:
-    return "" if v is None else f"{1e3 * v:.4f}"
+def _figure(v: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    return "n/a" if v is None else f"{scale * v:{spec}}{unit}"
 
 
-def _ms(v: float | None) -> str:
-    return "n/a" if v is None else f"{1e3 * v:.2f} ms"
-
-
-def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f}%"
-
-
-def _rate(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:,.0f}"
-
-
-def _num(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.1f}"
+_ms = partial(_figure, spec=".2f", scale=1e3, unit=" ms")
+_pct = partial(_figure, spec=".1f", scale=100.0, unit="%")
+_rate = partial(_figure, spec=",.0f")
+_num = partial(_figure, spec=".1f")
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> dict[str, str]:
-    """--out DIR: watch.json (with per-step rows), steps.csv, timeline.png. Returns what was written
-    (name → path, or why not)."""
-    import json
-
+    """--out DIR: watch.json (with per-step rows), steps.csv, timeline.png: name → path, or why not."""
     out.mkdir(parents=True, exist_ok=True)
     written = {"json": str(out / "watch.json"), "csv": str(out / "steps.csv")}
     (out / "watch.json").write_text(json.dumps(json_document(report, rows=True), indent=1, default=str))
