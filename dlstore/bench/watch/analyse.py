@@ -4,6 +4,7 @@ words and at most five recommendations ranked by predicted gain. Pure functions 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -84,18 +85,17 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     rows = step_rows(ld)
     images = ld.get("images_per_batch")
     phases = by_phase(rows, images)
+    fed = Counter(r["phase"] for r in rows)
     steady = phases.get("real") or phases.get("profiled") or phases.get("warmup")
     rep: dict[str, Any] = {
         "index": ld["index"],
         "settings": ld["settings"],
         "dataset": ld["dataset"],
         "images_per_batch": images,
-        "steps_observed": sum(1 for r in rows if r["phase"] not in ("replay", "trial")),
-        "steps_replayed": sum(1 for r in rows if r["phase"] == "replay"),
-        "steps_trial": sum(1 for r in rows if r["phase"] == "trial"),
-        "stand_in_steps": sum(
-            1 for r in rows if r["phase"] in ("replay", "trial")
-        ),  # in real batches' places
+        "steps_observed": len(rows) - fed["replay"] - fed["trial"],
+        "steps_replayed": fed["replay"],
+        "steps_trial": fed["trial"],
+        "stand_in_steps": fed["replay"] + fed["trial"],  # in real batches' places
         "tried": ld.get("tried"),  # whether the replay and the trial were timed; if not, why and how
         "trial": ld.get("trial"),
         "epochs": len(ld.get("epochs", [])),
@@ -367,12 +367,12 @@ def rank_summary(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each rank's steady data-wait share and rate, their mean and the slowest rank."""
     per = []
     for d in docs:
-        if not d["loaders"]:
-            per.append({"rank": d.get("rank", 0), "wait_share": None, "img_per_s": None})
-            continue
-        reps = [by_phase(step_rows(ld), ld.get("images_per_batch")) for ld in d["loaders"]]
-        best = max(reps, key=lambda p: (p.get("real") or p.get("warmup") or {}).get("steps", 0))
-        s = best.get("real") or best.get("warmup") or {}
+        phases = [by_phase(step_rows(ld), ld.get("images_per_batch")) for ld in d["loaders"]]
+        s = max(
+            (p.get("real") or p.get("warmup") or {} for p in phases),
+            key=lambda g: g.get("steps", 0),
+            default={},
+        )
         per.append(
             {"rank": d.get("rank", 0), "wait_share": s.get("wait_share"), "img_per_s": s.get("img_per_s")}
         )
@@ -401,13 +401,10 @@ def advice(
             out.append(got)
     step = rules.step_advice(rep.get("binding", {}).get("stage", ""), doc["cuda"], now)
     tried = ld.get("tried") or {}
-    untried = {}
     if tried.get("trial") is False:  # the in-loop trial did not run long enough: its rate is a prediction
-        untried["workers"] = "; ".join(x for x in (tried.get("why"), tried.get("how")) if x)
-    for a in out:
-        key = "workers" if a.get("workers") else "cache" if a.get("cache") else None
-        if key in untried:
-            a["not_tried"] = untried[key]
+        for a in out:
+            if a.get("workers"):
+                a["not_tried"] = "; ".join(x for x in (tried.get("why"), tried.get("how")) if x)
     return out + ([step] if step else [])
 
 
@@ -670,8 +667,8 @@ def _cache_how(probe: dict[str, Any] | None, gpu: bool) -> str:
 
 
 def _cache_plan(size: int, channels: int, gpu: bool, ds: dict[str, Any], b: int) -> dict[str, Any]:
-    """The cache advice as data: what ``--try-cache`` converts and reads (the same options as the command,
-    the same GpuAugment arguments as the snippet)."""
+    """The cache advice as data: what ``--try-cache`` converts and reads (the command's options and the
+    snippet's GpuAugment arguments)."""
     from dlstore.formats import DEFAULT_FORMAT, get_format
     from dlstore.machine import available_memory
 

@@ -199,77 +199,42 @@ def try_cache(
 def convert_and_time(
     loader: Any, source: Any, plan: dict[str, Any], batch: int, cuda: bool, budget_s: float
 ) -> dict[str, Any]:
-    """``source`` converted as ``plan`` says into a temporary folder (removed after), and the advised
-    loader timed on it: with GpuAugment at 0 workers, else with the loop's transform and workers."""
-    dataset = base_dataset(getattr(loader, "dataset", None))
-    tmp = Path(tempfile.mkdtemp(prefix="dlstore-try-cache-"))
-    try:
-        t0 = time.perf_counter()
-        dest = tmp / "cache"
-        from dlstore.write.conversion import convert
-        from dlstore.write.options import ConvertOptions
-
-        convert(
-            source, dest, ConvertOptions(size=plan["size"], channels=plan["channels"], format=plan["format"])
-        )
-        out: dict[str, Any] = {
-            "images": len(source),
-            "convert_s": time.perf_counter() - t0,
-            "batch": batch,
-        }
-        transform = None if plan["gpu"] else getattr(dataset, "transform", None)
-        workers = 0 if plan["gpu"] else int(getattr(loader, "num_workers", 0) or 0)
-        out.update(time_loader(dest, plan, batch, workers, transform, cuda, budget_s))
-        return out
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def time_loader(
-    dest: Path,
-    plan: dict[str, Any],
-    batch: int,
-    workers: int,
-    transform: Any,
-    cuda: bool,
-    budget_s: float,
-) -> dict[str, Any]:
-    """The recommended loader alone over the cache at ``dest`` (epochs repeated until ``budget_s``): per
-    batch its period, the main thread's time in next() (plus the GPU augmentation's launch) and, on a
-    GPU, the augmentation's device time (``time_batches``)."""
+    """``source`` converted as ``plan`` says into a temporary folder (removed after), and the advised loader
+    timed alone on it (``time_batches``): with GpuAugment at 0 workers, else with the loop's transform and
+    workers."""
     from torch.utils.data import DataLoader, RandomSampler
 
     from dlstore.read.dataset import CachedDataset
+    from dlstore.write.conversion import convert
+    from dlstore.write.options import ConvertOptions
 
-    ds = CachedDataset(
-        dest, transform=transform, pil=transform is not None, in_memory=plan.get("in_memory", False)
-    )
-    # a sample (or a probe's synthetic images) holds a few batches: drawn with replacement into epochs of
-    # EPOCH_BATCHES, or the workers' pipeline would drain and refill at every few batches, as the loop's
-    # own longer epochs do not
-    n = len(ds)
-    sampler = RandomSampler(
-        ds, replacement=n < EPOCH_BATCHES * batch, num_samples=max(n, EPOCH_BATCHES * batch)
-    )
-    dl = DataLoader(
-        ds,
-        batch_size=batch,
-        sampler=sampler,
-        drop_last=True,
-        num_workers=workers,
-        persistent_workers=workers > 0,
-        pin_memory=cuda,
-    )
-    augment, device = None, None
-    if plan["gpu"] and cuda:
-        from dlstore.gpu import GpuAugment
-
-        device = torch.device("cuda", torch.cuda.current_device())
-        augment = GpuAugment(**augment_kwargs(plan)).to(device)
+    dataset = base_dataset(getattr(loader, "dataset", None))
+    transform = None if plan["gpu"] else getattr(dataset, "transform", None)
+    workers = 0 if plan["gpu"] else int(getattr(loader, "num_workers", 0) or 0)
+    tmp = Path(tempfile.mkdtemp(prefix="dlstore-try-cache-"))
     try:
-        return time_batches(dl, batch, budget_s, augment, device)
+        t0 = time.perf_counter()
+        convert(source, tmp / "cache", ConvertOptions(**{k: plan[k] for k in ("size", "channels", "format")}))
+        out = {"images": len(source), "convert_s": time.perf_counter() - t0, "batch": batch}
+        in_memory = plan.get("in_memory", False)
+        ds = CachedDataset(tmp / "cache", transform, in_memory, pil=transform is not None)
+        # a sample (or a probe's synthetic images) holds a few batches: drawn with replacement into epochs
+        # of EPOCH_BATCHES, or the workers' pipeline would drain and refill every few batches, as the
+        # loop's own longer epochs do not
+        n, epoch = len(ds), EPOCH_BATCHES * batch
+        sampler = RandomSampler(ds, replacement=n < epoch, num_samples=max(n, epoch))
+        kw = dict(num_workers=workers, persistent_workers=workers > 0, pin_memory=cuda, drop_last=True)
+        dl = DataLoader(ds, batch, sampler=sampler, **kw)
+        augment, device = None, None
+        if plan["gpu"] and cuda:
+            from dlstore.gpu import GpuAugment
+
+            device = torch.device("cuda", torch.cuda.current_device())
+            augment = GpuAugment(**augment_kwargs(plan)).to(device)
+        return {**out, **time_batches(dl, batch, budget_s, augment, device)}
     finally:
-        del dl
+        dl = None  # its workers shut down before their cache's folder goes
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def augment_kwargs(plan: dict[str, Any]) -> dict[str, Any]:

@@ -1,15 +1,11 @@
 """The observer: every DataLoader iteration timed in ``__next__`` with ``time.perf_counter`` only, CUDA
-events recorded at each batch hand-over on the current stream (read at the end, never synchronised on the
-way), worker CPU and memory sampled from /proc by a background thread, the loop's own batches replayed to
-it for a while to get its rate with data free, then (when the advice says more workers) fed from a
-second loader with them for a while (``trial.py``): the loop paused once, at ``replay_start``.
+events at batch hand-overs (read at the end, never synchronised on the way), workers' CPU and memory
+sampled from /proc by a thread; at a pause, the loop's own batches replayed to it (its rate with data
+free), then batches from a second loader with the advised workers (``trial.py``). Those stand-ins take
+real batches' places, so every epoch still yields ``len(loader)`` batches.
 
-The loop cannot tell it is watched: the batches watch feeds it (stand-ins) take real ones' places, so every
-epoch yields ``len(loader)`` batches (the last real ones never drawn); a window goes on in the next epoch.
-
-Per step i of one iterator: ``t_call`` (next() called), ``t_ret`` (the batch handed over), ``t_next`` (the
-following next() call, the end of the loop's own work on the batch). Wait = t_ret − t_call; host work =
-t_next − t_ret; device span = the stream's time from the hand-over event to the next call's event.
+Per step: ``t_call`` (next() called), ``t_ret`` (the batch handed over), ``t_next`` (the following call).
+Wait = t_ret − t_call; host work = t_next − t_ret; device span = hand-over event to the next call's event.
 """
 
 from __future__ import annotations
@@ -36,8 +32,7 @@ NVML_EVERY = 4  # GPU utilisation on one sampler tick in 4 (every 2 s at the def
 
 
 class WatchStop(SystemExit):
-    """Raised from ``next()`` once ``--steps`` steps were observed (and replayed): ends the script as a
-    clean exit (SystemExit passes the user's ``except Exception``), exit code 0."""
+    """Raised from ``next()`` once ``--steps`` steps were observed: a clean exit, past ``except Exception``."""
 
     def __init__(self, steps: int) -> None:
         super().__init__(0)
@@ -209,7 +204,6 @@ class Session:
         self._cuda_possible: bool | None = None
         self.finished: dict[str, Any] | None = None
 
-    # -- entry points ---------------------------------------------------------------------------------
     def install(self) -> None:
         """Watch every DataLoader iterated from now on (subclasses included, unless they replace
         ``__iter__`` without calling it)."""
@@ -241,7 +235,6 @@ class Session:
             self.set_gate(rec)
         return WatchedIterator(self, self.records[key], it)
 
-    # -- decisions in next() --------------------------------------------------------------------------
     def cuda_in_use(self) -> bool:
         # once CUDA is up it stays up; whether it exists is asked once, at the first step (after the
         # script set its CUDA_VISIBLE_DEVICES): is_available() reads the environment at each call
@@ -364,9 +357,12 @@ class Session:
         if rec.index != 0:
             return
         if self._profiler is None and not self._profile_started and rec.real >= self.config.warmup:
-            self._profile_started = True
-            self._profiler = start_profiler(self.cuda_in_use())
-            self._profiled = 0
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda_in_use() else [])
+            self._profile_started, self._profiled = True, 0
+            self._profiler = profile(activities=acts)
+            self._profiler.__enter__()
         elif self._profiler is not None and phase == "profiled":
             self._profiled += 1
             if self._profiled >= self.config.profile_steps:
@@ -382,7 +378,6 @@ class Session:
             prof.export_chrome_trace(path)
             self.profile_trace = path
 
-    # -- the end --------------------------------------------------------------------------------------
     def _start_sampler(self) -> None:
         if self._sampler is None:
             self._sampler = _Sampler(self, self.config.sample_interval_s)
@@ -406,15 +401,6 @@ class Session:
 
         self.finished = raw_document(self, status, exit_code, error, t_end)
         return self.finished
-
-
-def start_profiler(cuda: bool) -> Any:
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=acts)
-    prof.__enter__()
-    return prof
 
 
 class _Sampler(threading.Thread):
