@@ -1,12 +1,15 @@
-"""The in-loop trial of the workers advice. After the replay, the loop is paused inside next(); the advice
-is computed from what was observed so far, and when it says more workers, watch feeds the loop batches
-from a second DataLoader over the same dataset with the advised workers (``probes.workers_kwargs``) for a
-time (``trial_s``). Its first N × prefetch + 1 steps (the queue filling, the workers starting) are
-dropped, the rest timed; then that loader is shut down and the user's own iterator goes on where it
-paused. The trial's batches take the places of the user's (the epoch's length is unchanged).
+"""The windows of steps watch feeds the loop itself, and the in-loop trial of the workers advice.
 
-Why in the loop: beside N busy workers the loop's own step slows too (a main thread that synchronises
-every step contends with them), which no probe after the loop sees. The trial's rate is the prediction.
+A window (the replay's, the trial's) drops its first steps as warm-up, then times at least ``min_s``,
+capped in steps (at most half an epoch: its steps take the loop's own places). The replay follows a
+data-bound phase whose first steps wake the device's clocks, so it runs for a time, not a count, and
+``steps.block_period`` reads its period as the median of three blocks. Under torchrun the ranks must take
+the same number of steps (their all-reduces pair up): there a window counts steps only (``fixed``).
+
+The trial: after the replay, still paused inside next(), when the advice computed so far says more workers,
+watch feeds the loop batches from a second DataLoader with them (``probes.workers_kwargs``) for
+``trial_s``, its queue's filling dropped. Beside N busy workers the loop's own step slows too, which no
+probe after the loop sees: the trial's rate is the prediction.
 """
 
 from __future__ import annotations
@@ -14,16 +17,62 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
-from dlstore.bench.watch.window import MIN_TIMED, Window, cap_for
-
 if TYPE_CHECKING:
     from dlstore.bench.watch.record import LoaderRecord, Session
+
+MIN_TIMED = 3  # timed steps at the least: one per block
+FIXED_STEPS = 100  # a window's length in steps where it cannot follow the clock (torchrun)
+FIXED_WARM = 10
+
+
+class Window:
+    """Steps ``first_step`` … of a record fed by watch: ``more(t)`` at each next() call says whether one
+    more is fed; the first ones (at least ``warm_steps``, and ``warm_s`` seconds) are warm-up."""
+
+    def __init__(
+        self, first_step: int, warm_steps: int, warm_s: float, min_s: float, cap: int, fixed: bool = False
+    ) -> None:
+        self.first_step, self.cap = first_step, cap
+        self.warm_steps, self.warm_s, self.min_s = warm_steps, warm_s, min_s
+        if fixed:
+            self.cap = min(cap, FIXED_STEPS)
+            self.warm_steps, self.warm_s, self.min_s = min(FIXED_WARM, self.cap // 4), 0.0, float("inf")
+        self.n = 0  # steps fed so far
+        self.t0: float | None = None
+        self.timed_from: int | None = None  # the first timed step, counted in the window
+        self.t_timed = 0.0
+
+    def more(self, t: float) -> bool:
+        """At a next() call at ``t``: True to feed one more step; False when the window is over."""
+        if self.t0 is None:
+            self.t0 = t
+        if self.timed_from is None and (
+            (self.n >= self.warm_steps and t - self.t0 >= self.warm_s)
+            or self.n >= max(self.warm_steps, self.cap // 4)
+        ):
+            self.timed_from, self.t_timed = self.n, t
+        timed = self.timed_from is not None and self.n - self.timed_from >= MIN_TIMED
+        if self.n >= self.cap or (timed and t - self.t_timed >= self.min_s):
+            return False
+        self.n += 1
+        return True
+
+    def warm(self) -> list[int]:
+        """The record's step indices of the warm-up (all of the window's while none was timed)."""
+        upto = self.n if self.timed_from is None else self.timed_from
+        return list(range(self.first_step, self.first_step + upto))
+
+
+def cap_for(steps: int, epoch_len: int | None, least: int) -> int:
+    """A window's most steps: ``steps``, or half an epoch when that is fewer; never fewer than ``least``."""
+    half = steps if epoch_len is None else max(1, epoch_len // 2)
+    return max(least, min(steps, half))
 
 
 def advised_workers(session: Session, rec: LoaderRecord) -> int | None:
     """The worker count the advice computed from the record so far names, when more than the loop's."""
     from dlstore.bench.watch.analyse import analyse
-    from dlstore.bench.watch.raw import raw_document
+    from dlstore.bench.watch.record import raw_document
 
     doc = raw_document(session, "running", None, None, rec.now(), side=False)
     report = analyse([doc])
@@ -65,9 +114,7 @@ class Trial:
     def close(self) -> None:
         """Shut the trial's workers down now (not at garbage collection)."""
         it, self.it, self.loader = self.it, None, None
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        getattr(it, "_shutdown_workers", lambda: None)()
 
     def summary(self) -> dict[str, Any]:
         return {
@@ -94,9 +141,7 @@ def start(session: Session, rec: LoaderRecord) -> None:
 def step(rec: LoaderRecord, t: float) -> tuple[Any, str] | None:
     """One trial step's batch, or None once the trial is over (then its loader is shut down)."""
     tr = rec.trial
-    if tr is None:
-        return None
-    if tr.window.more(t):
+    if tr is not None and tr.window.more(t):
         try:
             return tr.batch(), "trial"
         except Exception as e:  # a worker failed: end the trial, the loop continues on its own data
