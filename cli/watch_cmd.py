@@ -138,7 +138,7 @@ def watch_cmd(
 
 
 def compare_cmd(paths: tuple[Path, Path], argv: list[str], as_json: bool) -> None:
-    from dlstore.bench.watch.compare import compare, compare_text, load_report
+    from dlstore.bench.watch.watch_report import compare, compare_text, load_report
 
     if argv:
         raise click.UsageError("--compare reads two watch.json files: give no command with it")

@@ -9,8 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from dlstore.bench.watch.compare import cell, compare, compare_text, summary
 from dlstore.bench.watch.config import WatchConfig, WatchError, rank_info
+from dlstore.bench.watch.watch_report import cell, compare, compare_text, summary
 
 
 def advised_settings(report: dict[str, Any]) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -19,17 +19,6 @@ from typing import Any
 from dlstore.bench.watch.config import WatchConfig, WatchError, rank_file, rank_info
 
 
-def parse_target(argv: list[str]) -> tuple[str, str, list[str]]:
-    """("script" | "module", path or module name, its arguments)."""
-    if not argv:
-        raise WatchError("no target: give a script (train.py ARGS…) or -m MODULE ARGS…")
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            raise WatchError("-m needs a module name, e.g. -m pkg.train")
-        return "module", argv[1], argv[2:]
-    return "script", argv[0], argv[1:]
-
-
 def exit_code_of(e: SystemExit) -> int:
     """The process exit status Python gives ``sys.exit(code)``."""
     if e.code is None:
@@ -40,44 +29,39 @@ def exit_code_of(e: SystemExit) -> int:
     return 1
 
 
-def run_target(kind: str, target: str, args: list[str]) -> None:
-    if kind == "module":
-        sys.argv = [target, *args]  # run_module puts the module's file in argv[0], as python -m does
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
+def run_target(argv: list[str]) -> None:
+    """``SCRIPT ARGS…`` or ``-m MODULE ARGS…``, run as python runs them."""
+    if argv[0] == "-m":
+        sys.argv = argv[1:]  # run_module puts the module's file in argv[0], as python -m does
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
-    path = os.path.abspath(target)
+    path = os.path.abspath(argv[0])
     if not os.path.exists(path):
-        raise WatchError(f"{target}: no such script (looked in {os.getcwd()})")
-    sys.argv = [target, *args]
+        raise WatchError(f"{argv[0]}: no such script (looked in {os.getcwd()})")
+    sys.argv = list(argv)
     sys.path[0] = os.path.dirname(path)  # python SCRIPT puts the script's folder first, not the cwd
     runpy.run_path(path, run_name="__main__")
 
 
-class _FirstInterrupt:
+def first_interrupt(signum: int, frame: Any) -> None:
     """SIGINT raises KeyboardInterrupt once; more (the terminal's and the parent's forwarded copy of the
     same Ctrl-C) are ignored so the record still gets written."""
-
-    def __init__(self) -> None:
-        self.seen = False
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.seen:
-            return
-        self.seen = True
-        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str]) -> int:
     from dlstore.bench.watch.record import Session, WatchStop
 
     config = WatchConfig.from_env()
-    kind, target, args = parse_target(argv)
-    signal.signal(signal.SIGINT, _FirstInterrupt())
+    if not argv or argv == ["-m"]:
+        raise WatchError("no target: give a script (train.py ARGS…) or -m MODULE ARGS…")
+    signal.signal(signal.SIGINT, first_interrupt)
     session = Session(config)
     session.install()
     status, code, error = "completed", 0, None
     try:
-        run_target(kind, target, args)
+        run_target(argv)
     except WatchStop:
         status = "stopped"
     except SystemExit as e:

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +26,9 @@ FLAGS_WITH_VALUE = ("-X", "-W", "-Q")
 RANK_WAIT_S = 120.0
 
 
-@dataclass(frozen=True)
-class ChildCommand:
-    """The child's argv: the interpreter, its own flags, then boot and the target as python gets it."""
-
-    interpreter: str
-    flags: tuple[str, ...]
-    target: tuple[str, ...]  # ("train.py", ARGS…) or ("-m", "pkg.train", ARGS…)
-
-    def argv(self) -> list[str]:
-        return [self.interpreter, *self.flags, "-m", "dlstore.bench.watch.boot", *self.target]
-
-
-def parse_command(argv: list[str]) -> ChildCommand:
-    """``python [FLAGS] train.py ARGS…``, ``python [FLAGS] -m pkg.train ARGS…`` or ``train.py ARGS…``."""
+def child_argv(argv: list[str]) -> list[str]:
+    """``python [FLAGS] train.py ARGS…``, ``python [FLAGS] -m pkg.train ARGS…`` or ``train.py ARGS…`` as the
+    child's: the interpreter, its flags, then boot and the target as python gets it."""
     if not argv:
         raise WatchError("no command: give it after --, e.g. dlstore watch -- python train.py --epochs 1")
     head = argv[0]
@@ -71,7 +60,7 @@ def parse_command(argv: list[str]) -> ChildCommand:
         raise WatchError("-m needs a module name, e.g. python -m pkg.train")
     if rest[0] != "-m" and not os.path.isfile(rest[0]):
         raise WatchError(f"{rest[0]}: no such script (looked from {os.getcwd()})")
-    return ChildCommand(interpreter, tuple(flags), tuple(rest))
+    return [interpreter, *flags, "-m", "dlstore.bench.watch.boot", *rest]
 
 
 def result_dir_for(out: Path | None, world: int) -> Path:
@@ -88,15 +77,6 @@ def result_dir_for(out: Path | None, world: int) -> Path:
     return path
 
 
-def child_env(config: WatchConfig) -> dict[str, str]:
-    env = dict(os.environ)
-    env[ENV_VAR] = config.to_env()
-    # the user's interpreter may not be this one: let it import this dlstore
-    here = str(Path(dlstore.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
-    return env
-
-
 def _stdout_for_child(script_stdout_to_stderr: bool) -> int | None:
     if not script_stdout_to_stderr:
         return None
@@ -106,11 +86,13 @@ def _stdout_for_child(script_stdout_to_stderr: bool) -> int | None:
         return 2
 
 
-def run_child(cmd: ChildCommand, config: WatchConfig, script_stdout_to_stderr: bool) -> int:
+def run_child(argv: list[str], config: WatchConfig, script_stdout_to_stderr: bool) -> int:
     """Run the watched child to its end; Ctrl-C here is passed on to it, so it reports what it saw."""
-    proc = subprocess.Popen(
-        cmd.argv(), env=child_env(config), stdout=_stdout_for_child(script_stdout_to_stderr)
-    )
+    # the user's interpreter may not be this one: let it import this dlstore
+    here = str(Path(dlstore.__file__).resolve().parent.parent)
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, ENV_VAR: config.to_env(), "PYTHONPATH": path}
+    proc = subprocess.Popen(argv, env=env, stdout=_stdout_for_child(script_stdout_to_stderr))
 
     def forward(signum: int, frame: Any) -> None:
         if proc.poll() is None:
@@ -152,13 +134,13 @@ def run_watch(
     argv: list[str], config: WatchConfig, out: Path | None = None, script_stdout_to_stderr: bool = False
 ) -> tuple[dict[str, Any] | None, int]:
     """(report, the script's exit code). The report is None on a rank other than 0 (rank 0 reports)."""
-    cmd = parse_command(argv)
+    child = child_argv(argv)
     rank, world = rank_info()
     result_dir = result_dir_for(out, world)
     config = replace(config, result_dir=str(result_dir))
     if config.profile and out is None:
         raise WatchError("--profile writes a trace file: give --out DIR as well")
-    code = run_child(cmd, config, script_stdout_to_stderr)
+    code = run_child(child, config, script_stdout_to_stderr)
     if rank != 0:
         return None, code
     docs = collect(result_dir, world)
