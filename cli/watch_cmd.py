@@ -25,9 +25,7 @@ POSITIVE, SECONDS = click.IntRange(1), click.FloatRange(0)
 OPTIONS: dict[str, dict[str, Any]] = {
     "steps": dict(type=POSITIVE, help="Stop the script after N observed steps."),
     "warmup": dict(type=click.IntRange(0), help="First-epoch steps kept apart."),
-    "replay": dict(
-        flag="--replay/--no-replay", help="Replay the loop's own batches to time it with data free."
-    ),
+    "replay": dict(flag="--replay/--no-replay", help="Replay the loop's batches (its rate with data free)."),
     "replay_at": dict(type=POSITIVE, help="Without --steps: replay after this many real steps."),
     "replay_s": dict(type=SECONDS, help="Seconds of replayed steps timed (after a warm-up of theirs)."),
     "replay_steps": dict(type=POSITIVE, help="Replayed steps at most."),
@@ -43,9 +41,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     ),
     "trial_s": dict(type=SECONDS, help="Seconds of the in-loop trial timed (after its queue filled)."),
     "replay_batches": dict(type=POSITIVE, help="Batches kept to replay."),
-    "parts": dict(
-        flag="--parts/--no-parts", help="Time the dataset's parts and the advised loaders alone at the end."
-    ),
+    "parts": dict(flag="--parts/--no-parts", help="Time the dataset's parts and the advised loaders alone."),
     "parts_budget_s": dict(
         flag="--parts-budget",
         type=click.FloatRange(0.05, 600),
@@ -92,7 +88,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
 @click.option(
     "--out",
     type=click.Path(path_type=Path, file_okay=False),
-    default=None,
     help="Write watch.json, steps.csv, timeline.png here.",
 )
 @click.option(

@@ -600,16 +600,11 @@ def _cache_advice(
     if expected < rules.WORTH_FRACTION * now:
         return None
     plan = _cache_plan(size, channels, gpu, ds, parts.batch)
-    command = rules.convert_command(
-        src["source"], size, src["extra"], channels, plan["bytes"], plan["avail"]
-    )[0]
-    command = (f"{src['prepare']}; " if src.get("prepare") else "") + command
+    command = rules.convert_command(src["source"], size, src["extra"], channels, plan["bytes"], plan["avail"])
+    command = (f"{src['prepare']}; " if src.get("prepare") else "") + command[0]
     memory = ", in_memory=True" if plan["in_memory"] else ""
-    caveat = (
-        rules.border_note(src["source"], size, src["extra"])
-        if rules.crops_whole_image(ds["transforms"])
-        else ""
-    )
+    whole = rules.crops_whole_image(ds["transforms"])
+    caveat = rules.border_note(src["source"], size, src["extra"]) if whole else ""
     caveat += f" ({src['why_callable']}.)" if src.get("why_callable") else ""
     how = f"predicted {fmt(expected)} img/s"
     if gpu:
@@ -619,38 +614,31 @@ def _cache_advice(
             f"({_cache_how(probe, gpu)}).{rules.not_reproduced(plan['missing'])}{caveat}"
         )
         code = f"ds = dlstore.CachedDataset(DEST{memory}); aug = {rules.augment_code(plan['augment'])}; x = aug(x.to('cuda', non_blocking=True))"
-        return _advice(
-            text,
-            f"{command}; {code}",
-            now,
-            expected,
-            "a dlstore cache with the augmentation on the GPU",
-            cache=plan,
+        what = "a dlstore cache with the augmentation on the GPU"
+    else:
+        split = stage_split(p, parts.batch)
+        share = sum(v for k, v in split.items() if k in ("read_s", "decode_s")) / (sum(split.values()) or 1.0)
+        text = (
+            f"A dlstore cache pre-resized to {size} (from {why}) removes the file read and decode "
+            f"({100 * share:.0f}% of the loader's work): {how} with your transforms kept ({_cache_how(probe, gpu)}).{caveat}"
         )
-    split = stage_split(p, parts.batch)
-    share = sum(v for k, v in split.items() if k in ("read_s", "decode_s")) / (sum(split.values()) or 1.0)
-    text = (
-        f"A dlstore cache pre-resized to {size} (from {why}) removes the file read and decode "
-        f"({100 * share:.0f}% of the loader's work): {how} with your transforms kept ({_cache_how(probe, gpu)}).{caveat}"
-    )
-    code = f"ds = dlstore.CachedDataset(DEST, transform=your_transform, pil=True{memory})"
-    return _advice(text, f"{command}; {code}", now, expected, "a dlstore cache", cache=plan)
+        code = f"ds = dlstore.CachedDataset(DEST, transform=your_transform, pil=True{memory})"
+        what = "a dlstore cache"
+    return _advice(text, f"{command}; {code}", now, expected, what, cache=plan)
 
 
 def _cached_parts(parts: LoopParts, p: dict[str, Any], size: int, channels: int, gpu: bool) -> LoopParts:
     """The loop with a cache's loader, modelled: a gather from memory, plus the CPU transform kept
     where the augmentation stays on the CPU (then in the loop's own workers)."""
     b = parts.batch
-    cost = b * size * size * channels / CACHE_READ_BYTES_PER_S + (p.get("collate_s") or 0.0) * (
-        0.2 if gpu else 1.0
-    )
+    collate = (p.get("collate_s") or 0.0) * (0.2 if gpu else 1.0)
+    cost = b * size * size * channels / CACHE_READ_BYTES_PER_S + collate
     if gpu:
         return replace(parts, workers=0, loader=LoaderTiming(cost, cost, cost, in_caller=True))
     cost += b * (p.get("transform_s") or 0.0)
     main = parts.loader.main_s if parts.workers else cost
-    return replace(
-        parts, loader=replace(parts.loader, period_s=cost / max(1, parts.workers), cpu_s=cost, main_s=main)
-    )
+    loader = replace(parts.loader, period_s=cost / max(1, parts.workers), cpu_s=cost, main_s=main)
+    return replace(parts, loader=loader)
 
 
 def _cache_how(probe: dict[str, Any] | None, gpu: bool) -> str:

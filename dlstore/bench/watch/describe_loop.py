@@ -140,8 +140,7 @@ def _path_rows(ds: Any) -> str | None:
 
 def _hf_source(ds: Any) -> dict[str, Any]:
     """A Hugging Face ``datasets`` table: written as parquet, read by dlstore's parquet source."""
-    features = getattr(ds, "features", {}) or {}
-    kinds = {k: type(v).__name__ for k, v in features.items()}
+    kinds = {k: type(v).__name__ for k, v in (getattr(ds, "features", {}) or {}).items()}
     if "Image" not in kinds.values():
         return {"why": "the Hugging Face table has no Image column: nothing to cache as images"}
     label = next((k for k, v in kinds.items() if v == "ClassLabel"), "label")
@@ -204,7 +203,4 @@ def batch_images(batch: Any) -> int | None:
 
 
 def _type_name(obj: Any) -> str | None:
-    if obj is None:
-        return None
-    t = type(obj)
-    return f"{t.__module__}.{t.__qualname__}"
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"

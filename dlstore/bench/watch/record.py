@@ -258,12 +258,9 @@ class Session:
         if rec.refill_left > 0:
             rec.refill_left -= 1
             return "refill"
-        n = len(rec.t_call)
-        if len(rec.epochs) == 1 and n < self.config.warmup:
+        if len(rec.epochs) == 1 and len(rec.t_call) < self.config.warmup:
             return "warmup"
-        if self._profiler is not None:
-            return "profiled"
-        return "real"
+        return "profiled" if self._profiler is not None else "real"
 
     def should_pause(self, rec: LoaderRecord) -> bool:
         return self.config.pauses() and rec.real >= self.next_pause(rec)
