@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -28,7 +29,7 @@ class Watch:
         from dlstore.bench.watch.record import Session
 
         if out is not None:
-            config = WatchConfig(**{**config.__dict__, "result_dir": str(Path(out) / "ranks")})
+            config = replace(config, result_dir=str(Path(out) / "ranks"))
             Path(config.result_dir).mkdir(parents=True, exist_ok=True)
         self.config = config
         self.out = None if out is None else Path(out)
@@ -109,8 +110,7 @@ def watch(
     **options: Any,
 ) -> Any:
     """``with watch(config) as w:`` watches every DataLoader iterated in the block; ``watch(loader, config)``
-    returns the same loader, watched, and reports when the script ends. ``options``: WatchConfig's fields
-    by name instead of ``config`` (``watch(steps=200)``)."""
+    the loader, reporting when the script ends. ``options``: WatchConfig's fields instead of ``config``."""
     if config is not None and options:
         raise WatchError("watch(): give a WatchConfig or options by name, not both")
     config = config if config is not None else WatchConfig(**options)  # an unknown name: TypeError

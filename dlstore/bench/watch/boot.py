@@ -1,10 +1,6 @@
-"""The watched child: ``python -m dlstore.bench.watch.boot SCRIPT ARGS…`` or ``… boot -m MODULE ARGS…``.
-
-Installs the observer, runs the target as ``python SCRIPT`` / ``python -m MODULE`` would (``sys.argv``,
-``sys.path[0]``, ``__main__``), and writes what was observed to this rank's file in the result folder
-whatever the ending: a clean end, ``--steps`` reached, an exception (its traceback printed, exit code 1),
-``sys.exit(n)`` (n kept) or Ctrl-C (exit 130).
-"""
+"""The watched child, ``python -m dlstore.bench.watch.boot SCRIPT ARGS…`` (or ``-m MODULE ARGS…``): runs
+the target as python would under the observer, and writes what was observed to this rank's file whatever
+the ending (an exception: exit code 1; ``sys.exit(n)``: n; Ctrl-C: 130)."""
 
 from __future__ import annotations
 

@@ -20,13 +20,8 @@ class WatchError(DlstoreError, ValueError):
 
 @dataclass(frozen=True)
 class WatchConfig:
-    """Options of one watch (``dlstore watch --help`` says what each does).
-
-    ``steps`` counts real (not stand-in) steps. The replay feeds ``replay_batches`` of the loop's own
-    batches back to it in its real batches' places, after ``replay_at`` real steps (half the first epoch
-    when sooner): ``replay_warmup_s`` of warm-up, then at least ``replay_s`` timed, ``replay_steps`` at
-    most. ``apply``: ``{"loader": index, "settings": {...}}``, what ``--apply`` puts into that loader.
-    """
+    """Options of one watch (``dlstore watch --help`` says what each does). ``steps`` counts real steps;
+    ``apply``: ``{"loader": index, "settings": {...}}``, what ``--apply`` puts into that loader."""
 
     result_dir: str = ""
     steps: int | None = None

@@ -1,15 +1,8 @@
-"""The advised loaders timed alone, in the watched process after the loop, as the bench times a loader alone
-before composing it with the step (``dlstore.bench.predict``), so a recommendation's predicted rate composes
-the loop's own step (its replay) with a loader that was measured:
-
-- more workers: the loop's Dataset, sampler kind and collate in a DataLoader with the advised workers
-  (they share the cores with each other and the main thread: N workers do not reach N times one's rate);
-- a dlstore cache (with GpuAugment when the advice moves the augmentation to the GPU): synthetic images
-  of the advised shape converted to a RAM cache and read by the advised loader; with ``--try-cache``, a
-  seeded sample of the user's own dataset (an image folder or a torchvision set) instead.
-
-Timings land under the loader's ``probes`` and ``try_cache`` in the raw record; ``analyse`` composes them.
-Every temporary cache is removed whatever happens.
+"""The advised loaders timed alone after the loop, as the bench times a loader before composing it with the
+step: more workers (the loop's own Dataset, sampler kind and collate; N workers share the cores, so they do
+not reach N times one's rate), and a dlstore cache (synthetic images of the advised shape, or with
+``--try-cache`` a seeded sample of the user's dataset, converted to a temporary cache and read by the
+advised loader). Timings land under the loader's ``probes`` and ``try_cache``; ``analyse`` composes them.
 """
 
 from __future__ import annotations
@@ -199,9 +192,8 @@ def try_cache(
 def convert_and_time(
     loader: Any, source: Any, plan: dict[str, Any], batch: int, cuda: bool, budget_s: float
 ) -> dict[str, Any]:
-    """``source`` converted as ``plan`` says into a temporary folder (removed after), and the advised loader
-    timed alone on it (``time_batches``): with GpuAugment at 0 workers, else with the loop's transform and
-    workers."""
+    """``source`` converted as ``plan`` says into a temporary folder, and the advised loader timed on it:
+    with GpuAugment at 0 workers, else with the loop's transform and workers."""
     from torch.utils.data import DataLoader, RandomSampler
 
     from dlstore.read.dataset import CachedDataset
@@ -248,10 +240,8 @@ def augment_kwargs(plan: dict[str, Any]) -> dict[str, Any]:
 def time_batches(
     dl: Any, batch: int, budget_s: float, augment: Any = None, device: torch.device | None = None
 ) -> dict[str, Any]:
-    """A loader alone, as the bench times one (``stages.measure_loader``: past the batches its workers
-    queued ahead, epochs repeated until ``budget_s``), with ``augment`` (a module on the CUDA ``device``)
-    applied in next(): per batch its period, the main thread's share, the workers' CPU seconds and the
-    augmentation's device time."""
+    """A loader alone, as the bench times one (``stages.measure_loader``), ``augment`` (on the CUDA
+    ``device``) applied in next(): per batch its period, the main thread's share, the workers' CPU."""
     from dlstore.bench.stages import measure_loader
 
     workers = int(getattr(dl, "num_workers", 0) or 0)

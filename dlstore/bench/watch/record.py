@@ -564,9 +564,8 @@ def loader_document(
 
 
 def tried(rec: LoaderRecord, config: WatchConfig) -> dict[str, Any]:
-    """Whether the replay (the rate with data free) and the in-loop trial (the workers advice's rate) ran
-    long enough to be timed: True, False (then ``why`` and ``how``), or None where not asked for (off,
-    or no trial advised)."""
+    """Whether the replay and the in-loop trial ran long enough to be timed: True, False (then ``why`` and
+    ``how``), or None where not asked for."""
     warm = set(rec.window_warm)
     timed = collections.Counter(p for i, p in enumerate(rec.phase) if i not in warm)
     replay = timed["replay"] >= MIN_TIMED if config.replay else None
@@ -588,9 +587,8 @@ def tried(rec: LoaderRecord, config: WatchConfig) -> dict[str, Any]:
 
 
 def device_spans(rec: LoaderRecord) -> tuple[list[float | None], list[float | None]]:
-    """Per step: the stream's time from the batch's hand-over to the next next() call (the step's device
-    span), and from that call to the following hand-over (the device's wait for data). Events are read
-    here, once: the one synchronisation of the watch, after the loop."""
+    """Per step: the device span (hand-over to the next call) and the device's wait for data (that call to
+    the next hand-over). The one synchronisation of the watch, after the loop."""
     n = len(rec.t_call)
     span: list[float | None] = [None] * n
     gap: list[float | None] = [None] * n

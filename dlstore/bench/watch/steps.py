@@ -96,9 +96,7 @@ def summarise(
 
 def group(row: dict[str, Any]) -> str:
     """The summary a step counts in: its phase, but a later epoch's first real step is that epoch's
-    start-up (``start``: workers started anew, their queue filled again), kept out of the steady figure:
-    on a short run one such step among a few steady ones moves it by half; it costs once an epoch
-    (``epoch_start_excess``)."""
+    start-up (``start``), kept out of the steady figure: it costs once an epoch (``epoch_start_excess``)."""
     if row["phase"] == "real" and row["epoch_first"] and row["epoch"] > 0:
         return "start"
     return row["phase"]

@@ -1,15 +1,10 @@
-"""The windows of steps watch feeds the loop itself, and the in-loop trial of the workers advice.
+"""The windows of steps watch feeds the loop (the replay's, the trial's), and the in-loop trial.
 
-A window (the replay's, the trial's) drops its first steps as warm-up, then times at least ``min_s``,
-capped in steps (at most half an epoch: its steps take the loop's own places). The replay follows a
-data-bound phase whose first steps wake the device's clocks, so it runs for a time, not a count, and
-``steps.block_period`` reads its period as the median of three blocks. Under torchrun the ranks must take
-the same number of steps (their all-reduces pair up): there a window counts steps only (``fixed``).
-
-The trial: after the replay, still paused inside next(), when the advice computed so far says more workers,
-watch feeds the loop batches from a second DataLoader with them (``probes.workers_kwargs``) for
-``trial_s``, its queue's filling dropped. Beside N busy workers the loop's own step slows too, which no
-probe after the loop sees: the trial's rate is the prediction.
+A window drops its first steps as warm-up, then times at least ``min_s`` (the device's clocks wake over a
+data-bound phase: a time, not a count), capped at half an epoch. Under torchrun the ranks must take the
+same number of steps (their all-reduces pair up): there a window counts steps only (``fixed``).
+The trial: at the pause, when the advice says more workers, the loop is fed from a second DataLoader with
+them for ``trial_s``; beside N busy workers the loop's own step slows too, which no probe after it sees.
 """
 
 from __future__ import annotations

@@ -123,9 +123,8 @@ RATE_COLOURS = {"now": "#7f7f7f", "data free": "#bcbd22", "predicted": "#1f77b4"
 
 
 def timeline_series(report: dict[str, Any]) -> dict[str, Any] | None:
-    """What timeline.png draws of the training loader, None without steps: ``columns``, one per step or the
-    mean of several (a stand-in phase squeezed into a quarter of the real steps' width at most, so the
-    user's steps never sit at an edge); ``spans``, each phase's run as columns [x0, x1); ``rates``."""
+    """What timeline.png draws of the training loader: ``columns``, one per step or the mean of several (a
+    stand-in phase in a quarter of the real steps' width at most); ``spans``, each phase's columns."""
     rep = next((r for r in report["loaders"] if r["index"] == report.get("primary")), None)
     if rep is None or not rep["rows"]:
         return None
