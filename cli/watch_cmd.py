@@ -106,8 +106,8 @@ def watch_cmd(
 ) -> None:
     """Run COMMAND (python train.py ARGS… or python -m pkg.train ARGS…) with every DataLoader iteration
     observed, then say what binds the loop and what to change. The script's exit code is kept."""
-    from dlstore.bench.watch.apply import apply_text, watch_and_apply
-    from dlstore.bench.watch.watch_report import json_document, text_report, write_outputs
+    from dlstore.bench.watch.launch import watch_and_apply
+    from dlstore.bench.watch.watch_report import apply_text, json_document, text_report, write_outputs
 
     argv = list(command[1:] if command and command[0] == "--" else command)
     if compare is not None:

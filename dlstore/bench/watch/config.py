@@ -21,7 +21,7 @@ class WatchError(DlstoreError, ValueError):
 @dataclass(frozen=True)
 class WatchConfig:
     """Options of one watch (``dlstore watch --help`` says what each does). ``steps`` counts real steps;
-    ``apply``: ``{"loader": index, "settings": {...}}``, what ``--apply`` puts into that loader."""
+    ``apply``: ``{"loader": index, "settings": {...}}``, what ``--apply`` puts into that loader (``launch.inject``)."""
 
     result_dir: str = ""
     steps: int | None = None

@@ -222,10 +222,9 @@ def _draw_steps(ax: Any, series: dict[str, Any]) -> None:
         squeezed = sum(s["x1"] - s["x0"] for s in runs) < steps
         label += f": {steps} step{'s' if steps != 1 else ''}" + (" (drawn compacted)" if squeezed else "")
         handles.append(Patch(facecolor=colour or "white", edgecolor="0.6", label=label))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _step_at(cols, v)))
-    ax.set_xlim(-0.5, len(cols) - 0.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("ms per step")
+    labels = {i: str(c["first_step"]) for i, c in enumerate(cols)}
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: labels.get(round(v), "")))
+    ax.set(xlim=(-0.5, len(cols) - 0.5), xlabel="step", ylabel="ms per step")
     ax.set_title("dlstore watch: per-step time of the training loader", fontsize=9)
     ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
 
@@ -248,15 +247,9 @@ def _draw_rates(ax: Any, rates: list[dict[str, Any]]) -> None:
         x, where = (0.98 * top, "right") if beyond else (v + 0.01 * top, "left")
         ax.text(x, i, f"{v:,.0f}{' →' if beyond else ''}", ha=where, va="center", fontsize=8)
     ax.set_yticks(y, [b["label"] for b in rates], fontsize=8)
-    ax.set_xlim(0, top)
+    ax.set(xlim=(0, top), xlabel="img/s")
     ax.invert_yaxis()
-    ax.set_xlabel("img/s")
     ax.set_title("rates", fontsize=9)
-
-
-def _step_at(cols: list[dict[str, Any]], v: float) -> str:
-    i = round(v)
-    return str(cols[i]["first_step"]) if 0 <= i < len(cols) else ""
 
 
 def json_document(report: dict[str, Any], rows: bool = False) -> dict[str, Any]:
@@ -361,3 +354,25 @@ def cell(key: str, value: Any) -> str:
     if key.endswith("img_per_s"):
         return f"{value:,.0f}"
     return str(value)
+
+
+def apply_text(first: dict[str, Any], second: dict[str, Any] | None) -> str:
+    """What was applied, measured beside predicted, then the two runs side by side (``compare``)."""
+    a = first["applied"]
+    if second is None:
+        return f"--apply: {a['skipped']}."
+    what = ", ".join(f"{k}={v}" for k, v in a["settings"].items())
+    if not a["reached"]:
+        line = (
+            f"--apply: {what} did not reach DataLoader #{a['loader']} in the second run (the script "
+            "iterated its loaders in another order, or made a new one): no measurement."
+        )
+    else:
+        line = (
+            f"--apply: the script re-ran with {what} in DataLoader #{a['loader']}: measured "
+            f"{cell('img_per_s', a['measured_img_per_s'])} img/s, predicted "
+            f"{cell('img_per_s', a['predicted_img_per_s'])}"
+            + (f" ({100 * a['error']:+.0f}%)" if a["error"] is not None else "")
+            + "".join(f"; not applied (a change to your code): {c}" for c in a["not_applied"])
+        )
+    return line + "\n" + compare_text(compare(first, second, ("as written", "applied")))

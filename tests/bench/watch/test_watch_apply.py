@@ -13,8 +13,8 @@ import torch
 from click.testing import CliRunner
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from dlstore.bench.watch.apply import advised_settings, inject
 from dlstore.bench.watch.config import WatchConfig
+from dlstore.bench.watch.launch import advised_settings, inject
 from dlstore.bench.watch.watch_report import rates_top, timeline_series
 from dlstore.cli import main
 from dlstore.machine import usable_cores
@@ -289,7 +289,8 @@ def one_loader(workers: int, rate: float) -> dict[str, Any]:
 
 
 def test_applied_summary_measures_only_a_loader_the_settings_reached() -> None:
-    from dlstore.bench.watch.apply import applied_summary, apply_text
+    from dlstore.bench.watch.launch import applied_summary
+    from dlstore.bench.watch.watch_report import apply_text
 
     used = [
         {"text": "Use 4 workers", "expected_img_per_s": 400.0, "command": "DataLoader(..., num_workers=4)"},
