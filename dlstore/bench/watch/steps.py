@@ -54,11 +54,8 @@ def block_period(periods: Sequence[float], blocks: int = 3) -> float:
     n = len(periods)
     if n < blocks:
         return sum(periods) / n
-    means = []
-    for b in range(blocks):
-        part = periods[b * n // blocks : (b + 1) * n // blocks]
-        means.append(sum(part) / len(part))
-    return sorted(means)[blocks // 2]
+    cuts = [b * n // blocks for b in range(blocks + 1)]
+    return sorted(sum(periods[a:b]) / (b - a) for a, b in zip(cuts, cuts[1:]))[blocks // 2]
 
 
 def summarise(
@@ -69,11 +66,9 @@ def summarise(
     done = [r for r in rows if r["period_s"] is not None]
     if not done:
         return None
-    wait = [r["wait_s"] for r in done]
-    period = sum(r["period_s"] for r in done) / len(done)
-    mean_period = period
-    if blocks:
-        period = block_period([r["period_s"] for r in done])
+    wait, periods = [r["wait_s"] for r in done], [r["period_s"] for r in done]
+    mean_period = sum(periods) / len(done)
+    period = block_period(periods) if blocks else mean_period
     device = [r["device_s"] for r in done if r["device_s"] is not None]
     dwait = [r["device_wait_s"] for r in done if r["device_wait_s"] is not None]
     return {
@@ -81,14 +76,14 @@ def summarise(
         "period_s": period,
         "period_mean_s": mean_period,
         "img_per_s": images / period if images and period > 0 else None,
-        "wait_share": sum(wait) / sum(r["period_s"] for r in done) if period > 0 else 0.0,
+        "wait_share": sum(wait) / sum(periods) if period > 0 else 0.0,
         "wait_mean_s": mean(wait),
         "wait_p50_s": percentile(wait, 0.5),
         "wait_p95_s": percentile(wait, 0.95),
         "wait_p10_s": percentile(wait, 0.1),
         "host_mean_s": mean([r["host_s"] for r in done]),
         "device_mean_s": mean(device),
-        "device_wait_share": sum(dwait) / sum(r["period_s"] for r in done) if dwait else None,
+        "device_wait_share": sum(dwait) / sum(periods) if dwait else None,
         "t_first_s": done[0]["t_s"],
         "t_last_s": done[-1]["t_s"] + done[-1]["period_s"],
     }
