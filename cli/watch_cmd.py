@@ -8,7 +8,7 @@ from typing import Any
 
 import click
 
-from dlstore.bench.watch.config import WatchConfig
+from dlstore.bench.watch import WatchConfig
 from dlstore.cli.render import emit_json, stderr
 from dlstore.cli.shared_options import Command, config_options
 

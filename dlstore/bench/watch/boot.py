@@ -12,7 +12,7 @@ import sys
 import traceback
 from typing import Any
 
-from dlstore.bench.watch.config import WatchConfig, WatchError, rank_file, rank_info
+from dlstore.bench.watch import WatchConfig, WatchError, rank_file, rank_info
 
 
 def exit_code_of(e: SystemExit) -> int:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import dlstore
+from dlstore.bench.watch import ENV_VAR, WatchConfig, WatchError, rank_file, rank_info
 from dlstore.bench.watch.analyse import analyse
-from dlstore.bench.watch.config import ENV_VAR, WatchConfig, WatchError, rank_file, rank_info
 from dlstore.bench.watch.watch_report import summary
 
 PYTHON_NAME = re.compile(r"^python(\d+(\.\d+)?)?(\.exe)?$")

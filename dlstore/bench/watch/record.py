@@ -24,8 +24,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dlstore.bench.monitor import memory_kb, process_cpu_s
-from dlstore.bench.watch import trial
-from dlstore.bench.watch.config import WatchConfig, rank_info
+from dlstore.bench.watch import WatchConfig, rank_info, trial
 from dlstore.bench.watch.describe_loop import batch_images, dataset_info, loader_settings
 from dlstore.bench.watch.launch import inject
 from dlstore.bench.watch.trial import MIN_TIMED, Window, cap_for

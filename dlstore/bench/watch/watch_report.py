@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from dlstore.bench.advice import plural
+from dlstore.bench.watch import WatchError
 from dlstore.bench.watch.analyse import loop_rate
-from dlstore.bench.watch.config import WatchError
 
 TIMES = ("wait", "host", "period", "device", "device_wait")  # steps.csv's columns in ms, after these:
 CSV_FIELDS = ("loader", "step", "epoch", "phase", "epoch_first", *(f"{k}_ms" for k in TIMES))

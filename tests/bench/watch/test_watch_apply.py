@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
-from dlstore.bench.watch.config import WatchConfig
+from dlstore.bench.watch import WatchConfig
 from dlstore.bench.watch.launch import advised_settings, inject
 from dlstore.bench.watch.watch_report import rates_top, timeline_series
 from dlstore.cli import main

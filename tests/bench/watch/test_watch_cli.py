@@ -188,7 +188,7 @@ def test_options_come_from_the_watch_config_fields_with_its_defaults() -> None:
     import dataclasses
     import inspect
 
-    from dlstore.bench.watch.config import WatchConfig
+    from dlstore.bench.watch import WatchConfig
 
     cmd = main.commands["watch"]
     fields = {f.name: f.default for f in dataclasses.fields(WatchConfig)}

@@ -98,7 +98,7 @@ def test_steps_stops_after_the_last_replay_round() -> None:
 
 @pytest.mark.parametrize("field", ["replay_rounds", "replay_every"])
 def test_replay_rounds_and_spacing_must_be_positive(field: str) -> None:
-    from dlstore.bench.watch.config import WatchConfig, WatchError
+    from dlstore.bench.watch import WatchConfig, WatchError
 
     with pytest.raises(WatchError, match="positive"):
         WatchConfig(**{field: 0})
