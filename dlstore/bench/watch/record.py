@@ -38,19 +38,12 @@ NVML_EVERY = 4  # GPU utilisation on one sampler tick in 4 (every 2 s at the def
 class WatchStop(SystemExit):
     """Raised from ``next()`` once ``--steps`` steps were observed: a clean exit, past ``except Exception``."""
 
-    def __init__(self, steps: int) -> None:
-        super().__init__(0)
-        self.steps = steps
-
 
 class LoaderRecord:
     """Everything seen of one DataLoader, across its epochs (one ``__iter__`` call = one epoch)."""
 
     def __init__(self, index: int, loader: Any, config: WatchConfig, t0: float) -> None:
-        self.index = index
-        self.loader = loader
-        self.config = config
-        self.t0 = t0
+        self.index, self.loader, self.config, self.t0 = index, loader, config, t0
         self.settings = loader_settings(loader)
         self.epoch_len: int | None = self.settings["batches_per_epoch"]
         self.start = config.replay_start(self.epoch_len) if self.epoch_len is not None else NEVER
@@ -65,15 +58,13 @@ class LoaderRecord:
         self.kept: collections.deque[Any] = collections.deque(maxlen=config.replay_batches)
         self.sample_batch: Any = None
         self.images: int | None = None
-        self.real = 0
+        # real steps; pauses begun (one per replay round, the first also times the parts and the trial)
+        self.real = self.pauses = self.replay_index = self.refill_left = 0
         self.mode: str | None = None  # "replay" or "trial" while watch feeds the loop
-        self.pauses = 0  # pauses begun: one per replay round (the first also times the parts, the trial)
         self.paused = False  # every pause is done
         self.gate: float = 0  # real steps before which no pause or stop is due (``Session.set_gate``)
         self.keep_from: float = NEVER  # real steps after which batches are kept for the next replay round
         self.window: Any = None  # the current replay round's Window
-        self.replay_index = 0
-        self.refill_left = 0
         self.parts: dict[str, Any] | None = None  # the side measurement, once made (at the pause)
         self.trial: Any = None  # the running trial.Trial
         self.trial_info: dict[str, Any] | None = None
@@ -83,14 +74,12 @@ class LoaderRecord:
         self.iterators: list[Any] = []
 
     def new_epoch(self, it: Any) -> int:
-        self.epochs.append({"epoch": len(self.epochs), "first_step": len(self.t_call), "t_iter": self.now()})
+        t = time.perf_counter() - self.t0
+        self.epochs.append({"epoch": len(self.epochs), "first_step": len(self.t_call), "t_iter": t})
         # persistent workers: every epoch's iter() returns the same iterator, kept once (not summed twice)
         kept = [i for i in self.iterators if i is not it and getattr(i, "_workers", None)]
         self.iterators = [*kept, it]
         return len(self.epochs) - 1
-
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
 
     def worker_pids(self) -> list[int]:
         pids: dict[int, None] = {}
@@ -176,7 +165,7 @@ class WatchedIterator:
                 s.pause(rec, t_call)
                 continue
             if s.should_stop(rec):
-                raise WatchStop(rec.real)
+                raise WatchStop(0)
             break  # past the gate with nothing due now (a stop waiting for a pause): this step is real
         try:
             if self._stand_ins and self._full():
@@ -387,7 +376,6 @@ class Session:
         if self.finished is not None:
             return self.finished
         self.uninstall()
-        t_end = time.perf_counter() - self.t0
         try:
             self._stop_profiler()
         except Exception as e:  # a failed trace export must not lose the record
@@ -396,7 +384,7 @@ class Session:
             self._sampler.stop()
         for rec in self.records.values():
             self.end_window(rec)
-        self.finished = raw_document(self, status, exit_code, error, t_end)
+        self.finished = raw_document(self, status, exit_code, error)
         return self.finished
 
 
@@ -488,7 +476,7 @@ VERSION = 1
 
 
 def raw_document(
-    session: Session, status: str, exit_code: int | None, error: str | None, t_end: float, side: bool = True
+    session: Session, status: str, exit_code: int | None, error: str | None, side: bool = True
 ) -> dict[str, Any]:
     """The record; ``side=False``: what was observed only (no parts, probes or --try-cache timed now:
     the trial's decision mid-loop)."""
@@ -502,8 +490,6 @@ def raw_document(
         "error": error,
         "rank": rank,
         "world_size": world,
-        "pid": os.getpid(),
-        "wall_s": t_end,
         "cuda": cuda,
         "device_label": torch.cuda.get_device_name() if cuda else platform.processor() or "CPU",
         "cores": usable_cores(),
@@ -541,20 +527,12 @@ def loader_document(
     }
     if rec.parts is None and side and session.config.parts and rec.t_call and not interrupted:
         parts = measure_record_parts(rec, cuda, session.config.parts_budget_s)
+    same = "index settings dataset t_call t_ret t_next phase epoch epochs worker_samples".split()
     return {
-        "index": rec.index,
-        "settings": rec.settings,
-        "dataset": rec.dataset,
+        **{name: getattr(rec, name) for name in same},
         "images_per_batch": rec.images or rec.settings.get("batch_size"),
-        "t_call": rec.t_call,
-        "t_ret": rec.t_ret,
-        "t_next": rec.t_next,
-        "phase": rec.phase,
-        "epoch": rec.epoch,
         "device_s": device,
         "device_gap_s": gap,
-        "epochs": rec.epochs,
-        "worker_samples": rec.worker_samples,
         "tried": tried(rec, session.config),
         "window_warm": list(rec.window_warm),
         "trial": rec.trial_info,

@@ -69,7 +69,7 @@ def advised_workers(session: Session, rec: LoaderRecord) -> int | None:
     from dlstore.bench.watch.analyse import analyse
     from dlstore.bench.watch.record import raw_document
 
-    doc = raw_document(session, "running", None, None, rec.now(), side=False)
+    doc = raw_document(session, "running", None, None, side=False)
     report = analyse([doc])
     mine = next((r for r in report["loaders"] if r["index"] == rec.index), None)
     if mine is None:
