@@ -60,6 +60,17 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "profile": dict(help="Write a torch.profiler trace of a few steps to --out."),
 }
 
+APPLY_HELP = (
+    "Then run the script again with the advised DataLoader settings put into its loader (no edit), and "
+    "report the rate measured beside the rate predicted (with --steps, both runs stop after N steps)."
+)
+COMPARE_HELP = (
+    "Compare two runs' watch.json (or --out folders) instead of running a command: settings, rates, wait "
+    "share, binding stage."
+)
+OUT_HELP = "Write watch.json, steps.csv, timeline.png here."
+JSON_HELP = "Print one JSON document on stdout (the script's stdout goes to stderr)."
+
 
 @click.command(
     "watch",
@@ -70,32 +81,10 @@ OPTIONS: dict[str, dict[str, Any]] = {
 )
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @config_options(WatchConfig, OPTIONS)
-@click.option(
-    "--apply",
-    "apply_advice",
-    is_flag=True,
-    help="Then run the script again with the advised DataLoader settings put into its loader (no edit), "
-    "and report the rate measured beside the rate predicted (with --steps, both runs stop after N steps).",
-)
-@click.option(
-    "--compare",
-    nargs=2,
-    type=click.Path(path_type=Path, exists=True),
-    default=None,
-    help="Compare two runs' watch.json (or --out folders) instead of running a command: settings, rates, "
-    "wait share, binding stage.",
-)
-@click.option(
-    "--out",
-    type=click.Path(path_type=Path, file_okay=False),
-    help="Write watch.json, steps.csv, timeline.png here.",
-)
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print one JSON document on stdout (the script's stdout goes to stderr).",
-)
+@click.option("--apply", "apply_advice", is_flag=True, help=APPLY_HELP)
+@click.option("--compare", nargs=2, type=click.Path(path_type=Path, exists=True), help=COMPARE_HELP)
+@click.option("--out", type=click.Path(path_type=Path, file_okay=False), help=OUT_HELP)
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def watch_cmd(
     command: tuple[str, ...],
     apply_advice: bool,

@@ -540,26 +540,16 @@ def _pin_advice(
         return None
     saving = max(0.0, h2d["pageable_s"] - h2d["pinned_s"])
     fed = parts.fed
-    faster = replace(
-        parts,
-        fed=replace(
-            fed,
-            period_s=max(fed.device_s or 0.0, fed.period_s - saving),
-            serial_s=max(0.0, fed.serial_s - saving),
-        ),
-    )
-    expected = now * _rate(faster) / _rate(parts)
+    period, serial = max(fed.device_s or 0.0, fed.period_s - saving), max(0.0, fed.serial_s - saving)
+    expected = now * _rate(replace(parts, fed=replace(fed, period_s=period, serial_s=serial))) / _rate(parts)
     if expected < rules.WORTH_FRACTION * now:
         return None
-    return _advice(
+    text = (
         f"Pin the batches: the copy takes {1e3 * h2d['pageable_s']:.2f} ms pageable vs {1e3 * h2d['pinned_s']:.2f} "
-        f"ms pinned ({h2d['bytes'] / 1e6:.1f} MB per batch): predicted {fmt(expected)} img/s.",
-        "DataLoader(..., pin_memory=True); x = x.to('cuda', non_blocking=True)",
-        now,
-        expected,
-        "pin_memory=True",
-        settings={"pin_memory": True},
+        f"ms pinned ({h2d['bytes'] / 1e6:.1f} MB per batch): predicted {fmt(expected)} img/s."
     )
+    code = "DataLoader(..., pin_memory=True); x = x.to('cuda', non_blocking=True)"
+    return _advice(text, code, now, expected, "pin_memory=True", settings={"pin_memory": True})
 
 
 def cache_size(transforms: list[dict[str, Any]]) -> tuple[int, str] | None:
