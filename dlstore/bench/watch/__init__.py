@@ -36,7 +36,7 @@ class WatchError(DlstoreError, ValueError):
 @dataclass(frozen=True)
 class WatchConfig:
     """Options of one watch (``dlstore watch --help`` says what each does). ``steps`` counts real steps;
-    ``apply``: ``{"loader": index, "settings": {...}}``, what ``--apply`` puts into that loader (``launch.inject``)."""
+    ``apply``: ``{"loader": index, "settings": {...}}``, what ``--apply`` puts into that loader."""
 
     result_dir: str = ""
     steps: int | None = None
@@ -94,13 +94,9 @@ class WatchConfig:
     def from_env(cls, environ: dict[str, str] | None = None) -> WatchConfig:
         raw = (environ if environ is not None else os.environ).get(ENV_VAR)
         if not raw:
-            raise WatchError(
-                f"{ENV_VAR} is not set: dlstore.bench.watch.boot is started by `dlstore watch -- python "
-                "train.py`, not by hand"
-            )
-        doc = json.loads(raw)
+            raise WatchError(f"{ENV_VAR} is not set: boot is started by `dlstore watch -- python train.py`")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in doc.items() if k in known})
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
 
 def rank_info(environ: dict[str, str] | None = None) -> tuple[int, int]:

@@ -20,11 +20,8 @@ CSV_FIELDS = ("loader", "step", "epoch", "phase", "epoch_first", *(f"{k}_ms" for
 
 def text_report(report: dict[str, Any]) -> str:
     """The one sentence first, then what to do, then the figures behind it."""
-    lines = [
-        report["verdict"],
-        "",
-        f"dlstore watch — {report['device']}, {plural(report['cores'], 'usable core')}; script {_ending(report)}",
-    ]
+    head = f"dlstore watch — {report['device']}, {plural(report['cores'], 'usable core')}; script {_ending(report)}"
+    lines = [report["verdict"], "", head]
     if report["recommendations"]:
         lines.append("Recommendations (largest predicted gain first):")
         lines += [f"  {i}. {r}" for i, r in enumerate(report["recommendations"], 1)]
@@ -33,10 +30,8 @@ def text_report(report: dict[str, Any]) -> str:
     for rep in report["loaders"]:
         lines += ["", *_loader_lines(rep, primary=rep["index"] == report.get("primary"))]
     if report.get("ranks"):
-        lines.append(
-            "Per rank: "
-            + ", ".join(f"rank {r['rank']} wait {_pct(r['wait_share'])}" for r in report["ranks"]["per_rank"])
-        )
+        per = ", ".join(f"rank {r['rank']} wait {_pct(r['wait_share'])}" for r in report["ranks"]["per_rank"])
+        lines.append("Per rank: " + per)
     shown = {n for rep in report["loaders"] for n in rep["notes"]}
     lines += ["Note: " + note for note in report["notes"] if note not in shown]
     if report.get("profile_trace"):
