@@ -91,19 +91,18 @@ class WatchConfig:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_env(cls, environ: dict[str, str] | None = None) -> WatchConfig:
-        raw = (environ if environ is not None else os.environ).get(ENV_VAR)
+    def from_env(cls) -> WatchConfig:
+        raw = os.environ.get(ENV_VAR)
         if not raw:
             raise WatchError(f"{ENV_VAR} is not set: boot is started by `dlstore watch -- python train.py`")
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
 
-def rank_info(environ: dict[str, str] | None = None) -> tuple[int, int]:
+def rank_info() -> tuple[int, int]:
     """(rank, world size) from torchrun's environment; (0, 1) outside it."""
-    env = environ if environ is not None else os.environ
     try:
-        return int(env.get("RANK", "0")), max(1, int(env.get("WORLD_SIZE", "1")))
+        return int(os.environ.get("RANK", "0")), max(1, int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError:
         return 0, 1
 

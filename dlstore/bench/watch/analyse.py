@@ -42,17 +42,10 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     docs = sorted(docs, key=lambda d: d.get("rank", 0))
     main = docs[0]
     out: dict[str, Any] = {
-        "status": main["status"],
-        "exit_code": main["exit_code"],
-        "error": main.get("error"),
-        "device": main["device_label"] if main["cuda"] else "cpu",
-        "cuda": main["cuda"],
-        "cores": main["cores"],
-        "world_size": main.get("world_size", 1),
-        "profile_trace": main.get("profile_trace"),
-        "notes": [],
-        "loaders": [],
+        k: main.get(k) for k in ("status", "exit_code", "error", "cuda", "cores", "profile_trace")
     }
+    out.update(device=main["device_label"] if main["cuda"] else "cpu", world_size=main.get("world_size", 1))
+    out.update(notes=[], loaders=[])
     if not main["loaders"]:
         out["notes"].append(never_iterated_note(main.get("error")))
         out["verdict"] = out["notes"][0]
@@ -265,10 +258,7 @@ def model_summary(parts: LoopParts, pred: Prediction, measured: float | None) ->
 
 def stage_split(p: dict[str, Any], images: int) -> dict[str, float]:
     """Per batch seconds of each measured stage: read, decode, transform, collate (or __getitem__ whole)."""
-    out: dict[str, float] = {}
-    for key in ("read_s", "decode_s", "transform_s"):
-        if p.get(key) is not None:
-            out[key] = images * p[key]
+    out = {k: images * p[k] for k in ("read_s", "decode_s", "transform_s") if p.get(k) is not None}
     if "read_s" not in out and p.get("load_s") is not None:
         out["read_s"] = images * p["load_s"]  # a load we cannot split: read and decode together
     if not out and p.get("getitem_s") is not None:

@@ -394,14 +394,11 @@ class _Sampler(threading.Thread):
 
     def __init__(self, session: Session, interval: float) -> None:
         super().__init__(name="dlstore-watch-sampler", daemon=True)
-        self.session = session
-        self.interval = interval
-        self.halt = threading.Event()
+        self.session, self.interval, self.halt = session, interval, threading.Event()
         self.main_cpu: list[list[float | None]] = []
         self.gpu_util: list[list[float]] = []
         self.nvml: Any = None
-        self.nvml_tried = False
-        self.ticks = 0
+        self.nvml_tried, self.ticks = False, 0
 
     def run(self) -> None:
         while not self.halt.is_set():

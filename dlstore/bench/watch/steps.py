@@ -115,17 +115,11 @@ def by_phase(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, An
     return out
 
 
-def contiguous(rows: Sequence[dict[str, Any]], phase: str) -> list[list[dict[str, Any]]]:
-    """The runs of consecutive steps in ``phase`` (a replay round each)."""
-    return [list(run) for inside, run in groupby(rows, key=lambda r: r["phase"] == phase) if inside]
-
-
 def _replay_rounds(replay: dict[str, Any], rows: Sequence[dict[str, Any]], images: int | None) -> None:
     """With several replay rounds: each round's steady period (``rounds``), and the replay's period the
     median round's (a round on a slow stretch of a shared machine left out)."""
-    rounds = [
-        summarise([r for r in run if not r["warm"]], images, True) for run in contiguous(rows, "replay")
-    ]
+    runs = [list(run) for inside, run in groupby(rows, key=lambda r: r["phase"] == "replay") if inside]
+    rounds = [summarise([r for r in run if not r["warm"]], images, True) for run in runs]
     done = [r for r in rounds if r is not None]
     if len(done) < 2:
         return
