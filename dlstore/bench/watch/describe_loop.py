@@ -91,12 +91,9 @@ def convert_source(ds: Any) -> dict[str, Any]:
         return _hf_source(ds)
     listed = _path_rows(ds)
     if listed is not None:
-        return {
-            "source": "files.csv",
-            "extra": "",
-            "prepare": "import csv; csv.writer(open('files.csv', 'w', newline='')).writerows("
-            f"[('path', 'label'), *{listed}])",
-        }
+        rows = f"[('path', 'label'), *{listed}]"
+        prepare = f"import csv; csv.writer(open('files.csv', 'w', newline='')).writerows({rows})"
+        return {"source": "files.csv", "extra": "", "prepare": prepare}
     if isinstance(ds, sys.modules["torch.utils.data"].IterableDataset):
         return {"why": f"{name} is an IterableDataset: it streams samples and names no files to convert"}
     if type(ds).__module__ == "__main__":
@@ -131,10 +128,8 @@ def _path_rows(ds: Any) -> str | None:
             return f"[(str(p), y) for p, y, *_ in ds.{attr}]"
         if isinstance(first, (str, os.PathLike)):
             n = len(value)  # type: ignore[arg-type]
-            ys = next(
-                (f"ds.{a}" for a in ("targets", "labels") if len(getattr(ds, a, None) or ()) == n), None
-            )
-            return f"zip(map(str, ds.{attr}), {ys or '[0] * len(ds)'})"
+            ys = [f"ds.{a}" for a in ("targets", "labels") if len(getattr(ds, a, None) or ()) == n]
+            return f"zip(map(str, ds.{attr}), {(ys or ['[0] * len(ds)'])[0]})"
     return None
 
 

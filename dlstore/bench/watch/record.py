@@ -102,13 +102,12 @@ class WatchedIterator:
     """Wraps a DataLoader iterator; ``__next__`` times the call and decides replay and stop."""
 
     def __init__(self, session: Session, record: LoaderRecord, it: Any) -> None:
-        self._session = session
-        self._record = record
-        self._it = it
+        self._session, self._record, self._it = session, record, it
         self._last: int | None = None
         self._epoch = record.new_epoch(it)
-        self._handed = 0  # batches handed over in this epoch, stand-ins included
-        self._stand_ins = 0
+        self._handed = self._stand_ins = (
+            0  # batches handed over in this epoch (stand-ins included), stand-ins
+        )
 
     def __iter__(self) -> WatchedIterator:
         return self
@@ -183,17 +182,13 @@ class Session:
     record (``finish``) that ``analyse`` turns into a report."""
 
     def __init__(self, config: WatchConfig) -> None:
-        self.config = config
-        self.world = rank_info()[1]
-        self.t0 = time.perf_counter()
+        self.config, self.world, self.t0 = config, rank_info()[1], time.perf_counter()
         self.records: dict[int, LoaderRecord] = {}
         self._original_iter: Any = None
         self._sampler: _Sampler | None = None
         self._profiler: Any = None
-        self._profile_started = False
-        self._profiled = 0
+        self._profile_started, self._profiled, self._cuda = False, 0, False
         self.profile_trace: str | None = None
-        self._cuda = False
         self._cuda_possible: bool | None = None
         self.finished: dict[str, Any] | None = None
 
