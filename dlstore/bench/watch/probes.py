@@ -152,38 +152,27 @@ def probe_cache(
     return {**convert_and_time(loader, source, plan, images, cuda, budget_s), "synthetic": True}
 
 
-def sample_source(ds_info: dict[str, Any], dataset: Any, batch: int, seed: int = 0) -> Any:
-    """The observed dataset as a dlstore Source (a folder of class folders, or a torchvision set), cut to a
-    seeded random sample; None for a dataset whose files must first be listed or written out."""
-    from dlstore.write.sources import load_torchvision, scan_folder
-
-    src, root = ds_info.get("convert") or {}, ds_info.get("root")
-    if not root:
-        return None
-    if src.get("source", "").startswith("torchvision:"):
-        name = src["source"].split(":", 1)[1]
-        source = load_torchvision(name, Path(root), bool(getattr(dataset, "train", True)))
-    else:
-        source = scan_folder(Path(root))
-    keep = min(len(source), max(SAMPLE_IMAGES, SAMPLE_BATCHES * batch))
-    if keep < len(source):
-        picked = np.sort(np.random.default_rng(seed).choice(len(source), keep, replace=False))
-        source = source.subset(picked)
-    return source
-
-
 def try_cache(
     loader: Any, ds_info: dict[str, Any], plan: dict[str, Any], cuda: bool, budget_s: float
 ) -> dict:
-    """Convert a sample as ``plan`` says (the cache advice's ``cache`` fields) and time the recommended
-    loader on it. Returns the timings, or ``{"skipped": why}``."""
+    """--try-cache: a seeded sample of the observed dataset (a folder of class folders, or a torchvision
+    set) converted as ``plan`` says and the advised loader timed on it; or ``{"skipped": why}``."""
+    from dlstore.write.sources import load_torchvision, scan_folder
+
     if plan.get("jpeg"):
         return {"skipped": f"{JPEG}: not tried"}
-    dataset = base_dataset(getattr(loader, "dataset", None))
-    batch = int(getattr(loader, "batch_size", None) or plan.get("batch") or 32)
-    source = sample_source(ds_info, dataset, batch)
-    if source is None:
+    src, root = ds_info.get("convert") or {}, ds_info.get("root")
+    if not root:
         return {"skipped": f"the advice first writes {ds_info['convert']['source']}: not tried on a sample"}
+    if src.get("source", "").startswith("torchvision:"):
+        train = bool(getattr(base_dataset(getattr(loader, "dataset", None)), "train", True))
+        source = load_torchvision(src["source"].split(":", 1)[1], Path(root), train)
+    else:
+        source = scan_folder(Path(root))
+    batch = int(getattr(loader, "batch_size", None) or plan.get("batch") or 32)
+    keep = min(len(source), max(SAMPLE_IMAGES, SAMPLE_BATCHES * batch))
+    if keep < len(source):
+        source = source.subset(np.sort(np.random.default_rng(0).choice(len(source), keep, replace=False)))
     if len(source) < batch + 1:
         return {"skipped": f"the dataset holds {len(source)} images, fewer than two batches of {batch}"}
     return convert_and_time(loader, source, plan, batch, cuda, budget_s)
