@@ -292,9 +292,7 @@ def load_report(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(file.read_text())
     except (OSError, ValueError) as e:
-        raise WatchError(
-            f"{file}: not a watch.json ({e}); give a file or folder written by watch --out"
-        ) from e
+        raise WatchError(f"{file}: not a watch.json ({e}); give one written by watch --out") from e
     if not isinstance(doc, dict) or "loaders" not in doc or "verdict" not in doc:
         raise WatchError(f"{file}: not a watch.json (no loaders or verdict); give one written by watch --out")
     return doc
@@ -333,22 +331,20 @@ def compare(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A",
 
 def compare_text(result: dict[str, Any]) -> str:
     """A short table, one row per figure, then the verdict."""
-    rows = [("", *result["names"])]
-    for key, label in ROWS.items():
-        rows.append((label, cell(key, result["a"].get(key)), cell(key, result["b"].get(key))))
+    a, b = result["a"], result["b"]
+    rows = [
+        ("", *result["names"]),
+        *((label, cell(k, a.get(k)), cell(k, b.get(k))) for k, label in ROWS.items()),
+    ]
     width = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"{r[0]:<{width[0]}}  {r[1]:>{width[1]}}  {r[2]:>{width[2]}}" for r in rows]
     return "\n".join([*lines, result["verdict"]])
 
 
 def cell(key: str, value: Any) -> str:
-    if value is None:
-        return "n/a"
-    if key == "wait_share":
-        return f"{100 * value:.1f}%"
-    if key.endswith("img_per_s"):
-        return f"{value:,.0f}"
-    return str(value)
+    if key == "wait_share" or key.endswith("img_per_s"):
+        return (_pct if key == "wait_share" else _rate)(value)
+    return "n/a" if value is None else str(value)
 
 
 def apply_text(first: dict[str, Any], second: dict[str, Any] | None) -> str:
