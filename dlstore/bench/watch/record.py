@@ -13,6 +13,7 @@ Wait = t_ret − t_call; host work = t_next − t_ret; device span = hand-over e
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import platform
 import threading
@@ -85,17 +86,10 @@ class LoaderRecord:
         pids: dict[int, None] = {}
         for it in list(self.iterators):
             for w in list(getattr(it, "_workers", None) or ()):
-                pid = getattr(w, "pid", None)
-                if pid and _alive(w):
-                    pids[pid] = None
+                with contextlib.suppress(AssertionError, ValueError):  # not our child, or closed
+                    if getattr(w, "pid", None) and w.is_alive():
+                        pids[w.pid] = None
         return list(pids)
-
-
-def _alive(worker: Any) -> bool:
-    try:
-        return bool(worker.is_alive())
-    except (AssertionError, ValueError):  # not our child, or closed
-        return False
 
 
 class WatchedIterator:
@@ -306,14 +300,11 @@ class Session:
         """Still paused inside next(), nothing running beside it: the dataset's parts timed alone, then
         the trial of the workers advice (``trial.py``)."""
         c = self.config
-        cuda = self.cuda_in_use()
         if c.parts and rec.parts is None:
-            rec.parts = measure_record_parts(rec, cuda, c.parts_budget_s)
+            rec.parts = measure_record_parts(rec, self.cuda_in_use(), c.parts_budget_s)
         rec.kept.clear()  # the references held the batches' memory (pinned, shared) alive
         if c.trial and self.world == 1 and rec.pauses == 1:
             trial.start(self, rec)
-            if rec.trial is not None:
-                rec.mode = "trial"
         # the user's workers kept filling their queue meanwhile: the next steps drain it (at 0 workers
         # the next step's wait holds this pause's end)
         w = rec.settings["num_workers"]

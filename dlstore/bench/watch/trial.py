@@ -123,12 +123,12 @@ class Trial:
 
 
 def start(session: Session, rec: LoaderRecord) -> None:
-    """Decide and start the trial (``rec.trial``); why not, in ``rec.trial_info``."""
+    """Decide and start the trial (``rec.trial``, fed from the next step); why not, in ``rec.trial_info``."""
     try:
         n = advised_workers(session, rec)
         if n is None:
             return
-        rec.trial = Trial(session, rec, n)
+        rec.trial, rec.mode = Trial(session, rec, n), "trial"
     except Exception as e:  # advice only: the user's loop goes on with its own loader
         rec.trial_info = {"skipped": f"the trial could not start: {type(e).__name__}: {e}"}
 
