@@ -82,29 +82,21 @@ def result_dir_for(out: Path | None, world: int) -> Path:
     return path
 
 
-def _stdout_for_child(script_stdout_to_stderr: bool) -> int | None:
-    if not script_stdout_to_stderr:
-        return None
-    try:
-        return sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # a captured stderr (tests): the process's own
-        return 2
-
-
 def run_child(argv: list[str], config: WatchConfig, script_stdout_to_stderr: bool) -> int:
     """Run the watched child to its end; Ctrl-C here is passed on to it, so it reports what it saw."""
     # the user's interpreter may not be this one: let it import this dlstore
     here = str(Path(dlstore.__file__).resolve().parent.parent)
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, ENV_VAR: config.to_env(), "PYTHONPATH": path}
-    proc = subprocess.Popen(argv, env=env, stdout=_stdout_for_child(script_stdout_to_stderr))
-
-    def forward(signum: int, frame: Any) -> None:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, forward) if main else None
+    stdout = None
+    if script_stdout_to_stderr:
+        try:
+            stdout = sys.stderr.fileno()
+        except (AttributeError, OSError, ValueError):  # a captured stderr (tests): the process's own
+            stdout = 2
+    proc = subprocess.Popen(argv, env=env, stdout=stdout)
+    main = threading.current_thread() is threading.main_thread()  # send_signal: a no-op once it ended
+    previous = signal.signal(signal.SIGINT, lambda *_: proc.send_signal(signal.SIGINT)) if main else None
     try:
         return proc.wait()
     finally:
