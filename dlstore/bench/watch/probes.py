@@ -102,16 +102,9 @@ def workers_kwargs(loader: Any, workers: int, cuda: bool) -> dict[str, Any]:
     start method and worker init; a fresh random (or sequential) order, any other sampler as it is."""
     from torch.utils.data import RandomSampler, SequentialSampler
 
-    kw: dict[str, Any] = {
-        "dataset": loader.dataset,
-        "num_workers": workers,
-        "persistent_workers": True,
-        "pin_memory": cuda,
-        "collate_fn": loader.collate_fn,
-        "worker_init_fn": getattr(loader, "worker_init_fn", None),
-        "multiprocessing_context": getattr(loader, "multiprocessing_context", None),
-        "prefetch_factor": getattr(loader, "prefetch_factor", None) or 2,
-    }
+    kw: dict[str, Any] = {"dataset": loader.dataset, "num_workers": workers, "persistent_workers": True}
+    kw.update(pin_memory=cuda, collate_fn=loader.collate_fn, prefetch_factor=loader.prefetch_factor or 2)
+    kw.update({k: getattr(loader, k, None) for k in ("worker_init_fn", "multiprocessing_context")})
     sampler = getattr(loader, "sampler", None)
     if isinstance(sampler, (RandomSampler, SequentialSampler)):
         kw["shuffle"] = isinstance(sampler, RandomSampler)

@@ -112,14 +112,9 @@ class Trial:
         getattr(it, "_shutdown_workers", lambda: None)()
 
     def summary(self) -> dict[str, Any]:
-        return {
-            "workers": self.workers,
-            "prefetch_factor": self.prefetch,
-            "steps": self.window.n,
-            "dropped": len(self.window.warm()),
-            "epochs": self.epochs,
-            "first_step": self.window.first_step,
-        }
+        w = self.window
+        out = {"workers": self.workers, "prefetch_factor": self.prefetch, "steps": w.n}
+        return {**out, "dropped": len(w.warm()), "epochs": self.epochs, "first_step": w.first_step}
 
 
 def start(session: Session, rec: LoaderRecord) -> None:
