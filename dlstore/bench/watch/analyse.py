@@ -28,6 +28,12 @@ DEVICE_BUSY = 0.95  # a replayed device span this share of the period: the devic
 CACHE_READ_BYTES_PER_S = 4e9  # a RAM cache's gather + collate, about half of memcpy
 WORKER_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
+FAILED_EARLY = "The script failed before any DataLoader ran; fix the error above and run again."
+NEVER_ITERATED = (
+    "The script never iterated a torch.utils.data.DataLoader, so there is nothing to measure. A loader that "
+    "is not a DataLoader (or a subclass that replaces __iter__ without calling it) is not seen: wrap it with "
+    "`loader = dlstore.watch(loader)`."
+)
 STAGE_NAMES = {
     "read_s": "file read",
     "decode_s": "image decode",
@@ -46,8 +52,8 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     }
     out.update(device=main["device_label"] if main["cuda"] else "cpu", world_size=main.get("world_size", 1))
     out.update(notes=[], loaders=[])
-    if not main["loaders"]:
-        out["notes"].append(never_iterated_note(main.get("error")))
+    if not main["loaders"]:  # with an error, its traceback is above: the script's own failure
+        out["notes"].append(FAILED_EARLY if main.get("error") else NEVER_ITERATED)
         out["verdict"] = out["notes"][0]
         out["recommendations"], out["advice"] = [], []
         return out
@@ -61,16 +67,6 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     out["recommendations"] = rules.recommendations(primary["advice"])
     out["notes"] += primary["notes"]
     return out
-
-
-def never_iterated_note(error: str | None) -> str:
-    if error:  # the traceback is above: the script's own failure, nothing of the loader's
-        return "The script failed before any DataLoader ran; fix the error above and run again."
-    return (
-        "The script never iterated a torch.utils.data.DataLoader, so there is nothing to measure. A loader "
-        "that is not a DataLoader (or a subclass that replaces __iter__ without calling it) is not seen: "
-        "wrap it with `loader = dlstore.watch(loader)`."
-    )
 
 
 def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:

@@ -230,15 +230,9 @@ def time_batches(
     timed = _Augmented(dl, augment, device) if augment is not None else dl
     queued = max(3, 2 * workers * (getattr(dl, "prefetch_factor", None) or 2))
     got = measure_loader(timed, WARM_BATCHES + queued, 100_000, device or torch.device("cpu"), budget_s)
-    out = {
-        "workers": workers,
-        "gpu_augment": augment is not None,
-        "batches_timed": got["batches"],
-        "period_s": got["period_s"],
-        "main_s": got["main_s"],
-        "workers_cpu_s": max(0.0, got["cpu_s"] - got["main_s"]) if workers else None,
-        "loader_img_per_s": batch / got["period_s"],
-    }
+    out = {"workers": workers, "gpu_augment": augment is not None, "batches_timed": got["batches"]}
+    out.update(period_s=got["period_s"], main_s=got["main_s"], loader_img_per_s=batch / got["period_s"])
+    out["workers_cpu_s"] = max(0.0, got["cpu_s"] - got["main_s"]) if workers else None
     if augment is not None:
         out["augment_device_s"] = _device_time(augment, next(iter(dl)), device)
     return out
