@@ -466,25 +466,13 @@ def raw_document(
     rank, world = rank_info()
     cuda = session.cuda_in_use()
     sampler = session._sampler
-    doc: dict[str, Any] = {
-        "version": VERSION,
-        "status": status,
-        "exit_code": exit_code,
-        "error": error,
-        "rank": rank,
-        "world_size": world,
-        "cuda": cuda,
-        "device_label": torch.cuda.get_device_name() if cuda else platform.processor() or "CPU",
-        "cores": usable_cores(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "config": {k: v for k, v in asdict(session.config).items() if k != "result_dir"},
-        "main_cpu": sampler.main_cpu if sampler else [],
-        "gpu_util": sampler.gpu_util if sampler else [],
-        "nvml": bool(sampler and sampler.nvml is not None),
-        "profile_trace": session.profile_trace,
-        "loaders": [],
-    }
+    doc: dict[str, Any] = {"version": VERSION, "status": status, "exit_code": exit_code, "error": error}
+    doc.update(rank=rank, world_size=world, cuda=cuda, cores=usable_cores(), torch=torch.__version__)
+    doc["device_label"] = torch.cuda.get_device_name() if cuda else platform.processor() or "CPU"
+    doc.update(python=platform.python_version(), profile_trace=session.profile_trace)
+    doc["config"] = {k: v for k, v in asdict(session.config).items() if k != "result_dir"}
+    doc.update(main_cpu=sampler.main_cpu if sampler else [], gpu_util=sampler.gpu_util if sampler else [])
+    doc.update(nvml=bool(sampler and sampler.nvml is not None), loaders=[])
     for rec in session.records.values():
         doc["loaders"].append(loader_document(rec, session, cuda, status == "interrupted", side))
     if not side or status == "interrupted" or rank != 0:  # rank 0 reports: its probes and try
