@@ -99,9 +99,8 @@ class WatchedIterator:
         self._session, self._record, self._it = session, record, it
         self._last: int | None = None
         self._epoch = record.new_epoch(it)
-        self._handed = self._stand_ins = (
-            0  # batches handed over in this epoch (stand-ins included), stand-ins
-        )
+        # this epoch's batches handed over (stand-ins included), and its stand-ins
+        self._handed = self._stand_ins = 0
 
     def __iter__(self) -> WatchedIterator:
         return self

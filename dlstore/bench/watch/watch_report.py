@@ -14,7 +14,7 @@ from dlstore.bench.advice import plural
 from dlstore.bench.watch import WatchError
 from dlstore.bench.watch.analyse import loop_rate
 
-TIMES = ("wait", "host", "period", "device", "device_wait")  # steps.csv's columns in ms, after these:
+TIMES = ("wait", "host", "period", "device", "device_wait")  # steps.csv's timings, in ms
 CSV_FIELDS = ("loader", "step", "epoch", "phase", "epoch_first", *(f"{k}_ms" for k in TIMES))
 
 
