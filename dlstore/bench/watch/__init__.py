@@ -199,7 +199,7 @@ def watch(
     **options: Any,
 ) -> Any:
     """``with watch(config) as w:`` watches every DataLoader iterated in the block; ``watch(loader, config)``
-    the loader, reporting when the script ends. ``options``: WatchConfig's fields instead of ``config``."""
+    returns the loader watched, reporting at the script's end. ``options``: WatchConfig's fields by name."""
     if config is not None and options:
         raise WatchError("watch(): give a WatchConfig or options by name, not both")
     config = config if config is not None else WatchConfig(**options)  # an unknown name: TypeError
