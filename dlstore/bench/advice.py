@@ -121,6 +121,11 @@ def step_advice(stage: str, on_gpu: bool, rate: float | None, command: str | Non
     return None
 
 
+def loader_code(settings: dict[str, Any]) -> str:
+    """The DataLoader call of an advice's ``settings`` (the structured field ``watch --apply`` sets)."""
+    return f"DataLoader(..., {', '.join(f'{k}={v}' for k, v in settings.items())})"
+
+
 def workers_code(n: int, pin: bool | None = None) -> str:
     pinned = "" if pin is None else f", pin_memory={pin}"
     return f"DataLoader(..., num_workers={n}, persistent_workers={n > 0}{pinned})"

@@ -21,8 +21,8 @@ from watch_records import raw, recorded
 from dlstore.bench import advice as rules
 from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, compose, over_epochs
 from dlstore.bench.watch.analyse import analyse
-from dlstore.bench.watch.describe import convert_source, dataset_info, transform_steps
-from dlstore.bench.watch.report import text_report
+from dlstore.bench.watch.describe_loop import convert_source, dataset_info, transform_steps
+from dlstore.bench.watch.watch_report import text_report
 
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 TRAIN = T.Compose(
@@ -65,7 +65,7 @@ def test_gpu_augment_reproduces_normalize_crop_flip_and_dtype() -> None:
     code = rules.augment_code(kw)
     assert code.startswith("dlstore.gpu.GpuAugment(176, scale=(0.35, 1.0)") and f"mean={MEAN}" in code
     # the snippet builds: the same module the probe and --try-cache time
-    from dlstore.bench.watch.try_cache import augment_kwargs
+    from dlstore.bench.watch.probes import augment_kwargs
     from dlstore.gpu import GpuAugment
 
     aug = GpuAugment(**augment_kwargs({"augment": kw}))

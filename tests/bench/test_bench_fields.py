@@ -85,7 +85,7 @@ def test_watch_times_the_transform_with_its_target(context: LoaderContext) -> No
     from torch.utils.data import DataLoader
 
     from dlstore.bench.transforms import cached_cpu_transform
-    from dlstore.bench.watch.parts import measure_parts
+    from dlstore.bench.watch.loop_parts import measure_parts
     from dlstore.read.dataset import CachedDataset
 
     pipeline = cached_cpu_transform("augment", SIZE, boxes=True)

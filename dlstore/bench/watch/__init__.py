@@ -1,30 +1,114 @@
-"""``dlstore watch``: the bottleneck of the user's own training loop, the loop unchanged.
+"""``dlstore watch``: the bottleneck of the user's own training loop, the loop unchanged. From the shell,
+``dlstore watch -- python train.py ARGS…``; in code, around the loop or on one loader::
 
-From the shell, ``dlstore watch -- python train.py ARGS…``. In code, around the loop or on one loader::
-
-    with dlstore.watch(steps=200) as w:        # every DataLoader iterated inside is watched
+    with dlstore.watch(steps=200) as w:  # every DataLoader iterated inside is watched
         train()
-    print(w.text())                             # w.report: the same as a dict
+    print(w.text())                      # w.report: the same as a dict
 
-    loader = dlstore.watch(loader)              # the report prints to stderr when the script ends
+    loader = dlstore.watch(loader)       # the report prints to stderr when the script ends
 
-Each step's data wait, host work and device span are timed (perf_counter, CUDA events, no synchronisation
-added); once, the loop is fed its own batches again (its rate with data free) and, when the advice says
-more workers, batches from a second loader with them (the advice's rate), in its real batches' places;
-at the end the dataset's parts are timed alone and composed into a verdict and recommendations.
+The watched child learns its ``WatchConfig`` from one environment variable holding JSON, so the target
+script's ``sys.argv`` stays exactly what it expects. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
+import os
 import sys
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from dlstore.bench.watch.config import WatchConfig, WatchError, rank_info
+from dlstore.errors import DlstoreError
 
 __all__ = ["Watch", "WatchConfig", "WatchError", "watch"]
+
+ENV_VAR = "DLSTORE_WATCH_CONFIG"
+
+
+class WatchError(DlstoreError, ValueError):
+    """A watch option or target command that cannot be run as given."""
+
+
+@dataclass(frozen=True)
+class WatchConfig:
+    """Options of one watch (``dlstore watch --help`` says what each does). ``steps`` counts real steps;
+    ``apply``: ``{"loader": index, "settings": {...}}``, what ``--apply`` puts into that loader."""
+
+    result_dir: str = ""
+    steps: int | None = None
+    warmup: int = 5
+    replay: bool = True
+    replay_at: int = 100
+    replay_batches: int = 4
+    replay_steps: int = 2000  # the most replayed steps (warm-up included): a cap on the time window
+    replay_s: float = 1.5
+    replay_warmup_s: float = 0.3
+    replay_rounds: int = 1
+    replay_every: int = 100  # real steps from one round's start to the next's
+    trial: bool = True
+    trial_s: float = 1.5
+    trial_steps: int = 2000
+    parts: bool = True
+    parts_budget_s: float = 3.0
+    profile: bool = False
+    try_cache: bool = False  # convert a sample as the cache advice says and time that loader (probes.py)
+    profile_steps: int = 8
+    max_event_steps: int = 20_000  # CUDA event pairs kept (two small objects per step)
+    # CUDA events on one step in N: a pair cost ~20 µs of the step's host time; the device span is a mean,
+    # which a sample of the steps gives (steps.csv's device_wait_ms needs events on consecutive steps: 1)
+    event_every: int = 8
+    sample_interval_s: float = 0.5  # /proc and NVML sampling period of the background thread
+    apply: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("steps", "replay_steps", "replay_batches", "replay_rounds", "replay_every", "event_every")
+        for name in (*positive, "trial_steps"):
+            value = getattr(self, name)
+            if not (value is None and name == "steps") and (value is None or value < 1):
+                raise WatchError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("replay_s", "trial_s", "warmup"):
+            if not getattr(self, name) >= 0:
+                raise WatchError(f"{name} must be ≥ 0, got {getattr(self, name)!r}")
+
+    def pauses(self) -> bool:
+        """Whether the loop is paused (at ``replay_start``) for a replay or a trial."""
+        return self.replay or self.trial
+
+    def pauses_total(self) -> int:
+        return self.replay_rounds if self.replay else 1  # once per replay round, or for the trial alone
+
+    def replay_start(self, epoch_len: int) -> int:
+        """The real step count after which the replay runs: at --steps, else ``replay_at`` or half an epoch
+        if sooner (a short run is paused inside itself); after the warm-up and the batches it replays."""
+        at = self.steps if self.steps is not None else min(self.replay_at, epoch_len // 2)
+        return max(at, self.warmup + self.replay_batches)
+
+    def to_env(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> WatchConfig:
+        raw = os.environ.get(ENV_VAR)
+        if not raw:
+            raise WatchError(f"{ENV_VAR} is not set: boot is started by `dlstore watch -- python train.py`")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
+
+
+def rank_info() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) outside it."""
+    try:
+        return int(os.environ.get("RANK", "0")), max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 0, 1
+
+
+def rank_file(result_dir: str | Path, rank: int) -> Path:
+    return Path(result_dir) / f"watch-rank{rank}.json"
 
 
 class Watch:
@@ -34,7 +118,7 @@ class Watch:
         from dlstore.bench.watch.record import Session
 
         if out is not None:
-            config = WatchConfig(**{**config.__dict__, "result_dir": str(Path(out) / "ranks")})
+            config = replace(config, result_dir=str(Path(out) / "ranks"))
             Path(config.result_dir).mkdir(parents=True, exist_ok=True)
         self.config = config
         self.out = None if out is None else Path(out)
@@ -62,8 +146,8 @@ class Watch:
         return isinstance(exc, WatchStop)  # --steps reached: a clean end of the block
 
     def attach(self, loader: Any) -> Any:
-        """Watch this loader's iterations: its class becomes a subclass whose ``__iter__`` is watched (the
-        object, its attributes and ``isinstance`` stay the same)."""
+        """Watch this loader: its class becomes a subclass whose ``__iter__`` is watched (the object, its
+        attributes and ``isinstance`` stay the same)."""
         session = self.session
         base = type(loader)
         if getattr(base, "_dlstore_watched", False):
@@ -83,14 +167,14 @@ class Watch:
             return self.report
         from dlstore.bench.watch.analyse import analyse
         from dlstore.bench.watch.boot import write_record
-        from dlstore.bench.watch.report import text_report, write_outputs
+        from dlstore.bench.watch.watch_report import text_report, write_outputs
 
         raw = self.session.finish(status, None, error)
         write_record(raw, self.config)
         rank, world = rank_info()
         docs = [raw]
         if world > 1 and rank == 0 and self.config.result_dir:
-            from dlstore.bench.watch.run import collect
+            from dlstore.bench.watch.launch import collect
 
             docs = collect(Path(self.config.result_dir), world)
         self.report = analyse(docs)
@@ -101,9 +185,9 @@ class Watch:
         return self.report
 
     def text(self) -> str:
-        from dlstore.bench.watch.report import text_report
+        from dlstore.bench.watch.watch_report import text_report
 
-        return text_report(self.finish())
+        return text_report(self.finish())  # stops watching first
 
 
 def watch(
@@ -114,10 +198,8 @@ def watch(
     quiet: bool = False,
     **options: Any,
 ) -> Any:
-    """``with watch(...) as w:`` watches every DataLoader iterated in the block; ``watch(loader)`` returns
-    the same loader, watched, and reports when the script ends. The options are ``WatchConfig``'s, given
-    as one ``config`` or by name (``watch(steps=200, trial=False)``): ``steps`` stops the loop (the block,
-    or the script for a loader) after that many real steps, once the replay and the trial are done."""
+    """``with watch(config) as w:`` watches every DataLoader iterated in the block; ``watch(loader, config)``
+    returns the loader watched, reporting at the script's end. ``options``: WatchConfig's fields by name."""
     if config is not None and options:
         raise WatchError("watch(): give a WatchConfig or options by name, not both")
     config = config if config is not None else WatchConfig(**options)  # an unknown name: TypeError

@@ -4,6 +4,7 @@ words and at most five recommendations ranked by predicted gain. Pure functions 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -18,7 +19,6 @@ from dlstore.bench.predict import (
     over_epochs,
     prediction_error,
 )
-from dlstore.bench.watch.grounding import tried_parts
 from dlstore.bench.watch.steps import by_phase, epoch_start_excess, slope, step_rows, window_max, window_mean
 
 # A DataLoader worker's hand-over to the main thread (unpickling shared-memory handles): used only when
@@ -28,6 +28,12 @@ DEVICE_BUSY = 0.95  # a replayed device span this share of the period: the devic
 CACHE_READ_BYTES_PER_S = 4e9  # a RAM cache's gather + collate, about half of memcpy
 WORKER_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
+FAILED_EARLY = "The script failed before any DataLoader ran; fix the error above and run again."
+NEVER_ITERATED = (
+    "The script never iterated a torch.utils.data.DataLoader, so there is nothing to measure. A loader that "
+    "is not a DataLoader (or a subclass that replaces __iter__ without calling it) is not seen: wrap it with "
+    "`loader = dlstore.watch(loader)`."
+)
 STAGE_NAMES = {
     "read_s": "file read",
     "decode_s": "image decode",
@@ -42,19 +48,12 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     docs = sorted(docs, key=lambda d: d.get("rank", 0))
     main = docs[0]
     out: dict[str, Any] = {
-        "status": main["status"],
-        "exit_code": main["exit_code"],
-        "error": main.get("error"),
-        "device": main["device_label"] if main["cuda"] else "cpu",
-        "cuda": main["cuda"],
-        "cores": main["cores"],
-        "world_size": main.get("world_size", 1),
-        "profile_trace": main.get("profile_trace"),
-        "notes": [],
-        "loaders": [],
+        k: main.get(k) for k in ("status", "exit_code", "error", "cuda", "cores", "profile_trace")
     }
-    if not main["loaders"]:
-        out["notes"].append(never_iterated_note(main.get("error")))
+    out.update(device=main["device_label"] if main["cuda"] else "cpu", world_size=main.get("world_size", 1))
+    out.update(notes=[], loaders=[])
+    if not main["loaders"]:  # with an error, its traceback is above: the script's own failure
+        out["notes"].append(FAILED_EARLY if main.get("error") else NEVER_ITERATED)
         out["verdict"] = out["notes"][0]
         out["recommendations"], out["advice"] = [], []
         return out
@@ -70,32 +69,21 @@ def analyse(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def never_iterated_note(error: str | None) -> str:
-    if error:  # the traceback is above: the script's own failure, nothing of the loader's
-        return "The script failed before any DataLoader ran; fix the error above and run again."
-    return (
-        "The script never iterated a torch.utils.data.DataLoader, so there is nothing to measure. A loader "
-        "that is not a DataLoader (or a subclass that replaces __iter__ without calling it) is not seen: "
-        "wrap it with `loader = dlstore.watch(loader)`."
-    )
-
-
 def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
     rows = step_rows(ld)
     images = ld.get("images_per_batch")
     phases = by_phase(rows, images)
+    fed = Counter(r["phase"] for r in rows)
     steady = phases.get("real") or phases.get("profiled") or phases.get("warmup")
     rep: dict[str, Any] = {
         "index": ld["index"],
         "settings": ld["settings"],
         "dataset": ld["dataset"],
         "images_per_batch": images,
-        "steps_observed": sum(1 for r in rows if r["phase"] not in ("replay", "trial")),
-        "steps_replayed": sum(1 for r in rows if r["phase"] == "replay"),
-        "steps_trial": sum(1 for r in rows if r["phase"] == "trial"),
-        "stand_in_steps": sum(
-            1 for r in rows if r["phase"] in ("replay", "trial")
-        ),  # in real batches' places
+        "steps_observed": len(rows) - fed["replay"] - fed["trial"],
+        "steps_replayed": fed["replay"],
+        "steps_trial": fed["trial"],
+        "stand_in_steps": fed["replay"] + fed["trial"],  # in real batches' places
         "tried": ld.get("tried"),  # whether the replay and the trial were timed; if not, why and how
         "trial": ld.get("trial"),
         "epochs": len(ld.get("epochs", [])),
@@ -153,8 +141,6 @@ def loader_report(ld: dict[str, Any], doc: dict[str, Any]) -> dict[str, Any]:
 
 def _ground_tried(rep: dict[str, Any], parts: LoopParts, tried: dict[str, Any]) -> None:
     """--try-cache: its measurement beside the cache advice's prediction, or why there is none."""
-    from dlstore.bench.watch.grounding import ground
-
     rep["try_cache"] = tried
     target = next((a for a in rep["advice"] if a.get("cache")), None)
     if target is not None:
@@ -268,10 +254,7 @@ def model_summary(parts: LoopParts, pred: Prediction, measured: float | None) ->
 
 def stage_split(p: dict[str, Any], images: int) -> dict[str, float]:
     """Per batch seconds of each measured stage: read, decode, transform, collate (or __getitem__ whole)."""
-    out: dict[str, float] = {}
-    for key in ("read_s", "decode_s", "transform_s"):
-        if p.get(key) is not None:
-            out[key] = images * p[key]
+    out = {k: images * p[k] for k in ("read_s", "decode_s", "transform_s") if p.get(k) is not None}
     if "read_s" not in out and p.get("load_s") is not None:
         out["read_s"] = images * p["load_s"]  # a load we cannot split: read and decode together
     if not out and p.get("getitem_s") is not None:
@@ -367,12 +350,12 @@ def rank_summary(docs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each rank's steady data-wait share and rate, their mean and the slowest rank."""
     per = []
     for d in docs:
-        if not d["loaders"]:
-            per.append({"rank": d.get("rank", 0), "wait_share": None, "img_per_s": None})
-            continue
-        reps = [by_phase(step_rows(ld), ld.get("images_per_batch")) for ld in d["loaders"]]
-        best = max(reps, key=lambda p: (p.get("real") or p.get("warmup") or {}).get("steps", 0))
-        s = best.get("real") or best.get("warmup") or {}
+        phases = [by_phase(step_rows(ld), ld.get("images_per_batch")) for ld in d["loaders"]]
+        s = max(
+            (p.get("real") or p.get("warmup") or {} for p in phases),
+            key=lambda g: g.get("steps", 0),
+            default={},
+        )
         per.append(
             {"rank": d.get("rank", 0), "wait_share": s.get("wait_share"), "img_per_s": s.get("img_per_s")}
         )
@@ -401,13 +384,10 @@ def advice(
             out.append(got)
     step = rules.step_advice(rep.get("binding", {}).get("stage", ""), doc["cuda"], now)
     tried = ld.get("tried") or {}
-    untried = {}
     if tried.get("trial") is False:  # the in-loop trial did not run long enough: its rate is a prediction
-        untried["workers"] = "; ".join(x for x in (tried.get("why"), tried.get("how")) if x)
-    for a in out:
-        key = "workers" if a.get("workers") else "cache" if a.get("cache") else None
-        if key in untried:
-            a["not_tried"] = untried[key]
+        for a in out:
+            if a.get("workers"):
+                a["not_tried"] = "; ".join(x for x in (tried.get("why"), tried.get("how")) if x)
     return out + ([step] if step else [])
 
 
@@ -473,13 +453,15 @@ def _workers_advice(
         how += f", over epochs of {plural(e, 'batch', 'batches')} each starting with an empty queue"
     busy = _cores_busy(rep)
     idle = f" ({busy:.1f} of {parts.cores} cores busy now)" if busy is not None else ""
+    settings = {"num_workers": n, "persistent_workers": True, **({"pin_memory": True} if doc["cuda"] else {})}
     return _advice(
         f"Use {plural(n, 'DataLoader worker')}{idle}: predicted {fmt(expected)} img/s (now {fmt(now)}{how}).",
-        rules.workers_code(n, True if doc["cuda"] else None),
+        rules.loader_code(settings),
         now,
         expected,
         plural(n, "DataLoader worker"),
         workers=n,
+        settings=settings,
     )
 
 
@@ -526,6 +508,7 @@ def _persistent_advice(
         now_epoch,
         expected,
         "persistent_workers=True",
+        settings={"persistent_workers": True},
     )
 
 
@@ -540,25 +523,16 @@ def _pin_advice(
         return None
     saving = max(0.0, h2d["pageable_s"] - h2d["pinned_s"])
     fed = parts.fed
-    faster = replace(
-        parts,
-        fed=replace(
-            fed,
-            period_s=max(fed.device_s or 0.0, fed.period_s - saving),
-            serial_s=max(0.0, fed.serial_s - saving),
-        ),
-    )
-    expected = now * _rate(faster) / _rate(parts)
+    period, serial = max(fed.device_s or 0.0, fed.period_s - saving), max(0.0, fed.serial_s - saving)
+    expected = now * _rate(replace(parts, fed=replace(fed, period_s=period, serial_s=serial))) / _rate(parts)
     if expected < rules.WORTH_FRACTION * now:
         return None
-    return _advice(
+    text = (
         f"Pin the batches: the copy takes {1e3 * h2d['pageable_s']:.2f} ms pageable vs {1e3 * h2d['pinned_s']:.2f} "
-        f"ms pinned ({h2d['bytes'] / 1e6:.1f} MB per batch): predicted {fmt(expected)} img/s.",
-        "DataLoader(..., pin_memory=True); x = x.to('cuda', non_blocking=True)",
-        now,
-        expected,
-        "pin_memory=True",
+        f"ms pinned ({h2d['bytes'] / 1e6:.1f} MB per batch): predicted {fmt(expected)} img/s."
     )
+    code = "DataLoader(..., pin_memory=True); x = x.to('cuda', non_blocking=True)"
+    return _advice(text, code, now, expected, "pin_memory=True", settings={"pin_memory": True})
 
 
 def cache_size(transforms: list[dict[str, Any]]) -> tuple[int, str] | None:
@@ -599,16 +573,11 @@ def _cache_advice(
     if expected < rules.WORTH_FRACTION * now:
         return None
     plan = _cache_plan(size, channels, gpu, ds, parts.batch)
-    command = rules.convert_command(
-        src["source"], size, src["extra"], channels, plan["bytes"], plan["avail"]
-    )[0]
-    command = (f"{src['prepare']}; " if src.get("prepare") else "") + command
+    command = rules.convert_command(src["source"], size, src["extra"], channels, plan["bytes"], plan["avail"])
+    command = (f"{src['prepare']}; " if src.get("prepare") else "") + command[0]
     memory = ", in_memory=True" if plan["in_memory"] else ""
-    caveat = (
-        rules.border_note(src["source"], size, src["extra"])
-        if rules.crops_whole_image(ds["transforms"])
-        else ""
-    )
+    whole = rules.crops_whole_image(ds["transforms"])
+    caveat = rules.border_note(src["source"], size, src["extra"]) if whole else ""
     caveat += f" ({src['why_callable']}.)" if src.get("why_callable") else ""
     how = f"predicted {fmt(expected)} img/s"
     if gpu:
@@ -618,38 +587,31 @@ def _cache_advice(
             f"({_cache_how(probe, gpu)}).{rules.not_reproduced(plan['missing'])}{caveat}"
         )
         code = f"ds = dlstore.CachedDataset(DEST{memory}); aug = {rules.augment_code(plan['augment'])}; x = aug(x.to('cuda', non_blocking=True))"
-        return _advice(
-            text,
-            f"{command}; {code}",
-            now,
-            expected,
-            "a dlstore cache with the augmentation on the GPU",
-            cache=plan,
+        what = "a dlstore cache with the augmentation on the GPU"
+    else:
+        split = stage_split(p, parts.batch)
+        share = sum(v for k, v in split.items() if k in ("read_s", "decode_s")) / (sum(split.values()) or 1.0)
+        text = (
+            f"A dlstore cache pre-resized to {size} (from {why}) removes the file read and decode "
+            f"({100 * share:.0f}% of the loader's work): {how} with your transforms kept ({_cache_how(probe, gpu)}).{caveat}"
         )
-    split = stage_split(p, parts.batch)
-    share = sum(v for k, v in split.items() if k in ("read_s", "decode_s")) / (sum(split.values()) or 1.0)
-    text = (
-        f"A dlstore cache pre-resized to {size} (from {why}) removes the file read and decode "
-        f"({100 * share:.0f}% of the loader's work): {how} with your transforms kept ({_cache_how(probe, gpu)}).{caveat}"
-    )
-    code = f"ds = dlstore.CachedDataset(DEST, transform=your_transform, pil=True{memory})"
-    return _advice(text, f"{command}; {code}", now, expected, "a dlstore cache", cache=plan)
+        code = f"ds = dlstore.CachedDataset(DEST, transform=your_transform, pil=True{memory})"
+        what = "a dlstore cache"
+    return _advice(text, f"{command}; {code}", now, expected, what, cache=plan)
 
 
 def _cached_parts(parts: LoopParts, p: dict[str, Any], size: int, channels: int, gpu: bool) -> LoopParts:
     """The loop with a cache's loader, modelled: a gather from memory, plus the CPU transform kept
     where the augmentation stays on the CPU (then in the loop's own workers)."""
     b = parts.batch
-    cost = b * size * size * channels / CACHE_READ_BYTES_PER_S + (p.get("collate_s") or 0.0) * (
-        0.2 if gpu else 1.0
-    )
+    collate = (p.get("collate_s") or 0.0) * (0.2 if gpu else 1.0)
+    cost = b * size * size * channels / CACHE_READ_BYTES_PER_S + collate
     if gpu:
         return replace(parts, workers=0, loader=LoaderTiming(cost, cost, cost, in_caller=True))
     cost += b * (p.get("transform_s") or 0.0)
     main = parts.loader.main_s if parts.workers else cost
-    return replace(
-        parts, loader=replace(parts.loader, period_s=cost / max(1, parts.workers), cpu_s=cost, main_s=main)
-    )
+    loader = replace(parts.loader, period_s=cost / max(1, parts.workers), cpu_s=cost, main_s=main)
+    return replace(parts, loader=loader)
 
 
 def _cache_how(probe: dict[str, Any] | None, gpu: bool) -> str:
@@ -666,8 +628,8 @@ def _cache_how(probe: dict[str, Any] | None, gpu: bool) -> str:
 
 
 def _cache_plan(size: int, channels: int, gpu: bool, ds: dict[str, Any], b: int) -> dict[str, Any]:
-    """The cache advice as data: what ``--try-cache`` converts and reads (the same options as the command,
-    the same GpuAugment arguments as the snippet)."""
+    """The cache advice as data: what ``--try-cache`` converts and reads (the command's options and the
+    snippet's GpuAugment arguments)."""
     from dlstore.formats import DEFAULT_FORMAT, get_format
     from dlstore.machine import available_memory
 
@@ -690,3 +652,49 @@ def _cache_plan(size: int, channels: int, gpu: bool, ds: dict[str, Any], b: int)
         "degrees": augment.get("degrees", 0.0),
         "batch": b,
     }
+
+
+def tried_parts(parts: LoopParts, tried: dict[str, Any]) -> LoopParts:
+    """The observed loop with its loader replaced by one timed alone (``probes.time_batches``: a tried
+    or probed cache loader, or the loop's loader at other workers), and the GPU augmentation's device time
+    added to the step's when the advice moved the augmentation there."""
+    workers = int(tried["workers"])
+    if workers == 0:  # in the caller: next() and the augmentation's launch are the main thread's
+        loader = LoaderTiming(tried["main_s"], tried["main_s"], tried["main_s"], in_caller=True)
+    else:  # the main thread's share: its CPU in next() (the hand-over); the CPU: the workers' and that
+        cpu = tried.get("workers_cpu_s")
+        cpu = tried["period_s"] * workers if cpu is None else cpu  # older records: a full core each
+        loader = LoaderTiming(tried["period_s"], tried["main_s"], cpu + tried["main_s"], in_caller=False)
+    fed = parts.fed
+    aug = tried.get("augment_device_s")
+    if aug:  # the device's own time grows by it; a step bound by the host keeps its period (the main
+        # thread's share above holds the augmentation's launch)
+        device = (fed.device_s or 0.0) + aug
+        period = max(fed.period_s, device) if fed.device_s is not None else fed.period_s + aug
+        fed = replace(fed, period_s=period, device_s=device)
+    return replace(parts, workers=workers, loader=loader, fed=fed)
+
+
+def ground(advice: dict[str, Any], parts: LoopParts, tried: dict[str, Any]) -> None:
+    """Put the try's figures on the cache advice (``tried``) and say them in its text."""
+    if "skipped" in tried:
+        advice["tried"] = tried
+        advice["text"] += f" (--try-cache: {tried['skipped']}.)"
+        return
+    rate = compose(tried_parts(parts, tried)).img_per_s
+    expected = advice.get("expected_img_per_s")
+    advice["grounded_img_per_s"] = rate  # the prediction with the tried loader measured, not modelled
+    advice["tried"] = {
+        **tried,
+        "loop_img_per_s": rate,
+        "error_vs_predicted": prediction_error(rate, expected) if expected else None,
+    }
+    how = plural(tried["workers"], "worker")
+    if tried.get("gpu_augment"):
+        how += " + GpuAugment"
+    vs = f", predicted {expected:,.0f}" if expected else ""
+    advice["text"] += (
+        f" --try-cache: a sample of {plural(tried['images'], 'image')} converted in {tried['convert_s']:.1f} s; that "
+        f"loader alone read {tried['loader_img_per_s']:,.0f} img/s at batch {tried['batch']} ({how}), "
+        f"which with your step gives {rate:,.0f} img/s{vs}."
+    )

@@ -1,10 +1,6 @@
-"""The watched child: ``python -m dlstore.bench.watch.boot SCRIPT ARGS…`` or ``… boot -m MODULE ARGS…``.
-
-Installs the observer, runs the target as ``python SCRIPT`` / ``python -m MODULE`` would (``sys.argv``,
-``sys.path[0]``, ``__main__``), and writes what was observed to this rank's file in the result folder
-whatever the ending: a clean end, ``--steps`` reached, an exception (its traceback printed, exit code 1),
-``sys.exit(n)`` (n kept) or Ctrl-C (exit 130).
-"""
+"""The watched child, ``python -m dlstore.bench.watch.boot SCRIPT ARGS…`` (or ``-m MODULE ARGS…``): runs
+the target as python would under the observer, and writes what was observed to this rank's file whatever
+the ending (an exception: exit code 1; ``sys.exit(n)``: n; Ctrl-C: 130)."""
 
 from __future__ import annotations
 
@@ -16,18 +12,7 @@ import sys
 import traceback
 from typing import Any
 
-from dlstore.bench.watch.config import WatchConfig, WatchError, rank_file, rank_info
-
-
-def parse_target(argv: list[str]) -> tuple[str, str, list[str]]:
-    """("script" | "module", path or module name, its arguments)."""
-    if not argv:
-        raise WatchError("no target: give a script (train.py ARGS…) or -m MODULE ARGS…")
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            raise WatchError("-m needs a module name, e.g. -m pkg.train")
-        return "module", argv[1], argv[2:]
-    return "script", argv[0], argv[1:]
+from dlstore.bench.watch import WatchConfig, WatchError, rank_file, rank_info
 
 
 def exit_code_of(e: SystemExit) -> int:
@@ -40,44 +25,39 @@ def exit_code_of(e: SystemExit) -> int:
     return 1
 
 
-def run_target(kind: str, target: str, args: list[str]) -> None:
-    if kind == "module":
-        sys.argv = [target, *args]  # run_module puts the module's file in argv[0], as python -m does
-        runpy.run_module(target, run_name="__main__", alter_sys=True)
+def run_target(argv: list[str]) -> None:
+    """``SCRIPT ARGS…`` or ``-m MODULE ARGS…``, run as python runs them."""
+    if argv[0] == "-m":
+        sys.argv = argv[1:]  # run_module puts the module's file in argv[0], as python -m does
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         return
-    path = os.path.abspath(target)
+    path = os.path.abspath(argv[0])
     if not os.path.exists(path):
-        raise WatchError(f"{target}: no such script (looked in {os.getcwd()})")
-    sys.argv = [target, *args]
+        raise WatchError(f"{argv[0]}: no such script (looked in {os.getcwd()})")
+    sys.argv = list(argv)
     sys.path[0] = os.path.dirname(path)  # python SCRIPT puts the script's folder first, not the cwd
     runpy.run_path(path, run_name="__main__")
 
 
-class _FirstInterrupt:
+def first_interrupt(signum: int, frame: Any) -> None:
     """SIGINT raises KeyboardInterrupt once; more (the terminal's and the parent's forwarded copy of the
     same Ctrl-C) are ignored so the record still gets written."""
-
-    def __init__(self) -> None:
-        self.seen = False
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if self.seen:
-            return
-        self.seen = True
-        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
 
 
 def main(argv: list[str]) -> int:
     from dlstore.bench.watch.record import Session, WatchStop
 
     config = WatchConfig.from_env()
-    kind, target, args = parse_target(argv)
-    signal.signal(signal.SIGINT, _FirstInterrupt())
+    if not argv or argv == ["-m"]:
+        raise WatchError("no target: give a script (train.py ARGS…) or -m MODULE ARGS…")
+    signal.signal(signal.SIGINT, first_interrupt)
     session = Session(config)
     session.install()
     status, code, error = "completed", 0, None
     try:
-        run_target(kind, target, args)
+        run_target(argv)
     except WatchStop:
         status = "stopped"
     except SystemExit as e:

@@ -1,51 +1,59 @@
-"""The advised loaders timed alone, in the watched process after the loop, as the bench times each loader
-alone before composing it with the step (``dlstore.bench.predict``). A recommendation's predicted rate is
-then the loop's own step (its replay) composed with a loader that was measured, not one scaled by hand:
-
-- more workers: the loop's own Dataset, sampler kind and collate in a DataLoader with the advised
-  ``num_workers`` (persistent; pinned on a GPU). Workers share the cores with each other and with the
-  main thread, so N workers do not reach N times one worker's rate; the period measured at N shows it,
-  and the workers' CPU seconds per batch (/proc) feed the cores term;
-- a dlstore cache (with GpuAugment when the advice moves the augmentation to the GPU): a RAM cache of
-  synthetic images of the advised shape (two batches, made by ``dlstore.convert``) read by the advised
-  loader exactly as ``--try-cache`` reads a sample of the user's data. The pixels do not change a raw
-  cache's read or the augmentation's cost; the DataLoader's own per-batch cost and GpuAugment's launch
-  and device time are what this probe adds to the model.
-
-Each probe's timings land under the loader's ``probes`` in the raw record; ``analyse`` composes them.
+"""The advised loaders timed alone after the loop, as the bench times a loader before composing it with the
+step: more workers (the loop's own Dataset, sampler kind and collate; N workers share the cores, so they do
+not reach N times one's rate), and a dlstore cache (synthetic images of the advised shape, or with
+``--try-cache`` a seeded sample of the user's dataset, converted to a temporary cache and read by the
+advised loader). Timings land under the loader's ``probes`` and ``try_cache``; ``analyse`` composes them.
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from dlstore.bench.watch.describe_loop import base_dataset
+from dlstore.bench.watch.loop_parts import tensors_of
+
 PROBE_BATCHES = 2  # synthetic cache images, in batches of the loop's size
+SAMPLE_IMAGES = 2048  # at most: enough for a steady loader, converted in seconds
+SAMPLE_BATCHES = 4  # at least this many batches of the user's size
+WARM_BATCHES = 2
+EPOCH_BATCHES = 64  # batches per epoch of the loader timed on a sample
+JPEG = "the advice is a JPEG cache decoded on the GPU (DecodeLoader)"
+
+
+def primary_of(doc: dict[str, Any], session: Any) -> tuple[dict[str, Any], dict[str, Any], Any] | None:
+    """(the training loader's report, its raw record, its LoaderRecord), from ``doc`` analysed now."""
+    from dlstore.bench.watch.analyse import analyse
+
+    report = analyse([doc])
+    if report.get("primary") is None:
+        return None
+    rep = next(r for r in report["loaders"] if r["index"] == report["primary"])
+    ld = next(d for d in doc["loaders"] if d["index"] == rep["index"])
+    return rep, ld, next(r for r in session.records.values() if r.index == rep["index"])
 
 
 def attach_probes(doc: dict[str, Any], session: Any) -> None:
-    """In the watched process, once its record is made: time each advised loader the advice names
-    (``workers``, ``cache``) and put the timings under the primary loader's ``probes``."""
-    from dlstore.bench.watch.analyse import analyse, trial_of
+    """Time each advised loader (``workers``, ``cache``) and put the timings under its loader's ``probes``."""
+    from dlstore.bench.watch.analyse import trial_of
 
-    report = analyse([doc])
-    if not report["loaders"] or report.get("primary") is None:
+    found = primary_of(doc, session)
+    if found is None:
         return
-    primary = next(r for r in report["loaders"] if r["index"] == report["primary"])
-    ld = next(d for d in doc["loaders"] if d["index"] == primary["index"])
-    rec = next(r for r in session.records.values() if r.index == primary["index"])
+    primary, ld, rec = found
     budget, cuda = session.config.parts_budget_s, doc["cuda"]
     images = int(primary.get("images_per_batch") or 0)
+    tried = trial_of(primary)
     probes: dict[str, Any] = {}
-    for a in primary["advice"]:
+    for a in primary["advice"] if images else ():
         key = "workers" if a.get("workers") is not None else "cache" if a.get("cache") else None
-        if key is None or not images:
-            continue
-        tried = trial_of(primary)
-        if key == "workers" and tried is not None and tried["workers"] == a["workers"]:
+        if key is None or (key == "workers" and tried is not None and tried["workers"] == a["workers"]):
             continue  # tried in the loop itself: the better measurement (trial.py)
         t = time.perf_counter()
         try:
@@ -59,11 +67,28 @@ def attach_probes(doc: dict[str, Any], session: Any) -> None:
     ld["probes"] = probes
 
 
+def attach_try_cache(doc: dict[str, Any], session: Any) -> None:
+    """--try-cache: when the training loader's report advises a cache, try it on a sample and put what was
+    measured under that loader's ``try_cache`` (or why not)."""
+    found = primary_of(doc, session)
+    if found is None:
+        return
+    primary, ld, rec = found
+    plan = next((a["cache"] for a in primary["advice"] if a.get("cache")), None)
+    if plan is None:
+        ld["try_cache"] = {"skipped": "no dlstore cache was advised for this loop: nothing to try"}
+        return
+    try:
+        ld["try_cache"] = try_cache(
+            rec.loader, primary["dataset"], plan, doc["cuda"], session.config.parts_budget_s
+        )
+    except Exception as e:  # advice only: a failed try must not lose the record of the loop
+        ld["try_cache"] = {"skipped": f"the try failed: {type(e).__name__}: {e}"}
+
+
 def probe_workers(loader: Any, workers: int, images: int, cuda: bool, budget_s: float) -> dict[str, Any]:
     """The loop's loader rebuilt with ``workers`` persistent workers, timed alone (``time_batches``)."""
     from torch.utils.data import DataLoader
-
-    from dlstore.bench.watch.try_cache import time_batches
 
     dl = DataLoader(**workers_kwargs(loader, workers, cuda))
     try:
@@ -77,16 +102,9 @@ def workers_kwargs(loader: Any, workers: int, cuda: bool) -> dict[str, Any]:
     start method and worker init; a fresh random (or sequential) order, any other sampler as it is."""
     from torch.utils.data import RandomSampler, SequentialSampler
 
-    kw: dict[str, Any] = {
-        "dataset": loader.dataset,
-        "num_workers": workers,
-        "persistent_workers": True,
-        "pin_memory": cuda,
-        "collate_fn": loader.collate_fn,
-        "worker_init_fn": getattr(loader, "worker_init_fn", None),
-        "multiprocessing_context": getattr(loader, "multiprocessing_context", None),
-        "prefetch_factor": getattr(loader, "prefetch_factor", None) or 2,
-    }
+    kw: dict[str, Any] = {"dataset": loader.dataset, "num_workers": workers, "persistent_workers": True}
+    kw.update(pin_memory=cuda, collate_fn=loader.collate_fn, prefetch_factor=loader.prefetch_factor or 2)
+    kw.update({k: getattr(loader, k, None) for k in ("worker_init_fn", "multiprocessing_context")})
     sampler = getattr(loader, "sampler", None)
     if isinstance(sampler, (RandomSampler, SequentialSampler)):
         kw["shuffle"] = isinstance(sampler, RandomSampler)
@@ -121,9 +139,126 @@ def probe_cache(
     loader: Any, plan: dict[str, Any], images: int, cuda: bool, budget_s: float
 ) -> dict[str, Any]:
     """The advised cache loader timed on synthetic images of the advised shape."""
-    from dlstore.bench.watch.try_cache import convert_and_time
-
     if plan.get("jpeg"):
-        return {"skipped": "the advice is a JPEG cache decoded on the GPU (DecodeLoader): not probed"}
+        return {"skipped": f"{JPEG}: not probed"}
     source = SyntheticImages(PROBE_BATCHES * images, plan["size"], plan["channels"])
     return {**convert_and_time(loader, source, plan, images, cuda, budget_s), "synthetic": True}
+
+
+def try_cache(
+    loader: Any, ds_info: dict[str, Any], plan: dict[str, Any], cuda: bool, budget_s: float
+) -> dict:
+    """--try-cache: a seeded sample of the observed dataset (a folder of class folders, or a torchvision
+    set) converted as ``plan`` says and the advised loader timed on it; or ``{"skipped": why}``."""
+    from dlstore.write.sources import load_torchvision, scan_folder
+
+    if plan.get("jpeg"):
+        return {"skipped": f"{JPEG}: not tried"}
+    src, root = ds_info.get("convert") or {}, ds_info.get("root")
+    if not root:
+        return {"skipped": f"the advice first writes {ds_info['convert']['source']}: not tried on a sample"}
+    if src.get("source", "").startswith("torchvision:"):
+        train = bool(getattr(base_dataset(getattr(loader, "dataset", None)), "train", True))
+        source = load_torchvision(src["source"].split(":", 1)[1], Path(root), train)
+    else:
+        source = scan_folder(Path(root))
+    batch = int(getattr(loader, "batch_size", None) or plan.get("batch") or 32)
+    keep = min(len(source), max(SAMPLE_IMAGES, SAMPLE_BATCHES * batch))
+    if keep < len(source):
+        source = source.subset(np.sort(np.random.default_rng(0).choice(len(source), keep, replace=False)))
+    if len(source) < batch + 1:
+        return {"skipped": f"the dataset holds {len(source)} images, fewer than two batches of {batch}"}
+    return convert_and_time(loader, source, plan, batch, cuda, budget_s)
+
+
+def convert_and_time(
+    loader: Any, source: Any, plan: dict[str, Any], batch: int, cuda: bool, budget_s: float
+) -> dict[str, Any]:
+    """``source`` converted as ``plan`` says into a temporary folder, and the advised loader timed on it:
+    with GpuAugment at 0 workers, else with the loop's transform and workers."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from dlstore.read.dataset import CachedDataset
+    from dlstore.write.conversion import convert
+    from dlstore.write.options import ConvertOptions
+
+    dataset = base_dataset(getattr(loader, "dataset", None))
+    transform = None if plan["gpu"] else getattr(dataset, "transform", None)
+    workers = 0 if plan["gpu"] else int(getattr(loader, "num_workers", 0) or 0)
+    tmp = Path(tempfile.mkdtemp(prefix="dlstore-try-cache-"))
+    try:
+        t0 = time.perf_counter()
+        convert(source, tmp / "cache", ConvertOptions(**{k: plan[k] for k in ("size", "channels", "format")}))
+        out = {"images": len(source), "convert_s": time.perf_counter() - t0, "batch": batch}
+        in_memory = plan.get("in_memory", False)
+        ds = CachedDataset(tmp / "cache", transform, in_memory, pil=transform is not None)
+        # a sample (or a probe's synthetic images) holds a few batches: drawn with replacement into epochs
+        # of EPOCH_BATCHES, or the workers' pipeline would drain and refill every few batches, as the
+        # loop's own longer epochs do not
+        n, epoch = len(ds), EPOCH_BATCHES * batch
+        sampler = RandomSampler(ds, replacement=n < epoch, num_samples=max(n, epoch))
+        kw = dict(num_workers=workers, persistent_workers=workers > 0, pin_memory=cuda, drop_last=True)
+        dl = DataLoader(ds, batch, sampler=sampler, **kw)
+        augment, device = None, None
+        if plan["gpu"] and cuda:
+            from dlstore.gpu import GpuAugment
+
+            device = torch.device("cuda", torch.cuda.current_device())
+            augment = GpuAugment(**augment_kwargs(plan)).to(device)
+        return {**out, **time_batches(dl, batch, budget_s, augment, device)}
+    finally:
+        dl = None  # its workers shut down before their cache's folder goes
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def augment_kwargs(plan: dict[str, Any]) -> dict[str, Any]:
+    """The advice's GpuAugment arguments (the snippet's), its dtype named as code turned into the dtype."""
+    kw = dict(plan.get("augment") or {"size": plan["crop"], "degrees": plan.get("degrees", 0.0)})
+    if "out_dtype" in kw:
+        kw["out_dtype"] = getattr(torch, str(kw["out_dtype"]).removeprefix("torch."))
+    return kw
+
+
+def time_batches(
+    dl: Any, batch: int, budget_s: float, augment: Any = None, device: torch.device | None = None
+) -> dict[str, Any]:
+    """A loader alone, as the bench times one (``stages.measure_loader``), ``augment`` (on the CUDA
+    ``device``) applied in next(): per batch its period, the main thread's share, the workers' CPU."""
+    from dlstore.bench.stages import measure_loader
+
+    workers = int(getattr(dl, "num_workers", 0) or 0)
+    timed = _Augmented(dl, augment, device) if augment is not None else dl
+    queued = max(3, 2 * workers * (getattr(dl, "prefetch_factor", None) or 2))
+    got = measure_loader(timed, WARM_BATCHES + queued, 100_000, device or torch.device("cpu"), budget_s)
+    out = {"workers": workers, "gpu_augment": augment is not None, "batches_timed": got["batches"]}
+    out.update(period_s=got["period_s"], main_s=got["main_s"], loader_img_per_s=batch / got["period_s"])
+    out["workers_cpu_s"] = max(0.0, got["cpu_s"] - got["main_s"]) if workers else None
+    if augment is not None:
+        out["augment_device_s"] = _device_time(augment, next(iter(dl)), device)
+    return out
+
+
+class _Augmented:
+    """A loader whose batches come out of ``augment`` on the device: its launch is the main thread's."""
+
+    def __init__(self, dl: Any, augment: Any, device: Any) -> None:
+        self.dl, self.augment, self.device, self.num_workers = dl, augment, device, dl.num_workers
+
+    def __len__(self) -> int:
+        return len(self.dl)
+
+    def __iter__(self) -> Any:
+        for x in self.dl:
+            yield self.augment(tensors_of(x)[0].to(self.device, non_blocking=True))
+
+
+def _device_time(augment: Any, batch: Any, device: Any, n: int = 10) -> float:
+    x = tensors_of(batch)[0].to(device)
+    augment(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        augment(x)
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / 1e3 / n

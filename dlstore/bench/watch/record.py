@@ -1,34 +1,35 @@
-"""The observer: every DataLoader iteration timed in ``__next__`` with ``time.perf_counter`` only, CUDA
-events recorded at each batch hand-over on the current stream (read at the end, never synchronised on the
-way), worker CPU and memory sampled from /proc by a background thread, the loop's own batches replayed to
-it for a while to get its rate with data free, then (when the advice says more workers) fed from a
-second loader with them for a while (``trial.py``): the loop paused once, at ``replay_start``.
+"""The observer, and what it saw as one JSON-able record (``raw_document``, written per rank).
 
-The loop cannot tell it is watched: the batches watch feeds it (stand-ins) take real ones' places, so every
-epoch yields ``len(loader)`` batches (the last real ones never drawn); a window goes on in the next epoch.
+Every DataLoader iteration is timed in ``__next__`` with ``time.perf_counter`` only, CUDA events at batch
+hand-overs (read at the end, never synchronised on the way), workers' CPU and memory sampled from /proc by
+a thread; at a pause, the loop's own batches are replayed to it (its rate with data free), then batches
+from a second loader with the advised workers (``trial.py``). Those stand-ins take real batches' places,
+so every epoch still yields ``len(loader)`` batches.
 
-Per step i of one iterator: ``t_call`` (next() called), ``t_ret`` (the batch handed over), ``t_next`` (the
-following next() call, the end of the loop's own work on the batch). Wait = t_ret − t_call; host work =
-t_next − t_ret; device span = the stream's time from the hand-over event to the next call's event.
+Per step: ``t_call`` (next() called), ``t_ret`` (the batch handed over), ``t_next`` (the following call).
+Wait = t_ret − t_call; host work = t_next − t_ret; device span = hand-over event to the next call's event.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
+import platform
 import threading
 import time
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from dlstore.bench.monitor import memory_kb, process_cpu_s
-from dlstore.bench.watch import trial
-from dlstore.bench.watch.apply import inject
-from dlstore.bench.watch.config import WatchConfig, rank_info
-from dlstore.bench.watch.describe import batch_images, dataset_info, loader_settings
-from dlstore.bench.watch.window import MIN_TIMED, Window, cap_for
+from dlstore.bench.watch import WatchConfig, rank_info, trial
+from dlstore.bench.watch.describe_loop import batch_images, dataset_info, loader_settings
+from dlstore.bench.watch.launch import inject
+from dlstore.bench.watch.trial import MIN_TIMED, Window, cap_for
+from dlstore.machine import usable_cores
 
 FED = ("replay", "trial")  # steps watch fed the loop itself (not the user's loader's batches)
 NEVER = float("inf")  # a step count never reached (no pause or stop due)
@@ -36,22 +37,14 @@ NVML_EVERY = 4  # GPU utilisation on one sampler tick in 4 (every 2 s at the def
 
 
 class WatchStop(SystemExit):
-    """Raised from ``next()`` once ``--steps`` steps were observed (and replayed): ends the script as a
-    clean exit (SystemExit passes the user's ``except Exception``), exit code 0."""
-
-    def __init__(self, steps: int) -> None:
-        super().__init__(0)
-        self.steps = steps
+    """Raised from ``next()`` once ``--steps`` steps were observed: a clean exit, past ``except Exception``."""
 
 
 class LoaderRecord:
     """Everything seen of one DataLoader, across its epochs (one ``__iter__`` call = one epoch)."""
 
     def __init__(self, index: int, loader: Any, config: WatchConfig, t0: float) -> None:
-        self.index = index
-        self.loader = loader
-        self.config = config
-        self.t0 = t0
+        self.index, self.loader, self.config, self.t0 = index, loader, config, t0
         self.settings = loader_settings(loader)
         self.epoch_len: int | None = self.settings["batches_per_epoch"]
         self.start = config.replay_start(self.epoch_len) if self.epoch_len is not None else NEVER
@@ -66,15 +59,13 @@ class LoaderRecord:
         self.kept: collections.deque[Any] = collections.deque(maxlen=config.replay_batches)
         self.sample_batch: Any = None
         self.images: int | None = None
-        self.real = 0
+        # real steps; pauses begun (one per replay round, the first also times the parts and the trial)
+        self.real = self.pauses = self.replay_index = self.refill_left = 0
         self.mode: str | None = None  # "replay" or "trial" while watch feeds the loop
-        self.pauses = 0  # pauses begun: one per replay round (the first also times the parts, the trial)
         self.paused = False  # every pause is done
         self.gate: float = 0  # real steps before which no pause or stop is due (``Session.set_gate``)
         self.keep_from: float = NEVER  # real steps after which batches are kept for the next replay round
         self.window: Any = None  # the current replay round's Window
-        self.replay_index = 0
-        self.refill_left = 0
         self.parts: dict[str, Any] | None = None  # the side measurement, once made (at the pause)
         self.trial: Any = None  # the running trial.Trial
         self.trial_info: dict[str, Any] | None = None
@@ -84,43 +75,32 @@ class LoaderRecord:
         self.iterators: list[Any] = []
 
     def new_epoch(self, it: Any) -> int:
-        self.epochs.append({"epoch": len(self.epochs), "first_step": len(self.t_call), "t_iter": self.now()})
+        t = time.perf_counter() - self.t0
+        self.epochs.append({"epoch": len(self.epochs), "first_step": len(self.t_call), "t_iter": t})
         # persistent workers: every epoch's iter() returns the same iterator, kept once (not summed twice)
         kept = [i for i in self.iterators if i is not it and getattr(i, "_workers", None)]
         self.iterators = [*kept, it]
         return len(self.epochs) - 1
 
-    def now(self) -> float:
-        return time.perf_counter() - self.t0
-
     def worker_pids(self) -> list[int]:
         pids: dict[int, None] = {}
         for it in list(self.iterators):
             for w in list(getattr(it, "_workers", None) or ()):
-                pid = getattr(w, "pid", None)
-                if pid and _alive(w):
-                    pids[pid] = None
+                with contextlib.suppress(AssertionError, ValueError):  # not our child, or closed
+                    if getattr(w, "pid", None) and w.is_alive():
+                        pids[w.pid] = None
         return list(pids)
-
-
-def _alive(worker: Any) -> bool:
-    try:
-        return bool(worker.is_alive())
-    except (AssertionError, ValueError):  # not our child, or closed
-        return False
 
 
 class WatchedIterator:
     """Wraps a DataLoader iterator; ``__next__`` times the call and decides replay and stop."""
 
     def __init__(self, session: Session, record: LoaderRecord, it: Any) -> None:
-        self._session = session
-        self._record = record
-        self._it = it
+        self._session, self._record, self._it = session, record, it
         self._last: int | None = None
         self._epoch = record.new_epoch(it)
-        self._handed = 0  # batches handed over in this epoch, stand-ins included
-        self._stand_ins = 0
+        # this epoch's batches handed over (stand-ins included), and its stand-ins
+        self._handed = self._stand_ins = 0
 
     def __iter__(self) -> WatchedIterator:
         return self
@@ -177,7 +157,7 @@ class WatchedIterator:
                 s.pause(rec, t_call)
                 continue
             if s.should_stop(rec):
-                raise WatchStop(rec.real)
+                raise WatchStop(0)
             break  # past the gate with nothing due now (a stop waiting for a pause): this step is real
         try:
             if self._stand_ins and self._full():
@@ -195,21 +175,16 @@ class Session:
     record (``finish``) that ``analyse`` turns into a report."""
 
     def __init__(self, config: WatchConfig) -> None:
-        self.config = config
-        self.world = rank_info()[1]
-        self.t0 = time.perf_counter()
+        self.config, self.world, self.t0 = config, rank_info()[1], time.perf_counter()
         self.records: dict[int, LoaderRecord] = {}
         self._original_iter: Any = None
         self._sampler: _Sampler | None = None
         self._profiler: Any = None
-        self._profile_started = False
-        self._profiled = 0
+        self._profile_started, self._profiled, self._cuda = False, 0, False
         self.profile_trace: str | None = None
-        self._cuda = False
         self._cuda_possible: bool | None = None
         self.finished: dict[str, Any] | None = None
 
-    # -- entry points ---------------------------------------------------------------------------------
     def install(self) -> None:
         """Watch every DataLoader iterated from now on (subclasses included, unless they replace
         ``__iter__`` without calling it)."""
@@ -241,7 +216,6 @@ class Session:
             self.set_gate(rec)
         return WatchedIterator(self, self.records[key], it)
 
-    # -- decisions in next() --------------------------------------------------------------------------
     def cuda_in_use(self) -> bool:
         # once CUDA is up it stays up; whether it exists is asked once, at the first step (after the
         # script set its CUDA_VISIBLE_DEVICES): is_available() reads the environment at each call
@@ -260,12 +234,9 @@ class Session:
         if rec.refill_left > 0:
             rec.refill_left -= 1
             return "refill"
-        n = len(rec.t_call)
-        if len(rec.epochs) == 1 and n < self.config.warmup:
+        if len(rec.epochs) == 1 and len(rec.t_call) < self.config.warmup:
             return "warmup"
-        if self._profiler is not None:
-            return "profiled"
-        return "real"
+        return "profiled" if self._profiler is not None else "real"
 
     def should_pause(self, rec: LoaderRecord) -> bool:
         return self.config.pauses() and rec.real >= self.next_pause(rec)
@@ -328,16 +299,11 @@ class Session:
         """Still paused inside next(), nothing running beside it: the dataset's parts timed alone, then
         the trial of the workers advice (``trial.py``)."""
         c = self.config
-        cuda = self.cuda_in_use()
         if c.parts and rec.parts is None:
-            from dlstore.bench.watch.raw import measure_record_parts
-
-            rec.parts = measure_record_parts(rec, cuda, c.parts_budget_s)
+            rec.parts = measure_record_parts(rec, self.cuda_in_use(), c.parts_budget_s)
         rec.kept.clear()  # the references held the batches' memory (pinned, shared) alive
         if c.trial and self.world == 1 and rec.pauses == 1:
             trial.start(self, rec)
-            if rec.trial is not None:
-                rec.mode = "trial"
         # the user's workers kept filling their queue meanwhile: the next steps drain it (at 0 workers
         # the next step's wait holds this pause's end)
         w = rec.settings["num_workers"]
@@ -364,9 +330,12 @@ class Session:
         if rec.index != 0:
             return
         if self._profiler is None and not self._profile_started and rec.real >= self.config.warmup:
-            self._profile_started = True
-            self._profiler = start_profiler(self.cuda_in_use())
-            self._profiled = 0
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda_in_use() else [])
+            self._profile_started, self._profiled = True, 0
+            self._profiler = profile(activities=acts)
+            self._profiler.__enter__()
         elif self._profiler is not None and phase == "profiled":
             self._profiled += 1
             if self._profiled >= self.config.profile_steps:
@@ -382,7 +351,6 @@ class Session:
             prof.export_chrome_trace(path)
             self.profile_trace = path
 
-    # -- the end --------------------------------------------------------------------------------------
     def _start_sampler(self) -> None:
         if self._sampler is None:
             self._sampler = _Sampler(self, self.config.sample_interval_s)
@@ -393,7 +361,6 @@ class Session:
         if self.finished is not None:
             return self.finished
         self.uninstall()
-        t_end = time.perf_counter() - self.t0
         try:
             self._stop_profiler()
         except Exception as e:  # a failed trace export must not lose the record
@@ -402,19 +369,8 @@ class Session:
             self._sampler.stop()
         for rec in self.records.values():
             self.end_window(rec)
-        from dlstore.bench.watch.raw import raw_document
-
-        self.finished = raw_document(self, status, exit_code, error, t_end)
+        self.finished = raw_document(self, status, exit_code, error)
         return self.finished
-
-
-def start_profiler(cuda: bool) -> Any:
-    from torch.profiler import ProfilerActivity, profile
-
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=acts)
-    prof.__enter__()
-    return prof
 
 
 class _Sampler(threading.Thread):
@@ -423,14 +379,11 @@ class _Sampler(threading.Thread):
 
     def __init__(self, session: Session, interval: float) -> None:
         super().__init__(name="dlstore-watch-sampler", daemon=True)
-        self.session = session
-        self.interval = interval
-        self.halt = threading.Event()
+        self.session, self.interval, self.halt = session, interval, threading.Event()
         self.main_cpu: list[list[float | None]] = []
         self.gpu_util: list[list[float]] = []
         self.nvml: Any = None
-        self.nvml_tried = False
-        self.ticks = 0
+        self.nvml_tried, self.ticks = False, 0
 
     def run(self) -> None:
         while not self.halt.is_set():
@@ -499,3 +452,112 @@ def _nvml_handle() -> tuple[Any, Any] | None:
             return pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
         except Exception:
             return None
+
+
+VERSION = 1
+
+
+def raw_document(
+    session: Session, status: str, exit_code: int | None, error: str | None, side: bool = True
+) -> dict[str, Any]:
+    """The record; ``side=False``: what was observed only (no parts, probes or --try-cache timed now:
+    the trial's decision mid-loop)."""
+    rank, world = rank_info()
+    cuda = session.cuda_in_use()
+    sampler = session._sampler
+    doc: dict[str, Any] = {"version": VERSION, "status": status, "exit_code": exit_code, "error": error}
+    doc.update(rank=rank, world_size=world, cuda=cuda, cores=usable_cores(), torch=torch.__version__)
+    doc["device_label"] = torch.cuda.get_device_name() if cuda else platform.processor() or "CPU"
+    doc.update(python=platform.python_version(), profile_trace=session.profile_trace)
+    doc["config"] = {k: v for k, v in asdict(session.config).items() if k != "result_dir"}
+    doc.update(main_cpu=sampler.main_cpu if sampler else [], gpu_util=sampler.gpu_util if sampler else [])
+    doc.update(nvml=bool(sampler and sampler.nvml is not None), loaders=[])
+    for rec in session.records.values():
+        doc["loaders"].append(loader_document(rec, session, cuda, status == "interrupted", side))
+    if not side or status == "interrupted" or rank != 0:  # rank 0 reports: its probes and try
+        return doc
+    from dlstore.bench.watch.probes import attach_probes, attach_try_cache
+
+    if session.config.parts:
+        try:
+            attach_probes(doc, session)
+        except Exception as e:  # advice only: a failed probe must not lose the record of the loop
+            doc["probes_error"] = f"{type(e).__name__}: {e}"
+    if session.config.try_cache:
+        attach_try_cache(doc, session)
+    return doc
+
+
+def loader_document(
+    rec: LoaderRecord, session: Session, cuda: bool, interrupted: bool, side: bool = True
+) -> dict[str, Any]:
+    device, gap = device_spans(rec) if cuda else (None, None)
+    parts = rec.parts or {
+        "skipped": "interrupted" if interrupted else "not measured" + ("" if side else " yet")
+    }
+    if rec.parts is None and side and session.config.parts and rec.t_call and not interrupted:
+        parts = measure_record_parts(rec, cuda, session.config.parts_budget_s)
+    same = "index settings dataset t_call t_ret t_next phase epoch epochs worker_samples".split()
+    return {
+        **{name: getattr(rec, name) for name in same},
+        "images_per_batch": rec.images or rec.settings.get("batch_size"),
+        "device_s": device,
+        "device_gap_s": gap,
+        "tried": tried(rec, session.config),
+        "window_warm": list(rec.window_warm),
+        "trial": rec.trial_info,
+        "parts": parts,
+    }
+
+
+def tried(rec: LoaderRecord, config: WatchConfig) -> dict[str, Any]:
+    """Whether the replay and the in-loop trial ran long enough to be timed: True, False (then ``why`` and
+    ``how``), or None where not asked for."""
+    warm = set(rec.window_warm)
+    timed = collections.Counter(p for i, p in enumerate(rec.phase) if i not in warm)
+    replay = timed["replay"] >= MIN_TIMED if config.replay else None
+    trial = timed["trial"] >= MIN_TIMED if rec.trial_info or (config.trial and not rec.pauses) else None
+    why = how = None
+    if False in (replay, trial):
+        need = config.replay_warmup_s + config.replay_s + config.trial_s
+        how = f"run the script longer (more epochs or data): watch needs about {need:.0f} s of steps after step {rec.start}"
+        if rec.epoch_len is None:
+            why, how = "the loader has no len(): watch cannot feed the loop and keep its epochs' length", None
+        elif not rec.pauses:
+            why = f"the run ended after {rec.real} real steps, before watch's pause at step {rec.start}"
+        else:
+            why = (rec.trial_info or {}).get(
+                "skipped"
+            ) or "the run ended inside the pause, before enough was timed"
+    pause_at = None if rec.epoch_len is None else rec.start
+    return {"pause_at": pause_at, "replay": replay, "trial": trial, "why": why, "how": how}
+
+
+def device_spans(rec: LoaderRecord) -> tuple[list[float | None], list[float | None]]:
+    """Per step: the device span (hand-over to the next call) and the device's wait for data (that call to
+    the next hand-over). The one synchronisation of the watch, after the loop."""
+    n = len(rec.t_call)
+    span: list[float | None] = [None] * n
+    gap: list[float | None] = [None] * n
+    try:
+        if rec.events:
+            torch.cuda.synchronize()
+        for k, (i, start, end) in enumerate(rec.events):
+            if end is None:
+                continue
+            span[i] = start.elapsed_time(end) / 1e3
+            if k + 1 < len(rec.events) and rec.events[k + 1][0] == i + 1:
+                gap[i] = end.elapsed_time(rec.events[k + 1][1]) / 1e3
+    except RuntimeError:  # a CUDA error in the script: the device spans are lost, the host timings kept
+        return [None] * n, [None] * n
+    return span, gap
+
+
+def measure_record_parts(rec: LoaderRecord, cuda: bool, budget: float) -> dict[str, Any]:
+    from dlstore.bench.watch.loop_parts import measure_parts
+
+    batch = rec.sample_batch if rec.sample_batch is not None else (rec.kept[0] if rec.kept else None)
+    try:
+        return measure_parts(rec.loader, batch, cuda, budget)
+    except Exception as e:  # the side measurement is advice; the record of the loop matters more
+        return {"skipped": f"the side measurement failed: {type(e).__name__}: {e}"}

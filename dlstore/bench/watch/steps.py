@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Sequence
+from itertools import groupby
 from typing import Any
 
 
@@ -14,6 +15,7 @@ def step_rows(loader: dict[str, Any]) -> list[dict[str, Any]]:
     device = loader.get("device_s") or [None] * len(loader["t_call"])
     gap = loader.get("device_gap_s") or [None] * len(loader["t_call"])
     warm = set(loader.get("window_warm") or ())
+    firsts = {e["first_step"] for e in loader.get("epochs", [])}
     for i, (tc, tr, tn) in enumerate(zip(loader["t_call"], loader["t_ret"], loader["t_next"])):
         rows.append(
             {
@@ -27,16 +29,10 @@ def step_rows(loader: dict[str, Any]) -> list[dict[str, Any]]:
                 "device_s": device[i],
                 "device_wait_s": gap[i],
                 "warm": i in warm,  # a replay's or trial's warm-up step, not timed
+                "epoch_first": i in firsts,
             }
         )
-    _mark_epoch_starts(rows, loader)
     return rows
-
-
-def _mark_epoch_starts(rows: list[dict[str, Any]], loader: dict[str, Any]) -> None:
-    firsts = {e["first_step"] for e in loader.get("epochs", [])}
-    for r in rows:
-        r["epoch_first"] = r["step"] in firsts
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -58,11 +54,8 @@ def block_period(periods: Sequence[float], blocks: int = 3) -> float:
     n = len(periods)
     if n < blocks:
         return sum(periods) / n
-    means = []
-    for b in range(blocks):
-        part = periods[b * n // blocks : (b + 1) * n // blocks]
-        means.append(sum(part) / len(part))
-    return sorted(means)[blocks // 2]
+    cuts = [b * n // blocks for b in range(blocks + 1)]
+    return sorted(sum(periods[a:b]) / (b - a) for a, b in zip(cuts, cuts[1:]))[blocks // 2]
 
 
 def summarise(
@@ -73,11 +66,9 @@ def summarise(
     done = [r for r in rows if r["period_s"] is not None]
     if not done:
         return None
-    wait = [r["wait_s"] for r in done]
-    period = sum(r["period_s"] for r in done) / len(done)
-    mean_period = period
-    if blocks:
-        period = block_period([r["period_s"] for r in done])
+    wait, periods = [r["wait_s"] for r in done], [r["period_s"] for r in done]
+    mean_period = sum(periods) / len(done)
+    period = block_period(periods) if blocks else mean_period
     device = [r["device_s"] for r in done if r["device_s"] is not None]
     dwait = [r["device_wait_s"] for r in done if r["device_wait_s"] is not None]
     return {
@@ -85,14 +76,14 @@ def summarise(
         "period_s": period,
         "period_mean_s": mean_period,
         "img_per_s": images / period if images and period > 0 else None,
-        "wait_share": sum(wait) / sum(r["period_s"] for r in done) if period > 0 else 0.0,
+        "wait_share": sum(wait) / sum(periods) if period > 0 else 0.0,
         "wait_mean_s": mean(wait),
         "wait_p50_s": percentile(wait, 0.5),
         "wait_p95_s": percentile(wait, 0.95),
         "wait_p10_s": percentile(wait, 0.1),
         "host_mean_s": mean([r["host_s"] for r in done]),
         "device_mean_s": mean(device),
-        "device_wait_share": sum(dwait) / sum(r["period_s"] for r in done) if dwait else None,
+        "device_wait_share": sum(dwait) / sum(periods) if dwait else None,
         "t_first_s": done[0]["t_s"],
         "t_last_s": done[-1]["t_s"] + done[-1]["period_s"],
     }
@@ -100,9 +91,7 @@ def summarise(
 
 def group(row: dict[str, Any]) -> str:
     """The summary a step counts in: its phase, but a later epoch's first real step is that epoch's
-    start-up (``start``: workers started anew, their queue filled again), kept out of the steady figure:
-    on a short run one such step among a few steady ones moves it by half; it costs once an epoch
-    (``epoch_start_excess``)."""
+    start-up (``start``), kept out of the steady figure: it costs once an epoch (``epoch_start_excess``)."""
     if row["phase"] == "real" and row["epoch_first"] and row["epoch"] > 0:
         return "start"
     return row["phase"]
@@ -126,26 +115,11 @@ def by_phase(rows: Sequence[dict[str, Any]], images: int | None) -> dict[str, An
     return out
 
 
-def contiguous(rows: Sequence[dict[str, Any]], phase: str) -> list[list[dict[str, Any]]]:
-    """The runs of consecutive steps in ``phase`` (a replay round each)."""
-    runs: list[list[dict[str, Any]]] = []
-    last = None
-    for r in rows:
-        if r["phase"] != phase:
-            continue
-        if last is None or r["step"] != last + 1:
-            runs.append([])
-        runs[-1].append(r)
-        last = r["step"]
-    return runs
-
-
 def _replay_rounds(replay: dict[str, Any], rows: Sequence[dict[str, Any]], images: int | None) -> None:
     """With several replay rounds: each round's steady period (``rounds``), and the replay's period the
     median round's (a round on a slow stretch of a shared machine left out)."""
-    rounds = [
-        summarise([r for r in run if not r["warm"]], images, True) for run in contiguous(rows, "replay")
-    ]
+    runs = [list(run) for inside, run in groupby(rows, key=lambda r: r["phase"] == "replay") if inside]
+    rounds = [summarise([r for r in run if not r["warm"]], images, True) for run in runs]
     done = [r for r in rounds if r is not None]
     if len(done) < 2:
         return

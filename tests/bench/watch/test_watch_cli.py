@@ -182,3 +182,19 @@ def test_each_rank_records_and_rank_zero_reports(
     assert code == 0 and doc["world_size"] == 2 and doc["status"] == "stopped"
     assert doc["ranks"]["ranks"] == 2 and {r["rank"] for r in doc["ranks"]["per_rank"]} == {0, 1}
     assert doc["ranks"]["wait_share_max"] >= doc["ranks"]["wait_share_mean"]
+
+
+def test_options_come_from_the_watch_config_fields_with_its_defaults() -> None:
+    import dataclasses
+    import inspect
+
+    from dlstore.bench.watch import WatchConfig
+
+    cmd = main.commands["watch"]
+    fields = {f.name: f.default for f in dataclasses.fields(WatchConfig)}
+    own = {"command", "apply_advice", "compare", "out", "as_json"}
+    for param in cmd.params:
+        assert param.name in own or param.default == fields[param.name], param.name
+    assert len(inspect.signature(cmd.callback).parameters) <= 6  # nothing re-listed
+    flags = {flag for p in cmd.params for flag in (*p.opts, *p.secondary_opts)}
+    assert {"--no-replay", "--no-trial", "--no-parts", "--parts-budget", "--try-cache"} <= flags

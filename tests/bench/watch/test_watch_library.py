@@ -51,7 +51,7 @@ def test_loader_form_is_the_same_loader_watched(tiny_folder: Path) -> None:
 
 
 def test_parts_split_read_decode_transform(tiny_folder: Path) -> None:
-    from dlstore.bench.watch.parts import measure_parts
+    from dlstore.bench.watch.loop_parts import measure_parts
 
     ds = ImageFolder(tiny_folder, transform=T.Compose([T.RandomRotation(10), T.ToTensor()]))
     loader = DataLoader(ds, batch_size=4)
@@ -98,7 +98,7 @@ def test_steps_stops_after_the_last_replay_round() -> None:
 
 @pytest.mark.parametrize("field", ["replay_rounds", "replay_every"])
 def test_replay_rounds_and_spacing_must_be_positive(field: str) -> None:
-    from dlstore.bench.watch.config import WatchConfig, WatchError
+    from dlstore.bench.watch import WatchConfig, WatchError
 
     with pytest.raises(WatchError, match="positive"):
         WatchConfig(**{field: 0})

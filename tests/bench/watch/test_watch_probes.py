@@ -155,7 +155,7 @@ class CallsItsTransform(Dataset):
 
 
 def test_parts_of_a_dataset_whose_transform_cannot_be_left_out() -> None:
-    from dlstore.bench.watch.parts import measure_parts
+    from dlstore.bench.watch.loop_parts import measure_parts
 
     loop = DataLoader(CallsItsTransform(), batch_size=4)
     got = measure_parts(loop, next(iter(loop)), cuda=False, budget_s=0.1)

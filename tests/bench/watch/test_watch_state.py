@@ -9,7 +9,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import dlstore
 from dlstore.bench.kinds.context import loader_settings as bench_settings
 from dlstore.bench.verdict import state_notes
-from dlstore.bench.watch.describe import loader_settings as watch_settings
+from dlstore.bench.watch.describe_loop import loader_settings as watch_settings
 from dlstore.read.order import STATELESS_NOTE
 
 

@@ -19,7 +19,7 @@ from watch_records import raw
 import dlstore
 from dlstore.bench.watch.analyse import analyse
 from dlstore.bench.watch.steps import block_period
-from dlstore.bench.watch.window import FIXED_STEPS, Window
+from dlstore.bench.watch.trial import FIXED_STEPS, Window
 from dlstore.cli import main
 
 from .conftest import write_script

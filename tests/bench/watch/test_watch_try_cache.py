@@ -92,8 +92,8 @@ def test_try_cache_reads_a_torchvision_set_with_the_users_transform(tmp_path: Pa
     from torch.utils.data import DataLoader
     from torchvision.datasets import FashionMNIST
 
-    from dlstore.bench.watch.describe import dataset_info
-    from dlstore.bench.watch.try_cache import try_cache
+    from dlstore.bench.watch.describe_loop import dataset_info
+    from dlstore.bench.watch.probes import try_cache
 
     write_fashion_mnist(tmp_path, 96)
     ds = FashionMNIST(str(tmp_path), train=True, download=False, transform=T.ToTensor())

@@ -1,7 +1,6 @@
-"""The side measurement: the observed dataset's parts timed alone, in the watched process, after the loop
-(so nothing here runs beside the user's steps). Per sample: ``__getitem__``; where the dataset exposes them
-(torchvision's DatasetFolder: ``loader`` = file read + decode, ``transform``), file read vs decode vs
-transform; per batch: collate and the host→device copy, pinned and pageable. Seconds, plain dicts."""
+"""The observed dataset's parts timed alone, in the watched process at the pause (nothing beside the user's
+steps): per sample ``__getitem__`` and, where the dataset exposes them, file read vs decode vs transform;
+per batch collate and the host→device copy, pinned and pageable. Seconds, plain dicts."""
 
 from __future__ import annotations
 
@@ -10,11 +9,12 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from dlstore.bench.watch.describe import base_dataset, is_dataset_folder
+from dlstore.bench.watch.describe_loop import base_dataset, is_dataset_folder
 
 
 def measure_parts(loader: Any, batch: Any, cuda: bool, budget_s: float) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def _split(ds: Any, indices: Sequence[int], budget_s: float) -> dict[str, Any]:
         paths = [ds.samples[i][0] for i in indices]
         out["load_s"], images = time_calls(ds.loader, paths, budget_s / 3)
         if _is_pil_loader(ds.loader):
-            out["read_s"], raw = time_calls(_read_bytes, paths, budget_s / 3)
+            out["read_s"], raw = time_calls(lambda p: Path(p).read_bytes(), paths, budget_s / 3)
             out["decode_s"], _ = time_calls(_decode, raw, budget_s / 3)
     elif transform is not None and hasattr(ds, "transform"):
         ds.transform = None  # the same __getitem__ without its transform: the load part alone
@@ -87,22 +87,14 @@ def _split(ds: Any, indices: Sequence[int], budget_s: float) -> dict[str, Any]:
 
 def _is_pil_loader(fn: Any) -> bool:
     """torchvision's default_loader / pil_loader: a file read and a PIL decode to RGB, nothing else."""
-    return getattr(fn, "__module__", "") == "torchvision.datasets.folder" and getattr(fn, "__name__", "") in (
-        "default_loader",
-        "pil_loader",
-    )
-
-
-def _read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', '')}"
+    return name in ("torchvision.datasets.folder.default_loader", "torchvision.datasets.folder.pil_loader")
 
 
 def _decode(data: bytes) -> Any:
     from PIL import Image
 
-    img = Image.open(io.BytesIO(data))
-    return img.convert("RGB")  # what pil_loader returns; convert() forces the lazy decode
+    return Image.open(io.BytesIO(data)).convert("RGB")  # pil_loader's; convert() forces the lazy decode
 
 
 def _collate(loader: Any, samples: list[Any], want: int) -> tuple[float | None, int]:

@@ -8,16 +8,9 @@ import sys
 from typing import Any
 
 # transforms that draw random parameters per sample: augmentation that GpuAugment can take over
-RANDOM = (
-    "RandomResizedCrop",
-    "RandomResizedCropAndInterpolation",
-    "RandomCrop",
-    "RandomHorizontalFlip",
-    "RandomVerticalFlip",
-    "RandomRotation",
-    "RandomAffine",
-    "ColorJitter",
-    "RandomErasing",
+RANDOM = frozenset(
+    "RandomResizedCrop RandomResizedCropAndInterpolation RandomCrop RandomHorizontalFlip RandomVerticalFlip "
+    "RandomRotation RandomAffine ColorJitter RandomErasing".split()
 )
 
 
@@ -98,12 +91,9 @@ def convert_source(ds: Any) -> dict[str, Any]:
         return _hf_source(ds)
     listed = _path_rows(ds)
     if listed is not None:
-        return {
-            "source": "files.csv",
-            "extra": "",
-            "prepare": "import csv; csv.writer(open('files.csv', 'w', newline='')).writerows("
-            f"[('path', 'label'), *{listed}])",
-        }
+        rows = f"[('path', 'label'), *{listed}]"
+        prepare = f"import csv; csv.writer(open('files.csv', 'w', newline='')).writerows({rows})"
+        return {"source": "files.csv", "extra": "", "prepare": prepare}
     if isinstance(ds, sys.modules["torch.utils.data"].IterableDataset):
         return {"why": f"{name} is an IterableDataset: it streams samples and names no files to convert"}
     if type(ds).__module__ == "__main__":
@@ -138,17 +128,14 @@ def _path_rows(ds: Any) -> str | None:
             return f"[(str(p), y) for p, y, *_ in ds.{attr}]"
         if isinstance(first, (str, os.PathLike)):
             n = len(value)  # type: ignore[arg-type]
-            ys = next(
-                (f"ds.{a}" for a in ("targets", "labels") if len(getattr(ds, a, None) or ()) == n), None
-            )
-            return f"zip(map(str, ds.{attr}), {ys or '[0] * len(ds)'})"
+            ys = [f"ds.{a}" for a in ("targets", "labels") if len(getattr(ds, a, None) or ()) == n]
+            return f"zip(map(str, ds.{attr}), {(ys or ['[0] * len(ds)'])[0]})"
     return None
 
 
 def _hf_source(ds: Any) -> dict[str, Any]:
     """A Hugging Face ``datasets`` table: written as parquet, read by dlstore's parquet source."""
-    features = getattr(ds, "features", {}) or {}
-    kinds = {k: type(v).__name__ for k, v in features.items()}
+    kinds = {k: type(v).__name__ for k, v in (getattr(ds, "features", {}) or {}).items()}
     if "Image" not in kinds.values():
         return {"why": "the Hugging Face table has no Image column: nothing to cache as images"}
     label = next((k for k, v in kinds.items() if v == "ClassLabel"), "label")
@@ -211,7 +198,4 @@ def batch_images(batch: Any) -> int | None:
 
 
 def _type_name(obj: Any) -> str | None:
-    if obj is None:
-        return None
-    t = type(obj)
-    return f"{t.__module__}.{t.__qualname__}"
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"

@@ -1,35 +1,27 @@
-"""Rendering a watch report: text, steps.csv, timeline.png (matplotlib optional), the JSON document."""
+"""Rendering a watch report: text, steps.csv, timeline.png (matplotlib optional), the JSON document; and
+``--compare A B``, two runs' reports side by side."""
 
 from __future__ import annotations
 
 import csv
+import json
+from functools import partial
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 from dlstore.bench.advice import plural
+from dlstore.bench.watch import WatchError
 from dlstore.bench.watch.analyse import loop_rate
 
-CSV_FIELDS = (
-    "loader",
-    "step",
-    "epoch",
-    "phase",
-    "epoch_first",
-    "wait_ms",
-    "host_ms",
-    "period_ms",
-    "device_ms",
-    "device_wait_ms",
-)
+TIMES = ("wait", "host", "period", "device", "device_wait")  # steps.csv's timings, in ms
+CSV_FIELDS = ("loader", "step", "epoch", "phase", "epoch_first", *(f"{k}_ms" for k in TIMES))
 
 
 def text_report(report: dict[str, Any]) -> str:
     """The one sentence first, then what to do, then the figures behind it."""
-    lines = [
-        report["verdict"],
-        "",
-        f"dlstore watch — {report['device']}, {plural(report['cores'], 'usable core')}; script {_ending(report)}",
-    ]
+    head = f"dlstore watch — {report['device']}, {plural(report['cores'], 'usable core')}; script {_ending(report)}"
+    lines = [report["verdict"], "", head]
     if report["recommendations"]:
         lines.append("Recommendations (largest predicted gain first):")
         lines += [f"  {i}. {r}" for i, r in enumerate(report["recommendations"], 1)]
@@ -38,10 +30,8 @@ def text_report(report: dict[str, Any]) -> str:
     for rep in report["loaders"]:
         lines += ["", *_loader_lines(rep, primary=rep["index"] == report.get("primary"))]
     if report.get("ranks"):
-        lines.append(
-            "Per rank: "
-            + ", ".join(f"rank {r['rank']} wait {_pct(r['wait_share'])}" for r in report["ranks"]["per_rank"])
-        )
+        per = ", ".join(f"rank {r['rank']} wait {_pct(r['wait_share'])}" for r in report["ranks"]["per_rank"])
+        lines.append("Per rank: " + per)
     shown = {n for rep in report["loaders"] for n in rep["notes"]}
     lines += ["Note: " + note for note in report["notes"] if note not in shown]
     if report.get("profile_trace"):
@@ -104,23 +94,12 @@ def _loader_lines(rep: dict[str, Any], primary: bool) -> list[str]:
 
 def write_csv(report: dict[str, Any], path: Path) -> None:
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
-        w.writeheader()
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS)
         for rep in report["loaders"]:
             for r in rep["rows"]:
-                w.writerow(
-                    {
-                        "loader": rep["index"],
-                        "step": r["step"],
-                        "epoch": r["epoch"],
-                        "phase": r["phase"],
-                        "epoch_first": int(r["epoch_first"]),
-                        **{
-                            f"{k}_ms": _csv_ms(r[f"{k}_s"])
-                            for k in ("wait", "host", "period", "device", "device_wait")
-                        },
-                    }
-                )
+                ms = ["" if r[f"{k}_s"] is None else f"{1e3 * r[f'{k}_s']:.4f}" for k in TIMES]
+                w.writerow([rep["index"], r["step"], r["epoch"], r["phase"], int(r["epoch_first"]), *ms])
 
 
 # phase → (legend label, shading); stand-in phases (batches watch fed the loop) are drawn compacted
@@ -139,19 +118,12 @@ RATE_COLOURS = {"now": "#7f7f7f", "data free": "#bcbd22", "predicted": "#1f77b4"
 
 
 def timeline_series(report: dict[str, Any]) -> dict[str, Any] | None:
-    """What timeline.png draws of the training loader, None without steps. ``columns``: one per step, or
-    the mean of several (each stand-in phase's run of steps squeezed into a quarter of the real steps'
-    width at most, so the replay never pushes the user's steps to an edge; all within MAX_COLUMNS);
-    ``spans``: each phase's run of steps as columns [x0, x1). ``rates``: the bars beside it."""
+    """What timeline.png draws of the training loader: ``columns``, one per step or the mean of several (a
+    stand-in phase in a quarter of the real steps' width at most); ``spans``, each phase's columns."""
     rep = next((r for r in report["loaders"] if r["index"] == report.get("primary")), None)
     if rep is None or not rep["rows"]:
         return None
-    runs: list[list[dict[str, Any]]] = []
-    for r in rep["rows"]:
-        if runs and runs[-1][0]["phase"] == r["phase"]:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
+    runs = [list(run) for _, run in groupby(rep["rows"], key=lambda r: r["phase"])]
     real = sum(len(run) for run in runs if run[0]["phase"] not in STAND_IN)
     widths = [
         min(len(run), max(STAND_IN_COLUMNS, real // 4)) if run[0]["phase"] in STAND_IN else len(run)
@@ -173,29 +145,23 @@ def _column(rows: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [r[key] for r in rows if r[key] is not None]
         return 1e3 * sum(vals) / len(vals) if vals else None
 
-    return {
-        "first_step": rows[0]["step"],
-        "steps": len(rows),
-        "phase": rows[0]["phase"],
-        "wait_ms": ms("wait_s"),
-        "host_ms": ms("host_s") or 0.0,  # the last step has none (no next() after it)
-        "device_ms": ms("device_s"),
-    }
+    out = {"first_step": rows[0]["step"], "steps": len(rows), "phase": rows[0]["phase"]}
+    # the last step has no host time (no next() after it)
+    return {**out, "wait_ms": ms("wait_s"), "host_ms": ms("host_s") or 0.0, "device_ms": ms("device_s")}
 
 
 def rate_bars(report: dict[str, Any], rep: dict[str, Any]) -> list[dict[str, Any]]:
     """(label, img/s, kind) per bar: now, with data free, each fix as predicted, and after --apply."""
-    bars = [{"label": "now", "img_per_s": loop_rate(rep), "kind": "now"}]
     free = (rep.get("model") or {}).get("data_free_img_per_s")
-    bars.append({"label": "with data free", "img_per_s": free, "kind": "data free"})
-    for a in rep.get("advice") or []:
-        if a.get("expected_img_per_s"):
-            label = f"{_fix_label(a)}\n(predicted)"
-            bars.append({"label": label, "img_per_s": a["expected_img_per_s"], "kind": "predicted"})
-    measured = (report.get("applied") or {}).get("measured_img_per_s")
-    if measured:
-        bars.append({"label": "after --apply\n(measured)", "img_per_s": measured, "kind": "measured"})
-    return [b for b in bars if b["img_per_s"]]
+    bars = [("now", loop_rate(rep), "now"), ("with data free", free, "data free")]
+    bars += [
+        (f"{_fix_label(a)}\n(predicted)", a.get("expected_img_per_s"), "predicted")
+        for a in rep.get("advice") or []
+    ]
+    bars.append(
+        ("after --apply\n(measured)", (report.get("applied") or {}).get("measured_img_per_s"), "measured")
+    )
+    return [{"label": label, "img_per_s": v, "kind": kind} for label, v, kind in bars if v]
 
 
 def _fix_label(advice: dict[str, Any]) -> str:
@@ -208,9 +174,8 @@ def _fix_label(advice: dict[str, Any]) -> str:
 
 
 def write_timeline(report: dict[str, Any], path: Path) -> str | None:
-    """timeline.png: per step, the data wait and host work stacked (the step's period) with the device
-    span over them, the phases shaded and named; beside it a bar per rate. Returns why not, when it
-    could not draw (matplotlib missing, no steps)."""
+    """timeline.png: per step the data wait and host work stacked, the device span over them, the phases
+    shaded; beside it a bar per rate. Returns why not when it could not draw."""
     try:
         import matplotlib
 
@@ -252,25 +217,22 @@ def _draw_steps(ax: Any, series: dict[str, Any]) -> None:
         squeezed = sum(s["x1"] - s["x0"] for s in runs) < steps
         label += f": {steps} step{'s' if steps != 1 else ''}" + (" (drawn compacted)" if squeezed else "")
         handles.append(Patch(facecolor=colour or "white", edgecolor="0.6", label=label))
-    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: _step_at(cols, v)))
-    ax.set_xlim(-0.5, len(cols) - 0.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("ms per step")
+    labels = {i: str(c["first_step"]) for i, c in enumerate(cols)}
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: labels.get(round(v), "")))
+    ax.set(xlim=(-0.5, len(cols) - 0.5), xlabel="step", ylabel="ms per step")
     ax.set_title("dlstore watch: per-step time of the training loader", fontsize=9)
     ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=3)
 
 
 def rates_top(rates: list[dict[str, Any]]) -> float:
-    """The rates axis' end: room for the largest bar's number, or for the rest's when the rate with data
-    free is over three times theirs (it then runs off the axis)."""
+    """The rates axis' end: room for the largest bar's number, or the rest's when the rate with data free
+    is over three times theirs (it then runs off the axis, so the bars that compare fixes stay readable)."""
     values = [b["img_per_s"] for b in rates]
     others = [b["img_per_s"] for b in rates if b["kind"] != "data free"]
     return 1.3 * (max(others) if others and max(values) > 3 * max(others) else max(values))
 
 
 def _draw_rates(ax: Any, rates: list[dict[str, Any]]) -> None:
-    """Horizontal bars with their numbers. A rate with data free far above the rest (a small step) runs
-    off the axis, its number inside it, so the bars that compare fixes stay readable."""
     values = [b["img_per_s"] for b in rates]
     top = rates_top(rates)
     y = range(len(rates))
@@ -280,15 +242,9 @@ def _draw_rates(ax: Any, rates: list[dict[str, Any]]) -> None:
         x, where = (0.98 * top, "right") if beyond else (v + 0.01 * top, "left")
         ax.text(x, i, f"{v:,.0f}{' →' if beyond else ''}", ha=where, va="center", fontsize=8)
     ax.set_yticks(y, [b["label"] for b in rates], fontsize=8)
-    ax.set_xlim(0, top)
+    ax.set(xlim=(0, top), xlabel="img/s")
     ax.invert_yaxis()
-    ax.set_xlabel("img/s")
     ax.set_title("rates", fontsize=9)
-
-
-def _step_at(cols: list[dict[str, Any]], v: float) -> str:
-    i = round(v)
-    return str(cols[i]["first_step"]) if 0 <= i < len(cols) else ""
 
 
 def json_document(report: dict[str, Any], rows: bool = False) -> dict[str, Any]:
@@ -298,31 +254,18 @@ def json_document(report: dict[str, Any], rows: bool = False) -> dict[str, Any]:
     return doc
 
 
-def _csv_ms(v: float | None) -> str:
-    return "" if v is None else f"{1e3 * v:.4f}"
+def _figure(v: float | None, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    return "n/a" if v is None else f"{scale * v:{spec}}{unit}"
 
 
-def _ms(v: float | None) -> str:
-    return "n/a" if v is None else f"{1e3 * v:.2f} ms"
-
-
-def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{100 * v:.1f}%"
-
-
-def _rate(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:,.0f}"
-
-
-def _num(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:.1f}"
+_ms = partial(_figure, spec=".2f", scale=1e3, unit=" ms")
+_pct = partial(_figure, spec=".1f", scale=100.0, unit="%")
+_rate = partial(_figure, spec=",.0f")
+_num = partial(_figure, spec=".1f")
 
 
 def write_outputs(report: dict[str, Any], out: Path) -> dict[str, str]:
-    """--out DIR: watch.json (with per-step rows), steps.csv, timeline.png. Returns what was written
-    (name → path, or why not)."""
-    import json
-
+    """--out DIR: watch.json (with per-step rows), steps.csv, timeline.png: name → path, or why not."""
     out.mkdir(parents=True, exist_ok=True)
     written = {"json": str(out / "watch.json"), "csv": str(out / "steps.csv")}
     (out / "watch.json").write_text(json.dumps(json_document(report, rows=True), indent=1, default=str))
@@ -330,3 +273,97 @@ def write_outputs(report: dict[str, Any], out: Path) -> dict[str, str]:
     why = write_timeline(report, out / "timeline.png")
     written["png"] = why or str(out / "timeline.png")
     return written
+
+
+SETTINGS = ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor", "batch_size")
+ROWS = {
+    **{k: k for k in SETTINGS},
+    "img_per_s": "img/s",
+    "data_free_img_per_s": "img/s with data free",
+    "wait_share": "data wait share",
+    "binds": "binds",
+    "steps": "steps observed",
+}
+
+
+def load_report(path: Path) -> dict[str, Any]:
+    """A watch report from ``watch.json`` or from the ``--out`` folder that holds it."""
+    file = path / "watch.json" if path.is_dir() else path
+    try:
+        doc = json.loads(file.read_text())
+    except (OSError, ValueError) as e:
+        raise WatchError(f"{file}: not a watch.json ({e}); give one written by watch --out") from e
+    if not isinstance(doc, dict) or "loaders" not in doc or "verdict" not in doc:
+        raise WatchError(f"{file}: not a watch.json (no loaders or verdict); give one written by watch --out")
+    return doc
+
+
+def summary(report: dict[str, Any], index: int | None = None) -> dict[str, Any]:
+    """A loader's figures (the training loader's unless ``index``): its settings, steady and data-free
+    rates, wait share, binding."""
+    index = report.get("primary") if index is None else index
+    rep = next((r for r in report["loaders"] if r["index"] == index), None)
+    if rep is None:
+        return {"img_per_s": None}
+    steady = rep.get("steady") or {}
+    return {
+        **{k: rep["settings"].get(k) for k in SETTINGS},
+        "img_per_s": steady.get("img_per_s"),
+        "wait_share": steady.get("wait_share"),
+        "data_free_img_per_s": (rep.get("model") or {}).get("data_free_img_per_s"),
+        "binds": (rep.get("binding") or {}).get("stage"),
+        "steps": rep["steps_observed"],
+    }
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")) -> dict[str, Any]:
+    """Both summaries and the verdict: B's rate against A's."""
+    sa, sb = summary(a), summary(b)
+    ra, rb = sa["img_per_s"], sb["img_per_s"]
+    change = rb / ra - 1 if ra and rb else None
+    if change is None:
+        verdict = "No rate to compare: a run observed no steady step."
+    else:
+        word = "faster" if change >= 0 else "slower"
+        verdict = f"{names[1]} vs {names[0]}: {abs(100 * change):.0f}% {word} ({rb:,.0f} vs {ra:,.0f} img/s)."
+    return {"names": list(names), "a": sa, "b": sb, "change": change, "verdict": verdict}
+
+
+def compare_text(result: dict[str, Any]) -> str:
+    """A short table, one row per figure, then the verdict."""
+    a, b = result["a"], result["b"]
+    rows = [
+        ("", *result["names"]),
+        *((label, cell(k, a.get(k)), cell(k, b.get(k))) for k, label in ROWS.items()),
+    ]
+    width = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{width[0]}}  {r[1]:>{width[1]}}  {r[2]:>{width[2]}}" for r in rows]
+    return "\n".join([*lines, result["verdict"]])
+
+
+def cell(key: str, value: Any) -> str:
+    if key == "wait_share" or key.endswith("img_per_s"):
+        return (_pct if key == "wait_share" else _rate)(value)
+    return "n/a" if value is None else str(value)
+
+
+def apply_text(first: dict[str, Any], second: dict[str, Any] | None) -> str:
+    """What was applied, measured beside predicted, then the two runs side by side (``compare``)."""
+    a = first["applied"]
+    if second is None:
+        return f"--apply: {a['skipped']}."
+    what = ", ".join(f"{k}={v}" for k, v in a["settings"].items())
+    if not a["reached"]:
+        line = (
+            f"--apply: {what} did not reach DataLoader #{a['loader']} in the second run (the script "
+            "iterated its loaders in another order, or made a new one): no measurement."
+        )
+    else:
+        line = (
+            f"--apply: the script re-ran with {what} in DataLoader #{a['loader']}: measured "
+            f"{cell('img_per_s', a['measured_img_per_s'])} img/s, predicted "
+            f"{cell('img_per_s', a['predicted_img_per_s'])}"
+            + (f" ({100 * a['error']:+.0f}%)" if a["error"] is not None else "")
+            + "".join(f"; not applied (a change to your code): {c}" for c in a["not_applied"])
+        )
+    return line + "\n" + compare_text(compare(first, second, ("as written", "applied")))
