@@ -169,10 +169,7 @@ def ragged_format() -> str:
     return next(f.name for f in FORMATS.values() if f.ragged_ok)
 
 
-# Transforms GpuAugment reproduces (with their parameters), those the cache itself does (the first Resize
-# and CenterCrop), and those that only turn a PIL image into a tensor.
-GPU_STEPS = ("RandomResizedCrop", "RandomResizedCropAndInterpolation", "RandomHorizontalFlip", "RandomRotation",
-             "Normalize")  # fmt: skip
+# Transforms that only turn a PIL image into a tensor, and crops that take the whole image.
 TENSOR_STEPS = ("ToTensor", "PILToTensor", "ToImage", "ConvertImageDtype", "ToDtype", "MaybeToTensor")
 WHOLE_IMAGE_CROPS = ("RandomResizedCrop", "RandomResizedCropAndInterpolation")
 

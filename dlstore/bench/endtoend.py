@@ -127,7 +127,6 @@ def run_once(
     result = RunResult(prepared.name, spec.workers, spec.pin_memory, repeat, position, cold=spec.cold)
     if spec.cold:
         result.eviction = evict_files(prepared.files)
-    cuda = device.type == "cuda"
     fresh = spec.cold and prepared.fresh_for_cold
     loader = prepared.loader(spec.workers, spec.pin_memory, config, fresh=fresh)
     result.loader_settings = loader_settings(loader)
@@ -136,64 +135,15 @@ def run_once(
     if probed:
         result.loader_probe = probe_around(loader, feed, step, config, device, after=False)
     n_batches = len(loader) if hasattr(loader, "__len__") else config.steps  # type: ignore[arg-type]
-    warm, timed, cycle = cycle_window(n_batches, spec.workers, config.warmup, config.steps)
-    n_steps = warm + (0 if spec.cold else timed)
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    window = cycle_window(n_batches, spec.workers, config.warmup, config.steps)
     # No nvidia-smi sampling while timing: its NVML queries contend with kernel launches (a launch-bound step
     # ran slower in the loop than alone). The device's busy share comes from the CUDA events instead.
     monitor = ResourceMonitor(gpu=False)
     ref = _reference_event(device)
     t0 = time.perf_counter()
-    stream = BatchStream(loader)
-    first_epoch_end: float | None = None
-    first_epoch_images = 0
-    t_timed = t0
+    stream = BatchStream(loader)  # worker start-up counts in the first step's time
     try:
-        for i in range(n_steps):
-            if i == warm and not spec.cold:
-                synchronize(device)
-                result.cpu_ref_s = cpu_reference_s()
-                monitor.start(stream.worker_pids())  # before the clock: it may start nvidia-smi
-                t_timed = time.perf_counter()
-                result.warmup_s = t_timed - t0
-            ta = time.perf_counter()
-            if _past_limit(config, i - warm, cycle, ta - t_timed) and not spec.cold:
-                result.truncated = True
-                break
-            with record_function("batch_wait"):
-                batch = stream.next()
-            tb = time.perf_counter()
-            if i == 0:
-                result.startup_s = tb - t0
-            if stream.epoch == 1 and first_epoch_end is None:
-                first_epoch_end = ta
-            n = batch_images(batch)
-            if stream.epoch == 0:
-                first_epoch_images += n
-            x, y = feed(batch)
-            if cuda:
-                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                ev[0].record()
-            step(x, y)
-            if cuda:
-                ev[1].record()
-                events.append(ev)
-            tc = time.perf_counter()
-            phase = "cold" if spec.cold else ("warmup" if i < warm else "timed")
-            result.steps.append(StepRecord(phase, stream.epoch, i, n, tb - ta, tc - tb, t_s=ta - t0))
-        synchronize(device)
-        t_end = time.perf_counter()
-        if spec.cold:
-            result.warmup_s = t_end - t0
-            result.timed_s = t_end - t0
-            result.img_per_s = sum(s.images for s in result.steps) / result.timed_s
-        else:
-            result.resources = monitor.stop()
-            result.timed_s = t_end - t_timed
-            result.img_per_s = sum(s.images for s in result.timed()) / result.timed_s
-        end = first_epoch_end if first_epoch_end is not None else t_end
-        result.first_epoch_partial = first_epoch_end is None
-        result.first_epoch_img_per_s = first_epoch_images / (end - t0) if end > t0 else None
+        events = _timed_loop(result, stream, t0, feed, step, spec, config, device, monitor, window)
     finally:
         stream.close()
         if not spec.cold and not result.resources:
@@ -206,6 +156,72 @@ def run_once(
     if probed:
         result.loader_probe_after = probe_around(loader, feed, step, config, device, after=True)
     return result
+
+
+def _timed_loop(
+    result: RunResult,
+    stream: BatchStream,
+    t0: float,
+    feed: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
+    step: Step,
+    spec: RunSpec,
+    config: BenchConfig,
+    device: torch.device,
+    monitor: ResourceMonitor,
+    window: tuple[int, int, int],
+) -> list[tuple[Any, Any]]:
+    """The loop itself, filling ``result``; returns the CUDA events of each step (read after the run)."""
+    warm, timed, cycle = window
+    events: list[tuple[Any, Any]] = []
+    first_epoch_end: float | None = None
+    first_epoch_images = 0
+    t_timed = t0
+    for i in range(warm + (0 if spec.cold else timed)):
+        if i == warm and not spec.cold:
+            synchronize(device)
+            result.cpu_ref_s = cpu_reference_s()
+            monitor.start(stream.worker_pids())  # before the clock: it may start nvidia-smi
+            t_timed = time.perf_counter()
+            result.warmup_s = t_timed - t0
+        ta = time.perf_counter()
+        if _past_limit(config, i - warm, cycle, ta - t_timed) and not spec.cold:
+            result.truncated = True
+            break
+        with record_function("batch_wait"):
+            batch = stream.next()
+        tb = time.perf_counter()
+        if i == 0:
+            result.startup_s = tb - t0
+        if stream.epoch == 1 and first_epoch_end is None:
+            first_epoch_end = ta
+        n = batch_images(batch)
+        if stream.epoch == 0:
+            first_epoch_images += n
+        x, y = feed(batch)
+        if device.type == "cuda":
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+        step(x, y)
+        if device.type == "cuda":
+            ev[1].record()
+            events.append(ev)
+        phase = "cold" if spec.cold else ("warmup" if i < warm else "timed")
+        result.steps.append(
+            StepRecord(phase, stream.epoch, i, n, tb - ta, time.perf_counter() - tb, t_s=ta - t0)
+        )
+    synchronize(device)
+    t_end = time.perf_counter()
+    if spec.cold:
+        result.warmup_s = result.timed_s = t_end - t0
+        result.img_per_s = sum(s.images for s in result.steps) / result.timed_s
+    else:
+        result.resources = monitor.stop()
+        result.timed_s = t_end - t_timed
+        result.img_per_s = sum(s.images for s in result.timed()) / result.timed_s
+    end = first_epoch_end if first_epoch_end is not None else t_end
+    result.first_epoch_partial = first_epoch_end is None
+    result.first_epoch_img_per_s = first_epoch_images / (end - t0) if end > t0 else None
+    return events
 
 
 def probe_around(

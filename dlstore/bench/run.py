@@ -154,11 +154,8 @@ def resolve_config(config: BenchConfig, device: torch.device) -> BenchConfig:
     return dataclasses.replace(config, batch_size=batch, demo_images=demo, precision=precision)
 
 
-def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str, Any]:
-    assert config.batch_size is not None and config.precision is not None
-    t_start = time.perf_counter()
-    configure_numerics(device, config.precision)
-    torch.manual_seed(config.seed)
+def _open(config: BenchConfig, device: torch.device, log: Log, t_start: float) -> tuple[Any, ...]:
+    """Open the source, sample it, plan within the budget: (config, context, workers, budget, notes, total)."""
     full = open_source(
         config.source,
         root=config.root,
@@ -166,7 +163,6 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         label=config.label,
         fields=tuple(config.fields),
     )
-    total = len(full)
     source_notes = source_warnings(full)
     for warning in source_notes:
         log(f"warning: {warning}")
@@ -186,6 +182,16 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     notes += source_notes
     if device.type == "cpu":
         notes.append(CPU_NOTE.format(cores=usable_cores()))
+    return config, ctx, workers, budget, notes, len(full)
+
+
+def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str, Any]:
+    assert config.batch_size is not None and config.precision is not None
+    t_start = time.perf_counter()
+    configure_numerics(device, config.precision)
+    torch.manual_seed(config.seed)
+    config, ctx, workers, budget, notes, total = _open(config, device, log, t_start)
+    source, size, channels = ctx.source, ctx.size, ctx.channels
     phases = {"source_s": time.perf_counter() - t_start}
     prepared, prepare_notes = prepare_all(config, ctx, log)
     notes += prepare_notes
@@ -213,29 +219,9 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     cold = {k[0]: aggregate_cold(v) for k, v in results.items() if k[3]}
     profiles = profile_all(prepared, steps, config, workers, device, specs, log) if config.profile else None
     phases["profile_s"] = time.perf_counter() - t_start - sum(phases.values())
-    notes += contention_notes(runs)
-    notes += state_notes(runs)
+    notes += contention_notes(runs) + state_notes(runs)
     kind_stages = {name: kind_stages_of(s, prepared[name], fed) for name, s in stage_results.items()}
-    facts = Facts(
-        device=device.type,
-        device_label=device_label(device),
-        batch_size=config.batch_size,
-        warmup_steps=config.warmup,
-        source=_source_arg(config),
-        size=size,
-        cores=usable_cores(),
-        mem_available=mem_available_bytes(),
-        raw_cache_bytes=total * size * size * channels,  # the whole source's, not the sample's
-        pin_default=pin_default,
-        apply={n: p.info["apply"] for n, p in prepared.items() if p.info.get("apply")},
-        substituted={n: p.info["substituted"] for n, p in prepared.items() if p.info.get("substituted")},
-        precision=config.precision,
-        transform=config.transform,
-        bench_command=bench_command(config),
-        cpu_decoder_kinds=frozenset(
-            n for n, p in prepared.items() if p.info.get("workers_are") == "cpu_decoders"
-        ),
-    )
+    facts = make_facts(config, device, ctx, total, pin_default, prepared)
     notes += [f"{name} {what}" for name, what in facts.substituted.items()]
     analysis = analyse(kind_stages, runs, cold, facts)
     notes += prediction_notes(analysis.get("prediction", {}))
@@ -259,7 +245,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         "cold": cold,
         **{
             k: analysis[k]
-            for k in ("detail", "kinds", "stalls", "lanes", "best", "default", "prediction")
+            for k in ("detail", "kinds", "lanes", "best", "default", "prediction")
             if k in analysis
         },
         "verdict": analysis["verdict"],
@@ -274,7 +260,11 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         if budget is None
         else {**budget, "actual_s": config.budget_spent_s + time.perf_counter() - t_start},
     }
-    doc = finite(doc)
+    return written(finite(doc), config, log)
+
+
+def written(doc: dict[str, Any], config: BenchConfig, log: Log) -> dict[str, Any]:
+    """The document, written under ``config.out`` when set; a failed write is recorded, not raised."""
     if config.out is not None:
         try:
             write_outputs(doc, Path(config.out))
@@ -282,6 +272,36 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
             doc["outputs_error"] = f"{e.filename or config.out}: {e.strerror or e}"
             log(f"could not write the outputs under {config.out}: {doc['outputs_error']}")
     return doc
+
+
+def make_facts(
+    config: BenchConfig,
+    device: torch.device,
+    ctx: LoaderContext,
+    total: int,
+    pin_default: bool,
+    prepared: dict[str, PreparedLoader],
+) -> Facts:
+    assert config.batch_size is not None and config.precision is not None
+    info = {n: p.info for n, p in prepared.items()}
+    return Facts(
+        device=device.type,
+        device_label=device_label(device),
+        batch_size=config.batch_size,
+        warmup_steps=config.warmup,
+        source=_source_arg(config),
+        size=ctx.size,
+        cores=usable_cores(),
+        mem_available=mem_available_bytes(),
+        raw_cache_bytes=total * ctx.size * ctx.size * ctx.channels,  # the whole source's, not the sample's
+        pin_default=pin_default,
+        apply={n: i["apply"] for n, i in info.items() if i.get("apply")},
+        substituted={n: i["substituted"] for n, i in info.items() if i.get("substituted")},
+        precision=config.precision,
+        transform=config.transform,
+        bench_command=bench_command(config),
+        cpu_decoder_kinds=frozenset(n for n, i in info.items() if i.get("workers_are") == "cpu_decoders"),
+    )
 
 
 # What a CPU run can and cannot say, in every CPU report.

@@ -1,10 +1,6 @@
 """From measured parts and measured runs to predictions, a bottleneck per run, one line per loader kind and
 at most five recommendations, most valuable first. Pure functions over plain numbers, so tests feed them
-parts of known cost (see ``predict`` for how the parts compose into a rate).
-
-Lost time is also split as DS-Analyzer does: prep stall = t(cached, measured) − t(synthetic, compute
-stage); fetch stall = t(cold) − t(warm) over the same warm-up phase.
-"""
+parts of known cost (see ``predict`` for how the parts compose into a rate)."""
 
 from __future__ import annotations
 
@@ -165,50 +161,6 @@ def kind_summary(sweep: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def stalls(
-    stages: dict[str, KindStages],
-    sweeps: dict[str, list[dict[str, Any]]],
-    cold: dict[str, dict[str, Any]],
-    batch_size: int,
-    warmup_steps: int,
-) -> dict[str, dict[str, Any]]:
-    """Per loader at the cold run's worker count: prep stall and fetch stall in ms per batch."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, sweep in sweeps.items():
-        compute = stages.get(name, KindStages()).compute
-        c = cold.get(name)
-        w = c["workers"] if c else sweep[-1]["workers"]
-        run = next((r for r in sweep if r["workers"] == w), sweep[-1])
-        t_synth = batch_size / compute if compute else None
-        t_cached = batch_size / run["img_per_s"] if run["img_per_s"] else None
-        entry: dict[str, Any] = {
-            "workers": w,
-            "synthetic_ms": _ms(t_synth),
-            "cached_ms": _ms(t_cached),
-            "prep_stall_ms": _ms(max(0.0, t_cached - t_synth)) if t_synth and t_cached else None,
-            "fetch_stall_ms": None,
-            "cold_ms": None,
-            "fetch_note": "no cold run",
-        }
-        if c:
-            per_batch_cold = c["warmup_s"] / max(1, warmup_steps)
-            per_batch_warm = run["warmup_s"] / max(1, warmup_steps)
-            entry["cold_ms"] = _ms(per_batch_cold)
-            entry["fetch_stall_ms"] = _ms(max(0.0, per_batch_cold - per_batch_warm))
-            entry["fetch_note"] = (
-                "cold vs warm over the warm-up steps, start-up included"
-                if c.get("eviction_worked")
-                else "eviction did not take (files cached elsewhere, mapped, or on tmpfs): "
-                "the cold run is not cold"
-            )
-        out[name] = entry
-    return out
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else 1e3 * seconds
-
-
 def _count(kind: str, n: int, facts: Facts) -> str:
     """``n`` of what the kind's worker count means: DataLoader workers, or CPU decode processes."""
     if kind in facts.cpu_decoder_kinds:
@@ -241,7 +193,7 @@ def analyse(
     annotate_runs(stages, runs, facts)
     sweeps = default_runs(runs, facts.pin_default)
     if not sweeps:
-        return {"verdict": "No runs were measured.", "recommendations": [], "advice": [], "stalls": {}}
+        return {"verdict": "No runs were measured.", "recommendations": [], "advice": []}
     kinds = {name: kind_summary(sweep) for name, sweep in sweeps.items()}
     best = max((r for s in sweeps.values() for r in s), key=lambda r: r["img_per_s"])
     compute = stages.get(best["loader"], KindStages()).compute
@@ -265,7 +217,6 @@ def analyse(
         "kinds": kinds,
         "recommendations": rules.recommendations(advice),
         "advice": advice,
-        "stalls": stalls(stages, sweeps, cold, facts.batch_size, facts.warmup_steps),
         "lanes": lanes_advice(kinds, facts),
         "best": {k: best[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
         "default": {k: default[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
