@@ -136,9 +136,7 @@ def run_once(
         result.loader_probe = probe_around(loader, feed, step, config, device, after=False)
     n_batches = len(loader) if hasattr(loader, "__len__") else config.steps  # type: ignore[arg-type]
     window = cycle_window(n_batches, spec.workers, config.warmup, config.steps)
-    # No nvidia-smi sampling while timing: its NVML queries contend with kernel launches (a launch-bound step
-    # ran slower in the loop than alone). The device's busy share comes from the CUDA events instead.
-    monitor = ResourceMonitor(gpu=False)
+    monitor = ResourceMonitor()
     ref = _reference_event(device)
     t0 = time.perf_counter()
     stream = BatchStream(loader)  # worker start-up counts in the first step's time
@@ -146,8 +144,6 @@ def run_once(
         events = _timed_loop(result, stream, t0, feed, step, spec, config, device, monitor, window)
     finally:
         stream.close()
-        if not spec.cold and not result.resources:
-            monitor.abandon()  # an error mid-run: stop the nvidia-smi sampler too
     for rec, ev in zip(result.steps, events):
         rec.device_step_s = ev[0].elapsed_time(ev[1]) / 1e3
         if ref is not None:
@@ -180,7 +176,7 @@ def _timed_loop(
         if i == warm and not spec.cold:
             synchronize(device)
             result.cpu_ref_s = cpu_reference_s()
-            monitor.start(stream.worker_pids())  # before the clock: it may start nvidia-smi
+            monitor.start(stream.worker_pids())
             t_timed = time.perf_counter()
             result.warmup_s = t_timed - t0
         ta = time.perf_counter()
