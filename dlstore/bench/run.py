@@ -335,7 +335,7 @@ def plan_within_budget(
     """Calibrate (a few decodes, the step on a few batches, a worker pool), then fit the runs to
     ``config.budget_s`` (``plan.fit``); log the plan and its estimate before anything long starts."""
     from dlstore.bench.calibrate import initial_plan, measure_costs
-    from dlstore.bench.plan import estimate, fit, plan_lines
+    from dlstore.bench.plan import PLAN_FIELDS, estimate, fit, plan_lines
     from dlstore.bench.transforms import cached_cpu_transform
 
     config = ctx.config
@@ -359,14 +359,7 @@ def plan_within_budget(
         log(line)
     fitted = dataclasses.replace(
         config,
-        loaders=planned.loaders,
-        workers=planned.workers,
-        repeats=planned.repeats,
-        steps=planned.steps,
-        warmup=planned.warmup,
-        stage_steps=planned.stage_steps,
-        cold=planned.cold,
-        fed_s=planned.fed_s,
+        **{f: getattr(planned, f) for f in PLAN_FIELDS if f != "max_run_s"},
         max_images=planned.images if planned.images < first.images else config.max_images,
     )
     return fitted, {
