@@ -1,11 +1,6 @@
-"""The real loop: loader → copy → training step, timed per step, in repeats with rotated order.
-
-Per step: the wait in ``next()`` and the step after it (copy + train; on CUDA also the device time from
-events, read once at the end so the loop never synchronises mid-run). The first ``warmup`` steps include
-worker start-up and are reported apart; throughput is the ``steps`` timed batches after them. A cold run
-evicts the loader's files, starts a fresh loader and times only the warm-up steps, to compare with the
-warm runs' same phase (fetch stall).
-"""
+"""The real loop: loader → copy → training step, timed per step (the wait in ``next()``, the step after
+it, CUDA events read at the end), in repeats with rotated order. Warm-up (worker start-up included) is
+reported apart; a cold run evicts the files, starts a fresh loader and times only its warm-up."""
 
 from __future__ import annotations
 
@@ -40,8 +35,7 @@ from dlstore.bench.stages import (
 from dlstore.machine import synchronize
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
-# A loader without worker processes is probed right before and right after each run (``probe_around``):
-# each pass at least this many batches and half of fed_s, so each term gets 2 passes and fed_s per repeat
+# batches of each probe pass of a loader without worker processes (``probe_around``), with half of fed_s
 PROBE_MIN_BATCHES = 3
 
 
@@ -65,9 +59,8 @@ def plan_runs(
     cold: bool,
     workerless: frozenset[str] = frozenset(),
 ) -> list[RunSpec]:
-    """Every (loader, workers) with pin_memory as the device wants; on CUDA with pin 'auto', one pin-off
-    run per loader at the largest worker count; with ``cold``, one cold run per loader there. Loaders in
-    ``workerless`` (no worker processes, no pin_memory choice) run once, at 0 workers."""
+    """Every (loader, workers) with the device's pin_memory; on CUDA one run with the other pin_memory, and
+    with ``cold`` one cold run, per loader at its largest worker count; ``workerless`` loaders at 0 only."""
     pin_default = cuda if pin_mode == "auto" else pin_mode == "on"
 
     def counts(name: str) -> list[int]:
@@ -228,10 +221,8 @@ def probe_around(
     device: torch.device,
     after: bool,
 ) -> dict[str, Any]:
-    """The parts the model takes from next to a run of a loader without worker processes (no pool to start,
-    so a probe is cheap): a loader working in the caller alone (the serial producer), and the step's copy +
-    calls on a fixed batch beside the loader (the main thread's cost under its threads). Before the run in
-    that order, after it in the mirrored one (``stages.probe_loader``)."""
+    """The parts the model takes from next to a run of a loader without worker processes: the loader alone
+    when it works in the caller, and the step beside it; after the run in mirrored order."""
 
     def work(batch: Any) -> float:
         a = time.perf_counter()
@@ -305,9 +296,8 @@ def pool_probes(results: Sequence[RunResult]) -> dict[str, Any] | None:
 
 
 def pool_probe_dicts(probes: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Probes pooled per batch (weighted by batches): the loader alone (``period_s``, ``main_s``, ``cpu_s``
-    over ``batches``; absent when no probe timed it alone) and the step beside it (``beside_serial_s`` over
-    ``beside_batches``; absent when none timed it), with each probe in ``samples``; None without probes."""
+    """Probes pooled per batch: the loader alone (``period_s``, ``main_s``, ``cpu_s``) and the step beside
+    it (``beside_serial_s``), each where some probe timed it, with every probe in ``samples``."""
     if not probes:
         return None
     out: dict[str, Any] = {"samples": list(probes)}

@@ -1,8 +1,5 @@
-"""Outputs of a bench run: result.json, steps.csv, a PNG plot, profiler traces, and the text table.
-
-All of them are rendered from the result document ``run_bench`` returns, except the profiler traces,
-which come from their own short scheduled runs (throughput never comes from a profiled run).
-"""
+"""Outputs of a bench run, rendered from the result document ``run_bench`` returns: result.json, steps.csv,
+the PNG plots and the text; and the profiler traces, from their own short runs (never a rate)."""
 
 from __future__ import annotations
 
@@ -27,23 +24,9 @@ from dlstore.errors import DlstoreError
 from dlstore.machine import cpu_model, usable_cores
 from dlstore.write.sizes import count
 
-STEP_COLUMNS = (
-    "loader",
-    "workers",
-    "pin_memory",
-    "cold",
-    "repeat",
-    "position",
-    "phase",
-    "epoch",
-    "index",
-    "images",
-    "wait_s",
-    "step_s",
-    "device_step_s",
-    "t_s",
-    "device_start_s",
-    "device_end_s",
+STEP_COLUMNS = tuple(
+    "loader workers pin_memory cold repeat position phase epoch index images wait_s step_s device_step_s t_s "
+    "device_start_s device_end_s".split()
 )
 
 
@@ -130,9 +113,12 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
     """result.json, steps.csv and plots.png (when matplotlib is installed) under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": str(out / "result.json"), "csv": str(out / "steps.csv")}
-    n = write_steps_csv(doc, out / "steps.csv")
-    doc.setdefault("outputs", {}).update(paths)
-    doc["outputs"]["csv_rows"] = n
+    rows = step_rows(doc)
+    with open(out / "steps.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=STEP_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    doc.setdefault("outputs", {}).update(paths, csv_rows=len(rows))
     plot = save_figure(plot_figure, doc, out / "plots.png")
     if plot is None:
         doc.setdefault("notes", []).append(
@@ -142,7 +128,7 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
         doc["outputs"]["plot"] = str(plot)
         doc["outputs"]["timeline"] = str(save_figure(timeline_figure, doc, out / "timeline.png"))
     with open(out / "result.json", "w") as f:
-        json.dump(doc, f, indent=1, default=_json_default)
+        json.dump(doc, f, indent=1, default=str)  # paths as text
         f.write("\n")
     return doc["outputs"]
 
@@ -158,14 +144,6 @@ def finite(obj: Any) -> Any:
     return obj
 
 
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return str(obj)
-
-
 def step_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per step of every repeat of every run (warm sweep, pin variants, cold runs)."""
     rows: list[dict[str, Any]] = []
@@ -178,15 +156,6 @@ def step_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
             row.update({k: steps[k][i] for k in STEP_COLUMNS[6:]})
             rows.append(row)
     return rows
-
-
-def write_steps_csv(doc: dict[str, Any], path: Path) -> int:
-    rows = step_rows(doc)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=STEP_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    return len(rows)
 
 
 def save_figure(figure: Callable[[dict[str, Any]], Any], doc: dict[str, Any], path: Path) -> Path | None:
@@ -288,15 +257,7 @@ def timeline_runs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         if not pick or key in seen:
             continue
         seen.add(key)
-        run = next(
-            (
-                r
-                for r in doc["runs"]
-                if (r["loader"], r["workers"], r["pin_memory"])
-                == (pick["loader"], pick["workers"], pick["pin_memory"])
-            ),
-            None,
-        )
+        run = next((r for r in doc["runs"] if (r["loader"], r["workers"], r["pin_memory"]) == key), None)
         if run is not None and run["raw"]:
             title = (
                 f"{role}: {run['loader']}, {count(run['workers'], 'worker')}, pin_memory={run['pin_memory']}: "

@@ -1,10 +1,6 @@
-"""``run_bench(config) -> dict``: the one entry point the CLI calls.
-
-Order: open the source; prepare each loader kind (convert caches when needed); measure each stage alone
-(read, transform per worker count, host→device, compute); run the real loop for every configuration in
-``repeats`` rounds with rotated order; optionally profile each configuration in a separate short run;
-then predict, name the bottleneck and advise. Returns the result document (see ``report``).
-"""
+"""``run_bench(config) -> dict``, the one entry point the CLI calls: open the source, prepare each loader
+kind, measure each part alone, run the real loop in rotated rounds, optionally profile, then predict, name
+the bottleneck and advise. Returns the result document (see ``report``)."""
 
 from __future__ import annotations
 
@@ -134,8 +130,7 @@ def _checked_run_bench(config: BenchConfig, log: Log | None) -> dict[str, Any]:
 
 
 def sample_source(source: Source, config: BenchConfig, log: Log) -> Source:
-    """The source, or a seeded random sample of ``max_images`` of it (in source order; at least
-    ``DEMO_BATCHES`` batches) when it is larger: what every loader kind of this run reads."""
+    """The source, or a seeded random sample of ``max_images`` of it (at least ``DEMO_BATCHES`` batches)."""
     assert config.batch_size is not None
     keep = max(config.max_images, DEMO_BATCHES * config.batch_size)
     if not config.max_images or len(source) <= keep:
@@ -146,8 +141,7 @@ def sample_source(source: Source, config: BenchConfig, log: Log) -> Source:
 
 
 def resolve_config(config: BenchConfig, device: torch.device) -> BenchConfig:
-    """Fill what depends on the device: the batch size a user picks for the model, the precision, and a demo
-    source of at least ``DEMO_BATCHES`` batches."""
+    """Fill what depends on the device: the batch size, the precision, the demo source's size."""
     batch = config.batch_size or default_batch_size(config.model, device.type)
     demo = config.demo_images or max(MIN_DEMO_IMAGES, DEMO_BATCHES * batch)
     precision = config.precision or default_precision(device.type)
@@ -316,8 +310,7 @@ CPU_DEFAULT_SIZE = 64  # a CPU's default side for folders: 224 px made the step 
 
 
 def bench_size(config: BenchConfig, source: Source, device: torch.device) -> tuple[int, list[str]]:
-    """The image side: the user's, else the source's default, no larger than ``CPU_DEFAULT_SIZE`` on a CPU
-    (the step's cost grows with the side squared, and a CPU run is about the loaders; see ``CPU_NOTE``)."""
+    """The image side: the user's, else the source's default, at most ``CPU_DEFAULT_SIZE`` on a CPU."""
     if config.size:
         return config.size, []
     size = default_size(source)
@@ -332,8 +325,7 @@ def bench_size(config: BenchConfig, source: Source, device: torch.device) -> tup
 def plan_within_budget(
     ctx: LoaderContext, workers: tuple[int, ...], images: int, log: Log, t_start: float
 ) -> tuple[BenchConfig, dict[str, Any]]:
-    """Calibrate (a few decodes, the step on a few batches, a worker pool), then fit the runs to
-    ``config.budget_s`` (``plan.fit``); log the plan and its estimate before anything long starts."""
+    """Calibrate, then fit the runs to ``config.budget_s`` (``plan.fit``); log the plan before it runs."""
     from dlstore.bench.calibrate import initial_plan, measure_costs
     from dlstore.bench.plan import PLAN_FIELDS, estimate, fit, plan_lines
     from dlstore.bench.transforms import cached_cpu_transform
@@ -529,8 +521,7 @@ def run_rounds(
     for r in range(config.repeats):
         if probe is not None:
             probe()
-        # cold runs once (the first round): they report the fetch stall, not a rate the model predicts, and each
-        # costs a fresh worker pool plus an eviction (the default run's time goal is a minute on 16 cores)
+        # cold runs in the first round only: each costs a fresh pool and an eviction, for no predicted rate
         order = [s for s in rotated(specs, r, config.repeats) if r == 0 or not s.cold]
         for pos, spec in enumerate(order):
             log(
@@ -623,9 +614,8 @@ def protocol_of(
     runs: list[dict[str, Any]],
     prepared: dict[str, PreparedLoader],
 ) -> dict[str, Any]:
-    """What ran, read back from the objects that ran: the step's optimizer and numerics, each kind's
-    transforms, each run's loader settings. A setting that differs between runs is listed under
-    ``varies`` and recorded in each run's ``loader_settings``."""
+    """What ran, read back from the objects that ran; a loader setting that differs between runs is listed
+    under ``varies`` (each run keeps its own ``loader_settings``)."""
     step = next(iter(steps.values())).describe()
     common, varies = split_settings([r.get("loader_settings") or {} for r in runs])
     return {

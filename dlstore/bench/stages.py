@@ -45,9 +45,8 @@ _LIBC = _libc()
 
 
 def resident_pages(path: Path) -> tuple[int, int] | None:
-    """(resident, total) pages of a file in the page cache, via mmap + mincore; None if unavailable.
-
-    Mapping without touching faults nothing in, so asking does not change the answer."""
+    """(resident, total) pages of a file in the page cache, via mmap + mincore (mapping without touching
+    faults nothing in); None if unavailable."""
     if _LIBC is None or not hasattr(mmap, "PROT_READ"):
         return None
     fd = os.open(path, os.O_RDONLY)
@@ -81,10 +80,8 @@ def resident_fraction(paths: Sequence[Path]) -> float | None:
 
 
 def evict_files(paths: Sequence[Path]) -> dict[str, Any]:
-    """Drop each file from the page cache (fsync first: dirty pages are not dropped) and check it took.
-
-    ``worked`` is True/False from mincore, None when residency cannot be read (judge by timing then).
-    Pages mapped by a live process (memmaps, zarr handles, tmpfs files) stay: that shows as False."""
+    """Drop each file from the page cache (fsync first: dirty pages stay) and check it took with mincore
+    (``worked`` None when residency cannot be read; mapped or tmpfs pages stay: False)."""
     before = resident_fraction(paths)
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
@@ -232,16 +229,10 @@ def measure_loader(
     beside: Callable[[], float] | None = None,
     beside_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The loader alone (no copy, no step), over ``warmup`` then ``steps`` batches (whole cycles, see
-    ``cycle_window``): its period per batch, the main thread's own share of it, and the CPU it burns.
-
-    ``beside``: then, on the same running loader, one call per batch (the step fed a fixed batch, returning
-    its seconds in the calls) for at least ``steps`` batches and ``beside_s`` seconds: the main thread's own
-    cost per step while this loader's threads and workers run beside it (``beside_serial_s``).
-
-    The main thread's share is wall time in ``next()`` when the loader works in the caller (a DataLoader
-    with 0 workers: decode, collate, pin all happen there), else the thread's CPU time in ``next()``
-    (receiving a batch from a worker, unpickling it): waiting for workers costs the main thread nothing."""
+    """The loader alone (no copy, no step) over ``warmup`` then ``steps`` batches: its period per batch, the
+    main thread's share (wall time in ``next()`` when it works in the caller, else the thread's CPU time
+    there: waiting for workers costs it nothing) and the CPU it burns. ``beside``: then, on the same running
+    loader, the step fed a fixed batch per batch (``beside_serial_s``) for ``steps`` and ``beside_s``."""
     from dlstore.bench.monitor import process_cpu_s
 
     in_caller = works_in_caller(loader)
@@ -424,12 +415,9 @@ def measure_fed(
     steps: int,
     delay_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The step fed from an already-collated batch the way the loop feeds it (``move``: the same copy), with
-    ``delay_s`` of main-thread work between steps (a busy wait, as a loader's work holds the thread).
-
-    With no delay the period is what the copy + step sustain when data is free; with a delay longer than
-    the device's step the device is idle when the host comes back, so period − delay is the main thread's
-    own serial cost per batch (Python loop, copy call, kernel launches, any synchronisation the step does)."""
+    """The step fed from an already-collated batch through the loop's copy (``move``), with ``delay_s`` of
+    busy wait between steps: with none, the period copy + step sustain with data free; with a delay longer
+    than the device's step, period − delay is the main thread's own serial cost per batch."""
     events: list[tuple[Any, Any]] = []
     host = spun = 0.0
     for i in range(warmup + steps):
