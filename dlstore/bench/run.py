@@ -372,12 +372,8 @@ def calibration_step(ctx: LoaderContext) -> Step:
     """The run's step (a model of its own, as the kinds will train) on the cached kinds' uint8 batches."""
     from dlstore.bench.transforms import ToFloat
 
-    config = ctx.config
-    if config.step is not None:
-        return UserStep(config.step, ctx.device, ToFloat())
-    model = build_model(config.model, ctx.channels, ctx.size, max(1, len(ctx.source.classes)))
-    options = resolve_step_options(config.precision, config.channels_last, config.compile, ctx.device, model)
-    return TrainStep(model, ctx.device, ToFloat(), options)
+    classes = max(1, len(ctx.source.classes))
+    return build_step(ctx.config, ctx.device, ToFloat(), ctx.channels, ctx.size, classes)
 
 
 def budget_notes(budget: dict[str, Any]) -> list[str]:
@@ -498,14 +494,20 @@ def prepare_all(
 def make_step(
     p: PreparedLoader, config: BenchConfig, size: int, num_classes: int, device: torch.device
 ) -> Step:
-    """The built-in step with the options a user trains with, or the user's own ``--step``."""
-    if config.step is not None:
-        return UserStep(config.step, device, p.device_transform)
     c, h, _ = p.sample_shape
     side = size if config.transform == "gpu-augment" else h
-    model = build_model(config.model, c, side, num_classes)
+    return build_step(config, device, p.device_transform, c, side, num_classes)
+
+
+def build_step(
+    config: BenchConfig, device: torch.device, transform: Any, channels: int, side: int, classes: int
+) -> Step:
+    """The built-in step with the options a user trains with, or the user's own ``--step``."""
+    if config.step is not None:
+        return UserStep(config.step, device, transform)
+    model = build_model(config.model, channels, side, classes)
     options = resolve_step_options(config.precision, config.channels_last, config.compile, device, model)
-    return TrainStep(model, device, p.device_transform, options)
+    return TrainStep(model, device, transform, options)
 
 
 def run_rounds(

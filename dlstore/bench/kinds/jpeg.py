@@ -17,8 +17,8 @@ from torch.utils.data import Dataset
 from dlstore.bench.kinds import JPEG_CPU, JPEG_GPU
 from dlstore.bench.kinds.cached import convert_into, megapixels_key
 from dlstore.bench.kinds.context import LoaderContext, PreparedLoader, cache_files
-from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
-from dlstore.bench.transforms import device_transform
+from dlstore.bench.protocol import AUGMENT_SCALE
+from dlstore.bench.transforms import augment_steps, device_transform
 
 QUALITY = 90
 
@@ -107,13 +107,7 @@ def cpu_transform(transform: str, size: int) -> Any:
     from torchvision.transforms import v2
 
     if transform == "augment":
-        return v2.Compose(
-            [
-                v2.RandomResizedCrop(size, scale=AUGMENT_SCALE, antialias=True),
-                v2.RandomRotation(AUGMENT_DEGREES),
-                v2.RandomHorizontalFlip(),
-            ]
-        )
+        return v2.Compose(augment_steps(v2, size, antialias=True))
     return v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
 
 

@@ -42,19 +42,8 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
                 allow_empty=True,  # a sample (--max-images) may miss some classes; their indices stay
             )
 
-        return PreparedLoader(
-            "raw",
-            f"torchvision ImageFolder({root}) + {tf_name}",
-            len(ctx.source),
-            files,
-            True,
-            dtype,
-            (3, size, size),
-            new_dataset,
-            dev_tf,
-            fresh_for_cold=False,
-            info={"root": str(root)},
-        )
+        description = f"torchvision ImageFolder({root}) + {tf_name}"
+        return per_sample(ctx, description, files, new_dataset, dtype, dev_tf, {"root": str(root)})
     if isinstance(ctx.source, EncodedSource):
         return encoded_kind(ctx, ctx.source, tf_name, dtype, dev_tf)
     name = ctx.source.kind.removeprefix("torchvision:")
@@ -116,19 +105,26 @@ def encoded_kind(
     def new_dataset() -> Dataset:
         return SourceImages(source, raw_transform(tf_name, size, None))
 
+    description = f"{source.kind} {source.description} read per sample + {tf_name}"
+    files = source.source_files()
+    return per_sample(ctx, description, files, new_dataset, dtype, dev_tf, {"source": source.description})
+
+
+def per_sample(
+    ctx: LoaderContext,
+    description: str,
+    files: list[Path],
+    new_dataset: Any,
+    dtype: torch.dtype,
+    dev_tf: Any,
+    info: dict[str, Any],
+) -> PreparedLoader:
+    """A raw kind that decodes each sample from the source's files, every epoch."""
+    size = ctx.size
     return PreparedLoader(
-        "raw",
-        f"{source.kind} {source.description} read per sample + {tf_name}",
-        len(source),
-        source.source_files(),
-        True,
-        dtype,
-        (3, size, size),
-        new_dataset,
-        dev_tf,
-        fresh_for_cold=False,
-        info={"source": source.description},
-    )
+        "raw", description, len(ctx.source), files, True, dtype, (3, size, size), new_dataset, dev_tf,
+        fresh_for_cold=False, info=info,
+    )  # fmt: skip
 
 
 def fields_kind(ctx: LoaderContext, tf_name: str, dtype: torch.dtype, dev_tf: Any) -> PreparedLoader:
@@ -143,19 +139,9 @@ def fields_kind(ctx: LoaderContext, tf_name: str, dtype: torch.dtype, dev_tf: An
     files = source.source_files() if isinstance(source, EncodedSource) else []
     if isinstance(source, FolderSource):
         files = [source.root / n for n in source.names]
-    return PreparedLoader(
-        "raw",
-        f"{source.kind} {source.description} read per sample (image + {', '.join(source.fields)}) + v2 {tf_name}",
-        len(source),
-        files,
-        True,
-        dtype,
-        (3, size, size),
-        new_dataset,
-        dev_tf,
-        fresh_for_cold=False,
-        info={"source": source.description, "fields": list(source.fields)},
-    )
+    what = f"{source.kind} {source.description} read per sample (image + {', '.join(source.fields)})"
+    info = {"source": source.description, "fields": list(source.fields)}
+    return per_sample(ctx, f"{what} + v2 {tf_name}", files, new_dataset, dtype, dev_tf, info)
 
 
 class SourceFieldSamples(Dataset):
