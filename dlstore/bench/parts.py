@@ -50,18 +50,10 @@ def measure_kind(
     assert config.batch_size is not None
     shape = (config.batch_size, *p.sample_shape)
     read = measure_read(p.name, p.files, p.n_images, config.read_max_bytes)
-    loader = {
-        (s.workers, s.pin_memory): loader_timing(
-            p,
-            s.workers,
-            s.pin_memory,
-            config,
-            device,
-            beside_step(p, step, s.pin_memory, config, num_classes, device),
-        )
-        for s in specs
-        if s.loader == p.name and not s.cold
-    }
+    loader: dict[tuple[int, bool], dict[str, Any]] = {}
+    for s in (s for s in specs if s.loader == p.name and not s.cold):
+        beside = beside_step(p, step, s.pin_memory, config, num_classes, device)
+        loader[(s.workers, s.pin_memory)] = loader_timing(p, s.workers, s.pin_memory, config, device, beside)
     if p.on_device:
         h2d = StageResult("h2d", p.name, None, label="batches arrive on the device")
     else:
@@ -70,16 +62,9 @@ def measure_kind(
         shared[key] = h2d
     ckey = ("compute", shape, p.batch_dtype, type(p.device_transform).__name__)
     if ckey not in shared:
-        shared[ckey] = measure_compute(
-            p.name,
-            step,
-            shape,
-            p.batch_dtype,
-            num_classes,
-            device,
-            warmup=config.warmup,  # as many warm batches as the loop's runs take before timing
-            steps=max(config.stage_steps, 8),
-        )
+        # as many warm batches as the loop's runs take before timing
+        shared[ckey] = measure_compute(p.name, step, shape, p.batch_dtype, num_classes, device,
+                                       warmup=config.warmup, steps=max(config.stage_steps, 8))  # fmt: skip
     return {"read": read, "loader": loader, "h2d": h2d, "compute": shared[ckey]}
 
 
@@ -160,13 +145,8 @@ class FedProbe:
         self.kind_keys: dict[tuple[str, bool], tuple[Any, ...]] = {}
         for s in specs:
             p = prepared[s.loader]
-            key = (
-                p.sample_shape,
-                p.batch_dtype,
-                type(p.device_transform).__name__,
-                p.on_device,
-                s.pin_memory,
-            )
+            look = (p.sample_shape, p.batch_dtype, type(p.device_transform).__name__, p.on_device)
+            key = (*look, s.pin_memory)
             self.jobs.setdefault(key, (p, steps[s.loader], s.pin_memory))
             self.kind_keys[(s.loader, s.pin_memory)] = key
         self.samples: dict[tuple[Any, ...], list[dict[str, Any]]] = {k: [] for k in self.jobs}
@@ -275,16 +255,9 @@ def compute_probe(
     def probe() -> None:
         for name, stage in distinct.values():
             d = stage.detail
-            again = measure_compute(
-                name,
-                steps[name],
-                d["shape"],
-                getattr(torch, d["dtype"]),
-                num_classes,
-                device,
-                warmup=config.warmup,
-                steps=max(config.stage_steps, 8),
-            )
+            dtype = getattr(torch, d["dtype"])
+            again = measure_compute(name, steps[name], d["shape"], dtype, num_classes, device,
+                                    warmup=config.warmup, steps=max(config.stage_steps, 8))  # fmt: skip
             d.setdefault("samples_img_per_s", [stage.img_per_s]).append(again.img_per_s)
 
     return probe

@@ -14,6 +14,7 @@ from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, compose, p
 
 KNEE_FRACTION = 0.95
 PREDICTION_TOLERANCE = 0.20
+RUN_KEYS = ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")  # "best" and "default"
 
 
 @dataclass
@@ -82,11 +83,9 @@ def parts_of(run: dict[str, Any], ks: KindStages, facts: Facts) -> LoopParts | N
         return None
     probe = run.get("loader_probe") or {}
     if loader.in_caller and probe.get("batches"):
-        # the loader alone timed right before and after each repeat of this run (``endtoend.probe_around``):
-        # the serial half of a 0-worker loop, where the run found the machine, instead of seconds earlier
+        # the loader alone timed right before and after each repeat (``endtoend.probe_around``)
         loader = replace(loader, period_s=probe["period_s"], main_s=probe["main_s"], cpu_s=probe["cpu_s"])
     if probe.get("beside_serial_s") is not None:
-        # the step's calls beside this loader, timed around the run too (a loader without worker processes)
         loader = replace(loader, beside_serial_s=probe["beside_serial_s"])
     return LoopParts(
         batch=facts.batch_size,
@@ -188,8 +187,7 @@ def lanes_advice(kinds: dict[str, dict[str, Any]], facts: Facts) -> dict[str, An
 def analyse(
     stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dict[str, dict[str, Any]], facts: Facts
 ) -> dict[str, Any]:
-    """Annotate runs, then one summary per kind, the verdict (one sentence), its detail and the
-    recommendations."""
+    """Annotate runs, then one summary per kind, the verdict (one sentence), its detail and the advice."""
     annotate_runs(stages, runs, facts)
     sweeps = default_runs(runs, facts.pin_default)
     if not sweeps:
@@ -218,8 +216,7 @@ def analyse(
         "recommendations": rules.recommendations(advice),
         "advice": advice,
         "lanes": lanes_advice(kinds, facts),
-        "best": {k: best[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
-        "default": {k: default[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
+        **{name: {k: run[k] for k in RUN_KEYS} for name, run in (("best", best), ("default", default))},
         "prediction": prediction_summary(runs),
     }
 
