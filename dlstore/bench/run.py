@@ -79,6 +79,19 @@ MIN_DEMO_IMAGES = 256
 DEMO_BATCHES = 8  # the demo source holds at least this many batches, so an epoch is more than a batch
 
 
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """What the phases after the loaders' preparation share."""
+
+    config: BenchConfig
+    device: torch.device
+    prepared: dict[str, PreparedLoader]
+    steps: dict[str, Step]
+    specs: list[RunSpec]
+    classes: int
+    log: Log
+
+
 def bench_cache_root() -> Path:
     return settings.folder("DLSTORE_BENCH_CACHE", "bench")
 
@@ -197,7 +210,8 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         list(prepared), workers, device.type == "cuda", config.pin_memory, config.cold, workerless
     )
     pin_default = specs[0].pin_memory if specs else False
-    stage_results = measure_all(prepared, steps, specs, config, classes, device, pin_default, log)
+    session = Session(config, device, prepared, steps, specs, classes, log)
+    stage_results = measure_all(session, pin_default)
     phases["stages_s"] = time.perf_counter() - t_start - sum(phases.values())
     fed = FedProbe(prepared, steps, specs, config, classes, device)
     ceiling = compute_probe(stage_results, steps, config, classes, device)
@@ -206,12 +220,12 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         ceiling()
         fed()
 
-    results = run_rounds(prepared, steps, specs, config, device, log, probe)
+    results = run_rounds(session, probe)
     settle_compute(stage_results, warm_runs_by_kind(results) if device.type == "cpu" else None)
     phases["end_to_end_s"] = time.perf_counter() - t_start - sum(phases.values())
     runs = [aggregate(v) for k, v in results.items() if not k[3]]
     cold = {k[0]: aggregate_cold(v) for k, v in results.items() if k[3]}
-    profiles = profile_all(prepared, steps, config, workers, device, specs, log) if config.profile else None
+    profiles = profile_all(session, workers) if config.profile else None
     phases["profile_s"] = time.perf_counter() - t_start - sum(phases.values())
     notes += contention_notes(runs) + state_notes(runs)
     kind_stages = {name: kind_stages_of(s, prepared[name], fed) for name, s in stage_results.items()}
@@ -401,22 +415,13 @@ def warm_runs_by_kind(results: dict[tuple[Any, ...], list[Any]]) -> dict[str, li
     return out
 
 
-def measure_all(
-    prepared: dict[str, PreparedLoader],
-    steps: dict[str, Step],
-    specs: list[RunSpec],
-    config: BenchConfig,
-    classes: int,
-    device: torch.device,
-    pin_default: bool,
-    log: Log,
-) -> dict[str, dict[str, Any]]:
+def measure_all(s: Session, pin_default: bool) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     shared: dict[tuple[Any, ...], StageResult] = {}
-    for name, p in prepared.items():
-        counts = sorted({s.workers for s in specs if s.loader == name})
-        log(f"{name}: parts (read, loader alone at workers {','.join(map(str, counts))}, h2d, compute)")
-        out[name] = measure_kind(p, steps[name], specs, config, classes, device, shared)
+    for name, p in s.prepared.items():
+        counts = sorted({spec.workers for spec in s.specs if spec.loader == name})
+        s.log(f"{name}: parts (read, loader alone at workers {','.join(map(str, counts))}, h2d, compute)")
+        out[name] = measure_kind(p, s.steps[name], s.specs, s.config, s.classes, s.device, shared)
         out[name]["transform"] = transform_stage(name, out[name]["loader"], pin_default)
     return out
 
@@ -510,73 +515,50 @@ def build_step(
     return TrainStep(model, device, transform, options)
 
 
-def run_rounds(
-    prepared: dict[str, PreparedLoader],
-    steps: dict[str, Step],
-    specs: list[RunSpec],
-    config: BenchConfig,
-    device: torch.device,
-    log: Log,
-    probe: Callable[[], None] | None = None,
-) -> dict[tuple[Any, ...], list[Any]]:
-    results: dict[tuple[Any, ...], list[Any]] = {s.key: [] for s in specs}
+def run_rounds(s: Session, probe: Callable[[], None] | None = None) -> dict[tuple[Any, ...], list[Any]]:
+    config = s.config
+    results: dict[tuple[Any, ...], list[Any]] = {spec.key: [] for spec in s.specs}
     for r in range(config.repeats):
         if probe is not None:
             probe()
         # cold runs in the first round only: each costs a fresh pool and an eviction, for no predicted rate
-        order = [s for s in rotated(specs, r, config.repeats) if r == 0 or not s.cold]
+        order = [spec for spec in rotated(s.specs, r, config.repeats) if r == 0 or not spec.cold]
         for pos, spec in enumerate(order):
-            log(
+            s.log(
                 f"round {r + 1}/{config.repeats} [{pos + 1}/{len(order)}]: {spec.loader}, {count(spec.workers, 'worker')}, "
                 f"pin_memory={'on' if spec.pin_memory else 'off'}{', cold' if spec.cold else ''}"
             )
-            p = prepared[spec.loader]
+            p = s.prepared[spec.loader]
             if spec.cold:
                 p.release()  # no open memmap may pin the pages the cold run needs evicted
-            res = run_once(p, spec, config, device, steps[spec.loader], r, pos)
+            res = run_once(p, spec, config, s.device, s.steps[spec.loader], r, pos)
             if spec.cold:
                 _ = p.dataset  # re-open outside any timed phase
             results[spec.key].append(res)
     return results
 
 
-def profile_all(
-    prepared: dict[str, PreparedLoader],
-    steps: dict[str, Step],
-    config: BenchConfig,
-    workers: tuple[int, ...],
-    device: torch.device,
-    specs: list[RunSpec],
-    log: Log,
-) -> dict[str, Any]:
+def profile_all(s: Session, workers: tuple[int, ...]) -> dict[str, Any]:
     """A short scheduled profiler run per (loader, workers); never used for throughput."""
-    if config.out is None:
+    if s.config.out is None:
         raise DlstoreError("--profile needs an output folder (--out DIR)")
-    out = Path(config.out) / "profile"
-    pin = specs[0].pin_memory if specs else False
+    out = Path(s.config.out) / "profile"
+    pin = s.specs[0].pin_memory if s.specs else False
     traces: dict[str, Any] = {}
-    for name, p in prepared.items():
+    for name in s.prepared:
         for w in workers:
-            log(f"profiling {name} with {count(w, 'worker')}")
-            traces[f"{name}-w{w}"] = profile_configuration(
-                _profile_loop(p, w, pin, config, device, steps[name]), device, out, f"{name}-w{w}"
-            )
+            s.log(f"profiling {name} with {count(w, 'worker')}")
+            loop = _profile_loop(s, name, w, pin)
+            traces[f"{name}-w{w}"] = profile_configuration(loop, s.device, out, f"{name}-w{w}")
     return {"dir": str(out), "schedule": {"wait": 1, "warmup": 2, "active": 3}, "traces": traces}
 
 
-def _profile_loop(
-    p: PreparedLoader,
-    workers: int,
-    pin: bool,
-    config: BenchConfig,
-    device: torch.device,
-    step: Step,
-    n_steps: int = 6,
-) -> Callable[[Callable[[], None]], None]:
-    feed = feeder(p, device, pin)
+def _profile_loop(s: Session, name: str, workers: int, pin: bool) -> Callable[[Callable[[], None]], None]:
+    p, step, n_steps = s.prepared[name], s.steps[name], 6
+    feed = feeder(p, s.device, pin)
 
     def run_steps(tick: Callable[[], None]) -> None:
-        stream = BatchStream(p.loader(workers, pin, config))
+        stream = BatchStream(p.loader(workers, pin, s.config))
         try:
             for _ in range(n_steps):
                 with record_function("batch_wait"):
