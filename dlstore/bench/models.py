@@ -143,11 +143,8 @@ def configure_numerics(device: torch.device, precision: str = "fp32") -> None:
 
 def numerics_state() -> dict[str, Any]:
     """The global switches as they are now, to restore after a run."""
-    return {
-        "matmul": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn": torch.backends.cudnn.allow_tf32,
-        "benchmark": torch.backends.cudnn.benchmark,
-    }
+    b = torch.backends
+    return {"matmul": b.cuda.matmul.allow_tf32, "cudnn": b.cudnn.allow_tf32, "benchmark": b.cudnn.benchmark}
 
 
 def restore_numerics(state: dict[str, Any]) -> None:

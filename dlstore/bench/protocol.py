@@ -189,15 +189,9 @@ def summarize_waits(waits: list[float], wall_s: float) -> dict[str, float]:
 
 def parse_int_list(text: str) -> tuple[int, ...]:
     """'0,1,2,4' → (0, 1, 2, 4), sorted and unique; raises ValueError naming the bad item."""
-    out = set()
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        value = int(item)
-        if value < 0:
-            raise ValueError(f"worker counts must be >= 0, got {value}")
-        out.add(value)
+    out = {int(item) for item in text.split(",") if item.strip()}
+    if any(v < 0 for v in out):
+        raise ValueError(f"worker counts must be >= 0, got {min(out)}")
     if not out:
         raise ValueError("give at least one worker count, e.g. 0,2,4")
     return tuple(sorted(out))
