@@ -310,11 +310,8 @@ def _best_config_advice(
         if kk["knee_img_per_s"] >= rules.WORTH_FRACTION * zero:
             decoders = name in facts.cpu_decoder_kinds
             n, what = kk["knee_workers"], _count(name, kk["knee_workers"], facts)
-            more = (
-                f"; more {'decoders' if decoders else 'workers'} are slower ({_hurts(kk)})"
-                if kk["hurts"]
-                else ""
-            )
+            hurts = ", ".join(f"{h['workers']}: {fmt(h['img_per_s'])}" for h in kk["hurts"])
+            more = f"; more {'decoders' if decoders else 'workers'} are slower ({hurts})" if hurts else ""
             out.append(
                 item(
                     f"If you keep {name}: {what} {'gives' if n == 1 else 'give'} {fmt(kk['knee_img_per_s'])} "
@@ -329,10 +326,6 @@ def _best_config_advice(
                 )
             )
     return out
-
-
-def _hurts(k: dict[str, Any]) -> str:
-    return ", ".join(f"{h['workers']}: {fmt(h['img_per_s'])}" for h in k["hurts"])
 
 
 def _bound_advice(best: dict[str, Any], stages: dict[str, KindStages], facts: Facts) -> list[dict[str, Any]]:
