@@ -637,15 +637,8 @@ def protocol_of(
 def split_settings(settings: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
     """(settings every run shared, names of those that differ between runs)."""
     names = sorted({k for s in settings for k in s})
-    common: dict[str, Any] = {}
-    varies: list[str] = []
-    for name in names:
-        values = {repr(s.get(name)) for s in settings}
-        if len(values) == 1:
-            common[name] = settings[0].get(name)
-        else:
-            varies.append(name)
-    return common, varies
+    varies = [n for n in names if len({repr(s.get(n)) for s in settings}) > 1]
+    return {n: settings[0].get(n) for n in names if n not in varies}, varies
 
 
 def numerics(device: torch.device, step: dict[str, Any]) -> dict[str, Any]:
