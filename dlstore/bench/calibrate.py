@@ -37,8 +37,7 @@ def process_age_s() -> float:
 
 
 def command_startup_s() -> float:
-    """What the ``dlstore`` command spent before the bench started (Python, the imports); 0 inside another
-    program (a test's CliRunner, a notebook)."""
+    """What the ``dlstore`` command spent before the bench started; 0 inside another program."""
     import sys
 
     return process_age_s() if Path(sys.argv[0]).name in ("dlstore", "dlstore.exe") else 0.0
@@ -106,8 +105,7 @@ def cache_format(kind: str) -> str | None:
 
 
 def cache_ready(ctx: LoaderContext, kind: str) -> bool:
-    """A matching cache of the kind's format is already there (``kinds.cached.ensure_cache`` reuses it);
-    raw needs none; the JPEG kinds count as converting."""
+    """A matching cache of the kind's format is there (``ensure_cache`` reuses it); raw needs none."""
     from dlstore.bench.kinds.cached import cache_dir_for, spec_matches
     from dlstore.spec import read_spec
 

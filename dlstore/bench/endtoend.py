@@ -243,8 +243,7 @@ def probe_around(
 
 
 def _reference_event(device: torch.device) -> Any:
-    """A CUDA event recorded on an idle device at the host's time origin: device times become offsets on the
-    host clock (for the timeline plot)."""
+    """A CUDA event at the host's time origin: device times become host-clock offsets (the timeline)."""
     if device.type != "cuda":
         return None
     synchronize(device)

@@ -27,8 +27,7 @@ def system_cpu() -> tuple[float, float] | None:
 
 
 def steal_s() -> float | None:
-    """CPU seconds the hypervisor gave to other guests (all CPUs, /proc/stat's steal column): a sign that
-    timings on a virtual machine were taken on fewer cores than it shows."""
+    """CPU seconds the hypervisor gave other guests (/proc/stat's steal): fewer cores than shown."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -48,8 +47,7 @@ def process_cpu_s(pid: int) -> float | None:
 
 
 def memory_kb(pid: int) -> dict[str, int | None]:
-    """Rss, Pss and shared (clean + dirty) kB from smaps_rollup, or VmRSS from status when smaps is not
-    readable."""
+    """Rss, Pss and shared kB from smaps_rollup, else VmRSS from status."""
     out: dict[str, int | None] = {"rss_kb": None, "pss_kb": None, "shared_kb": None}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:

@@ -45,8 +45,7 @@ def measure_kind(
     device: torch.device,
     shared: dict[tuple[Any, ...], StageResult],
 ) -> dict[str, Any]:
-    """Read, loader alone per (workers, pin), h2d and compute for one kind. ``shared`` keeps the h2d and
-    compute stages of kinds whose batches look alike, so they are measured once."""
+    """Read, loader alone, h2d and compute for one kind (``shared``: stages of look-alike batches)."""
     assert config.batch_size is not None
     shape = (config.batch_size, *p.sample_shape)
     read = measure_read(p.name, p.files, p.n_images, config.read_max_bytes)
@@ -183,8 +182,7 @@ class FedProbe:
 
 
 def per_epoch_read(read: StageResult, p: PreparedLoader) -> tuple[float | None, str, bool]:
-    """(the read rate an epoch sees, why, whether it bounds the epoch): none for a dataset loaded once; cold
-    when the data cannot stay in the page cache."""
+    """(the read rate an epoch sees, why, whether it bounds the epoch)."""
     if not p.reads_per_epoch:
         return None, "loaded once into memory: no per-epoch read", False
     avail = mem_available_bytes()

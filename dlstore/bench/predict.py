@@ -53,8 +53,7 @@ class FedTiming:
     idle_gap_s: float | None = None
 
     def serial_at(self, gap_s: float) -> float:
-        """The main thread's cost per step after the device idled ``gap_s``: linear between the busy cost and
-        the idle probe's, the probe's beyond its gap."""
+        """The main thread's cost per step after the device idled ``gap_s`` (linear up to the probe's gap)."""
         if self.idle_serial_s is None or self.idle_serial_s <= self.serial_s:
             return self.serial_s
         # unrecorded in older documents: one device period

@@ -101,8 +101,7 @@ class BenchConfig:
 
 @dataclass
 class StageResult:
-    """One stage measured alone for one loader kind. ``img_per_s`` is None when the stage does not apply
-    (no device copy on a CPU run, no per-epoch read for an in-memory dataset)."""
+    """One stage measured alone for one loader kind; ``img_per_s`` None: the stage does not apply."""
 
     stage: str
     loader: str

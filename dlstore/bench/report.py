@@ -79,8 +79,7 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def check_out_dir(out: Path) -> None:
-    """Create ``out`` and write a probe file there before anything is measured: a folder that cannot
-    take the outputs fails now, not after the runs."""
+    """Create ``out`` and write a probe there: a folder that cannot take the outputs fails now."""
     probe = out / f".dlstore-write-check-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -94,8 +93,7 @@ def check_out_dir(out: Path) -> None:
 
 @contextmanager
 def removed_if_left_empty(out: str | Path | None) -> Iterator[None]:
-    """A bench run that fails leaves no empty ``--out`` folder (``dlstore-bench-*``) it created;
-    a folder that existed before, or that holds anything, stays."""
+    """A failed run leaves no empty ``--out`` folder it created; one that existed or holds files stays."""
     folder = Path(out) if out is not None else None
     existed = folder is None or folder.exists()
     try:
@@ -233,8 +231,8 @@ ONE_OFF_LABEL = "read (one-off load into memory)"
 
 
 def stage_bars(doc: dict[str, Any]) -> dict[str, list[float | None]]:
-    """The parts-alone bars, label → img/s per loader (None: no bar). A stage no loader has (a CPU run's
-    h2d) is left out; a loader that loads everything once shows that one-off read beside the reads."""
+    """The parts-alone bars, label → img/s per loader (None: no bar); a loader that loads everything once
+    shows that one-off read beside the reads."""
     stages = doc["stages"].values()
     bars = {}
     for stage in STAGES:
@@ -339,9 +337,7 @@ def profile_configuration(
     warmup: int = 2,
     active: int = 3,
 ) -> dict[str, str]:
-    """A short scheduled torch.profiler run; ``run_steps(tick)`` runs the loop and calls ``tick`` per step.
-
-    Writes ``NAME.trace.json`` (Chrome trace) and ``NAME.ops.txt`` (operator table)."""
+    """A short scheduled torch.profiler run (``run_steps(tick)``): NAME.trace.json and NAME.ops.txt."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     out.mkdir(parents=True, exist_ok=True)
@@ -380,9 +376,7 @@ def images_line(source: dict[str, Any]) -> str:
 
 
 def render_text(doc: dict[str, Any]) -> str:
-    """The one sentence first; then at most five recommendations, the figures behind the sentence, one line
-    per loader kind and notes (each run's per-batch budget and the stages alone are in result.json, the
-    stages also in plots.png)."""
+    """The verdict, at most five recommendations, the figures behind it, one line per kind, the notes."""
     proto = doc["protocol"]
     num = proto.get("numerics") or {}
     step = proto.get("model") or (proto.get("step") or {}).get("step")

@@ -303,13 +303,9 @@ def probe_loader(
     alone: bool = True,
     beside_first: bool = False,
 ) -> dict[str, Any]:
-    """A loader without worker processes, timed right next to a run of the loop on it: ``alone``, its wall
-    time in ``next()`` and the process's CPU per batch; ``beside``, the copy + step calls on a fixed batch
-    (``beside(batch)`` returns its seconds) after each of its batches. Each pass covers ``min_batches`` and
-    ``min_s``. ``beside_first`` mirrors the order (A B | run | B A), so a linear drift weighs both alike.
-
-    The machine's speed moves by tens of percent within seconds, so the parts phase's timing of such a
-    loader can miss its run's; probing right before and after brackets the run without using its rate."""
+    """A loader without worker processes, right next to a run on it (the machine drifts within seconds):
+    ``alone``, its wall time in ``next()`` and CPU per batch; ``beside``, the copy + step on a fixed batch
+    after each of its batches. ``beside_first`` mirrors the order, so a linear drift weighs both alike."""
     t0 = time.perf_counter()
     stream = BatchStream(loader)
     out: dict[str, Any] = {
@@ -384,8 +380,7 @@ def _beside(
     device: torch.device,
     warmup: int = BESIDE_WARMUP,
 ) -> tuple[list[float], list[float]]:
-    """``work``'s seconds after each of the loader's next batches (the batch itself dropped), and the
-    seconds in each of those ``next()`` calls."""
+    """``work``'s seconds after each of the loader's next batches, and each of those ``next()``'s."""
     times: list[float] = []
     nexts: list[float] = []
     t0 = time.perf_counter()

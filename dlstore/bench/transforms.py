@@ -52,8 +52,7 @@ def cached_cpu_transform(kind: str, size: int, boxes: bool = False) -> Any:
 
 
 def raw_field_transform(kind: str, size: int, boxes: bool) -> Any:
-    """``raw_transform`` for a source of fields, in torchvision v2 (the v1 transforms take no target):
-    the image and its masks and boxes resized, cropped, augmented together."""
+    """``raw_transform`` for a source of fields, in v2: masks and boxes move with the image."""
     from torchvision.transforms import v2
 
     fit = augment_steps(v2, size) if kind == "augment" else [v2.Resize(size), v2.CenterCrop(size)]

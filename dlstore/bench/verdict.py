@@ -19,8 +19,7 @@ RUN_KEYS = ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")  # "be
 
 @dataclass
 class KindStages:
-    """What was measured alone for one loader kind. Rates in images/s (None: does not apply); ``loader``
-    per (workers, pin_memory) and ``fed`` per pin_memory are per-batch timings (see ``predict``)."""
+    """What was measured alone for one loader kind: rates in images/s, per-batch timings (``predict``)."""
 
     read: float | None = None
     transform_by_workers: dict[int, float] = field(default_factory=dict)
@@ -168,8 +167,7 @@ def _count(kind: str, n: int, facts: Facts) -> str:
 
 
 def lanes_advice(kinds: dict[str, dict[str, Any]], facts: Facts) -> dict[str, Any]:
-    """Per kind with CPU decoders: the lanes and ``cpu_decoders`` measured best (the fewest within 5% of
-    the fastest) for this model, the rate, and the DecodeLoader call."""
+    """Per kind with CPU decoders: the lanes and ``cpu_decoders`` measured best, and the call."""
     out = {}
     for name in sorted(facts.cpu_decoder_kinds & set(kinds)):
         k = kinds[name]

@@ -76,8 +76,7 @@ def megapixels_key(ctx: LoaderContext) -> str:
 
 
 def convert_into(ctx: LoaderContext, dest: Path, **choices: Any) -> dict[str, Any]:
-    """Convert the run's source into ``dest`` with ``choices`` (ConvertOptions fields: format, codec,
-    resize, …) on top of the run's size, channels and limits; what happened."""
+    """Convert the run's source into ``dest`` with ``choices`` (ConvertOptions fields); what happened."""
     from dlstore.write.conversion import convert
     from dlstore.write.options import ConvertOptions
 

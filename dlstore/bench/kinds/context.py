@@ -97,8 +97,7 @@ class PreparedLoader:
         return self.make_loader(dataset, workers, pin_memory, config)
 
     def release(self) -> None:
-        """Close the shared dataset's storage handles (memmaps hold pages against eviction); the next use
-        re-creates it."""
+        """Close the dataset's storage handles (memmaps pin pages against eviction); next use re-opens."""
         ds, self._dataset = self._dataset, None
         if isinstance(ds, CachedDataset):  # other datasets (torchvision's) hold no handles to close
             ds.close()

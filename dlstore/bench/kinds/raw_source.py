@@ -1,7 +1,5 @@
-"""The ``raw`` kind: torchvision ImageFolder / torchvision dataset, per-file PIL decode + resize + transform
-in DataLoader workers — what users start from. Sources of encoded samples (parquet, WebDataset, a file
-list, a Dataset of your own) are read the way their users read them: pyarrow row-group reads, ranged
-reads of the tar members, PIL from the listed paths, the Dataset's own ``__getitem__``."""
+"""The ``raw`` kind, what users start from: torchvision ImageFolder / dataset with per-file PIL decode in
+DataLoader workers; sources of encoded samples read as their users read them (``open_image`` per sample)."""
 
 from __future__ import annotations
 
@@ -128,8 +126,7 @@ def per_sample(
 
 
 def fields_kind(ctx: LoaderContext, tf_name: str, dtype: torch.dtype, dev_tf: Any) -> PreparedLoader:
-    """A source of fields read as its users read it: the image and its annotations per sample, then a
-    torchvision v2 pipeline that moves the masks and boxes with the image (``raw_field_transform``)."""
+    """A source of fields read per sample, through a v2 pipeline that moves masks and boxes too."""
     source, size = ctx.source, ctx.size
     boxes = any(f.kind == "boxes" for f in source.fields.values())
 
@@ -145,8 +142,7 @@ def fields_kind(ctx: LoaderContext, tf_name: str, dtype: torch.dtype, dev_tf: An
 
 
 class SourceFieldSamples(Dataset):
-    """(image, target dict) of a source's sample i: its file opened with PIL, its fields as
-    ``tv_tensors`` in the file's frame (boxes, masks), through a v2 ``transform``."""
+    """(image, target dict) of a source's sample i, its fields as ``tv_tensors``, through ``transform``."""
 
     def __init__(self, source: Any, transform: Any) -> None:
         self.source, self.transform, self.fields = source, transform, source.fields
@@ -189,9 +185,8 @@ class SourceFieldSamples(Dataset):
 
 
 def tolerant_loader(path: str) -> Image.Image:
-    """torchvision's default loader, except that a file it cannot decode reads as a 1×1 black image: a
-    plain ImageFolder loop stops at the first broken file, where convert skips it and names it (the
-    bench's note counts them); one blank image costs about nothing, so the rate stays the files'."""
+    """torchvision's default loader, except that an undecodable file reads as a 1×1 black image (counted
+    in the bench's note) where a plain ImageFolder loop stops at the first."""
     from torchvision.datasets.folder import default_loader
 
     try:
