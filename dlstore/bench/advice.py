@@ -1,8 +1,5 @@
 """The advice ``dlstore bench`` and ``dlstore watch`` both give, in one place: the stage a loop is named by,
-the one sentence a report leads with, the ranked recommendations, and the code each recommendation prints
-(``dlstore convert`` commands, DataLoader settings, the GPU augmentation that reproduces the user's
-transform). Predictions come from one parts model (``predict.compose``). Pure functions over plain data.
-"""
+the sentence a report leads with, the ranked recommendations and the code each prints. Pure functions."""
 
 from __future__ import annotations
 
@@ -57,10 +54,8 @@ def recommendations(advice: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def named_stage(model_stage: str, measured: float | None, alone: float | None, on_host: bool = False) -> str:
-    """The stage a loop is named by: the training step whenever the loop runs as fast as the step alone
-    (whatever part the model puts first, nothing around the step can be cut); on a GPU, a loop the model
-    calls step-bound that runs well below the step alone lost its time to the parts running together (on
-    a CPU the step and the loader share the cores by design: the step stays named)."""
+    """The stage a loop is named by: the step whenever the loop runs as fast as the step alone; on a GPU,
+    a step-bound loop well below the step alone lost its time to the parts running together."""
     if measured and alone and measured >= STEP_ALONE_FRACTION * alone:
         return "compute"
     if model_stage == "compute" and not on_host and measured and alone and measured < 0.85 * alone:
@@ -132,8 +127,7 @@ def workers_code(n: int, pin: bool | None = None) -> str:
 
 
 def decode_lanes(n: int) -> list[str]:
-    """The fast loader's decode lanes with ``n`` CPU decoders (a lane absent on the machine, e.g. "hw"
-    without NVJPG or nvImageCodec, is skipped there)."""
+    """The fast loader's decode lanes with ``n`` CPU decoders (a lane the machine lacks is skipped)."""
     return ["cpu", "hw", "nvjpeg"] if n else ["hw", "nvjpeg"]
 
 
@@ -174,17 +168,13 @@ def ragged_format() -> str:
     return next(f.name for f in FORMATS.values() if f.ragged_ok)
 
 
-# Transforms GpuAugment reproduces (with their parameters), those the cache itself does (the first Resize
-# and CenterCrop), and those that only turn a PIL image into a tensor.
-GPU_STEPS = ("RandomResizedCrop", "RandomResizedCropAndInterpolation", "RandomHorizontalFlip", "RandomRotation",
-             "Normalize")  # fmt: skip
+# Transforms that only turn a PIL image into a tensor, and crops that take the whole image.
 TENSOR_STEPS = ("ToTensor", "PILToTensor", "ToImage", "ConvertImageDtype", "ToDtype", "MaybeToTensor")
 WHOLE_IMAGE_CROPS = ("RandomResizedCrop", "RandomResizedCropAndInterpolation")
 
 
 def gpu_augment(transforms: Sequence[dict[str, Any]], size: int) -> tuple[dict[str, Any], list[str]]:
-    """GpuAugment's arguments that reproduce the user's transform on a cache of side ``size``, and the
-    steps it cannot reproduce (named in the advice)."""
+    """GpuAugment's arguments reproducing the user's transform at ``size``, and the steps it cannot."""
     kw: dict[str, Any] = {"size": size, "scale": (1.0, 1.0), "ratio": (1.0, 1.0), "hflip_p": 0.0}
     missing = []
     for t in transforms:

@@ -1,9 +1,5 @@
-"""The bench's calibration: a few measured per-batch costs (``plan.Costs``) the plan is estimated from.
-
-Short on purpose (well under a second on 2 cores at the CPU's default size): a few images decoded as the
-conversion and the raw kind decode them, the step alone on a few synthetic batches, a collate of a
-cache-like batch, and one worker pool started and stopped.
-"""
+"""The bench's calibration, well under a second: the per-batch costs (``plan.Costs``) the plan is estimated
+from: a few decodes, the step on synthetic batches, a cache-like collate, one worker pool's start."""
 
 from __future__ import annotations
 
@@ -14,12 +10,11 @@ from pathlib import Path
 import torch
 
 from dlstore.bench.kinds.context import LoaderContext
-from dlstore.bench.plan import Costs, Plan
+from dlstore.bench.plan import PLAN_FIELDS, Costs, Plan
 from dlstore.bench.protocol import BenchConfig
 from dlstore.machine import synchronize, usable_cores
 
-# Kinds without worker processes (their PreparedLoader says ``ignores_workers``; known here before they are
-# prepared): they run once, at 0 workers (jpeg-gpu only without a GPU: on one its count is CPU decoders).
+# Kinds without worker processes, known before they are prepared (jpeg-gpu only without a GPU).
 WORKERLESS_KINDS = frozenset({"pinned", "resident", "jpeg-gpu"})
 RAW_OVERHEAD = 1.15  # the raw kind's ToTensor and float collate on top of the decode and resize
 CACHE_READ_FACTOR = 3.0  # a cache batch: the read (a zstd decode for zarr) on top of the collate
@@ -30,8 +25,7 @@ STEP_MIN_S = 0.5  # the step is timed for at least this long (and at least 2 ste
 
 
 def process_age_s() -> float:
-    """Seconds since this process started (Python's start-up and the imports count against a budget), from
-    /proc; 0 where there is none."""
+    """Seconds since this process started, from /proc; 0 where there is none."""
     import os
 
     try:
@@ -43,9 +37,7 @@ def process_age_s() -> float:
 
 
 def command_startup_s() -> float:
-    """What the ``dlstore`` command spent before the bench started (Python, torch's import): the process's
-    age when this process is that command; 0 inside another program (a test's CliRunner, a notebook), whose
-    age says nothing about the bench."""
+    """What the ``dlstore`` command spent before the bench started; 0 inside another program."""
     import sys
 
     return process_age_s() if Path(sys.argv[0]).name in ("dlstore", "dlstore.exe") else 0.0
@@ -71,8 +63,7 @@ def step_s(
     batch: tuple[torch.Tensor, torch.Tensor],
     device: torch.device,
 ) -> float:
-    """Seconds per step alone on a synthetic batch, after one warm-up step: the mean, so a shared machine's
-    slow steps count as they will in the runs."""
+    """Seconds per step alone on a synthetic batch after a warm-up step: the mean, as slow steps count too."""
     step(*batch)
     synchronize(device)
     times: list[float] = []
@@ -114,9 +105,8 @@ def cache_format(kind: str) -> str | None:
 
 
 def cache_ready(ctx: LoaderContext, kind: str) -> bool:
-    """A matching cache of the kind's format is already there (``kinds.cached.ensure_cache`` reuses it);
-    raw needs none. The JPEG kinds count as converting (their own key; rarely benched on a CPU)."""
-    from dlstore.bench.kinds.cached import cache_dir_for
+    """A matching cache of the kind's format is there (``ensure_cache`` reuses it); raw needs none."""
+    from dlstore.bench.kinds.cached import cache_dir_for, spec_matches
     from dlstore.spec import read_spec
 
     fmt = cache_format(kind)
@@ -126,14 +116,9 @@ def cache_ready(ctx: LoaderContext, kind: str) -> bool:
     if isinstance(dest, str):
         return True  # a remote cache given with --cache: read where it is
     try:
-        spec = read_spec(dest)
+        return spec_matches(ctx, read_spec(dest), fmt)
     except Exception:  # noqa: BLE001 — missing or unreadable: ensure_cache converts
         return False
-    return (
-        spec.format == fmt
-        and spec.source.get("fingerprint") == ctx.source.fingerprint()
-        and tuple(spec.shape) == (ctx.size, ctx.size, ctx.channels)
-    )
 
 
 def batch_cost(kind: str, config: BenchConfig, per_image: float, cache_batch: float) -> float:
@@ -188,18 +173,11 @@ def initial_plan(config: BenchConfig, workers: tuple[int, ...], images: int, cud
     """``cuda``: jpeg-gpu's worker counts are its CPU decoders there (each one a run)."""
     assert config.batch_size is not None
     workerless = WORKERLESS_KINDS - {"jpeg-gpu"} if cuda else WORKERLESS_KINDS
+    fields = {f: getattr(config, f) for f in PLAN_FIELDS} | {"loaders": tuple(config.loaders)}
     return Plan(
-        loaders=tuple(config.loaders),
-        workers=workers,
-        repeats=config.repeats,
-        steps=config.steps,
-        warmup=config.warmup,
-        stage_steps=config.stage_steps,
-        cold=config.cold,
+        **fields | {"workers": workers},
         images=images,
         batch_size=config.batch_size,
-        max_run_s=config.max_run_s,
-        fed_s=config.fed_s,
         workerless=frozenset(k for k in config.loaders if k in workerless),
         step_looks=step_looks(config.loaders),
     )

@@ -1,11 +1,6 @@
-"""The real loop: loader → copy → training step, timed per step, in repeats with rotated order.
-
-Per step: the wait in ``next()`` and the step after it (copy + train; on CUDA also the device time from
-events, read once at the end so the loop never synchronises mid-run). The first ``warmup`` steps include
-worker start-up and are reported apart; throughput is the ``steps`` timed batches after them. A cold run
-evicts the loader's files, starts a fresh loader and times only the warm-up steps, to compare with the
-warm runs' same phase (fetch stall).
-"""
+"""The real loop: loader → copy → training step, timed per step (the wait in ``next()``, the step after
+it, CUDA events read at the end), in repeats with rotated order. Warm-up (worker start-up included) is
+reported apart; a cold run evicts the files, starts a fresh loader and times only its warm-up."""
 
 from __future__ import annotations
 
@@ -40,8 +35,7 @@ from dlstore.bench.stages import (
 from dlstore.machine import synchronize
 
 Step = Callable[[torch.Tensor, torch.Tensor], None]
-# A loader without worker processes is probed right before and right after each run (``probe_around``):
-# each pass at least this many batches and half of fed_s, so each term gets 2 passes and fed_s per repeat
+# batches of each probe pass of a loader without worker processes (``probe_around``), with half of fed_s
 PROBE_MIN_BATCHES = 3
 
 
@@ -65,9 +59,8 @@ def plan_runs(
     cold: bool,
     workerless: frozenset[str] = frozenset(),
 ) -> list[RunSpec]:
-    """Every (loader, workers) with pin_memory as the device wants; on CUDA with pin 'auto', one pin-off
-    run per loader at the largest worker count; with ``cold``, one cold run per loader there. Loaders in
-    ``workerless`` (no worker processes, no pin_memory choice) run once, at 0 workers."""
+    """Every (loader, workers) with the device's pin_memory; on CUDA one run with the other pin_memory, and
+    with ``cold`` one cold run, per loader at its largest worker count; ``workerless`` loaders at 0 only."""
     pin_default = cuda if pin_mode == "auto" else pin_mode == "on"
 
     def counts(name: str) -> list[int]:
@@ -127,7 +120,6 @@ def run_once(
     result = RunResult(prepared.name, spec.workers, spec.pin_memory, repeat, position, cold=spec.cold)
     if spec.cold:
         result.eviction = evict_files(prepared.files)
-    cuda = device.type == "cuda"
     fresh = spec.cold and prepared.fresh_for_cold
     loader = prepared.loader(spec.workers, spec.pin_memory, config, fresh=fresh)
     result.loader_settings = loader_settings(loader)
@@ -136,68 +128,15 @@ def run_once(
     if probed:
         result.loader_probe = probe_around(loader, feed, step, config, device, after=False)
     n_batches = len(loader) if hasattr(loader, "__len__") else config.steps  # type: ignore[arg-type]
-    warm, timed, cycle = cycle_window(n_batches, spec.workers, config.warmup, config.steps)
-    n_steps = warm + (0 if spec.cold else timed)
-    events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    # No nvidia-smi sampling while timing: its NVML queries contend with kernel launches (a launch-bound step
-    # ran slower in the loop than alone). The device's busy share comes from the CUDA events instead.
-    monitor = ResourceMonitor(gpu=False)
+    window = cycle_window(n_batches, spec.workers, config.warmup, config.steps)
+    monitor = ResourceMonitor()
     ref = _reference_event(device)
     t0 = time.perf_counter()
-    stream = BatchStream(loader)
-    first_epoch_end: float | None = None
-    first_epoch_images = 0
-    t_timed = t0
+    stream = BatchStream(loader)  # worker start-up counts in the first step's time
     try:
-        for i in range(n_steps):
-            if i == warm and not spec.cold:
-                synchronize(device)
-                result.cpu_ref_s = cpu_reference_s()
-                monitor.start(stream.worker_pids())  # before the clock: it may start nvidia-smi
-                t_timed = time.perf_counter()
-                result.warmup_s = t_timed - t0
-            ta = time.perf_counter()
-            if _past_limit(config, i - warm, cycle, ta - t_timed) and not spec.cold:
-                result.truncated = True
-                break
-            with record_function("batch_wait"):
-                batch = stream.next()
-            tb = time.perf_counter()
-            if i == 0:
-                result.startup_s = tb - t0
-            if stream.epoch == 1 and first_epoch_end is None:
-                first_epoch_end = ta
-            n = batch_images(batch)
-            if stream.epoch == 0:
-                first_epoch_images += n
-            x, y = feed(batch)
-            if cuda:
-                ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                ev[0].record()
-            step(x, y)
-            if cuda:
-                ev[1].record()
-                events.append(ev)
-            tc = time.perf_counter()
-            phase = "cold" if spec.cold else ("warmup" if i < warm else "timed")
-            result.steps.append(StepRecord(phase, stream.epoch, i, n, tb - ta, tc - tb, t_s=ta - t0))
-        synchronize(device)
-        t_end = time.perf_counter()
-        if spec.cold:
-            result.warmup_s = t_end - t0
-            result.timed_s = t_end - t0
-            result.img_per_s = sum(s.images for s in result.steps) / result.timed_s
-        else:
-            result.resources = monitor.stop()
-            result.timed_s = t_end - t_timed
-            result.img_per_s = sum(s.images for s in result.timed()) / result.timed_s
-        end = first_epoch_end if first_epoch_end is not None else t_end
-        result.first_epoch_partial = first_epoch_end is None
-        result.first_epoch_img_per_s = first_epoch_images / (end - t0) if end > t0 else None
+        events = _timed_loop(result, stream, t0, feed, step, spec, config, device, monitor, window)
     finally:
         stream.close()
-        if not spec.cold and not result.resources:
-            monitor.abandon()  # an error mid-run: stop the nvidia-smi sampler too
     for rec, ev in zip(result.steps, events):
         rec.device_step_s = ev[0].elapsed_time(ev[1]) / 1e3
         if ref is not None:
@@ -208,6 +147,72 @@ def run_once(
     return result
 
 
+def _timed_loop(
+    result: RunResult,
+    stream: BatchStream,
+    t0: float,
+    feed: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
+    step: Step,
+    spec: RunSpec,
+    config: BenchConfig,
+    device: torch.device,
+    monitor: ResourceMonitor,
+    window: tuple[int, int, int],
+) -> list[tuple[Any, Any]]:
+    """The loop itself, filling ``result``; returns the CUDA events of each step (read after the run)."""
+    warm, timed, cycle = window
+    events: list[tuple[Any, Any]] = []
+    first_epoch_end: float | None = None
+    first_epoch_images = 0
+    t_timed = t0
+    for i in range(warm + (0 if spec.cold else timed)):
+        if i == warm and not spec.cold:
+            synchronize(device)
+            result.cpu_ref_s = cpu_reference_s()
+            monitor.start(stream.worker_pids())
+            t_timed = time.perf_counter()
+            result.warmup_s = t_timed - t0
+        ta = time.perf_counter()
+        if _past_limit(config, i - warm, cycle, ta - t_timed) and not spec.cold:
+            result.truncated = True
+            break
+        with record_function("batch_wait"):
+            batch = stream.next()
+        tb = time.perf_counter()
+        if i == 0:
+            result.startup_s = tb - t0
+        if stream.epoch == 1 and first_epoch_end is None:
+            first_epoch_end = ta
+        n = batch_images(batch)
+        if stream.epoch == 0:
+            first_epoch_images += n
+        x, y = feed(batch)
+        if device.type == "cuda":
+            ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            ev[0].record()
+        step(x, y)
+        if device.type == "cuda":
+            ev[1].record()
+            events.append(ev)
+        phase = "cold" if spec.cold else ("warmup" if i < warm else "timed")
+        result.steps.append(
+            StepRecord(phase, stream.epoch, i, n, tb - ta, time.perf_counter() - tb, t_s=ta - t0)
+        )
+    synchronize(device)
+    t_end = time.perf_counter()
+    if spec.cold:
+        result.warmup_s = result.timed_s = t_end - t0
+        result.img_per_s = sum(s.images for s in result.steps) / result.timed_s
+    else:
+        result.resources = monitor.stop()
+        result.timed_s = t_end - t_timed
+        result.img_per_s = sum(s.images for s in result.timed()) / result.timed_s
+    end = first_epoch_end if first_epoch_end is not None else t_end
+    result.first_epoch_partial = first_epoch_end is None
+    result.first_epoch_img_per_s = first_epoch_images / (end - t0) if end > t0 else None
+    return events
+
+
 def probe_around(
     loader: Any,
     feed: Callable[[Any], tuple[torch.Tensor, torch.Tensor]],
@@ -216,10 +221,8 @@ def probe_around(
     device: torch.device,
     after: bool,
 ) -> dict[str, Any]:
-    """The parts the model takes from next to a run of a loader without worker processes (no pool to start,
-    so a probe is cheap): a loader working in the caller alone (the serial producer), and the step's copy +
-    calls on a fixed batch beside the loader (the main thread's cost under its threads). Before the run in
-    that order, after it in the mirrored one (``stages.probe_loader``)."""
+    """The parts the model takes from next to a run of a loader without worker processes: the loader alone
+    when it works in the caller, and the step beside it; after the run in mirrored order."""
 
     def work(batch: Any) -> float:
         a = time.perf_counter()
@@ -240,8 +243,7 @@ def probe_around(
 
 
 def _reference_event(device: torch.device) -> Any:
-    """A CUDA event recorded on an idle device at the host's time origin: device times become offsets on the
-    host clock (for the timeline plot)."""
+    """A CUDA event at the host's time origin: device times become host-clock offsets (the timeline)."""
     if device.type != "cuda":
         return None
     synchronize(device)
@@ -293,9 +295,8 @@ def pool_probes(results: Sequence[RunResult]) -> dict[str, Any] | None:
 
 
 def pool_probe_dicts(probes: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    """Probes pooled per batch (weighted by batches): the loader alone (``period_s``, ``main_s``, ``cpu_s``
-    over ``batches``; absent when no probe timed it alone) and the step beside it (``beside_serial_s`` over
-    ``beside_batches``; absent when none timed it), with each probe in ``samples``; None without probes."""
+    """Probes pooled per batch: the loader alone (``period_s``, ``main_s``, ``cpu_s``) and the step beside
+    it (``beside_serial_s``), each where some probe timed it, with every probe in ``samples``."""
     if not probes:
         return None
     out: dict[str, Any] = {"samples": list(probes)}

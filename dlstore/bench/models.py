@@ -1,9 +1,6 @@
-"""Models the bench trains, and the one training step every measurement shares.
-
-``smallcnn`` is the model of the two seed experiments; ``resnet18``/``resnet50`` are torchvision's with
-random weights; ``MODULE:CALLABLE`` imports a factory (called with whichever of ``in_channels``,
-``image_size``, ``num_classes`` it accepts).
-"""
+"""Models the bench trains (``smallcnn``, torchvision's ``resnet18``/``resnet50`` with random weights, or a
+``MODULE:CALLABLE`` factory taking any of ``in_channels``, ``image_size``, ``num_classes``) and the one
+training step every measurement shares."""
 
 from __future__ import annotations
 
@@ -25,10 +22,7 @@ SMALLCNN_SEED_PARAMS = 105_866  # 1×28×28 input, 10 classes, as in the seed ex
 
 
 class SmallCNN(nn.Module):
-    """conv C→16 3×3 + ReLU + 2×2 max-pool, conv 16→32 3×3 + ReLU + 2×2 max-pool, Linear →64 → classes.
-
-    At 1×28×28 and 10 classes: Linear 1568→64→10, 105,866 parameters.
-    """
+    """conv C→16 + ReLU + pool, conv 16→32 + ReLU + pool, Linear →64 → classes (105,866 params at 1×28×28)."""
 
     def __init__(self, in_channels: int = 1, image_size: int = 28, num_classes: int = 10) -> None:
         super().__init__()
@@ -132,8 +126,7 @@ def resolve_step_options(
 
 
 def configure_numerics(device: torch.device, precision: str = "fp32") -> None:
-    """TF32 only when asked for (tf32), torch's defaults under autocast, off for fp32; cudnn picks kernels per
-    shape (hence a warm-up per input shape)."""
+    """TF32 only for tf32 (cudnn's also under autocast); cudnn picks kernels per shape (a warm-up each)."""
     tf32 = precision == "tf32"
     torch.backends.cuda.matmul.allow_tf32 = tf32
     torch.backends.cudnn.allow_tf32 = tf32 or precision in ("bf16", "fp16")
@@ -143,11 +136,8 @@ def configure_numerics(device: torch.device, precision: str = "fp32") -> None:
 
 def numerics_state() -> dict[str, Any]:
     """The global switches as they are now, to restore after a run."""
-    return {
-        "matmul": torch.backends.cuda.matmul.allow_tf32,
-        "cudnn": torch.backends.cudnn.allow_tf32,
-        "benchmark": torch.backends.cudnn.benchmark,
-    }
+    b = torch.backends
+    return {"matmul": b.cuda.matmul.allow_tf32, "cudnn": b.cudnn.allow_tf32, "benchmark": b.cudnn.benchmark}
 
 
 def restore_numerics(state: dict[str, Any]) -> None:
@@ -157,10 +147,8 @@ def restore_numerics(state: dict[str, Any]) -> None:
 
 
 class TrainStep:
-    """``step(x, y)``: optional on-device input transform, forward, cross-entropy, backward, Adam step, run
-    the way a user's loop runs it: autocast (bf16/fp16, with a GradScaler for fp16), channels_last inputs
-    and weights for conv nets, optionally ``torch.compile``. ``x`` and ``y`` must already be on ``device``.
-    """
+    """``step(x, y)`` as a user's loop runs it: device transform, forward, cross-entropy, backward, Adam;
+    autocast (GradScaler for fp16), channels_last, optionally ``torch.compile``. Inputs on ``device``."""
 
     def __init__(
         self,
@@ -216,9 +204,7 @@ class TrainStep:
 
 
 class UserStep:
-    """A user's own training step, ``CALLABLE(images, labels)`` from ``--step MODULE:CALLABLE``, fed the same
-    batches as the built-in step: on the device, after the bench's device transform (float conversion or
-    GPU augmentation). Its model, optimizer and numerics are its own, so the bench records only its name."""
+    """``--step MODULE:CALLABLE``'s ``CALLABLE(images, labels)``, fed the built-in step's batches."""
 
     def __init__(
         self,
@@ -242,9 +228,7 @@ class UserStep:
 
 
 def transformed(transform: Callable[..., Any] | None, x: torch.Tensor, y: Any) -> tuple[torch.Tensor, Any]:
-    """The device transform of a batch. A cache with fields (``y`` a target dict): a transform that
-    takes a ``target`` (``GpuAugment``) moves its masks and boxes with the images, in the step, as a
-    user's loop would; the images alone otherwise."""
+    """The device transform of a batch; with a target dict, a transform taking ``target`` moves it too."""
     if transform is None:
         return x, y
     if isinstance(y, dict) and "target" in inspect.signature(transform).parameters:

@@ -1,11 +1,11 @@
-"""What a run used: CPU (system-wide and the process tree), worker memory (RSS, PSS where readable),
-/dev/shm, and GPU utilisation through nvidia-smi when it is there. Linux /proc; missing data is None."""
+"""What a run used: CPU (system-wide and the process tree), worker memory (RSS, PSS where readable) and
+/dev/shm. Linux /proc; missing data is None. No nvidia-smi sampling: its NVML queries contend with kernel
+launches; the device's busy share comes from the loop's CUDA events instead."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -27,8 +27,7 @@ def system_cpu() -> tuple[float, float] | None:
 
 
 def steal_s() -> float | None:
-    """CPU seconds the hypervisor gave to other guests (all CPUs, /proc/stat's steal column): a sign that
-    timings on a virtual machine were taken on fewer cores than it shows."""
+    """CPU seconds the hypervisor gave other guests (/proc/stat's steal): fewer cores than shown."""
     try:
         with open("/proc/stat") as f:
             fields = f.readline().split()
@@ -48,8 +47,7 @@ def process_cpu_s(pid: int) -> float | None:
 
 
 def memory_kb(pid: int) -> dict[str, int | None]:
-    """Rss, Pss and shared (clean + dirty) kB from smaps_rollup, or VmRSS from status when smaps is not
-    readable."""
+    """Rss, Pss and shared kB from smaps_rollup, else VmRSS from status."""
     out: dict[str, int | None] = {"rss_kb": None, "pss_kb": None, "shared_kb": None}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
@@ -92,62 +90,8 @@ def mem_available_bytes() -> int | None:
     return available_memory()[0]
 
 
-class GpuSampler:
-    """Samples GPU utilisation with ``nvidia-smi -lms`` in the background while a run is timed."""
-
-    def __init__(self, interval_ms: int = 200) -> None:
-        self.interval_ms = interval_ms
-        self.proc: subprocess.Popen[str] | None = None
-
-    def start(self) -> None:
-        exe = shutil.which("nvidia-smi")
-        if exe is None:
-            return
-        try:
-            self.proc = subprocess.Popen(
-                [
-                    exe,
-                    "--query-gpu=index,utilization.gpu,memory.used",
-                    "--format=csv,noheader,nounits",
-                    f"--loop-ms={self.interval_ms}",
-                ],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-                text=True,
-            )
-        except OSError:
-            self.proc = None
-
-    def stop(self) -> dict[str, Any] | None:
-        if self.proc is None:
-            return None
-        self.proc.terminate()
-        try:
-            out, _ = self.proc.communicate(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            out, _ = self.proc.communicate()
-        util, mem = [], []
-        for line in out.splitlines():
-            parts = [p.strip() for p in line.split(",")]
-            if len(parts) == 3 and parts[1].replace(".", "").isdigit():
-                util.append(float(parts[1]))
-                mem.append(float(parts[2]))
-        if not util:
-            return None
-        return {
-            "util_mean_percent": sum(util) / len(util),
-            "util_max_percent": max(util),
-            "memory_used_mb_max": max(mem),
-            "samples": len(util),
-        }
-
-
 class ResourceMonitor:
     """``start(worker_pids)`` at the beginning of the timed steps, ``stop()`` at their end."""
-
-    def __init__(self, gpu: bool) -> None:
-        self.gpu = GpuSampler() if gpu else None
 
     def start(self, worker_pids: Sequence[int]) -> None:
         self.pids = [os.getpid(), *worker_pids]
@@ -155,13 +99,6 @@ class ResourceMonitor:
         self.sys0 = system_cpu()
         self.steal0 = steal_s()
         self.cpu0 = [process_cpu_s(p) for p in self.pids]
-        if self.gpu:
-            self.gpu.start()
-
-    def abandon(self) -> None:
-        if self.gpu is not None and self.gpu.proc is not None:
-            self.gpu.stop()
-            self.gpu.proc = None
 
     def stop(self) -> dict[str, Any]:
         wall = time.perf_counter() - self.t0
@@ -173,7 +110,7 @@ class ResourceMonitor:
         system = _percent(self.sys0, sys1)
         tree = sum(used) / wall if wall > 0 and used else None
         busy = None if system is None else system * (os.cpu_count() or 1) / 100
-        out: dict[str, Any] = {
+        return {
             "wall_s": wall,
             "system_cpu_percent": system,
             # cores busy with other processes (other users, other jobs): a sign of noisy numbers
@@ -189,9 +126,6 @@ class ResourceMonitor:
             "workers_pss_mb": _sum_mb(m["pss_kb"] for m in mems),
             "shm": shm_usage(),
         }
-        if self.gpu:
-            out["gpu"] = self.gpu.stop()
-        return out
 
 
 def _percent(a: tuple[float, float] | None, b: tuple[float, float] | None) -> float | None:

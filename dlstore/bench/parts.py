@@ -1,18 +1,9 @@
-"""The parts the prediction is composed from, each measured alone for every loader kind (see ``predict``):
-
-- storage read, cold and warm (a per-epoch limit only when the data cannot stay in the page cache);
-- the loader alone at each (workers, pin_memory) the sweep runs: its period, the main thread's share, its CPU
-  then, on the same running loader, the step fed a fixed batch after each of its batches: the main thread's
-  own cost per step beside that loader (its pin or gather threads and workers contend with the launches),
-  the one part that cannot be measured alone.
-  A loader without worker processes (0-worker DataLoader, pinned, resident) is timed again right before and
-  right after each of its runs (``endtoend.probe_around``: alone when it works in the caller, and beside the
-  step), and the model takes those probes: the machine's speed moves between the parts phase and the runs;
-- the host→device copy, pinned and pageable, and the step on synthetic on-device batches (the ceiling);
-- the step fed from an already-collated batch through the loop's own copy with data free (the device's
-  period). Re-measured once per round, like the ceiling, so each is pooled over the same span of time as the
-  runs it is compared with.
-"""
+"""The parts the prediction is composed from (see ``predict``), each measured alone for every loader kind:
+the storage read, cold and warm; the loader alone at each (workers, pin_memory) the sweep runs, then on the
+same running loader the step fed a fixed batch (the main thread's cost beside that loader's threads and
+workers); the host→device copy; the step on synthetic on-device batches (the ceiling); the step fed through
+the loop's own copy with data free. The ceiling and the fed step are re-measured once per round, so each is
+pooled over the same span of time as the runs it is compared with."""
 
 from __future__ import annotations
 
@@ -40,7 +31,6 @@ from dlstore.bench.stages import (
 from dlstore.bench.verdict import KindStages
 from dlstore.write.sizes import count
 
-Log = Callable[[str], None]
 Step = Callable[[torch.Tensor, torch.Tensor], None]
 PAGE_CACHE_FRACTION = 0.8  # data larger than this share of available RAM is read cold every epoch
 FED_MAX_STEPS = 200
@@ -55,23 +45,14 @@ def measure_kind(
     device: torch.device,
     shared: dict[tuple[Any, ...], StageResult],
 ) -> dict[str, Any]:
-    """Read, loader alone per (workers, pin), h2d and compute for one kind. ``shared`` keeps the h2d and
-    compute stages of kinds whose batches look alike, so they are measured once."""
+    """Read, loader alone, h2d and compute for one kind (``shared``: stages of look-alike batches)."""
     assert config.batch_size is not None
     shape = (config.batch_size, *p.sample_shape)
     read = measure_read(p.name, p.files, p.n_images, config.read_max_bytes)
-    loader = {
-        (s.workers, s.pin_memory): loader_timing(
-            p,
-            s.workers,
-            s.pin_memory,
-            config,
-            device,
-            beside_step(p, step, s.pin_memory, config, num_classes, device),
-        )
-        for s in specs
-        if s.loader == p.name and not s.cold
-    }
+    loader: dict[tuple[int, bool], dict[str, Any]] = {}
+    for s in (s for s in specs if s.loader == p.name and not s.cold):
+        beside = beside_step(p, step, s.pin_memory, config, num_classes, device)
+        loader[(s.workers, s.pin_memory)] = loader_timing(p, s.workers, s.pin_memory, config, device, beside)
     if p.on_device:
         h2d = StageResult("h2d", p.name, None, label="batches arrive on the device")
     else:
@@ -80,16 +61,9 @@ def measure_kind(
         shared[key] = h2d
     ckey = ("compute", shape, p.batch_dtype, type(p.device_transform).__name__)
     if ckey not in shared:
-        shared[ckey] = measure_compute(
-            p.name,
-            step,
-            shape,
-            p.batch_dtype,
-            num_classes,
-            device,
-            warmup=config.warmup,  # as many warm batches as the loop's runs take before timing
-            steps=max(config.stage_steps, 8),
-        )
+        # as many warm batches as the loop's runs take before timing
+        shared[ckey] = measure_compute(p.name, step, shape, p.batch_dtype, num_classes, device,
+                                       warmup=config.warmup, steps=max(config.stage_steps, 8))  # fmt: skip
     return {"read": read, "loader": loader, "h2d": h2d, "compute": shared[ckey]}
 
 
@@ -111,8 +85,7 @@ def loader_timing(
 def fed_batch(
     p: PreparedLoader, pin: bool, config: BenchConfig, num_classes: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One collated batch of the kind's look where the loader leaves it: on the device, or in (pinned) host
-    memory for the loop's copy."""
+    """One collated batch of the kind's look where its loader leaves it (device, or pinned host memory)."""
     assert config.batch_size is not None
     x, y = synthetic_batch((config.batch_size, *p.sample_shape), p.batch_dtype, num_classes, device)
     if not p.on_device:
@@ -125,9 +98,8 @@ def fed_batch(
 def beside_step(
     p: PreparedLoader, step: Step, pin: bool, config: BenchConfig, num_classes: int, device: torch.device
 ) -> Callable[[], float]:
-    """The loop's copy + step on a fixed batch, returning its seconds in the calls: timed while a loader runs
-    beside it, the main thread's own cost per step under that loader's threads and workers (a DataLoader's
-    pin thread, a PinnedLoader's gather thread: they take the GIL and the CUDA driver from the launches)."""
+    """The loop's copy + step on a fixed batch, returning its seconds: timed beside a running loader, whose
+    threads take the GIL and the CUDA driver from the launches."""
     batch = fed_batch(p, pin, config, num_classes, device)
     feed = feeder(p, device, pin)
 
@@ -172,13 +144,8 @@ class FedProbe:
         self.kind_keys: dict[tuple[str, bool], tuple[Any, ...]] = {}
         for s in specs:
             p = prepared[s.loader]
-            key = (
-                p.sample_shape,
-                p.batch_dtype,
-                type(p.device_transform).__name__,
-                p.on_device,
-                s.pin_memory,
-            )
+            look = (p.sample_shape, p.batch_dtype, type(p.device_transform).__name__, p.on_device)
+            key = (*look, s.pin_memory)
             self.jobs.setdefault(key, (p, steps[s.loader], s.pin_memory))
             self.kind_keys[(s.loader, s.pin_memory)] = key
         self.samples: dict[tuple[Any, ...], list[dict[str, Any]]] = {k: [] for k in self.jobs}
@@ -195,10 +162,7 @@ class FedProbe:
             min(FED_MAX_STEPS, max(self.config.stage_steps, self.config.fed_s / max(quick["period_s"], 1e-6)))
         )
         free = measure_fed(step, (x, y), feed, self.device, warmup=1, steps=n)
-        # The device's period with data free (the device term) and the step's own host cost alone (a
-        # diagnostic next to the cost measured beside each loader, ``loader_timing``, which the prediction
-        # uses: it includes the loader threads' contention and any idle gap, which this fed loop has not).
-        # Round B/C documents also hold ``loop`` and ``idle`` windows; ``predict.fed_timing`` reads both.
+        # The device term, and the step's host cost alone (the prediction takes the one beside each loader).
         serial = free["host_s"] if self.device.type == "cuda" else free["period_s"]
         return {"free": free, "idle": None, "loop": None, "serial_s": serial}
 
@@ -218,8 +182,7 @@ class FedProbe:
 
 
 def per_epoch_read(read: StageResult, p: PreparedLoader) -> tuple[float | None, str, bool]:
-    """(the read rate an epoch sees, why, whether it bounds the epoch): none for a dataset loaded once; cold
-    when the data cannot stay in the page cache."""
+    """(the read rate an epoch sees, why, whether it bounds the epoch)."""
     if not p.reads_per_epoch:
         return None, "loaded once into memory: no per-epoch read", False
     avail = mem_available_bytes()
@@ -284,23 +247,15 @@ def compute_probe(
     num_classes: int,
     device: torch.device,
 ) -> Callable[[], None]:
-    """Re-measures each distinct compute stage; called once per round so the ceiling is a median over the same
-    span of time as the runs it is compared with (a shared machine drifts)."""
+    """Re-measures each distinct compute stage; called once per round (a shared machine drifts)."""
     distinct = {id(s["compute"]): (name, s["compute"]) for name, s in stage_results.items()}
 
     def probe() -> None:
         for name, stage in distinct.values():
             d = stage.detail
-            again = measure_compute(
-                name,
-                steps[name],
-                d["shape"],
-                getattr(torch, d["dtype"]),
-                num_classes,
-                device,
-                warmup=config.warmup,
-                steps=max(config.stage_steps, 8),
-            )
+            dtype = getattr(torch, d["dtype"])
+            again = measure_compute(name, steps[name], d["shape"], dtype, num_classes, device,
+                                    warmup=config.warmup, steps=max(config.stage_steps, 8))  # fmt: skip
             d.setdefault("samples_img_per_s", [stage.img_per_s]).append(again.img_per_s)
 
     return probe
@@ -309,10 +264,8 @@ def compute_probe(
 def settle_compute(
     stage_results: dict[str, dict[str, Any]], in_loop: dict[str, list[RunResult]] | None = None
 ) -> None:
-    """The step alone's rate: the median of its windows alone; on a CPU (``in_loop``: each kind's warm runs),
-    the fastest window of the same step, alone or as timed inside the runs: on cores shared with other
-    processes the step's time moves by several times between windows, others' load only ever slows it,
-    and a run's rate counts its waits as well, so the step alone is never below a loop that contains it."""
+    """The step alone's rate: the median of its windows alone; on a CPU (``in_loop``: each kind's warm runs)
+    the fastest window alone or inside the runs, since others' load on shared cores only ever slows it."""
     distinct: dict[int, tuple[StageResult, list[str]]] = {}
     for name, s in stage_results.items():
         distinct.setdefault(id(s["compute"]), (s["compute"], []))[1].append(name)
@@ -341,7 +294,3 @@ def in_loop_step_rates(kinds: Sequence[str], runs: dict[str, list[RunResult]]) -
             if timed and seconds > 0:
                 out[f"{kind}-w{r.workers}-r{r.repeat}"] = sum(s.images for s in timed) / seconds
     return out
-
-
-def elapsed(t0: float) -> float:
-    return time.perf_counter() - t0

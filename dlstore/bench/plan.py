@@ -1,16 +1,9 @@
 """Plan a bench run to fit a time budget (``--budget SECONDS``).
 
-The bench's time is a sum of per-batch costs times the batches each phase takes, so the estimate is a pure
-function of a few measured costs (``Costs``: the step alone on a batch, one process producing a batch per
-loader kind, a conversion per image, a worker pool's start) and of what is planned (``Plan``). ``fit``
-shrinks a plan, cheapest loss first, until its estimate fits the budget, and says what it cut and why. A
-loader the user named and an option the user set are never cut; when the smallest plan is still over, the
-plan says so instead of dropping them.
-
-The phase counts mirror ``run.run_bench``: the parts phase (``parts.measure_kind``: the loader alone at each
-worker count, then the step beside it; the step alone per batch look), one probe per round (``parts.
-compute_probe`` and ``FedProbe``) and the runs (``endtoend.run_once``: pool start, warm-up, timed steps cut
-at ``max_run_s`` but never below ``MIN_TIMED_STEPS``; a 0-worker run is probed before and after).
+The bench's time is a sum of per-batch costs times the batches each phase takes (the phases of
+``run.run_bench``), so the estimate is a pure function of a few measured costs (``Costs``) and of what is
+planned (``Plan``). ``fit`` shrinks a plan, cheapest loss first, until it fits, and says what it cut; a
+loader the user named and an option the user set are never cut.
 """
 
 from __future__ import annotations
@@ -30,15 +23,21 @@ MIN_SAMPLE_BATCHES = 8  # as run.DEMO_BATCHES: an epoch is more than a batch
 PROBE_BATCHES = 3  # endtoend.PROBE_MIN_BATCHES
 BESIDE_WARMUP = 3  # stages.BESIDE_WARMUP
 READ_STAGE_S = 0.05  # reading a kind's files twice (small next to the rest; the sample is small)
-# Opening the source, building the models, the verdict, and writing result.json, steps.csv and two PNGs
-# (matplotlib's import and drawing dominate: 2–3 s on 2 busy cores).
-FIXED_S = 3.0
-# Each run and each loader-alone measurement: building the DataLoader, the resource monitor, the reference
-# loop, closing the workers (measured 0.1–0.2 s on 2 busy cores).
-RUN_OVERHEAD_S = 0.1
-# A batch of the loop costs more than the step timed alone: the loop's own bookkeeping, a new epoch's sampler
-# (or the workers' refill) per epoch, the real batches' cache misses. Measured on 2 busy cores: 1.1–1.5×.
-LOOP_STEP_FACTOR = 1.25
+FIXED_S = 3.0  # the source, the models, the verdict, the outputs (matplotlib dominates)
+RUN_OVERHEAD_S = 0.1  # each run and loader-alone measurement: building and closing the loader
+LOOP_STEP_FACTOR = 1.25  # a loop's batch over the step alone: bookkeeping, epoch refills, cache misses
+# The BenchConfig fields a plan carries (and the budget may shrink), besides the sample's size.
+PLAN_FIELDS = (
+    "loaders",
+    "workers",
+    "repeats",
+    "steps",
+    "warmup",
+    "stage_steps",
+    "cold",
+    "max_run_s",
+    "fed_s",
+)
 
 
 @dataclass(frozen=True)
@@ -84,11 +83,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
-        d["loaders"], d["workers"], d["workerless"] = (
-            list(self.loaders),
-            list(self.workers),
-            sorted(self.workerless),
-        )
+        d.update(loaders=list(self.loaders), workers=list(self.workers), workerless=sorted(self.workerless))
         return d
 
 
@@ -102,10 +97,8 @@ def loader_period(costs: Costs, kind: str, workers: int) -> float:
 
 
 def loop_period(costs: Costs, kind: str, workers: int, epoch_batches: int | None = None) -> float:
-    """Seconds per batch of the loop: with 0 workers the main thread produces then steps; with workers the
-    slower of the step and the workers, and, on a CPU, no faster than all the work over all the cores. At
-    each epoch's end the workers' pipeline drains and refills: one batch an epoch waits for a whole batch
-    (with an epoch of one batch, nothing overlaps)."""
+    """Seconds per batch of the loop: at 0 workers produce then step; else the slower of the step and the
+    workers (on a CPU no faster than all the work over the cores), one batch an epoch waiting for a refill."""
     batch, step = costs.batch_s[kind], LOOP_STEP_FACTOR * costs.step_s
     if workers == 0:
         return batch + step if costs.step_on_host else max(batch, step)
@@ -142,8 +135,7 @@ def run_s(plan: Plan, costs: Costs, kind: str, workers: int, cold: bool = False)
 
 
 def parts_s(plan: Plan, costs: Costs, kind: str) -> float:
-    """The parts phase for one kind (``parts.measure_kind``): the loader alone, then the step beside it, at
-    each worker count."""
+    """The parts phase for one kind (``parts.measure_kind``) at each worker count."""
     seconds = READ_STAGE_S
     for w in plan.counts(kind):
         alone = loader_period(costs, kind, w)
@@ -160,8 +152,7 @@ def step_alone_s(plan: Plan, costs: Costs) -> float:
 
 
 def probe_s(plan: Plan, costs: Costs) -> float:
-    """Once per round: the step alone again, and the fed step (``parts.FedProbe``: 6 quick steps, then
-    enough for ``fed_s``) per batch look."""
+    """Once per round: the step alone again, and the fed step (``parts.FedProbe``) per batch look."""
     fed = 7 + max(plan.stage_steps, plan.fed_s / max(costs.step_s, 1e-9))
     return step_alone_s(plan, costs) + plan.step_looks * fed * costs.step_s
 
@@ -269,8 +260,7 @@ def fit(
     spent_s: float = 0.0,
 ) -> tuple[Plan, list[str]]:
     """The plan shrunk, cheapest loss first, until its estimate is within ``BUDGET_SHARE`` of what is left of
-    ``budget_s`` after ``spent_s`` (start-up, calibration); and what was cut, each with why. Options in
-    ``fixed`` (set by the user) and loaders in ``named`` stay; ``budget_s`` None or 0: no budget."""
+    ``budget_s`` after ``spent_s``, and what was cut; ``fixed`` options and ``named`` loaders stay."""
     if not budget_s:
         return plan, []
     target = BUDGET_SHARE * (budget_s - spent_s)
@@ -290,8 +280,7 @@ def fit(
 def plan_lines(
     plan: Plan, est: Mapping[str, float], cuts: list[str], budget_s: float | None, spent_s: float = 0.0
 ) -> list[str]:
-    """The plan and its estimate (``spent_s``: already spent on start-up and calibration), as the bench logs
-    them before it starts."""
+    """The plan and its estimate, as the bench logs them before it starts."""
     total = est["total_s"] + spent_s
     within = budget_s and total <= budget_s
     kinds = ", ".join(f"{k} at workers {','.join(map(str, plan.counts(k)))}" for k in plan.loaders)

@@ -1,24 +1,11 @@
 """The loop's rate predicted from parts measured alone, composed the way the loop runs. Pure functions.
 
-A training loop is ``for x, y in loader: copy; step``. Three things work on each batch:
-
-- the **producer**: DataLoader workers (or a loader's own thread) making batches, measured as a loader-only
-  loop (``loader.period_s`` per batch); a loader that works in the caller (0 workers) is timed alone again
-  right before and after each of its runs (``endtoend.probe_around``), since its cost is the whole serial
-  half of the loop and moves with the machine between the parts phase and the runs;
-- the **main thread**: its share of the loader's work (all of it with 0 workers: decode, collate, pin run
-  in ``next()``; with workers only the hand-over) plus its own per-step work: the Python loop, the copy
-  call, the kernel launches and any synchronisation the step does. That last part is measured by feeding
-  the step an already-collated batch with a busy wait between steps longer than the device's step
-  (``fed.serial_s``);
-- the **device**: copy + step, measured as the fed loop without the wait (``fed.period_s``).
-
-They overlap (workers run in parallel; CUDA runs the step while the host moves on), so the period is the
-largest of: the producer's, the main thread's serial chain, the device's — and the CPU work of all of them
-spread over the usable cores. The loop runs serially at 0 workers because the loader's work *is* on the
-main thread: ``loader_main + serial``. A synchronising step (pageable copy, ``loss.item()``) shows up in
-``serial_s`` and so needs no special case. A per-epoch storage read bound (data larger than the page
-cache) is one more producer limit.
+A loop ``for x, y in loader: copy; step`` has three workers per batch: the **producer** (DataLoader workers or
+a loader's thread, ``loader.period_s``), the **main thread** (its share of the loader's work, all of it at 0
+workers, plus its own serial cost per step: loop, copy call, launches, any sync; ``fed.serial_s``) and the
+**device** (copy + step with data free, ``fed.period_s``). They overlap, so the period is the largest of
+those, of all their CPU work spread over the usable cores, and of a per-epoch storage read when the data
+outgrows the page cache.
 """
 
 from __future__ import annotations
@@ -34,8 +21,7 @@ BOTTLENECKS = ("read", "transform", "host", "h2d", "compute", "cores", "shared")
 
 @dataclass(frozen=True)
 class LoaderTiming:
-    """The loader alone, per batch: its period, the main thread's share of it, its CPU seconds (all
-    processes and threads)."""
+    """The loader alone, per batch: its period, the main thread's share, its CPU seconds (all processes)."""
 
     period_s: float
     main_s: float
@@ -43,8 +29,7 @@ class LoaderTiming:
     in_caller: bool = True  # the loader works in next() on the main thread (a DataLoader with 0 workers)
     refill_s: float | None = None  # a restart's first batch (epoch end: drain, refill), when measured
     epoch_batches: int | None = None
-    # the main thread's copy + step calls per batch (a fixed batch) while this loader runs beside them: the
-    # step's own cost under the loader's threads and workers; None when not measured
+    # the main thread's copy + step per batch while this loader runs beside it; None when not measured
     beside_serial_s: float | None = None
 
     def epoch_refill(self) -> tuple[float, float] | None:
@@ -58,11 +43,8 @@ class LoaderTiming:
 @dataclass(frozen=True)
 class FedTiming:
     """The step fed from a collated batch, per batch: ``period_s`` with data free, ``serial_s`` the main
-    thread's own serial cost while the device keeps busy (the free loop's time in the calls), ``device_s``
-    the step's device time (None on a CPU), ``idle_serial_s`` the same serial cost when the device has been
-    idle for ``idle_gap_s`` before each step (the fed loop with a wait longer than the device's step; None
-    when not measured).
-    """
+    thread's own cost with the device busy, ``device_s`` the device time (None on a CPU), ``idle_serial_s``
+    that cost after the device idled ``idle_gap_s`` (None when not measured)."""
 
     period_s: float
     serial_s: float
@@ -71,13 +53,10 @@ class FedTiming:
     idle_gap_s: float | None = None
 
     def serial_at(self, gap_s: float) -> float:
-        """The main thread's own cost per step when the device has idled ``gap_s`` before it. Launching onto
-        an idle device costs more; it is measured at two points, no gap (``serial_s``) and
-        the idle probe's gap (``idle_serial_s``), and taken linearly between them, the probe's cost beyond.
-        A probe that measured no extra cost leaves the busy cost."""
+        """The main thread's cost per step after the device idled ``gap_s`` (linear up to the probe's gap)."""
         if self.idle_serial_s is None or self.idle_serial_s <= self.serial_s:
             return self.serial_s
-        # the probe's gap as measured; unrecorded (older documents) or not positive: one device period
+        # unrecorded in older documents: one device period
         probe_gap = self.idle_gap_s if self.idle_gap_s and self.idle_gap_s > 0 else self.period_s
         share = min(1.0, max(0.0, gap_s) / probe_gap) if probe_gap > 0 else 1.0
         return self.serial_s + share * (self.idle_serial_s - self.serial_s)
@@ -86,11 +65,8 @@ class FedTiming:
 def over_epochs(
     loader: LoaderTiming, workers: int, epoch: int | None, startup_s: float = 0.0
 ) -> LoaderTiming:
-    """The loader over a script's epochs of ``epoch`` batches. Each epoch starts with nothing queued (and,
-    unless the workers persist, ``startup_s`` to start them): its N workers each build one batch at once, so
-    batches come N at a time, one batch's build apart. With N × prefetch_factor ≥ the epoch (16 workers ×
-    2 and 32 batches) the whole epoch is in flight at once and that start decides the rate; prefetch_factor
-    bounds how far ahead the workers run, not when an epoch's first batch comes, so it is not a term."""
+    """The loader over epochs of ``epoch`` batches: each starts empty (plus ``startup_s`` unless workers
+    persist) and its N workers deliver N batches per build time; prefetch_factor is not a term."""
     if loader.in_caller or not workers or not epoch or epoch < 2:
         return loader
     build = loader.period_s * workers
@@ -106,13 +82,10 @@ def _pooled(windows: Sequence[Mapping[str, Any]], key: str) -> float | None:
 
 
 def fed_timing(samples: Sequence[Mapping[str, Any]]) -> FedTiming | None:
-    """One ``FedTiming`` from the fed-step probe's samples (each: ``free`` = the bare fed loop, ``loop`` = the
-    same batch through the real loop's code, ``idle`` = the fed loop with the device idle before each step).
-
-    ``free`` and ``loop`` measure the same thing (copy + step with data free, device kept busy) in two short
-    windows that move apart both ways from round to round, so they are pooled into one mean weighted by
-    batches (a maximum of noisy estimates over-predicts the cost). On a CPU the step runs on the main
-    thread: its period is the serial cost."""
+    """One ``FedTiming`` from the fed-step probe's samples (``free``: the bare fed loop; in older documents
+    also ``loop``, the real loop's code, and ``idle``, the device idle before each step). ``free`` and
+    ``loop`` measure the same thing, so they are pooled by batches (a maximum of noisy windows over-predicts).
+    On a CPU the step runs on the main thread: its period is the serial cost."""
     if not samples:
         return None
     free = [s["free"] for s in samples]
@@ -177,10 +150,8 @@ class Prediction:
 
 
 def compose(parts: LoopParts) -> Prediction:
-    """The loop's period, with the main thread's own per-step cost taken for the gap the device idles
-    between steps (``FedTiming.serial_at``): the loop's period sets the gap and the gap the cost, so the
-    cost is the fixed point, found by bisection between the busy and the idle cost (the period grows with
-    the cost, the cost with the period: one crossing). See ``compose_with``."""
+    """The loop's period, the main thread's cost taken at the device's idle gap (``FedTiming.serial_at``):
+    the period sets the gap and the gap the cost, so the cost is the fixed point, found by bisection."""
     fed = parts.fed
     if parts.loader.beside_serial_s is not None:
         # measured in the loop's own pacing beside this loader (any idle gap included): no idle correction
@@ -203,14 +174,10 @@ def compose(parts: LoopParts) -> Prediction:
 
 
 def compose_with(parts: LoopParts, serial_s: float) -> Prediction:
-    """The period of the loop as the largest of its limits; the bottleneck is the limit that sets it.
-
-    A loader that restarts at each epoch end (persistent DataLoader workers, a loader's own thread) first
-    drains: the next epoch's first batch takes ``refill`` from the restart, and only the device's queued
-    steps run meanwhile, since the restart waits for the loop to consume the last batch. An epoch of E batches then takes
-    ``refill + max(E × consumer, (E − 1) × steady + consumer)``, with ``consumer`` the per-batch limit of the
-    main thread and the device, and at least E × the cores term (all the epoch's CPU work over the usable
-    cores); with long epochs this tends to the plain pipeline."""
+    """The loop's period as the largest of its limits; the bottleneck is the limit that sets it. A loader
+    that restarts at each epoch end drains first, so an epoch of E batches takes
+    ``refill + max(E × consumer, (E − 1) × steady + consumer)`` (``consumer``: the main thread's and the
+    device's limit), and at least E × the cores term."""
     main = parts.loader.main_s + serial_s
     terms: dict[str, float] = {
         "producer": parts.loader.period_s,
@@ -227,14 +194,11 @@ def compose_with(parts: LoopParts, serial_s: float) -> Prediction:
     else:
         e = parts.loader.epoch_batches or 1
         r, steady = refill
-        # The cores bound is on the whole epoch's CPU work (the refill is where the workers burn theirs), not
-        # one more per-batch stage after the refill: counted there it charged the workers' CPU twice.
+        # the cores bound is on the whole epoch's CPU work, the refill's included: not a per-batch stage
         consumers = {k: v for k, v in terms.items() if k not in ("producer", "cores")}
         limit = max(consumers, key=lambda k: consumers[k])
         consumer = consumers[limit]
-        # A device slower than the main thread has the steps the host launched ahead still to run when the
-        # host waits for the refill: over an epoch the host gains (device − main) a step, and that lead
-        # hides as much of the refill.
+        # a device slower than the host still runs the steps launched ahead during the refill: that lead hides it
         lead = 0.0 if parts.step_on_host else (e - 1) * max(0.0, terms["device"] - terms["main"])
         epoch = max(0.0, r - lead) + max(e * consumer, (e - 1) * steady + consumer)
         if e * terms["cores"] > epoch:

@@ -23,12 +23,9 @@ AUGMENT_DEGREES = 15.0
 
 
 def cycle_window(batches_per_epoch: int, workers: int, warmup: int, steps: int) -> tuple[int, int, int]:
-    """(warm-up batches, timed batches, cycle): both counts whole cycles of the loader's delivery pattern.
-
-    N workers started together hand over batches in waves of N, and a persistent-workers DataLoader drains
-    and refills its pipeline at every epoch end. Timing from the middle of one wave to the middle of another
-    counts batches that were already waiting (measured at 8 workers: +25%), so the window starts and ends on
-    a wave boundary, or on an epoch boundary when epochs are short enough to sit inside the window."""
+    """(warm-up batches, timed batches, cycle): both whole cycles of the loader's delivery pattern. N workers
+    hand over batches in waves of N, and persistent workers refill at every epoch end: a window from mid-wave
+    to mid-wave counts batches already waiting, so it starts and ends on a wave (or short epoch) boundary."""
     if workers <= 1:
         cycle = 1
     elif batches_per_epoch <= max(steps, 2 * workers):
@@ -39,8 +36,8 @@ def cycle_window(batches_per_epoch: int, workers: int, warmup: int, steps: int) 
 
 
 def default_worker_counts(cores: int | None = None) -> tuple[int, ...]:
-    """0 plus the two largest powers of two that fit the cores: 2 → 0,1,2; 16 → 0,8,16. Two, not more:
-    every worker count is a fresh pool per run, and the default run must stay within a minute on 16 cores."""
+    """0 plus the two largest powers of two that fit the cores (2 → 0,1,2; 16 → 0,8,16): each worker count
+    is a fresh pool per run, and the default run must stay short."""
     cores = cores or usable_cores()
     powers = [p for p in (1, 2, 4, 8, 16, 32, 64, 128) if p <= cores]
     return (0, *powers[-2:])
@@ -48,10 +45,7 @@ def default_worker_counts(cores: int | None = None) -> tuple[int, ...]:
 
 @dataclass
 class BenchConfig:
-    """Everything that decides what is measured. ``None`` fields are resolved by ``run_bench``.
-
-    >>> cfg = BenchConfig(source="demo", loaders=("raw", "ram"), workers=(0, 2), steps=8)
-    """
+    """Everything that decides what is measured. ``None`` fields are resolved by ``run_bench``."""
 
     source: str = "demo"
     root: Path | None = None
@@ -61,9 +55,7 @@ class BenchConfig:
     workers: tuple[int, ...] | None = None
     size: int | None = None
     pixels: str = "dlstore"  # how the caches turn files into pixels (ConvertOptions.pixels)
-    batch_size: int | None = (
-        None  # None: what a user picks for the model on the device (models.default_batch_size)
-    )
+    batch_size: int | None = None  # None: what a user picks for the model (models.default_batch_size)
     model: str = "smallcnn"
     step: str | None = None  # MODULE:CALLABLE, the user's own step(images, labels), instead of --model's
     precision: str | None = None  # None: bf16 autocast on CUDA, fp32 on a CPU
@@ -78,37 +70,25 @@ class BenchConfig:
     out: Path | None = None
     cache: Path | None = None
     demo_images: int | None = None  # None: enough for 8 batches, at least 256
-    # A larger source is benched on a seeded random sample of this many images (at least 8 batches): the
-    # rates are per image, and converting a whole large dataset three times would take hours. 0: all.
+    # A larger source is benched on a seeded sample (rates are per image; converting it all takes hours).
     max_images: int = 10_000
-    max_megapixels: float | None = (
-        None  # the caches' conversions: Pillow's limit unless given (convert's option)
-    )
+    max_megapixels: float | None = None  # the caches' conversions (convert's option)
     prefetch_factor: int = 2
     pin_memory: str = "auto"  # auto: on for CUDA, plus a pin-off run at the largest worker count
-    # Cap on a run's timed phase (at least MIN_TIMED_STEPS steps, whole cycles): keeps the default run short
-    # where a slow configuration (per-file decode at 0 workers) would take most of the time.
+    # Cap on a run's timed phase (at least MIN_TIMED_STEPS steps): a slow configuration must not dominate.
     max_run_s: float | None = 1.0
     cold: bool = True  # a cold-cache run per loader kind at the largest worker count
     stage_steps: int = 10  # timed batches for the transform / h2d / compute stages
-    # Seconds the fed step is timed for per round (pooled over rounds), and the step beside each loader (at
-    # least stage_steps batches). A launch-bound step's windows of ~10 steps moved ±10–25% on the H200;
-    # longer windows cost the default run time.
+    # Seconds the fed step is timed per round, and the step beside each loader: short windows are noisy.
     fed_s: float = 0.15
     read_max_bytes: int = 256 << 20
     convert_workers: int | None = None
-    # Intra-op threads of the training step when the device is the CPU. One, because DataLoader workers share
-    # the same cores and a multi-threaded OpenMP step spin-waits whenever one of its threads is preempted
-    # (measured here: 30× slower steps on 2 busy cores). Irrelevant on CUDA.
+    # The CPU step's intra-op threads: one, as an OpenMP step spin-waits when workers preempt its threads.
     cpu_threads: int = 1
     seed: int = 0
-    # Seconds the whole run should take (``plan.fit`` shrinks what the user did not set to fit it); None or
-    # 0: no budget, run what is asked (the CLI's default is 60).
-    budget_s: float | None = None
+    budget_s: float | None = None  # seconds the run should take (``plan.fit``); None: no budget
     budget_spent_s: float = 0.0  # of the budget, spent before run_bench (the CLI's start: Python, imports)
-    # The options the user set (BenchConfig field names; "loaders" when --loaders was given): a budget never
-    # cuts them, nor a loader the user named.
-    user_set: tuple[str, ...] = ()
+    user_set: tuple[str, ...] = ()  # the fields the user set: a budget never cuts them
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -121,8 +101,7 @@ class BenchConfig:
 
 @dataclass
 class StageResult:
-    """One stage measured alone for one loader kind. ``img_per_s`` is None when the stage does not apply
-    (no device copy on a CPU run, no per-epoch read for an in-memory dataset)."""
+    """One stage measured alone for one loader kind; ``img_per_s`` None: the stage does not apply."""
 
     stage: str
     loader: str
@@ -170,8 +149,7 @@ class RunResult:
     loader_settings: dict[str, Any] = field(default_factory=dict)  # read back from the loader that ran
     resources: dict[str, Any] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
-    # a loader without worker processes, probed right before / right after this run (``endtoend.probe_around``:
-    # alone when it works in the caller, and the step beside it); else None
+    # a loader without worker processes, probed right before and after this run (``endtoend.probe_around``)
     loader_probe: dict[str, Any] | None = None
     loader_probe_after: dict[str, Any] | None = None
     cpu_ref_s: float | None = None  # ``stages.cpu_reference_s`` right before the timed steps
@@ -179,13 +157,10 @@ class RunResult:
     def timed(self) -> list[StepRecord]:
         return [s for s in self.steps if s.phase in ("timed", "cold")]
 
-    def wait_summary(self) -> dict[str, float]:
-        return summarize_waits([s.wait_s for s in self.timed()], self.timed_s)
-
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["steps"] = {k: [getattr(s, k) for s in self.steps] for k in StepRecord.__dataclass_fields__}
-        d["wait"] = self.wait_summary()
+        d["wait"] = summarize_waits([s.wait_s for s in self.timed()], self.timed_s)
         return d
 
 
@@ -201,13 +176,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def summarize_waits(waits: list[float], wall_s: float) -> dict[str, float]:
     if not waits:
-        return {
-            "mean_ms": math.nan,
-            "median_ms": math.nan,
-            "p95_ms": math.nan,
-            "max_ms": math.nan,
-            "sum_over_wall": math.nan,
-        }
+        return dict.fromkeys(("mean_ms", "median_ms", "p95_ms", "max_ms", "sum_over_wall"), math.nan)
     return {
         "mean_ms": 1e3 * statistics.fmean(waits),
         "median_ms": 1e3 * statistics.median(waits),
@@ -219,15 +188,9 @@ def summarize_waits(waits: list[float], wall_s: float) -> dict[str, float]:
 
 def parse_int_list(text: str) -> tuple[int, ...]:
     """'0,1,2,4' → (0, 1, 2, 4), sorted and unique; raises ValueError naming the bad item."""
-    out = set()
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        value = int(item)
-        if value < 0:
-            raise ValueError(f"worker counts must be >= 0, got {value}")
-        out.add(value)
+    out = {int(item) for item in text.split(",") if item.strip()}
+    if any(v < 0 for v in out):
+        raise ValueError(f"worker counts must be >= 0, got {min(out)}")
     if not out:
         raise ValueError("give at least one worker count, e.g. 0,2,4")
     return tuple(sorted(out))

@@ -1,8 +1,5 @@
-"""Outputs of a bench run: result.json, steps.csv, a PNG plot, profiler traces, and the text table.
-
-All of them are rendered from the result document ``run_bench`` returns, except the profiler traces,
-which come from their own short scheduled runs (throughput never comes from a profiled run).
-"""
+"""Outputs of a bench run, rendered from the result document ``run_bench`` returns: result.json, steps.csv,
+the PNG plots and the text; and the profiler traces, from their own short runs (never a rate)."""
 
 from __future__ import annotations
 
@@ -27,23 +24,9 @@ from dlstore.errors import DlstoreError
 from dlstore.machine import cpu_model, usable_cores
 from dlstore.write.sizes import count
 
-STEP_COLUMNS = (
-    "loader",
-    "workers",
-    "pin_memory",
-    "cold",
-    "repeat",
-    "position",
-    "phase",
-    "epoch",
-    "index",
-    "images",
-    "wait_s",
-    "step_s",
-    "device_step_s",
-    "t_s",
-    "device_start_s",
-    "device_end_s",
+STEP_COLUMNS = tuple(
+    "loader workers pin_memory cold repeat position phase epoch index images wait_s step_s device_step_s t_s "
+    "device_start_s device_end_s".split()
 )
 
 
@@ -96,8 +79,7 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def check_out_dir(out: Path) -> None:
-    """Create ``out`` and write a probe file there before anything is measured: a folder that cannot
-    take the outputs fails now, not after the runs."""
+    """Create ``out`` and write a probe there: a folder that cannot take the outputs fails now."""
     probe = out / f".dlstore-write-check-{os.getpid()}"
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -111,8 +93,7 @@ def check_out_dir(out: Path) -> None:
 
 @contextmanager
 def removed_if_left_empty(out: str | Path | None) -> Iterator[None]:
-    """A bench run that fails leaves no empty ``--out`` folder (``dlstore-bench-*``) it created;
-    a folder that existed before, or that holds anything, stays."""
+    """A failed run leaves no empty ``--out`` folder it created; one that existed or holds files stays."""
     folder = Path(out) if out is not None else None
     existed = folder is None or folder.exists()
     try:
@@ -130,9 +111,12 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
     """result.json, steps.csv and plots.png (when matplotlib is installed) under ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": str(out / "result.json"), "csv": str(out / "steps.csv")}
-    n = write_steps_csv(doc, out / "steps.csv")
-    doc.setdefault("outputs", {}).update(paths)
-    doc["outputs"]["csv_rows"] = n
+    rows = step_rows(doc)
+    with open(out / "steps.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=STEP_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    doc.setdefault("outputs", {}).update(paths, csv_rows=len(rows))
     plot = save_figure(plot_figure, doc, out / "plots.png")
     if plot is None:
         doc.setdefault("notes", []).append(
@@ -142,7 +126,7 @@ def write_outputs(doc: dict[str, Any], out: Path) -> dict[str, str]:
         doc["outputs"]["plot"] = str(plot)
         doc["outputs"]["timeline"] = str(save_figure(timeline_figure, doc, out / "timeline.png"))
     with open(out / "result.json", "w") as f:
-        json.dump(doc, f, indent=1, default=_json_default)
+        json.dump(doc, f, indent=1, default=str)  # paths as text
         f.write("\n")
     return doc["outputs"]
 
@@ -158,14 +142,6 @@ def finite(obj: Any) -> Any:
     return obj
 
 
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, Path):
-        return str(obj)
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return str(obj)
-
-
 def step_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per step of every repeat of every run (warm sweep, pin variants, cold runs)."""
     rows: list[dict[str, Any]] = []
@@ -178,15 +154,6 @@ def step_rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
             row.update({k: steps[k][i] for k in STEP_COLUMNS[6:]})
             rows.append(row)
     return rows
-
-
-def write_steps_csv(doc: dict[str, Any], path: Path) -> int:
-    rows = step_rows(doc)
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=STEP_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    return len(rows)
 
 
 def save_figure(figure: Callable[[dict[str, Any]], Any], doc: dict[str, Any], path: Path) -> Path | None:
@@ -264,8 +231,8 @@ ONE_OFF_LABEL = "read (one-off load into memory)"
 
 
 def stage_bars(doc: dict[str, Any]) -> dict[str, list[float | None]]:
-    """The parts-alone bars, label → img/s per loader (None: no bar). A stage no loader has (a CPU run's
-    h2d) is left out; a loader that loads everything once shows that one-off read beside the reads."""
+    """The parts-alone bars, label → img/s per loader (None: no bar); a loader that loads everything once
+    shows that one-off read beside the reads."""
     stages = doc["stages"].values()
     bars = {}
     for stage in STAGES:
@@ -288,15 +255,7 @@ def timeline_runs(doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         if not pick or key in seen:
             continue
         seen.add(key)
-        run = next(
-            (
-                r
-                for r in doc["runs"]
-                if (r["loader"], r["workers"], r["pin_memory"])
-                == (pick["loader"], pick["workers"], pick["pin_memory"])
-            ),
-            None,
-        )
+        run = next((r for r in doc["runs"] if (r["loader"], r["workers"], r["pin_memory"]) == key), None)
         if run is not None and run["raw"]:
             title = (
                 f"{role}: {run['loader']}, {count(run['workers'], 'worker')}, pin_memory={run['pin_memory']}: "
@@ -378,9 +337,7 @@ def profile_configuration(
     warmup: int = 2,
     active: int = 3,
 ) -> dict[str, str]:
-    """A short scheduled torch.profiler run; ``run_steps(tick)`` runs the loop and calls ``tick`` per step.
-
-    Writes ``NAME.trace.json`` (Chrome trace) and ``NAME.ops.txt`` (operator table)."""
+    """A short scheduled torch.profiler run (``run_steps(tick)``): NAME.trace.json and NAME.ops.txt."""
     from torch.profiler import ProfilerActivity, profile, schedule
 
     out.mkdir(parents=True, exist_ok=True)
@@ -419,9 +376,7 @@ def images_line(source: dict[str, Any]) -> str:
 
 
 def render_text(doc: dict[str, Any]) -> str:
-    """The one sentence first; then at most five recommendations, the figures behind the sentence, one line
-    per loader kind and notes (each run's per-batch budget and the stages alone are in result.json, the
-    stages also in plots.png)."""
+    """The verdict, at most five recommendations, the figures behind it, one line per kind, the notes."""
     proto = doc["protocol"]
     num = proto.get("numerics") or {}
     step = proto.get("model") or (proto.get("step") or {}).get("step")

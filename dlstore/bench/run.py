@@ -1,10 +1,6 @@
-"""``run_bench(config) -> dict``: the one entry point the CLI calls.
-
-Order: open the source; prepare each loader kind (convert caches when needed); measure each stage alone
-(read, transform per worker count, host→device, compute); run the real loop for every configuration in
-``repeats`` rounds with rotated order; optionally profile each configuration in a separate short run;
-then predict, name the bottleneck and advise. Returns the result document (see ``report``).
-"""
+"""``run_bench(config) -> dict``, the one entry point the CLI calls: open the source, prepare each loader
+kind, measure each part alone, run the real loop in rotated rounds, optionally profile, then predict, name
+the bottleneck and advise. Returns the result document (see ``report``)."""
 
 from __future__ import annotations
 
@@ -83,6 +79,19 @@ MIN_DEMO_IMAGES = 256
 DEMO_BATCHES = 8  # the demo source holds at least this many batches, so an epoch is more than a batch
 
 
+@dataclasses.dataclass(frozen=True)
+class Session:
+    """What the phases after the loaders' preparation share."""
+
+    config: BenchConfig
+    device: torch.device
+    prepared: dict[str, PreparedLoader]
+    steps: dict[str, Step]
+    specs: list[RunSpec]
+    classes: int
+    log: Log
+
+
 def bench_cache_root() -> Path:
     return settings.folder("DLSTORE_BENCH_CACHE", "bench")
 
@@ -134,8 +143,7 @@ def _checked_run_bench(config: BenchConfig, log: Log | None) -> dict[str, Any]:
 
 
 def sample_source(source: Source, config: BenchConfig, log: Log) -> Source:
-    """The source, or a seeded random sample of ``max_images`` of it (in source order; at least
-    ``DEMO_BATCHES`` batches) when it is larger: what every loader kind of this run reads."""
+    """The source, or a seeded random sample of ``max_images`` of it (at least ``DEMO_BATCHES`` batches)."""
     assert config.batch_size is not None
     keep = max(config.max_images, DEMO_BATCHES * config.batch_size)
     if not config.max_images or len(source) <= keep:
@@ -146,19 +154,15 @@ def sample_source(source: Source, config: BenchConfig, log: Log) -> Source:
 
 
 def resolve_config(config: BenchConfig, device: torch.device) -> BenchConfig:
-    """Fill what depends on the device: the batch size a user picks for the model, the precision, and a demo
-    source of at least ``DEMO_BATCHES`` batches."""
+    """Fill what depends on the device: the batch size, the precision, the demo source's size."""
     batch = config.batch_size or default_batch_size(config.model, device.type)
     demo = config.demo_images or max(MIN_DEMO_IMAGES, DEMO_BATCHES * batch)
     precision = config.precision or default_precision(device.type)
     return dataclasses.replace(config, batch_size=batch, demo_images=demo, precision=precision)
 
 
-def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str, Any]:
-    assert config.batch_size is not None and config.precision is not None
-    t_start = time.perf_counter()
-    configure_numerics(device, config.precision)
-    torch.manual_seed(config.seed)
+def _open(config: BenchConfig, device: torch.device, log: Log, t_start: float) -> tuple[Any, ...]:
+    """Open the source, sample it, plan within the budget: (config, context, workers, budget, notes, total)."""
     full = open_source(
         config.source,
         root=config.root,
@@ -166,7 +170,6 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         label=config.label,
         fields=tuple(config.fields),
     )
-    total = len(full)
     source_notes = source_warnings(full)
     for warning in source_notes:
         log(f"warning: {warning}")
@@ -186,6 +189,16 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
     notes += source_notes
     if device.type == "cpu":
         notes.append(CPU_NOTE.format(cores=usable_cores()))
+    return config, ctx, workers, budget, notes, len(full)
+
+
+def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str, Any]:
+    assert config.batch_size is not None and config.precision is not None
+    t_start = time.perf_counter()
+    configure_numerics(device, config.precision)
+    torch.manual_seed(config.seed)
+    config, ctx, workers, budget, notes, total = _open(config, device, log, t_start)
+    source, size, channels = ctx.source, ctx.size, ctx.channels
     phases = {"source_s": time.perf_counter() - t_start}
     prepared, prepare_notes = prepare_all(config, ctx, log)
     notes += prepare_notes
@@ -197,7 +210,8 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         list(prepared), workers, device.type == "cuda", config.pin_memory, config.cold, workerless
     )
     pin_default = specs[0].pin_memory if specs else False
-    stage_results = measure_all(prepared, steps, specs, config, classes, device, pin_default, log)
+    session = Session(config, device, prepared, steps, specs, classes, log)
+    stage_results = measure_all(session, pin_default)
     phases["stages_s"] = time.perf_counter() - t_start - sum(phases.values())
     fed = FedProbe(prepared, steps, specs, config, classes, device)
     ceiling = compute_probe(stage_results, steps, config, classes, device)
@@ -206,36 +220,16 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         ceiling()
         fed()
 
-    results = run_rounds(prepared, steps, specs, config, device, log, probe)
+    results = run_rounds(session, probe)
     settle_compute(stage_results, warm_runs_by_kind(results) if device.type == "cpu" else None)
     phases["end_to_end_s"] = time.perf_counter() - t_start - sum(phases.values())
     runs = [aggregate(v) for k, v in results.items() if not k[3]]
     cold = {k[0]: aggregate_cold(v) for k, v in results.items() if k[3]}
-    profiles = profile_all(prepared, steps, config, workers, device, specs, log) if config.profile else None
+    profiles = profile_all(session, workers) if config.profile else None
     phases["profile_s"] = time.perf_counter() - t_start - sum(phases.values())
-    notes += contention_notes(runs)
-    notes += state_notes(runs)
+    notes += contention_notes(runs) + state_notes(runs)
     kind_stages = {name: kind_stages_of(s, prepared[name], fed) for name, s in stage_results.items()}
-    facts = Facts(
-        device=device.type,
-        device_label=device_label(device),
-        batch_size=config.batch_size,
-        warmup_steps=config.warmup,
-        source=_source_arg(config),
-        size=size,
-        cores=usable_cores(),
-        mem_available=mem_available_bytes(),
-        raw_cache_bytes=total * size * size * channels,  # the whole source's, not the sample's
-        pin_default=pin_default,
-        apply={n: p.info["apply"] for n, p in prepared.items() if p.info.get("apply")},
-        substituted={n: p.info["substituted"] for n, p in prepared.items() if p.info.get("substituted")},
-        precision=config.precision,
-        transform=config.transform,
-        bench_command=bench_command(config),
-        cpu_decoder_kinds=frozenset(
-            n for n, p in prepared.items() if p.info.get("workers_are") == "cpu_decoders"
-        ),
-    )
+    facts = make_facts(config, device, ctx, total, pin_default, prepared)
     notes += [f"{name} {what}" for name, what in facts.substituted.items()]
     analysis = analyse(kind_stages, runs, cold, facts)
     notes += prediction_notes(analysis.get("prediction", {}))
@@ -259,7 +253,7 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         "cold": cold,
         **{
             k: analysis[k]
-            for k in ("detail", "kinds", "stalls", "lanes", "best", "default", "prediction")
+            for k in ("detail", "kinds", "lanes", "best", "default", "prediction")
             if k in analysis
         },
         "verdict": analysis["verdict"],
@@ -274,7 +268,11 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
         if budget is None
         else {**budget, "actual_s": config.budget_spent_s + time.perf_counter() - t_start},
     }
-    doc = finite(doc)
+    return written(finite(doc), config, log)
+
+
+def written(doc: dict[str, Any], config: BenchConfig, log: Log) -> dict[str, Any]:
+    """The document, written under ``config.out`` when set; a failed write is recorded, not raised."""
     if config.out is not None:
         try:
             write_outputs(doc, Path(config.out))
@@ -282,6 +280,36 @@ def _run_bench(config: BenchConfig, device: torch.device, log: Log) -> dict[str,
             doc["outputs_error"] = f"{e.filename or config.out}: {e.strerror or e}"
             log(f"could not write the outputs under {config.out}: {doc['outputs_error']}")
     return doc
+
+
+def make_facts(
+    config: BenchConfig,
+    device: torch.device,
+    ctx: LoaderContext,
+    total: int,
+    pin_default: bool,
+    prepared: dict[str, PreparedLoader],
+) -> Facts:
+    assert config.batch_size is not None and config.precision is not None
+    info = {n: p.info for n, p in prepared.items()}
+    return Facts(
+        device=device.type,
+        device_label=device_label(device),
+        batch_size=config.batch_size,
+        warmup_steps=config.warmup,
+        source=_source_arg(config),
+        size=ctx.size,
+        cores=usable_cores(),
+        mem_available=mem_available_bytes(),
+        raw_cache_bytes=total * ctx.size * ctx.size * ctx.channels,  # the whole source's, not the sample's
+        pin_default=pin_default,
+        apply={n: i["apply"] for n, i in info.items() if i.get("apply")},
+        substituted={n: i["substituted"] for n, i in info.items() if i.get("substituted")},
+        precision=config.precision,
+        transform=config.transform,
+        bench_command=bench_command(config),
+        cpu_decoder_kinds=frozenset(n for n, i in info.items() if i.get("workers_are") == "cpu_decoders"),
+    )
 
 
 # What a CPU run can and cannot say, in every CPU report.
@@ -296,8 +324,7 @@ CPU_DEFAULT_SIZE = 64  # a CPU's default side for folders: 224 px made the step 
 
 
 def bench_size(config: BenchConfig, source: Source, device: torch.device) -> tuple[int, list[str]]:
-    """The image side: the user's, else the source's default, no larger than ``CPU_DEFAULT_SIZE`` on a CPU
-    (the step's cost grows with the side squared, and a CPU run is about the loaders; see ``CPU_NOTE``)."""
+    """The image side: the user's, else the source's default, at most ``CPU_DEFAULT_SIZE`` on a CPU."""
     if config.size:
         return config.size, []
     size = default_size(source)
@@ -312,10 +339,9 @@ def bench_size(config: BenchConfig, source: Source, device: torch.device) -> tup
 def plan_within_budget(
     ctx: LoaderContext, workers: tuple[int, ...], images: int, log: Log, t_start: float
 ) -> tuple[BenchConfig, dict[str, Any]]:
-    """Calibrate (a few decodes, the step on a few batches, a worker pool), then fit the runs to
-    ``config.budget_s`` (``plan.fit``); log the plan and its estimate before anything long starts."""
+    """Calibrate, then fit the runs to ``config.budget_s`` (``plan.fit``); log the plan before it runs."""
     from dlstore.bench.calibrate import initial_plan, measure_costs
-    from dlstore.bench.plan import estimate, fit, plan_lines
+    from dlstore.bench.plan import PLAN_FIELDS, estimate, fit, plan_lines
     from dlstore.bench.transforms import cached_cpu_transform
 
     config = ctx.config
@@ -339,14 +365,7 @@ def plan_within_budget(
         log(line)
     fitted = dataclasses.replace(
         config,
-        loaders=planned.loaders,
-        workers=planned.workers,
-        repeats=planned.repeats,
-        steps=planned.steps,
-        warmup=planned.warmup,
-        stage_steps=planned.stage_steps,
-        cold=planned.cold,
-        fed_s=planned.fed_s,
+        **{f: getattr(planned, f) for f in PLAN_FIELDS if f != "max_run_s"},
         max_images=planned.images if planned.images < first.images else config.max_images,
     )
     return fitted, {
@@ -367,12 +386,8 @@ def calibration_step(ctx: LoaderContext) -> Step:
     """The run's step (a model of its own, as the kinds will train) on the cached kinds' uint8 batches."""
     from dlstore.bench.transforms import ToFloat
 
-    config = ctx.config
-    if config.step is not None:
-        return UserStep(config.step, ctx.device, ToFloat())
-    model = build_model(config.model, ctx.channels, ctx.size, max(1, len(ctx.source.classes)))
-    options = resolve_step_options(config.precision, config.channels_last, config.compile, ctx.device, model)
-    return TrainStep(model, ctx.device, ToFloat(), options)
+    classes = max(1, len(ctx.source.classes))
+    return build_step(ctx.config, ctx.device, ToFloat(), ctx.channels, ctx.size, classes)
 
 
 def budget_notes(budget: dict[str, Any]) -> list[str]:
@@ -400,22 +415,13 @@ def warm_runs_by_kind(results: dict[tuple[Any, ...], list[Any]]) -> dict[str, li
     return out
 
 
-def measure_all(
-    prepared: dict[str, PreparedLoader],
-    steps: dict[str, Step],
-    specs: list[RunSpec],
-    config: BenchConfig,
-    classes: int,
-    device: torch.device,
-    pin_default: bool,
-    log: Log,
-) -> dict[str, dict[str, Any]]:
+def measure_all(s: Session, pin_default: bool) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     shared: dict[tuple[Any, ...], StageResult] = {}
-    for name, p in prepared.items():
-        counts = sorted({s.workers for s in specs if s.loader == name})
-        log(f"{name}: parts (read, loader alone at workers {','.join(map(str, counts))}, h2d, compute)")
-        out[name] = measure_kind(p, steps[name], specs, config, classes, device, shared)
+    for name, p in s.prepared.items():
+        counts = sorted({spec.workers for spec in s.specs if spec.loader == name})
+        s.log(f"{name}: parts (read, loader alone at workers {','.join(map(str, counts))}, h2d, compute)")
+        out[name] = measure_kind(p, s.steps[name], s.specs, s.config, s.classes, s.device, shared)
         out[name]["transform"] = transform_stage(name, out[name]["loader"], pin_default)
     return out
 
@@ -493,84 +499,66 @@ def prepare_all(
 def make_step(
     p: PreparedLoader, config: BenchConfig, size: int, num_classes: int, device: torch.device
 ) -> Step:
-    """The built-in step with the options a user trains with, or the user's own ``--step``."""
-    if config.step is not None:
-        return UserStep(config.step, device, p.device_transform)
     c, h, _ = p.sample_shape
     side = size if config.transform == "gpu-augment" else h
-    model = build_model(config.model, c, side, num_classes)
+    return build_step(config, device, p.device_transform, c, side, num_classes)
+
+
+def build_step(
+    config: BenchConfig, device: torch.device, transform: Any, channels: int, side: int, classes: int
+) -> Step:
+    """The built-in step with the options a user trains with, or the user's own ``--step``."""
+    if config.step is not None:
+        return UserStep(config.step, device, transform)
+    model = build_model(config.model, channels, side, classes)
     options = resolve_step_options(config.precision, config.channels_last, config.compile, device, model)
-    return TrainStep(model, device, p.device_transform, options)
+    return TrainStep(model, device, transform, options)
 
 
-def run_rounds(
-    prepared: dict[str, PreparedLoader],
-    steps: dict[str, Step],
-    specs: list[RunSpec],
-    config: BenchConfig,
-    device: torch.device,
-    log: Log,
-    probe: Callable[[], None] | None = None,
-) -> dict[tuple[Any, ...], list[Any]]:
-    results: dict[tuple[Any, ...], list[Any]] = {s.key: [] for s in specs}
+def run_rounds(s: Session, probe: Callable[[], None] | None = None) -> dict[tuple[Any, ...], list[Any]]:
+    config = s.config
+    results: dict[tuple[Any, ...], list[Any]] = {spec.key: [] for spec in s.specs}
     for r in range(config.repeats):
         if probe is not None:
             probe()
-        # cold runs once (the first round): they report the fetch stall, not a rate the model predicts, and each
-        # costs a fresh worker pool plus an eviction (the default run's time goal is a minute on 16 cores)
-        order = [s for s in rotated(specs, r, config.repeats) if r == 0 or not s.cold]
+        # cold runs in the first round only: each costs a fresh pool and an eviction, for no predicted rate
+        order = [spec for spec in rotated(s.specs, r, config.repeats) if r == 0 or not spec.cold]
         for pos, spec in enumerate(order):
-            log(
+            s.log(
                 f"round {r + 1}/{config.repeats} [{pos + 1}/{len(order)}]: {spec.loader}, {count(spec.workers, 'worker')}, "
                 f"pin_memory={'on' if spec.pin_memory else 'off'}{', cold' if spec.cold else ''}"
             )
-            p = prepared[spec.loader]
+            p = s.prepared[spec.loader]
             if spec.cold:
                 p.release()  # no open memmap may pin the pages the cold run needs evicted
-            res = run_once(p, spec, config, device, steps[spec.loader], r, pos)
+            res = run_once(p, spec, config, s.device, s.steps[spec.loader], r, pos)
             if spec.cold:
                 _ = p.dataset  # re-open outside any timed phase
             results[spec.key].append(res)
     return results
 
 
-def profile_all(
-    prepared: dict[str, PreparedLoader],
-    steps: dict[str, Step],
-    config: BenchConfig,
-    workers: tuple[int, ...],
-    device: torch.device,
-    specs: list[RunSpec],
-    log: Log,
-) -> dict[str, Any]:
+def profile_all(s: Session, workers: tuple[int, ...]) -> dict[str, Any]:
     """A short scheduled profiler run per (loader, workers); never used for throughput."""
-    if config.out is None:
+    if s.config.out is None:
         raise DlstoreError("--profile needs an output folder (--out DIR)")
-    out = Path(config.out) / "profile"
-    pin = specs[0].pin_memory if specs else False
+    out = Path(s.config.out) / "profile"
+    pin = s.specs[0].pin_memory if s.specs else False
     traces: dict[str, Any] = {}
-    for name, p in prepared.items():
+    for name in s.prepared:
         for w in workers:
-            log(f"profiling {name} with {count(w, 'worker')}")
-            traces[f"{name}-w{w}"] = profile_configuration(
-                _profile_loop(p, w, pin, config, device, steps[name]), device, out, f"{name}-w{w}"
-            )
+            s.log(f"profiling {name} with {count(w, 'worker')}")
+            loop = _profile_loop(s, name, w, pin)
+            traces[f"{name}-w{w}"] = profile_configuration(loop, s.device, out, f"{name}-w{w}")
     return {"dir": str(out), "schedule": {"wait": 1, "warmup": 2, "active": 3}, "traces": traces}
 
 
-def _profile_loop(
-    p: PreparedLoader,
-    workers: int,
-    pin: bool,
-    config: BenchConfig,
-    device: torch.device,
-    step: Step,
-    n_steps: int = 6,
-) -> Callable[[Callable[[], None]], None]:
-    feed = feeder(p, device, pin)
+def _profile_loop(s: Session, name: str, workers: int, pin: bool) -> Callable[[Callable[[], None]], None]:
+    p, step, n_steps = s.prepared[name], s.steps[name], 6
+    feed = feeder(p, s.device, pin)
 
     def run_steps(tick: Callable[[], None]) -> None:
-        stream = BatchStream(p.loader(workers, pin, config))
+        stream = BatchStream(p.loader(workers, pin, s.config))
         try:
             for _ in range(n_steps):
                 with record_function("batch_wait"):
@@ -610,9 +598,8 @@ def protocol_of(
     runs: list[dict[str, Any]],
     prepared: dict[str, PreparedLoader],
 ) -> dict[str, Any]:
-    """What ran, read back from the objects that ran: the step's optimizer and numerics, each kind's
-    transforms, each run's loader settings. A setting that differs between runs is listed under
-    ``varies`` and recorded in each run's ``loader_settings``."""
+    """What ran, read back from the objects that ran; a loader setting that differs between runs is listed
+    under ``varies`` (each run keeps its own ``loader_settings``)."""
     step = next(iter(steps.values())).describe()
     common, varies = split_settings([r.get("loader_settings") or {} for r in runs])
     return {
@@ -650,15 +637,8 @@ def protocol_of(
 def split_settings(settings: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
     """(settings every run shared, names of those that differ between runs)."""
     names = sorted({k for s in settings for k in s})
-    common: dict[str, Any] = {}
-    varies: list[str] = []
-    for name in names:
-        values = {repr(s.get(name)) for s in settings}
-        if len(values) == 1:
-            common[name] = settings[0].get(name)
-        else:
-            varies.append(name)
-    return common, varies
+    varies = [n for n in names if len({repr(s.get(n)) for s in settings}) > 1]
+    return {n: settings[0].get(n) for n in names if n not in varies}, varies
 
 
 def numerics(device: torch.device, step: dict[str, Any]) -> dict[str, Any]:

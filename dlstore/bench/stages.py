@@ -18,7 +18,6 @@ import torch
 from dlstore.bench.protocol import StageResult
 from dlstore.errors import DlstoreError
 from dlstore.machine import synchronize
-from dlstore.write.sizes import count
 
 EVICTED_MAX_RESIDENT = 0.05  # at most 5% of the pages still cached counts as evicted
 COLD_WARM_RATIO = 0.67  # without mincore: cold must be this much slower than warm to count as evicted
@@ -33,14 +32,8 @@ def _libc() -> Any | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
+        c = ctypes
+        libc.mmap.argtypes = [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         return libc
@@ -52,9 +45,8 @@ _LIBC = _libc()
 
 
 def resident_pages(path: Path) -> tuple[int, int] | None:
-    """(resident, total) pages of a file in the page cache, via mmap + mincore; None if unavailable.
-
-    Mapping without touching faults nothing in, so asking does not change the answer."""
+    """(resident, total) pages of a file in the page cache, via mmap + mincore (mapping without touching
+    faults nothing in); None if unavailable."""
     if _LIBC is None or not hasattr(mmap, "PROT_READ"):
         return None
     fd = os.open(path, os.O_RDONLY)
@@ -88,10 +80,8 @@ def resident_fraction(paths: Sequence[Path]) -> float | None:
 
 
 def evict_files(paths: Sequence[Path]) -> dict[str, Any]:
-    """Drop each file from the page cache (fsync first: dirty pages are not dropped) and check it took.
-
-    ``worked`` is True/False from mincore, None when residency cannot be read (judge by timing then).
-    Pages mapped by a live process (memmaps, zarr handles, tmpfs files) stay: that shows as False."""
+    """Drop each file from the page cache (fsync first: dirty pages stay) and check it took with mincore
+    (``worked`` None when residency cannot be read; mapped or tmpfs pages stay: False)."""
     before = resident_fraction(paths)
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
@@ -229,28 +219,6 @@ def batch_images(batch: Any) -> int:
     return int(x.shape[0]) if hasattr(x, "shape") else len(x)
 
 
-def time_loader(loader: Iterable, warmup: int, steps: int) -> dict[str, float]:
-    """Start-up, then ``warmup`` untimed batches, then ``steps`` timed batches of the loader alone."""
-    t0 = time.perf_counter()
-    stream = BatchStream(loader)
-    try:
-        stream.next()
-        startup = time.perf_counter() - t0
-        for _ in range(max(0, warmup - 1)):
-            stream.next()
-        t1 = time.perf_counter()
-        images = sum(batch_images(stream.next()) for _ in range(steps))
-        seconds = time.perf_counter() - t1
-    finally:
-        stream.close()
-    return {
-        "img_per_s": images / seconds if seconds > 0 else float("inf"),
-        "seconds": seconds,
-        "images": images,
-        "startup_s": startup,
-    }
-
-
 def measure_loader(
     loader: Iterable,
     warmup: int,
@@ -261,16 +229,10 @@ def measure_loader(
     beside: Callable[[], float] | None = None,
     beside_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The loader alone (no copy, no step), over ``warmup`` then ``steps`` batches (whole cycles, see
-    ``cycle_window``): its period per batch, the main thread's own share of it, and the CPU it burns.
-
-    ``beside``: then, on the same running loader, one call per batch (the step fed a fixed batch, returning
-    its seconds in the calls) for at least ``steps`` batches and ``beside_s`` seconds: the main thread's own
-    cost per step while this loader's threads and workers run beside it (``beside_serial_s``).
-
-    The main thread's share is wall time in ``next()`` when the loader works in the caller (a DataLoader
-    with 0 workers: decode, collate, pin all happen there), else the thread's CPU time in ``next()``
-    (receiving a batch from a worker, unpickling it): waiting for workers costs the main thread nothing."""
+    """The loader alone (no copy, no step) over ``warmup`` then ``steps`` batches: its period per batch, the
+    main thread's share (wall time in ``next()`` when it works in the caller, else the thread's CPU time
+    there: waiting for workers costs it nothing) and the CPU it burns. ``beside``: then, on the same running
+    loader, the step fed a fixed batch per batch (``beside_serial_s``) for ``steps`` and ``beside_s``."""
     from dlstore.bench.monitor import process_cpu_s
 
     in_caller = works_in_caller(loader)
@@ -341,18 +303,9 @@ def probe_loader(
     alone: bool = True,
     beside_first: bool = False,
 ) -> dict[str, Any]:
-    """A loader without worker processes, right next to a run of the loop on the same loader: ``alone``,
-    per batch its wall time in ``next()`` and the process's CPU; ``beside``, the main thread's copy + step
-    calls on a fixed batch (the loader's first, ``beside(batch)`` returns its seconds) after each of the
-    loader's batches. Each pass covers at least ``min_batches`` and ``min_s``. ``beside_first`` runs the
-    passes in the other order, so a probe after the run mirrors the one before it (A B | run | B A: a drift
-    that is linear in time weighs both parts alike).
-
-    Why next to the run when the parts phase timed both: on the H200 the same 0-worker loader's ``next()``
-    moved by 7–46% between the parts phase and its run (rounds A–F, with the CPU seconds per batch: the same
-    work, a slower or faster machine), and the step's calls beside a loader by up to 30% (round E, resident
-    at batch 512: 15.5 ms in the parts phase, 11.9 ms in its run), seconds apart. Timing both right before
-    and right after each run brackets the run in time; it never uses the run's own rate."""
+    """A loader without worker processes, right next to a run on it (the machine drifts within seconds):
+    ``alone``, its wall time in ``next()`` and CPU per batch; ``beside``, the copy + step on a fixed batch
+    after each of its batches. ``beside_first`` mirrors the order, so a linear drift weighs both alike."""
     t0 = time.perf_counter()
     stream = BatchStream(loader)
     out: dict[str, Any] = {
@@ -381,7 +334,6 @@ def probe_loader(
 
 
 def _probe_alone(stream: BatchStream, min_batches: int, min_s: float) -> dict[str, Any]:
-    """``next()`` alone: period per batch (wall in the caller), process CPU per batch, each batch's time."""
     from dlstore.bench.monitor import process_cpu_s
 
     pid = os.getpid()
@@ -407,9 +359,8 @@ CPU_REFERENCE_N = 100_000
 
 
 def cpu_reference_s(n: int = CPU_REFERENCE_N) -> float:
-    """Seconds of a fixed single-threaded Python loop (~5 ms): the machine's speed for the main thread's kind
-    of work at that moment, recorded next to each timing so a drift of the whole machine between a part and
-    the run it predicts shows as a drift of this number too (a diagnostic; the model does not use it)."""
+    """Seconds of a fixed single-threaded Python loop (~5 ms), recorded beside each timing: a diagnostic of
+    the machine's drift between a part and its run (the model does not use it)."""
     a = time.perf_counter()
     acc = 0
     for i in range(n):
@@ -429,8 +380,7 @@ def _beside(
     device: torch.device,
     warmup: int = BESIDE_WARMUP,
 ) -> tuple[list[float], list[float]]:
-    """``work``'s seconds after each of the loader's next batches (the batch itself dropped), and the
-    seconds in each of those ``next()`` calls."""
+    """``work``'s seconds after each of the loader's next batches, and each of those ``next()``'s."""
     times: list[float] = []
     nexts: list[float] = []
     t0 = time.perf_counter()
@@ -460,12 +410,9 @@ def measure_fed(
     steps: int,
     delay_s: float = 0.0,
 ) -> dict[str, Any]:
-    """The step fed from an already-collated batch the way the loop feeds it (``move``: the same copy), with
-    ``delay_s`` of main-thread work between steps (a busy wait, as a loader's work holds the thread).
-
-    With no delay the period is what the copy + step sustain when data is free; with a delay longer than
-    the device's step the device is idle when the host comes back, so period − delay is the main thread's
-    own serial cost per batch (Python loop, copy call, kernel launches, any synchronisation the step does)."""
+    """The step fed from an already-collated batch through the loop's copy (``move``), with ``delay_s`` of
+    busy wait between steps: with none, the period copy + step sustain with data free; with a delay longer
+    than the device's step, period − delay is the main thread's own serial cost per batch."""
     events: list[tuple[Any, Any]] = []
     host = spun = 0.0
     for i in range(warmup + steps):
@@ -504,30 +451,6 @@ def _spin(seconds: float) -> float:
     while time.perf_counter() - t0 < seconds:
         pass
     return time.perf_counter() - t0
-
-
-def measure_transform(
-    loader: str, make_loader: Callable[[int], Iterable], workers: Sequence[int], warmup: int, steps: int
-) -> StageResult:
-    """The Dataset + transform through the loader alone (no device copy), per worker count."""
-    by_workers: dict[str, dict[str, float]] = {}
-    for w in workers:
-        by_workers[str(w)] = time_loader(make_loader(w), warmup, steps)
-    best_w = max(by_workers, key=lambda k: by_workers[k]["img_per_s"])
-    best = by_workers[best_w]
-    return StageResult(
-        "transform",
-        loader,
-        best["img_per_s"],
-        best["seconds"],
-        int(best["images"]),
-        label=f"best at {count(best_w, 'worker')}",
-        detail={
-            "by_workers": {k: v["img_per_s"] for k, v in by_workers.items()},
-            "startup_s": {k: v["startup_s"] for k, v in by_workers.items()},
-            "best_workers": int(best_w),
-        },
-    )
 
 
 # --- host → device ------------------------------------------------------------------------------------

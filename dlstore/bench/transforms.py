@@ -1,6 +1,5 @@
-"""The bench's transforms: torchvision pipelines on PIL images for raw files, per-sample v2 transforms on
-uint8 tensors for cached kinds, and what runs on the device after the copy. Module-level classes, so they
-pickle into spawn/forkserver workers."""
+"""The bench's transforms: torchvision on PIL images for raw files, v2 on uint8 tensors for cached kinds,
+and what runs on the device after the copy. Module-level classes, so they pickle into spawn workers."""
 
 from __future__ import annotations
 
@@ -18,6 +17,15 @@ class ToFloat(torch.nn.Module):
         return x.to(torch.float32) / 255.0  # never in place: a float input may be a reused batch
 
 
+def augment_steps(T: Any, size: int, **crop: Any) -> list[Any]:
+    """The bench's augmentation in torchvision's module ``T`` (v1 or v2): crop, rotation, flip."""
+    return [
+        T.RandomResizedCrop(size, scale=AUGMENT_SCALE, **crop),
+        T.RandomRotation(AUGMENT_DEGREES),
+        T.RandomHorizontalFlip(),
+    ]
+
+
 def raw_transform(kind: str, size: int, native: int | None) -> Any:
     """torchvision transforms on PIL images, as users write them."""
     from torchvision import transforms as T
@@ -26,14 +34,7 @@ def raw_transform(kind: str, size: int, native: int | None) -> Any:
     if kind == "light":
         return T.Compose([*fit, T.ToTensor()])
     if kind == "augment":
-        return T.Compose(
-            [
-                T.RandomResizedCrop(size, scale=AUGMENT_SCALE),
-                T.RandomRotation(AUGMENT_DEGREES),
-                T.RandomHorizontalFlip(),
-                T.ToTensor(),
-            ]
-        )
+        return T.Compose([*augment_steps(T, size), T.ToTensor()])
     return T.Compose([*fit, T.PILToTensor()])  # gpu-augment: uint8 to the device
 
 
@@ -46,27 +47,15 @@ def cached_cpu_transform(kind: str, size: int, boxes: bool = False) -> Any:
     from torchvision.transforms import v2
 
     return v2.Compose(
-        [
-            v2.RandomResizedCrop(size, scale=AUGMENT_SCALE, antialias=True),
-            v2.RandomRotation(AUGMENT_DEGREES),
-            v2.RandomHorizontalFlip(),
-            *([v2.SanitizeBoundingBoxes()] if boxes else []),
-        ]
+        [*augment_steps(v2, size, antialias=True), *([v2.SanitizeBoundingBoxes()] if boxes else [])]
     )
 
 
 def raw_field_transform(kind: str, size: int, boxes: bool) -> Any:
-    """``raw_transform`` for a source of fields, in torchvision v2 (the v1 transforms take no target):
-    the image and its masks and boxes resized, cropped, augmented together."""
+    """``raw_transform`` for a source of fields, in v2: masks and boxes move with the image."""
     from torchvision.transforms import v2
 
-    fit = [v2.Resize(size), v2.CenterCrop(size)]
-    if kind == "augment":
-        fit = [
-            v2.RandomResizedCrop(size, scale=AUGMENT_SCALE),
-            v2.RandomRotation(AUGMENT_DEGREES),
-            v2.RandomHorizontalFlip(),
-        ]
+    fit = augment_steps(v2, size) if kind == "augment" else [v2.Resize(size), v2.CenterCrop(size)]
     tail = [] if kind == "gpu-augment" else [v2.ToDtype(torch.float32, scale=True)]
     return v2.Compose([v2.ToImage(), *fit, *([v2.SanitizeBoundingBoxes()] if boxes else []), *tail])
 

@@ -1,10 +1,6 @@
 """From measured parts and measured runs to predictions, a bottleneck per run, one line per loader kind and
 at most five recommendations, most valuable first. Pure functions over plain numbers, so tests feed them
-parts of known cost (see ``predict`` for how the parts compose into a rate).
-
-Lost time is also split as DS-Analyzer does: prep stall = t(cached, measured) − t(synthetic, compute
-stage); fetch stall = t(cold) − t(warm) over the same warm-up phase.
-"""
+parts of known cost (see ``predict`` for how the parts compose into a rate)."""
 
 from __future__ import annotations
 
@@ -18,12 +14,12 @@ from dlstore.bench.predict import FedTiming, LoaderTiming, LoopParts, compose, p
 
 KNEE_FRACTION = 0.95
 PREDICTION_TOLERANCE = 0.20
+RUN_KEYS = ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")  # "best" and "default"
 
 
 @dataclass
 class KindStages:
-    """What was measured alone for one loader kind. Rates in images/s (None: does not apply); ``loader``
-    per (workers, pin_memory) and ``fed`` per pin_memory are per-batch timings (see ``predict``)."""
+    """What was measured alone for one loader kind: rates in images/s, per-batch timings (``predict``)."""
 
     read: float | None = None
     transform_by_workers: dict[int, float] = field(default_factory=dict)
@@ -86,11 +82,9 @@ def parts_of(run: dict[str, Any], ks: KindStages, facts: Facts) -> LoopParts | N
         return None
     probe = run.get("loader_probe") or {}
     if loader.in_caller and probe.get("batches"):
-        # the loader alone timed right before and after each repeat of this run (``endtoend.probe_around``):
-        # the serial half of a 0-worker loop, where the run found the machine, instead of seconds earlier
+        # the loader alone timed right before and after each repeat (``endtoend.probe_around``)
         loader = replace(loader, period_s=probe["period_s"], main_s=probe["main_s"], cpu_s=probe["cpu_s"])
     if probe.get("beside_serial_s") is not None:
-        # the step's calls beside this loader, timed around the run too (a loader without worker processes)
         loader = replace(loader, beside_serial_s=probe["beside_serial_s"])
     return LoopParts(
         batch=facts.batch_size,
@@ -165,50 +159,6 @@ def kind_summary(sweep: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def stalls(
-    stages: dict[str, KindStages],
-    sweeps: dict[str, list[dict[str, Any]]],
-    cold: dict[str, dict[str, Any]],
-    batch_size: int,
-    warmup_steps: int,
-) -> dict[str, dict[str, Any]]:
-    """Per loader at the cold run's worker count: prep stall and fetch stall in ms per batch."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, sweep in sweeps.items():
-        compute = stages.get(name, KindStages()).compute
-        c = cold.get(name)
-        w = c["workers"] if c else sweep[-1]["workers"]
-        run = next((r for r in sweep if r["workers"] == w), sweep[-1])
-        t_synth = batch_size / compute if compute else None
-        t_cached = batch_size / run["img_per_s"] if run["img_per_s"] else None
-        entry: dict[str, Any] = {
-            "workers": w,
-            "synthetic_ms": _ms(t_synth),
-            "cached_ms": _ms(t_cached),
-            "prep_stall_ms": _ms(max(0.0, t_cached - t_synth)) if t_synth and t_cached else None,
-            "fetch_stall_ms": None,
-            "cold_ms": None,
-            "fetch_note": "no cold run",
-        }
-        if c:
-            per_batch_cold = c["warmup_s"] / max(1, warmup_steps)
-            per_batch_warm = run["warmup_s"] / max(1, warmup_steps)
-            entry["cold_ms"] = _ms(per_batch_cold)
-            entry["fetch_stall_ms"] = _ms(max(0.0, per_batch_cold - per_batch_warm))
-            entry["fetch_note"] = (
-                "cold vs warm over the warm-up steps, start-up included"
-                if c.get("eviction_worked")
-                else "eviction did not take (files cached elsewhere, mapped, or on tmpfs): "
-                "the cold run is not cold"
-            )
-        out[name] = entry
-    return out
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else 1e3 * seconds
-
-
 def _count(kind: str, n: int, facts: Facts) -> str:
     """``n`` of what the kind's worker count means: DataLoader workers, or CPU decode processes."""
     if kind in facts.cpu_decoder_kinds:
@@ -217,8 +167,7 @@ def _count(kind: str, n: int, facts: Facts) -> str:
 
 
 def lanes_advice(kinds: dict[str, dict[str, Any]], facts: Facts) -> dict[str, Any]:
-    """Per kind with CPU decoders: the lanes and ``cpu_decoders`` measured best (the fewest within 5% of
-    the fastest) for this model, the rate, and the DecodeLoader call."""
+    """Per kind with CPU decoders: the lanes and ``cpu_decoders`` measured best, and the call."""
     out = {}
     for name in sorted(facts.cpu_decoder_kinds & set(kinds)):
         k = kinds[name]
@@ -236,12 +185,11 @@ def lanes_advice(kinds: dict[str, dict[str, Any]], facts: Facts) -> dict[str, An
 def analyse(
     stages: dict[str, KindStages], runs: list[dict[str, Any]], cold: dict[str, dict[str, Any]], facts: Facts
 ) -> dict[str, Any]:
-    """Annotate runs, then one summary per kind, the verdict (one sentence), its detail and the
-    recommendations."""
+    """Annotate runs, then one summary per kind, the verdict (one sentence), its detail and the advice."""
     annotate_runs(stages, runs, facts)
     sweeps = default_runs(runs, facts.pin_default)
     if not sweeps:
-        return {"verdict": "No runs were measured.", "recommendations": [], "advice": [], "stalls": {}}
+        return {"verdict": "No runs were measured.", "recommendations": [], "advice": []}
     kinds = {name: kind_summary(sweep) for name, sweep in sweeps.items()}
     best = max((r for s in sweeps.values() for r in s), key=lambda r: r["img_per_s"])
     compute = stages.get(best["loader"], KindStages()).compute
@@ -265,10 +213,8 @@ def analyse(
         "kinds": kinds,
         "recommendations": rules.recommendations(advice),
         "advice": advice,
-        "stalls": stalls(stages, sweeps, cold, facts.batch_size, facts.warmup_steps),
         "lanes": lanes_advice(kinds, facts),
-        "best": {k: best[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
-        "default": {k: default[k] for k in ("loader", "workers", "pin_memory", "img_per_s", "bottleneck")},
+        **{name: {k: run[k] for k in RUN_KEYS} for name, run in (("best", best), ("default", default))},
         "prediction": prediction_summary(runs),
     }
 
@@ -362,11 +308,8 @@ def _best_config_advice(
         if kk["knee_img_per_s"] >= rules.WORTH_FRACTION * zero:
             decoders = name in facts.cpu_decoder_kinds
             n, what = kk["knee_workers"], _count(name, kk["knee_workers"], facts)
-            more = (
-                f"; more {'decoders' if decoders else 'workers'} are slower ({_hurts(kk)})"
-                if kk["hurts"]
-                else ""
-            )
+            hurts = ", ".join(f"{h['workers']}: {fmt(h['img_per_s'])}" for h in kk["hurts"])
+            more = f"; more {'decoders' if decoders else 'workers'} are slower ({hurts})" if hurts else ""
             out.append(
                 item(
                     f"If you keep {name}: {what} {'gives' if n == 1 else 'give'} {fmt(kk['knee_img_per_s'])} "
@@ -381,10 +324,6 @@ def _best_config_advice(
                 )
             )
     return out
-
-
-def _hurts(k: dict[str, Any]) -> str:
-    return ", ".join(f"{h['workers']}: {fmt(h['img_per_s'])}" for h in k["hurts"])
 
 
 def _bound_advice(best: dict[str, Any], stages: dict[str, KindStages], facts: Facts) -> list[dict[str, Any]]:

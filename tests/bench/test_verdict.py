@@ -24,7 +24,6 @@ from dlstore.bench.verdict import (
     kind_summary,
     knee,
     read_advice,
-    stalls,
 )
 
 CPU = torch.device("cpu")
@@ -499,15 +498,6 @@ def test_knee_and_kind_summary_fold_the_sweep() -> None:
     assert [h["workers"] for h in k["hurts"]] == [8]
     s = kind_summary(sweep)
     assert s["by_workers"] == {0: 400, 2: 960, 4: 1000, 8: 700} and s["bottleneck"] == "transform"
-
-
-def test_stall_split_from_synthetic_cached_and_cold() -> None:
-    stages = {"raw": KindStages(transform_by_workers={2: 500.0}, compute=1_000.0)}
-    sweeps = {"raw": [run("raw", 2, 500.0, warmup_s=1.0)]}
-    cold = {"raw": {"workers": 2, "warmup_s": 3.0, "eviction_worked": True}}
-    s = stalls(stages, sweeps, cold, batch_size=50, warmup_steps=4)["raw"]
-    assert s["synthetic_ms"] == pytest.approx(50.0) and s["cached_ms"] == pytest.approx(100.0)
-    assert s["prep_stall_ms"] == pytest.approx(50.0) and s["fetch_stall_ms"] == pytest.approx(500.0)
 
 
 def test_read_bound_advice_weighs_a_raw_cache_against_available_memory() -> None:

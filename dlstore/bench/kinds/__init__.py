@@ -1,20 +1,8 @@
-"""Loader kinds: a registry of name → factory. A factory gets a ``LoaderContext`` and returns a
-``PreparedLoader`` that knows its dataset, the files an epoch reads, the batch it hands over and what
-runs on the device after the copy. Nothing else in the bench depends on how a kind is built, so a new
-kind is one more entry here::
-
-    from dlstore.bench.kinds import LoaderKind, register_loader_kind
-
-    def resident(ctx: LoaderContext) -> PreparedLoader:
-        ...
-        return PreparedLoader(name="resident", ..., on_device=True, make_loader=my_iterable_factory)
-
-    register_loader_kind(LoaderKind("resident", "whole cache on the GPU", resident))
-
-Built-in kinds: ``raw`` (torchvision ImageFolder / dataset, per-file decode in DataLoader workers), one
-cached kind per registered format (``ram``, ``npz``, ``zarr``) read through ``CachedDataset``, and the
-paths of ``dlstore.Loader``: ``pinned``, ``resident`` and the JPEG cache's ``jpeg-gpu`` (its decode path),
-and ``jpeg-cpu``.
+"""Loader kinds: a registry of name → factory (``register_loader_kind(LoaderKind(name, description,
+factory))``). A factory gets a ``LoaderContext`` and returns a ``PreparedLoader`` that knows its dataset, the
+files an epoch reads, the batch it hands over and what runs on the device after the copy; nothing else in
+the bench depends on how a kind is built. Built in: ``raw``, one cached kind per registered format, the
+paths of ``dlstore.Loader`` (``pinned``, ``resident``, ``jpeg-gpu``) and ``jpeg-cpu``.
 """
 
 from __future__ import annotations
@@ -73,8 +61,7 @@ def prepare_loader(name: str, ctx: LoaderContext) -> PreparedLoader:
 
 
 def imported_on_use(module: str, name: str, *args: str) -> Callable[[LoaderContext], PreparedLoader]:
-    """The built-in kinds' factories import torch only when a kind is built, so listing the kinds (the
-    CLI's ``--help``) stays instant. ``args``: for a factory maker (``cached_kind(fmt)``)."""
+    """A factory that imports its module only when a kind is built (the CLI's ``--help`` stays instant)."""
 
     def factory(ctx: LoaderContext) -> PreparedLoader:
         made = getattr(importlib.import_module(f"dlstore.bench.kinds.{module}"), name)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from dlstore.bench.kinds.context import META_FILES, LoaderContext, PreparedLoader, convert_command
+from dlstore.bench.kinds.context import LoaderContext, PreparedLoader, cache_files, convert_command
 from dlstore.bench.transforms import cached_cpu_transform, device_transform
 from dlstore.spec import SKIPPED_FILE
 
@@ -50,14 +50,7 @@ def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path | str, dict[str, An
     if isinstance(dest, str):
         return dest, {"cache": dest, "reused": True, "remote": True}
     try:
-        spec = read_spec(dest)
-        matches = (
-            spec.format == fmt
-            and spec.source.get("fingerprint") == ctx.source.fingerprint()
-            and tuple(spec.shape) == (ctx.size, ctx.size, ctx.channels)
-            and spec.image.pixels == ctx.config.pixels
-        )
-        if matches or dest == ctx.config.cache:
+        if spec_matches(ctx, read_spec(dest), fmt) or dest == ctx.config.cache:
             return dest, {"cache": str(dest), "reused": True, **skipped_info(dest)}
     except (CacheNotFoundError, SpecError, FileNotFoundError, OSError):
         pass
@@ -65,16 +58,25 @@ def ensure_cache(ctx: LoaderContext, fmt: str) -> tuple[Path | str, dict[str, An
     return dest, convert_into(ctx, dest, format=fmt)
 
 
+def spec_matches(ctx: LoaderContext, spec: Any, fmt: str) -> bool:
+    """A cache of this format, source, shape and pixel policy: the one this run would build."""
+    return (
+        spec.format == fmt
+        and spec.source.get("fingerprint") == ctx.source.fingerprint()
+        and tuple(spec.shape) == (ctx.size, ctx.size, ctx.channels)
+        and spec.image.pixels == ctx.config.pixels
+    )
+
+
 def megapixels_key(ctx: LoaderContext) -> str:
-    """A cache built under another decompression-bomb limit, or another pixel policy, may hold other
-    images: a key of its own (the default's key is unchanged, so caches built before stay found)."""
+    """Another decompression-bomb limit or pixel policy may give other images: a key of its own (empty for
+    the defaults, so caches built before stay found)."""
     mp, pixels = ctx.config.max_megapixels, ctx.config.pixels
     return ("" if mp is None else f"|mp{mp:g}") + ("" if pixels == "dlstore" else f"|px{pixels}")
 
 
 def convert_into(ctx: LoaderContext, dest: Path, **choices: Any) -> dict[str, Any]:
-    """Convert the run's source into ``dest`` with ``choices`` (ConvertOptions fields: format, codec,
-    resize, …) on top of the run's size, channels and limits; what happened."""
+    """Convert the run's source into ``dest`` with ``choices`` (ConvertOptions fields); what happened."""
     from dlstore.write.conversion import convert
     from dlstore.write.options import ConvertOptions
 
@@ -126,10 +128,7 @@ def cached_kind(fmt: str) -> Callable[[LoaderContext], PreparedLoader]:
             return CachedDataset(path, transform=cpu_tf, in_memory=in_memory)
 
         # A remote cache's files are fetched into its local mirror as read: no page-cache eviction.
-        local = path if isinstance(path, Path) else None
-        files = (
-            sorted(p for p in local.rglob("*") if p.is_file() and p.name not in META_FILES) if local else []
-        )
+        files = cache_files(path) if isinstance(path, Path) else []
         side = ctx.size if tf_name != "light" else h
         return PreparedLoader(
             fmt,

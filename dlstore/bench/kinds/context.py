@@ -59,9 +59,7 @@ def dataloader_factory(dataset: Dataset, workers: int, pin_memory: bool, config:
 
 
 def fields_collate(dataset: Dataset) -> Callable[[Any], Any] | None:
-    """A dataset of (image, target dict) samples (a cache or source with fields): its own collate, which
-    stacks the masks and keeps the boxes as lists (``dlstore.read.field_targets.collate_fields``); None (the
-    default collate) otherwise."""
+    """A dataset of (image, target dict) samples: its own collate (masks stacked, boxes as lists)."""
     if getattr(getattr(dataset, "spec", None), "fields", None) or getattr(dataset, "fields", None):
         return dataset.collate_fn  # type: ignore[attr-defined, no-any-return]
     return None
@@ -69,14 +67,9 @@ def fields_collate(dataset: Dataset) -> Callable[[Any], Any] | None:
 
 @dataclass
 class PreparedLoader:
-    """A loader kind ready to measure.
-
-    ``files``: what an epoch reads from storage (read stage, cold runs). ``reads_per_epoch``: False when
-    the dataset loads everything once (then the read stage is a one-off load, not a per-epoch bound).
-    ``batch_dtype``/``sample_shape``: what one sample looks like when it reaches the copy.
-    ``device_transform``: runs on the device inside the training step (float conversion, GPU augment).
-    ``on_device``: batches arrive already on the device (no host→device copy stage).
-    """
+    """A loader kind ready to measure. ``files``: what an epoch reads from storage; ``reads_per_epoch``
+    False: the dataset loads everything once; ``device_transform`` runs inside the step; ``on_device``:
+    batches arrive on the device (no copy stage)."""
 
     name: str
     description: str
@@ -104,8 +97,7 @@ class PreparedLoader:
         return self.make_loader(dataset, workers, pin_memory, config)
 
     def release(self) -> None:
-        """Close the shared dataset's storage handles (memmaps hold pages against eviction); the next use
-        re-creates it."""
+        """Close the dataset's storage handles (memmaps pin pages against eviction); next use re-opens."""
         ds, self._dataset = self._dataset, None
         if isinstance(ds, CachedDataset):  # other datasets (torchvision's) hold no handles to close
             ds.close()
@@ -119,8 +111,7 @@ class PreparedLoader:
 
 
 def loader_settings(loader: Iterable) -> dict[str, Any]:
-    """What the loader object that ran was set to (read back from it, not from what was asked): a
-    torch DataLoader's own settings, a ``dlstore.Loader``'s; a kind's own iterable, its type."""
+    """What the loader object that ran was set to, read back from it (not from what was asked)."""
     out: dict[str, Any] = {"type": type(loader).__name__, "keeps_state": keeps_state(loader)}
     if isinstance(loader, DataLoader):
         out.update(dataloader_settings(loader))
@@ -180,6 +171,11 @@ def convert_command(ctx: LoaderContext, fmt: str) -> str:
 def source_arguments(source: str, root: Path | None, label: str | None) -> str:
     """SOURCE as the user gave it, with the --root and --label it came with."""
     return source + (f" --root {root}" if root is not None else "") + (f" --label {label}" if label else "")
+
+
+def cache_files(path: Path) -> list[Path]:
+    """The files of a local cache an epoch reads (its metadata left out)."""
+    return sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name not in META_FILES)
 
 
 def source_channels(source: Source) -> int:

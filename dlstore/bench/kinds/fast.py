@@ -1,11 +1,6 @@
-"""Kinds for ``dlstore.Loader``'s raw-cache paths, so users see them next to raw files and DataLoader
-caches.
-
-``pinned``: ``Loader(via="pinned")`` over a ram cache: no worker processes, a gather thread into pinned
-buffers and a side-stream copy; batches arrive on the device. ``resident``: the whole cache in device
-memory (``via="resident"``). Both ignore the worker count (they use none) and apply the run's device transform
-(``light`` → float, ``gpu-augment``/``augment`` → GpuAugment on the device).
-"""
+"""Kinds for ``dlstore.Loader``'s raw-cache paths over a ram cache: ``pinned`` (a gather thread into pinned
+buffers, a side-stream copy) and ``resident`` (the whole cache in device memory). Neither has worker
+processes; both run the device transform (an ``augment`` asked for runs as GpuAugment)."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ from typing import Any
 import torch
 
 from dlstore.bench.kinds.cached import ensure_cache
-from dlstore.bench.kinds.context import META_FILES, LoaderContext, PreparedLoader, convert_command
+from dlstore.bench.kinds.context import LoaderContext, PreparedLoader, cache_files, convert_command
 from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
 from dlstore.bench.transforms import device_transform
 
@@ -41,12 +36,11 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code:
             f"; from dlstore.gpu import GpuAugment; aug = GpuAugment({ctx.size}, scale={AUGMENT_SCALE}, "
             f"degrees={AUGMENT_DEGREES}).to('{ctx.device.type}'); for x, y in loader: {moved}"
         )
-    files = sorted(p for p in Path(path).rglob("*") if p.is_file() and p.name not in META_FILES)
     return PreparedLoader(
         name,
         description,
         spec.n,
-        files,
+        cache_files(Path(path)),
         False,
         torch.uint8,
         (c, h, w),

@@ -1,12 +1,8 @@
 """Kinds for the JPEG cache (``--codec jpeg --resize shorter``: per-image JPEGs of variable size).
 
-``jpeg-gpu``: ``dlstore.Loader``'s decode path — a read-ahead thread gathers the JPEG bytes chunk by chunk, one batched
-nvJPEG call decodes them on the device, and ``RaggedRandomResizedCrop`` (``augment``/``gpu-augment``) or
-``RaggedCenterCrop`` (``light``) makes the fixed-size batch there; no DataLoader workers: on a GPU the
-run's worker count is its CPU decode processes beside nvJPEG (``cpu_decoders``, the measured split), so
-the bench recommends the lanes and ``cpu_decoders`` for the model. On a machine without CUDA it decodes
-on the CPU in threads. ``jpeg-cpu``: ``CachedDataset`` in DataLoader workers,
-each decoding with Pillow and cropping with torchvision v2 transforms, as an ImageFolder user would.
+``jpeg-gpu``: ``dlstore.Loader``'s decode path (batched nvJPEG, a ragged crop on the device); on a GPU the
+run's worker count is its CPU decode processes beside nvJPEG (``cpu_decoders``), without one it decodes on
+the CPU in threads. ``jpeg-cpu``: ``CachedDataset`` in DataLoader workers, Pillow decode + v2 crop.
 """
 
 from __future__ import annotations
@@ -20,9 +16,9 @@ from torch.utils.data import Dataset
 
 from dlstore.bench.kinds import JPEG_CPU, JPEG_GPU
 from dlstore.bench.kinds.cached import convert_into, megapixels_key
-from dlstore.bench.kinds.context import META_FILES, LoaderContext, PreparedLoader
-from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
-from dlstore.bench.transforms import device_transform
+from dlstore.bench.kinds.context import LoaderContext, PreparedLoader, cache_files
+from dlstore.bench.protocol import AUGMENT_SCALE
+from dlstore.bench.transforms import augment_steps, device_transform
 
 QUALITY = 90
 
@@ -54,10 +50,6 @@ def ensure_jpeg_cache(ctx: LoaderContext) -> tuple[Path, dict[str, Any]]:
         ctx, dest, format=fmt, resize="shorter", codec=codec, writer_options={"quality": QUALITY}
     )
     return dest, info
-
-
-def _files(path: Path) -> list[Path]:
-    return sorted(p for p in path.rglob("*") if p.is_file() and p.name not in META_FILES)
 
 
 def gpu_crop(transform: str, size: int, device: torch.device) -> torch.nn.Module:
@@ -97,7 +89,7 @@ def jpeg_gpu_kind(ctx: LoaderContext) -> PreparedLoader:
         "jpeg-gpu",
         JPEG_GPU,
         CachedDataset(path, check_source=False).spec.n,
-        _files(path),
+        cache_files(path),
         True,
         torch.float32,
         (c, ctx.size, ctx.size),
@@ -115,13 +107,7 @@ def cpu_transform(transform: str, size: int) -> Any:
     from torchvision.transforms import v2
 
     if transform == "augment":
-        return v2.Compose(
-            [
-                v2.RandomResizedCrop(size, scale=AUGMENT_SCALE, antialias=True),
-                v2.RandomRotation(AUGMENT_DEGREES),
-                v2.RandomHorizontalFlip(),
-            ]
-        )
+        return v2.Compose(augment_steps(v2, size, antialias=True))
     return v2.Compose([v2.Resize(size, antialias=True), v2.CenterCrop(size)])
 
 
@@ -139,7 +125,7 @@ def jpeg_cpu_kind(ctx: LoaderContext) -> PreparedLoader:
         "jpeg-cpu",
         JPEG_CPU,
         CachedDataset(path, check_source=False).spec.n,
-        _files(path),
+        cache_files(path),
         True,
         torch.uint8,
         (ctx.channels, ctx.size, ctx.size),

@@ -1,7 +1,5 @@
-"""The ``raw`` kind: torchvision ImageFolder / torchvision dataset, per-file PIL decode + resize + transform
-in DataLoader workers — what users start from. Sources of encoded samples (parquet, WebDataset, a file
-list, a Dataset of your own) are read the way their users read them: pyarrow row-group reads, ranged
-reads of the tar members, PIL from the listed paths, the Dataset's own ``__getitem__``."""
+"""The ``raw`` kind, what users start from: torchvision ImageFolder / dataset with per-file PIL decode in
+DataLoader workers; sources of encoded samples read as their users read them (``open_image`` per sample)."""
 
 from __future__ import annotations
 
@@ -42,19 +40,8 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
                 allow_empty=True,  # a sample (--max-images) may miss some classes; their indices stay
             )
 
-        return PreparedLoader(
-            "raw",
-            f"torchvision ImageFolder({root}) + {tf_name}",
-            len(ctx.source),
-            files,
-            True,
-            dtype,
-            (3, size, size),
-            new_dataset,
-            dev_tf,
-            fresh_for_cold=False,
-            info={"root": str(root)},
-        )
+        description = f"torchvision ImageFolder({root}) + {tf_name}"
+        return per_sample(ctx, description, files, new_dataset, dtype, dev_tf, {"root": str(root)})
     if isinstance(ctx.source, EncodedSource):
         return encoded_kind(ctx, ctx.source, tf_name, dtype, dev_tf)
     name = ctx.source.kind.removeprefix("torchvision:")
@@ -116,24 +103,30 @@ def encoded_kind(
     def new_dataset() -> Dataset:
         return SourceImages(source, raw_transform(tf_name, size, None))
 
+    description = f"{source.kind} {source.description} read per sample + {tf_name}"
+    files = source.source_files()
+    return per_sample(ctx, description, files, new_dataset, dtype, dev_tf, {"source": source.description})
+
+
+def per_sample(
+    ctx: LoaderContext,
+    description: str,
+    files: list[Path],
+    new_dataset: Any,
+    dtype: torch.dtype,
+    dev_tf: Any,
+    info: dict[str, Any],
+) -> PreparedLoader:
+    """A raw kind that decodes each sample from the source's files, every epoch."""
+    size = ctx.size
     return PreparedLoader(
-        "raw",
-        f"{source.kind} {source.description} read per sample + {tf_name}",
-        len(source),
-        source.source_files(),
-        True,
-        dtype,
-        (3, size, size),
-        new_dataset,
-        dev_tf,
-        fresh_for_cold=False,
-        info={"source": source.description},
-    )
+        "raw", description, len(ctx.source), files, True, dtype, (3, size, size), new_dataset, dev_tf,
+        fresh_for_cold=False, info=info,
+    )  # fmt: skip
 
 
 def fields_kind(ctx: LoaderContext, tf_name: str, dtype: torch.dtype, dev_tf: Any) -> PreparedLoader:
-    """A source of fields read as its users read it: the image and its annotations per sample, then a
-    torchvision v2 pipeline that moves the masks and boxes with the image (``raw_field_transform``)."""
+    """A source of fields read per sample, through a v2 pipeline that moves masks and boxes too."""
     source, size = ctx.source, ctx.size
     boxes = any(f.kind == "boxes" for f in source.fields.values())
 
@@ -143,24 +136,13 @@ def fields_kind(ctx: LoaderContext, tf_name: str, dtype: torch.dtype, dev_tf: An
     files = source.source_files() if isinstance(source, EncodedSource) else []
     if isinstance(source, FolderSource):
         files = [source.root / n for n in source.names]
-    return PreparedLoader(
-        "raw",
-        f"{source.kind} {source.description} read per sample (image + {', '.join(source.fields)}) + v2 {tf_name}",
-        len(source),
-        files,
-        True,
-        dtype,
-        (3, size, size),
-        new_dataset,
-        dev_tf,
-        fresh_for_cold=False,
-        info={"source": source.description, "fields": list(source.fields)},
-    )
+    what = f"{source.kind} {source.description} read per sample (image + {', '.join(source.fields)})"
+    info = {"source": source.description, "fields": list(source.fields)}
+    return per_sample(ctx, f"{what} + v2 {tf_name}", files, new_dataset, dtype, dev_tf, info)
 
 
 class SourceFieldSamples(Dataset):
-    """(image, target dict) of a source's sample i: its file opened with PIL, its fields as
-    ``tv_tensors`` in the file's frame (boxes, masks), through a v2 ``transform``."""
+    """(image, target dict) of a source's sample i, its fields as ``tv_tensors``, through ``transform``."""
 
     def __init__(self, source: Any, transform: Any) -> None:
         self.source, self.transform, self.fields = source, transform, source.fields
@@ -203,9 +185,8 @@ class SourceFieldSamples(Dataset):
 
 
 def tolerant_loader(path: str) -> Image.Image:
-    """torchvision's default loader, except that a file it cannot decode reads as a 1×1 black image: a
-    plain ImageFolder loop stops at the first broken file, where convert skips it and names it (the
-    bench's note counts them); one blank image costs about nothing, so the rate stays the files'."""
+    """torchvision's default loader, except that an undecodable file reads as a 1×1 black image (counted
+    in the bench's note) where a plain ImageFolder loop stops at the first."""
     from torchvision.datasets.folder import default_loader
 
     try:
