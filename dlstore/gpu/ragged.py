@@ -19,7 +19,6 @@ clamped to each crop, so the pixels equal torchvision's ``resized_crop(..., anti
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +27,7 @@ import numpy as np
 import torch
 
 from dlstore.gpu import fused_crop
-from dlstore.gpu.augment import _CROP_ATTEMPTS, _channel_affine, _check_channels, _pair
+from dlstore.gpu.augment import _channel_affine, _check_channels, _pair, sample_crop_boxes
 from dlstore.gpu.target_geometry import crop_boxes, crop_masks, move_target
 
 __all__ = [
@@ -127,71 +126,6 @@ def _flat_host(images: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
     sizes = host[1] * host[2] * c
     host[0, 0], host[0, 1:] = 0, np.cumsum(sizes)[:-1]
     return flat, host
-
-
-def sample_crop_boxes(
-    heights: torch.Tensor,
-    widths: torch.Tensor,
-    scale: tuple[float, float] = (0.08, 1.0),
-    ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torchvision ``RandomResizedCrop.get_params`` for every image at once, each with its own size:
-    (top, left, height, width) int64 tensors on the device of ``heights``."""
-    dev = heights.device
-    b = heights.numel()
-    h_img, w_img = heights.to(torch.float64), widths.to(torch.float64)
-    area = (h_img * w_img).unsqueeze(1)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=generator, device=dev, dtype=torch.float64)
-
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    target = area * (scale[0] + (scale[1] - scale[0]) * rand(b, _CROP_ATTEMPTS))
-    aspect = _exp(log_lo + (log_hi - log_lo) * rand(b, _CROP_ATTEMPTS))
-    w_c = _round(_sqrt(target * aspect)).long()
-    h_c = _round(_sqrt(target / aspect)).long()
-    valid = (w_c > 0) & (w_c <= widths.unsqueeze(1)) & (h_c > 0) & (h_c <= heights.unsqueeze(1))
-    first = valid.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first valid attempt
-    any_valid = valid.any(dim=1)
-    h_acc, w_acc = h_c.gather(1, first).squeeze(1), w_c.gather(1, first).squeeze(1)
-    top_acc = torch.minimum((rand(b) * (heights - h_acc + 1)).long(), heights - h_acc)
-    left_acc = torch.minimum((rand(b) * (widths - w_acc + 1)).long(), widths - w_acc)
-    fb_top, fb_left, fb_h, fb_w = _fallback_boxes(heights, widths, ratio)
-    return (
-        torch.where(any_valid, top_acc, fb_top),
-        torch.where(any_valid, left_acc, fb_left),
-        torch.where(any_valid, h_acc, fb_h),
-        torch.where(any_valid, w_acc, fb_w),
-    )
-
-
-def _fallback_boxes(
-    heights: torch.Tensor, widths: torch.Tensor, ratio: tuple[float, float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torchvision's central-crop fallback, per image (float64 like Python's floats; round half even)."""
-    hf, wf = heights.to(torch.float64), widths.to(torch.float64)
-    in_ratio = wf / hf
-    lo, hi = min(ratio), max(ratio)
-    w = torch.where(in_ratio > hi, _round(hf * hi).long(), widths)
-    h = torch.where(in_ratio < lo, _round(wf / lo).long(), heights)
-    return (heights - h) // 2, (widths - w) // 2, h, w
-
-
-def _host_fast(torch_fn: Any, numpy_fn: Any) -> Any:
-    """``torch_fn``, computed by ``numpy_fn`` for CPU tensors: torch's float64 exp/sqrt/round on the
-    CPU took ~1 µs per element (11 ms for a batch of 512 boxes; numpy: ~0.1 ms). Both are correctly
-    rounded for sqrt and round half to even; exp may differ in the last bit."""
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(numpy_fn(x.numpy())) if x.device.type == "cpu" else torch_fn(x)
-
-    return fn
-
-
-_exp, _sqrt, _round = (
-    _host_fast(t, n) for t, n in ((torch.exp, np.exp), (torch.sqrt, np.sqrt), (torch.round, np.round))
-)
 
 
 def center_boxes(
