@@ -1,17 +1,15 @@
 """``Loader``: dlstore's one fast loader. It picks its path from the cache and the machine.
 
-- ``"resident"``: a raw cache whose images fit in ``resident_budget`` of the device's free memory
-  lives there as one uint8 tensor; each batch is an ``index_select`` there (``dlstore.read.resident``).
-- ``"pinned"``: any other raw cache. A background thread gathers each batch into a ring of pinned host
-  buffers and copies it to the device on a side stream (``dlstore.read.pinned``).
-- ``"decode"``: a JPEG or ragged cache. Batches are decoded by the decode lanes: nvJPEG, the GPU's
-  hardware JPEG engines and CPU processes. They are then cropped to one size on the device
-  (``dlstore.read.decode``).
+- ``"resident"``: a raw cache within ``resident_budget`` of the device's free memory lives there as one
+  uint8 tensor; each batch is an ``index_select`` there (``dlstore.read.resident``).
+- ``"pinned"``: any other raw cache, gathered by a background thread into a ring of pinned host
+  buffers and copied to the device on a side stream (``dlstore.read.pinned``).
+- ``"decode"``: a JPEG or ragged cache, decoded by nvJPEG, the GPU's hardware JPEG engines and CPU
+  processes, then cropped to one size on the device (``dlstore.read.decode``).
 
-``via=`` forces one of them. Every path takes the same epoch: ``order``, ``seed``, ``drop_last``,
-``window`` and ``num_replicas``/``rank`` under DDP. Every path keeps the same state:
-``state_dict()`` / ``load_state_dict()`` resume mid-epoch on any number of ranks
-(``dlstore.read.order``).
+``via=`` forces one. Every path takes the same epoch (``order``, ``seed``, ``drop_last``, ``window``,
+``num_replicas``/``rank``) and keeps the same state: ``state_dict()`` / ``load_state_dict()`` resume
+mid-epoch on any number of ranks (``dlstore.read.order``).
 """
 
 from __future__ import annotations
@@ -49,11 +47,8 @@ def make_sampler(
     num_replicas: int = 1,
     rank: int = 0,
 ) -> EpochSampler:
-    """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``.
-
-    One global order per epoch whatever ``num_replicas`` is; each rank takes an equal-length share of
-    it, a window at a time (``chunk``), so every rank runs the same number of steps and DDP never waits
-    on a rank that ran out (``dlstore.read.order``)."""
+    """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``: one
+    global order per epoch, each rank an equal share (``dlstore.read.order``)."""
     if order == "auto":
         order = "chunk" if cache.reader.traits.unit_grouped else "random"
     if order not in ORDER_KINDS:
@@ -77,8 +72,8 @@ def default_window(cache: Cache, images: int = 4096) -> int:
 
 
 def storage_sorted(cache: Cache, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-    """A batch's indices in storage order: chunked readers then copy each unit's rows in one slice.
-    The order of samples inside a batch does not matter to training; the labels follow the images."""
+    """A batch's indices in storage order (chunked readers then copy each unit's rows in one slice);
+    the order inside a batch does not matter to training."""
     index = np.asarray(indices, dtype=np.int64)
     return index[np.argsort(cache.positions[index], kind="stable")]
 
@@ -282,8 +277,7 @@ class Loader:
 
     @staticmethod
     def _count(batches: Iterable[Any], counted: LoaderPass) -> Iterator[Any]:
-        """The batches the loop receives, counted as it receives them: a state taken between steps
-        counts those, never what a gather thread or read-ahead prepared."""
+        """The batches the loop receives, counted as it receives them (never what was read ahead)."""
         for batch in batches:
             counted.received += 1
             yield batch
@@ -294,9 +288,8 @@ class Loader:
         self.sampler.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands, as plain JSON of a few hundred bytes: save it with each checkpoint.
-        Between steps it counts the batches the loop received; it is the same on every rank, and it
-        resumes on any number of ranks (``dlstore.read.order``)."""
+        """Where this loader stands (the batches the loop received), a few hundred bytes of JSON, the
+        same on every rank: save it with each checkpoint; it resumes on any number of ranks."""
         lp = self._pass
         if lp is not None and not lp.done:
             state = self.sampler.pass_state(lp.sampler_pass, lp.consumed())
