@@ -1,11 +1,7 @@
 """One Triton kernel for the ragged crop: bilinear gather + normalise + cast, written straight into the
-output batch (any memory format).
-
-The plain-PyTorch path (``ragged.bilinear_gather``) builds int64 index tensors of the whole output
-four times and lerps in separate kernels: ~3 GB of memory traffic per 256×224² batch, ~3 ms on a
-recent GPU, which runs beside (and slows) the training step. This kernel reads the four neighbours of each
-output pixel and writes it once. Used on CUDA when Triton imports; the PyTorch path otherwise (and on
-CPU). Same sampling positions and the same lerp order as the PyTorch path (tests/gpu compare them).
+output batch (any memory format). The PyTorch path (``ragged.bilinear_gather``) moves ~3 GB per
+256×224² batch (~3 ms beside the training step); this reads each output pixel's four neighbours and
+writes it once, at the same positions in the same lerp order. Used on CUDA when Triton imports.
 """
 
 from __future__ import annotations

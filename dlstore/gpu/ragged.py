@@ -1,20 +1,17 @@
 """Crops of variable-size images to one fixed size, batched on the device.
 
-A ragged cache (``resize="shorter"``) keeps each image's aspect ratio, so a decoded batch is a list of
-``(C, H_i, W_i)`` uint8 tensors. ``RaggedRandomResizedCrop`` draws one crop per image over its *whole*
-field of view with torchvision's ``RandomResizedCrop.get_params`` distribution (10 attempts, same
-central fallback), flips, and resamples every crop to ``size`` in one batched gather;
-``RaggedCenterCrop`` is the evaluation counterpart (torchvision ``Resize(size / crop_fraction)`` +
-``CenterCrop(size)``, as a centred square of ``crop_fraction`` × the shorter side)::
+A ragged cache (``resize="shorter"``) keeps aspect ratios, so a decoded batch is a list of
+``(C, H_i, W_i)`` uint8 tensors. ``RaggedRandomResizedCrop`` draws one crop per image over its whole
+field of view with ``RandomResizedCrop.get_params``' distribution, flips, and resamples every crop to
+``size`` in one batched gather; ``RaggedCenterCrop`` is the evaluation counterpart (``Resize(size /
+crop_fraction)`` + ``CenterCrop(size)``)::
 
-    crop = RaggedRandomResizedCrop(224, mean=IMAGENET_MEAN, std=IMAGENET_STD,
-                                   out_dtype=torch.bfloat16, channels_last=True).cuda()
+    crop = RaggedRandomResizedCrop(224, mean=MEAN, std=STD, out_dtype=torch.bfloat16).cuda()
     x = crop(images)          # images: list of uint8 (3, H_i, W_i) on the GPU -> (B, 3, 224, 224)
 
-Geometry: the images are concatenated into one flat uint8 buffer (one ``cat``, no padding, no
-per-image launches); every output pixel gathers its four neighbours there. Sampling positions follow
-``interpolate(..., align_corners=False)`` (pixel ``i`` covers ``[i, i+1)``, no antialiasing) and are
-clamped to each crop, so the pixels equal torchvision's ``resized_crop(..., antialias=False)``.
+The images are concatenated into one flat buffer (no padding, no per-image launches); every output
+pixel gathers its four neighbours there at ``interpolate(..., align_corners=False)``'s positions,
+clamped to each crop: the pixels equal ``resized_crop(..., antialias=False)``.
 """
 
 from __future__ import annotations
@@ -51,20 +48,14 @@ class FlatImages:
     heights: torch.Tensor
     widths: torch.Tensor
     channels: int
-    # The same (starts, heights, widths) as a (3, B) int64 array on the host, when the loader knows them
-    # there: the crop then draws its boxes on the host and sends them in one copy (see _RaggedCrop).
+    # (starts, heights, widths) on the host, when known there: the crop draws its boxes there
     host: np.ndarray | None = None
-    # Set when the images lie in several allocations (``scattered_flat``): each start is then the
-    # image's address minus ``flat``'s (int64, any sign), which only the fused kernel may read;
-    # ``gather()`` returns the same batch copied back to back (the PyTorch path's input).
+    # Images in several allocations (``scattered_flat``): starts are addresses minus ``flat``'s, which
+    # only the fused kernel may read; ``gather()`` copies them back to back for the PyTorch path.
     gather: Callable[[], FlatImages] | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
-
-    def contiguous(self) -> FlatImages:
-        """This batch with every start inside ``flat`` (a copy only where it was scattered)."""
-        return self if self.gather is None else self.gather()
 
 
 def scattered_flat(
@@ -73,11 +64,9 @@ def scattered_flat(
     hwc: np.ndarray,
     sources: Callable[[], list[torch.Tensor]],
 ) -> FlatImages:
-    """A batch of planar uint8 images that lie anywhere in device memory (a loader's decode lanes'
-    own buffers), read in place: each start is its image's address (``addresses``, int64) minus
-    ``base``'s (a tensor on the same device, kept by the caller with every buffer the images lie
-    in). No per-image tensor, no copy. ``hwc`` (B, 3) holds each image's (H, W, C); ``sources()``
-    makes the images as (C, H, W) tensors, for ``gather`` (called only where the fused kernel cannot run)."""
+    """Planar uint8 images anywhere in device memory (the decode lanes' own buffers), read in place:
+    each start is its image's address minus ``base``'s (the caller keeps every buffer alive). ``hwc``:
+    (B, 3) shapes; ``sources()`` makes (C, H, W) tensors, for ``gather`` where the kernel cannot run."""
     hwc = np.asarray(hwc, np.int64).reshape(-1, 3)
     host = np.empty((3, len(hwc)), np.int64)
     host[0] = np.asarray(addresses, np.int64) - base.data_ptr()
