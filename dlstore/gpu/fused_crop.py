@@ -112,10 +112,9 @@ def fused_crop(
     add: torch.Tensor,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Fill ``out`` (B, C, out_h, out_w), any strides and floating dtype: the crop of each image of the
-    flat batch described by its row of ``params`` (B, 8) int64 (``ragged.PARAM_COLUMNS``), sampled at
-    ``ragged.crop_coords``'s positions as ``bilinear_gather`` does, times ``mul`` plus ``add`` per channel.
-    One launch: the sampling positions are computed in the kernel."""
+    """Fill ``out`` (B, C, out_h, out_w), any strides and floating dtype, with each image's crop as
+    its row of ``params`` ((B, 8) ``ragged.PARAM_COLUMNS``) says, as ``bilinear_gather`` samples it,
+    times ``mul`` plus ``add`` per channel. One launch."""
     b, c, out_h, out_w = out.shape
     grid: Any = (b, triton.cdiv(out_h * out_w, BLOCK))
     _crop_kernel[grid](

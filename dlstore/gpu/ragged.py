@@ -162,12 +162,9 @@ class _RaggedCrop(torch.nn.Module):
     samples_on_host = True
 
     def forward(self, images: list[torch.Tensor] | FlatImages, target: dict[str, Any] | None = None) -> Any:
-        """A list of uint8 (C, H_i, W_i) tensors (or one (B, C, H, W) batch, or FlatImages) → (B, C, *size).
-
-        With ``target`` (a collated dict of a cache with fields, ``dlstore.read.collate_fields``: masks
-        a list of (H_i, W_i) ``tv_tensors.Mask`` or one (B, H, W), boxes a list of ``BoundingBoxes``)
-        returns ``(images, target)`` with each sample's masks and boxes cropped and flipped as its image
-        (``dlstore.gpu.target_geometry``)."""
+        """A list of uint8 (C, H_i, W_i) tensors (or a (B, C, H, W) batch, or FlatImages) → (B, C, *size).
+        With ``target`` (a collated dict of a cache with fields) returns ``(images, target)``, each
+        sample's masks and boxes cropped and flipped as its image (``dlstore.gpu.target_geometry``)."""
         if target is None:
             return self._crop(images)[0]
         out, params = self._crop(images)
@@ -297,13 +294,9 @@ def bilinear_gather(
 
 
 class RaggedRandomResizedCrop(_RaggedCrop):
-    """RandomResizedCrop (+ horizontal flip, + normalise) of variable-size images, batched.
-
-    Args: ``size``, ``scale``, ``ratio`` as torchvision's; ``hflip_p`` flip probability; ``mean``/``std``
-    in [0, 1] units (else the output is scaled to [0, 1]); ``out_dtype``; ``channels_last``;
-    ``generator``: None or a CPU generator draws the boxes on the host (one small copy per batch), a
-    generator on the images' device draws them there.
-    """
+    """RandomResizedCrop (+ horizontal flip, + normalise) of variable-size images, batched: ``size``,
+    ``scale``, ``ratio`` as torchvision's, ``mean``/``std`` in [0, 1] units; ``generator``: None or a
+    CPU one draws the boxes on the host (one small copy per batch), one on the device draws there."""
 
     def __init__(
         self,

@@ -143,10 +143,9 @@ def move_target(
     move_masks: Callable[[Any], torch.Tensor],
     move_boxes: Callable[[list[torch.Tensor]], tuple[list[torch.Tensor], list[torch.Tensor]]],
 ) -> dict[str, Any]:
-    """A collated target dict (``dlstore.read.collate_fields``) with its masks and boxes moved:
-    ``move_masks(Mask batch or list) -> (B, *size)``, ``move_boxes(list) -> (boxes, keep)``. Masks
-    become one ``tv_tensors.Mask``, boxes ``tv_tensors.BoundingBoxes`` of ``size``; every other list
-    whose items have one row per box (their labels) loses the rows of the boxes dropped."""
+    """A collated target dict with its masks (``move_masks -> (B, *size)``, one ``Mask``) and boxes
+    (``move_boxes(list) -> (boxes, keep)``, ``BoundingBoxes`` of ``size``) moved; every other list with
+    one row per box (their labels) loses the rows of the boxes dropped."""
     from torchvision import tv_tensors
 
     out = dict(target)

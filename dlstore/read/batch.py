@@ -30,6 +30,7 @@ from torch.utils.data._utils import collate as _collate
 
 from dlstore.machine import usable_cores
 from dlstore.read import slots
+from dlstore.read.engines.workers import populate
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PIN_SPLIT_BYTES = 4 << 20  # below this a single copy is as fast as several
@@ -135,16 +136,6 @@ def _copy_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def prefault(arr: np.ndarray) -> None:
-    """Map every page of ``arr`` in one ``madvise(MADV_POPULATE_READ)`` (Linux ≥ 5.14) instead of one
-    fault per page; a no-op where unsupported (the copy then faults as usual)."""
-    if arr.nbytes == 0:
-        return
-    addr = arr.ctypes.data
-    start = addr - addr % _PAGE
-    slots.madvise_populate(start, arr.nbytes + (addr - start))
-
-
 def pin_parallel(src: torch.Tensor) -> torch.Tensor:
     """A pinned copy of ``src`` with the same strides, copied in several threads over its dense
     storage order. Falls back to ``Tensor.pin_memory`` for anything that is not one dense block."""
@@ -159,7 +150,7 @@ def pin_parallel(src: torch.Tensor) -> torch.Tensor:
     step += -step % _PAGE
 
     def part(a: int) -> None:
-        prefault(s[a : a + step])
+        populate(s[a : a + step], write=False)  # one madvise, not a fault per page
         np.copyto(d[a : a + step], s[a : a + step])  # releases the GIL
 
     list(_copy_pool().map(part, range(0, len(s), step)))

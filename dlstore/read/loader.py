@@ -160,26 +160,23 @@ class Loader:
     ...     for images, labels in loader:                                  # uint8 on the GPU
     ...         step(augment(images), labels)
 
-    - ``cache``: a folder, a URL (``s3://bucket/prefix``, read through ``remote``) or an open ``Cache``.
-    - ``via``: ``auto`` (see ``dlstore.read.loader``), or ``pinned``, ``resident`` or ``decode``.
+    - ``cache``: a folder, a URL (``s3://bucket/prefix``, read through ``remote``) or an open ``Cache``;
+      ``via``: ``auto``, ``pinned``, ``resident`` or ``decode`` (``dlstore.read.loader``).
     - ``transform``: applied to each batch on the device (``dlstore.gpu.GpuAugment``; for a JPEG or
-      ragged cache a crop to one size, e.g. ``dlstore.gpu.RaggedRandomResizedCrop(224)``, required when
-      images differ in size). With fields, it is called as ``transform(images, target=target)``.
-    - ``fields``: of a cache with fields, the ones to read (None: all); batches are then
-      ``(images, target dict)``.
+      ragged cache a crop to one size, e.g. ``RaggedRandomResizedCrop(224)``); called as
+      ``transform(images, target=target)`` with ``fields`` (the ones to read, None: all), whose
+      batches are ``(images, target dict)``.
     - ``order``: ``auto`` (``chunk`` for chunked formats, ``random`` when resident), ``chunk`` (each
       chunk decoded once per epoch, ``window`` chunks mixed at a time), ``random``, ``sequential``;
-      ``seed`` fixes it (each epoch differs; ``set_epoch`` replays one). ``drop_last``: drop the last
-      short batch.
-    - ``num_replicas``, ``rank``: one process per GPU; each rank reads an equal share of every epoch.
+      ``seed`` fixes it (``set_epoch`` replays an epoch); ``drop_last`` drops a last short batch.
+    - ``num_replicas``, ``rank``: one process per GPU, each reading an equal share of every epoch.
     - ``resident_budget``: the fraction of the device's free memory the images may take resident.
-    - ``cpu_decoders``: CPU worker processes that decode: a chunked cache's chunks (pinned path), a
-      JPEG cache's CPU share of each batch (decode path).
-    - ``lanes``, ``split``: the decode lanes to run (``cpu``, ``hw``, ``nvjpeg``; default: each that
-      exists here) and fixed fractions of each batch per lane (default: measured in place; a lane left
-      out of ``split`` shares the rest equally).
-    - ``cuda_graph``: replay the transform (resident: the gather too) from a CUDA graph. The batch
-      it yields is overwritten by the next one: ``.clone()`` what you keep.
+    - ``cpu_decoders``: CPU processes decoding a chunked cache's chunks (pinned) or a JPEG cache's
+      CPU share of each batch (decode); ``lanes``, ``split``: the decode lanes to run (``cpu``,
+      ``hw``, ``nvjpeg``; default: each that exists here) and fixed fractions of each batch per lane
+      (default: measured in place; a lane left out of ``split`` shares the rest equally).
+    - ``cuda_graph``: replay the transform (resident: the gather too) from a CUDA graph; the batch it
+      yields is overwritten by the next one: ``.clone()`` what you keep.
     """
 
     def __init__(

@@ -140,18 +140,13 @@ class Pass:
 
 
 class EpochSampler(torch.utils.data.Sampler[int]):
-    """This rank's share of one global order per epoch, with a state to resume anywhere.
-
-    ``order``: ``chunk`` (chunk-aware shuffle, see ``dlstore.read.order``), ``random`` or
-    ``sequential``. ``num_replicas``/``rank`` as ``DistributedSampler``. The state is a few hundred
-    bytes of JSON; a state saved on W ranks resumes on any number of ranks::
+    """This rank's share of one global order per epoch (``order``: ``chunk``, ``random`` or
+    ``sequential``; ``num_replicas``/``rank`` as ``DistributedSampler``), with a state of a few hundred
+    bytes that resumes on any number of ranks. The first argument is a ``CachedDataset`` (anything
+    with ``.cache``), a ``Cache``, or storage positions (then ``unit``, the images per chunk, too)::
 
         sampler = EpochSampler(ds, order="random", seed=0, num_replicas=world, rank=rank)
         loader = StatefulDataLoader(ds, batch_size=256, sampler=sampler, num_workers=8)
-        loader.load_state_dict(checkpoint["loader"])          # resumes through sampler.load_state_dict
-
-    The first argument is a ``CachedDataset`` (or anything with ``.cache``), a ``Cache``, or the
-    dataset's storage positions (then ``unit``, the images per chunk, is needed too).
     """
 
     def __init__(

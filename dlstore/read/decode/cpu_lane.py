@@ -266,12 +266,7 @@ class CpuDecoders:
         table[:, 1] = table[:, 0] + extents.sizes[:count]
         table[:, 3:6] = extents.shapes[:count]
         table[:, 6] = extents.crc[:count]
-        return self.dispatch(slot, table, paths)
-
-    def dispatch(self, slot: int, table: np.ndarray, paths: list[str] | None = None) -> CpuShare:
-        """Send the rows of ``table`` (inputs in ``slot`` or in the files ``paths``; output offsets are
-        filled in here, back to back in the slot's output area) to the workers in contiguous runs."""
-        count = len(table)
+        # outputs back to back in the slot's output area; the rows to the workers in contiguous runs
         shapes = table[:, 3:6].copy()
         pixels = np.prod(shapes, axis=1)
         offsets = np.zeros(count, np.int64)
@@ -280,7 +275,7 @@ class CpuDecoders:
         table[:, 2] = out_start + offsets
         parts = min(self.runs, count)
         bounds = [count * i // parts for i in range(parts + 1)]
-        names = b"\0".join(os.fsencode(p) for p in paths or [])
+        names = b"\0".join(os.fsencode(p) for p in paths)
         runs = [(a, b, self._send(table[a:b], names)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         share = CpuShare(slot, count, out_start, int(pixels.sum()), shapes, offsets, runs)
         with self._lock:

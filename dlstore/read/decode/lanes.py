@@ -88,10 +88,9 @@ def decode_on_device(
     data: list[torch.Tensor] | None = None,
     launching: Callable[[], None] | None = None,
 ) -> tuple[list[torch.Tensor], int]:
-    """Batched nvJPEG decode of JPEG payloads (``data``: the same as tensors, if made already); images
-    it refuses (or decodes to another shape) are decoded on the CPU instead. Returns the (C, H, W) uint8
-    tensors on ``device`` and the fallback count. ``launching`` is called just before the batched call
-    (which runs without the GIL)."""
+    """(C, H, W) uint8 tensors on ``device`` by one batched nvJPEG call (``data``: the payloads as
+    tensors, if made already; ``launching`` called just before it), and how many it refused (or
+    decoded to another shape) and the CPU decoded instead."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     channels = int(shapes[0][2]) if len(shapes) else 3
@@ -142,10 +141,8 @@ def _decode_one(data: torch.Tensor, mode: Any, device: torch.device) -> torch.Te
 
 
 class DecodePath:
-    """Batches of a payload cache, decoded (nvJPEG on CUDA) and cropped on ``device``; see the module.
-
-    ``transform`` is required for a ragged cache (images differ in size); without it a fixed-size cache
-    yields (B, C, H, W) uint8. ``read_ahead`` batches are read while the current one decodes."""
+    """Batches of a payload cache, decoded and cropped on ``device`` (see the module); without a
+    ``transform`` (required for a ragged cache) a fixed-size cache yields (B, C, H, W) uint8."""
 
     read_ahead = 4  # batches read while one decodes
 
@@ -504,10 +501,9 @@ class DecodePath:
         launching: Callable[[], None],
         scatter: bool = False,
     ) -> list[Any]:
-        """The device lanes' parts of a batch, decoded at once (the hardware lane in its thread beside
-        nvJPEG in this one); a failed lane's part and the images a lane refuses go to the next lane, and
-        to the CPU in this thread when none is left. With ``scatter`` the hardware lane decodes into its
-        slots and gives each image's address (an int) instead of a tensor."""
+        """The device lanes' parts of a batch, decoded at once (``decode_parts``: failures to the next
+        lane, else the CPU). With ``scatter`` the hardware lane gives each image's address (an int in
+        its slots) instead of a tensor."""
         positions = self.cache.positions[index]
         hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
         expected = [(c, h, w) for h, w, c in hwc.tolist()]

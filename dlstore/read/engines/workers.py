@@ -171,12 +171,12 @@ _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14; elsewhere p
 _libc: Any = None
 
 
-def populate(arr: np.ndarray) -> None:
-    """Map every page of ``arr`` writable in one ``madvise`` instead of one fault per 4 KiB page on
-    first write (workers write all over a shared block for several epochs before every page is mapped)."""
+def populate(arr: np.ndarray, write: bool = True) -> bool:
+    """Map every page of ``arr`` (writable) in one ``madvise`` instead of one fault per 4 KiB page on
+    first use (workers write all over a shared block for several epochs before every page is mapped)."""
     addr = arr.ctypes.data
     start = addr - addr % mmap.PAGESIZE
-    madvise_populate(start, arr.nbytes + (addr - start), write=True)
+    return madvise_populate(start, arr.nbytes + (addr - start), write)
 
 
 def madvise_populate(address: int, nbytes: int, write: bool = False) -> bool:
