@@ -82,6 +82,13 @@ def _channel_affine(
     return (1.0 / (255.0 * s)).float(), (-m / s).float()
 
 
+def affine_buffers(module: torch.nn.Module, mean: Any, std: Any) -> None:
+    """``module._mul``/``_add`` (``_channel_affine``) as buffers, so that ``.to(device)`` moves them; not
+    persistent: configuration, not state."""
+    for name, value in zip(("_mul", "_add"), _channel_affine(mean, std)):
+        module.register_buffer(name, value, persistent=False)
+
+
 def _check_batch(batch: torch.Tensor) -> None:
     if batch.dtype != torch.uint8:
         raise TypeError(f"expected a torch.uint8 batch, got {batch.dtype}")
@@ -224,12 +231,7 @@ class GpuAugment(torch.nn.Module):
         self.size, self.hflip_p, self.degrees = _pair(size), float(hflip_p), float(degrees)
         self.out_dtype, self.channels_last, self.generator = out_dtype, bool(channels_last), generator
         self.normalized = mean is not None
-        mul, add = _channel_affine(mean, std)
-        # Buffers so that .to(device) moves them; not persistent: configuration, not state.
-        self._mul: torch.Tensor
-        self._add: torch.Tensor
-        self.register_buffer("_mul", mul, persistent=False)
-        self.register_buffer("_add", add, persistent=False)
+        affine_buffers(self, mean, std)
 
     def extra_repr(self) -> str:
         return (

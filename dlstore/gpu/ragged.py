@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from dlstore.gpu import fused_crop
-from dlstore.gpu.augment import _channel_affine, _check_channels, _pair, sample_crop_boxes
+from dlstore.gpu.augment import _check_channels, _pair, affine_buffers, sample_crop_boxes
 from dlstore.gpu.target_geometry import crop_boxes, crop_masks, move_target
 
 __all__ = [
@@ -144,11 +144,7 @@ class _RaggedCrop(torch.nn.Module):
         # On CUDA with Triton: one fused kernel (dlstore.gpu.fused_crop), ~10x less memory traffic than
         # the PyTorch gather; set False to use the PyTorch path (the same pixels up to float rounding).
         self.fused = True
-        mul, add = _channel_affine(mean, std)
-        self._mul: torch.Tensor
-        self._add: torch.Tensor
-        self.register_buffer("_mul", mul, persistent=False)
-        self.register_buffer("_add", add, persistent=False)
+        affine_buffers(self, mean, std)
 
     def boxes(
         self, heights: torch.Tensor, widths: torch.Tensor

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -50,12 +50,7 @@ STATE_VERSION = 2  # 2: the segment (base, width) of rounds; 1 (ranks taking tur
 BLOCK = 8192  # indices turned into Python ints at a time
 
 
-class _HasCache(Protocol):
-    @property
-    def cache(self) -> Cache: ...
-
-
-def storage_map(source: np.ndarray | Cache | _HasCache, unit: int | None) -> tuple[np.ndarray, int]:
+def storage_map(source: np.ndarray | Cache | Any, unit: int | None) -> tuple[np.ndarray, int]:
     """(storage positions, images per unit) of a dataset, a cache, or positions given with their unit."""
     if isinstance(source, np.ndarray | list | tuple):
         if unit is None:
@@ -151,7 +146,7 @@ class EpochSampler(torch.utils.data.Sampler[int]):
 
     def __init__(
         self,
-        source: np.ndarray | Cache | _HasCache,
+        source: np.ndarray | Cache | Any,
         unit: int | None = None,
         *,
         order: str = "chunk",

@@ -8,10 +8,12 @@ time; ``dlstore convert`` stores images shuffled, so every unit already holds a 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from dlstore.read.cache import Cache
-from dlstore.read.order import EpochSampler, _HasCache, storage_map
+from dlstore.read.order import EpochSampler, storage_map
 
 __all__ = ["ChunkSampler", "storage_map"]
 
@@ -29,7 +31,7 @@ class ChunkSampler(EpochSampler):
 
     def __init__(
         self,
-        source: np.ndarray | Cache | _HasCache,
+        source: np.ndarray | Cache | Any,
         unit: int | None = None,
         window: int = 16,
         seed: int = 0,

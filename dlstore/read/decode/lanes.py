@@ -249,9 +249,9 @@ class DecodePath:
 
     def _handed_over(self, item: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch, safe to use on the caller's current stream (made on a side stream: wait for it)."""
-        if len(item) == 2 or item[2] is None:
-            return item[0], item[1]
         images, labels, event = item
+        if event is None:
+            return images, labels
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(event)
         # made on the side stream, used on this one: the allocator must not reuse them early

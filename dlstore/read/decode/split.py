@@ -423,21 +423,17 @@ def _rescue(
     lanes: Mapping[str, DecodeFn],
     fallback: DecodeFn,
 ) -> DecodeFn:
-    """The lane that decodes a failed lane's part: the next live lane of this batch, else ``fallback``."""
+    """The lane that decodes a failed lane's part: the next live lane of this batch (failed in turn,
+    and ``fallback`` decoding, if it raises too), else ``fallback``."""
     names = [p[0] for p in parts]
-    after = names[names.index(failed) + 1 :] + names[: names.index(failed)]
-    for name in after:
-        if split.state[name].alive:
-            return _guarded(split, name, lanes[name], fallback)
-    return fallback
-
-
-def _guarded(split: LaneSplit, name: str, fn: DecodeFn, fallback: DecodeFn) -> DecodeFn:
-    """``fn``, and if it fails too, the lane is failed and ``fallback`` decodes."""
+    at = names.index(failed)
+    name = next((n for n in names[at + 1 :] + names[:at] if split.state[n].alive), None)
+    if name is None:
+        return fallback
 
     def call(start: int, stop: int) -> list[Any]:
         try:
-            return list(fn(start, stop))
+            return list(lanes[name](start, stop))
         except Exception as e:
             split.fail(name, e)
             return list(fallback(start, stop))
