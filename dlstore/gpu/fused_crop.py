@@ -1,11 +1,7 @@
 """One Triton kernel for the ragged crop: bilinear gather + normalise + cast, written straight into the
-output batch (any memory format).
-
-The plain-PyTorch path (``ragged.bilinear_gather``) builds int64 index tensors of the whole output
-four times and lerps in separate kernels: ~3 GB of memory traffic per 256×224² batch, ~3 ms on a
-recent GPU, which runs beside (and slows) the training step. This kernel reads the four neighbours of each
-output pixel and writes it once. Used on CUDA when Triton imports; the PyTorch path otherwise (and on
-CPU). Same sampling positions and the same lerp order as the PyTorch path (tests/gpu compare them).
+output batch (any memory format). The PyTorch path (``ragged.bilinear_gather``) moves ~3 GB per
+256×224² batch (~3 ms beside the training step); this reads each output pixel's four neighbours and
+writes it once, at the same positions in the same lerp order. Used on CUDA when Triton imports.
 """
 
 from __future__ import annotations
@@ -116,10 +112,9 @@ def fused_crop(
     add: torch.Tensor,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Fill ``out`` (B, C, out_h, out_w), any strides and floating dtype: the crop of each image of the
-    flat batch described by its row of ``params`` (B, 8) int64 (``ragged.PARAM_COLUMNS``), sampled at
-    ``ragged.crop_coords``'s positions as ``bilinear_gather`` does, times ``mul`` plus ``add`` per channel.
-    One launch: the sampling positions are computed in the kernel."""
+    """Fill ``out`` (B, C, out_h, out_w), any strides and floating dtype, with each image's crop as
+    its row of ``params`` ((B, 8) ``ragged.PARAM_COLUMNS``) says, as ``bilinear_gather`` samples it,
+    times ``mul`` plus ``add`` per channel. One launch."""
     b, c, out_h, out_w = out.shape
     grid: Any = (b, triton.cdiv(out_h * out_w, BLOCK))
     _crop_kernel[grid](

@@ -1,25 +1,21 @@
-"""``CudaGraphed``: a per-batch device transform replayed from a CUDA graph instead of launched op by op.
-
-An eager ``GpuAugment`` on a small batch is a few dozen kernel launches (≈ 2 ms per batch), which a
-small model at a high step rate cannot hide. Captured once for the batch's shape, it costs one
-graph launch plus one device-to-device copy of the input into the graph's static buffer.
-"""
+"""``CudaGraphed``: a per-batch device transform replayed from a CUDA graph instead of launched op by op:
+an eager ``GpuAugment`` is a few dozen launches (≈ 2 ms per small batch), which a small model at a
+high step rate cannot hide."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-Transform = Callable[[torch.Tensor], torch.Tensor]
+Transform = Callable[[torch.Tensor], Any]
 
 
 class CudaGraphed:
-    """``transform`` captured for inputs of one shape, dtype and strides; other inputs run eagerly.
-
-    The tensor returned is the graph's static output: the next call overwrites it (use it within the
-    step, ``.clone()`` what you keep). Random draws must use the device's default generator, which
-    CUDA graphs know how to advance on every replay.
+    """``transform`` captured for inputs of one shape, dtype and strides; other inputs run eagerly. The
+    output is the graph's static one, overwritten by the next call (``.clone()`` what you keep); random
+    draws must use the device's default generator, which CUDA graphs advance on every replay.
 
     >>> aug = CudaGraphed(GpuAugment(112).cuda())          # doctest: +SKIP
     >>> x = aug(images)                                      # doctest: +SKIP

@@ -1,25 +1,21 @@
 """Crops of variable-size images to one fixed size, batched on the device.
 
-A ragged cache (``resize="shorter"``) keeps each image's aspect ratio, so a decoded batch is a list of
-``(C, H_i, W_i)`` uint8 tensors. ``RaggedRandomResizedCrop`` draws one crop per image over its *whole*
-field of view with torchvision's ``RandomResizedCrop.get_params`` distribution (10 attempts, same
-central fallback), flips, and resamples every crop to ``size`` in one batched gather;
-``RaggedCenterCrop`` is the evaluation counterpart (torchvision ``Resize(size / crop_fraction)`` +
-``CenterCrop(size)``, as a centred square of ``crop_fraction`` × the shorter side)::
+A ragged cache (``resize="shorter"``) keeps aspect ratios, so a decoded batch is a list of
+``(C, H_i, W_i)`` uint8 tensors. ``RaggedRandomResizedCrop`` draws one crop per image over its whole
+field of view with ``RandomResizedCrop.get_params``' distribution, flips, and resamples every crop to
+``size`` in one batched gather; ``RaggedCenterCrop`` is the evaluation counterpart (``Resize(size /
+crop_fraction)`` + ``CenterCrop(size)``)::
 
-    crop = RaggedRandomResizedCrop(224, mean=IMAGENET_MEAN, std=IMAGENET_STD,
-                                   out_dtype=torch.bfloat16, channels_last=True).cuda()
+    crop = RaggedRandomResizedCrop(224, mean=MEAN, std=STD, out_dtype=torch.bfloat16).cuda()
     x = crop(images)          # images: list of uint8 (3, H_i, W_i) on the GPU -> (B, 3, 224, 224)
 
-Geometry: the images are concatenated into one flat uint8 buffer (one ``cat``, no padding, no
-per-image launches); every output pixel gathers its four neighbours there. Sampling positions follow
-``interpolate(..., align_corners=False)`` (pixel ``i`` covers ``[i, i+1)``, no antialiasing) and are
-clamped to each crop, so the pixels equal torchvision's ``resized_crop(..., antialias=False)``.
+The images are concatenated into one flat buffer (no padding, no per-image launches); every output
+pixel gathers its four neighbours there at ``interpolate(..., align_corners=False)``'s positions,
+clamped to each crop: the pixels equal ``resized_crop(..., antialias=False)``.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +24,7 @@ import numpy as np
 import torch
 
 from dlstore.gpu import fused_crop
-from dlstore.gpu.augment import _CROP_ATTEMPTS, _channel_affine, _check_channels, _pair
+from dlstore.gpu.augment import _check_channels, _pair, affine_buffers, sample_crop_boxes
 from dlstore.gpu.target_geometry import crop_boxes, crop_masks, move_target
 
 __all__ = [
@@ -52,20 +48,14 @@ class FlatImages:
     heights: torch.Tensor
     widths: torch.Tensor
     channels: int
-    # The same (starts, heights, widths) as a (3, B) int64 array on the host, when the loader knows them
-    # there: the crop then draws its boxes on the host and sends them in one copy (see _RaggedCrop).
+    # (starts, heights, widths) on the host, when known there: the crop draws its boxes there
     host: np.ndarray | None = None
-    # Set when the images lie in several allocations (``scattered_flat``): each start is then the
-    # image's address minus ``flat``'s (int64, any sign), which only the fused kernel may read;
-    # ``gather()`` returns the same batch copied back to back (the PyTorch path's input).
+    # Images in several allocations (``scattered_flat``): starts are addresses minus ``flat``'s, which
+    # only the fused kernel may read; ``gather()`` copies them back to back for the PyTorch path.
     gather: Callable[[], FlatImages] | None = None
 
     def __len__(self) -> int:
         return len(self.starts)
-
-    def contiguous(self) -> FlatImages:
-        """This batch with every start inside ``flat`` (a copy only where it was scattered)."""
-        return self if self.gather is None else self.gather()
 
 
 def scattered_flat(
@@ -74,11 +64,9 @@ def scattered_flat(
     hwc: np.ndarray,
     sources: Callable[[], list[torch.Tensor]],
 ) -> FlatImages:
-    """A batch of planar uint8 images that lie anywhere in device memory (a loader's decode lanes'
-    own buffers), read in place: each start is its image's address (``addresses``, int64) minus
-    ``base``'s (a tensor on the same device, kept by the caller with every buffer the images lie
-    in). No per-image tensor, no copy. ``hwc`` (B, 3) holds each image's (H, W, C); ``sources()``
-    makes the images as (C, H, W) tensors, for ``gather`` (called only where the fused kernel cannot run)."""
+    """Planar uint8 images anywhere in device memory (the decode lanes' own buffers), read in place:
+    each start is its image's address minus ``base``'s (the caller keeps every buffer alive). ``hwc``:
+    (B, 3) shapes; ``sources()`` makes (C, H, W) tensors, for ``gather`` where the kernel cannot run."""
     hwc = np.asarray(hwc, np.int64).reshape(-1, 3)
     host = np.empty((3, len(hwc)), np.int64)
     host[0] = np.asarray(addresses, np.int64) - base.data_ptr()
@@ -129,71 +117,6 @@ def _flat_host(images: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
     return flat, host
 
 
-def sample_crop_boxes(
-    heights: torch.Tensor,
-    widths: torch.Tensor,
-    scale: tuple[float, float] = (0.08, 1.0),
-    ratio: tuple[float, float] = (3.0 / 4.0, 4.0 / 3.0),
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torchvision ``RandomResizedCrop.get_params`` for every image at once, each with its own size:
-    (top, left, height, width) int64 tensors on the device of ``heights``."""
-    dev = heights.device
-    b = heights.numel()
-    h_img, w_img = heights.to(torch.float64), widths.to(torch.float64)
-    area = (h_img * w_img).unsqueeze(1)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.rand(*shape, generator=generator, device=dev, dtype=torch.float64)
-
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    target = area * (scale[0] + (scale[1] - scale[0]) * rand(b, _CROP_ATTEMPTS))
-    aspect = _exp(log_lo + (log_hi - log_lo) * rand(b, _CROP_ATTEMPTS))
-    w_c = _round(_sqrt(target * aspect)).long()
-    h_c = _round(_sqrt(target / aspect)).long()
-    valid = (w_c > 0) & (w_c <= widths.unsqueeze(1)) & (h_c > 0) & (h_c <= heights.unsqueeze(1))
-    first = valid.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first valid attempt
-    any_valid = valid.any(dim=1)
-    h_acc, w_acc = h_c.gather(1, first).squeeze(1), w_c.gather(1, first).squeeze(1)
-    top_acc = torch.minimum((rand(b) * (heights - h_acc + 1)).long(), heights - h_acc)
-    left_acc = torch.minimum((rand(b) * (widths - w_acc + 1)).long(), widths - w_acc)
-    fb_top, fb_left, fb_h, fb_w = _fallback_boxes(heights, widths, ratio)
-    return (
-        torch.where(any_valid, top_acc, fb_top),
-        torch.where(any_valid, left_acc, fb_left),
-        torch.where(any_valid, h_acc, fb_h),
-        torch.where(any_valid, w_acc, fb_w),
-    )
-
-
-def _fallback_boxes(
-    heights: torch.Tensor, widths: torch.Tensor, ratio: tuple[float, float]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torchvision's central-crop fallback, per image (float64 like Python's floats; round half even)."""
-    hf, wf = heights.to(torch.float64), widths.to(torch.float64)
-    in_ratio = wf / hf
-    lo, hi = min(ratio), max(ratio)
-    w = torch.where(in_ratio > hi, _round(hf * hi).long(), widths)
-    h = torch.where(in_ratio < lo, _round(wf / lo).long(), heights)
-    return (heights - h) // 2, (widths - w) // 2, h, w
-
-
-def _host_fast(torch_fn: Any, numpy_fn: Any) -> Any:
-    """``torch_fn``, computed by ``numpy_fn`` for CPU tensors: torch's float64 exp/sqrt/round on the
-    CPU took ~1 µs per element (11 ms for a batch of 512 boxes; numpy: ~0.1 ms). Both are correctly
-    rounded for sqrt and round half to even; exp may differ in the last bit."""
-
-    def fn(x: torch.Tensor) -> torch.Tensor:
-        return torch.from_numpy(numpy_fn(x.numpy())) if x.device.type == "cpu" else torch_fn(x)
-
-    return fn
-
-
-_exp, _sqrt, _round = (
-    _host_fast(t, n) for t, n in ((torch.exp, np.exp), (torch.sqrt, np.sqrt), (torch.round, np.round))
-)
-
-
 def center_boxes(
     heights: torch.Tensor, widths: torch.Tensor, crop_fraction: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -221,11 +144,7 @@ class _RaggedCrop(torch.nn.Module):
         # On CUDA with Triton: one fused kernel (dlstore.gpu.fused_crop), ~10x less memory traffic than
         # the PyTorch gather; set False to use the PyTorch path (the same pixels up to float rounding).
         self.fused = True
-        mul, add = _channel_affine(mean, std)
-        self._mul: torch.Tensor
-        self._add: torch.Tensor
-        self.register_buffer("_mul", mul, persistent=False)
-        self.register_buffer("_add", add, persistent=False)
+        affine_buffers(self, mean, std)
 
     def boxes(
         self, heights: torch.Tensor, widths: torch.Tensor
@@ -239,12 +158,9 @@ class _RaggedCrop(torch.nn.Module):
     samples_on_host = True
 
     def forward(self, images: list[torch.Tensor] | FlatImages, target: dict[str, Any] | None = None) -> Any:
-        """A list of uint8 (C, H_i, W_i) tensors (or one (B, C, H, W) batch, or FlatImages) → (B, C, *size).
-
-        With ``target`` (a collated dict of a cache with fields, ``dlstore.read.collate_fields``: masks
-        a list of (H_i, W_i) ``tv_tensors.Mask`` or one (B, H, W), boxes a list of ``BoundingBoxes``)
-        returns ``(images, target)`` with each sample's masks and boxes cropped and flipped as its image
-        (``dlstore.gpu.target_geometry``)."""
+        """A list of uint8 (C, H_i, W_i) tensors (or a (B, C, H, W) batch, or FlatImages) → (B, C, *size).
+        With ``target`` (a collated dict of a cache with fields) returns ``(images, target)``, each
+        sample's masks and boxes cropped and flipped as its image (``dlstore.gpu.target_geometry``)."""
         if target is None:
             return self._crop(images)[0]
         out, params = self._crop(images)
@@ -374,13 +290,9 @@ def bilinear_gather(
 
 
 class RaggedRandomResizedCrop(_RaggedCrop):
-    """RandomResizedCrop (+ horizontal flip, + normalise) of variable-size images, batched.
-
-    Args: ``size``, ``scale``, ``ratio`` as torchvision's; ``hflip_p`` flip probability; ``mean``/``std``
-    in [0, 1] units (else the output is scaled to [0, 1]); ``out_dtype``; ``channels_last``;
-    ``generator``: None or a CPU generator draws the boxes on the host (one small copy per batch), a
-    generator on the images' device draws them there.
-    """
+    """RandomResizedCrop (+ horizontal flip, + normalise) of variable-size images, batched: ``size``,
+    ``scale``, ``ratio`` as torchvision's, ``mean``/``std`` in [0, 1] units; ``generator``: None or a
+    CPU one draws the boxes on the host (one small copy per batch), one on the device draws there."""
 
     def __init__(
         self,

@@ -1,18 +1,13 @@
-"""Masks and boxes through the batched GPU crops (``GpuAugment``, ``RaggedRandomResizedCrop``), with
-each sample's own drawn crop, flip and rotation, as torchvision.transforms.v2 moves ``tv_tensors.Mask``
-and ``tv_tensors.BoundingBoxes`` under ``RandomResizedCrop`` → ``RandomHorizontalFlip`` →
-``RandomRotation`` (→ ``SanitizeBoundingBoxes``).
+"""Masks and boxes through the batched GPU crops (``GpuAugment``, ``RaggedRandomResizedCrop``), with each
+sample's own crop, flip and rotation, as torchvision.transforms.v2 moves ``tv_tensors.Mask`` and
+``BoundingBoxes`` under ``RandomResizedCrop`` → ``RandomHorizontalFlip`` → ``RandomRotation``.
 
-* Masks, crop and flip: one gather for the whole batch at the source indices v2's nearest resize
-  reads (``interpolate(mode="nearest")``: ``floor(i * crop / out)`` in float32), so the ids equal v2's
-  exactly. A rotation is then one batched nearest ``grid_sample`` of the cropped masks, as v2 rotates
-  a Mask (0 outside the rotated crop, v2's fill): equal to v2 but for rounding ties next to id
-  boundaries. (GpuAugment's image shows the real surroundings in those corners, see its docstring;
-  the mask says 0 there, as v2's does.)
-* Boxes (XYXY): shifted into the crop and clipped, scaled, flipped, their corners rotated about the
-  output's centre (min/max), clipped again; a box left with no area is dropped, and ``keep`` says
-  which survived so rows that follow the boxes (their labels) are dropped with them. All boxes of the
-  batch are one tensor: a handful of element-wise kernels per batch, whatever the counts.
+* Masks: one gather for the batch at the indices v2's nearest resize reads (``floor(i * crop / out)``
+  in float32: the ids equal v2's); a rotation is one batched nearest ``grid_sample`` (0 outside, v2's
+  fill; equal but for rounding ties at id boundaries).
+* Boxes (XYXY): shifted into the crop and clipped, scaled, flipped, their corners rotated (min/max),
+  clipped again; a box with no area is dropped, and ``keep`` says which survived so the rows that
+  follow the boxes (their labels) are dropped too. All boxes of the batch are one tensor.
 """
 
 from __future__ import annotations
@@ -148,10 +143,9 @@ def move_target(
     move_masks: Callable[[Any], torch.Tensor],
     move_boxes: Callable[[list[torch.Tensor]], tuple[list[torch.Tensor], list[torch.Tensor]]],
 ) -> dict[str, Any]:
-    """A collated target dict (``dlstore.read.collate_fields``) with its masks and boxes moved:
-    ``move_masks(Mask batch or list) -> (B, *size)``, ``move_boxes(list) -> (boxes, keep)``. Masks
-    become one ``tv_tensors.Mask``, boxes ``tv_tensors.BoundingBoxes`` of ``size``; every other list
-    whose items have one row per box (their labels) loses the rows of the boxes dropped."""
+    """A collated target dict with its masks (``move_masks -> (B, *size)``, one ``Mask``) and boxes
+    (``move_boxes(list) -> (boxes, keep)``, ``BoundingBoxes`` of ``size``) moved; every other list with
+    one row per box (their labels) loses the rows of the boxes dropped."""
     from torchvision import tv_tensors
 
     out = dict(target)

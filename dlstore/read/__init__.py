@@ -1,9 +1,5 @@
 """Reading a cache: ``open_cache`` (batched reads), ``CachedDataset`` (the torch Dataset), the samplers
-``ChunkSampler`` / ``EpochSampler``, and ``Loader``, the fast loader (``dlstore.read.loader``).
-
->>> from dlstore.read import CachedDataset, ChunkSampler, Loader   # doctest: +SKIP
-
-Names load lazily so that importing this package does not import torch.
+``ChunkSampler`` / ``EpochSampler``, and ``Loader``, the fast loader. Names load lazily (no torch import).
 """
 
 from __future__ import annotations

@@ -1,21 +1,18 @@
 """Whole batches for torch's DataLoader: one copy from the cache, and a pin path that is not one thread.
 
-Where the bytes go with a plain ``DataLoader(CachedDataset(...))`` and these helpers:
+With a plain ``DataLoader(CachedDataset(...))``:
 
-1. the worker gathers the batch's images from the cache straight into a shared-memory (B,H,W,C)
-   block, one of the worker's reused slots (``dlstore.read.slots``) (the only copy in the worker; no
-   per-sample tensor, no collate copy: ``BatchSamples`` is collated by handing that block over, see
-   ``collate_batch_samples``);
-2. the block crosses to the main process as its slot's key (no copy; the slot, mapped there once,
-   is freed for the worker when the last tensor viewing it is released), the labels inside the pickle;
-3. with ``pin_memory=True`` the DataLoader's pin thread calls ``ImageBatch.pin_memory``: a batch in a
-   worker slot is pinned in place (the slot is page-locked for CUDA once, ``slots.pin_in_place``; no
-   copy); any other batch is copied into pinned memory in several threads, each pre-faulting its part
-   of the shared memory in one ``madvise`` (torch's own ``Tensor.pin_memory`` copies in one thread
-   and, on a freshly mapped block, takes one page fault per 4 KiB page, which caps it near 2 GB/s).
+1. the worker gathers the batch's images straight into a shared-memory (B,H,W,C) block, one of its
+   reused slots (``dlstore.read.slots``): the only copy in the worker (``BatchSamples`` is collated by
+   handing that block over);
+2. the block crosses to the main process as its slot's key (no copy), the labels inside the pickle;
+3. with ``pin_memory=True`` the pin thread calls ``ImageBatch.pin_memory``: a worker slot is pinned in
+   place (page-locked once); any other batch is copied into pinned memory in several threads, each
+   pre-faulting its part in one ``madvise`` (torch's one-thread copy takes a page fault per 4 KiB of a
+   fresh block, which caps it near 2 GB/s).
 
-Images are (B,C,H,W) uint8 with channels-last strides (the (B,H,W,C) block seen as CHW), which is what
-``.cuda()`` and channels-last models take without another copy; call ``.contiguous()`` for NCHW.
+Images are (B,C,H,W) uint8 with channels-last strides (the block seen as CHW), which ``.cuda()`` and
+channels-last models take without another copy; call ``.contiguous()`` for NCHW.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ from torch.utils.data._utils import collate as _collate
 
 from dlstore.machine import usable_cores
 from dlstore.read import slots
+from dlstore.read.engines.workers import populate
 
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 _PIN_SPLIT_BYTES = 4 << 20  # below this a single copy is as fast as several
@@ -99,13 +97,10 @@ def labels_tensor(labels: np.ndarray) -> torch.Tensor:
 
 def new_batch(shape: tuple[int, ...], shared: bool) -> torch.Tensor:
     """An uninitialised uint8 tensor in one of this process's reused slots when one is free
-    (``dlstore.read.slots``: in a DataLoader worker the batch then crosses to the main process
-    without a copy), else newly allocated: in a new shared-memory file as torch would make it when
-    ``shared`` (a worker), in ordinary memory otherwise.
-    ``share_memory_()`` on an ordinary tensor would allocate twice and copy."""
+    (``dlstore.read.slots``: a worker's batch then crosses processes without a copy; a fresh tensor is
+    a fresh mmap, one page fault per 4 KiB as it is filled), else new: in a new shared-memory file when
+    ``shared`` (``share_memory_()`` would allocate twice and copy), in ordinary memory otherwise."""
     nbytes = int(np.prod(shape))
-    # A fresh 50 MB tensor is a fresh mmap: one page fault per 4 KiB while it is filled, and an munmap
-    # when freed; a reused slot is filled at memcpy speed (0 workers: 18k -> see RESULTS.md).
     flat = slots.acquire(nbytes, slots.MAX_SLOTS if shared else slots.MAX_LOCAL_SLOTS)
     if flat is not None:
         return flat.view(shape)
@@ -141,16 +136,6 @@ def _copy_pool() -> ThreadPoolExecutor:
         return _pool
 
 
-def prefault(arr: np.ndarray) -> None:
-    """Map every page of ``arr`` in one ``madvise(MADV_POPULATE_READ)`` (Linux ≥ 5.14) instead of one
-    fault per page; a no-op where unsupported (the copy then faults as usual)."""
-    if arr.nbytes == 0:
-        return
-    addr = arr.ctypes.data
-    start = addr - addr % _PAGE
-    slots.madvise_populate(start, arr.nbytes + (addr - start))
-
-
 def pin_parallel(src: torch.Tensor) -> torch.Tensor:
     """A pinned copy of ``src`` with the same strides, copied in several threads over its dense
     storage order. Falls back to ``Tensor.pin_memory`` for anything that is not one dense block."""
@@ -165,7 +150,7 @@ def pin_parallel(src: torch.Tensor) -> torch.Tensor:
     step += -step % _PAGE
 
     def part(a: int) -> None:
-        prefault(s[a : a + step])
+        populate(s[a : a + step], write=False)  # one madvise, not a fault per page
         np.copyto(d[a : a + step], s[a : a + step])  # releases the GIL
 
     list(_copy_pool().map(part, range(0, len(s), step)))
@@ -199,12 +184,9 @@ class Sample(tuple):  # type: ignore[type-arg]
 
 
 class BatchSamples(Sequence[Sample]):
-    """What ``CachedDataset.__getitems__`` returns: the batch's samples as a sequence, made on demand.
-
-    torch's default collate looks at the first element, finds ``Sample`` registered, and calls
-    ``collate_batch_samples`` with this whole sequence, which returns the batch block as it is.
-    Anything else (a custom collate, indexing) sees ordinary (CHW image, int label) tuples.
-    """
+    """What ``CachedDataset.__getitems__`` returns: the batch's samples, made on demand. torch's
+    default collate finds ``Sample`` registered and hands the block on as it is
+    (``collate_batch_samples``); anything else sees ordinary (CHW image, int label) tuples."""
 
     def __init__(self, images: torch.Tensor, labels: np.ndarray) -> None:
         self.images, self.labels = images, labels  # (B,C,H,W) uint8, (B,) int64

@@ -23,7 +23,7 @@ from dlstore.errors import (
     SampleReadError,
 )
 from dlstore.formats import get_format
-from dlstore.read.engines.owner import ReaderEngines, may_start_processes
+from dlstore.read.engines.batch_procs import ReaderEngines, may_start_processes
 from dlstore.spec import (
     LABELS_FILE,
     MANIFEST,
@@ -58,18 +58,15 @@ class Cache:
     ) -> None:
         location = parse_store_path(root)
         self.location = location  # what errors name: the folder, or the URL of a remote cache
-        # A remote cache is read through its local mirror (dlstore.storage.mirror); below this point
-        # every format reads local files, on today's code path.
+        # A remote cache is read through its local mirror: every format reads local files.
         self.mirror = open_mirror(location, remote) if isinstance(location, str) else None
         self.root: Path = self.mirror.path if self.mirror is not None else location
         self._generation = self._open(in_memory)
         self.engines = ReaderEngines(self.reader)  # the reader's decode processes, started on demand
 
     def _open(self, in_memory: bool) -> Generation:
-        """Open one generation whole. A replace (rename) during the open shows as the folder at
-        ``root`` no longer being the one held: then everything is opened again (the new generation),
-        a few times at most, then CacheReplacedError — never a manifest of one generation with the
-        labels or data files of another."""
+        """Open one generation whole: a replace during the open (``root`` no longer the folder held)
+        opens everything again, a few times at most, never mixing two generations' files."""
         for _ in range(OPEN_ATTEMPTS):
             gen = Generation(self.root)
             try:
@@ -145,9 +142,8 @@ class Cache:
         return out
 
     def prefetch(self, indices: np.ndarray | list[int]) -> None:
-        """Start preparing a later ``read`` of these indices in the background: a remote cache
-        downloads the units they need, a local chunked one (zarr, npz) decodes them in its reader's
-        threads, in the order given. Errors surface in the read that needs the unit, not here."""
+        """Start preparing a later ``read`` of these indices in the background (a remote cache downloads
+        their units, a chunked one decodes them); errors surface in the read that needs the unit."""
         pos = self.storage_positions(np.asarray(indices, dtype=np.int64).reshape(-1))
         if self.mirror is not None:
             self.mirror.prefetch(self.reader.files_for(pos))
@@ -157,10 +153,9 @@ class Cache:
     def read_batches(
         self, batches: list[np.ndarray] | list[list[int]], processes: int = 0
     ) -> Iterator[np.ndarray]:
-        """Each batch of indices as ``read`` returns it, in order. With ``processes`` > 0 and a local
-        chunked cache (zarr, npz), worker processes decode every chunk once and copy its images
-        straight into the batches in shared memory: each array is then valid only until the next one
-        is asked for (copy it to keep it). Otherwise each batch is a fresh ``read``."""
+        """Each batch of indices as ``read`` returns it. With ``processes`` > 0 and a local chunked cache,
+        worker processes decode every chunk once straight into the batches in shared memory: each
+        array is then valid only until the next one is asked for."""
         if processes <= 0 or self.mirror is not None or not may_start_processes(self.reader):
             for idx in batches:
                 yield self.read(idx)
@@ -200,11 +195,9 @@ class Cache:
     def read_fields(
         self, indices: np.ndarray | list[int], into: dict[str, np.ndarray] | None = None
     ) -> dict[str, Any]:
-        """The named fields (``fields``: the manifest's, or those selected) of ``indices``, in their
-        order: name → a (B, ...) array for a fixed-shape field (a class field is the labels), a list of
-        B arrays for a variable-length one (boxes, their labels, JSON bytes; masks of a ragged cache).
-        {} for a classification cache. ``into``: (B, ...) arrays to fill for fixed-shape fields (a
-        loader's pinned buffers), returned in their place."""
+        """The ``fields`` of ``indices``: name → a (B, ...) array for a fixed-shape field (a class field is
+        the labels), a list of B arrays for a variable-length one; {} without fields. ``into``: (B, ...)
+        arrays to fill for fixed-shape fields (a loader's pinned buffers), returned in their place."""
         if not self.spec.fields:
             return {}
         index = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -228,10 +221,8 @@ class Cache:
         return self._read_payload_layout(indices, self.payload_reader.read_payloads)
 
     def payload_extents(self, indices: np.ndarray | list[int]) -> PayloadExtents:
-        """Where the payloads of ``indices`` lie (see ``PayloadExtents``), for a decoder in another process
-        that copies and CRC-checks them; payload layouts only. A remote cache's local copies of its units
-        may be evicted once read, so its payloads are copied from this process's buffers, never re-read
-        from those files by another process."""
+        """Where the payloads of ``indices`` lie (``PayloadExtents``), for a decoder in another process;
+        a remote cache's local copies may be evicted, so its payloads are never re-read from files."""
         extents = self._read_payload_layout(indices, self.payload_reader.payload_extents)
         if self.mirror is not None:
             extents.sources = [None] * len(extents.sources)
@@ -272,11 +263,8 @@ class Cache:
         return f"indices {_short(indices)}"
 
     def check_generation(self) -> None:
-        """If DEST was rebuilt (swapped) or removed while open, refuse rather than mix generations.
-        Checked after a read of files opened by path, so a read that passed got the old files. The
-        folder opened is held (``Generation``), so a new folder cannot reuse its inode number and
-        pass for it. (A memory map taken at open keeps reading its old generation: it outlives the
-        swap.) A remote cache asks its store whether the manifest changed."""
+        """Refuse rather than mix generations if the cache was rebuilt or removed while open (checked
+        after a read of files opened by path, so a read that passed got the old files)."""
         if not self._generation.is_current():
             raise CacheReplacedError(
                 f"{self.location}: the cache was rebuilt or removed while open; open it "
@@ -285,9 +273,8 @@ class Cache:
 
     @contextmanager
     def _read_errors(self, where: Callable[[DlstoreError], str], dataset: bool = True) -> Iterator[None]:
-        """Around every read: a replaced cache (its files vanish or change under a path) raises
-        CacheReplacedError, not "corrupt"; any other dlstore error becomes a SampleReadError naming
-        ``where(error)`` (the indices) and the cache."""
+        """Around every read: a replaced cache raises CacheReplacedError, not "corrupt"; any other
+        dlstore error becomes a SampleReadError naming ``where(error)`` and the cache."""
         try:
             yield
         except CacheReplacedError:
@@ -301,9 +288,8 @@ class Cache:
             raise
 
     def _check_replaced(self, error: Exception) -> None:
-        """On a read's error path: a replaced cache (local or remote) raises CacheReplacedError, so a
-        vanished file of the old generation is not reported as damage. Not asked of a store that
-        just failed to answer (``RemoteStoreError``): that would only wait out its deadline again."""
+        """On a read's error path: a replaced cache raises CacheReplacedError (not damage). Not asked of
+        a store that just failed to answer: that would only wait out its deadline again."""
         self.check_generation()
         if self.mirror is not None and not isinstance(error, RemoteStoreError):
             self.mirror.raise_if_replaced()  # one GET of the manifest: only when a read failed
@@ -328,11 +314,9 @@ NPY_HEADER_MAX = 1 << 16  # numpy writes headers of at most a few hundred bytes
 
 
 class Generation:
-    """The folder a local cache was opened from, held open by a directory descriptor.
-
-    While held, no new folder can get its (device, inode), so ``is_current`` cannot be fooled by a
-    rebuilt cache in a recycled inode; the manifest and index arrays are read relative to the
-    descriptor, so they all come from the same generation whatever is renamed meanwhile."""
+    """The folder a local cache was opened from, held open by a directory descriptor: no new folder can
+    get its (device, inode) meanwhile, and the manifest and index arrays read relative to it all come
+    from the same generation whatever is renamed."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
@@ -392,16 +376,13 @@ class Generation:
 
 
 def check_files(root: Path, spec: CacheSpec, lazy: bool = False) -> None:
-    """Before anything is allocated: the cache folder holds only folders and regular files (no
-    symlink, FIFO, device or socket), and no file holds bytes beyond what the manifest's checksums
-    cover (an index appended to a shard). A missing or truncated unit is left to the read that needs
-    it (it names the dataset index) and to ``dlstore verify``."""
+    """Before anything is allocated: only folders and regular files, and no file holds bytes beyond
+    what the manifest's checksums cover. A missing or truncated unit is left to the read that needs
+    it and to ``dlstore verify``."""
     present = regular_files(root)
     over = [p for p in size_problems(root, spec.checksums, present, lazy=True) if "appended" in p]
     if over:
         raise CacheCorruptError(f"{over[0]}; run `dlstore verify {root}` and rebuild the cache")
-    # What one unit may decode to is checked against the bytes held when the reader is made
-    # (formats.base.decode_limit), before anything is decoded.
 
 
 def load_npy(path: Path, data: bytes | None = None, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -479,16 +460,12 @@ def open_cache(
 ) -> Cache:
     """Open a complete cache for batched reads; raises CacheNotFoundError if it is not complete.
 
-    Opening reads the manifest and the index arrays, never the source files: its cost does not grow
-    with the number of source files. One ``stat`` of the source root warns (StaleCacheWarning) when a
-    class folder was added, removed or renamed since. ``check_source=True`` re-scans the source folder
-    (sizes, mtimes): a changed source warns, or with ``strict`` raises StaleCacheError, naming the first
-    changed path. ``in_memory`` (formats that load into RAM) is refused up front when the images
-    exceed the available memory, and for formats that are read unit by unit.
-
-    ``path`` may be a URL (``s3://bucket/prefix``), read as ``remote`` says (``Remote``): data units are
-    fetched on first use into a local read-through cache, each checked against the manifest's
-    checksum. The source is not re-scanned for a remote cache.
+    Opening reads the manifest and index arrays, never the source files; one ``stat`` of the source
+    root warns (StaleCacheWarning) when a class folder changed. ``check_source=True`` re-scans the
+    source (sizes, mtimes): a change warns, or with ``strict`` raises StaleCacheError. ``in_memory``
+    is refused up front when the images exceed the available memory. ``path`` may be a URL
+    (``s3://bucket/prefix``), read as ``remote`` says: units are fetched on first use into a local
+    read-through cache, each checked against the manifest's checksum.
     """
     cache = Cache(path, in_memory, remote)
     if cache.mirror is None:  # a remote cache's source folder is on the machine that converted it

@@ -23,37 +23,24 @@ from dlstore.storage.stores import parse_store_path
 
 
 class CachedDataset(torch.utils.data.Dataset):
-    """Images of a dlstore cache as uint8 CHW tensors with int labels (with a dict of its named fields
-    as the target when the cache has fields: boxes, masks, multi-label vectors; ``dlstore.read.field_targets``).
+    """Images of a dlstore cache as uint8 CHW tensors with int labels (a dict of its named fields as
+    the target when the cache has fields: boxes, masks, multi-label vectors; ``dlstore.read.field_targets``).
 
     Cheap to pickle (a path, never pixels) and opened lazily in each process, so it works with
     DataLoader workers under fork, spawn and forkserver. ``__getitems__`` reads a whole batch in one
     storage pass. Keep float conversion, normalisation and augmentation on the GPU::
 
-        from torch.utils.data import DataLoader
-        from dlstore import CachedDataset
-        from dlstore.gpu import GpuAugment
-
         ds = CachedDataset("cache/")                    # or in_memory=True for a ram cache
-        loader = DataLoader(ds, batch_size=256, shuffle=True, num_workers=2,
-                            pin_memory=True, drop_last=True, persistent_workers=True)
-        augment = GpuAugment(224, degrees=15, mean=(0.485, 0.456, 0.406),
-                             std=(0.229, 0.224, 0.225)).cuda()
+        loader = DataLoader(ds, batch_size=256, shuffle=True, num_workers=2, pin_memory=True)
+        augment = GpuAugment(224, degrees=15, mean=MEAN, std=STD).cuda()
         for images, labels in loader:
             x = augment(images.cuda(non_blocking=True))
-            loss = loss_fn(model(x), labels.cuda(non_blocking=True))
-            ...
 
-    A ragged cache (``resize="shorter"``: images keep their aspect ratio) yields variable-size tensors,
-    as ImageFolder does: give a ``transform`` that makes them one size (e.g. torchvision
-    ``RandomResizedCrop``) or a ``collate_fn`` of your own; JPEG caches are decoded here, on the CPU, in
-    the reader's threads (Pillow releases the GIL). The tensors are the same uint8 CHW whatever the codec.
-
-    ``pil=True`` yields PIL images (RGB, or L for one channel) as ImageFolder's loader does, for
-    transforms written for them (``ToTensor``); the tensor path skips that conversion.
-
-    ``in_memory=True`` (ram format) loads the images once into one contiguous array in this process;
-    forked workers share it copy-on-write, spawned workers load their own copy.
+    A ragged cache (``resize="shorter"``) yields variable-size tensors, as ImageFolder does: give a
+    ``transform`` that makes them one size or a ``collate_fn`` of your own. JPEG caches are decoded
+    here, in the reader's threads. ``pil=True`` yields PIL images (RGB, or L) as ImageFolder's loader
+    does, for transforms written for them (``ToTensor``). ``in_memory=True`` (ram format) loads the
+    images once into one array; forked workers share it copy-on-write, spawned ones load their own.
     """
 
     pil = False  # a dataset pickled before the option existed reads as tensors
@@ -78,9 +65,8 @@ class CachedDataset(torch.utils.data.Dataset):
         # A remote cache (URL): what each worker process needs to open its own mirror of it.
         self.remote = remote
         self.spec: CacheSpec = spec_at(self.path, dict(remote.storage_options or {}) if remote else None)
-        # The source is only scanned when asked (check_source=True: warns, strict: raises, naming the
-        # first changed file); otherwise one stat of its root, so opening costs nothing per file. A
-        # remote cache's source folder is on the machine that converted it: not checked.
+        # One stat of the source root (a full scan with check_source); a remote cache's source is on
+        # the machine that converted it.
         if not isinstance(self.path, str):
             check_staleness(self.path, self.spec, check_source, strict)
         self._cache: Cache | None = None
@@ -144,13 +130,10 @@ class CachedDataset(torch.utils.data.Dataset):
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> Sequence[tuple[Any, int]]:
-        """One storage pass for the batch, as the samples DataLoader's default collate expects.
-
-        Without a transform the batch is read once into one (in a worker: shared-memory) block and
-        default_collate hands that block on (see ``dlstore.read.batch``): one copy per image, where
-        per-sample CHW tensors stacked by collate cost three (the per-sample one a strided transpose).
-        A ragged cache's images differ in size, so they go out one by one (collate is the user's).
-        """
+        """One storage pass for the batch. Without a transform it is read into one (in a worker:
+        shared-memory) block that default_collate hands on (``dlstore.read.batch``): one copy per
+        image, where per-sample tensors stacked by collate cost three. A ragged cache's images go out
+        one by one."""
         check_loader_shared_memory(len(indices) * self.spec.image_bytes * (2 if self.spec.ragged else 1))
         if self.spec.fields:
             return self._field_samples(indices)

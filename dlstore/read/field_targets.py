@@ -1,17 +1,12 @@
 """Targets as torchvision.transforms.v2 users write against them, from a cache's named fields.
 
-A classification cache's target is its int label, as ever. A cache with fields gives each sample a
-dict: boxes as ``tv_tensors.BoundingBoxes`` (XYXY, the image's canvas size), masks as
-``tv_tensors.Mask``, every other numeric field as a tensor, a JSON field as the decoded object. So a v2
-pipeline (``v2.RandomResizedCrop``, ``v2.RandomHorizontalFlip``, ``v2.SanitizeBoundingBoxes``) moves
-them with the image unchanged::
+A classification cache's target is its int label. A cache with fields gives each sample a dict: boxes
+as ``tv_tensors.BoundingBoxes`` (XYXY, the image's canvas size), masks as ``tv_tensors.Mask``, other
+numeric fields as tensors, a JSON field as the decoded object, so a v2 pipeline moves them with the
+image unchanged. ``collate_fields`` stacks what has one shape per sample and keeps the rest as lists::
 
     ds = CachedDataset("coco-cache/", transform=v2.Compose([v2.RandomIoUCrop(), v2.SanitizeBoundingBoxes()]))
-    image, target = ds[0]             # target["boxes"]: BoundingBoxes, target["labels"]: int64 tensor
     loader = DataLoader(ds, batch_size=8, collate_fn=collate_fields)
-
-``collate_fields`` stacks what has one shape per sample (images of a fixed-size cache, masks, values,
-class labels) and keeps what does not (boxes and their rows, JSON records) as lists.
 """
 
 from __future__ import annotations
@@ -35,24 +30,14 @@ def sample_targets(
     """One target dict per sample from ``Cache.read_fields``' batch; ``sizes``: each image's (H, W)."""
     from torchvision import tv_tensors
 
-    out: list[dict[str, Any]] = [{} for _ in sizes]
-    for name, f in spec.fields.items():
-        column = fields[name]
-        for j, target in enumerate(out):
-            value = column[j]
-            if f.kind == "json":
-                target[name] = json.loads(np.asarray(value, np.uint8).tobytes())
-            elif f.kind == "boxes":
-                target[name] = tv_tensors.BoundingBoxes(
-                    torch.from_numpy(np.array(value, np.float32)).reshape(-1, 4),
-                    format=tv_tensors.BoundingBoxFormat.XYXY,
-                    canvas_size=tuple(sizes[j]),
-                )
-            elif f.kind == "mask":
-                target[name] = tv_tensors.Mask(torch.from_numpy(np.array(value)))
-            else:
-                target[name] = torch.as_tensor(np.array(value))
-    return out
+    def row(value: Any, j: int) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value[j]
+        own = value[j].as_subclass(torch.Tensor).clone()  # not a view keeping the batch alive
+        return tv_tensors.Mask(own) if isinstance(value, tv_tensors.Mask) else own
+
+    batch = batch_target(spec, fields, sizes)
+    return [{name: row(value, j) for name, value in batch.items()} for j in range(len(sizes))]
 
 
 def ragged_names(spec: CacheSpec) -> frozenset[str]:
@@ -61,14 +46,10 @@ def ragged_names(spec: CacheSpec) -> frozenset[str]:
 
 
 def collate_fields(batch: Sequence[tuple[Any, Any]], ragged: frozenset[str] | None = None) -> tuple[Any, Any]:
-    """DataLoader ``collate_fn`` for (image, target) samples of a cache with fields
-    (``CachedDataset.collate_fn`` is this with the cache's ``ragged`` names filled in).
-
-    Images: one (B, C, H, W) tensor when they share a size, else a list. Targets: a dict whose fixed-
-    shape entries (masks, class labels, values) are stacked (masks as one ``tv_tensors.Mask``) and
-    whose ragged entries (``ragged``: boxes, their labels, JSON records) are lists of B items; without
-    ``ragged``, boxes, non-tensors and entries that differ in shape are lists. An int target (a
-    classification cache) becomes a tensor, as default_collate does."""
+    """DataLoader ``collate_fn`` for (image, target) samples of a cache with fields (``ds.collate_fn``
+    fills in ``ragged``). Images: one (B, C, H, W) tensor when they share a size, else a list. Fixed-
+    shape target entries are stacked (masks as one ``Mask``); ``ragged`` ones (without it: boxes,
+    non-tensors, entries that differ in shape) are lists of B items. An int target becomes a tensor."""
     from torchvision import tv_tensors
 
     images, targets = zip(*batch)

@@ -1,17 +1,15 @@
 """``Loader``: dlstore's one fast loader. It picks its path from the cache and the machine.
 
-- ``"resident"``: a raw cache whose images fit in ``resident_budget`` of the device's free memory
-  lives there as one uint8 tensor; each batch is an ``index_select`` there (``dlstore.read.resident``).
-- ``"pinned"``: any other raw cache. A background thread gathers each batch into a ring of pinned host
-  buffers and copies it to the device on a side stream (``dlstore.read.pinned``).
-- ``"decode"``: a JPEG or ragged cache. Batches are decoded by the decode lanes: nvJPEG, the GPU's
-  hardware JPEG engines and CPU processes. They are then cropped to one size on the device
-  (``dlstore.read.decode``).
+- ``"resident"``: a raw cache within ``resident_budget`` of the device's free memory lives there as one
+  uint8 tensor; each batch is an ``index_select`` there (``dlstore.read.resident``).
+- ``"pinned"``: any other raw cache, gathered by a background thread into a ring of pinned host
+  buffers and copied to the device on a side stream (``dlstore.read.pinned``).
+- ``"decode"``: a JPEG or ragged cache, decoded by nvJPEG, the GPU's hardware JPEG engines and CPU
+  processes, then cropped to one size on the device (``dlstore.read.decode``).
 
-``via=`` forces one of them. Every path takes the same epoch: ``order``, ``seed``, ``drop_last``,
-``window`` and ``num_replicas``/``rank`` under DDP. Every path keeps the same state:
-``state_dict()`` / ``load_state_dict()`` resume mid-epoch on any number of ranks
-(``dlstore.read.order``).
+``via=`` forces one. Every path takes the same epoch (``order``, ``seed``, ``drop_last``, ``window``,
+``num_replicas``/``rank``) and keeps the same state: ``state_dict()`` / ``load_state_dict()`` resume
+mid-epoch on any number of ranks (``dlstore.read.order``).
 """
 
 from __future__ import annotations
@@ -49,11 +47,8 @@ def make_sampler(
     num_replicas: int = 1,
     rank: int = 0,
 ) -> EpochSampler:
-    """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``.
-
-    One global order per epoch whatever ``num_replicas`` is; each rank takes an equal-length share of
-    it, a window at a time (``chunk``), so every rank runs the same number of steps and DDP never waits
-    on a rank that ran out (``dlstore.read.order``)."""
+    """``chunk`` (chunk-aware, default for npz/zarr), ``random`` (full shuffle) or ``sequential``: one
+    global order per epoch, each rank an equal share (``dlstore.read.order``)."""
     if order == "auto":
         order = "chunk" if cache.reader.traits.unit_grouped else "random"
     if order not in ORDER_KINDS:
@@ -77,8 +72,8 @@ def default_window(cache: Cache, images: int = 4096) -> int:
 
 
 def storage_sorted(cache: Cache, indices: Sequence[int] | np.ndarray) -> np.ndarray:
-    """A batch's indices in storage order: chunked readers then copy each unit's rows in one slice.
-    The order of samples inside a batch does not matter to training; the labels follow the images."""
+    """A batch's indices in storage order (chunked readers then copy each unit's rows in one slice);
+    the order inside a batch does not matter to training."""
     index = np.asarray(indices, dtype=np.int64)
     return index[np.argsort(cache.positions[index], kind="stable")]
 
@@ -165,26 +160,23 @@ class Loader:
     ...     for images, labels in loader:                                  # uint8 on the GPU
     ...         step(augment(images), labels)
 
-    - ``cache``: a folder, a URL (``s3://bucket/prefix``, read through ``remote``) or an open ``Cache``.
-    - ``via``: ``auto`` (see ``dlstore.read.loader``), or ``pinned``, ``resident`` or ``decode``.
+    - ``cache``: a folder, a URL (``s3://bucket/prefix``, read through ``remote``) or an open ``Cache``;
+      ``via``: ``auto``, ``pinned``, ``resident`` or ``decode`` (``dlstore.read.loader``).
     - ``transform``: applied to each batch on the device (``dlstore.gpu.GpuAugment``; for a JPEG or
-      ragged cache a crop to one size, e.g. ``dlstore.gpu.RaggedRandomResizedCrop(224)``, required when
-      images differ in size). With fields, it is called as ``transform(images, target=target)``.
-    - ``fields``: of a cache with fields, the ones to read (None: all); batches are then
-      ``(images, target dict)``.
+      ragged cache a crop to one size, e.g. ``RaggedRandomResizedCrop(224)``); called as
+      ``transform(images, target=target)`` with ``fields`` (the ones to read, None: all), whose
+      batches are ``(images, target dict)``.
     - ``order``: ``auto`` (``chunk`` for chunked formats, ``random`` when resident), ``chunk`` (each
       chunk decoded once per epoch, ``window`` chunks mixed at a time), ``random``, ``sequential``;
-      ``seed`` fixes it (each epoch differs; ``set_epoch`` replays one). ``drop_last``: drop the last
-      short batch.
-    - ``num_replicas``, ``rank``: one process per GPU; each rank reads an equal share of every epoch.
+      ``seed`` fixes it (``set_epoch`` replays an epoch); ``drop_last`` drops a last short batch.
+    - ``num_replicas``, ``rank``: one process per GPU, each reading an equal share of every epoch.
     - ``resident_budget``: the fraction of the device's free memory the images may take resident.
-    - ``cpu_decoders``: CPU worker processes that decode: a chunked cache's chunks (pinned path), a
-      JPEG cache's CPU share of each batch (decode path).
-    - ``lanes``, ``split``: the decode lanes to run (``cpu``, ``hw``, ``nvjpeg``; default: each that
-      exists here) and fixed fractions of each batch per lane (default: measured in place; a lane left
-      out of ``split`` shares the rest equally).
-    - ``cuda_graph``: replay the transform (resident: the gather too) from a CUDA graph. The batch
-      it yields is overwritten by the next one: ``.clone()`` what you keep.
+    - ``cpu_decoders``: CPU processes decoding a chunked cache's chunks (pinned) or a JPEG cache's
+      CPU share of each batch (decode); ``lanes``, ``split``: the decode lanes to run (``cpu``,
+      ``hw``, ``nvjpeg``; default: each that exists here) and fixed fractions of each batch per lane
+      (default: measured in place; a lane left out of ``split`` shares the rest equally).
+    - ``cuda_graph``: replay the transform (resident: the gather too) from a CUDA graph; the batch it
+      yields is overwritten by the next one: ``.clone()`` what you keep.
     """
 
     def __init__(
@@ -282,8 +274,7 @@ class Loader:
 
     @staticmethod
     def _count(batches: Iterable[Any], counted: LoaderPass) -> Iterator[Any]:
-        """The batches the loop receives, counted as it receives them: a state taken between steps
-        counts those, never what a gather thread or read-ahead prepared."""
+        """The batches the loop receives, counted as it receives them (never what was read ahead)."""
         for batch in batches:
             counted.received += 1
             yield batch
@@ -294,9 +285,8 @@ class Loader:
         self.sampler.set_epoch(epoch)
 
     def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands, as plain JSON of a few hundred bytes: save it with each checkpoint.
-        Between steps it counts the batches the loop received; it is the same on every rank, and it
-        resumes on any number of ranks (``dlstore.read.order``)."""
+        """Where this loader stands (the batches the loop received), a few hundred bytes of JSON, the
+        same on every rank: save it with each checkpoint; it resumes on any number of ranks."""
         lp = self._pass
         if lp is not None and not lp.done:
             state = self.sampler.pass_state(lp.sampler_pass, lp.consumed())

@@ -1,50 +1,35 @@
 """One order per epoch for every loader, rank count and worker count, and where a run is in it.
 
-Design
-------
 **One global sequence per epoch.** The epoch's order ``G`` is a pure function of (``seed``, ``epoch``,
-``order``, ``window``, the cache's layout: ``n`` and the unit that holds each image). Nothing else
-enters it: not the number of ranks, not ``num_workers``, not the loader kind, not prefetching.
-``epoch_sequence`` builds it once per epoch in O(n) time into one array (int32 below 2**31 images),
-and the rank's indices are gathered from that array a block at a time: never a second array of the
-epoch, never a Python list of it.
+``order``, ``window``, the cache's layout: ``n`` and the unit holding each image): never of the rank
+count, ``num_workers``, the loader or prefetching. ``epoch_order`` builds it in O(n) into one array
+(int32 below 2**31 images); a rank's indices are gathered from it a block at a time.
 
-- ``chunk``: the units (chunks, shards) in a random order, then ``window`` consecutive units at a
-  time with their images shuffled together in place - the two levels of Mosaic Streaming's ``py1e``
-  and wids' ``ChunkedSampler``. Each unit is decoded once per epoch by a reader that keeps two
-  windows, and ``convert`` stores images shuffled, so every unit is already a random mix.
+- ``chunk``: the units (chunks, shards) in a random order, then ``window`` consecutive units at a time
+  with their images shuffled together (the two levels of Mosaic Streaming's ``py1e`` and wids'
+  ``ChunkedSampler``): each unit is decoded once per epoch by a reader that keeps two windows, and
+  ``convert`` stores images shuffled, so every unit is already a random mix.
 - ``random``: a permutation of the n indices; ``sequential``: dataset order.
 
-**Rounds: a window per rank.** Rank r of W takes its share of ``G`` a window at a time: ``G`` is read in
-rounds of W windows, one per rank, the ranks taking turns in the round's consumption sequence ``C``
-(``dlstore.read.rounds``). So each unit (zarr chunk, npz shard, payload unit) is decoded by one rank
-per epoch, as with the old contiguous slice per rank, and each rank keeps one window live; with one
-rank, ``C`` is ``G``. After every rank has taken k batches of B, exactly the prefix ``c + k*W*B`` of ``C``
-has been consumed, where ``c`` is where the pass began (0, or a loaded state's). Every rank takes
-the same count: ``ceil((n - c) / W)`` positions, those past ``n`` wrapping to the start of ``G``
-(DistributedSampler's padding), or ``floor`` with ``drop_last``; so all ranks run the same number of
-steps. The random and sequential orders have no units: their ranks take turns in ``G`` itself.
+**Rounds.** Rank r of W reads ``G`` a window at a time, in rounds of W windows (``dlstore.read.rounds``),
+so each unit is decoded by one rank per epoch. After every rank took k batches of B, exactly the prefix
+``c + k*W*B`` of the round's consumption sequence ``C`` is consumed (``c``: where the pass began). Every
+rank takes ``ceil((n - c) / W)`` positions, those past ``n`` wrapping to ``G``'s start
+(DistributedSampler's padding), or ``floor`` with ``drop_last``: all ranks run the same steps.
 
-**State** is ``{order, seed, window, epoch, consumed, base, width, n, units, num_replicas}`` (and a
-loader's ``batch_size``): plain JSON of about 230 bytes at any n, never an index list. ``consumed``
-counts positions of ``C``; ``base``/``width`` name the segment of ``C`` it counts in (the window its
-rounds start at, the ranks they were cut for). A run resumed on W' ranks finishes the round it
-stopped in (the W partly read windows, ranks taking turns), then reads the untouched windows in
-rounds of W': nothing repeated and nothing skipped in the epoch, whatever chain of world sizes (only
-the epoch's last ``< W'`` samples are padded or dropped, by the world that reaches the end). Loading
-a state adopts its order, seed and window; a state of another cache layout (``n``, ``units``) is
-refused. A state of version 1 (ranks taking turns in ``G``) is a segment of width 1 and resumes.
+**State**: ``{order, seed, window, epoch, consumed, base, width, n, units, num_replicas}`` (and a loader's
+``batch_size``), about 230 bytes of JSON at any n. ``base``/``width`` name the segment of ``C`` that
+``consumed`` counts in. Resumed on W' ranks, a run finishes the round it stopped in, then reads the
+untouched windows in rounds of W': nothing repeated or skipped, whatever chain of world sizes. Loading
+adopts the state's order, seed and window; a state of another layout (``n``, ``units``) is refused; a
+version-1 state (ranks taking turns in ``G``) is a segment of width 1.
 
-**Who counts.** A sampler counts what its iterator has yielded: that is what torchdata's
-``StatefulDataLoader`` snapshots in the main process right after drawing each batch's indices, and
-it keeps its own account of the batches its workers prefetched (it restores the snapshot of the
-last batch the loop received). A dlstore loader counts the batches its iterator handed to the
-training loop (``dlstore.Loader``), not what its gather thread or read-ahead prepared.
+**Who counts.** A sampler counts what its iterator yielded (what torchdata's ``StatefulDataLoader``
+snapshots); a dlstore loader counts the batches its iterator handed to the loop, not what it read ahead.
 
-**Epochs.** A pass that yields its last sample moves the sampler to the next epoch, so a state taken
-after an epoch's last batch reads ``{epoch: e+1, consumed: 0}``. ``set_epoch(e)`` starts epoch e
-from its beginning, except that a loaded state of epoch e keeps its position: the usual
-``set_epoch(epoch)`` at the top of each epoch works unchanged after a resume.
+**Epochs.** A pass that yields its last sample moves to the next epoch (a state then reads
+``{epoch: e+1, consumed: 0}``). ``set_epoch(e)`` starts epoch e from its beginning, except that a loaded
+state of epoch e keeps its position, so the usual ``set_epoch(epoch)`` works after a resume.
 """
 
 from __future__ import annotations
@@ -52,7 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -65,12 +50,7 @@ STATE_VERSION = 2  # 2: the segment (base, width) of rounds; 1 (ranks taking tur
 BLOCK = 8192  # indices turned into Python ints at a time
 
 
-class _HasCache(Protocol):
-    @property
-    def cache(self) -> Cache: ...
-
-
-def storage_map(source: np.ndarray | Cache | _HasCache, unit: int | None) -> tuple[np.ndarray, int]:
+def storage_map(source: np.ndarray | Cache | Any, unit: int | None) -> tuple[np.ndarray, int]:
     """(storage positions, images per unit) of a dataset, a cache, or positions given with their unit."""
     if isinstance(source, np.ndarray | list | tuple):
         if unit is None:
@@ -99,13 +79,6 @@ class Layout:
             cuts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
             self.starts = np.concatenate(([0], cuts, [self.n])).astype(np.int64)
             self.units = len(self.starts) - 1
-
-
-def epoch_sequence(
-    layout: Layout, order: str, seed: int, epoch: int, window: int, shuffle: bool = True
-) -> np.ndarray:
-    """The epoch's global order G (dataset indices), built in place in one array."""
-    return epoch_order(layout, order, seed, epoch, window, shuffle)[0]
 
 
 def epoch_order(
@@ -162,23 +135,18 @@ class Pass:
 
 
 class EpochSampler(torch.utils.data.Sampler[int]):
-    """This rank's share of one global order per epoch, with a state to resume anywhere.
-
-    ``order``: ``chunk`` (chunk-aware shuffle, see ``dlstore.read.order``), ``random`` or
-    ``sequential``. ``num_replicas``/``rank`` as ``DistributedSampler``. The state is a few hundred
-    bytes of JSON; a state saved on W ranks resumes on any number of ranks::
+    """This rank's share of one global order per epoch (``order``: ``chunk``, ``random`` or
+    ``sequential``; ``num_replicas``/``rank`` as ``DistributedSampler``), with a state of a few hundred
+    bytes that resumes on any number of ranks. The first argument is a ``CachedDataset`` (anything
+    with ``.cache``), a ``Cache``, or storage positions (then ``unit``, the images per chunk, too)::
 
         sampler = EpochSampler(ds, order="random", seed=0, num_replicas=world, rank=rank)
         loader = StatefulDataLoader(ds, batch_size=256, sampler=sampler, num_workers=8)
-        loader.load_state_dict(checkpoint["loader"])          # resumes through sampler.load_state_dict
-
-    The first argument is a ``CachedDataset`` (or anything with ``.cache``), a ``Cache``, or the
-    dataset's storage positions (then ``unit``, the images per chunk, is needed too).
     """
 
     def __init__(
         self,
-        source: np.ndarray | Cache | _HasCache,
+        source: np.ndarray | Cache | Any,
         unit: int | None = None,
         *,
         order: str = "chunk",
@@ -219,7 +187,7 @@ class EpochSampler(torch.utils.data.Sampler[int]):
 
     def sequence(self, epoch: int) -> np.ndarray:
         """The global order of ``epoch`` (all ranks'), dataset indices."""
-        return epoch_sequence(self.layout, self.order, self.seed, epoch, self.window, self.shuffle)
+        return epoch_order(self.layout, self.order, self.seed, epoch, self.window, self.shuffle)[0]
 
     def begin_pass(self) -> tuple[Pass, np.ndarray]:
         """Start this rank's pass through the rest of the current epoch: (the pass, the global order)."""

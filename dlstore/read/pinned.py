@@ -1,10 +1,10 @@
 """The pinned path of ``dlstore.Loader``: no worker processes. A background thread gathers each batch
-straight into one of a ring of pinned host buffers (``torch.index_select(..., out=)`` for a ram cache;
-chunk-grouped, thread-decoded reads for npz/zarr); the batch is copied to the device on a side stream,
-and a buffer is refilled only after the copy that read it has finished.
+into one of a ring of pinned host buffers (``index_select(..., out=)`` for a ram cache; chunk-grouped,
+thread-decoded reads for npz/zarr); the batch is copied to the device on a side stream, and a buffer is
+refilled only after the copy that read it has finished.
 
-Batches are ``(images, labels)``: images uint8 (B, C, H, W) (channels-last strides, as stored), labels
-int64 (B,), or ``(images, target dict)`` for a cache with fields.
+Batches are ``(images, labels)``: uint8 (B, C, H, W) (channels-last strides, as stored) and int64 (B,),
+or ``(images, target dict)`` for a cache with fields.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -28,11 +28,10 @@ NUM_BUFFERS = 4
 
 
 class PinnedPath:
-    """Gather into pinned buffers, copy on a side stream. A chunked cache (zarr, npz) decodes the chunks
-    of the next two batches ahead in the reader's threads; with ``cpu_decoders=N``, N worker processes
-    decode each chunk once and copy its images straight into the epoch's batches in shared memory
-    (``Cache.read_batches``), and the gather thread only copies each finished batch into a pinned
-    buffer. ``cuda_graph``: the transform is replayed from a CUDA graph (``dlstore.gpu.graphs``)."""
+    """Gather into pinned buffers, copy on a side stream. A chunked cache decodes the next two batches'
+    chunks ahead in the reader's threads; with ``cpu_decoders=N``, N processes decode each chunk once
+    straight into the epoch's batches in shared memory (``Cache.read_batches``), which the gather
+    thread copies into pinned buffers. ``cuda_graph``: the transform replayed from a CUDA graph."""
 
     def __init__(
         self,
@@ -81,8 +80,8 @@ class BufferRing:
             self.free.put((i, None))
 
     def field_buffers(self, slot: int, cache: Cache, n: int) -> dict[str, torch.Tensor]:
-        """This slot's buffers (the first ``n`` rows) for the cache's chosen fixed-shape fields (masks,
-        values) of a fixed-size cache, which ``read_target`` reads straight into."""
+        """This slot's buffers (the first ``n`` rows) for a fixed-size cache's fixed-shape fields,
+        which ``read_target`` reads straight into."""
         if cache.spec.ragged:
             return {}
         buffers = self.fields[slot]
@@ -101,10 +100,9 @@ class BufferRing:
     def stage(
         self, slot: int, target: dict[str, Any], copy: Callable[[np.ndarray, np.ndarray], None]
     ) -> None:
-        """Move ``target``'s stacked tensors (a batch's masks, values) into this slot's buffers, in
-        place, with ``copy(dst, src)``: the device copy then reads pinned memory as the images' does,
-        instead of the training thread pinning a fresh copy of each per batch (16 MB of 512 px masks
-        per 64 images). The buffers are overwritten with the slot, after the event ``release`` got."""
+        """Move ``target``'s stacked tensors into this slot's pinned buffers with ``copy(dst, src)``, so
+        the training thread does not pin a fresh copy of each per batch (16 MB of 512 px masks per 64
+        images)."""
         buffers = self.fields[slot]
         for name, value in target.items():
             if not isinstance(value, torch.Tensor) or value.is_pinned():
@@ -155,43 +153,44 @@ class _Producer:
             if self.processes > 0 and self.cache.reader.traits.unit_arrays:
                 self.run_decoded()
             else:
-                self.run_reads()
+                self.fill(self.reads())
         except BaseException as e:  # surfaced in the consumer's thread
             self.ready.put(e)
         self.ready.put(self.DONE)
 
-    def run_reads(self) -> None:
+    def reads(self) -> Iterator[tuple[np.ndarray, Callable[[np.ndarray], Any]]]:
         for i, idx in enumerate(self.batches):
             ahead = self.batches[i + 1 : i + 1 + PREFETCH_BATCHES]
             if ahead:  # a remote cache downloads, a chunked one decodes, their units meanwhile
                 self.cache.prefetch(np.concatenate([np.asarray(b, np.int64) for b in ahead]))
+            index = storage_sorted(self.cache, idx)
+            yield index, lambda out, index=index: self.cache.read(index, out=out)
+
+    def run_decoded(self) -> None:
+        """Batches decoded by worker processes into shared memory (Cache.read_batches), each copied
+        into a pinned buffer in the reader's threads (one thread copies ~5-10 GB/s)."""
+        indices = [storage_sorted(self.cache, idx) for idx in self.batches]
+        batches = self.cache.read_batches(indices, processes=self.processes)
+        reader = self.cache.reader
+        try:
+            self.fill(
+                (index, lambda out, images=images: copy_parallel(reader, out, images))
+                for index, images in zip(indices, batches)
+            )
+        finally:
+            batches.close()  # type: ignore[attr-defined]
+
+    def fill(self, batches: Iterable[tuple[np.ndarray, Callable[[np.ndarray], Any]]]) -> None:
+        """Each batch's images (``fill(buffer)``), labels and target into the next free slot."""
+        for index, fill in batches:
             slot = self.ring.acquire()
             if self.stop.is_set():
                 self.ring.release(slot, None)
                 break
-            index = storage_sorted(self.cache, idx)
             n = len(index)
-            self.cache.read(index, out=self.ring.images[slot][:n].numpy())
+            fill(self.ring.images[slot][:n].numpy())
             self.ring.labels[slot][:n] = torch.from_numpy(self.cache.labels[index])
             self.ready.put((slot, n, self.target(index, slot)))
-
-    def run_decoded(self) -> None:
-        """Batches decoded by worker processes into shared memory (Cache.read_batches): copy each
-        into a pinned buffer, in the reader's threads (one thread copies ~5-10 GB/s)."""
-        indices = [storage_sorted(self.cache, idx) for idx in self.batches]
-        batches = self.cache.read_batches(indices, processes=self.processes)
-        try:
-            for index, images in zip(indices, batches):
-                slot = self.ring.acquire()
-                if self.stop.is_set():
-                    self.ring.release(slot, None)
-                    break
-                n = len(index)
-                copy_parallel(self.cache.reader, self.ring.images[slot][:n].numpy(), images)
-                self.ring.labels[slot][:n] = torch.from_numpy(self.cache.labels[index])
-                self.ready.put((slot, n, self.target(index, slot)))
-        finally:
-            batches.close()  # type: ignore[attr-defined]
 
     def target(self, index: np.ndarray, slot: int) -> dict[str, Any] | None:
         """The batch's collated fields on the host (``dlstore.read.field_targets``), its stacked ones in the
@@ -227,12 +226,10 @@ def copy_parallel(reader: Any, dst: np.ndarray, src: np.ndarray) -> None:
 
 
 class _PinnedIter:
-    """Yields device batches, with the copy of the next batch already issued when that batch is
-    gathered by then: its host-to-device copy runs on the side stream while the caller's step for this
-    one runs, instead of the caller's stream waiting for it at the start of the next step (25 MB at
-    55 GB/s is 0.45 ms, 4 % of a ResNet-18 step). Only a batch already gathered is taken ahead: waiting
-    for the gather thread here would hold the training thread (and the launch of its step) up to one
-    gather longer."""
+    """Yields device batches, with the next batch's copy already issued when it is gathered by then:
+    it runs on the side stream during the caller's step instead of the next step waiting for it (25
+    MB at 55 GB/s is 4 % of a ResNet-18 step). Only a batch already gathered is taken ahead: waiting
+    for the gather thread would hold up the training thread."""
 
     _END = object()
 

@@ -37,7 +37,6 @@ class ResidentPath:
         if cache.spec.fields and cuda_graph:
             raise ValueError("cuda_graph replays a fixed batch: not with a cache with fields (boxes vary)")
         self.cache, self.batch_size, self.device, self.transform = cache, batch_size, device, transform
-        self.cuda_graph = cuda_graph
         self.images = upload(cache, device, BLOCK_BYTES)
         self.labels = torch.from_numpy(cache.labels.copy()).to(device)
         # A cache with fields: the fixed-shape ones (masks, values) in device memory like the images;
@@ -47,6 +46,10 @@ class ResidentPath:
         # per batch: ``self.fields`` is then empty, and a batch still carries its boxes).
         self.targets = bool(cache.spec.fields)
         self._graph: Any = None
+        if cuda_graph:  # the gather and the transform of a full batch, replayed from one CUDA graph
+            from dlstore.gpu.graphs import CudaGraphed
+
+            self._graph = CudaGraphed(self.batch)
 
     def epoch(self, indices: np.ndarray) -> Iterator[Batch]:
         host = indices.astype(np.int64, copy=False)
@@ -56,8 +59,8 @@ class ResidentPath:
         for start in range(0, len(host), self.batch_size):
             part = slice(start, start + self.batch_size)
             idx = order[part]
-            if self.cuda_graph and len(idx) == self.batch_size:
-                yield self._replay(idx)
+            if self._graph is not None and len(idx) == self.batch_size:
+                yield self._graph(idx)
             else:
                 yield self.batch(idx, host[part]) if self.targets else self.batch(idx)
 
@@ -96,27 +99,6 @@ class ResidentPath:
             picked = values.index_select(0, idx)
             target[name] = type(values)(picked) if type(values) is not torch.Tensor else picked
         return {k: target[k] for k in chosen}
-
-    def _replay(self, idx: torch.Tensor) -> Batch:
-        if self._graph is None:
-            self._capture()
-        static_idx, graph, out = self._graph
-        static_idx.copy_(idx)
-        graph.replay()
-        return out
-
-    def _capture(self) -> None:
-        static_idx = torch.zeros(self.batch_size, dtype=torch.int64, device=self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up outside the graph (cudnn/allocator first-use work)
-            for _ in range(3):
-                self.batch(static_idx)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = self.batch(static_idx)
-        self._graph = (static_idx, graph, out)
 
 
 def upload_fields(cache: Cache, device: torch.device) -> dict[str, torch.Tensor]:

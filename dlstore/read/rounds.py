@@ -1,31 +1,22 @@
 """How W ranks share one epoch order ``G`` a window per rank, and where a resume on W' ranks picks up.
 
-``G`` (``dlstore.read.order``) is a sequence of windows: for the chunk order, ``window`` units whose
-images are shuffled together; ``starts[k]`` is where window k begins in ``G`` (``starts[-1] == n``).
-The random and sequential orders have no units to keep together (``starts`` is None): their ranks
-simply take turns in ``G``.
+``G`` (``dlstore.read.order``) is a sequence of windows (for the chunk order, ``window`` units whose
+images are shuffled together); ``starts[k]`` is where window k begins (``starts[-1] == n``). The random
+and sequential orders have no units (``starts`` is None): their ranks simply take turns in ``G``.
 
-**Rounds.** A world of W ranks reads ``G`` in rounds of W consecutive windows. A round of T samples is
-cut into W contiguous pieces of ``q = T // W`` samples, the first ``T % W`` of them one longer; when the
-round's windows are of one size (whole units), the pieces are the windows. The consumption sequence
-``C`` lists a round piece by piece in turns: its position ``j*W + a`` is sample j of piece a, and the
-pieces one longer give their last sample at ``q*W + a``. Ranks take turns in ``C`` (rank r: ``c + r,
-c + r + W, ...``), so a rank reads one whole piece of every round: each unit is decoded by one rank,
-a rank keeps one window live as a single rank does, and with W = 1, ``C`` is ``G``. Where a piece edge
-cuts a window (a round of unequal windows, or the epoch's last round when fewer than W windows are
-left) that window's units are decoded by the ranks that share it.
+**Rounds.** W ranks read ``G`` in rounds of W windows. A round of T samples is cut into W contiguous
+pieces of ``q = T // W`` samples, the first ``T % W`` one longer (the windows themselves when they are
+of one size). The consumption sequence ``C`` lists a round piece by piece in turns: position
+``j*W + a`` is sample j of piece a (the longer pieces' last samples at ``q*W + a``). Rank r takes
+``c + r, c + r + W, ...``, so it reads one whole piece of every round: each unit is decoded by one
+rank, and with W = 1, ``C`` is ``G``. After every rank took k samples, the prefix ``c + k*W`` of ``C``
+is consumed; at a round's end that is a prefix of ``G``.
 
-**Consumed.** After every rank took k samples, the consumed samples are the prefix ``c + k*W`` of ``C``:
-``G`` up to the start of the current round, and the first samples of each piece of that round. At the
-end of a round, the consumed samples are exactly a prefix of ``G``.
-
-**Segments: the elastic resume.** ``C`` is made of segments: ``Segment(base, width)`` reads ``G`` in
-rounds of ``width`` windows from window ``base`` on. A state holds its segment and the consumed count.
-A world of ``width`` ranks continues the segment. A world of W' != ``width`` ranks first finishes the
-segment's current round (its rest, in ``C``'s order, the W' ranks taking turns: for this one round a
-rank reads from several pieces), then starts ``Segment(window at that round's end, W')``. So any chain
-of stops and resumes on any world sizes reads each sample of the epoch once, and the state needs only
-(consumed, base, width).
+**Segments: the elastic resume.** ``Segment(base, width)`` reads ``G`` in rounds of ``width`` windows
+from window ``base`` on; a state holds its segment and the consumed count. A world of W' != ``width``
+ranks first finishes the segment's current round (in ``C``'s order, the W' ranks taking turns), then
+starts ``Segment(window at that round's end, W')``: any chain of stops and resumes on any world sizes
+reads each sample once.
 """
 
 from __future__ import annotations

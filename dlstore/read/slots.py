@@ -1,37 +1,25 @@
 """Shared-memory batch slots that DataLoader workers reuse, so a batch crosses processes for free.
 
-torch hands each worker batch to the main process in a new shared-memory file: the worker creates and
-zero-fills it, sends its descriptor over a socket (a connection and an HMAC handshake per batch), the
-main process maps it, takes one page fault per 4 KiB when the batch is first read (about 12,800 for a
-50 MB batch) and unmaps it when the batch is freed. On a large machine that per-batch cost in the main
-process capped 16 workers at about 35k img/s of 256 px images, under a fifth of memcpy bandwidth.
+torch hands each worker batch over in a new shared-memory file: created and zero-filled by the worker,
+its descriptor sent over a socket (a connection and an HMAC handshake per batch), mapped by the main
+process with one page fault per 4 KiB on first read and unmapped when freed. That per-batch cost in
+the main process capped 16 workers near 35k img/s of 256 px images, under a fifth of memcpy bandwidth.
 
-Here each worker keeps a small pool of slots: anonymous shared memory (``memfd_create``: no name, so
-nothing can leak in /dev/shm even after ``kill -9``) mapped once in the worker and once in the main
-process. A slot's descriptor travels only with its first batch; later batches send the slot's key and
-the tensor's geometry, a few dozen bytes. The first byte of each slot says who holds it (0 free,
-1 filling or in the main process): the worker takes a free slot, the main process frees it when the
-last tensor viewing the batch is released (a finalizer on the numpy view under the tensor's storage).
-When every slot is held (a user keeping batches alive) the worker falls back to torch's own path,
-so nothing ever waits on the main process.
+Here each worker keeps a small pool of slots: anonymous shared memory (``memfd_create``: nothing can
+leak in /dev/shm, even after ``kill -9``) mapped once in the worker and once in the main process. A
+slot's descriptor travels with its pool's first batch; later batches send the slot's key and the
+tensor's geometry. The first byte of each slot says who holds it (0 free, 1 filling or in the main
+process); the main process frees it when the last tensor viewing the batch is released. When every
+slot is held (a user keeping batches) the worker falls back to torch's path: nothing waits.
 
-With ``pin_memory=True`` the main process page-locks each slot once for CUDA (``cudaHostRegister``,
-the first time a batch of it is pinned) and pins the batch in place: no copy into a fresh pinned buffer
-per batch (which moved every byte a second time and halved the rate at 16 workers). A page-locked slot
-goes back to its worker only once the device has read it: its release records a CUDA event on the
-releasing thread's current stream (where ``images.cuda(non_blocking=True)`` ran, in a training loop
-that drops the batch where it copied it), and the slot is freed when that event has completed.
+With ``pin_memory=True`` the main process page-locks each slot once (``cudaHostRegister``) and pins the
+batch in place, instead of copying it into a fresh pinned buffer (which halved the rate at 16
+workers). A page-locked slot goes back to its worker only once a CUDA event recorded at its release
+(on the stream where ``images.cuda(non_blocking=True)`` ran) has completed.
 
-A pool is made whole on its first batch (``WARM_SLOTS``, each populated in one ``madvise`` rather than
-12,800 page faults) and the main process maps all of them, populated too, when that batch arrives.
-Made on demand, a worker's third slot appeared only when the main process still held the batch
-before last as the worker started its next one, a race it lost at random, hundreds of batches in
-(16 workers on 2 cores: 8 of 16 still had 2 slots after 60 batches, the last one got its third at
-batch ~290), and each late slot cost a page-fault-bound 50 MB first fill in the worker and a
-descriptor hand-shake and first-touch faults in the main thread, in the middle of training.
-
-``DLSTORE_SHM_SLOTS=0`` is the escape hatch: batches then cross processes as torch hands them over
-(named by the one error this path can raise).
+A pool is made whole on its first batch (``WARM_SLOTS``, each populated in one ``madvise``): slots made
+on demand appeared late, at random, each costing a page-fault-bound first fill in the middle of
+training. ``DLSTORE_SHM_SLOTS=0`` hands batches over as torch does.
 """
 
 from __future__ import annotations
@@ -40,7 +28,6 @@ import mmap
 import os
 import secrets
 import threading
-import time
 import weakref
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -52,16 +39,14 @@ import torch
 
 from dlstore import settings
 from dlstore.machine import process_alive
-from dlstore.read.engines.workers import madvise_populate
+from dlstore.read.engines.workers import populate
 
 _HEADER = mmap.PAGESIZE  # the flag byte, then the batch page-aligned
 _FREE, _HELD = 0, 1
 MAX_SLOTS = 8  # per worker; steady state needs prefetch_factor + the batches the main process holds
 MAX_LOCAL_SLOTS = 3  # in a process reading for itself (0 workers): this batch, the last, one spare
-# Made together on a pool's first batch: what a worker needs in steady state under a plain
-# ``for images, labels in loader`` loop: DataLoader's default prefetch_factor (2), the batch being
-# consumed, and the previous one, which the loop variable holds until next() returns. A loader that
-# holds more makes the rest on demand (up to MAX_SLOTS), as before.
+# A plain loop's steady state: prefetch_factor (2), the batch consumed, and the one the loop variable
+# holds until next() returns; more are made on demand (up to MAX_SLOTS).
 WARM_SLOTS = 4
 # The escape hatch (forked workers inherit a change of ``enabled`` made before they start).
 enabled = settings.flag("DLSTORE_SHM_SLOTS")
@@ -111,13 +96,6 @@ def _worker_pool() -> _Pool:
     return _pool
 
 
-def populate(whole: np.ndarray, write: bool) -> bool:
-    """Map every page of a slot's mapping in one ``madvise``: in the process that fills it, allocates
-    its pages at once instead of one fault per 4 KiB while the first batch is gathered; in one that
-    reads it, maps the pages the other process made."""
-    return madvise_populate(whole.ctypes.data, whole.nbytes, write)  # an mmap: page-aligned
-
-
 def _new_slot(pool: _Pool, nbytes: int) -> _Slot:
     fd = os.memfd_create("dlstore-batch", os.MFD_CLOEXEC)
     os.ftruncate(fd, _HEADER + nbytes)
@@ -143,10 +121,9 @@ def _drop_a_free_slot(pool: _Pool) -> bool:
 
 
 def acquire(nbytes: int, limit: int = MAX_SLOTS) -> torch.Tensor | None:
-    """A flat uint8 tensor of ``nbytes`` in a free slot of this process's pool (of at most ``limit``
-    slots), or None when every slot is held (or memfd is unavailable): the caller then allocates as
-    torch does. Used in the main process too (``limit`` small there: the pool lives as long as the
-    process), where it saves a fresh allocation's page faults on every batch."""
+    """A flat uint8 tensor of ``nbytes`` in a free slot of this process's pool (at most ``limit``
+    slots), or None when every slot is held or memfd is unavailable (the caller allocates as torch
+    does). In the main process too (``limit`` small), it saves a fresh allocation's page faults."""
     if not supported() or nbytes == 0:
         return None
     with _lock:
@@ -275,7 +252,7 @@ def mapped_slots(pids: Collection[int] | None = None) -> int:
 _REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: page-locked for every device, not one context
 _fenced: list[tuple[_Mapped, Any]] = []  # released page-locked slots and the event each waits for
 _fenced_lock = threading.Lock()
-stats = {"registered": 0, "register_s": 0.0, "register_failed": 0}  # diagnostics for benchmarks
+stats = {"registered": 0}  # slots page-locked (diagnostics)
 
 
 def _cudart() -> Any:
@@ -283,10 +260,9 @@ def _cudart() -> Any:
 
 
 def pin_in_place(t: torch.Tensor) -> bool:
-    """True when ``t`` lies in a worker slot mapped here that is (now) page-locked for CUDA: the
-    batch is then pinned as it is. Registers the slot the first time (one ``cudaHostRegister`` of
-    the slot, ~ms, then never again); False (the caller copies into pinned memory) when
-    not a slot, or the registration fails. Also frees the fenced slots the device has finished."""
+    """True when ``t`` lies in a worker slot mapped here that is (now, registered on first use)
+    page-locked for CUDA: it is pinned as it is; False (the caller copies) otherwise. Also frees the
+    fenced slots the device has finished with."""
     reclaim()
     if not torch.cuda.is_available():
         return False
@@ -299,14 +275,10 @@ def pin_in_place(t: torch.Tensor) -> bool:
 
 
 def _register(m: _Mapped) -> bool:
-    t0 = time.perf_counter()
     err = _cudart().cudaHostRegister(m.address, m.size, _REGISTER_PORTABLE)
-    if int(getattr(err, "value", err)) != 0:  # e.g. a limit on locked memory: copy as before
-        stats["register_failed"] += 1
-        return False
-    stats["registered"] += 1
-    stats["register_s"] += time.perf_counter() - t0
-    return True
+    ok = int(getattr(err, "value", err)) == 0  # refused (a limit on locked memory): copy as before
+    stats["registered"] += ok
+    return ok
 
 
 def _fence(m: _Mapped) -> bool:

@@ -1,7 +1,2 @@
-"""The decode lanes of ``dlstore.Loader``'s decode path (JPEG and ragged caches).
-
-- ``lanes``: ``DecodePath``, the read-ahead and decode threads, nvJPEG, and the batch handed to the crop.
-- ``cpu_lane``: CPU worker processes decoding each batch's CPU share into shared-memory slots.
-- ``hw_lane``: the GPU's hardware JPEG engines through nvImageCodec.
-- ``split``: ``LaneSplit``, how many images of each batch each lane decodes.
-"""
+"""The decode lanes of ``dlstore.Loader``'s decode path: ``lanes`` (``DecodePath``, nvJPEG), ``cpu_lane``
+(CPU worker processes), ``hw_lane`` (hardware JPEG engines) and ``split`` (each lane's part of a batch)."""

@@ -1,23 +1,17 @@
 """JPEG payloads decoded on the CPU in worker processes, into slots of one shared-memory block.
 
-``dlstore.Loader(cpu_decoders=N)`` on a JPEG cache splits each batch: part goes to nvJPEG on the GPU, part to N of these
-workers (simplejpeg, or Pillow without it), so that both finish a batch at about the same time. The
-reading thread writes the CPU share's payloads into a slot's input area; each worker decodes its
-contiguous run of them and writes every image as planar (C, H, W) uint8 into the slot's output area,
-back to back, so the GPU gets the whole share in one host-to-device copy (from pinned memory when the
-block could be registered with CUDA) and the ragged crop reads it like nvJPEG's planar outputs.
+``dlstore.Loader(cpu_decoders=N)`` on a JPEG cache gives part of each batch to N of these workers
+(simplejpeg, or Pillow). Each worker decodes its contiguous run of the share and writes every image
+planar (C, H, W) into the slot's output area, back to back, so the GPU gets the share in one copy
+(pinned when the block could be registered with CUDA), read by the crop like nvJPEG's outputs.
 
-The loader's process touches no payload bytes where it can help it (its GIL is the training loop's too):
-it locates the share's payloads with ``PayloadExtents`` (numpy over the units' indexes) and sends each
-worker rows of (where, CRC, shape). A payload of a unit stored as a file (npz shard, zarr chunk, local)
-is read by the worker from that file (memory-mapped, kept open); any other is copied into the slot's
-input area first, one slice per image. Each worker checks the CRC-32 of every payload it decodes.
-
-Workers are fresh interpreters (as ``dlstore.read.engines.batch_procs``: no multiprocessing spawn/fork of
-the user's process), import no torch, and answer each run with its decode time, which the loader uses
-to balance the split. A run a worker fails (or loses by dying) is decoded again in the loader's
-thread, where a corrupt payload (a CRC that does not match, bytes that do not decode) becomes the
-reader's error naming the image and its chunk.
+The loader's process (whose GIL is the training loop's) touches no payload bytes where it can help
+it: it locates them with ``PayloadExtents`` and sends each worker rows of (where, CRC, shape). A
+payload of a unit stored as a file is read by the worker from that file (memory-mapped); any other is
+copied into the slot's input area first. Workers check every CRC, import no torch
+(``dlstore.read.engines.workers``), and answer each run with its decode time, which balances the split. A
+run a worker fails (or loses by dying) is decoded again in the loader, where a corrupt payload
+becomes the reader's error naming the image and its chunk.
 """
 
 from __future__ import annotations
@@ -77,8 +71,7 @@ def _worker(conn: Connection) -> None:
             paths = [os.fsdecode(p) for p in names.split(b"\0")] if names else []
             t0 = time.perf_counter_ns()
             try:
-                source = functools.partial(files.get_nth, paths)
-                scratch = decode_table(codec, block, table, scratch, source)
+                scratch = decode_table(codec, block, table, scratch, functools.partial(files.get_nth, paths))
                 conn.send_bytes(_ANS.pack(run, time.perf_counter_ns() - t0, 0))
             except Exception as e:  # the loader decodes the run again itself, naming the image
                 err = f"{type(e).__name__}: {e}".encode(errors="replace")[:4000]
@@ -184,9 +177,7 @@ class CpuDecoders:
         self.shm, self.conns, self.procs = workers.shm, workers.conns, workers.procs
         self.block = np.ndarray((self.size,), np.uint8, buffer=self.shm.buf)
         self.pinned = _register(self.block) if pin else False
-        # Runs a share is split into, each to the next worker in turn. Fewer than the processes means
-        # fewer messages (and Python in this process) per batch; the batches read ahead keep the other
-        # workers busy, at the cost of each share taking longer to decode.
+        # Runs a share is split into, each to the next worker in turn (fewer: fewer messages per batch).
         self.runs = len(self.conns)
         self._free: queue.Queue[tuple[int, Any]] = queue.Queue()
         for s in range(slots):
@@ -275,12 +266,7 @@ class CpuDecoders:
         table[:, 1] = table[:, 0] + extents.sizes[:count]
         table[:, 3:6] = extents.shapes[:count]
         table[:, 6] = extents.crc[:count]
-        return self.dispatch(slot, table, paths)
-
-    def dispatch(self, slot: int, table: np.ndarray, paths: list[str] | None = None) -> CpuShare:
-        """Send the rows of ``table`` (inputs in ``slot`` or in the files ``paths``; output offsets are
-        filled in here, back to back in the slot's output area) to the workers in contiguous runs."""
-        count = len(table)
+        # outputs back to back in the slot's output area; the rows to the workers in contiguous runs
         shapes = table[:, 3:6].copy()
         pixels = np.prod(shapes, axis=1)
         offsets = np.zeros(count, np.int64)
@@ -289,7 +275,7 @@ class CpuDecoders:
         table[:, 2] = out_start + offsets
         parts = min(self.runs, count)
         bounds = [count * i // parts for i in range(parts + 1)]
-        names = b"\0".join(os.fsencode(p) for p in paths or [])
+        names = b"\0".join(os.fsencode(p) for p in paths)
         runs = [(a, b, self._send(table[a:b], names)) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
         share = CpuShare(slot, count, out_start, int(pixels.sum()), shapes, offsets, runs)
         with self._lock:
@@ -312,9 +298,8 @@ class CpuDecoders:
         return future
 
     def _collect(self) -> None:
-        """Answers of every worker, as they come. One poll set for the pipes' lifetime: building one per
-        wake-up (``multiprocessing.connection.wait``) registered every worker's pipe again for each
-        answer, Python in this process (its GIL) that grew with workers x answers per batch."""
+        """Answers of every worker, as they come, through one poll set for the pipes' lifetime
+        (``connection.wait`` registers every pipe again on each wake-up: GIL time per answer)."""
         selector = (
             selectors.PollSelector() if hasattr(selectors, "PollSelector") else selectors.SelectSelector()
         )

@@ -1,25 +1,16 @@
 """The GPU's hardware JPEG engines (NVJPG on A100/H100/H200) as a decode lane, through nvImageCodec.
 
-``HardwareJpeg.open(device)`` returns the lane, or None where it cannot run: no ``nvidia-nvimgcodec``
-package (the ``nvimgcodec`` extra), no CUDA device, or a GPU without the engines (its hardware-only
-decoder decodes nothing). Each call decodes a list of JPEG payloads in one batched call, planar
-(C, H, W) uint8 on the device, on a stream of its own that it waits for (so the call's wall time is
-the lane's busy time and the images are ready for any stream). An image the engines refuse (a
-progressive JPEG, say) comes back None; ``decode_parts`` hands it to another lane.
+``HardwareJpeg.open(device)`` returns the lane, or None where it cannot run (no ``nvidia-nvimgcodec``
+package, no CUDA device, or a GPU without the engines). Each call decodes a list of JPEG payloads in
+one batched call to planar (C, H, W) uint8 on the device, on a stream of its own that it waits for (so
+the call's wall time is the lane's busy time). An image the engines refuse (a progressive JPEG, say)
+comes back None, for another lane.
 
-    lane = HardwareJpeg.open(torch.device("cuda"))
-    if lane is not None:
-        images = lane.decode(payloads)          # list of (3, H, W) uint8 CUDA tensors (or None)
-        addresses = lane.decode_into(payloads, nbytes)  # into the lane's own slots: no tensors
-
-``decode_into`` is the loader's cheap path: no Python object per image on either side of the call.
-The payloads go in as the arrays they are (nvImageCodec makes each one's code stream in C++), and
-every image is decoded into a slot of one device buffer the lane allocated once: each slot is an
-nvImageCodec Image over that buffer, made once and reused batch after batch (``images=``), so the
-decoder allocates nothing and the caller gets each image's address as ``slot base + i * slot
-bytes``, which the fused crop reads in place (``dlstore.gpu.ragged.scattered_flat``). The slots are
-overwritten by the next call: the caller must be done with them (the loader waits for the previous
-batch's crop before it decodes the next). An image larger than a slot gets an allocation of its own.
+``decode_into`` is the loader's cheap path: no Python object per image. Every image is decoded into a
+slot of one device buffer allocated once, through nvImageCodec Images over the slots made once and
+reused (``images=``), and the caller gets each image's address, which the fused crop reads in place
+(``dlstore.gpu.ragged.scattered_flat``). The next call overwrites the slots; an image larger than a
+slot gets an allocation of its own.
 """
 
 from __future__ import annotations
@@ -31,15 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-# nvImageCodec's CPU threads (JPEG header parsing for the engines). Its default is one per core, which
-# would compete with the CPU decode processes for the same cores, and more threads did not decode
-# faster (benchmarks/RESULTS.md).
+# nvImageCodec's CPU threads (header parsing): its default, one per core, competes with the CPU decode
+# processes, and more threads did not decode faster.
 CPU_THREADS = 2
-
-
-# nvImageCodec backends of the lane: (BackendKind name, load hint), tried in that order per image. The
-# hardware engines alone by default; benchmarks/jpeg_cache.py's engines section also measures the
-# engines with the CUDA backend behind them (DALI's mixed decoder: hardware load 0.65-0.9).
+# nvImageCodec backends of the lane, (BackendKind name, load hint), tried in order per image.
 HW_ONLY = (("HW_GPU_ONLY", 1.0),)
 
 
@@ -78,13 +64,7 @@ class HardwareJpeg:
         self.into = True  # decode_into works here (``open`` checks; else callers use ``decode``)
 
     @classmethod
-    def open(
-        cls,
-        device: torch.device,
-        channels: int = 3,
-        cpu_threads: int = CPU_THREADS,
-        backends: tuple[tuple[str, float], ...] = HW_ONLY,
-    ) -> HardwareJpeg | None:
+    def open(cls, device: torch.device, channels: int = 3) -> HardwareJpeg | None:
         """The lane, or None where it cannot run here (see the module)."""
         if device.type != "cuda" or not torch.cuda.is_available():
             return None
@@ -93,7 +73,7 @@ class HardwareJpeg:
         except Exception:  # the optional package is absent (or its libraries do not load)
             return None
         try:
-            lane = cls(device, nvimgcodec, channels, cpu_threads, backends)
+            lane = cls(device, nvimgcodec, channels)
             probe = _probe_jpeg(channels)
             out = lane.decode([memoryview(probe)])
         except Exception:  # a GPU or driver the hardware backend does not support
@@ -166,9 +146,8 @@ class HardwareJpeg:
         return images
 
     def _ensure_slots(self, n: int, largest: int) -> None:
-        """At least ``n`` slots (twice as many as before when they grow: a split that moves does not
-        reallocate every batch); on the first call each holds twice the batch's largest image (a
-        later, larger one gets an allocation of its own, as nvImageCodec makes it)."""
+        """At least ``n`` slots (doubling, so a split that moves does not reallocate every batch), each
+        twice the first batch's largest image (a larger one later gets an allocation of its own)."""
         if len(self._wraps) >= n:
             return
         n = max(n, 2 * len(self._wraps))

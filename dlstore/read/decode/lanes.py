@@ -1,25 +1,17 @@
 """The decode path of ``dlstore.Loader``: batches of a payload cache (JPEG or raw pixels, fixed-size or
 ragged) decoded on the device and cropped there to one size.
 
-A background thread reads batch i+1's payloads (grouped by chunk, chunks loaded in the reader's threads,
-each payload's CRC checked) while a second thread decodes batch i: JPEG caches in one batched nvJPEG
-call (torchvision ``decode_jpeg(list, device="cuda")``), anything else (raw payloads, or no GPU) on the
-CPU in the reader's threads. An image nvJPEG refuses is decoded on the CPU instead and counted in
-``stats.cpu_fallbacks``. With ``cpu_decoders=N`` each JPEG batch is split: its first part is decoded by
-N worker processes on the CPU (``cpu_lane``; started when the first epoch starts) while the GPU lanes
-decode the rest, all feeding the same crop. Where nvImageCodec is installed (the ``nvimgcodec`` extra)
-and the GPU has hardware JPEG engines (A100, H100, H200), a third lane decodes part of each batch on
-them (``hw_lane``), at the same time as nvJPEG. ``lanes`` picks the lanes (default: each of them that
-exists here); ``split`` fixes each lane's fraction; otherwise ``split.LaneSplit`` sets them from each
-lane's rate measured in place, so that all lanes finish each batch together, or, while the training
-step is the slower side, the CPU takes what it decodes in one step. ``transform`` (e.g.
-``dlstore.gpu.RaggedRandomResizedCrop``) turns the decoded (C, H_i, W_i) uint8 images into one batch::
+A read-ahead thread reads the next batches' payloads (grouped by chunk, CRC-checked) while a second
+thread decodes one: JPEG in one batched nvJPEG call (torchvision ``decode_jpeg(list, device="cuda")``),
+anything else (raw payloads, or no GPU) on the CPU in the reader's threads; an image nvJPEG refuses is
+decoded on the CPU (``stats.cpu_fallbacks``). With ``cpu_decoders=N`` each JPEG batch's first part is
+decoded by N worker processes (``cpu_lane``); with nvImageCodec installed and a GPU with hardware JPEG
+engines, a third lane decodes part on them (``hw_lane``). ``lanes`` picks the lanes, ``split`` fixes
+their fractions; otherwise ``split.LaneSplit`` sets them from the rates measured in place.
+``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) makes the (C, H_i, W_i) images one batch::
 
-    crop = RaggedRandomResizedCrop(224, mean=MEAN, std=STD, out_dtype=torch.bfloat16,
-                                   channels_last=True).cuda()
+    crop = RaggedRandomResizedCrop(224, mean=MEAN, std=STD, out_dtype=torch.bfloat16).cuda()
     loader = dlstore.Loader("jpeg-cache/", batch_size=256, transform=crop)
-    for images, labels in loader:          # (256, 3, 224, 224) bf16 and (256,) int64 on the GPU
-        ...
 """
 
 from __future__ import annotations
@@ -48,20 +40,16 @@ if TYPE_CHECKING:
     from dlstore.gpu.ragged import FlatImages
 
 Transform = Callable[[list[torch.Tensor]], torch.Tensor]
-# The decode lanes, in the order the split fills them while the training step is the slower side
-# (cheapest for the step first): CPU processes, the hardware JPEG engines through nvImageCodec, and
-# torchvision's batched nvJPEG call. On GPUs with NVJPG engines torchvision opens nvJPEG with its
-# hardware backend, so its baseline JPEGs go to the same engines: the two GPU lanes are two clients of
-# one set of engines there (benchmarks/RESULTS.md).
+# The decode lanes, in the order the split fills them while the step is the slower side (cheapest for
+# the step first). Where the GPU has NVJPG engines, torchvision's nvJPEG sends baseline JPEGs to them
+# too: the two GPU lanes are then two clients of one set of engines.
 LANES = ("cpu", "hw", "nvjpeg")
-# Every lane that exists here: the hardware lane decodes into reused slots that the crop reads in
-# place, which made it pay its way in training.
-DEFAULT_LANES = LANES
 
 
 @dataclass
 class DecodeStats:
-    """What the loader did: images decoded on the device, and those nvJPEG refused (decoded on CPU)."""
+    """What the loader did: which lane decoded what, and where the time went (seconds, summed over
+    batches)."""
 
     gpu_images: int = 0  # decoded on the device (nvJPEG and the hardware engines)
     hw_images: int = 0  # of which by the hardware engines
@@ -71,18 +59,14 @@ class DecodeStats:
     cpu_share: float = 0.0  # the CPU decoders' fraction of the last batch (cpu_decoders > 0)
     rerouted: int = 0  # images a lane failed (or refused) and another lane decoded
     lanes: list[str] = field(default_factory=list)  # the lanes this loader runs
-    # Where the time went (seconds, summed over batches): reading payloads (read-ahead thread), inside
-    # the batched device decode call, and the decoding thread waiting for a read batch (read-bound).
+    # reading payloads (read-ahead thread), in the device decode calls, waiting for a read batch
     batches: int = 0
     read_seconds: float = 0.0
     decode_seconds: float = 0.0
     read_wait_seconds: float = 0.0
-    # The CPU decode workers' own time decoding this loader's images (summed over workers): over
-    # cpu_images, their per-image cost in place, to compare with one core decoding alone.
-    cpu_busy_seconds: float = 0.0
-    # The decoding thread's other waits and work per batch: for the previous batch's crop to finish on
-    # the device (before this batch's decode may allocate), for the CPU share's workers, and in the
-    # transform (the crop's launch).
+    cpu_busy_seconds: float = 0.0  # the CPU decode workers' own decode time (summed over workers)
+    # waiting for the previous batch's crop (before this decode may allocate), for the CPU share, and
+    # in the transform (the crop's launch)
     sync_seconds: float = 0.0
     share_wait_seconds: float = 0.0
     transform_seconds: float = 0.0
@@ -104,10 +88,9 @@ def decode_on_device(
     data: list[torch.Tensor] | None = None,
     launching: Callable[[], None] | None = None,
 ) -> tuple[list[torch.Tensor], int]:
-    """Batched nvJPEG decode of JPEG payloads (``data``: the same as tensors, if made already); images
-    it refuses (or decodes to another shape) are decoded on the CPU instead. Returns the (C, H, W) uint8
-    tensors on ``device`` and the fallback count. ``launching`` is called just before the batched call
-    (which runs without the GIL)."""
+    """(C, H, W) uint8 tensors on ``device`` by one batched nvJPEG call (``data``: the payloads as
+    tensors, if made already; ``launching`` called just before it), and how many it refused (or
+    decoded to another shape) and the CPU decoded instead."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     channels = int(shapes[0][2]) if len(shapes) else 3
@@ -158,10 +141,8 @@ def _decode_one(data: torch.Tensor, mode: Any, device: torch.device) -> torch.Te
 
 
 class DecodePath:
-    """Batches of a payload cache, decoded (nvJPEG on CUDA) and cropped on ``device``; see the module.
-
-    ``transform`` is required for a ragged cache (images differ in size); without it a fixed-size cache
-    yields (B, C, H, W) uint8. ``read_ahead`` batches are read while the current one decodes."""
+    """Batches of a payload cache, decoded and cropped on ``device`` (see the module); without a
+    ``transform`` (required for a ragged cache) a fixed-size cache yields (B, C, H, W) uint8."""
 
     read_ahead = 4  # batches read while one decodes
 
@@ -196,35 +177,22 @@ class DecodePath:
         self._refs: list[Any] = []
 
     def _setup_lanes(self) -> None:
-        """The lanes that exist here and the split over them (again if ``gpu`` was changed since)."""
+        """The lanes asked for that exist here, in fill order, and the split over them (again if
+        ``gpu`` was changed since). An absent hardware lane is not an error."""
         lanes, split = self._lane_args
-        self._lanes_for = self.gpu
-        self.hw = self._open_hardware_lane(lanes)
-        names = self._lane_names(lanes)
+        asked = LANES if lanes is None else lanes
+        if set(asked) - set(LANES):
+            raise ValueError(f"lanes are some of {', '.join(LANES)}; got {sorted(set(asked) - set(LANES))}")
+        self._lanes_for, self.hw = self.gpu, None
+        if self.gpu and "hw" in asked:
+            from dlstore.read.decode.hw_lane import HardwareJpeg
+
+            self.hw = HardwareJpeg.open(self.device, int(self.cache.spec.shape[2]))
+        here = {"cpu": self.gpu and self.cpu_decoders > 0, "hw": self.hw is not None, "nvjpeg": self.gpu}
+        # asked only for lanes absent here: nvJPEG (or the CPU path) decodes
+        names = [n for n in LANES if here[n] and n in asked] or ["nvjpeg"]
         self.split = LaneSplit(names, fixed=fixed_split(split, names))
         self.stats.lanes = list(self.split.lanes)
-
-    def _open_hardware_lane(self, lanes: Sequence[str] | None) -> Any:
-        """The hardware JPEG lane where it can run (else None: the lane is absent, not an error)."""
-        if not self.gpu or "hw" not in (DEFAULT_LANES if lanes is None else lanes):
-            return None
-        from dlstore.read.decode.hw_lane import HardwareJpeg
-
-        return HardwareJpeg.open(self.device, int(self.cache.spec.shape[2]))
-
-    def _lane_names(self, lanes: Sequence[str] | None) -> list[str]:
-        """The lanes this loader runs, in fill order: those asked for (DEFAULT_LANES) that exist here."""
-        unknown = set(lanes or ()) - set(LANES)
-        if unknown:
-            raise ValueError(f"lanes are some of {', '.join(LANES)}; got {sorted(unknown)}")
-        here = {"cpu": self.gpu and self.cpu_decoders > 0, "hw": self.hw is not None, "nvjpeg": self.gpu}
-        names = [n for n in LANES if here[n] and n in (DEFAULT_LANES if lanes is None else lanes)]
-        return names or ["nvjpeg"]  # asked only for lanes absent here: nvJPEG (or the CPU path) decodes
-
-    @property
-    def fixed_share(self) -> float | None:
-        """The CPU's fixed fraction of each batch, or None when the split is measured."""
-        return None if self.split.fixed is None else float(self.split.fixed.get("cpu", 0.0))
 
     def epoch(self, indices: np.ndarray) -> Iterator[tuple[Any, Any]]:
         """The epoch's batches (``indices``: this rank's, in order), decoded and cropped."""
@@ -237,10 +205,8 @@ class DecodePath:
             self.cpu = self._start_cpu_decoders()
         if self.hw is not None and self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dlstore-hw-decode")
-        # One thread reads batches ahead while a second one decodes and crops batch i on a side stream,
-        # so the caller's next step is queued while the next batch decodes. Never on the caller's own
-        # stream: the crop would queue behind the training step, and nvJPEG's outputs could reuse memory
-        # that step still reads (see _decode_batch).
+        # Decoded and cropped on a side stream, never the caller's: the crop would queue behind the
+        # training step, and nvJPEG's outputs could reuse memory that step still reads.
         gate = self._read_gate()
         reads = _Pipe(iter(batches), self._read, self.read_ahead, "dlstore-read-ahead", gate)
         decoded = _Pipe(iter(reads), functools.partial(self._decode, gate=gate), 1, "dlstore-decode")
@@ -255,9 +221,8 @@ class DecodePath:
 
     def _timed_yield(self, batch: tuple[torch.Tensor, torch.Tensor]) -> Iterator[Any]:
         """Yield ``batch``; the time until the caller asks for the next one is its step's own time, the
-        consumer's period the measured split works to (the batch-to-batch period would include this
-        loader's own time when it is the slower side). The batch-to-batch time (waiting for this batch
-        and the step on it) is what the split's tuner measures, but not while the pipeline fills."""
+        period the split works to. The batch-to-batch time is what its tuner measures (not while the
+        pipeline fills)."""
         t0 = time.perf_counter()
         yield batch
         now = time.perf_counter()
@@ -268,32 +233,25 @@ class DecodePath:
         self._asked = now
 
     def _read_gate(self) -> threading.Semaphore | None:
-        """Read-ahead tokens: one is given back as each batch's decode call starts, so in steady state
-        the read-ahead thread reads while that call runs without the GIL. Read whenever the queue had
-        room (the previous design), it ran while the decoding thread held or wanted the GIL, and each
-        time that thread came back from a C call it could wait for the reader's Python (up to the
-        interpreter's 5 ms switch interval.
-
-        Not with CPU decoders: there the read-ahead thread also hands each batch's CPU share to the
-        decode processes, which should run as far ahead as the queue allows."""
+        """Read-ahead tokens, one given back as each batch's decode call starts: the read-ahead thread
+        then reads while that call runs without the GIL, instead of holding up the decoding thread's
+        return from each C call (up to the 5 ms switch interval). Not with CPU decoders: there the
+        read-ahead thread hands each CPU share to the processes, which should run as far ahead as
+        the queue allows."""
         gated = "cpu" not in self.split.lanes
         return threading.Semaphore(self.read_ahead) if gated else None
 
     def _epoch_done(self, reads: _Pipe) -> None:
         self.stats.read_wait_seconds += reads.waited
         self.split.restart()  # batches split for this epoch and never consumed
-        self._reclaim()
-
-    def _reclaim(self) -> None:
-        """CPU-decode slots of batches read ahead but never decoded (an epoch left early) are free again."""
-        if self.cpu is not None:
+        if self.cpu is not None:  # slots of batches read ahead, never decoded (an epoch left early)
             self.cpu.reclaim()
 
     def _handed_over(self, item: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch, safe to use on the caller's current stream (made on a side stream: wait for it)."""
-        if len(item) == 2 or item[2] is None:
-            return item[0], item[1]
         images, labels, event = item
+        if event is None:
+            return images, labels
         stream = torch.cuda.current_stream(self.device)
         stream.wait_event(event)
         # made on the side stream, used on this one: the allocator must not reuse them early
@@ -315,12 +273,10 @@ class DecodePath:
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         with torch.cuda.stream(self._stream):
-            # torchvision's nvJPEG writes its outputs on a stream of its own, unordered with the stream
-            # they are allocated on: memory freed on this stream (the previous batch's decoded images,
-            # and the crop's own buffers, read by the crop still queued here) could be handed out and
-            # overwritten before that crop runs. Waiting for this stream (only the previous crop, not
-            # the training step) prevents it. (Holding the decoded images for two batches instead would
-            # not cover the crop's own buffers, e.g. its flat copy of the images, freed once it is queued.)
+            # nvJPEG writes its outputs on a stream of its own, unordered with this one: memory freed
+            # here (the previous batch's images, the crop's own buffers) could be overwritten before
+            # the crop queued here reads it. Waiting for this stream (the previous crop, not the step)
+            # prevents it.
             t0 = time.perf_counter()
             self._stream.synchronize()
             self.stats.sync_seconds += time.perf_counter() - t0
@@ -344,7 +300,7 @@ class DecodePath:
         up to twice the cache's nominal size (a batch of larger ones sends fewer to the CPU)."""
         codec = self.cache.payload_reader.image_codec
         h, w, c = self.cache.spec.shape
-        most = self.fixed_share if self.fixed_share is not None else 1.0
+        most = 1.0 if self.split.fixed is None else float(self.split.fixed.get("cpu", 0.0))
         per_image = 2 * int(h) * int(w) * int(c)
         slot_bytes = max(1 << 16, int(np.ceil(most * self.batch_size)) * per_image * 5 // 4)
         return CpuDecoders(
@@ -364,9 +320,9 @@ class DecodePath:
             self.stats.read_seconds += time.perf_counter() - t0
 
     def _read_batch(self, batch: np.ndarray) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
-        """The batch's dataset indices in storage order, (the device part's payloads, the same as
-        tensors, the CPU share in flight, the device lanes' parts), the device part's shapes, the labels.
-        The split decides here, as the batch is read: the CPU share must start decoding now."""
+        """(storage-ordered indices, (the device part's payloads, as tensors, the CPU share in flight,
+        the device lanes' parts), the device part's shapes, the labels). The split decides here: the
+        CPU share must start decoding now."""
         index = storage_sorted(self.cache, batch)
         labels = read_target(self.cache, index)  # the labels, or the collated fields of a cache with them
         if not self.gpu:
@@ -399,9 +355,8 @@ class DecodePath:
         return parts
 
     def _submit_cpu_share(self, index: np.ndarray, count: int) -> CpuShare | None:
-        """The batch's first ``count`` images to the CPU decoders (as many as a slot holds).
-        Only where their payloads lie is looked up here (numpy over the units' indexes): the workers
-        read the bytes from the unit files (or find them copied into the slot) and check the CRCs."""
+        """The batch's first ``count`` images (as many as a slot holds) to the CPU decoders, which read
+        the payloads where ``payload_extents`` says they lie and check the CRCs."""
         if self.cpu is None or count == 0:
             return None
         extents = self.cache.payload_extents(index[:count])
@@ -455,27 +410,24 @@ class DecodePath:
     def _out(self, images: Any, labels: Any) -> tuple[Any, Any]:
         """(the batch through the transform, labels or the target on the device); a cache with fields
         hands its target to the transform, which moves the masks and boxes with each crop."""
+        from dlstore.gpu.ragged import to_device  # here: dlstore.gpu imports Triton, which takes a while
+
         t0 = time.perf_counter()
         try:
-            return self._transformed(images, labels)
+            if isinstance(labels, dict):
+                target = target_to_device(labels, self.device)
+                if self.transform is not None:
+                    return self.transform(images, target=target)  # type: ignore[call-arg]
+                return (images if isinstance(images, list) else list(images)), target
+            batch = self.transform(images) if self.transform is not None else torch.stack(images)
+            return batch, to_device(torch.from_numpy(labels), self.device)
         finally:
             self.stats.transform_seconds += time.perf_counter() - t0
 
-    def _transformed(self, images: Any, labels: Any) -> tuple[Any, Any]:
-        from dlstore.gpu.ragged import to_device  # here: dlstore.gpu imports Triton, which takes a while
-
-        if isinstance(labels, dict):
-            target = target_to_device(labels, self.device)
-            if self.transform is not None:
-                return self.transform(images, target=target)  # type: ignore[call-arg]
-            return (images if isinstance(images, list) else list(images)), target
-        batch = self.transform(images) if self.transform is not None else torch.stack(images)
-        return batch, to_device(torch.from_numpy(labels), self.device)
-
     def _cpu_share_on_device(self, share: CpuShare, index: np.ndarray) -> tuple[torch.Tensor, float, float]:
         """The CPU share's images on the device, planar and back to back (one copy of the slot), the
-        seconds this thread waited for the workers and the seconds they spent decoding it. A run they failed is read (CRC-checked) and decoded
-        here, so a corrupt image raises the reader's error naming its dataset index and chunk."""
+        seconds waited for the workers and the seconds they spent decoding. A run they failed is read
+        and decoded here, so a corrupt image raises the reader's error naming its index and chunk."""
         assert self.cpu is not None
         t0 = time.perf_counter()
         _slowest, busy, failed = share.wait()
@@ -497,8 +449,7 @@ class DecodePath:
                 start = share.out_start + int(share.offsets[i])
                 block[start : start + h * w * c].reshape(c, h, w)[...] = hwc.transpose(2, 0, 1)
         region = torch.from_numpy(block[share.out_start : share.out_start + share.out_bytes])
-        # After the device lanes' call returns, on the batch's stream: copying a share decoded already
-        # before that call, on a stream of its own, measured no faster.
+        # after the device lanes' call, on the batch's stream: earlier, on a stream of its own, was no faster
         if self.device.type == "cuda":
             flat = region.to(self.device, non_blocking=True)
             event = torch.cuda.Event()
@@ -550,10 +501,9 @@ class DecodePath:
         launching: Callable[[], None],
         scatter: bool = False,
     ) -> list[Any]:
-        """The device lanes' parts of a batch, decoded at once (the hardware lane in its thread beside
-        nvJPEG in this one); a failed lane's part and the images a lane refuses go to the next lane, and
-        to the CPU in this thread when none is left. With ``scatter`` the hardware lane decodes into its
-        slots and gives each image's address (an int) instead of a tensor."""
+        """The device lanes' parts of a batch, decoded at once (``decode_parts``: failures to the next
+        lane, else the CPU). With ``scatter`` the hardware lane gives each image's address (an int in
+        its slots) instead of a tensor."""
         positions = self.cache.positions[index]
         hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
         expected = [(c, h, w) for h, w, c in hwc.tolist()]
@@ -609,17 +559,14 @@ class DecodePath:
         return images
 
     def _balance(self, cpu_count: int, gpu_count: int, waited: float, busy: float) -> None:
-        """The CPU decoders' rate in place for the measured split (their decode seconds over the
-        processes running them), with the ``waited`` seconds this thread spent waiting for their share
-        in a batch period; the device lanes report their own in ``decode_parts``, the consumer's time
-        is taken where each batch is yielded."""
+        """The CPU decoders' rate in place for the measured split (their decode seconds over their
+        processes) and the ``waited`` seconds for their share in a batch period."""
         self.stats.cpu_share = cpu_count / max(1, cpu_count + gpu_count)
         now, last = time.perf_counter(), self._last_batch
         self._last_batch = now
         self._epoch_batches += 1
-        # The first read_ahead + 1 batches of an epoch were all handed to the workers at its start, with
-        # no lead time: their waits are the pipeline filling, not the workers falling behind (counting
-        # them halved the share every epoch, far below where the CPU share trained fastest).
+        # The first read_ahead + 1 batches of an epoch reach the workers with no lead time: their waits
+        # are the pipeline filling (counting them halved the CPU share every epoch).
         filling = self._epoch_batches <= self.read_ahead + 1
         if filling or last is None or now <= last:
             if cpu_count:
@@ -663,7 +610,7 @@ class _Pipe:
                     return
                 self._put(self.fn(item))
         except BaseException as e:  # surfaced in the consumer's thread
-            self._put(_Failed(e))
+            self._put(e)
         self._put(self.DONE)
 
     def _pass_gate(self) -> bool:
@@ -694,8 +641,8 @@ class _Pipe:
                 self.waited += time.perf_counter() - t0
             if item is self.DONE:
                 return
-            if isinstance(item, _Failed):
-                raise item.error
+            if isinstance(item, BaseException):
+                raise item
             yield item
 
     def close(self) -> None:
@@ -715,8 +662,3 @@ class _Once:
             fn, self.fn = self.fn, None
         if fn is not None:
             fn()
-
-
-@dataclass
-class _Failed:
-    error: BaseException

@@ -1,38 +1,25 @@
 """How a batch is split between JPEG decode lanes, and what happens when a lane fails (pure logic).
 
-``dlstore.Loader``'s decode path decodes each JPEG batch with several lanes at once: CPU worker processes (the batch's
-first part, decoded ahead of time), the GPU's hardware JPEG engines (NVJPG, through nvImageCodec) and
-torchvision's batched nvJPEG call (which itself drives the same engines for baseline JPEGs where the GPU
-has them). ``LaneSplit`` decides how many images of the next batch each lane
-takes, from each lane's measured rate (images per second of its own busy time, an EWMA) and the
-loader's measured batch period:
+The decode path decodes each JPEG batch with several lanes at once: CPU worker processes (the batch's
+first part, decoded ahead), the GPU's hardware JPEG engines (nvImageCodec) and torchvision's batched
+nvJPEG call. ``LaneSplit`` sets each lane's part of the next batch from its measured rate and the
+loader's measured batch period. Each lane's time for ``n`` images is modelled as ``fixed + n / rate``
+(a device call costs a fixed time however few images it has; a rate alone would read low for a lane
+given a small part, which would then get less still), fitted by least squares with EWMA weights. Each
+lane takes what it decodes in ``H = max(margin * period, T)``, ``T`` being the time in which all
+lanes together decode the batch: loader-bound, all finish together; consumer-bound, the lanes are
+filled in ``lanes`` order (cheapest for the step first) and the last takes the rest.
 
-- loader-bound (the lanes together are slower than the consumer): every lane takes a part in
-  proportion to its rate, so all of them finish the batch together;
-- consumer-bound (the step is slower): the lanes are filled in ``lanes`` order (cheapest for the step
-  first: CPU processes cost the training loop least, nvJPEG's CUDA kernels compete with the step's) up
-  to what each decodes in ``margin`` of one batch period; the last lane takes the rest.
-
-Each lane's time for ``n`` images is modelled as ``fixed + n / rate`` (a device call costs a fixed time
-however few images it has), fitted by least squares over its recent batches (EWMA weights). One rule
-covers both cases: each lane takes what it decodes in ``H = max(margin * period, T)``, where ``T`` is
-the time in which all lanes together decode the batch. (A rate alone, images over busy time, would
-read low for a lane given a small part, which would then be given less still.) The model is fitted in
-place, so the split moves when the step's own CPU (or GPU) use changes. A lane that fails is dropped
-for good: its images go to the next live lane (``decode_parts``), counted in ``rerouted``.
-
-The model does not see what a lane costs the training step (nvJPEG's kernels beside the step's, the CPU
-processes beside the step's own threads): it landed 4-9% below the best fixed split. So the
-first lane's share is then tuned on the measured loop itself (``ShareTuner``): an offset to the model's
-share is tried a step up and down, each trial for ``window`` batches of the training loop's own
-batch-to-batch time (``loop_period``), kept where the loop ran faster, the step halved where neither
-direction helped; once settled it probes again now and then, so it follows a change in the step.
+The model does not see what a lane costs the training step (it landed 4-9% below the best fixed
+split), so the first lane's share is tuned on the loop's own batch-to-batch time (``ShareTuner``). A
+lane that fails is dropped for good: its images go to the next live lane (``decode_parts``), counted
+in ``rerouted``.
 
     split = LaneSplit(["cpu", "hw", "nvjpeg"])
     counts = split.counts(256)                 # {"cpu": ..., "hw": ..., "nvjpeg": ...}, summing to 256
     split.observe("hw", images=80, busy=0.004)  # after the batch: each lane's images and busy seconds
-    split.period(0.011)                         # and the consumer's batch period
-    split.loop_period(0.012)                    # and the loop's batch-to-batch time (in batch order)
+    split.period(0.011)                         # the consumer's batch period
+    split.loop_period(0.012)                    # the loop's batch-to-batch time (in batch order)
 """
 
 from __future__ import annotations
@@ -80,13 +67,10 @@ MAX_STEP = 0.3  # the tuner's longest stride, of a loop period
 
 @dataclass
 class ShareTuner:
-    """Hill climbing of the first lane's share of a batch on the loop's measured batch period.
-
-    Each trial (a share) holds for the batches split while it is current; only their periods count
-    (batches split before, still in the read-ahead queue, are skipped by their tag). After ``window``
-    of them its median period is compared with the kept share's: ``gain`` faster and it is kept (and
-    the same direction tried again), otherwise the other direction; neither: the step halves and the
-    kept share is measured again (a lucky low median would otherwise block every trial). Below
+    """Hill climbing of the first lane's share on the loop's measured batch period: each trial share
+    holds for the batches split under its tag; after ``window`` of them its median period is compared
+    with the kept share's: ``gain`` faster and it is kept, else the other direction; neither: the step
+    halves and the kept share is measured again (a lucky low median would block every trial). Below
     ``min_step`` it rests ``rest`` batches, then probes again at twice ``min_step``."""
 
     share: float = 1.0  # the kept share
@@ -104,7 +88,6 @@ class ShareTuner:
     best: float | None = None  # the kept share's median period
     samples: list[float] = field(default_factory=list)
     resting: int = 0
-    trials: int = 0  # trials measured so far (for the record)
     scale: float = 1.0  # the share a lane's time moves by one loop period
 
     def current(self) -> tuple[int, float]:
@@ -112,9 +95,8 @@ class ShareTuner:
         return self.tag, self.trial
 
     def observe(self, tag: int, seconds: float, scale: float = 1.0) -> None:
-        """A batch split under ``tag`` took ``seconds`` in the loop; ``scale``: the share a lane's time
-        moves by one loop period (steps are fractions of a period, so a probe costs the same however
-        fast the lanes are)."""
+        """A batch split under ``tag`` took ``seconds`` in the loop; ``scale``: the share by which a
+        lane's time moves one loop period (so a probe costs the same however fast the lanes are)."""
         self.scale = max(1e-3, scale)
         if self.resting > 0:
             self.resting -= 1
@@ -128,7 +110,6 @@ class ShareTuner:
         if len(self.samples) < self.window:
             return
         median = sorted(self.samples)[len(self.samples) // 2]
-        self.trials += 1
         if self.best is None or self.trial == self.share:  # the kept share measured
             self.best, self.tried_other = median, False
         elif median < (1.0 - self.gain) * self.best:  # faster: keep it, go on that way (a longer stride)
@@ -172,9 +153,6 @@ class LaneSplit:
 
     lanes: Sequence[str]
     fixed: Mapping[str, float] | None = None
-    alpha: float = ALPHA
-    margin: float = MARGIN
-    min_part: float = MIN_PART
     tune: bool = True
     state: dict[str, Lane] = field(init=False)
     last_period: float | None = field(init=False, default=None)
@@ -285,7 +263,7 @@ class LaneSplit:
         for _ in range(50):  # the time in which the lanes together decode the batch
             mid = (lo + hi) / 2
             lo, hi = (lo, mid) if sum(capacity(n, mid) for n in live) >= batch else (mid, hi)
-        horizon = max(self.margin * (self.last_period or 0.0), hi)
+        horizon = max(MARGIN * (self.last_period or 0.0), hi)
         counts, left = {}, batch
         for n in live:
             take = min(left, int(round(capacity(n, horizon))))
@@ -297,7 +275,7 @@ class LaneSplit:
         """The last lane with images, when it holds under ``min_part`` of the batch and is not the only
         one, gives them to the lanes before it (in proportion to their rates)."""
         used = [n for n in counts if counts[n] > 0]
-        if len(used) < 2 or counts[used[-1]] >= self.min_part * batch:
+        if len(used) < 2 or counts[used[-1]] >= MIN_PART * batch:
             return counts
         tail, before = used[-1], used[:-1]
         extra = _apportion({n: rates[n] for n in before}, counts[tail])
@@ -316,7 +294,7 @@ class LaneSplit:
             return
         if period > 0 and waited > WAIT_TOLERANCE * period:  # late: slower than its busy time says
             busy /= max(0.5, 1.0 - waited / period)
-        keep = 1.0 - self.alpha if lane.rate is not None else 0.0
+        keep = 1.0 - ALPHA if lane.rate is not None else 0.0
         for i, v in enumerate((1.0, images, busy, images * images, images * busy)):
             lane.sums[i] = keep * lane.sums[i] + v
         lane.fixed, per_image = _fit(lane.sums, lane.fixed)
@@ -327,7 +305,7 @@ class LaneSplit:
         if seconds <= 0:
             return
         last = self.last_period
-        self.last_period = seconds if last is None else last + self.alpha * (seconds - last)
+        self.last_period = seconds if last is None else last + ALPHA * (seconds - last)
 
     def fail(self, name: str, error: BaseException | str) -> None:
         """``name`` is dropped for good (its next batches go to the other lanes)."""
@@ -336,11 +314,6 @@ class LaneSplit:
 
     def rerouted(self, name: str, images: int) -> None:
         self.state[name].rerouted += images
-
-    def shares(self) -> dict[str, float]:
-        """Each lane's fraction of the images decoded so far."""
-        total = sum(lane.images for lane in self.state.values())
-        return {n: (lane.images / total if total else 0.0) for n, lane in self.state.items()}
 
     def rates(self) -> dict[str, float | None]:
         return {n: lane.rate for n, lane in self.state.items()}
@@ -389,11 +362,10 @@ def decode_parts(
     fallback: DecodeFn,
     pool: Executor | None = None,
 ) -> list[Any]:
-    """Decode each ``(lane, start, stop)`` part with its lane, all at once (each part but the last in
-    ``pool``, the last in this thread), and return the results in order. A lane that raises is failed
-    in ``split`` and its part decoded by the next live lane of ``parts`` (``fallback``, e.g. the CPU, when
-    none is left); images a lane refuses (None) are decoded by ``fallback``. Either way they are counted
-    in that lane's ``rerouted``: every image is decoded once and lands in its place."""
+    """Decode each ``(lane, start, stop)`` part with its lane, all at once (all but the last in ``pool``),
+    the results in order. A lane that raises is failed and its part decoded by the next live lane
+    (``fallback`` when none is left); images a lane refuses (None) by ``fallback``; both counted in
+    that lane's ``rerouted``."""
     parts = [p for p in parts if p[2] > p[1]]
     jobs: list[Future[tuple[list[Any], float]]] = []
     for i, (name, start, stop) in enumerate(parts):
@@ -451,21 +423,17 @@ def _rescue(
     lanes: Mapping[str, DecodeFn],
     fallback: DecodeFn,
 ) -> DecodeFn:
-    """The lane that decodes a failed lane's part: the next live lane of this batch, else ``fallback``."""
+    """The lane that decodes a failed lane's part: the next live lane of this batch (failed in turn,
+    and ``fallback`` decoding, if it raises too), else ``fallback``."""
     names = [p[0] for p in parts]
-    after = names[names.index(failed) + 1 :] + names[: names.index(failed)]
-    for name in after:
-        if split.state[name].alive:
-            return _guarded(split, name, lanes[name], fallback)
-    return fallback
-
-
-def _guarded(split: LaneSplit, name: str, fn: DecodeFn, fallback: DecodeFn) -> DecodeFn:
-    """``fn``, and if it fails too, the lane is failed and ``fallback`` decodes."""
+    at = names.index(failed)
+    name = next((n for n in names[at + 1 :] + names[:at] if split.state[n].alive), None)
+    if name is None:
+        return fallback
 
     def call(start: int, stop: int) -> list[Any]:
         try:
-            return list(fn(start, stop))
+            return list(lanes[name](start, stop))
         except Exception as e:
             split.fail(name, e)
             return list(fallback(start, stop))

@@ -1,22 +1,21 @@
 """Whole batches decoded straight into shared memory by worker processes.
 
-Units decoded ahead into shared slots, then gathered into each batch by the reading process, cost one
-more pass over every byte, in threads of one process that also pays the GIL hand-overs of ~100 runs
-per 256-image batch (under half of the codec's all-core rate; that design is gone).
-Here the reading process plans the epoch up front: for each unit, which rows of which batches its
-images go to. A worker decodes the unit into a private buffer (still in its core's cache) and copies
-those images into the batches' rows, in a ring of batch slots in one shared-memory block. The reading
-process sends one small message per unit and waits for whole batches; no decoded byte crosses it.
+The reading process plans the epoch up front: for each unit, which rows of which batches its images go
+to. A worker decodes the unit into a private buffer (still in its core's cache) and copies those images
+into the batches' rows, in a ring of batch slots in one shared-memory block. The reading process sends
+one small message per unit and waits for whole batches; no decoded byte crosses it (units decoded into
+shared slots and gathered by the reader cost one more pass over every byte, in threads that share a GIL).
 
-A unit whose images are spread over more batches than the ring spans is decoded once per span (a
-chunk-ordered epoch decodes each unit once; a full shuffle decodes many several times: slower, same
-pixels). A unit that fails in a worker, or whose worker died, is decoded again by the reading process
-when its batch is taken, so the error names the chunk as a plain read would.
+A unit whose images span more batches than the ring decodes once per span (a chunk-ordered epoch
+decodes each unit once). A unit that fails in a worker, or whose worker died, is decoded again by the
+reading process when its batch is taken, so the error names the chunk as a plain read would.
 """
 
 from __future__ import annotations
 
 import importlib
+import multiprocessing as mp
+import os
 import struct
 import threading
 import weakref
@@ -28,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from dlstore.formats.base import group_runs
-from dlstore.read.engines.workers import Workers, attach, populate, shutdown, worker_connection
+from dlstore.formats.base import CacheReader, group_runs
+from dlstore.read.engines.workers import Workers, attach, opener_for, populate, shutdown, worker_connection
 from dlstore.spec import read_spec
 
 _JOB = struct.Struct("<qqq")  # job id, unit, rows (then rows x (slot, row, local) int64)
@@ -296,3 +295,49 @@ def main() -> None:
 def ring_slots(batch_bytes: int, budget: int = 768 << 20, lo: int = 6, hi: int = 24) -> int:
     """How many batch slots the ring gets: as many as ``budget`` bytes hold, within [lo, hi]."""
     return int(min(hi, max(lo, budget // max(1, batch_bytes))))
+
+
+def may_start_processes(reader: CacheReader) -> bool:
+    """Worker processes can decode this reader's units, and this process may start children (a
+    DataLoader worker is a daemon: it may not)."""
+    return reader.traits.unit_arrays and not mp.current_process().daemon
+
+
+class ReaderEngines:
+    """The decode processes of one open cache's reader, started on demand by ``decode_batches``. They
+    belong to the process that started them: a forked child starts its own."""
+
+    def __init__(self, reader: CacheReader) -> None:
+        self.reader = reader
+        self._lock = threading.Lock()
+        self._batches: BatchProcesses | None = None
+        self._batches_pid = -1
+
+    @property
+    def batch_processes(self) -> BatchProcesses | None:
+        """The processes and ring of ``decode_batches`` for this process, if started."""
+        return self._batches if self._batches_pid == os.getpid() else None
+
+    def decode_batches(self, batches: list[np.ndarray], processes: int) -> Iterator[np.ndarray]:
+        """Each batch of storage positions decoded by ``processes`` workers into the ring (each array
+        valid until the next one is asked for); the workers stay for later epochs."""
+        batch, reader = max((len(b) for b in batches), default=1), self.reader
+        with self._lock:
+            procs = self.batch_processes
+            if procs is not None and (procs.batch < batch or len(procs.conns) != processes):
+                procs.close()
+                procs = None
+            if procs is None:
+                unit_shape = (reader.unit, *reader.spec.shape)  # type: ignore[attr-defined]
+                slots = ring_slots(batch * reader.spec.image_bytes)
+                procs = BatchProcesses(opener_for(reader), unit_shape, processes, slots, batch)
+                self._batches, self._batches_pid = procs, os.getpid()
+        return procs.epoch(batches, reader)
+
+    def close(self) -> None:
+        """Stop this process's workers and free their shared memory; call after the reader's
+        ``close`` (its decoded units may be views of that memory)."""
+        with self._lock:
+            batches, self._batches = self.batch_processes, None
+        if batches is not None:
+            batches.close()

@@ -1,14 +1,11 @@
-"""Worker interpreters that share one block of memory with the process that starts them.
+"""Worker interpreters that share one block of memory with the process that starts them (the plumbing
+under ``batch_procs`` and ``dlstore.read.decode.cpu_lane``, each with its own protocol on top).
 
-The plumbing under ``batch_procs`` (batches decoded straight into a ring) and
-``dlstore.read.decode.cpu_lane`` (the CPU share of a JPEG batch): each has its own protocol on top.
-
-- Workers are fresh interpreters (``python -c "from MODULE import main; main()" FD``), not
-  multiprocessing's: spawn and forkserver re-run the user's main module in the child (a script without
-  a ``__main__`` guard would recurse), and fork would copy the parent's threads' locks.
-- One socket per worker; the first message is a JSON hello naming the block, answered by one byte once
-  the worker has mapped it. The parent then unlinks the block's name: the memory lives on in the mappings,
-  and nothing is left in /dev/shm even when every process is killed with -9.
+- Fresh interpreters (``python -c "from MODULE import main; main()" FD``), not multiprocessing's: spawn
+  and forkserver re-run the user's main module (a script without a ``__main__`` guard would recurse),
+  and fork would copy the parent's threads' locks.
+- One socket per worker; the first message is a JSON hello naming the block, answered once the worker
+  has mapped it. The parent then unlinks the name: nothing is left in /dev/shm even after ``kill -9``.
 - Workers ignore Ctrl-C (the parent handles it) and exit when their socket closes.
 """
 
@@ -124,8 +121,7 @@ def shutdown(
 
 def _hang_up(conn: Connection) -> None:
     """Shut the socket down before closing it: a collector thread waiting on it wakes at once (closing
-    the descriptor alone does not wake it, so its owner's join waited out its timeout, 5 s per pool) and
-    the worker sees EOF."""
+    the descriptor alone does not) and the worker sees EOF."""
     try:
         socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
     except OSError:  # already closed, or never connected
@@ -175,13 +171,12 @@ _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14; elsewhere p
 _libc: Any = None
 
 
-def populate(arr: np.ndarray) -> None:
-    """Map every page of ``arr`` writable in one ``madvise`` instead of one fault per 4 KiB page on
-    first write. Workers write all over a shared block: without this, each process takes a fault
-    on most of its writes for the first several epochs (one per page it has not written yet)."""
+def populate(arr: np.ndarray, write: bool = True) -> bool:
+    """Map every page of ``arr`` (writable) in one ``madvise`` instead of one fault per 4 KiB page on
+    first use (workers write all over a shared block for several epochs before every page is mapped)."""
     addr = arr.ctypes.data
     start = addr - addr % mmap.PAGESIZE
-    madvise_populate(start, arr.nbytes + (addr - start), write=True)
+    return madvise_populate(start, arr.nbytes + (addr - start), write)
 
 
 def madvise_populate(address: int, nbytes: int, write: bool = False) -> bool:

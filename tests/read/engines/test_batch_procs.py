@@ -126,7 +126,7 @@ def test_batches_decoded_in_processes_match_plain_reads(
     zarr_cache: Path, order: str, slots: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if slots is not None:  # a small ring: a shuffled epoch's chunks span more batches than it holds
-        monkeypatch.setattr("dlstore.read.engines.owner.ring_slots", lambda batch_bytes: slots)
+        monkeypatch.setattr("dlstore.read.engines.batch_procs.ring_slots", lambda batch_bytes: slots)
     batches = index_batches(zarr_cache, order)
     cache = open_cache(zarr_cache)
     expected = [cache.read(b) for b in batches]
