@@ -345,7 +345,8 @@ class ChunkedReader(CacheReader):
 
         def copy(run: tuple[int, int, int]) -> None:
             k, a, b = run
-            unit = self.unit_array(k)
+            # a plain view: indexing an np.memmap (a stored npz shard) runs Python per row, GIL held
+            unit = np.asarray(self.unit_array(k))
             local = sorted_pos[a:b] - k * self.unit
             if order is None:
                 np.take(unit, local, axis=0, out=out[a:b], mode="clip")
