@@ -1,13 +1,7 @@
-"""The source folder a cache was built from: scanning it (ImageFolder's rules), the compact per-file
-record a cache keeps of it (``sources.npz``), and the checks that say whether the cache is stale.
-
-Shared ground: ``build`` scans and records; ``read`` only looks at the source when asked
-(``check_source=True``), apart from one ``stat`` of the source root on open (``root_warning``).
-
-The record is columnar (names joined by NUL, sizes, mtimes, labels, the first 8 bytes of each file's
-sha256), deflated in one ``.npz``: about 20 bytes per image instead of ~120 in JSON, and nobody reads it
-on open. Names are relative, so a dataset root that moved keeps its cache valid: a recorded root that
-no longer exists is not stale, only unchecked (pass the new location as ``source=`` to check it there).
+"""The source folder a cache was built from: scanning it (ImageFolder's rules), the per-file record a
+cache keeps (``sources.npz``: columnar, deflated, ~20 bytes an image; names relative, so a moved
+dataset root keeps its cache valid, only unchecked) and the staleness checks, which look at the source
+only when asked (``check_source=True``) beyond one ``stat`` of its root on open (``root_warning``).
 
 >>> status = source_status("cache/")           # doctest: +SKIP
 >>> status.stale, status.message               # doctest: +SKIP

@@ -1,8 +1,5 @@
-"""Image codecs for the payload layout: one encoded payload per image (``raw`` pixels or ``jpeg``).
-
-A codec turns one (H, W, C) uint8 image into bytes and back. Payload codecs are used by the chunked
-formats' payload layout (see ``payload.py``): per-image bytes in a unit plus an offsets / shapes / crc
-index, so images may differ in size and a reader decodes only the images it is asked for.
+"""Image codecs of the payload layout (``payload.py``): one (H, W, C) uint8 image ↔ one payload
+(``raw`` pixels or ``jpeg``), so a reader decodes only the images it is asked for.
 
 >>> codec = get_codec("jpeg", quality=90)
 >>> data = codec.encode(np.zeros((4, 6, 3), np.uint8))
