@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from dlstore.cli.render import emit_json, stderr
-from dlstore.cli.shared_options import Command
+from dlstore.cli.shared_options import Command, json_option
 
 # The tuning options, under headings of their own in --help (the rest: what a newcomer needs).
 SECTIONS = {
@@ -142,12 +142,7 @@ SECTIONS = {
     default=None,
     help="Write watch.json, steps.csv, timeline.png here.",
 )
-@click.option(
-    "--json",
-    "as_json",
-    is_flag=True,
-    help="Print one JSON document on stdout (the script's stdout goes to stderr).",
-)
+@json_option("Print one JSON document on stdout (the script's stdout goes to stderr).")
 def watch_cmd(
     command: tuple[str, ...],
     steps: int | None,
