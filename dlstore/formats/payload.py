@@ -330,15 +330,7 @@ class PayloadReader(ChunkedReader):
         missing = [k for k in dict.fromkeys(k for k, _, _ in runs) if self._units.lookup(k) is None]
         self.parallel(self.payload_unit, missing, len(missing) << 22)
         n = len(positions)
-        out = PayloadExtents(
-            [],
-            [],
-            np.empty(n, np.int64),
-            np.empty(n, np.int64),
-            np.empty(n, np.int64),
-            np.empty(n, np.int64),
-            np.empty((n, 3), np.int64),
-        )
+        out = PayloadExtents([], [], *(np.empty(n, np.int64) for _ in range(4)), np.empty((n, 3), np.int64))
         for k, a, b in runs:
             unit = self.payload_unit(k)
             local = sorted_pos[a:b] - k * self.unit

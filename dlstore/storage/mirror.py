@@ -248,9 +248,6 @@ class RemoteMirror:
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
 
-    def local_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
-
     def clear(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
 
