@@ -23,15 +23,10 @@ from dlstore.spec import CacheSpec, FieldSpec
 
 
 class CacheWriter(ABC):
-    """Writes images in *units* (a shard, a chunk, a slab): unit ``k`` holds images
-    ``[k*unit_size, (k+1)*unit_size)``. ``create`` runs once in the main process; ``write_unit`` may run
-    in any worker process and must only touch that unit's bytes, so units can be written in parallel
-    and a finished unit never needs redoing.
-
-    A Writer declares the options it takes (``codecs`` becomes the ``codec`` option, plus
-    ``extra_options``); ``parse_options`` validates them and fills defaults, and ``recorded_options``
-    is what the manifest keeps.
-    """
+    """Writes images in *units* (shard, chunk, slab): unit ``k`` holds images ``[k*unit_size,
+    (k+1)*unit_size)``. ``create`` runs once in the main process; ``write_unit`` in any worker, touching
+    only that unit's bytes. Options: ``codecs`` (the ``codec`` option) plus ``extra_options``, checked by
+    ``parse_options``; ``recorded_options`` is what the manifest keeps."""
 
     name: ClassVar[str]
     codecs: ClassVar[CodecTable | None] = None
@@ -475,14 +470,11 @@ class UnitDecoder(Protocol):
         """A future of unit k's (unit, H, W, C) array, or None when it cannot take one now."""
 
 
-# E5, the one bound on what a cache can make a reader allocate: one unit (a shard, a chunk, a
-# payload image) may decode to at most twice the bytes the cache really holds plus this allowance,
-# and the decoded units a reader keeps fit in the same bound. Every number a unit's file declares
-# (a zip member's .npy header, a zstd frame's content size, a zarr chunk shape, a payload index's
-# image shape) must match what the manifest declares, which is checked against this bound when a
-# reader is made, before anything is decoded. So a hostile cache costs at most twice its real size
-# plus 100 MB of memory, and a real cache of flat images (1000x compressible) still reads: what
-# dlstore writes decodes to at most 32 MB a unit at the default sizes, half the allowance.
+# The one bound on what a cache can make a reader allocate: a unit (shard, chunk, payload image) decodes
+# to at most twice the bytes the cache holds plus this allowance, and so do the units a reader keeps.
+# Every size a unit's file declares must match the manifest, checked against this bound before any
+# decode: a hostile cache costs at most twice its size plus ~100 MB, while flat images (1000x
+# compressible) still read (dlstore's units decode to at most 32 MB at the default sizes).
 DECODE_ALLOWANCE = 64 << 20
 UNIT_CACHE_OVER_SIZE = DECODE_ALLOWANCE  # the unit cache's share of the same bound
 

@@ -1,9 +1,5 @@
-"""What a format declares about itself: the options its Writer takes, its codecs, its traits.
-
-Everything outside ``dlstore/formats/`` decides through these declarations (the CLI's choices, the
-disk-space estimate, whether a cache can be loaded into RAM, whether reads group by unit), never by
-testing a format's name. A new format or codec is a declaration here, not an edit elsewhere.
-"""
+"""What a format declares about itself (its Writer's options, codecs, traits): everything outside
+``dlstore/formats/`` decides through these, never by testing a format's name."""
 
 from __future__ import annotations
 
@@ -16,12 +12,8 @@ from dlstore.errors import SpecError
 
 @dataclass(frozen=True)
 class Codec:
-    """One way a chunked format stores a unit's pixels.
-
-    ``size_ratio`` is a rough stored/raw byte ratio, used only to warn before a conversion that the
-    disk will likely fill. ``impl`` is what the owning Writer calls for it (zarr: a function returning
-    zarr compressors; npz: the numpy save function); nothing outside the format looks at it.
-    """
+    """One way a chunked format stores a unit's pixels. ``size_ratio``: a rough stored/raw ratio (the
+    disk-space warning); ``impl``: what the owning Writer calls (zarr: compressors; npz: a numpy save)."""
 
     name: str
     help: str
@@ -35,10 +27,8 @@ class Codec:
 
 @dataclass(frozen=True)
 class Option:
-    """One Writer option: its manifest key (also its CLI flag, ``--name``), choices and default.
-
-    ``choices`` empty means any value of ``kind`` within [``min``, ``max``] when those are given.
-    """
+    """One Writer option: its manifest key (the CLI flag ``--name``), default, and ``choices`` or else
+    any ``kind`` value within [``min``, ``max``]."""
 
     name: str
     default: Any
