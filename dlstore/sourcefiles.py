@@ -155,12 +155,8 @@ class SourceRecord:
         )
 
     def rows(self) -> list[list[Any]]:
-        return [
-            [n, s, m, lab]
-            for n, s, m, lab in zip(
-                self.names, self.sizes.tolist(), self.mtimes_ns.tolist(), self.labels.tolist()
-            )
-        ]
+        columns = (self.names, self.sizes.tolist(), self.mtimes_ns.tolist(), self.labels.tolist())
+        return [list(row) for row in zip(*columns)]
 
     def digest(self, i: int) -> str:
         """Hex prefix of sample i's sha256, "" where unknown."""
@@ -186,13 +182,7 @@ class SourceRecord:
         with np.load(path, allow_pickle=False) as z:
             raw = z["names"].tobytes()
             names = [b.decode("utf-8", "surrogateescape") for b in raw.split(b"\0")] if raw else []
-            return cls(
-                names=names,
-                sizes=z["sizes"],
-                mtimes_ns=np.cumsum(z["mtime_deltas_ns"]),
-                labels=z["labels"],
-                digests=z["digests"],
-            )
+            return cls(names, z["sizes"], np.cumsum(z["mtime_deltas_ns"]), z["labels"], z["digests"])
 
 
 def read_record(cache_root: Path) -> SourceRecord | None:
