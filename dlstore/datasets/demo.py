@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from dlstore import settings
-from dlstore.machine import usable_cores
+from dlstore.machine import process_alive, usable_cores
 
 __all__ = [
     "DEMO_CLASSES",
@@ -360,12 +360,9 @@ def _remove_stale_tmp_dirs(root: Path) -> None:
 def _pid_alive(name: str) -> bool:
     """Whether the process whose pid a temp dir's name carries (``.NAME.tmp-PID-HEX``) still runs."""
     try:
-        os.kill(int(name.rsplit("-", 2)[-2]), 0)
-    except (ValueError, ProcessLookupError):
+        return process_alive(int(name.rsplit("-", 2)[-2]))
+    except ValueError:
         return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
 
 
 def _write_one(directory: str, seed: int, index: int) -> int:
