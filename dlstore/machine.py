@@ -32,8 +32,8 @@ def cpu_quota(cgroup: Path = CGROUP) -> float | None:
     except (OSError, ValueError):
         pass
     for folder in ("cpu", "cpu,cpuacct"):
-        quota_us = _read_signed(cgroup / folder / "cpu.cfs_quota_us")
-        period_us = _read_signed(cgroup / folder / "cpu.cfs_period_us")
+        quota_us = _read_int(cgroup / folder / "cpu.cfs_quota_us", True)
+        period_us = _read_int(cgroup / folder / "cpu.cfs_period_us", True)
         if quota_us is not None and period_us:
             return None if quota_us < 0 else quota_us / period_us
     return None
@@ -83,19 +83,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _read_signed(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _read_int(path: Path) -> int | None:
+def _read_int(path: Path, signed: bool = False) -> int | None:
+    """A cgroup file's integer; None when unreadable or, unsigned, not digits (v2 writes "max")."""
     try:
         text = path.read_text().strip()
-    except OSError:
+        return int(text) if signed or text.isdigit() else None
+    except (OSError, ValueError):
         return None
-    return int(text) if text.isdigit() else None  # v2 writes "max" for no limit
 
 
 def cgroup_room(cgroup: Path = CGROUP) -> tuple[int, str] | None:

@@ -154,13 +154,8 @@ def parse_fields(d: Any, where: Path) -> dict[str, FieldSpec]:
         if not (isinstance(name, str) and name.isidentifier()) or not isinstance(decl, dict):
             raise SpecError(f"{where}: bad field {name!r} in manifest; rebuild the cache")
         try:
-            out[name] = FieldSpec(
-                **{
-                    **decl,
-                    "shape": tuple(decl.get("shape", ())),
-                    "classes": tuple(decl.get("classes", ())),
-                }
-            )
+            tuples = {"shape": tuple(decl.get("shape", ())), "classes": tuple(decl.get("classes", ()))}
+            out[name] = FieldSpec(**{**decl, **tuples})
         except TypeError as e:
             raise SpecError(f"{where}: bad field {name!r} {decl}: {e}; rebuild the cache") from None
     for name, f in out.items():
