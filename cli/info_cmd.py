@@ -25,10 +25,7 @@ def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | 
     spec = spec_at(dest, storage_options)
     nbytes = bytes_at(dest, storage_options)
     if as_json:
-        doc = asdict(spec)
-        doc["checksums"] = len(spec.checksums)
-        doc["bytes_on_disk"] = nbytes
-        emit_json(doc)
+        emit_json({**asdict(spec), "checksums": len(spec.checksums), "bytes_on_disk": nbytes})
         return
     h, w, c = spec.shape
     click.echo(
