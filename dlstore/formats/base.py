@@ -252,11 +252,9 @@ class CacheReader(ABC):
 
 
 class ChunkedReader(CacheReader):
-    """Formats stored in units of many images (npz shards, zarr chunks).
-
-    A batch is grouped by unit so each unit is decoded once; units missing from a bounded per-process
-    cache are decoded in threads (zstd and zlib release the GIL), so one process can use several cores.
-    """
+    """Formats stored in units of many images (npz shards, zarr chunks): a batch is grouped by unit, each
+    unit decoded once; units missing from a bounded per-process cache are decoded in threads (zstd and
+    zlib release the GIL), so one process can use several cores."""
 
     # No handle outlives a read (the thread pool is re-made per pid), so forked children may use it.
     traits: ClassVar[Traits] = Traits(
@@ -326,11 +324,9 @@ class ChunkedReader(CacheReader):
         return [self.unit_file(int(k)) for k in np.unique(np.asarray(positions) // self.unit)]
 
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
-        """Per unit: decode (if not cached) and copy its images out, units in parallel threads.
-
-        Ascending positions (what the dlstore loaders pass) copy each unit's rows into one contiguous
-        slice of ``out``; any other order is sorted first and scattered back.
-        """
+        """Per unit: decode (if not cached) and copy its images out, units in parallel threads. Ascending
+        positions (the dlstore loaders sort each batch so) copy a unit's rows in one ``np.take``; any
+        other order is sorted first and scattered back row by row, a GIL hand-over per image."""
         self._reads += 1
         ascending = positions.size < 2 or bool(np.all(positions[1:] >= positions[:-1]))
         order = None if ascending else np.argsort(positions, kind="stable")
