@@ -69,18 +69,14 @@ class Option:
 class Traits:
     """What readers of a format can do, so callers ask the format instead of testing its name.
 
-    loads_into_ram: ``in_memory=True`` holds the whole cache in one array (checked against the
-      available memory first); other formats refuse ``in_memory``.
-    unit_grouped: images are stored in units of many (shards, chunks) decoded whole, so batches are
-      grouped by unit and the ChunkSampler pays off.
+    loads_into_ram: ``in_memory=True`` holds the cache in one array (checked against free memory first).
+    unit_grouped: units of many images decoded whole: batches group by unit (the ChunkSampler pays off).
     fork_safe: a reader opened before a fork may be used by the child as it is.
-    opens_files_per_read: reads open files as they go, so a cache swapped underneath must be detected
-      after each read (a memory map taken at open keeps reading its own generation instead).
-    unit_arrays: each unit decodes whole into one (unit, H, W, C) pixel array (``load_unit``,
-      ``decode_unit_into``), so worker processes can decode units for the reader (decode ahead, batch
-      rings: ``dlstore.read.engines``).
-    payloads: images are stored as per-image encoded payloads with an index (the payload layout): the
-      reader is a ``PayloadReader`` (``read_payloads``, ``payload_extents``, ``read_images``, ``decode``).
+    opens_files_per_read: a cache swapped underneath is detected after each read (a memory map taken
+      at open keeps reading its own generation instead).
+    unit_arrays: a unit decodes whole into one (unit, H, W, C) array (``load_unit``, ``decode_unit_into``),
+      so worker processes can decode units for the reader (``dlstore.read.engines``).
+    payloads: per-image encoded payloads with an index: the reader is a ``PayloadReader``.
     """
 
     loads_into_ram: bool
