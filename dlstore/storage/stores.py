@@ -157,12 +157,11 @@ def check_extra(url: str) -> None:
     require_extra(module, extra, f"a {scheme_of(url)}:// cache path")
 
 
-CREDENTIALS_HINT = {
-    "s3": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE",
-    "s3a": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE",
-    "gs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
-    "gcs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
+_HINTS = {
+    "s3fs": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE",
+    "gcsfs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
 }
+CREDENTIALS_HINT = {scheme: _HINTS[module] for scheme, (module, _) in EXTRAS.items()}
 
 
 def _first_line(error: BaseException | None) -> str:
