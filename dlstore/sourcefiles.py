@@ -123,9 +123,6 @@ def _walk_images(top: str, errors: list[tuple[str, str]], blocked: set[tuple[int
     return out
 
 
-# --- the record -------------------------------------------------------------------------------------
-
-
 @dataclass
 class SourceRecord:
     """Per source sample, in source order: relative name, size, mtime_ns, label, and the first
@@ -191,9 +188,6 @@ def read_record(cache_root: Path) -> SourceRecord | None:
         return SourceRecord.load(Path(cache_root) / SOURCE_RECORD)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile):
         return None
-
-
-# --- comparisons ------------------------------------------------------------------------------------
 
 
 def first_difference(old: list[list[Any]], new: list[list[Any]]) -> str | None:

@@ -110,9 +110,6 @@ def unpack(f: FieldSpec, name: str, members: dict[str, np.ndarray], rows: np.nda
     return out
 
 
-# --- writing ------------------------------------------------------------------------------------------
-
-
 class FieldWriter:
     """Writes a cache's fields unit by unit (in any worker) and finishes them (main process)."""
 
@@ -272,9 +269,6 @@ def gather_variable(name: str, units: list[dict[str, np.ndarray]]) -> dict[str, 
 def zarr_chunk(array_dir: Path, k: int, ndim: int) -> Path:
     """Chunk k (along the sample axis; one chunk across the others) of a zarr v3 array."""
     return array_dir.joinpath("c", str(k), *(["0"] * (ndim - 1)))
-
-
-# --- reading ------------------------------------------------------------------------------------------
 
 
 class FieldReader:

@@ -110,8 +110,6 @@ class RemoteMirror:
             fcntl.flock(fd, fcntl.LOCK_UN)
         self.evict_if_over()
 
-    # --- fetching ------------------------------------------------------------------------------------
-
     def ensure(self, files: Iterable[str]) -> None:
         """Make each listed file present and verified locally; downloads run in parallel threads."""
         missing = []
@@ -224,8 +222,6 @@ class RemoteMirror:
                 self.ensure(files)
         except Exception:  # noqa: BLE001 - the read that needs the unit fetches it again and reports
             pass
-
-    # --- bounded size --------------------------------------------------------------------------------
 
     def evict_if_over(self) -> None:
         """Remove least recently used data units until the mirror folder is within ``cache_bytes``.
