@@ -16,6 +16,7 @@ from dlstore.cli.shared_options import (
     config_options,
     demo_images_option,
     field_option,
+    json_option,
     label_option,
     max_megapixels_option,
     pixels_option,
@@ -187,9 +188,7 @@ SECTIONS = {
     "As for convert: the caches take images up to this size [default: Pillow's limit, 89.5]."
 )
 @demo_images_option(None, "Images in the demo dataset [default: 8 batches, at least 256].")
-@click.option(
-    "--json", "as_json", is_flag=True, help="Print the result document on stdout (progress on stderr)."
-)
+@json_option("Print the result document on stdout (progress on stderr).")
 def bench_cmd(formats_alias: tuple[str, ...] | None, as_json: bool, **params: Any) -> None:
     """Measure each input stage alone and end to end, sweep workers, name the bottleneck.
 

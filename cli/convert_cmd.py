@@ -15,6 +15,7 @@ from dlstore.cli.shared_options import (
     demo_images_option,
     field_option,
     given_writer_options,
+    json_option,
     label_option,
     max_megapixels_option,
     pixels_option,
@@ -84,7 +85,7 @@ SECTIONS = {
 @click.argument("dest", type=StorePath())
 @size_option("Output side in pixels.", required=True)
 @config_options(ConvertOptions, OPTIONS)
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON document on stdout.")
+@json_option("Print one JSON document on stdout.")
 @pixels_option()
 @max_megapixels_option()
 @writer_options

@@ -10,12 +10,13 @@ from typing import Any
 import click
 
 from dlstore.cli.render import StorePath, emit_json, storage_options_option
+from dlstore.cli.shared_options import json_option
 from dlstore.write.sizes import count, human_bytes
 
 
 @click.command("info")
 @click.argument("dest", type=StorePath())
-@click.option("--json", "as_json", is_flag=True, help="Print the spec as one JSON document.")
+@json_option("Print the spec as one JSON document.")
 @storage_options_option()
 def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | None) -> None:
     """Show what the cache at DEST (a folder or a URL) holds."""
@@ -24,10 +25,7 @@ def info_cmd(dest: Path | str, as_json: bool, storage_options: dict[str, Any] | 
     spec = spec_at(dest, storage_options)
     nbytes = bytes_at(dest, storage_options)
     if as_json:
-        doc = asdict(spec)
-        doc["checksums"] = len(spec.checksums)
-        doc["bytes_on_disk"] = nbytes
-        emit_json(doc)
+        emit_json({**asdict(spec), "checksums": len(spec.checksums), "bytes_on_disk": nbytes})
         return
     h, w, c = spec.shape
     click.echo(

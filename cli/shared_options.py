@@ -68,6 +68,11 @@ MAX_MEGAPIXELS_HELP = (
 MAX_SIZE = 8192
 
 
+def json_option(help: str) -> Callable[[F], F]:
+    """``--json``: stdout carries exactly one JSON document (``help`` says which)."""
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
 def size_option(help: str, required: bool = False) -> Callable[[F], F]:
     # No explicit default: click 8.3+ counts ``default=None`` as a value given for a required option.
     return click.option("--size", type=click.IntRange(1, MAX_SIZE), required=required, help=help)

@@ -10,7 +10,7 @@ import click
 
 from dlstore.bench.watch import WatchConfig
 from dlstore.cli.render import emit_json, stderr
-from dlstore.cli.shared_options import Command, config_options
+from dlstore.cli.shared_options import Command, config_options, json_option
 
 # The tuning options, under headings of their own in --help (the rest: what a newcomer needs).
 SECTIONS = {
@@ -84,7 +84,7 @@ JSON_HELP = "Print one JSON document on stdout (the script's stdout goes to stde
 @click.option("--apply", "apply_advice", is_flag=True, help=APPLY_HELP)
 @click.option("--compare", nargs=2, type=click.Path(path_type=Path, exists=True), help=COMPARE_HELP)
 @click.option("--out", type=click.Path(path_type=Path, file_okay=False), help=OUT_HELP)
-@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+@json_option(JSON_HELP)
 def watch_cmd(
     command: tuple[str, ...],
     apply_advice: bool,

@@ -1,14 +1,7 @@
-"""Machine facts, read the way a container sees them: usable cores, available memory, shared memory,
-the CPU model, and a device synchronise for timing.
-
-``usable_cores`` honours both the CPU affinity mask and the cgroup CPU quota (v2 ``cpu.max``, v1
-``cpu.cfs_quota_us / cpu.cfs_period_us``): a container given 2 CPUs of a 64-core host must not start
-64 workers.
-
-``available_memory`` takes the smallest of /proc/meminfo's MemAvailable and the cgroup's free room
-(v2 ``memory.max - memory.current``, v1 ``memory.limit_in_bytes - memory.usage_in_bytes``): inside a
-container /proc/meminfo shows the host. ``check_shared_memory`` explains a /dev/shm too small for the
-batches DataLoader workers hand over (Docker gives 64 MB), which otherwise ends in a bare "Bus error".
+"""Machine facts as a container sees them: ``usable_cores`` (the affinity mask and the cgroup v1/v2
+CPU quota: 2 CPUs of a 64-core host start 2 workers), ``available_memory`` (the least of
+MemAvailable and the cgroup's free room: /proc/meminfo shows the host), ``check_shared_memory`` (a
+/dev/shm too small for worker batches, else a bare "Bus error"), the CPU model, a device synchronise.
 """
 
 from __future__ import annotations
@@ -39,8 +32,8 @@ def cpu_quota(cgroup: Path = CGROUP) -> float | None:
     except (OSError, ValueError):
         pass
     for folder in ("cpu", "cpu,cpuacct"):
-        quota_us = _read_signed(cgroup / folder / "cpu.cfs_quota_us")
-        period_us = _read_signed(cgroup / folder / "cpu.cfs_period_us")
+        quota_us = _read_int(cgroup / folder / "cpu.cfs_quota_us", True)
+        period_us = _read_int(cgroup / folder / "cpu.cfs_period_us", True)
         if quota_us is not None and period_us:
             return None if quota_us < 0 else quota_us / period_us
     return None
@@ -90,19 +83,13 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _read_signed(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
-def _read_int(path: Path) -> int | None:
+def _read_int(path: Path, signed: bool = False) -> int | None:
+    """A cgroup file's integer; None when unreadable or, unsigned, not digits (v2 writes "max")."""
     try:
         text = path.read_text().strip()
-    except OSError:
+        return int(text) if signed or text.isdigit() else None
+    except (OSError, ValueError):
         return None
-    return int(text) if text.isdigit() else None  # v2 writes "max" for no limit
 
 
 def cgroup_room(cgroup: Path = CGROUP) -> tuple[int, str] | None:

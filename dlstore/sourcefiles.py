@@ -1,13 +1,7 @@
-"""The source folder a cache was built from: scanning it (ImageFolder's rules), the compact per-file
-record a cache keeps of it (``sources.npz``), and the checks that say whether the cache is stale.
-
-Shared ground: ``build`` scans and records; ``read`` only looks at the source when asked
-(``check_source=True``), apart from one ``stat`` of the source root on open (``root_warning``).
-
-The record is columnar (names joined by NUL, sizes, mtimes, labels, the first 8 bytes of each file's
-sha256), deflated in one ``.npz``: about 20 bytes per image instead of ~120 in JSON, and nobody reads it
-on open. Names are relative, so a dataset root that moved keeps its cache valid: a recorded root that
-no longer exists is not stale, only unchecked (pass the new location as ``source=`` to check it there).
+"""The source folder a cache was built from: scanning it (ImageFolder's rules), the per-file record a
+cache keeps (``sources.npz``: columnar, deflated, ~20 bytes an image; names relative, so a moved
+dataset root keeps its cache valid, only unchecked) and the staleness checks, which look at the source
+only when asked (``check_source=True``) beyond one ``stat`` of its root on open (``root_warning``).
 
 >>> status = source_status("cache/")           # doctest: +SKIP
 >>> status.stale, status.message               # doctest: +SKIP
@@ -129,9 +123,6 @@ def _walk_images(top: str, errors: list[tuple[str, str]], blocked: set[tuple[int
     return out
 
 
-# --- the record -------------------------------------------------------------------------------------
-
-
 @dataclass
 class SourceRecord:
     """Per source sample, in source order: relative name, size, mtime_ns, label, and the first
@@ -161,12 +152,8 @@ class SourceRecord:
         )
 
     def rows(self) -> list[list[Any]]:
-        return [
-            [n, s, m, lab]
-            for n, s, m, lab in zip(
-                self.names, self.sizes.tolist(), self.mtimes_ns.tolist(), self.labels.tolist()
-            )
-        ]
+        columns = (self.names, self.sizes.tolist(), self.mtimes_ns.tolist(), self.labels.tolist())
+        return [list(row) for row in zip(*columns)]
 
     def digest(self, i: int) -> str:
         """Hex prefix of sample i's sha256, "" where unknown."""
@@ -192,13 +179,7 @@ class SourceRecord:
         with np.load(path, allow_pickle=False) as z:
             raw = z["names"].tobytes()
             names = [b.decode("utf-8", "surrogateescape") for b in raw.split(b"\0")] if raw else []
-            return cls(
-                names=names,
-                sizes=z["sizes"],
-                mtimes_ns=np.cumsum(z["mtime_deltas_ns"]),
-                labels=z["labels"],
-                digests=z["digests"],
-            )
+            return cls(names, z["sizes"], np.cumsum(z["mtime_deltas_ns"]), z["labels"], z["digests"])
 
 
 def read_record(cache_root: Path) -> SourceRecord | None:
@@ -207,9 +188,6 @@ def read_record(cache_root: Path) -> SourceRecord | None:
         return SourceRecord.load(Path(cache_root) / SOURCE_RECORD)
     except (OSError, ValueError, KeyError, zipfile.BadZipFile):
         return None
-
-
-# --- comparisons ------------------------------------------------------------------------------------
 
 
 def first_difference(old: list[list[Any]], new: list[list[Any]]) -> str | None:

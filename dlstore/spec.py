@@ -154,13 +154,8 @@ def parse_fields(d: Any, where: Path) -> dict[str, FieldSpec]:
         if not (isinstance(name, str) and name.isidentifier()) or not isinstance(decl, dict):
             raise SpecError(f"{where}: bad field {name!r} in manifest; rebuild the cache")
         try:
-            out[name] = FieldSpec(
-                **{
-                    **decl,
-                    "shape": tuple(decl.get("shape", ())),
-                    "classes": tuple(decl.get("classes", ())),
-                }
-            )
+            tuples = {"shape": tuple(decl.get("shape", ())), "classes": tuple(decl.get("classes", ()))}
+            out[name] = FieldSpec(**{**decl, **tuples})
         except TypeError as e:
             raise SpecError(f"{where}: bad field {name!r} {decl}: {e}; rebuild the cache") from None
     for name, f in out.items():
@@ -179,8 +174,7 @@ class CacheSpec:
     shape: tuple[int, int, int]
     classes: tuple[str, ...]
     image: ImagePolicy
-    # What the writer derived (unit_size, layout, mean_abs_error, ...); the writer options themselves
-    # (codec, quality, ...) are the user's choices and live in ``options`` alone.
+    # what the writer derived (unit_size, layout, ...); the user's writer options live in ``options``
     format_options: dict[str, Any] = field(default_factory=dict)
     source: dict[str, Any] = field(default_factory=dict)
     checksums: dict[str, str] = field(default_factory=dict)
@@ -188,11 +182,9 @@ class CacheSpec:
     spec_version: int = SPEC_VERSION
     dlstore_version: str = ""
     created: str = ""
-    # The conversion's choices that shaped the cache (``dlstore.write.options.ConvertOptions``,
-    # recorded): format, image policy, ``codec``, ``writer_options``, storage order, seed, limits.
+    # the conversion's choices (``ConvertOptions`` as recorded): format, policy, codec, writer_options…
     options: dict[str, Any] = field(default_factory=dict)
-    # Named per-sample fields beside the images (detection boxes, masks, multi-label vectors); none for
-    # a classification cache, whose manifest then has no ``fields`` key at all (as before they existed).
+    # named per-sample fields (boxes, masks, ...); a classification cache's manifest has no ``fields`` key
     fields: dict[str, FieldSpec] = field(default_factory=dict)
 
     def to_json(self) -> str:

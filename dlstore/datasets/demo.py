@@ -1,17 +1,7 @@
-"""Embedded, deterministic synthetic image dataset for demos, tests and benchmarks.
-
-No image files are committed: every image is generated from ``(index, label, seed)``.
-The images are built to *look like photographs to a JPEG codec* (smooth gradients,
-sharp and blurred edges, texture, sensor noise), so that decode/augment benchmarks
-run against realistic ~20-60 kB JPEGs rather than trivially compressible ones.
-
-Each class has a dominant hue *and* a shape family, so a small CNN can learn the
-labels at 32-64 px, while hue jitter and distractor shapes keep single pixels from
-giving the label away.
-
-Only numpy and Pillow are imported: this module must stay usable (and forkable)
-without torch.
-"""
+"""A deterministic synthetic image dataset (demos, tests, benchmarks), generated from
+``(index, label, seed)``. Images look like photographs to a JPEG codec (gradients, edges, texture,
+noise: ~20-60 kB JPEGs); each class has a hue and a shape family, so a small CNN can learn them at
+32-64 px. Only numpy and Pillow: usable (and forkable) without torch."""
 
 from __future__ import annotations
 
@@ -33,7 +23,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 from dlstore import settings
-from dlstore.machine import usable_cores
+from dlstore.machine import process_alive, usable_cores
 
 __all__ = [
     "DEMO_CLASSES",
@@ -73,9 +63,6 @@ PROGRESS_EVERY_S = 5.0
 _log = logging.getLogger(__name__)
 
 
-# --------------------------------------------------------------------------- colours
-
-
 def _clamp01(x: float) -> float:
     return min(1.0, max(0.0, x))
 
@@ -97,13 +84,9 @@ def _random_colour(rng: np.random.Generator) -> _RGB:
     return _hsv(rng.uniform(0.0, 1.0), rng.uniform(0.1, 0.8), rng.uniform(0.2, 0.95))
 
 
-# ------------------------------------------------------------------------ geometry
-
-
 def _image_size(rng: np.random.Generator) -> tuple[int, int]:
     """(width, height): mostly landscape ~400x300, about one in six portrait."""
-    w = int(rng.integers(360, 461))
-    h = int(rng.integers(270, 346))
+    w, h = int(rng.integers(360, 461)), int(rng.integers(270, 346))
     if rng.random() < 0.17:
         w, h = h, w
     return w, h
@@ -113,8 +96,7 @@ def _bbox(rng: np.random.Generator, w: int, h: int, lo: float, hi: float) -> lis
     """A random box whose size is a fraction [lo, hi) of the short image side."""
     side = min(w, h)
     bw, bh = rng.uniform(lo, hi, size=2) * side
-    x0 = rng.uniform(-0.1 * bw, w - 0.9 * bw)
-    y0 = rng.uniform(-0.1 * bh, h - 0.9 * bh)
+    x0, y0 = rng.uniform(-0.1 * bw, w - 0.9 * bw), rng.uniform(-0.1 * bh, h - 0.9 * bh)
     return [float(x0), float(y0), float(x0 + bw), float(y0 + bh)]
 
 
@@ -134,9 +116,6 @@ def _polygon(
     return [(float(cx + rx * r * np.cos(a)), float(cy + ry * r * np.sin(a))) for a, r in zip(angles, radii)]
 
 
-# ----------------------------------------------------------------------- painting
-
-
 def _smooth_field(rng: np.random.Generator, w: int, h: int, cells: int) -> np.ndarray:
     """Band-limited noise in [-1, 1]-ish: a coarse random grid upsampled bicubically."""
     gw, gh = max(2, w // cells), max(2, h // cells)
@@ -150,8 +129,7 @@ def _background(rng: np.random.Generator, w: int, h: int, hue: float) -> Image.I
     grid = np.empty((gh, gw, 3), dtype=np.uint8)
     for y in range(gh):
         for x in range(gw):
-            # Only partly class-tinted: the background is a hint, not a giveaway
-            # (mean colour alone should not reach CNN-level accuracy).
+            # partly class-tinted: a hint, not a giveaway (mean colour alone must not reach a CNN's accuracy)
             grid[y, x] = _class_colour(rng, hue) if rng.random() < 0.4 else _random_colour(rng)
     return Image.fromarray(grid).resize((w, h), Image.Resampling.BICUBIC)
 
@@ -165,24 +143,19 @@ def _shape_mask(rng: np.random.Generator, family: int, w: int, h: int) -> Image.
     if name == "amber_discs":
         draw.ellipse(box, fill=255)
     elif name == "rose_rings":
-        width = int(rng.integers(4, 14))
-        draw.ellipse(box, outline=255, width=width)
+        draw.ellipse(box, outline=255, width=int(rng.integers(4, 14)))
     elif name == "green_polygons":
         draw.polygon(_polygon(rng, box, int(rng.integers(3, 7)), spiky=False), fill=255)
     elif name == "violet_stars":
         draw.polygon(_polygon(rng, box, 2 * int(rng.integers(4, 7)), spiky=True), fill=255)
     else:  # blue_stripes: a patch whose stripes are painted by _stripe_fill
-        if rng.random() < 0.5:
-            draw.rectangle(box, fill=255)
-        else:
-            draw.ellipse(box, fill=255)
+        (draw.rectangle if rng.random() < 0.5 else draw.ellipse)(box, fill=255)
     return mask
 
 
 def _stripe_fill(rng: np.random.Generator, w: int, h: int, a: _RGB, b: _RGB) -> Image.Image:
     """A near-square-wave grating of two colours at a random angle and period."""
-    period = rng.uniform(6.0, 18.0)
-    theta = rng.uniform(0.0, np.pi)
+    period, theta = rng.uniform(6.0, 18.0), rng.uniform(0.0, np.pi)
     k = np.float32(2 * np.pi / period)
     # Outer sum instead of a full mgrid: the phase is linear in x and y.
     xs = np.arange(w, dtype=np.float32) * (k * np.float32(np.cos(theta)))
@@ -202,18 +175,14 @@ def _paint_shape(rng: np.random.Generator, img: Image.Image, family: int, colour
     box = mask.getbbox()
     if box is None:
         return  # shape fell entirely outside the image
-    # Pad by 3 sigma so the blurred edge isn't cut off at the crop border.
+    # 3 sigma: the blurred edge is not cut at the crop border
     pad = int(np.ceil(3 * radius))
     box = (max(0, box[0] - pad), max(0, box[1] - pad), min(w, box[2] + pad), min(h, box[3] + pad))
     mask = mask.crop(box)
-    if radius > 0:
-        # Out-of-focus object: soft edges like shallow depth of field.
+    if radius > 0:  # out of focus: soft edges like shallow depth of field
         mask = mask.filter(ImageFilter.GaussianBlur(radius))
-    size = mask.size
-    if DEMO_CLASSES[family] == "blue_stripes":
-        fill = _stripe_fill(rng, size[0], size[1], colour, second)
-    else:
-        fill = Image.new("RGB", size, colour)
+    striped = DEMO_CLASSES[family] == "blue_stripes"
+    fill = _stripe_fill(rng, *mask.size, colour, second) if striped else Image.new("RGB", mask.size, colour)
     img.paste(fill, box[:2], mask)
 
 
@@ -225,13 +194,11 @@ def _paint_shapes(rng: np.random.Generator, img: Image.Image, label: int) -> Ima
     families = [label] * n_own + [int(f) for f in rng.integers(0, len(DEMO_CLASSES), n_other)]
     order = rng.permutation(len(families))  # distractors may sit on top or below
     for k in order:
-        fam = families[k]
-        # Own shapes are usually, not always, in class colours: hue is a strong cue
-        # but the shape family is needed for high accuracy.
+        # own shapes usually (not always) in class colours: high accuracy needs the shape family too
         tinted = k < n_own and rng.random() < 0.8
         colour = _class_colour(rng, hue) if tinted else _random_colour(rng)
         second = _class_colour(rng, hue) if tinted else _random_colour(rng)
-        _paint_shape(rng, img, fam, colour, second)
+        _paint_shape(rng, img, families[k], colour, second)
     return img
 
 
@@ -243,8 +210,7 @@ def _add_texture(rng: np.random.Generator, arr: np.ndarray) -> np.ndarray:
         x0, y0, x1, y1 = max(0, x0), max(0, y0), min(w, x1), min(h, y1)
         if x1 - x0 < 8 or y1 - y0 < 8:
             continue
-        # Soft-edged ellipse: drawn at 1/8 scale and upsampled, far cheaper than a
-        # large-radius blur at full size.
+        # soft-edged ellipse drawn at 1/8 scale and upsampled: far cheaper than a large blur
         rw, rh = x1 - x0, y1 - y0
         small = Image.new("L", (max(2, rw // 8), max(2, rh // 8)), 0)
         ImageDraw.Draw(small).ellipse((0, 0, small.width - 1, small.height - 1), fill=255)
@@ -267,8 +233,7 @@ def _add_lighting(rng: np.random.Generator, arr: np.ndarray) -> np.ndarray:
 def _add_sensor_noise(rng: np.random.Generator, arr: np.ndarray) -> np.ndarray:
     """Gaussian noise, partly shared across channels like demosaiced sensor noise."""
     sigma = np.float32(rng.uniform(3.0, 6.0))
-    # float32 ziggurat: several times faster than the float64 default, and this is
-    # the single biggest array the generator draws.
+    # float32 ziggurat: several times faster than float64, on the biggest array drawn
     lum = rng.standard_normal(arr.shape[:2], dtype=np.float32)[..., None] * (sigma * np.float32(0.8))
     chroma = rng.standard_normal(arr.shape, dtype=np.float32) * (sigma * np.float32(0.6))
     arr += lum
@@ -276,15 +241,9 @@ def _add_sensor_noise(rng: np.random.Generator, arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-# --------------------------------------------------------------------- public API
-
-
 def make_demo_image(index: int, label: int, seed: int = 0) -> Image.Image:
-    """Deterministically synthesise demo image ``index`` of class ``label``.
-
-    The randomness comes only from ``numpy.random.default_rng((seed, index))``, so the
-    same arguments give the same pixels (and JPEG bytes, for a fixed Pillow/numpy).
-    """
+    """Demo image ``index`` of class ``label``: all randomness from ``default_rng((seed, index))``, so the
+    same arguments give the same pixels (and JPEG bytes, for a fixed Pillow/numpy)."""
     if not 0 <= label < len(DEMO_CLASSES):
         raise ValueError(f"label must be in [0, {len(DEMO_CLASSES)}), got {label}")
     if index < 0 or seed < 0:
@@ -294,9 +253,7 @@ def make_demo_image(index: int, label: int, seed: int = 0) -> Image.Image:
     img = _background(rng, w, h, _CLASS_HUES[label])
     img = _paint_shapes(rng, img, label)
     arr = np.array(img, dtype=np.float32)  # a fresh writable copy: layers add in place
-    arr = _add_texture(rng, arr)
-    arr = _add_lighting(rng, arr)
-    arr = _add_sensor_noise(rng, arr)
+    arr = _add_sensor_noise(rng, _add_lighting(rng, _add_texture(rng, arr)))
     return Image.fromarray(np.clip(np.round(arr), 0, 255).astype(np.uint8))
 
 
@@ -325,14 +282,9 @@ def ensure_demo(
     seed: int = 0,
     workers: int | None = None,
 ) -> Path:
-    """Materialise the demo dataset in ImageFolder layout and return its root.
-
-    Layout: ``root/<class>/<index:06d>.jpg``; image ``i`` has label ``i % n_classes``.
-    Returns at once if a complete dataset (marker present) is already there. Otherwise
-    generates into a unique sibling temp dir, writes the marker last and renames the
-    dir into place, so readers never see a half-written dataset: a crashed attempt
-    only leaves a temp dir, which is never reused.
-    """
+    """The demo dataset in ImageFolder layout (``root/<class>/<index:06d>.jpg``, label ``i % n_classes``),
+    generated unless complete: into a unique sibling temp dir, marker last, renamed into place, so a
+    reader never sees a half-written dataset."""
     if n_images < 1:
         raise ValueError(f"n_images must be >= 1, got {n_images}")
     root = Path(root).expanduser() if root is not None else default_demo_dir(n_images, seed)
@@ -340,8 +292,7 @@ def ensure_demo(
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_tmp_dirs(root)
-    # Own name rather than tempfile.mkdtemp: mkdtemp makes the dir 0700, which would
-    # make a shared cache unreadable to other users once renamed into place.
+    # Not tempfile.mkdtemp: its 0700 would make a shared cache unreadable to other users.
     tmp = root.parent / f".{root.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:12]}"
     tmp.mkdir()
     try:
@@ -354,9 +305,6 @@ def ensure_demo(
     return root
 
 
-# ------------------------------------------------------------- ensure_demo helpers
-
-
 def _marker_payload(n_images: int, seed: int) -> dict[str, object]:
     return {"version": _DEMO_VERSION, "n_images": n_images, "seed": seed, "classes": list(DEMO_CLASSES)}
 
@@ -366,18 +314,12 @@ def _write_marker(directory: Path, n_images: int, seed: int) -> None:
 
 
 def _is_complete(root: Path, n_images: int, seed: int) -> bool:
-    """True if ``root`` holds a finished dataset with these parameters.
-
-    A finished dataset with *other* parameters is an error rather than a silent
-    regeneration: it usually means ``$DLSTORE_DEMO_DIR`` is shared between configs.
-    """
-    marker = root / _MARKER_NAME
+    """``root`` holds a finished dataset with these parameters; one with others is an error (not a
+    silent regeneration: ``$DLSTORE_DEMO_DIR`` is likely shared between configs)."""
     try:
-        found = json.loads(marker.read_text())
-    except FileNotFoundError:
+        found = json.loads((root / _MARKER_NAME).read_text())
+    except (OSError, ValueError):  # missing or unreadable: regenerate
         return False
-    except (OSError, ValueError):
-        return False  # unreadable marker: treat as incomplete and regenerate
     expected = _marker_payload(n_images, seed)
     if found != expected:
         raise ValueError(f"{root} holds a different demo dataset: marker {found}, wanted {expected}")
@@ -395,9 +337,8 @@ def _publish(tmp: Path, root: Path, n_images: int, seed: int) -> None:
         if _is_complete(root, n_images, seed):
             shutil.rmtree(tmp, ignore_errors=True)  # a concurrent run won the race
             return
-        # ``root`` exists but is incomplete (never produced by us: we only rename
-        # complete dirs). Move it aside atomically rather than deleting in place, so a
-        # concurrent reader can't see it half-deleted, then retry.
+        # ``root`` is incomplete (not ours: we rename only complete dirs): moved aside atomically, so a
+        # concurrent reader never sees it half-deleted, then retry.
         trash = root.parent / f".{root.name}.trash-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         try:
             os.rename(root, trash)
@@ -419,12 +360,9 @@ def _remove_stale_tmp_dirs(root: Path) -> None:
 def _pid_alive(name: str) -> bool:
     """Whether the process whose pid a temp dir's name carries (``.NAME.tmp-PID-HEX``) still runs."""
     try:
-        os.kill(int(name.rsplit("-", 2)[-2]), 0)
-    except (ValueError, ProcessLookupError):
+        return process_alive(int(name.rsplit("-", 2)[-2]))
+    except ValueError:
         return False
-    except PermissionError:
-        return True  # another user's live process
-    return True
 
 
 def _write_one(directory: str, seed: int, index: int) -> int:
@@ -470,8 +408,7 @@ def _generate_into(directory: Path, n_images: int, seed: int, workers: int | Non
             progress.tick()
         progress.finish()
         return
-    # fork on Linux: no re-import of the caller's __main__ and near-zero start-up;
-    # the workers only use numpy and Pillow, so forking a torch-importing parent is fine.
+    # fork on Linux: no re-import of __main__; the workers use only numpy and Pillow (safe beside torch).
     method = "fork" if sys.platform.startswith("linux") else None
     ctx = multiprocessing.get_context(method)
     # Results come back a chunk at a time: chunks of at most 8 images (about half a second on a busy

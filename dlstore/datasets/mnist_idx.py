@@ -1,12 +1,6 @@
-"""Read and write the IDX format of MNIST / FashionMNIST, plus a synthetic stand-in.
-
-IDX layout (all big-endian): a 4-byte magic ``0x00 0x00 <dtype code> <ndim>``, then
-``ndim`` uint32 dimension sizes, then the array data in C order.
-
-``write_fashion_mnist_like`` exists so tests and benchmarks can exercise the
-torchvision MNIST/FashionMNIST loaders on machines without internet access.
-Only numpy is imported (no torch).
-"""
+"""The IDX format of MNIST / FashionMNIST (big-endian: magic ``0x00 0x00 <dtype code> <ndim>``, ``ndim``
+uint32 sizes, the data in C order), and a synthetic stand-in (``write_fashion_mnist_like``) for the
+torchvision loaders on machines without internet access. Only numpy (no torch)."""
 
 from __future__ import annotations
 
@@ -50,11 +44,8 @@ def write_idx(path: StrPath, array: np.ndarray) -> None:
 
 
 def read_idx(path: StrPath) -> np.ndarray:
-    """Read an IDX file into a native-endian array, validating header and size.
-
-    Raises ``ValueError`` (naming ``path``) on a bad magic number, an unknown dtype
-    code, or a file size that disagrees with the declared dimensions.
-    """
+    """An IDX file as a native-endian array; ``ValueError`` naming ``path`` on a bad magic number, an
+    unknown dtype code, or a size that disagrees with the declared dimensions."""
     with open(path, "rb") as f:
         found = os.fstat(f.fileno()).st_size
         head = f.read(4)
@@ -73,8 +64,7 @@ def read_idx(path: StrPath) -> np.ndarray:
                 f"{path}: IDX size mismatch for dims {dims} ({dtype.name}): "
                 f"expected {expected} bytes, found {found}"
             )
-        # fromfile: one copy straight into a writable array (torch.from_numpy
-        # warns on read-only buffers); no full read happens for a bad file.
+        # fromfile: one copy into a writable array (torch.from_numpy warns on read-only buffers)
         body = np.fromfile(f, dtype=dtype, count=count)
     if body.size != count:  # file shrank between fstat and read
         raise ValueError(f"{path}: IDX data truncated while reading: expected {count} items, got {body.size}")
@@ -96,8 +86,6 @@ def _parse_magic(path: StrPath, data: bytes, file_size: int) -> tuple[np.dtype, 
     return _IDX_DTYPES[code], ndim
 
 
-# ------------------------------------------------------------------ synthetic MNIST
-
 _SIDE = 28
 _N_CLASSES = 10
 
@@ -105,12 +93,8 @@ _N_CLASSES = 10
 def write_fashion_mnist_like(
     root: Path, n_train: int, n_test: int, seed: int = 0, name: str = "FashionMNIST"
 ) -> Path:
-    """Write synthetic 28x28 grey 10-class data as ``root/<name>/raw/*-ubyte``.
-
-    Returns ``root``, i.e. what to pass as ``torchvision.datasets.<name>(root, ...)``
-    (``name`` must match the torchvision class: ``FashionMNIST``, ``MNIST``, ...).
-    Deterministic in ``seed``; train and test use independent streams.
-    """
+    """Synthetic 28x28 grey 10-class data as ``root/<name>/raw/*-ubyte`` (deterministic in ``seed``);
+    returns ``root`` for ``torchvision.datasets.<name>(root, ...)`` (``name``: ``FashionMNIST``, ``MNIST``…)."""
     raw = Path(root) / name / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     # Same file names as the real (decompressed) MNIST / FashionMNIST downloads.
@@ -128,8 +112,7 @@ def synthetic_mnist_arrays(rng: np.random.Generator, n: int) -> tuple[np.ndarray
         raise ValueError(f"n must be >= 0, got {n}")
     labels = rng.permutation(np.arange(n) % _N_CLASSES).astype(np.uint8)
     images = np.zeros((n, _SIDE, _SIDE), dtype=np.float32)
-    # Vectorised per class: one broadcast over all images of that class instead of a
-    # Python loop per image (a 60k-image set takes ~1.5 s).
+    # one broadcast per class, not a Python loop per image (60k images in ~1.5 s)
     for cls in range(_N_CLASSES):
         (sel,) = np.nonzero(labels == cls)
         if sel.size:

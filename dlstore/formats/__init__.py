@@ -1,12 +1,7 @@
-"""Registry of cache formats: a name → (Writer, Reader), with what each declares about itself.
-
-The CLI's ``--format``/``--codec`` choices and every format-dependent decision elsewhere come from
-here (``Format.options``, ``Format.traits``), never from testing a format's name.
-
-The chunked formats have two layouts: pixels (one (n,H,W,C) array per unit) and payloads (per-image
-encoded bytes plus an index, see ``payload.py``), the latter for image codecs (``--codec jpeg``) and
-variable-size images (``resize="shorter"``). ``Format.writer_for`` / ``reader_for`` pick the classes.
-"""
+"""Registry of cache formats: a name → (Writer, Reader) and what each declares (``Format.options``,
+``Format.traits``), the source of the CLI's ``--format``/``--codec`` choices and of every
+format-dependent decision. ``Format.writer_for`` / ``reader_for`` pick a chunked format's layout: pixels
+(one (n,H,W,C) array per unit) or payloads (``payload.py``: image codecs, variable-size images)."""
 
 from __future__ import annotations
 

@@ -23,15 +23,10 @@ from dlstore.spec import CacheSpec, FieldSpec
 
 
 class CacheWriter(ABC):
-    """Writes images in *units* (a shard, a chunk, a slab): unit ``k`` holds images
-    ``[k*unit_size, (k+1)*unit_size)``. ``create`` runs once in the main process; ``write_unit`` may run
-    in any worker process and must only touch that unit's bytes, so units can be written in parallel
-    and a finished unit never needs redoing.
-
-    A Writer declares the options it takes (``codecs`` becomes the ``codec`` option, plus
-    ``extra_options``); ``parse_options`` validates them and fills defaults, and ``recorded_options``
-    is what the manifest keeps.
-    """
+    """Writes images in *units* (shard, chunk, slab): unit ``k`` holds images ``[k*unit_size,
+    (k+1)*unit_size)``. ``create`` runs once in the main process; ``write_unit`` in any worker, touching
+    only that unit's bytes. Options: ``codecs`` (the ``codec`` option) plus ``extra_options``, checked by
+    ``parse_options``; ``recorded_options`` is what the manifest keeps."""
 
     name: ClassVar[str]
     codecs: ClassVar[CodecTable | None] = None
@@ -257,11 +252,9 @@ class CacheReader(ABC):
 
 
 class ChunkedReader(CacheReader):
-    """Formats stored in units of many images (npz shards, zarr chunks).
-
-    A batch is grouped by unit so each unit is decoded once; units missing from a bounded per-process
-    cache are decoded in threads (zstd and zlib release the GIL), so one process can use several cores.
-    """
+    """Formats stored in units of many images (npz shards, zarr chunks): a batch is grouped by unit, each
+    unit decoded once; units missing from a bounded per-process cache are decoded in threads (zstd and
+    zlib release the GIL), so one process can use several cores."""
 
     # No handle outlives a read (the thread pool is re-made per pid), so forked children may use it.
     traits: ClassVar[Traits] = Traits(
@@ -331,11 +324,9 @@ class ChunkedReader(CacheReader):
         return [self.unit_file(int(k)) for k in np.unique(np.asarray(positions) // self.unit)]
 
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
-        """Per unit: decode (if not cached) and copy its images out, units in parallel threads.
-
-        Ascending positions (what the dlstore loaders pass) copy each unit's rows into one contiguous
-        slice of ``out``; any other order is sorted first and scattered back.
-        """
+        """Per unit: decode (if not cached) and copy its images out, units in parallel threads. Ascending
+        positions (the dlstore loaders sort each batch so) copy a unit's rows in one ``np.take``; any
+        other order is sorted first and scattered back row by row, a GIL hand-over per image."""
         self._reads += 1
         ascending = positions.size < 2 or bool(np.all(positions[1:] >= positions[:-1]))
         order = None if ascending else np.argsort(positions, kind="stable")
@@ -345,7 +336,8 @@ class ChunkedReader(CacheReader):
 
         def copy(run: tuple[int, int, int]) -> None:
             k, a, b = run
-            unit = self.unit_array(k)
+            # a plain view: indexing an np.memmap (a stored npz shard) runs Python per row, GIL held
+            unit = np.asarray(self.unit_array(k))
             local = sorted_pos[a:b] - k * self.unit
             if order is None:
                 np.take(unit, local, axis=0, out=out[a:b], mode="clip")
@@ -474,14 +466,11 @@ class UnitDecoder(Protocol):
         """A future of unit k's (unit, H, W, C) array, or None when it cannot take one now."""
 
 
-# E5, the one bound on what a cache can make a reader allocate: one unit (a shard, a chunk, a
-# payload image) may decode to at most twice the bytes the cache really holds plus this allowance,
-# and the decoded units a reader keeps fit in the same bound. Every number a unit's file declares
-# (a zip member's .npy header, a zstd frame's content size, a zarr chunk shape, a payload index's
-# image shape) must match what the manifest declares, which is checked against this bound when a
-# reader is made, before anything is decoded. So a hostile cache costs at most twice its real size
-# plus 100 MB of memory, and a real cache of flat images (1000x compressible) still reads: what
-# dlstore writes decodes to at most 32 MB a unit at the default sizes, half the allowance.
+# The one bound on what a cache can make a reader allocate: a unit (shard, chunk, payload image) decodes
+# to at most twice the bytes the cache holds plus this allowance, and so do the units a reader keeps.
+# Every size a unit's file declares must match the manifest, checked against this bound before any
+# decode: a hostile cache costs at most twice its size plus ~100 MB, while flat images (1000x
+# compressible) still read (dlstore's units decode to at most 32 MB at the default sizes).
 DECODE_ALLOWANCE = 64 << 20
 UNIT_CACHE_OVER_SIZE = DECODE_ALLOWANCE  # the unit cache's share of the same bound
 

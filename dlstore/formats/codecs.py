@@ -1,8 +1,5 @@
-"""Image codecs for the payload layout: one encoded payload per image (``raw`` pixels or ``jpeg``).
-
-A codec turns one (H, W, C) uint8 image into bytes and back. Payload codecs are used by the chunked
-formats' payload layout (see ``payload.py``): per-image bytes in a unit plus an offsets / shapes / crc
-index, so images may differ in size and a reader decodes only the images it is asked for.
+"""Image codecs of the payload layout (``payload.py``): one (H, W, C) uint8 image ↔ one payload
+(``raw`` pixels or ``jpeg``), so a reader decodes only the images it is asked for.
 
 >>> codec = get_codec("jpeg", quality=90)
 >>> data = codec.encode(np.zeros((4, 6, 3), np.uint8))
@@ -79,12 +76,10 @@ class RawCodec(ImageCodec):
 
 
 def _simplejpeg() -> Any:
-    """simplejpeg (``pip install dlstore[jpeg]``) when installed, else None (Pillow decodes).
-
-    Both bundle libjpeg-turbo with the same (accurate integer) IDCT and upsampling, and the pixels are
-    identical (tests/formats/test_codecs.py compares them). simplejpeg decodes ~1.5-1.8x faster on one
-    core (no PIL Image object, no extra copy) and can decode straight into a caller's buffer, which
-    keeps threads from contending on fresh 200 kB allocations (mmap + page faults per image)."""
+    """simplejpeg (``pip install dlstore[jpeg]``) when installed, else None (Pillow decodes). Both bundle
+    libjpeg-turbo with the same IDCT and upsampling (identical pixels, tests/formats/test_codecs.py);
+    simplejpeg decodes ~1.5-1.8x faster on one core and straight into a caller's buffer, sparing
+    threads fresh 200 kB allocations (mmap + page faults per image)."""
     global _SIMPLEJPEG
     if _SIMPLEJPEG is False:
         try:

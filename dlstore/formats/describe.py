@@ -1,9 +1,5 @@
-"""What a format declares about itself: the options its Writer takes, its codecs, its traits.
-
-Everything outside ``dlstore/formats/`` decides through these declarations (the CLI's choices, the
-disk-space estimate, whether a cache can be loaded into RAM, whether reads group by unit), never by
-testing a format's name. A new format or codec is a declaration here, not an edit elsewhere.
-"""
+"""What a format declares about itself (its Writer's options, codecs, traits): everything outside
+``dlstore/formats/`` decides through these, never by testing a format's name."""
 
 from __future__ import annotations
 
@@ -16,12 +12,8 @@ from dlstore.errors import SpecError
 
 @dataclass(frozen=True)
 class Codec:
-    """One way a chunked format stores a unit's pixels.
-
-    ``size_ratio`` is a rough stored/raw byte ratio, used only to warn before a conversion that the
-    disk will likely fill. ``impl`` is what the owning Writer calls for it (zarr: a function returning
-    zarr compressors; npz: the numpy save function); nothing outside the format looks at it.
-    """
+    """One way a chunked format stores a unit's pixels. ``size_ratio``: a rough stored/raw ratio (the
+    disk-space warning); ``impl``: what the owning Writer calls (zarr: compressors; npz: a numpy save)."""
 
     name: str
     help: str
@@ -35,10 +27,8 @@ class Codec:
 
 @dataclass(frozen=True)
 class Option:
-    """One Writer option: its manifest key (also its CLI flag, ``--name``), choices and default.
-
-    ``choices`` empty means any value of ``kind`` within [``min``, ``max``] when those are given.
-    """
+    """One Writer option: its manifest key (the CLI flag ``--name``), default, and ``choices`` or else
+    any ``kind`` value within [``min``, ``max``]."""
 
     name: str
     default: Any
@@ -79,18 +69,14 @@ class Option:
 class Traits:
     """What readers of a format can do, so callers ask the format instead of testing its name.
 
-    loads_into_ram: ``in_memory=True`` holds the whole cache in one array (checked against the
-      available memory first); other formats refuse ``in_memory``.
-    unit_grouped: images are stored in units of many (shards, chunks) decoded whole, so batches are
-      grouped by unit and the ChunkSampler pays off.
+    loads_into_ram: ``in_memory=True`` holds the cache in one array (checked against free memory first).
+    unit_grouped: units of many images decoded whole: batches group by unit (the ChunkSampler pays off).
     fork_safe: a reader opened before a fork may be used by the child as it is.
-    opens_files_per_read: reads open files as they go, so a cache swapped underneath must be detected
-      after each read (a memory map taken at open keeps reading its own generation instead).
-    unit_arrays: each unit decodes whole into one (unit, H, W, C) pixel array (``load_unit``,
-      ``decode_unit_into``), so worker processes can decode units for the reader (decode ahead, batch
-      rings: ``dlstore.read.engines``).
-    payloads: images are stored as per-image encoded payloads with an index (the payload layout): the
-      reader is a ``PayloadReader`` (``read_payloads``, ``payload_extents``, ``read_images``, ``decode``).
+    opens_files_per_read: a cache swapped underneath is detected after each read (a memory map taken
+      at open keeps reading its own generation instead).
+    unit_arrays: a unit decodes whole into one (unit, H, W, C) array (``load_unit``, ``decode_unit_into``),
+      so worker processes can decode units for the reader (``dlstore.read.engines``).
+    payloads: per-image encoded payloads with an index: the reader is a ``PayloadReader``.
     """
 
     loads_into_ram: bool

@@ -1,22 +1,15 @@
-"""Named per-sample fields beside the images (``CacheSpec.fields``): how every format stores them.
+"""Named per-sample fields beside the images (``CacheSpec.fields``), in the layout a format picks
+(``CacheWriter.field_layout``); a class field is the cache's ``labels``, nothing stored here.
 
-One mechanism for every format, in two layouts a format picks with ``CacheWriter.field_layout``:
-
-* ``arrays`` (ram): each fixed-shape field (masks, values) one ``fields/NAME.npy`` (n, ...) beside
-  ``images.npy``, memory-mapped by readers; variable-length fields in unit files as below.
-* ``files`` (npz): one ``fields/unit-KKKKKK.npz`` per image unit (the same units as the images),
-  holding every field of that unit's samples: a fixed-shape field (``values``; a ``mask`` of a
-  fixed-size cache) as one (unit, ...) member ``NAME``; a variable-length one (``boxes``, ``ragged``,
-  ``json``; a mask of a ragged cache) as ``NAME.values`` (rows back to back) + ``NAME.offsets``
-  (unit + 1 row offsets) + ``NAME.shapes`` (masks of a ragged cache: each one's (h, w)). Deflated when
-  the images are (``field_compress``), so masks stay lossless and chunked like the images.
-* ``zarr``: ordinary zarr v3 arrays that plain zarr opens: a fixed-shape field is ``fields/NAME``
-  (n, ...) chunked by the image unit with the image codec; a variable-length one is the group
-  ``fields/NAME`` with arrays ``values``, ``offsets`` (n + 1) and ``shapes``, written once at
-  ``finish`` from the unit files the workers wrote (``fields/parts/``, then removed).
-
-A class field is the cache's ``labels``; nothing is stored for it here. Every file is covered by the
-manifest's checksums like any other (``dlstore verify`` finds a flipped byte in a mask chunk).
+* ``arrays`` (ram): each fixed-shape field one memory-mapped ``fields/NAME.npy`` (n, ...); variable-length
+  fields in unit files as below.
+* ``files`` (npz): one ``fields/unit-KKKKKK.npz`` per image unit: a fixed-shape field as one (unit, ...)
+  member ``NAME``; a variable-length one (boxes, ragged, json; masks of a ragged cache) as
+  ``NAME.values`` (rows back to back), ``NAME.offsets`` (unit + 1) and ``NAME.shapes`` (ragged masks'
+  (h, w)); deflated when the images are.
+* ``zarr``: plain zarr v3: a fixed-shape field is the array ``fields/NAME`` chunked like the images; a
+  variable-length one the group ``fields/NAME`` (``values``, ``offsets``, ``shapes``), gathered at
+  ``finish`` from the workers' unit files (``fields/parts/``).
 """
 
 from __future__ import annotations
@@ -115,9 +108,6 @@ def unpack(f: FieldSpec, name: str, members: dict[str, np.ndarray], rows: np.nda
         v = values[offsets[r] : offsets[r + 1]]
         out.append(v.reshape(shapes[r]) if shapes is not None else v)
     return out
-
-
-# --- writing ------------------------------------------------------------------------------------------
 
 
 class FieldWriter:
@@ -279,9 +269,6 @@ def gather_variable(name: str, units: list[dict[str, np.ndarray]]) -> dict[str, 
 def zarr_chunk(array_dir: Path, k: int, ndim: int) -> Path:
     """Chunk k (along the sample axis; one chunk across the others) of a zarr v3 array."""
     return array_dir.joinpath("c", str(k), *(["0"] * (ndim - 1)))
-
-
-# --- reading ------------------------------------------------------------------------------------------
 
 
 class FieldReader:

@@ -1,10 +1,7 @@
-"""The payload layout of the chunked formats: per-image encoded bytes in units, with an index.
-
-A unit (npz shard, zarr chunk) holds its images' payloads back to back plus, per image, its offset,
-its (H, W, C) shape and the CRC-32 of its payload. This carries both variable-size images
-(``resize="shorter"``, raw pixels) and compressed ones (JPEG): no pickles, no object arrays. Reads
-are grouped by unit like the pixel layout; every payload's CRC is checked before it is decoded, so a
-corrupt byte is an error naming the image and its unit, never wrong pixels.
+"""The payload layout of the chunked formats: a unit (npz shard, zarr chunk) holds its images' encoded
+payloads back to back plus, per image, its offset, (H, W, C) shape and CRC-32: variable-size or JPEG
+images without pickles. Reads are grouped by unit; each CRC is checked before decoding, so a corrupt
+byte is an error naming the image and its unit, never wrong pixels.
 """
 
 from __future__ import annotations
@@ -333,15 +330,7 @@ class PayloadReader(ChunkedReader):
         missing = [k for k in dict.fromkeys(k for k, _, _ in runs) if self._units.lookup(k) is None]
         self.parallel(self.payload_unit, missing, len(missing) << 22)
         n = len(positions)
-        out = PayloadExtents(
-            [],
-            [],
-            np.empty(n, np.int64),
-            np.empty(n, np.int64),
-            np.empty(n, np.int64),
-            np.empty(n, np.int64),
-            np.empty((n, 3), np.int64),
-        )
+        out = PayloadExtents([], [], *(np.empty(n, np.int64) for _ in range(4)), np.empty((n, 3), np.int64))
         for k, a, b in runs:
             unit = self.payload_unit(k)
             local = sorted_pos[a:b] - k * self.unit

@@ -1,15 +1,8 @@
-"""zarr v3's sharding codec (``sharding_indexed``) for the ``zarr`` format: many small chunks inside one
-shard object, each read by byte range through the shard's index.
-
-Why: an object store charges and rate-limits per request (S3: ~5,500 GETs/s per prefix), so a remote
-cache wants objects of tens of MB, while decoding and random access want chunks of about 1 MB. A
-sharded array keeps both: the shard is the file (the object a remote cache fetches, the unit a
-converter writes), the chunk is what a read decodes. The array stays plain zarr v3
-(``zarr.open_group(root)["images"]`` reads it); dlstore reads it directly, like unsharded chunks:
-
-- the shard index is ``chunks_per_shard`` × (offset, nbytes) little-endian uint64, then a crc32c of
-  those bytes, at the end (or start) of the shard file; read once per shard and checked;
-- a chunk's bytes are one ``pread`` at its offset, decoded with the inner codec (zstd / blosc / none).
+"""zarr v3's sharding codec (``sharding_indexed``) for the ``zarr`` format: many ~1 MB chunks (what a
+read decodes) inside one shard file of tens of MB (what an object store fetches per request and a
+converter writes). The array stays plain zarr v3; dlstore reads it directly: the shard index
+(``chunks_per_shard`` × (offset, nbytes) uint64 LE plus a crc32c, at the end or start of the file) once
+per shard, checked; a chunk is one ``pread`` at its offset, decoded with the inner codec.
 """
 
 from __future__ import annotations

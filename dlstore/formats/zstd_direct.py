@@ -1,13 +1,9 @@
 """zstd chunk decoding with one reusable decompression context per thread.
 
-numcodecs' ``Zstd.decode`` calls ``ZSTD_decompress``, which creates and frees a ~96 KB context on every
-call. In a process where many threads decode 1 MB chunks at once, that malloc/free per chunk lands on
-glibc's per-thread arenas, whose trimming (``madvise``) interrupts every other thread of the process.
-Here each thread keeps one ``ZSTD_DCtx`` for its lifetime and calls ``ZSTD_decompressDCtx`` through
-ctypes (which releases the GIL for the call) straight into the caller's buffer.
-
-The zstd used is the one numcodecs bundles (its extension exports the library's symbols), else a
-system ``libzstd``; without either, ``direct_zstd_decoder`` returns None and numcodecs is used.
+numcodecs' ``Zstd.decode`` creates and frees a ~96 KB context per call; with many threads decoding,
+glibc's arena trimming (``madvise``) then interrupts every other thread. Here each thread keeps one
+``ZSTD_DCtx`` and calls ``ZSTD_decompressDCtx`` through ctypes (GIL released) into the caller's buffer,
+with numcodecs' bundled zstd or a system ``libzstd`` (neither: ``direct_zstd_decoder`` returns None).
 """
 
 from __future__ import annotations

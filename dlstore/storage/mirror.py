@@ -1,16 +1,11 @@
-"""The read-through local chunk cache of a remote cache.
+"""The read-through local chunk cache of a remote cache: a mirror folder of the same layout. On open
+the manifest (always fresh) and the small files are fetched; a data unit when a batch first needs it,
+checked against the manifest's sha256 before it is renamed into place, so the format's local reader
+never reads a truncated or tampered object.
 
-A remote cache is read through a local mirror folder with the same layout: on open, the manifest is
-fetched (always fresh) and the small files (labels, positions, format metadata) are downloaded; the
-data units (shards, chunks) are downloaded when a batch first needs them, each checked against the
-manifest's sha256 before it is renamed into place, so the format's ordinary local reader then reads
-local files and a truncated or tampered object is never read. The second epoch reads from local disk.
-
-The mirror is bounded (``cache_bytes``): least recently used units are evicted. It is safe to share
-between DataLoader workers and processes: downloads go to a temp name and are renamed (two processes
-fetching the same unit both end with one whole file), and eviction takes an exclusive ``flock`` on
-the mirror while every read holds a shared one, so a unit is never removed between its fetch and its
-read. A new generation of the remote cache (another manifest) gets another mirror folder.
+Bounded by ``cache_bytes`` (least recently used units evicted) and safe to share between processes:
+downloads go to a temp name and are renamed, and eviction takes an exclusive ``flock`` on the mirror
+while every read holds a shared one. Another manifest (a new generation) gets another mirror folder.
 """
 
 from __future__ import annotations
@@ -114,8 +109,6 @@ class RemoteMirror:
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
         self.evict_if_over()
-
-    # --- fetching ------------------------------------------------------------------------------------
 
     def ensure(self, files: Iterable[str]) -> None:
         """Make each listed file present and verified locally; downloads run in parallel threads."""
@@ -230,8 +223,6 @@ class RemoteMirror:
         except Exception:  # noqa: BLE001 - the read that needs the unit fetches it again and reports
             pass
 
-    # --- bounded size --------------------------------------------------------------------------------
-
     def evict_if_over(self) -> None:
         """Remove least recently used data units until the mirror folder is within ``cache_bytes``.
         Only after a download: a warm epoch pays no directory scan per batch."""
@@ -252,9 +243,6 @@ class RemoteMirror:
                 total -= st.st_size
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
-
-    def local_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
 
     def clear(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)

@@ -1,16 +1,10 @@
-"""Where a cache lives: a local (or mounted) folder, or a URL on an object store through fsspec
-(s3fs for ``s3://``, gcsfs for ``gs://``). ``parse_store_path`` is the one place that decides; local
-paths keep today's code path and speed.
+"""Where a cache lives: a local folder, or a URL on an object store through fsspec (s3fs for ``s3://``,
+gcsfs for ``gs://``); ``parse_store_path`` decides. Credentials come from the store's environment
+(``AWS_*``, profiles) or ``storage_options``, and are never logged, shown in errors or recorded.
 
-Credentials and endpoint come from each store's standard environment (for S3:
-``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_DEFAULT_REGION``,
-profiles) or from ``storage_options`` (passed to the fsspec filesystem as keyword arguments). They are
-never logged, never put into an error message, and never written into a manifest.
-
-Every request goes through ``RemoteStore``: transient failures (connection refused or reset, time-outs,
-5xx) are retried with exponential backoff, then a ``RemoteStoreError`` names the object; a missing
-object is a ``FileNotFoundError`` at once. The store counts its requests and bytes, which is how the
-object-size rule in benchmarks/RESULTS.md was measured.
+``RemoteStore`` makes every request: transient failures (refused, reset, time-outs, 5xx) are retried
+with backoff, then a ``RemoteStoreError`` names the object; a missing object is a
+``FileNotFoundError`` at once. It counts its requests and bytes.
 """
 
 from __future__ import annotations
@@ -163,12 +157,11 @@ def check_extra(url: str) -> None:
     require_extra(module, extra, f"a {scheme_of(url)}:// cache path")
 
 
-CREDENTIALS_HINT = {
-    "s3": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE",
-    "s3a": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE",
-    "gs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
-    "gcs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
+_HINTS = {
+    "s3fs": "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE",
+    "gcsfs": "GOOGLE_APPLICATION_CREDENTIALS or `gcloud auth application-default login`",
 }
+CREDENTIALS_HINT = {scheme: _HINTS[module] for scheme, (module, _) in EXTRAS.items()}
 
 
 def _first_line(error: BaseException | None) -> str:
