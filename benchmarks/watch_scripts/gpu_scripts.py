@@ -40,15 +40,11 @@ def make_data(root: Path, images: int, photos: Path | None) -> dict[str, Any]:
     """``root/train`` (``images`` crops of real photos in 10 classes) and a small ``root/val``, made once."""
     import jpeg_cache as jc
 
-    if photos is not None and not _has_skimage():  # the photos' files carried in, read without scikit-image
+    if photos is not None:  # skimage.data's photo files, carried in: no scikit-image needed
         import numpy as np
         from PIL import Image
 
-        arrays = [
-            np.asarray(Image.open(p).convert("RGB"))
-            for p in sorted(photos.iterdir())
-            if p.suffix in (".png", ".jpg")
-        ]
+        arrays = [np.asarray(Image.open(p).convert("RGB")) for p in sorted(photos.glob("*.[pj][np]g"))]
         jc._photo_arrays = lambda: arrays  # the forked writers inherit it
     t = time.perf_counter()
     for split, n in (("train", images), ("val", max(20, images // 100))):
@@ -58,15 +54,8 @@ def make_data(root: Path, images: int, photos: Path | None) -> dict[str, Any]:
         with mp.get_context("fork").Pool(jc.CORES) as pool:
             pool.map(jc._write_crops, [(a, min(n, a + step), str(root / split)) for a in range(0, n, step)])
         (root / split / "done").write_text(str(n))
-    return {"root": str(root), "images": images, "make_s": time.perf_counter() - t}
-
-
-def _has_skimage() -> bool:
-    try:
-        import skimage.data  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    source = str(photos) if photos else "skimage.data"
+    return {"root": str(root), "images": images, "photos": source, "make_s": time.perf_counter() - t}
 
 
 def timm_ok(train: Path) -> str | None:
@@ -87,25 +76,40 @@ def cases(a: argparse.Namespace, data: Path) -> tuple[dict[str, tuple[Path, list
     out: dict[str, tuple[Path, list[str]]] = {
         "imagenet": (
             tp / "examples" / "imagenet" / "main.py",
-            [str(data), "-a", "resnet18", "-j", "4", "-b", b, "--epochs", "1", "-p", "100000"]
+            [str(data), "-a", "resnet18", "-j", "4", "-b", b, "--epochs", "3", "-p", "100000"]
             + (["--no-accel"] if a.cpu else ["--gpu", "0"]),
         ),
-        "lightning": (HERE / "lightning_resnet18.py", [str(data / "train"), "--workers", "4", "--batch-size", b]
+        "lightning": (HERE / "lightning_resnet18.py", [str(data / "train"), "--workers", "4", "--batch-size", b, "--epochs", "3"]
                       + (["--cpu", "--crop", "64"] if a.cpu else [])),
     }  # fmt: skip
     why = timm_ok(train) if train.is_file() else f"{train} missing"
     if why is None:
         out["timm"] = (
             train,
-            ["--data-dir", str(data), "--train-split", "train", "--val-split", "val", "--epochs", "1"]
-            + ["--model", "resnet18" if q else "resnet50", "-b", b, "-j", "8", "--log-interval", "100000"]
+            ["--data-dir", str(data), "--train-split", "train", "--val-split", "val", "--epochs", "3"]
+            + [
+                "--model",
+                "resnet18" if q else "resnet50",
+                "-b",
+                str(a.batch // 2),
+                "-j",
+                "8",
+                "--log-interval",
+                "100000",
+            ]
             + ["--output", "/tmp/gpu_scripts_timm"]
             + (["--device", "cpu", "--no-prefetcher", "--img-size", "64"] if a.cpu else []),
         )
     else:
-        out["timm"] = (HERE / "resnet50.py", ["--workers", "8", "--batch-size", b, "--steps", "1000000"]
+        out["timm"] = (HERE / "resnet50.py", ["--workers", "8", "--batch-size", str(a.batch // 2), "--steps", "1000000"]
                        + (["--cpu", "--images", "16"] if a.cpu else []))  # fmt: skip
     return out, why
+
+
+def with_workers(args: list[str], n: int) -> list[str]:
+    """The script's arguments with its worker count (``-j N`` or ``--workers N``) set to ``n``."""
+    i = next(i for i, x in enumerate(args) if x in ("-j", "--workers"))
+    return [*args[: i + 1], str(n), *args[i + 2 :]]
 
 
 def profiled(script: Path, args: list[str], a: argparse.Namespace, *extra: str) -> dict[str, Any] | None:
@@ -129,8 +133,6 @@ def cache_by_hand(
 ) -> dict[str, Any]:
     """The advised ``dlstore convert`` run, then the script reading the cache (its transform kept)."""
     plan = advice["cache"]
-    if plan["gpu"]:
-        return {"skipped": "the advice moves the augmentation to the GPU: a change to the script's step"}
     m = re.search(r"dlstore convert (\S+) DEST (--size \d+[^;#]*)", advice["command"])
     if not m:
         return {"skipped": "no convert command in the advice"}
@@ -142,8 +144,14 @@ def cache_by_hand(
             return {"skipped": f"convert failed: {p.stderr[-300:]}"}
     row: dict[str, Any] = {"convert": f"dlstore convert {m.group(1)} DEST {m.group(2).strip()}"}
     row["convert_s"] = time.perf_counter() - t
-    memory = ["--in-memory"] if plan.get("in_memory") else []
-    got = profiled(script, args, a, "--no-profile", "--cache", str(dest), *memory) or {}
+    extra = ["--no-profile", "--cache", str(dest)] + (["--in-memory"] if plan.get("in_memory") else [])
+    if plan["gpu"]:  # as advised: the loader in the main process, the augmentation on the GPU
+        kw = {k: v for k, v in plan["augment"].items() if k != "out_dtype"}
+        extra += ["--gpu-augment", json.dumps(kw)]
+        args = with_workers(args, 0)
+    got = profiled(script, args, a, *extra) or {}
+    if not got.get("cache"):
+        return {**row, "skipped": f"the script read no ImageFolder the cache could replace: {got}"[:300]}
     row.update(measured_img_per_s=got.get("img_per_s"), predicted_img_per_s=advice["expected_img_per_s"])
     if row["measured_img_per_s"] and row["predicted_img_per_s"]:
         row["error"] = row["measured_img_per_s"] / row["predicted_img_per_s"] - 1
@@ -214,9 +222,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--cases", default="imagenet,lightning,timm")
     ap.add_argument("--data", default="/tmp/gpu_scripts_data", help="the photos' ImageFolder, made once")
-    ap.add_argument("--photos", type=Path, help="photo files to crop where scikit-image is missing")
+    ap.add_argument("--photos", type=Path, help="skimage.data's photo files (else read with scikit-image)")
     ap.add_argument("--images", type=int, default=16_000)
-    ap.add_argument("--steps", type=int, default=60, help="observed steps of each run (watch's --steps)")
+    ap.add_argument("--steps", type=int, default=100, help="observed steps of each run (watch's --steps)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--cpu", action="store_true")
