@@ -1,20 +1,11 @@
-"""``dlstore watch`` on third-party training scripts and real photographs, against torch.profiler:
+"""``dlstore watch`` on third-party training scripts and real photographs, against torch.profiler (see
+README.md): ``imagenet`` (pytorch/examples ``imagenet/main.py``, ResNet-18, 4 workers), ``lightning``
+(``lightning_resnet18.py``), ``timm`` (timm's ``train.py``, ResNet-50, 8 workers; ``resnet50.py`` when the
+installed timm lacks a name it imports). Each: ``profiler_share.py``, ``dlstore watch --json --apply``, and a
+cache advice applied by hand. ``$OUT/gpu_scripts.json`` and ``table.md`` are rewritten after every run.
 
-    python gpu_scripts.py --out $OUT --third-party DIR [--budget-s 480] [--cases imagenet,lightning,timm]
+    python gpu_scripts.py --out $OUT --third-party DIR [--photos DIR] [--budget-s 480] [--cases …]
     python gpu_scripts.py --out /tmp/o --third-party DIR --cpu --quick    # the dry run
-
-Cases, in priority order: ``imagenet`` (pytorch/examples ``imagenet/main.py``, ResNet-18, 4 workers: input
-bound), ``lightning`` (``lightning_resnet18.py``, 4 workers), ``timm`` (timm's ``train.py``, ResNet-50, 8
-workers: compute bound; ``resnet50.py`` when the installed timm lacks what that train.py imports). DIR holds
-``examples/`` and ``pytorch-image-models/`` (the scripts at their commits, with their licences; not in git).
-Data: ~16k crops of real photos (``jpeg_cache``'s maker, ~460×345 q95 JPEGs in 10 classes), made once.
-
-Each case: the script under ``profiler_share.py`` (the independent wait share), then under ``dlstore watch
---json --apply --steps N`` (the wait share, the advice, the advised DataLoader settings re-run: measured
-beside predicted), then a cache advice applied by hand where one is advised with the transform kept on the
-CPU (the advised ``dlstore convert``, the script re-run reading it). Targets: the wait share within ±5 points
-of the profiler's, each fix within ±20% of its prediction. ``$OUT/gpu_scripts.json`` and ``$OUT/table.md``
-are rewritten after every run (a kill keeps what finished).
 """
 
 from __future__ import annotations
@@ -73,36 +64,24 @@ def cases(a: argparse.Namespace, data: Path) -> tuple[dict[str, tuple[Path, list
     """({name: (script, its arguments)}, why timm's train.py is not the timm case, if it is not)."""
     tp, q, b = a.third_party.resolve(), a.quick, str(a.batch)
     train = tp / "pytorch-image-models" / "train.py"
+    cpu = a.cpu
     out: dict[str, tuple[Path, list[str]]] = {
-        "imagenet": (
-            tp / "examples" / "imagenet" / "main.py",
-            [str(data), "-a", "resnet18", "-j", "4", "-b", b, "--epochs", "3", "-p", "100000"]
-            + (["--no-accel"] if a.cpu else ["--gpu", "0"]),
-        ),
-        "lightning": (HERE / "lightning_resnet18.py", [str(data / "train"), "--workers", "4", "--batch-size", b, "--epochs", "3"]
-                      + (["--cpu", "--crop", "64"] if a.cpu else [])),
+        "imagenet": (tp / "examples" / "imagenet" / "main.py",
+                     [str(data), "-a", "resnet18", "-j", "4", "-b", b, "--epochs", "3", "-p", "100000"]
+                     + (["--no-accel"] if cpu else ["--gpu", "0"])),
+        "lightning": (HERE / "lightning_resnet18.py",
+                      [str(data / "train"), "--workers", "4", "--batch-size", b, "--epochs", "3"]
+                      + (["--cpu", "--crop", "64"] if cpu else [])),
     }  # fmt: skip
     why = timm_ok(train) if train.is_file() else f"{train} missing"
     if why is None:
-        out["timm"] = (
-            train,
-            ["--data-dir", str(data), "--train-split", "train", "--val-split", "val", "--epochs", "3"]
-            + [
-                "--model",
-                "resnet18" if q else "resnet50",
-                "-b",
-                str(a.batch // 2),
-                "-j",
-                "8",
-                "--log-interval",
-                "100000",
-            ]
-            + ["--output", "/tmp/gpu_scripts_timm"]
-            + (["--device", "cpu", "--no-prefetcher", "--img-size", "64"] if a.cpu else []),
-        )
+        out["timm"] = (train, ["--data-dir", str(data), "--train-split", "train", "--val-split", "val",
+                               "--epochs", "3", "--model", "resnet18" if q else "resnet50", "-b", str(a.batch // 2),
+                               "-j", "8", "--log-interval", "100000", "--output", "/tmp/gpu_scripts_timm"]
+                       + (["--device", "cpu", "--no-prefetcher", "--img-size", "64"] if cpu else []))  # fmt: skip
     else:
         out["timm"] = (HERE / "resnet50.py", ["--workers", "8", "--batch-size", str(a.batch // 2), "--steps", "1000000"]
-                       + (["--cpu", "--images", "16"] if a.cpu else []))  # fmt: skip
+                       + (["--cpu", "--images", "16"] if cpu else []))  # fmt: skip
     return out, why
 
 
@@ -128,9 +107,7 @@ def profiled(script: Path, args: list[str], a: argparse.Namespace, *extra: str) 
     return got[-1] if got else {"error": p.stderr[-800:]}
 
 
-def cache_by_hand(
-    advice: dict[str, Any], script: Path, args: list[str], a: argparse.Namespace
-) -> dict[str, Any]:
+def cache_by_hand(advice: dict[str, Any], script: Path, args: list[str], a: Any) -> dict[str, Any]:
     """The advised ``dlstore convert`` run, then the script reading the cache (its transform kept)."""
     plan = advice["cache"]
     m = re.search(r"dlstore convert (\S+) DEST (--size \d+[^;#]*)", advice["command"])
@@ -158,9 +135,7 @@ def cache_by_hand(
     return row
 
 
-def measure(
-    name: str, script: Path, args: list[str], a: argparse.Namespace, case: dict[str, Any], save: Any
-) -> None:
+def measure(name: str, script: Path, args: list[str], a: Any, case: dict[str, Any], save: Any) -> None:
     case.update(script=str(script), args=args)
     case["profiler"] = profiled(script, args, a)
     save()

@@ -39,18 +39,9 @@ def main() -> None:
     ap.add_argument("--crop", type=int, default=224)
     ap.add_argument("--cpu", action="store_true")
     a = ap.parse_args()
+    augment = [transforms.RandomResizedCrop(a.crop), transforms.RandomHorizontalFlip(), transforms.ToTensor()]
     normalize = transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
-    train = datasets.ImageFolder(
-        a.data,
-        transforms.Compose(
-            [
-                transforms.RandomResizedCrop(a.crop),
-                transforms.RandomHorizontalFlip(),
-                transforms.ToTensor(),
-                normalize,
-            ]
-        ),
-    )
+    train = datasets.ImageFolder(a.data, transforms.Compose([*augment, normalize]))
     loader = torch.utils.data.DataLoader(
         train, batch_size=a.batch_size, shuffle=True, num_workers=a.workers, pin_memory=True, drop_last=True
     )

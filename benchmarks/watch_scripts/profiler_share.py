@@ -1,18 +1,13 @@
-"""The data-wait share of a training script by an independent tool, torch.profiler: the script runs unwatched
-(``runpy``) under the profiler, and the share is the DataLoader ``__next__`` spans' time over the wall time
-of the steps, a step being one ``__next__`` start to the next on the same iterator (the first loader the
-script iterates; its spans renamed so that no other loader's count):
+"""The data-wait share of a training script by torch.profiler: the script runs unwatched (``runpy``) under
+the profiler; the share is the first iterated loader's ``__next__`` spans (renamed: no other loader's count)
+over the steps' wall time, a step being a ``__next__`` start to the next on its iterator, over the steps
+watch counts as steady (the warm-up and later epochs' first steps left out). Stops after ``--steps``.
 
-    python profiler_share.py --steps 60 --warmup 5 [--cache DEST [--in-memory] [--gpu-augment KW]]
+    python profiler_share.py --steps 100 --warmup 5 [--cache DEST [--in-memory] [--gpu-augment KW]]
         [--no-profile] -- script.py ARGS
 
-The steps timed are those watch times as steady: the first epoch's first ``--warmup`` and each later
-epoch's first step left out. The script is stopped at the ``__next__`` after ``--steps`` batches.
-``--cache DEST``: the script's first ImageFolder is a dlstore cache read with its own transform
-(``dlstore.CachedDataset(DEST, transform=…, pil=True)``: the cache advice applied by hand), or with
-``--gpu-augment KW`` (GpuAugment's arguments, JSON) read as tensors and augmented on the GPU.
-``--no-profile``: the rate alone. Prints one ``{"profiler_share": …}`` line: the share, the rate, and the
-share by this wrapper's own clock.
+``--cache``: the script's first ImageFolder is that dlstore cache with its transform (``pil=True``), or
+read as tensors and augmented on the GPU by ``GpuAugment(**KW)``: the cache advice by hand.
 """
 
 from __future__ import annotations
