@@ -201,7 +201,7 @@ def loop_parts(rep: dict[str, Any], ld: dict[str, Any], doc: dict[str, Any]) -> 
         # persistent): the first step's extra wait beyond one batch's build is that start-up
         excess = epoch_start_excess(rep["rows"], steady["wait_mean_s"]) or 0.0
         startup = max(0.0, excess + steady["wait_mean_s"] - per_batch)
-        loader = over_epochs(loader, workers, _epoch(rep), startup)
+        loader = over_epochs(loader, workers, _epoch(rep, doc, rep["stand_in_steps"]), startup)
     return LoopParts(
         batch=b,
         workers=workers,
@@ -397,15 +397,31 @@ def _advice(
     return item(text, command, expected / now if expected and now else None, expected, what=what, **extra)
 
 
-def _epoch(rep: dict[str, Any]) -> int | None:
-    return rep["settings"].get("batches_per_epoch")
+def _epoch(rep: dict[str, Any], doc: dict[str, Any], stand_ins: int | None = None) -> int | None:
+    """The batches between epoch starts in the run the prediction is checked against. Without --steps, the
+    script's epochs. With --steps N the run is cut: its observed steps plus the stand-ins in their places
+    (``stand_ins``: this run's; by default the replayed steps, all a re-run with the advice has) span a
+    fraction of an epoch or a few; the rate is timed after the warm-up, so only the starts after it count,
+    each over its share of those steps; none (a run within its first epoch) leaves no epoch term."""
+    e = rep["settings"].get("batches_per_epoch")
+    config = doc.get("config") or {}
+    if not e or not config.get("steps"):
+        return e
+    spots = rep["steps_observed"] + (rep["steps_replayed"] if stand_ins is None else stand_ins)
+    starts = (spots - 1) // e
+    if starts < 1:
+        return None
+    return max(2, round((spots - min(config.get("warmup") or 0, e)) / starts))
 
 
-def _rate(parts: LoopParts, epoch: int | None = None) -> float:
-    """The rate of an advised loop over the script's epochs (its workers persistent, as advised)."""
+def _rate(parts: LoopParts, epoch: int | None) -> float:
+    """The rate of an advised loop over epochs of ``epoch`` batches (its workers persistent, as advised);
+    None: no epoch start in the timed steps, the observed loop's own start-up left out too."""
     if epoch:
-        parts = replace(parts, loader=over_epochs(parts.loader, parts.workers, epoch, 0.0))
-    return compose(parts).img_per_s
+        loader = over_epochs(parts.loader, parts.workers, epoch, 0.0)
+    else:
+        loader = replace(parts.loader, refill_s=None, epoch_batches=None)
+    return compose(replace(parts, loader=loader)).img_per_s
 
 
 def _workers_advice(
@@ -422,7 +438,7 @@ def _workers_advice(
     if not cands:
         return None
     main = parts.loader.main_s if parts.workers else HANDOVER_S
-    e = _epoch(rep)
+    e = _epoch(rep, doc)
     rates = {
         n: _rate(
             replace(parts, workers=n, loader=LoaderTiming(cost / n, main, cost + main, in_caller=False)), e
@@ -524,7 +540,8 @@ def _pin_advice(
     saving = max(0.0, h2d["pageable_s"] - h2d["pinned_s"])
     fed = parts.fed
     period, serial = max(fed.device_s or 0.0, fed.period_s - saving), max(0.0, fed.serial_s - saving)
-    expected = now * _rate(replace(parts, fed=replace(fed, period_s=period, serial_s=serial))) / _rate(parts)
+    faster = replace(parts, fed=replace(fed, period_s=period, serial_s=serial))
+    expected = now * compose(faster).img_per_s / compose(parts).img_per_s
     if expected < rules.WORTH_FRACTION * now:
         return None
     text = (
@@ -569,7 +586,7 @@ def _cache_advice(
     channels = 1 if "MNIST" in src["source"] else 3
     probe = _probe(ld, "cache")
     cached = tried_parts(parts, probe) if probe else _cached_parts(parts, p, size, channels, gpu)
-    expected = _rate(cached, _epoch(rep))
+    expected = _rate(cached, _epoch(rep, doc))
     if expected < rules.WORTH_FRACTION * now:
         return None
     plan = _cache_plan(size, channels, gpu, ds, parts.batch)
