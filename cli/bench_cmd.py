@@ -38,21 +38,6 @@ class ParsedList(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-def pick_loaders(loaders: tuple[str, ...] | None, alias: tuple[str, ...] | None) -> tuple[str, ...]:
-    """``--formats`` was renamed ``--loaders`` (it takes loader kinds, not storage formats); the old name
-    still works, with a warning on stderr."""
-    if alias is not None:
-        if loaders is not None:
-            raise click.UsageError("give --loaders only (--formats is its deprecated old name)")
-        click.echo(
-            "Warning: --formats is deprecated and will be removed; use --loaders (it takes loader kinds "
-            "such as raw and pinned, not storage formats).",
-            file=stderr(),
-        )
-        return alias
-    return loaders if loaders is not None else KINDS
-
-
 # The options a budget may cut (plan.cuts_in_order), as BenchConfig fields: one the user set stays.
 BUDGET_CUTTABLE = ("loaders", "workers", "repeats", "steps", "warmup", "stage_steps", "cold", "max_images")
 
@@ -62,8 +47,6 @@ def user_set(ctx: click.Context) -> tuple[str, ...]:
     given = {
         p for p in BUDGET_CUTTABLE if ctx.get_parameter_source(p) == click.core.ParameterSource.COMMANDLINE
     }
-    if ctx.get_parameter_source("formats_alias") == click.core.ParameterSource.COMMANDLINE:
-        given.add("loaders")
     return tuple(sorted(given))
 
 
@@ -170,13 +153,6 @@ SECTIONS = {
 )
 @click.argument("source", default="demo")
 @config_options(BenchConfig, OPTIONS)
-@click.option(
-    "--formats",
-    "formats_alias",
-    type=ParsedList("KIND,...", lambda text: parse_loaders(text, tuple(LOADER_KINDS))),
-    default=None,
-    hidden=True,
-)
 @size_option(
     "Image side in pixels [default: native for torchvision sets, 32 for demo, 224 for folders (64 on a CPU)].",
 )
@@ -189,7 +165,7 @@ SECTIONS = {
 )
 @demo_images_option(None, "Images in the demo dataset [default: 8 batches, at least 256].")
 @json_option("Print the result document on stdout (progress on stderr).")
-def bench_cmd(formats_alias: tuple[str, ...] | None, as_json: bool, **params: Any) -> None:
+def bench_cmd(as_json: bool, **params: Any) -> None:
     """Measure each input stage alone and end to end, sweep workers, name the bottleneck.
 
     SOURCE is demo (default), a folder of class subfolders, torchvision:NAME with --root DIR, or any
@@ -200,7 +176,7 @@ def bench_cmd(formats_alias: tuple[str, ...] | None, as_json: bool, **params: An
     from dlstore.bench.report import default_out_dir, render_text
     from dlstore.bench.run import run_bench
 
-    params["loaders"] = pick_loaders(params["loaders"], formats_alias)
+    params["loaders"] = params["loaders"] or KINDS
     params["out"] = params["out"] or default_out_dir()
     params["budget_s"] = params["budget_s"] or None
     config = BenchConfig(

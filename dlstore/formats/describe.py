@@ -20,10 +20,6 @@ class Codec:
     size_ratio: float = 1.0
     impl: Any = None
 
-    @property
-    def compressed(self) -> bool:
-        return self.size_ratio < 1.0
-
 
 @dataclass(frozen=True)
 class Option:

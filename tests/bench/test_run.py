@@ -299,29 +299,9 @@ def test_max_megapixels_reaches_the_caches_conversions(
     assert f"its parent {root.resolve().parent}" in " ".join(res.stderr.split())
 
 
-def test_formats_is_a_hidden_deprecated_alias_of_loaders(env: Path) -> None:
-    runner = CliRunner()
-    res = runner.invoke(
-        main,
-        [
-            "bench",
-            *TINY,
-            "--workers",
-            "0",
-            "--formats",
-            "ram",
-            "--no-cold",
-            "--out",
-            str(env / "o4"),
-            "--json",
-        ],
-    )
-    assert res.exit_code == 0, res.output
-    assert "--formats is deprecated" in res.stderr and "--loaders" in res.stderr
-    assert [r["loader"] for r in json.loads(res.stdout)["runs"]] == ["ram"]
-    assert "--formats" not in runner.invoke(main, ["bench", "--help"]).output
-    both = runner.invoke(main, ["bench", "--loaders", "ram", "--formats", "raw"])
-    assert both.exit_code == 2 and "--loaders only" in both.output
+def test_formats_is_gone_in_favour_of_loaders() -> None:
+    res = CliRunner().invoke(main, ["bench", "--formats", "ram"])
+    assert res.exit_code == 2 and "--formats" in res.output
 
 
 def test_usage_errors(env: Path) -> None:

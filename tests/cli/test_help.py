@@ -79,7 +79,6 @@ def test_options_come_from_the_config_fields_with_its_defaults(command: str, con
     fields = {f.name: f.default for f in dataclasses.fields(config)}
     own = {
         "as_json",
-        "formats_alias",
         "split",
         "source",
         "dest",

@@ -1,4 +1,4 @@
-"""Tests for the embedded demo dataset (dlstore.datasets.demo) and the IDX reader/writer (dlstore.datasets.mnist_idx)."""
+"""Tests for the embedded demo dataset (dlstore.datasets.demo)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,10 @@ import threading
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from dlstore.datasets import demo
 from dlstore.datasets.demo import DEMO_CLASSES, demo_jpeg_bytes, ensure_demo, make_demo_image
-from dlstore.datasets.mnist_idx import read_idx, synthetic_mnist_arrays, write_fashion_mnist_like, write_idx
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 N_CLASSES = len(DEMO_CLASSES)
@@ -175,98 +173,3 @@ def test_default_demo_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.delenv("DLSTORE_DEMO_DIR")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert demo.default_demo_dir(64, 2) == tmp_path / ".cache" / "dlstore" / "demo-v1-n64-s2"
-
-
-# ------------------------------------------------------------------------- IDX
-
-
-@pytest.mark.parametrize("shape", [(17,), (5, 28, 28), (3, 4, 7)])
-def test_idx_round_trip(tmp_path: Path, shape: tuple[int, ...]) -> None:
-    arr = np.random.default_rng(0).integers(0, 256, size=shape, dtype=np.uint8)
-    path = tmp_path / "a.idx"
-    write_idx(path, arr)
-    raw = path.read_bytes()
-    assert raw[:4] == bytes([0, 0, 0x08, len(shape)])  # 0x00000801 / 0x00000803
-    assert raw[4 : 4 + 4 * len(shape)] == b"".join(d.to_bytes(4, "big") for d in shape)
-    back = read_idx(path)
-    assert back.dtype == np.uint8 and back.shape == shape
-    np.testing.assert_array_equal(back, arr)
-    back[...] = 0  # result is writable (torch.from_numpy warns on read-only arrays)
-
-
-def test_idx_size_mismatch_errors(tmp_path: Path) -> None:
-    path = tmp_path / "imgs-idx3-ubyte"
-    write_idx(path, np.zeros((4, 28, 28), np.uint8))
-    full = path.read_bytes()
-    path.write_bytes(full[:-1])
-    with pytest.raises(
-        ValueError, match=rf"imgs-idx3-ubyte.*expected {len(full)} bytes, found {len(full) - 1}"
-    ):
-        read_idx(path)
-    path.write_bytes(full + b"\0")
-    with pytest.raises(ValueError, match=rf"expected {len(full)} bytes, found {len(full) + 1}"):
-        read_idx(path)
-    path.write_bytes(full[:10])  # header itself cut short
-    with pytest.raises(ValueError, match="imgs-idx3-ubyte"):
-        read_idx(path)
-
-
-def test_idx_bad_magic_and_dtype(tmp_path: Path) -> None:
-    path = tmp_path / "bad"
-    path.write_bytes(b"\x01\x00\x08\x01" + (1).to_bytes(4, "big") + b"\x07")
-    with pytest.raises(ValueError, match="magic"):
-        read_idx(path)
-    path.write_bytes(b"\x00\x00\x07\x01" + (1).to_bytes(4, "big") + b"\x07")
-    with pytest.raises(ValueError, match="dtype code 0x07"):
-        read_idx(path)
-
-
-def test_idx_reads_multibyte_dtypes_big_endian(tmp_path: Path) -> None:
-    values = np.array([1, -2, 300], dtype=">i2")
-    path = tmp_path / "shorts"
-    path.write_bytes(b"\x00\x00\x0b\x01" + (3).to_bytes(4, "big") + values.tobytes())
-    np.testing.assert_array_equal(read_idx(path), [1, -2, 300])
-
-
-def test_write_idx_rejects_unsupported(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="uint8"):
-        write_idx(tmp_path / "x", np.zeros(3, np.int64))
-    with pytest.raises(ValueError, match="ndim"):
-        write_idx(tmp_path / "x", np.zeros((2, 2), np.uint8))
-
-
-# ------------------------------------------------------------ synthetic MNIST
-
-
-@pytest.mark.parametrize("name", ["FashionMNIST", "MNIST"])
-def test_torchvision_reads_synthetic_mnist(tmp_path: Path, name: str) -> None:
-    import torchvision.datasets as tvd
-
-    root = write_fashion_mnist_like(tmp_path, n_train=40, n_test=20, seed=5, name=name)
-    raw = tmp_path / name / "raw"
-    for split, n in (("train", 40), ("t10k", 20)):
-        images = read_idx(raw / f"{split}-images-idx3-ubyte")
-        labels = read_idx(raw / f"{split}-labels-idx1-ubyte")
-        assert images.shape == (n, 28, 28) and labels.shape == (n,)
-        ds = getattr(tvd, name)(str(root), train=split == "train", download=False)
-        assert len(ds) == n
-        np.testing.assert_array_equal(ds.data.numpy(), images)
-        np.testing.assert_array_equal(ds.targets.numpy(), labels)
-        img, label = ds[3]
-        assert label == int(labels[3])
-        np.testing.assert_array_equal(np.asarray(img), images[3])
-    assert sorted(np.unique(read_idx(raw / "train-labels-idx1-ubyte"))) == list(range(10))
-
-
-def test_synthetic_mnist_deterministic_and_learnable(tmp_path: Path) -> None:
-    a = write_fashion_mnist_like(tmp_path / "a", 30, 10, seed=1)
-    b = write_fashion_mnist_like(tmp_path / "b", 30, 10, seed=1)
-    for f in ("train-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
-        assert (a / "FashionMNIST/raw" / f).read_bytes() == (b / "FashionMNIST/raw" / f).read_bytes()
-    # Classes must be separable: even nearest-centroid on raw pixels does well.
-    x, y = synthetic_mnist_arrays(np.random.default_rng(0), 2000)
-    xt, yt = synthetic_mnist_arrays(np.random.default_rng(1), 500)
-    x, xt = x.reshape(len(x), -1) / 255.0, xt.reshape(len(xt), -1) / 255.0
-    centroids = np.stack([x[y == c].mean(0) for c in range(10)])
-    pred = np.argmin(((xt[:, None, :] - centroids[None]) ** 2).sum(-1), axis=1)
-    assert (pred == yt).mean() > 0.5
