@@ -12,7 +12,7 @@ from decode_helpers import cpu_split_loader, ragged_jpeg_cache, split_reference
 
 from dlstore import Loader, open_cache
 from dlstore.gpu.ragged import RaggedRandomResizedCrop
-from dlstore.read.decode.lanes import decode_on_device
+from dlstore.read.decode.lanes import decode_flat, decode_on_device
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,23 @@ def test_batched_decode_equals_cpu_decode_and_falls_back_per_image(
     np.testing.assert_array_equal(out[2].permute(1, 2, 0).numpy(), cpu[2])
 
 
+def test_the_flat_decode_equals_the_per_image_one_and_gives_way_to_it_on_a_bad_image(
+    jpeg_cache: Path,
+) -> None:
+    cache, cpu = open_cache(jpeg_cache), torch.device("cpu")
+    index = np.arange(6)
+    payloads, shapes = cache.read_payloads(index)
+    flat, starts = decode_flat(payloads, shapes, cpu, lambda: None)
+    single, _ = decode_on_device(cache, payloads, shapes, cache.positions[index], cpu)
+    assert flat.numel() == sum(x.numel() for x in single)
+    for start, img in zip(starts.tolist(), single):
+        assert torch.equal(flat[start : start + img.numel()].view(img.shape), img)
+    broken = [*payloads[:2], memoryview(b"\xff\xd8 not a JPEG"), *payloads[3:]]
+    assert decode_flat(broken, shapes, cpu, lambda: None) is None
+    assert tuple(shapes[0]) != tuple(shapes[1])  # an image that decodes to another shape than the cache says
+    assert decode_flat([payloads[1], *payloads[1:]], shapes, cpu, lambda: None) is None
+
+
 def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path) -> None:
     import threading
 
@@ -89,16 +106,11 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
 
     import dlstore.read.decode.lanes as gd
 
-    real, reads, at_launch = gd.decode_on_device, [0], []
+    real, reads, at_launch = gd.decode_flat, [0], []
 
-    def slow_decode(*args, launching=None, **kw):  # type: ignore[no-untyped-def]
+    def slow_decode(payloads, shapes, device, launching):  # type: ignore[no-untyped-def]
         at_launch.append(reads[0])
-
-        def launch() -> None:
-            if launching is not None:
-                launching()
-
-        out = real(*args, launching=launch, **kw)
+        out = real(payloads, shapes, device, launching)
         time.sleep(0.02)  # a slow device call: an ungated reader would run further ahead meanwhile
         return out
 
@@ -106,7 +118,7 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
         time.sleep(0.005)
         return images
 
-    monkeypatch.setattr(gd, "decode_on_device", slow_decode)
+    monkeypatch.setattr(gd, "decode_flat", slow_decode)
     loader = Loader(jpeg_cache, batch_size=2, transform=slow_transform, device="cpu", via="decode")
     loader._path.read_ahead = 2  # type: ignore[arg-type,return-value]
     loader._path.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
@@ -154,13 +166,13 @@ def test_split_batches_equal_the_single_path_decodes(
 ) -> None:
     import dlstore.read.decode.lanes as gd
 
-    real, sent = gd.decode_on_device, []
+    real, sent = gd.decode_flat, []
 
-    def spy(cache, payloads, *args, **kw):  # type: ignore[no-untyped-def]
+    def spy(payloads, *args):  # type: ignore[no-untyped-def]
         sent.append(len(payloads))  # what the "GPU" side was given
-        return real(cache, payloads, *args, **kw)
+        return real(payloads, *args)
 
-    monkeypatch.setattr(gd, "decode_on_device", spy)
+    monkeypatch.setattr(gd, "decode_flat", spy)
     loader = cpu_split_loader(jpeg_cache, 0.5)
     try:
         cpu_count = _check_split_epoch(loader, jpeg_cache, 0.5)
@@ -220,14 +232,14 @@ def test_the_measured_split_gives_the_cpu_what_a_slow_gpu_lane_cannot_keep_up_wi
 
     import dlstore.read.decode.lanes as gd
 
-    real = gd.decode_on_device
+    real = gd.decode_flat
 
-    def slow_gpu(*args, **kw):  # type: ignore[no-untyped-def]
-        out = real(*args, **kw)
+    def slow_gpu(*args):  # type: ignore[no-untyped-def]
+        out = real(*args)
         time.sleep(0.05)  # inside the call, as on a GPU: it lengthens the batch period
         return out
 
-    monkeypatch.setattr(gd, "decode_on_device", slow_gpu)
+    monkeypatch.setattr(gd, "decode_flat", slow_gpu)
     loader = cpu_split_loader(jpeg_cache, None, read_ahead=1)  # 2 batches per epoch fill the pipeline
     try:
         for _ in range(3):

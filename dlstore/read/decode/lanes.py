@@ -80,41 +80,72 @@ def as_tensors(payloads: list[memoryview]) -> list[torch.Tensor]:
 
 
 def decode_on_device(
-    cache: Cache,
-    payloads: list[memoryview],
-    shapes: np.ndarray,
-    positions: np.ndarray,
-    device: torch.device,
-    data: list[torch.Tensor] | None = None,
-    launching: Callable[[], None] | None = None,
+    cache: Cache, payloads: list[memoryview], shapes: np.ndarray, positions: np.ndarray, device: torch.device
 ) -> tuple[list[torch.Tensor], int]:
-    """(C, H, W) uint8 tensors on ``device`` by one batched nvJPEG call (``data``: the payloads as
-    tensors, if made already; ``launching`` called just before it), and how many it refused (or
-    decoded to another shape) and the CPU decoded instead."""
+    """(C, H, W) uint8 tensors on ``device``, image by image (where ``decode_flat``'s batched call
+    failed): nvJPEG, else the CPU for an image it refuses or decodes to another shape than the cache
+    says; and how many the CPU decoded."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
-    channels = int(shapes[0][2]) if len(shapes) else 3
-    mode = ImageReadMode.RGB if channels == 3 else ImageReadMode.GRAY
-    data = as_tensors(payloads) if data is None else data
-    # Quiet: torchvision ≥ 0.29 deprecates its decoders (TorchCodec's replacement needs a newer torch).
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if launching is not None:
-            launching()
-        try:
-            out: list[torch.Tensor | None] = list(decode_jpeg(data, mode=mode, device=device))
-        except RuntimeError:  # one bad image fails the whole batched call: retry one by one
-            out = [_decode_one(d, mode, device) for d in data]
-    expected = [(c, h, w) for h, w, c in shapes.tolist()]
-    if [None if img is None else tuple(img.shape) for img in out] == expected:
-        return out, 0  # type: ignore[return-value]
-    fallbacks = 0
-    for i, img in enumerate(out):
-        if img is None or tuple(img.shape) != expected[i]:
-            cpu = cache.payload_reader.decode(payloads[i], shapes[i], int(positions[i]))
-            out[i] = torch.from_numpy(cpu).permute(2, 0, 1).to(device, non_blocking=True)
+    mode = ImageReadMode.GRAY if len(shapes) and int(shapes[0][2]) == 1 else ImageReadMode.RGB
+    out, fallbacks = [], 0
+    hwc, tensors = np.asarray(shapes).tolist(), as_tensors(payloads)
+    for data, payload, (h, w, c), at in zip(tensors, payloads, hwc, positions.tolist()):
+        with warnings.catch_warnings():  # torchvision >= 0.29 deprecates its decoders
+            warnings.simplefilter("ignore")
+            try:
+                img: torch.Tensor | None = decode_jpeg(data, mode=mode, device=device)
+            except RuntimeError:
+                img = None
+        if img is None or tuple(img.shape) != (c, h, w):
+            cpu = cache.payload_reader.decode(payload, (h, w, c), int(at))
+            img = torch.from_numpy(cpu).permute(2, 0, 1).to(device, non_blocking=True)
             fallbacks += 1
-    return out, fallbacks  # type: ignore[return-value]
+        out.append(img)
+    return out, fallbacks
+
+
+def decode_flat(
+    payloads: list[memoryview], shapes: np.ndarray, device: torch.device, launching: Callable[[], None]
+) -> tuple[torch.Tensor, np.ndarray] | None:
+    """The batch decoded by one batched nvJPEG call into one flat buffer, each image planar at the byte
+    offset returned with it. One TorchScript call makes and frees the per-image tensors (in and out) in
+    C++, so it gives the GIL back once per batch, not twice per image: beside a busy Python thread that
+    is 14-15k img/s against 0.2k (``results/gil_free_decode``). None when the call fails or an image
+    decodes to another shape: ``decode_on_device`` then decides image by image."""
+    hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
+    bounds = np.zeros(len(payloads) + 1, np.int64)
+    np.cumsum([len(p) for p in payloads], out=bounds[1:])
+    data = as_tensors([memoryview(b"".join(payloads))])[0]
+    launching()
+    try:
+        flat, got = _flat_decoder()(data, bounds.tolist(), 1 if hwc[0, 2] == 1 else 3, device)
+    except RuntimeError:
+        return None
+    if not np.array_equal(np.asarray(got, np.int64).reshape(-1, 3), hwc[:, [2, 0, 1]]):
+        return None
+    sizes = np.prod(hwc, axis=1)
+    return flat, np.cumsum(sizes) - sizes
+
+
+def _flat_batch(
+    data: torch.Tensor, bounds: list[int], mode: int, device: torch.device
+) -> tuple[torch.Tensor, list[list[int]]]:
+    parts = [data[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
+    if device.type == "cuda":
+        out = torch.ops.image.decode_jpegs_cuda(parts, mode, device)
+    else:  # the CPU decoder stands in for nvJPEG (the tests)
+        out = [torch.ops.image.decode_jpeg(x, mode, False) for x in parts]
+    return torch.cat([x.flatten() for x in out]), [x.shape for x in out]
+
+
+@functools.cache
+def _flat_decoder() -> Callable[..., tuple[torch.Tensor, list[list[int]]]]:
+    import torchvision.io  # noqa: F401  (registers torch.ops.image)
+
+    with warnings.catch_warnings():  # torch >= 2.14 deprecates TorchScript: nothing else runs this GIL-free
+        warnings.simplefilter("ignore")
+        return torch.jit.script(_flat_batch)
 
 
 def fixed_split(split: Mapping[str, float] | None, names: list[str]) -> dict[str, float] | None:
@@ -129,15 +160,6 @@ def fixed_split(split: Mapping[str, float] | None, names: list[str]) -> dict[str
     rest = [n for n in names if n not in split]
     left = max(0.0, 1.0 - sum(split.values()))
     return fixed | dict.fromkeys(rest, left / len(rest)) if rest else fixed
-
-
-def _decode_one(data: torch.Tensor, mode: Any, device: torch.device) -> torch.Tensor | None:
-    from torchvision.io import decode_jpeg
-
-    try:
-        return decode_jpeg(data, mode=mode, device=device)
-    except RuntimeError:
-        return None
 
 
 class DecodePath:
@@ -175,6 +197,7 @@ class DecodePath:
         self._asked, self._yielded = 0.0, 0  # when the caller asked for this epoch's last batch; how many
         self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
         self._refs: list[Any] = []
+        self._flats: list[torch.Tensor] = []  # this batch's flat nvJPEG buffers
 
     def _setup_lanes(self) -> None:
         """The lanes asked for that exist here, in fill order, and the split over them (again if
@@ -280,7 +303,7 @@ class DecodePath:
             t0 = time.perf_counter()
             self._stream.synchronize()
             self.stats.sync_seconds += time.perf_counter() - t0
-            self._refs = []  # the previous batch's hardware-lane images: their crop has run
+            self._refs = []  # the previous batch's device images: their crop has run
             images, labels = self._finish(*item, launching)
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -320,7 +343,7 @@ class DecodePath:
             self.stats.read_seconds += time.perf_counter() - t0
 
     def _read_batch(self, batch: np.ndarray) -> tuple[np.ndarray, Any, np.ndarray | None, np.ndarray]:
-        """(storage-ordered indices, (the device part's payloads, as tensors, the CPU share in flight,
+        """(storage-ordered indices, (the device part's payloads, the CPU share in flight,
         the device lanes' parts), the device part's shapes, the labels). The split decides here: the
         CPU share must start decoding now."""
         index = storage_sorted(self.cache, batch)
@@ -335,13 +358,7 @@ class DecodePath:
             if first == len(index)
             else self.cache.read_payloads(index[first:])
         )
-        parts = self._parts(counts, len(payloads))
-        # tensors over the payloads for nvJPEG's part only (the hardware lane takes the bytes as they are)
-        tensors: list[Any] = [None] * len(payloads)
-        for name, a, b in parts:
-            if name == "nvjpeg":
-                tensors[a:b] = as_tensors(payloads[a:b])
-        return index, (payloads, tensors, share, parts), shapes, labels
+        return index, (payloads, share, self._parts(counts, len(payloads))), shapes, labels
 
     def _parts(self, counts: dict[str, int], n: int) -> list[tuple[str, int, int]]:
         """The device lanes' (lane, start, stop) parts of the ``n`` images the CPU share left; what the
@@ -376,7 +393,8 @@ class DecodePath:
         launching: Callable[[], None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gpu:
-            payloads, tensors, share, parts = data
+            payloads, share, parts = data
+            self._flats = []
             first = share.count if share is not None else 0
             # A transform that takes FlatImages gets the batch where the lanes decoded it (the CPU
             # share's buffer, nvJPEG's tensors, the hardware lane's slots): no per-image tensor or copy.
@@ -384,19 +402,17 @@ class DecodePath:
             images: list[Any] = []
             if payloads:
                 t0 = time.perf_counter()
-                images = self._decode_device_part(
-                    index[first:], payloads, tensors, shapes, parts, launching, scatter
-                )
+                images = self._decode_device_part(index[first:], payloads, shapes, parts, launching, scatter)
                 self.stats.decode_seconds += time.perf_counter() - t0
             launching()  # all on the CPU decoders: no device call to wait for
-            self._refs = images
+            self._refs = [*images, *self._flats]
             flat = None
             if share is None:
                 self._balance(0, len(images), 0.0, 0.0)
             else:
                 flat, waited, busy = self._cpu_share_on_device(share, index)
                 self._balance(share.count, len(images), waited, busy)
-                self._refs = [*images, flat]
+                self._refs.append(flat)
             if scatter:  # where the lanes left them: no per-image tensors, no copy
                 return self._out(self._scattered(flat, share, images, shapes), labels)
             if share is not None:
@@ -478,15 +494,16 @@ class DecodePath:
             hwc = np.concatenate([np.asarray(share.shapes, np.int64).reshape(-1, 3), hwc])
         else:
             base = next((x for x in images if type(x) is not int), None)
+            base = base if base is not None else next(iter(self._flats), None)
             if base is None:
                 assert self.hw is not None and self.hw.slots is not None
                 base = self.hw.slots
-        hw, device_hwc = self.hw, np.asarray(shapes, np.int64).reshape(-1, 3)
+        device_hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
 
         def sources() -> list[torch.Tensor]:
             out = [] if share is None or cpu_flat is None else _views(cpu_flat, share.offsets, share.shapes)
             for x, (h, w, c) in zip(images, device_hwc.tolist()):
-                out.append(hw.view(x, (c, h, w)) if type(x) is int else x)  # type: ignore[union-attr]
+                out.append(x if type(x) is not int else self._view(x, (c, h, w)))
             return out
 
         return scattered_flat(base, addresses, hwc, sources)
@@ -495,7 +512,6 @@ class DecodePath:
         self,
         index: np.ndarray,
         payloads: list[memoryview],
-        tensors: list[torch.Tensor],
         shapes: Any,
         parts: list[tuple[str, int, int]],
         launching: Callable[[], None],
@@ -509,17 +525,15 @@ class DecodePath:
         expected = [(c, h, w) for h, w, c in hwc.tolist()]
 
         def nvjpeg(a: int, b: int) -> list[Any]:
-            data = tensors[a:b]
-            if any(t is None for t in data):  # another lane's images (it failed, or refused them)
-                data = as_tensors(payloads[a:b])
+            got = decode_flat(payloads[a:b], shapes[a:b], self.device, launching)
+            if got is not None:  # one buffer, kept until the batch's crop has run
+                self._flats.append(got[0])
+                self.stats.gpu_images += b - a
+                if scatter:  # each image's address: no per-image tensor
+                    return (got[0].data_ptr() + got[1]).tolist()
+                return _views(got[0], got[1], hwc[a:b])
             out, fallbacks = decode_on_device(
-                self.cache,
-                payloads[a:b],
-                shapes[a:b],
-                positions[a:b],
-                self.device,
-                data,
-                launching=launching,
+                self.cache, payloads[a:b], shapes[a:b], positions[a:b], self.device
             )
             self.stats.cpu_fallbacks += fallbacks
             self.stats.gpu_images += b - a - fallbacks
@@ -557,6 +571,15 @@ class DecodePath:
         self.stats.hw_images += hw_done
         self.stats.gpu_images += hw_done
         return images
+
+    def _view(self, address: int, chw: tuple[int, int, int]) -> torch.Tensor:
+        """The (C, H, W) image at ``address``: in a flat nvJPEG buffer, else in the hardware lane's."""
+        for buf in self._flats:
+            start = address - buf.data_ptr()
+            if 0 <= start < buf.numel():
+                return buf[start : start + chw[0] * chw[1] * chw[2]].view(chw)
+        assert self.hw is not None
+        return self.hw.view(address, chw)
 
     def _balance(self, cpu_count: int, gpu_count: int, waited: float, busy: float) -> None:
         """The CPU decoders' rate in place for the measured split (their decode seconds over their
