@@ -137,7 +137,6 @@ def replay(doc: dict[str, Any], in_caller: str = "probe") -> list[dict[str, Any]
         device="cuda" if env.get("gpu") else "cpu",
         device_label="",
         batch_size=doc["protocol"]["batch_size"],
-        warmup_steps=doc["protocol"].get("warmup", 0),
         cores=env.get("cpu_usable") or 1,
     )
     stages = {k: kind_stages(v) for k, v in doc["stages"].items()}

@@ -70,7 +70,7 @@ def reader_rate(root: Path, batched: bool, epochs: int) -> float:
     buf = np.empty((B, *cache.spec.shape), np.uint8)
 
     def epoch() -> None:
-        cache.reader.clear_units()  # every unit decoded again: the last epoch's are not reused
+        cache.reader._units.clear()  # every unit decoded again: the last epoch's are not reused
         if batched:
             for _ in cache.read_batches(batches, processes=CORES):
                 pass

@@ -10,7 +10,7 @@ import click
 from dlstore.bench.kinds import LOADER_KINDS  # the registry imports torch only to build a kind
 from dlstore.bench.protocol import DEFAULT_LOADERS as KINDS
 from dlstore.bench.protocol import BenchConfig, parse_int_list, parse_loaders
-from dlstore.cli.render import StorePath, emit_json, stderr
+from dlstore.cli.render import StorePath, emit_json
 from dlstore.cli.shared_options import (
     Command,
     config_options,
@@ -186,7 +186,7 @@ def bench_cmd(as_json: bool, **params: Any) -> None:
     )
 
     def log(msg: str) -> None:
-        click.echo(f"[bench] {msg}", file=stderr())
+        click.echo(f"[bench] {msg}", err=True)
 
     doc = run_bench(config, log=log)
     unwritten = doc.get("outputs_error")

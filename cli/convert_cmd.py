@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
 import click
 
-from dlstore.cli.render import StorePath, emit_json, stderr, storage_options_option
+from dlstore.cli.render import StorePath, emit_json, storage_options_option
 from dlstore.cli.shared_options import (
     Command,
     config_options,
@@ -135,7 +136,7 @@ def progress_bars(stack: ExitStack) -> Callable[[Any], None]:
                 click.progressbar(
                     length=max(event.total, 1),
                     label={"images": "converting", "upload": "uploading"}.get(event.stage, event.stage),
-                    file=stderr(),
+                    file=sys.stderr,
                     show_pos=not in_bytes,
                     item_show_func=lambda e: (
                         f"{human_bytes(e.done)} of {human_bytes(e.total)}" if e and in_bytes else None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from typing import Any
 
 import click
@@ -54,10 +53,6 @@ def storage_options_option() -> Any:
 
 def emit_json(doc: Any) -> None:
     click.echo(json.dumps(doc, indent=1, default=str))
-
-
-def stderr() -> Any:
-    return sys.stderr
 
 
 class _StderrHandler(logging.Handler):

@@ -9,7 +9,7 @@ from typing import Any
 import click
 
 from dlstore.bench.watch import WatchConfig
-from dlstore.cli.render import emit_json, stderr
+from dlstore.cli.render import emit_json
 from dlstore.cli.shared_options import Command, config_options, json_option
 
 # The tuning options, under headings of their own in --help (the rest: what a newcomer needs).
@@ -111,7 +111,7 @@ def watch_cmd(
         for rep, folder in ((report, out), (second, out / "applied")):
             if rep is not None:
                 written = write_outputs(rep, folder)
-                click.echo(f"Wrote {', '.join(written.values())}", file=stderr())
+                click.echo(f"Wrote {', '.join(written.values())}", err=True)
     if as_json:
         emit_json(json_document(report))
     else:

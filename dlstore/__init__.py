@@ -7,6 +7,7 @@ dlstore (and ``dlstore --help``) does not import torch.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from dlstore.errors import DlstoreError
@@ -39,8 +40,5 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
-        module = importlib.import_module(_LAZY[name])
-        return getattr(module, name)
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'dlstore' has no attribute {name!r}")

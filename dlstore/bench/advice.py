@@ -14,6 +14,7 @@ MAX_RECOMMENDATIONS = 5
 STEP_ALONE_FRACTION = 0.95
 # The fast loader every snippet names: the one line to change when it is renamed.
 FAST_LOADER = "dlstore.Loader"
+plural = count  # "1 worker", "8 batches": the one helper reports use
 
 STAGE_WORDS = {
     "read": "reading the files from storage",
@@ -99,21 +100,19 @@ def step_advice(stage: str, on_gpu: bool, rate: float | None, command: str | Non
     """When the step itself binds: what to speed up, with no predicted number (the input is not it)."""
     if stage == "compute":
         where = "" if on_gpu else " (no GPU here: on a GPU the step is far faster and the input decides)"
-        return item(
+        text = (
             f"The training step binds at {fmt(rate)} img/s{where}: speed up the step (bf16 autocast, "
-            "channels_last, torch.compile, a larger batch) and measure again.",
-            command,
-            None,
+            "channels_last, torch.compile, a larger batch) and measure again."
         )
-    if stage == "host":
-        return item(
+    elif stage == "host":
+        text = (
             "The main thread's own work per step binds: fewer, larger steps (a larger batch), fewer kernel "
             "launches (torch.compile, CUDA graphs), and no sync each step (loss.item(), .cpu(), printing a "
-            "tensor: read such values every N steps).",
-            command,
-            None,
+            "tensor: read such values every N steps)."
         )
-    return None
+    else:
+        return None
+    return item(text, command, None)
 
 
 def loader_code(settings: dict[str, Any]) -> str:
@@ -220,8 +219,3 @@ def border_note(source: str, size: int, extra: str) -> str:
         f"image's borders; to keep them: dlstore convert {source} DEST --size {size}{extra} --resize shorter "
         f"--format {ragged_format()} and dlstore.CachedDataset(DEST, transform=your_transform, pil=True)."
     )
-
-
-def plural(n: int, noun: str, many: str | None = None) -> str:
-    """``plural(1, "worker")`` → "1 worker", ``plural(8, "batch", "batches")``: the one helper reports use."""
-    return count(n, noun, many)

@@ -12,7 +12,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -100,10 +100,8 @@ def removed_if_left_empty(out: str | Path | None) -> Iterator[None]:
         yield
     except BaseException:
         if not existed and folder is not None:
-            try:
+            with suppress(OSError):
                 folder.rmdir()  # only succeeds when empty
-            except OSError:
-                pass
         raise
 
 
@@ -328,14 +326,11 @@ def matplotlib_patch(colour: str, key: str) -> Any:
 # --- profiler -----------------------------------------------------------------------------------------
 
 
+PROFILE_SCHEDULE = {"wait": 1, "warmup": 2, "active": 3}  # steps: skipped, warming up, recorded
+
+
 def profile_configuration(
-    run_steps: Callable[[Callable[[], None]], None],
-    device: torch.device,
-    out: Path,
-    name: str,
-    wait: int = 1,
-    warmup: int = 2,
-    active: int = 3,
+    run_steps: Callable[[Callable[[], None]], None], device: torch.device, out: Path, name: str
 ) -> dict[str, str]:
     """A short scheduled torch.profiler run (``run_steps(tick)``): NAME.trace.json and NAME.ops.txt."""
     from torch.profiler import ProfilerActivity, profile, schedule
@@ -352,11 +347,11 @@ def profile_configuration(
 
     with profile(
         activities=activities,
-        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        schedule=schedule(**PROFILE_SCHEDULE, repeat=1),
         on_trace_ready=ready,
     ) as prof:
         run_steps(prof.step)
-    return {"trace": str(trace), "ops": str(table), "steps": str(wait + warmup + active)}
+    return {"trace": str(trace), "ops": str(table), "steps": str(sum(PROFILE_SCHEDULE.values()))}
 
 
 # --- text ---------------------------------------------------------------------------------------------

@@ -58,6 +58,7 @@ from dlstore.bench.protocol import (
     default_worker_counts,
 )
 from dlstore.bench.report import (
+    PROFILE_SCHEDULE,
     check_out_dir,
     environment,
     finite,
@@ -296,7 +297,6 @@ def make_facts(
         device=device.type,
         device_label=device_label(device),
         batch_size=config.batch_size,
-        warmup_steps=config.warmup,
         source=_source_arg(config),
         size=ctx.size,
         cores=usable_cores(),
@@ -550,11 +550,11 @@ def profile_all(s: Session, workers: tuple[int, ...]) -> dict[str, Any]:
             s.log(f"profiling {name} with {count(w, 'worker')}")
             loop = _profile_loop(s, name, w, pin)
             traces[f"{name}-w{w}"] = profile_configuration(loop, s.device, out, f"{name}-w{w}")
-    return {"dir": str(out), "schedule": {"wait": 1, "warmup": 2, "active": 3}, "traces": traces}
+    return {"dir": str(out), "schedule": PROFILE_SCHEDULE, "traces": traces}
 
 
 def _profile_loop(s: Session, name: str, workers: int, pin: bool) -> Callable[[Callable[[], None]], None]:
-    p, step, n_steps = s.prepared[name], s.steps[name], 6
+    p, step, n_steps = s.prepared[name], s.steps[name], sum(PROFILE_SCHEDULE.values())
     feed = feeder(p, s.device, pin)
 
     def run_steps(tick: Callable[[], None]) -> None:

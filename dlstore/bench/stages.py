@@ -3,6 +3,7 @@ host→device copy (pinned vs pageable), and the training step on synthetic on-d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import mmap
@@ -86,10 +87,8 @@ def evict_files(paths: Sequence[Path]) -> dict[str, Any]:
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
-            try:
+            with contextlib.suppress(OSError):  # read-only file systems: nothing dirty to flush anyway
                 os.fsync(fd)
-            except OSError:
-                pass  # read-only file systems: nothing dirty to flush anyway
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -138,7 +137,6 @@ def measure_read(
     n_images: int,
     max_bytes: int = 256 << 20,
     evict: Callable[[Sequence[Path]], dict[str, Any]] = evict_files,
-    reader: Callable[[Sequence[Path]], int] = read_files,
 ) -> StageResult:
     """Read the loader's files cold (after eviction) then warm; rates in MB/s and images/s."""
     if not files:
@@ -148,10 +146,10 @@ def measure_read(
     bytes_per_image = total_bytes / max(1, n_images)
     eviction = evict(picked)
     t0 = time.perf_counter()
-    nbytes = reader(picked)
+    nbytes = read_files(picked)
     cold_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    reader(picked)
+    read_files(picked)
     warm_s = time.perf_counter() - t0
     worked = eviction_worked(eviction.get("resident_after"), cold_s, warm_s)
     eviction = {

@@ -59,7 +59,6 @@ class Facts:
     device: str  # "cuda" or "cpu"
     device_label: str
     batch_size: int
-    warmup_steps: int
     source: str = "demo"
     size: int = 64
     cores: int = 1
@@ -207,7 +206,8 @@ def analyse(
             alone,
             default["wait"]["sum_over_wall"],
             advice[0] if advice else None,
-            _stage_words(default, facts),
+            f"{STAGE_WORDS.get(default['bottleneck'], default['bottleneck'])} for {default['loader']} with "
+            f"{_count(default['loader'], default['workers'], facts)}",
         ),  # fmt: skip
         "detail": detail_text(best, kinds, compute, facts),
         "kinds": kinds,
@@ -217,10 +217,6 @@ def analyse(
         **{name: {k: run[k] for k in RUN_KEYS} for name, run in (("best", best), ("default", default))},
         "prediction": prediction_summary(runs),
     }
-
-
-def _stage_words(run: dict[str, Any], facts: Facts) -> str:
-    return f"{STAGE_WORDS.get(run['bottleneck'], run['bottleneck'])} for {run['loader']} with {_count(run['loader'], run['workers'], facts)}"
 
 
 def prediction_summary(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -335,14 +331,8 @@ def _bound_advice(best: dict[str, Any], stages: dict[str, KindStages], facts: Fa
         command = facts.bench_command + ("" if facts.device == "cpu" else faster)
         return [rules.step_advice("compute", facts.device != "cpu", best["img_per_s"], command)]
     if b == "host":
-        return [
-            rules.step_advice(
-                "host",
-                True,
-                best["img_per_s"],
-                f"{facts.bench_command} --batch-size {2 * facts.batch_size} --compile",
-            )
-        ]
+        command = f"{facts.bench_command} --batch-size {2 * facts.batch_size} --compile"
+        return [rules.step_advice("host", True, best["img_per_s"], command)]
     if b == "h2d":
         return [
             item(
@@ -383,18 +373,14 @@ def read_advice(best: dict[str, Any], ks: KindStages, facts: Facts) -> dict[str,
     command, jpeg = rules.convert_command(
         facts.source, facts.size, needed=facts.raw_cache_bytes, avail=facts.mem_available
     )
-    what = f"Reading the files limits {best['loader']} ({fmt(ks.read_limit)} img/s cold)"
-    if jpeg:
-        return item(
-            f"{what}, and a raw RAM cache does not fit: store JPEGs (about a tenth of the bytes) and decode them on the GPU.",
-            command,
-            None,
-        )
+    fix = (
+        ", and a raw RAM cache does not fit: store JPEGs (about a tenth of the bytes) and decode them on the GPU."
+        if jpeg
+        else ": use fewer bytes per image (a smaller --size, a compressed cache), a faster disk, or a RAM cache "
+        "if it fits."
+    )
     return item(
-        f"{what}: use fewer bytes per image (a smaller --size, a compressed cache), a faster disk, or a RAM "
-        "cache if it fits.",
-        command,
-        None,
+        f"Reading the files limits {best['loader']} ({fmt(ks.read_limit)} img/s cold){fix}", command, None
     )
 
 

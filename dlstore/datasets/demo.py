@@ -374,11 +374,10 @@ def _write_one(directory: str, seed: int, index: int) -> int:
 
 
 class _Progress:
-    """Says that the demo images are being generated, how far it got every ``every_s``, and when it is done."""
+    """Says that the demo images are being generated, how far it got every PROGRESS_EVERY_S, and when done."""
 
-    def __init__(self, n_images: int, workers: int, every_s: float | None = None) -> None:
+    def __init__(self, n_images: int, workers: int) -> None:
         self.n_images, self.done = n_images, 0
-        self.every_s = PROGRESS_EVERY_S if every_s is None else every_s
         self.t0 = self.last = time.perf_counter()
         process = "process" if workers == 1 else "processes"
         _log.info(
@@ -388,7 +387,7 @@ class _Progress:
     def tick(self) -> None:
         self.done += 1
         now = time.perf_counter()
-        if now - self.last >= self.every_s and self.done < self.n_images:
+        if now - self.last >= PROGRESS_EVERY_S and self.done < self.n_images:
             self.last = now
             _log.info("demo images: %d of %d written (%.0f s)", self.done, self.n_images, now - self.t0)
 
@@ -406,15 +405,13 @@ def _generate_into(directory: Path, n_images: int, seed: int, workers: int | Non
         for i in range(n_images):
             job(i)
             progress.tick()
-        progress.finish()
-        return
-    # fork on Linux: no re-import of __main__; the workers use only numpy and Pillow (safe beside torch).
-    method = "fork" if sys.platform.startswith("linux") else None
-    ctx = multiprocessing.get_context(method)
-    # Results come back a chunk at a time: chunks of at most 8 images (about half a second on a busy
-    # core) keep the progress lines on their 5 s beat (chunks of 32 left a 7 s silence in ``make demo``).
-    chunksize = max(1, min(8, n_images // (n_workers * 8)))
-    with ctx.Pool(n_workers) as pool:
-        for _ in pool.imap_unordered(job, range(n_images), chunksize=chunksize):
-            progress.tick()
+    else:
+        # fork on Linux: no re-import of __main__; the workers use only numpy and Pillow (safe beside torch).
+        ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else None)
+        # Results come back a chunk at a time: chunks of at most 8 images (about half a second on a busy
+        # core) keep the progress lines on their 5 s beat (larger chunks leave long silences).
+        chunksize = max(1, min(8, n_images // (n_workers * 8)))
+        with ctx.Pool(n_workers) as pool:
+            for _ in pool.imap_unordered(job, range(n_images), chunksize=chunksize):
+                progress.tick()
     progress.finish()

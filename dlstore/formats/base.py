@@ -437,10 +437,6 @@ class ChunkedReader(CacheReader):
     def recycle(self, evicted: list[np.ndarray]) -> None:
         """Hook for readers that reuse the buffers of evicted units."""
 
-    def clear_units(self) -> None:
-        """Forget every decoded unit (a benchmark's cold epoch); what is decoding ahead stays."""
-        self._units.clear()
-
     def close(self) -> None:
         """Cancel the decodes not started, wait for the running ones, then drop every unit and the
         attached ``unit_decoder`` (its owner stops it after this: the units may be views of its memory)."""

@@ -277,14 +277,13 @@ class GpuAugment(torch.nn.Module):
         sign = 1.0 - 2.0 * params.flip.to(f32)
         # Inverse of a visually counter-clockwise rotation in y-down pixel
         # coordinates is [[c, -s], [s, c]]; flip negates the x row.
-        theta = torch.stack(
+        return torch.stack(
             [
                 torch.stack([sign * cos * w_frac, -sign * sin * w_frac * (out_h / out_w), cx], dim=-1),
                 torch.stack([sin * h_frac * (out_w / out_h), cos * h_frac, cy], dim=-1),
             ],
             dim=-2,
         )
-        return theta
 
     def forward(
         self,

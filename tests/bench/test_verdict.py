@@ -402,9 +402,7 @@ def run(loader: str, workers: int, rate: float, pin: bool = False, warmup_s: flo
 
 
 def facts(device: str = "cuda", **kw: Any) -> Facts:
-    return Facts(
-        device=device, device_label=device, batch_size=100, warmup_steps=4, pin_default=device == "cuda", **kw
-    )
+    return Facts(device=device, device_label=device, batch_size=100, pin_default=device == "cuda", **kw)
 
 
 def stages_of(

@@ -15,9 +15,11 @@ from dlstore.bench.protocol import AUGMENT_DEGREES, AUGMENT_SCALE
 from dlstore.bench.transforms import device_transform
 
 
-def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code: str) -> PreparedLoader:
+def loader_kind(ctx: LoaderContext, via: str, description: str) -> PreparedLoader:
+    """The kind of ``dlstore.Loader(..., via=via)`` over the run's ram cache."""
     from dlstore.formats import in_memory_format
     from dlstore.read.dataset import CachedDataset
+    from dlstore.read.loader import Loader
     from dlstore.spec import read_spec
 
     path, info = ensure_cache(ctx, in_memory_format())
@@ -28,8 +30,13 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code:
     if tf != ctx.config.transform:  # no worker processes to run a CPU augmentation in: it runs on the device
         extra["substituted"] = (
             f"ran GpuAugment on the device in place of the CPU augmentation asked for "
-            f"(--transform {ctx.config.transform}): {name} has no workers to run it"
+            f"(--transform {ctx.config.transform}): {via} has no workers to run it"
         )
+    order = ", order='random'" if via == "pinned" else ""
+    code = (
+        f"import dlstore; loader = dlstore.Loader(DEST, {ctx.config.batch_size}, "
+        f"device='{ctx.device.type}', via='{via}'{order})"
+    )
     if tf == "gpu-augment":
         moved = "x, y = aug(x, target=y)" if ctx.source.fields else "x = aug(x)"  # masks, boxes move too
         code += (
@@ -37,7 +44,7 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code:
             f"degrees={AUGMENT_DEGREES}).to('{ctx.device.type}'); for x, y in loader: {moved}"
         )
     return PreparedLoader(
-        name,
+        via,
         description,
         spec.n,
         cache_files(Path(path)),
@@ -47,7 +54,10 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code:
         lambda: CachedDataset(path, in_memory=True),
         device_transform(tf, ctx.size, ctx.device),
         on_device=True,
-        make_loader=lambda ds, workers, pin, cfg: make(ds.cache, cfg),
+        # resident_budget: as much of the free memory as the bench's own runs may take
+        make_loader=lambda ds, workers, pin, cfg: Loader(
+            ds.cache, cfg.batch_size, device=ctx.device, via=via, order="random", resident_budget=0.8
+        ),
         info={
             **info,
             "shape": list(spec.shape),
@@ -56,24 +66,6 @@ def _fast_kind(ctx: LoaderContext, name: str, description: str, make: Any, code:
             "apply": f"{convert_command(ctx, in_memory_format())}, then {code}",
             **extra,
         },
-    )
-
-
-def loader_kind(ctx: LoaderContext, via: str, description: str) -> PreparedLoader:
-    """The kind of ``dlstore.Loader(..., via=via)`` over the run's ram cache."""
-    from dlstore.read.loader import Loader
-
-    order = ", order='random'" if via == "pinned" else ""
-    return _fast_kind(
-        ctx,
-        via,
-        description,
-        # resident_budget: as much of the free memory as the bench's own runs may take
-        lambda cache, cfg: Loader(
-            cache, cfg.batch_size, device=ctx.device, via=via, order="random", resident_budget=0.8
-        ),
-        f"import dlstore; loader = dlstore.Loader(DEST, {ctx.config.batch_size}, "
-        f"device='{ctx.device.type}', via='{via}'{order})",
     )
 
 

@@ -43,7 +43,15 @@ def raw_kind(ctx: LoaderContext) -> PreparedLoader:
         description = f"torchvision ImageFolder({root}) + {tf_name}"
         return per_sample(ctx, description, files, new_dataset, dtype, dev_tf, {"root": str(root)})
     if isinstance(ctx.source, EncodedSource):
-        return encoded_kind(ctx, ctx.source, tf_name, dtype, dev_tf)
+        src = ctx.source
+        description = f"{src.kind} {src.description} read per sample + {tf_name}"
+
+        def new_images() -> Dataset:
+            return SourceImages(src, raw_transform(tf_name, size, None))
+
+        return per_sample(
+            ctx, description, src.source_files(), new_images, dtype, dev_tf, {"source": src.description}
+        )
     name = ctx.source.kind.removeprefix("torchvision:")
     root = ctx.config.root
     if root is None:
@@ -93,19 +101,6 @@ class SourceImages(Dataset):
         except (OSError, ValueError, SyntaxError, DlstoreError, Image.DecompressionBombError):
             img = Image.new("RGB", (1, 1))  # as tolerant_loader: counted in the bench's note, not fatal
         return self.transform(img), int(self.source.labels[i])
-
-
-def encoded_kind(
-    ctx: LoaderContext, source: EncodedSource, tf_name: str, dtype: torch.dtype, dev_tf: Any
-) -> PreparedLoader:
-    size = ctx.size
-
-    def new_dataset() -> Dataset:
-        return SourceImages(source, raw_transform(tf_name, size, None))
-
-    description = f"{source.kind} {source.description} read per sample + {tf_name}"
-    files = source.source_files()
-    return per_sample(ctx, description, files, new_dataset, dtype, dev_tf, {"source": source.description})
 
 
 def per_sample(

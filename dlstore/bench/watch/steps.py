@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Sequence
 from itertools import groupby
 from typing import Any
+
+from dlstore.bench.protocol import percentile
 
 
 def step_rows(loader: dict[str, Any]) -> list[dict[str, Any]]:
@@ -33,15 +34,6 @@ def step_rows(loader: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
     return rows
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    if not values:
-        return None
-    s = sorted(values)
-    k = (len(s) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 def mean(values: Sequence[float]) -> float | None:
@@ -78,9 +70,9 @@ def summarise(
         "img_per_s": images / period if images and period > 0 else None,
         "wait_share": sum(wait) / sum(periods) if period > 0 else 0.0,
         "wait_mean_s": mean(wait),
-        "wait_p50_s": percentile(wait, 0.5),
-        "wait_p95_s": percentile(wait, 0.95),
-        "wait_p10_s": percentile(wait, 0.1),
+        "wait_p50_s": percentile(wait, 50),
+        "wait_p95_s": percentile(wait, 95),
+        "wait_p10_s": percentile(wait, 10),
         "host_mean_s": mean([r["host_s"] for r in done]),
         "device_mean_s": mean(device),
         "device_wait_share": sum(dwait) / sum(periods) if dwait else None,

@@ -11,6 +11,7 @@ under ``batch_procs`` and ``dlstore.read.decode.cpu_lane``, each with its own pr
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import mmap
@@ -109,23 +110,17 @@ def shutdown(
         import torch
 
         torch.cuda.cudart().cudaHostUnregister(pinned)
-    try:
+    with contextlib.suppress(BufferError):  # an array still over the block keeps the mapping until it goes
         shm.close()
-    except BufferError:  # an array over the block is still alive; it keeps the mapping until it goes
-        pass
-    try:
+    with contextlib.suppress(FileNotFoundError):
         shm.unlink()  # only when starting failed: after a good start the name is gone already
-    except FileNotFoundError:
-        pass
 
 
 def _hang_up(conn: Connection) -> None:
     """Shut the socket down before closing it: a collector thread waiting on it wakes at once (closing
     the descriptor alone does not) and the worker sees EOF."""
-    try:
+    with contextlib.suppress(OSError):  # already closed, or never connected
         socket.socket(fileno=os.dup(conn.fileno())).shutdown(socket.SHUT_RDWR)
-    except OSError:  # already closed, or never connected
-        pass
 
 
 def _start(module: str) -> tuple[Connection, subprocess.Popen[bytes]]:
@@ -161,10 +156,8 @@ def _untrack(shm: shared_memory.SharedMemory) -> None:
     if sys.version_info < (3, 13):
         from multiprocessing import resource_tracker
 
-        try:
+        with contextlib.suppress(Exception):  # best effort; the block is unlinked by its owner anyway
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        except Exception:  # the tracker is best effort; the block is unlinked by its owner anyway
-            pass
 
 
 _MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14; elsewhere pages fault as used

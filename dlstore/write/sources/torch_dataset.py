@@ -46,10 +46,8 @@ def load_callable(text: str) -> Any:
         obj = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise SourceError(f"{text}: cannot load {name} from module {module} ({type(e).__name__}: {e})") from e
-    if callable(obj) and not hasattr(obj, "__getitem__"):
-        obj = obj()
-    elif isinstance(obj, type):
-        obj = obj()
+    if isinstance(obj, type) or callable(obj) and not hasattr(obj, "__getitem__"):
+        obj = obj()  # a factory or a Dataset class: called with no arguments
     return obj
 
 
