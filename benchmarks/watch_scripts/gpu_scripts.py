@@ -4,8 +4,10 @@ README.md): ``imagenet`` (pytorch/examples ``imagenet/main.py``, ResNet-18, 4 wo
 installed timm lacks a name it imports). Each: ``profiler_share.py``, ``dlstore watch --json --apply``, and a
 cache advice applied by hand. ``$OUT/gpu_scripts.json`` and ``table.md`` are rewritten after every run.
 
-    python gpu_scripts.py --out $OUT --third-party DIR [--photos DIR] [--budget-s 480] [--cases …]
-    python gpu_scripts.py --out /tmp/o --third-party DIR --cpu --quick    # the dry run
+    python gpu_scripts.py --out $OUT [--third-party DIR] [--photos DIR] [--budget-s 480] [--cases …]
+    python gpu_scripts.py --out /tmp/o --cpu --quick    # the dry run
+
+``--third-party`` defaults to the vendored, commit-pinned copies in tests/third_party.
 """
 
 from __future__ import annotations
@@ -200,7 +202,8 @@ def table(results: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--third-party", type=Path, required=True)
+    ap.add_argument("--third-party", type=Path, default=acc.REPO / "tests" / "third_party",
+                    help="holds examples/imagenet/main.py and pytorch-image-models/train.py")  # fmt: skip
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--cases", default="imagenet,lightning,timm")
     ap.add_argument("--data", default="/tmp/gpu_scripts_data", help="the photos' ImageFolder, made once")
