@@ -2,7 +2,7 @@
 ragged) decoded on the device and cropped there to one size.
 
 A read-ahead thread reads the next batches' payloads (grouped by chunk, CRC-checked) while a second
-thread decodes one: JPEG in one batched nvJPEG call (torchvision ``decode_jpeg(list, device="cuda")``),
+thread decodes one: JPEG in one batched nvJPEG call into one flat buffer (``decode_flat``),
 anything else (raw payloads, or no GPU) on the CPU in the reader's threads; an image nvJPEG refuses is
 decoded on the CPU (``stats.cpu_fallbacks``). With ``cpu_decoders=N`` each JPEG batch's first part is
 decoded by N worker processes (``cpu_lane``); with nvImageCodec installed and a GPU with hardware JPEG
