@@ -156,11 +156,6 @@ def measure(name: str, script: Path, args: list[str], a: Any, case: dict[str, An
         "advice": [{k: x.get(k) for k in ("text", "command", "expected_img_per_s")} for x in doc["advice"]],
         "applied": doc.get("applied"),
     }
-    again = a.out / name / "applied" / "watch.json"  # --apply's measure is the steady rate; this one
-    if again.is_file():  # has the epoch starts in it too, as the prediction has
-        second = json.loads(again.read_text())
-        model = next(r for r in second["loaders"] if r["index"] == second["primary"]).get("model") or {}
-        case["watch"]["applied_with_starts_img_per_s"] = model.get("measured_img_per_s")
     prof = (case["profiler"] or {}).get("wait_share")
     case["share_points"] = 100 * (rep["steady"]["wait_share"] - prof) if prof is not None else None
     save()
@@ -182,8 +177,6 @@ def table(results: dict[str, Any]) -> str:
         ap = w.get("applied") or {}
         if ap.get("settings"):
             what = ", ".join(f"{k}={v}" for k, v in ap["settings"].items())
-            if w.get("applied_with_starts_img_per_s"):
-                what += f" (measured with epoch starts: {num(w['applied_with_starts_img_per_s'])})"
             fixes.append((what, ap.get("predicted_img_per_s"), ap.get("measured_img_per_s"), ap.get("error")))
         elif ap:
             fixes.append(("--apply: " + ap.get("skipped", "")[:60], None, None, None))

@@ -89,11 +89,15 @@ def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path) -> None
     crop = RaggedRandomResizedCrop(8)
     loader = Loader(jpeg_cache, batch_size=2, transform=crop, device="cpu", via="decode")
     loader._path.read_ahead = 1
+    names = ("dlstore-read-ahead", "dlstore-decode")
+    before = {t for t in threading.enumerate() if t.name in names}  # other tests' loaders, not this one's
     it = iter(loader)
     next(it)
+    started = {t for t in threading.enumerate() if t.name in names} - before
+    assert started, "the epoch runs its read-ahead and decode threads"
     it.close()  # type: ignore[attr-defined]
     # a join that had timed out would leave them alive
-    assert not [t for t in threading.enumerate() if t.name in ("dlstore-read-ahead", "dlstore-decode")]
+    assert not [t for t in started if t.is_alive()]
 
 
 def test_reads_ahead_happen_while_a_decode_call_runs(

@@ -208,19 +208,19 @@ def watch_and_apply(
 def applied_summary(
     first: dict[str, Any], second: dict[str, Any], plan: dict[str, Any], used: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    """The second run's steady rate on the advised loader beside the largest predicted rate of the advice
-    applied, and the first run's rate."""
+    """The second run's rate on the advised loader beside the largest predicted rate of the advice applied,
+    and the first run's rate: both over the real steps with later epochs' starts, as the prediction is."""
     before, after = summary(first, plan["loader"]), summary(second, plan["loader"])
     reached = all(after.get(k) == v for k, v in plan["settings"].items())
     predicted = max(a["expected_img_per_s"] or 0.0 for a in used) or None
-    measured = after["img_per_s"] if reached else None
+    measured = after["loop_img_per_s"] if reached else None
     return {
         "loader": plan["loader"],
         "settings": plan["settings"],
         "advice": [a["text"] for a in used],
         # what the advice says to change in the script's own code is not applied (only the loader is)
         "not_applied": [a["command"].split(";", 1)[1].strip() for a in used if ";" in a["command"]],
-        "before_img_per_s": before["img_per_s"],
+        "before_img_per_s": before["loop_img_per_s"],
         "predicted_img_per_s": predicted,
         "measured_img_per_s": measured,
         "error": measured / predicted - 1 if measured and predicted else None,

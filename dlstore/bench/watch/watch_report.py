@@ -278,7 +278,8 @@ def write_outputs(report: dict[str, Any], out: Path) -> dict[str, str]:
 SETTINGS = ("num_workers", "persistent_workers", "pin_memory", "prefetch_factor", "batch_size")
 ROWS = {
     **{k: k for k in SETTINGS},
-    "img_per_s": "img/s",
+    "img_per_s": "img/s (steady)",
+    "loop_img_per_s": "img/s with epoch starts",
     "data_free_img_per_s": "img/s with data free",
     "wait_share": "data wait share",
     "binds": "binds",
@@ -299,8 +300,8 @@ def load_report(path: Path) -> dict[str, Any]:
 
 
 def summary(report: dict[str, Any], index: int | None = None) -> dict[str, Any]:
-    """A loader's figures (the training loader's unless ``index``): its settings, steady and data-free
-    rates, wait share, binding."""
+    """A loader's figures (the training loader's unless ``index``): its settings, steady rate, rate with
+    epoch starts (``loop_img_per_s``), data-free rate, wait share, binding."""
     index = report.get("primary") if index is None else index
     rep = next((r for r in report["loaders"] if r["index"] == index), None)
     if rep is None:
@@ -309,6 +310,7 @@ def summary(report: dict[str, Any], index: int | None = None) -> dict[str, Any]:
     return {
         **{k: rep["settings"].get(k) for k in SETTINGS},
         "img_per_s": steady.get("img_per_s"),
+        "loop_img_per_s": loop_rate(rep),
         "wait_share": steady.get("wait_share"),
         "data_free_img_per_s": (rep.get("model") or {}).get("data_free_img_per_s"),
         "binds": (rep.get("binding") or {}).get("stage"),

@@ -14,6 +14,7 @@ from click.testing import CliRunner
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from dlstore.bench.watch import WatchConfig
+from dlstore.bench.watch.analyse import loop_rate
 from dlstore.bench.watch.launch import advised_settings, inject
 from dlstore.bench.watch.watch_report import rates_top, timeline_series
 from dlstore.cli import main
@@ -117,10 +118,8 @@ def test_apply_reports_measured_beside_predicted(applied: tuple[dict[str, Any], 
     assert saved["status"] == second["status"] == "stopped"  # --steps held both runs
     rep = next(r for r in second["loaders"] if r["index"] == a["loader"])
     assert rep["settings"]["num_workers"] == a["settings"]["num_workers"]
-    assert a["measured_img_per_s"] == rep["steady"]["img_per_s"]
-    assert (
-        a["before_img_per_s"] == next(r for r in saved["loaders"] if r["index"] == 0)["steady"]["img_per_s"]
-    )
+    assert a["measured_img_per_s"] == loop_rate(rep)
+    assert a["before_img_per_s"] == loop_rate(next(r for r in saved["loaders"] if r["index"] == 0))
     # the timeline's bars: now, with data free, the fix as predicted, and as measured after --apply
     rates = {b["kind"]: b["img_per_s"] for b in timeline_series(saved)["rates"]}
     assert rates["measured"] == a["measured_img_per_s"]
@@ -312,3 +311,20 @@ def test_applied_summary_measures_only_a_loader_the_settings_reached() -> None:
     assert text.endswith("applied vs as written: 260% faster (360 vs 100 img/s).")
     missed = applied_summary(first, one_loader(2, 360.0), plan, used)  # another loader took index 0
     assert not missed["reached"] and missed["measured_img_per_s"] is None and missed["error"] is None
+
+
+def test_applied_summary_measures_on_the_predictions_basis_epoch_starts_included() -> None:
+    """The advice predicts the loop's rate with later epochs' starts (worker start-up included); the
+    measured figure beside it must be that rate too, not the steady one that leaves them out."""
+    from dlstore.bench.watch.launch import applied_summary
+
+    used = [
+        {"text": "Use 4 workers", "expected_img_per_s": 400.0, "command": "DataLoader(..., num_workers=4)"}
+    ]
+    plan = {"loader": 0, "settings": {"num_workers": 4}}
+    first, second = one_loader(0, 120.0), one_loader(4, 700.0)
+    first["loaders"][0]["model"] = {"measured_img_per_s": 100.0}
+    second["loaders"][0]["model"] = {"measured_img_per_s": 420.0}  # the steady 700 leaves epoch starts out
+    a = applied_summary(first, second, plan, used)
+    assert (a["before_img_per_s"], a["measured_img_per_s"]) == (100.0, 420.0)
+    assert a["error"] == pytest.approx(420 / 400 - 1)
