@@ -319,9 +319,10 @@ def summary(report: dict[str, Any], index: int | None = None) -> dict[str, Any]:
 
 
 def compare(a: dict[str, Any], b: dict[str, Any], names: tuple[str, str] = ("A", "B")) -> dict[str, Any]:
-    """Both summaries and the verdict: B's rate against A's."""
+    """Both summaries and the verdict: B's rate against A's, each over the real steps with epoch starts
+    (the rate the script sees, and the basis of the predictions and of ``--apply``)."""
     sa, sb = summary(a), summary(b)
-    ra, rb = sa["img_per_s"], sb["img_per_s"]
+    ra, rb = sa["loop_img_per_s"], sb["loop_img_per_s"]
     change = rb / ra - 1 if ra and rb else None
     if change is None:
         verdict = "No rate to compare: a run observed no steady step."

@@ -140,7 +140,7 @@ def test_compare_two_runs(applied: tuple[dict[str, Any], Path, Path]) -> None:
     assert lines[-1] == f"B vs A: {abs(change):.0f}% {word} ({after:,.0f} vs {before:,.0f} img/s)."
     as_json = CliRunner().invoke(main, ["watch", "--compare", str(out), str(out / "applied"), "--json"])
     cmp = json.loads(as_json.stdout)
-    assert cmp["a"]["num_workers"] == 0 and cmp["b"]["img_per_s"] == after
+    assert cmp["a"]["num_workers"] == 0 and cmp["b"]["loop_img_per_s"] == after
     assert cmp["a"]["binds"] == doc["loaders"][0]["binding"]["stage"]
 
 
