@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -63,7 +64,14 @@ def test_readme_starts_where_a_user_starts() -> None:
     lines = text.splitlines()
     assert len(lines) <= 150
     first = "\n".join(lines[:40])
-    assert "dlstore watch -- python train.py" in first and "3,617" in first and "4,776" in first
+    # the first screen quotes the recorded GPU run of the journey: watch, --apply, the cache as printed
+    run = json.loads(
+        (README.parent / "benchmarks/results/watch_gpu_scripts/h100_imagenet/gpu_scripts.json").read_text()
+    )
+    case = run["cases"]["imagenet"]
+    figures = [case["watch"]["applied"]["measured_img_per_s"], case["cache"]["measured_img_per_s"]]
+    assert "dlstore watch -- python train.py" in first and "--apply" in first
+    assert all(f"{v:,.0f}" in first for v in figures), figures
     assert text.index("dlstore watch") < text.index("dlstore convert photos/") < text.index("make demo")
     assert 'CachedDataset("cache/photos", transform=' in text
     assert "from dlstore import ConvertOptions, convert, verify" in text
