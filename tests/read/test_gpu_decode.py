@@ -100,29 +100,55 @@ def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path) -> None
     assert not [t for t in started if t.is_alive()]
 
 
-def test_reads_ahead_happen_while_a_decode_call_runs(
-    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """In steady state a batch is read only once the decode call of the batch read_ahead before it has
-    started (so the reader's Python runs while that call is outside the GIL): before decode k starts,
-    at most read_ahead + k batches were read. The stats say where the time went."""
+def _slowed(monkeypatch: pytest.MonkeyPatch, seconds: float, on_launch=None, on_result=None) -> None:  # type: ignore[no-untyped-def]
+    """nvJPEG's stand-in (torchvision's CPU decode, launched as on the GPU) made ``seconds`` slower in
+    its result, as a slow device call would be; the hooks see each launch and each result taken."""
     import time
 
     import dlstore.read.decode.lanes as gd
 
-    real, reads, at_launch = gd.decode_flat, [0], []
+    real = gd.launch_flat
 
-    def slow_decode(payloads, shapes, device, launching):  # type: ignore[no-untyped-def]
-        at_launch.append(reads[0])
-        out = real(payloads, shapes, device, launching)
-        time.sleep(0.02)  # a slow device call: an ungated reader would run further ahead meanwhile
-        return out
+    def launch(payloads, shapes, device):  # type: ignore[no-untyped-def]
+        if on_launch is not None:
+            on_launch(payloads)
+        pending = real(payloads, shapes, device)
+        result = pending.result
+
+        def slow_result(launching):  # type: ignore[no-untyped-def]
+            if on_result is not None:
+                on_result()
+            out = result(launching)
+            time.sleep(seconds)
+            return out
+
+        pending.result = slow_result  # type: ignore[method-assign]
+        return pending
+
+    monkeypatch.setattr(gd, "launch_flat", launch)
+
+
+def test_decodes_are_launched_as_batches_are_read_and_reads_stay_gated(
+    jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each batch's nvJPEG decode starts as it is read, so it runs while the batches before it are
+    cropped and trained on: when the loop gets batch k, batch k + 1's decode was launched. The read-ahead
+    gate holds: before the decode thread takes batch k's result, at most read_ahead + k batches were
+    read. The stats say where the time went."""
+    import time
+
+    reads, launches, taken = [0], [0], []
+    _slowed(
+        monkeypatch,
+        0.02,
+        on_launch=lambda payloads: launches.__setitem__(0, launches[0] + 1),
+        on_result=lambda: taken.append(reads[0]),
+    )
 
     def slow_transform(images):  # type: ignore[no-untyped-def]
         time.sleep(0.005)
         return images
 
-    monkeypatch.setattr(gd, "decode_flat", slow_decode)
     loader = Loader(jpeg_cache, batch_size=2, transform=slow_transform, device="cpu", via="decode")
     loader._path.read_ahead = 2  # type: ignore[arg-type,return-value]
     loader._path.gpu = True  # torchvision's CPU decode_jpeg stands in for nvJPEG
@@ -134,9 +160,14 @@ def test_reads_ahead_happen_while_a_decode_call_runs(
         return out
 
     loader._path._read = counted  # type: ignore[method-assign]
-    batches = sum(1 for _ in loader)
-    assert batches == len(loader) == len(at_launch) > 4
-    assert all(n <= loader._path.read_ahead + k for k, n in enumerate(at_launch)), at_launch
+    launched_at_yield = []
+    for _batch in loader:
+        launched_at_yield.append(launches[0])
+        time.sleep(0.05)  # the training step
+    batches = len(launched_at_yield)
+    assert batches == len(loader) == len(taken) == launches[0] > 4
+    assert all(n >= min(k + 2, batches) for k, n in enumerate(launched_at_yield)), launched_at_yield
+    assert all(n <= loader._path.read_ahead + k for k, n in enumerate(taken)), taken
     assert loader.stats.batches == batches
     assert loader.stats.decode_seconds >= 0.02 * batches and loader.stats.read_seconds > 0
     assert loader.stats.transform_seconds >= 0.005 * batches
@@ -168,15 +199,8 @@ def _check_split_epoch(loader: Loader, cache_path: Path, share: float) -> int:
 def test_split_batches_equal_the_single_path_decodes(
     jpeg_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import dlstore.read.decode.lanes as gd
-
-    real, sent = gd.decode_flat, []
-
-    def spy(payloads, *args):  # type: ignore[no-untyped-def]
-        sent.append(len(payloads))  # what the "GPU" side was given
-        return real(payloads, *args)
-
-    monkeypatch.setattr(gd, "decode_flat", spy)
+    sent: list[int] = []
+    _slowed(monkeypatch, 0.0, on_launch=lambda payloads: sent.append(len(payloads)))  # what the "GPU" got
     loader = cpu_split_loader(jpeg_cache, 0.5)
     try:
         cpu_count = _check_split_epoch(loader, jpeg_cache, 0.5)
@@ -234,16 +258,7 @@ def test_the_measured_split_gives_the_cpu_what_a_slow_gpu_lane_cannot_keep_up_wi
     part to the CPU decoders, so a later epoch is decoded on the CPU alone."""
     import time
 
-    import dlstore.read.decode.lanes as gd
-
-    real = gd.decode_flat
-
-    def slow_gpu(*args):  # type: ignore[no-untyped-def]
-        out = real(*args)
-        time.sleep(0.05)  # inside the call, as on a GPU: it lengthens the batch period
-        return out
-
-    monkeypatch.setattr(gd, "decode_flat", slow_gpu)
+    _slowed(monkeypatch, 0.05)  # as on a GPU: it lengthens the batch period
     loader = cpu_split_loader(jpeg_cache, None, read_ahead=1)  # 2 batches per epoch fill the pipeline
     try:
         for _ in range(3):

@@ -32,7 +32,7 @@ import torch
 
 from dlstore.read.cache import Cache
 from dlstore.read.decode.cpu_lane import CpuDecoders, CpuShare
-from dlstore.read.decode.split import LaneSplit, decode_parts
+from dlstore.read.decode.split import Busy, LaneSplit, decode_parts
 from dlstore.read.field_targets import read_target, target_tensors, target_to_device
 from dlstore.read.loader import split_batches, storage_sorted
 
@@ -105,27 +105,48 @@ def decode_on_device(
     return out, fallbacks
 
 
-def decode_flat(
-    payloads: list[memoryview], shapes: np.ndarray, device: torch.device, launching: Callable[[], None]
-) -> tuple[torch.Tensor, np.ndarray] | None:
-    """The batch decoded by one batched nvJPEG call into one flat buffer, each image planar at the byte
-    offset returned with it. One TorchScript call makes and frees the per-image tensors (in and out) in
-    C++, so it gives the GIL back once per batch, not twice per image: beside a busy Python thread that
-    is 14-15k img/s against 0.2k (``results/gil_free_decode``). None when the call fails or an image
-    decodes to another shape: ``decode_on_device`` then decides image by image."""
+def launch_flat(payloads: list[memoryview], shapes: np.ndarray, device: torch.device) -> FlatDecode:
+    """Start the batch's batched nvJPEG decode into one flat buffer and return at once. The call runs in
+    TorchScript's inter-op threads (``torch.jit.fork`` inside a scripted function), in C++ from start to
+    end: the per-image tensors are made and freed there, and neither the call's start nor its return
+    waits for the GIL, so batches read ahead decode back to back while the loader's and the training
+    loop's Python run (``results/gil_free_decode``). ``FlatDecode.result`` waits for it."""
     hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
     bounds = np.zeros(len(payloads) + 1, np.int64)
     np.cumsum([len(p) for p in payloads], out=bounds[1:])
     data = as_tensors([memoryview(b"".join(payloads))])[0]
-    launching()
-    try:
-        flat, got = _flat_decoder()(data, bounds.tolist(), 1 if hwc[0, 2] == 1 else 3, device)
-    except RuntimeError:
-        return None
-    if not np.array_equal(np.asarray(got, np.int64).reshape(-1, 3), hwc[:, [2, 0, 1]]):
-        return None
-    sizes = np.prod(hwc, axis=1)
-    return flat, np.cumsum(sizes) - sizes
+    mode = 1 if hwc[0, 2] == 1 else 3
+    return FlatDecode(_flat_decoder()(data, bounds.tolist(), mode, device), hwc, time.perf_counter())
+
+
+@dataclass
+class FlatDecode:
+    """One batch's nvJPEG decode in flight (``launch_flat``)."""
+
+    future: Any  # torch.Future of (flat buffer, each image's (C, H, W))
+    hwc: np.ndarray  # each image's (H, W, C), as the cache says
+    launched: float  # perf_counter at the launch
+
+    def result(self, launching: Callable[[], None]) -> tuple[torch.Tensor, np.ndarray] | None:
+        """(the flat buffer, each image's byte offset in it), done on the device; None when the call
+        failed or an image decoded to another shape: ``decode_on_device`` then decides image by image.
+        ``launching`` is called first (the read-ahead gate's token goes back: the waiting is GIL-free)."""
+        launching()
+        try:
+            flat, got = self.future.wait()
+        except RuntimeError:
+            return None
+        if not np.array_equal(np.asarray(got, np.int64).reshape(-1, 3), self.hwc[:, [2, 0, 1]]):
+            return None
+        sizes = np.prod(self.hwc, axis=1)
+        return flat, np.cumsum(sizes) - sizes
+
+
+def decode_flat(
+    payloads: list[memoryview], shapes: np.ndarray, device: torch.device, launching: Callable[[], None]
+) -> tuple[torch.Tensor, np.ndarray] | None:
+    """``launch_flat`` and wait: a part that was not launched ahead (a failed lane's, rerouted)."""
+    return launch_flat(payloads, shapes, device).result(launching)
 
 
 def _flat_batch(
@@ -133,19 +154,33 @@ def _flat_batch(
 ) -> tuple[torch.Tensor, list[list[int]]]:
     parts = [data[bounds[i] : bounds[i + 1]] for i in range(len(bounds) - 1)]
     if device.type == "cuda":
-        out = torch.ops.image.decode_jpegs_cuda(parts, mode, device)
+        # A pool stream, never this thread's current one (the default stream, where the training step
+        # queues): the copy into the flat buffer would wait behind the step. Done on return, so the
+        # buffer can be read on any stream.
+        stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            out = torch.ops.image.decode_jpegs_cuda(parts, mode, device)
+            flat = torch.cat([x.flatten() for x in out])
+        stream.synchronize()
     else:  # the CPU decoder stands in for nvJPEG (the tests)
         out = [torch.ops.image.decode_jpeg(x, mode, False) for x in parts]
-    return torch.cat([x.flatten() for x in out]), [x.shape for x in out]
+        flat = torch.cat([x.flatten() for x in out])
+    return flat, [x.shape for x in out]
+
+
+def _flat_fork(
+    data: torch.Tensor, bounds: list[int], mode: int, device: torch.device
+) -> torch.jit.Future[tuple[torch.Tensor, list[list[int]]]]:
+    return torch.jit.fork(_flat_batch, data, bounds, mode, device)
 
 
 @functools.cache
-def _flat_decoder() -> Callable[..., tuple[torch.Tensor, list[list[int]]]]:
+def _flat_decoder() -> Callable[..., Any]:
     import torchvision.io  # noqa: F401  (registers torch.ops.image)
 
     with warnings.catch_warnings():  # torch >= 2.14 deprecates TorchScript: nothing else runs this GIL-free
         warnings.simplefilter("ignore")
-        return torch.jit.script(_flat_batch)
+        return torch.jit.script(_flat_fork)
 
 
 def fixed_split(split: Mapping[str, float] | None, names: list[str]) -> dict[str, float] | None:
@@ -198,6 +233,7 @@ class DecodePath:
         self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
         self._refs: list[Any] = []
         self._flats: list[torch.Tensor] = []  # this batch's flat nvJPEG buffers
+        self._nvjpeg_done = 0.0  # when the last nvJPEG call's result was taken
 
     def _setup_lanes(self) -> None:
         """The lanes asked for that exist here, in fill order, and the split over them (again if
@@ -358,7 +394,22 @@ class DecodePath:
             if first == len(index)
             else self.cache.read_payloads(index[first:])
         )
-        return index, (payloads, share, self._parts(counts, len(payloads))), shapes, labels
+        parts = self._parts(counts, len(payloads))
+        return index, (payloads, share, parts, self._launch(parts, payloads, shapes)), shapes, labels
+
+    def _launch(
+        self, parts: list[tuple[str, int, int]], payloads: list[memoryview], shapes: np.ndarray
+    ) -> dict[tuple[int, int], FlatDecode]:
+        """The nvJPEG part's decode started now, as the batch is read (``launch_flat``): it runs while
+        the batches before it are cropped and trained on."""
+        lane = self.split.state.get("nvjpeg")
+        if lane is None or not lane.alive:
+            return {}
+        return {
+            (a, b): launch_flat(payloads[a:b], shapes[a:b], self.device)
+            for n, a, b in parts
+            if n == "nvjpeg" and b > a
+        }
 
     def _parts(self, counts: dict[str, int], n: int) -> list[tuple[str, int, int]]:
         """The device lanes' (lane, start, stop) parts of the ``n`` images the CPU share left; what the
@@ -393,7 +444,7 @@ class DecodePath:
         launching: Callable[[], None],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.gpu:
-            payloads, share, parts = data
+            payloads, share, parts, launched = data
             self._flats = []
             first = share.count if share is not None else 0
             # A transform that takes FlatImages gets the batch where the lanes decoded it (the CPU
@@ -402,7 +453,9 @@ class DecodePath:
             images: list[Any] = []
             if payloads:
                 t0 = time.perf_counter()
-                images = self._decode_device_part(index[first:], payloads, shapes, parts, launching, scatter)
+                images = self._decode_device_part(
+                    index[first:], payloads, shapes, parts, launched, launching, scatter
+                )
                 self.stats.decode_seconds += time.perf_counter() - t0
             launching()  # all on the CPU decoders: no device call to wait for
             self._refs = [*images, *self._flats]
@@ -514,6 +567,7 @@ class DecodePath:
         payloads: list[memoryview],
         shapes: Any,
         parts: list[tuple[str, int, int]],
+        launched: dict[tuple[int, int], FlatDecode],
         launching: Callable[[], None],
         scatter: bool = False,
     ) -> list[Any]:
@@ -525,13 +579,17 @@ class DecodePath:
         expected = [(c, h, w) for h, w, c in hwc.tolist()]
 
         def nvjpeg(a: int, b: int) -> list[Any]:
-            got = decode_flat(payloads[a:b], shapes[a:b], self.device, launching)
+            pending = launched.pop((a, b), None) or launch_flat(payloads[a:b], shapes[a:b], self.device)
+            got = pending.result(launching)
+            # its busy time: from when it could start (launched, the previous call done) until done
+            now = time.perf_counter()
+            busy, self._nvjpeg_done = now - max(pending.launched, self._nvjpeg_done), now
             if got is not None:  # one buffer, kept until the batch's crop has run
                 self._flats.append(got[0])
                 self.stats.gpu_images += b - a
                 if scatter:  # each image's address: no per-image tensor
-                    return (got[0].data_ptr() + got[1]).tolist()
-                return _views(got[0], got[1], hwc[a:b])
+                    return Busy((got[0].data_ptr() + got[1]).tolist(), busy)
+                return Busy(_views(got[0], got[1], hwc[a:b]), busy)
             out, fallbacks = decode_on_device(
                 self.cache, payloads[a:b], shapes[a:b], positions[a:b], self.device
             )

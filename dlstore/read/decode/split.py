@@ -355,6 +355,15 @@ def _apportion(weights: Mapping[str, float], total: int) -> dict[str, int]:
 DecodeFn = Callable[[int, int], list[Any]]
 
 
+class Busy(list):  # type: ignore[type-arg]
+    """A lane's images with the seconds it was busy on them, where that is not the call's wall time (a
+    decode started ahead: the wait for it is shorter than the work)."""
+
+    def __init__(self, images: list[Any], busy: float) -> None:
+        super().__init__(images)
+        self.busy = busy
+
+
 def decode_parts(
     split: LaneSplit,
     parts: Sequence[tuple[str, int, int]],
@@ -408,10 +417,11 @@ def _run_here(call: Callable[[], Any]) -> Future[Any]:
 def _timed(fn: DecodeFn, start: int, stop: int) -> Callable[[], tuple[list[Any], float]]:
     def call() -> tuple[list[Any], float]:
         t0 = time.perf_counter()
-        images = list(fn(start, stop))
+        got = fn(start, stop)
+        images = list(got)
         if len(images) != stop - start:
             raise RuntimeError(f"a decode lane returned {len(images)} images for {stop - start}")
-        return images, time.perf_counter() - t0
+        return images, getattr(got, "busy", time.perf_counter() - t0)
 
     return call
 
