@@ -3,8 +3,8 @@ ragged) decoded on the device and cropped there to one size.
 
 A read-ahead thread reads the next batches' payloads (grouped by chunk, CRC-checked) and starts each
 one's batched nvJPEG call into one flat buffer (``launch_flat``, run in C++ without the GIL) while a
-second thread finishes one: JPEG from that call, anything else (raw payloads, or no GPU) on the CPU in the reader's threads; an image nvJPEG refuses is
-decoded on the CPU (``stats.cpu_fallbacks``). With ``cpu_decoders=N`` each JPEG batch's first part is
+second thread finishes one: JPEG from that call, anything else (raw payloads, or no GPU) on the CPU in
+the reader's threads; an image nvJPEG refuses is decoded on the CPU (``stats.cpu_fallbacks``). With ``cpu_decoders=N`` each JPEG batch's first part is
 decoded by N worker processes (``cpu_lane``); with nvImageCodec installed and a GPU with hardware JPEG
 engines, a third lane decodes part on them (``hw_lane``). ``lanes`` picks the lanes, ``split`` fixes
 their fractions; otherwise ``split.LaneSplit`` sets them from the rates measured in place.
