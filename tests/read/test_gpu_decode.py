@@ -12,7 +12,7 @@ from decode_helpers import cpu_split_loader, ragged_jpeg_cache, split_reference
 
 from dlstore import Loader, open_cache
 from dlstore.gpu.ragged import RaggedRandomResizedCrop
-from dlstore.read.decode.lanes import decode_flat, decode_on_device
+from dlstore.read.decode.lanes import decode_on_device, launch_flat
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +72,15 @@ def test_the_flat_decode_equals_the_per_image_one_and_gives_way_to_it_on_a_bad_i
     cache, cpu = open_cache(jpeg_cache), torch.device("cpu")
     index = np.arange(6)
     payloads, shapes = cache.read_payloads(index)
-    flat, starts = decode_flat(payloads, shapes, cpu, lambda: None)
+    flat, starts = launch_flat(payloads, shapes, cpu).result(lambda: None)
     single, _ = decode_on_device(cache, payloads, shapes, cache.positions[index], cpu)
     assert flat.numel() == sum(x.numel() for x in single)
     for start, img in zip(starts.tolist(), single):
         assert torch.equal(flat[start : start + img.numel()].view(img.shape), img)
     broken = [*payloads[:2], memoryview(b"\xff\xd8 not a JPEG"), *payloads[3:]]
-    assert decode_flat(broken, shapes, cpu, lambda: None) is None
+    assert launch_flat(broken, shapes, cpu).result(lambda: None) is None
     assert tuple(shapes[0]) != tuple(shapes[1])  # an image that decodes to another shape than the cache says
-    assert decode_flat([payloads[1], *payloads[1:]], shapes, cpu, lambda: None) is None
+    assert launch_flat([payloads[1], *payloads[1:]], shapes, cpu).result(lambda: None) is None
 
 
 def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path) -> None:

@@ -82,7 +82,7 @@ def as_tensors(payloads: list[memoryview]) -> list[torch.Tensor]:
 def decode_on_device(
     cache: Cache, payloads: list[memoryview], shapes: np.ndarray, positions: np.ndarray, device: torch.device
 ) -> tuple[list[torch.Tensor], int]:
-    """(C, H, W) uint8 tensors on ``device``, image by image (where ``decode_flat``'s batched call
+    """(C, H, W) uint8 tensors on ``device``, image by image (where ``launch_flat``'s batched call
     failed): nvJPEG, else the CPU for an image it refuses or decodes to another shape than the cache
     says; and how many the CPU decoded."""
     from torchvision.io import ImageReadMode, decode_jpeg
@@ -140,13 +140,6 @@ class FlatDecode:
             return None
         sizes = np.prod(self.hwc, axis=1)
         return flat, np.cumsum(sizes) - sizes
-
-
-def decode_flat(
-    payloads: list[memoryview], shapes: np.ndarray, device: torch.device, launching: Callable[[], None]
-) -> tuple[torch.Tensor, np.ndarray] | None:
-    """``launch_flat`` and wait: a part that was not launched ahead (a failed lane's, rerouted)."""
-    return launch_flat(payloads, shapes, device).result(launching)
 
 
 def _flat_batch(
@@ -292,11 +285,9 @@ class DecodePath:
         self._asked = now
 
     def _read_gate(self) -> threading.Semaphore | None:
-        """Read-ahead tokens, one given back as each batch's decode call starts: the read-ahead thread
-        then reads while that call runs without the GIL, instead of holding up the decoding thread's
-        return from each C call (up to the 5 ms switch interval). Not with CPU decoders: there the
-        read-ahead thread hands each CPU share to the processes, which should run as far ahead as
-        the queue allows."""
+        """Read-ahead tokens, one given back as the decoding thread takes up each batch's nvJPEG call
+        (at most ``read_ahead`` calls in flight). Not with CPU decoders: their shares should run as far
+        ahead as the queue allows."""
         gated = "cpu" not in self.split.lanes
         return threading.Semaphore(self.read_ahead) if gated else None
 
@@ -395,21 +386,14 @@ class DecodePath:
             else self.cache.read_payloads(index[first:])
         )
         parts = self._parts(counts, len(payloads))
-        return index, (payloads, share, parts, self._launch(parts, payloads, shapes)), shapes, labels
-
-    def _launch(
-        self, parts: list[tuple[str, int, int]], payloads: list[memoryview], shapes: np.ndarray
-    ) -> dict[tuple[int, int], FlatDecode]:
-        """The nvJPEG part's decode started now, as the batch is read (``launch_flat``): it runs while
-        the batches before it are cropped and trained on."""
-        lane = self.split.state.get("nvjpeg")
-        if lane is None or not lane.alive:
-            return {}
-        return {
+        # the nvJPEG part's decode starts now: it runs while the batches before it are cropped and trained on
+        nv = self.split.state.get("nvjpeg")
+        launched = {
             (a, b): launch_flat(payloads[a:b], shapes[a:b], self.device)
             for n, a, b in parts
-            if n == "nvjpeg" and b > a
+            if n == "nvjpeg" and b > a and nv is not None and nv.alive
         }
+        return index, (payloads, share, parts, launched), shapes, labels
 
     def _parts(self, counts: dict[str, int], n: int) -> list[tuple[str, int, int]]:
         """The device lanes' (lane, start, stop) parts of the ``n`` images the CPU share left; what the
