@@ -106,11 +106,10 @@ def decode_on_device(
 
 
 def launch_flat(payloads: list[memoryview], shapes: np.ndarray, device: torch.device) -> FlatDecode:
-    """Start the batch's batched nvJPEG decode into one flat buffer and return at once. The call runs in
-    TorchScript's inter-op threads (``torch.jit.fork`` inside a scripted function), in C++ from start to
-    end: the per-image tensors are made and freed there, and neither the call's start nor its return
-    waits for the GIL, so batches read ahead decode back to back while the loader's and the training
-    loop's Python run (``results/gil_free_decode``). ``FlatDecode.result`` waits for it."""
+    """Start the batch's batched nvJPEG decode into one flat buffer and return at once. It runs in
+    TorchScript's inter-op threads (``torch.jit.fork`` in a scripted function), in C++ from start to end,
+    never waiting for the GIL: batches read ahead decode back to back while the loader's and the
+    training loop's Python run. ``FlatDecode.result`` waits for it."""
     hwc = np.asarray(shapes, np.int64).reshape(-1, 3)
     bounds = np.zeros(len(payloads) + 1, np.int64)
     np.cumsum([len(p) for p in payloads], out=bounds[1:])
@@ -164,7 +163,8 @@ def _flat_batch(
 def _flat_fork(
     data: torch.Tensor, bounds: list[int], mode: int, device: torch.device
 ) -> torch.jit.Future[tuple[torch.Tensor, list[list[int]]]]:
-    return torch.jit.fork(_flat_batch, data, bounds, mode, device)
+    # a copy made here has no Python object: the task dropping the caller's tensor would wait for the GIL
+    return torch.jit.fork(_flat_batch, data.clone(), bounds, mode, device)
 
 
 @functools.cache
