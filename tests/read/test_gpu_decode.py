@@ -83,25 +83,31 @@ def test_the_flat_decode_equals_the_per_image_one_and_gives_way_to_it_on_a_bad_i
     assert launch_flat([payloads[1], *payloads[1:]], shapes, cpu).result(lambda: None) is None
 
 
-def test_the_flat_decode_runs_without_the_gil(jpeg_cache: Path) -> None:
+CUDA = pytest.param(
+    "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+)
+
+
+@pytest.mark.parametrize("where", ["cpu", CUDA])
+def test_the_flat_decode_runs_without_the_gil(jpeg_cache: Path, where: str) -> None:
     """``launch_flat`` returns before its decode is done, and the decode then finishes while this thread
     holds the GIL in one long C call (``sum`` over a range never gives it up): no step of it, the
     start, the per-image tensors or the return, waits for Python."""
     import time
 
-    cache, cpu = open_cache(jpeg_cache), torch.device("cpu")
+    cache, device = open_cache(jpeg_cache), torch.device(where)
     payloads, shapes = cache.read_payloads(np.arange(6))
-    launch_flat(payloads, shapes, cpu).result(lambda: None)  # compiled; the inter-op threads started
-    payloads, shapes = payloads * 100, np.concatenate([shapes] * 100)
+    launch_flat(payloads, shapes, device).result(lambda: None)  # compiled; the inter-op threads started
+    payloads, shapes = payloads * 200, np.concatenate([shapes] * 200)
     t0 = time.perf_counter()
     sum(range(1_000_000))
     per_step = (time.perf_counter() - t0) / 1_000_000
-    pending = launch_flat(payloads, shapes, cpu)
+    pending = launch_flat(payloads, shapes, device)
     assert not pending.future.done()
     sum(range(int(3.0 / per_step)))  # about 3 s, the GIL held throughout
     assert pending.future.done()
     flat, starts = pending.result(lambda: None)
-    assert len(starts) == 600 and flat.numel() == int(np.prod(shapes, axis=1).sum())
+    assert len(starts) == 1200 and flat.numel() == int(np.prod(shapes, axis=1).sum())
 
 
 def test_an_abandoned_epoch_stops_its_threads_promptly(jpeg_cache: Path) -> None:
