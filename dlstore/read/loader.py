@@ -274,10 +274,14 @@ class Loader:
 
     @staticmethod
     def _count(batches: Iterable[Any], counted: LoaderPass) -> Iterator[Any]:
-        """The batches the loop receives, counted as it receives them (never what was read ahead)."""
-        for batch in batches:
-            counted.received += 1
-            yield batch
+        """The batches the loop receives, counted as it receives them; closed early, it closes ``batches``."""
+        it = iter(batches)
+        try:
+            for batch in it:
+                counted.received += 1
+                yield batch
+        finally:
+            getattr(it, "close", lambda: None)()
 
     def set_epoch(self, epoch: int) -> None:
         """The order of the next epoch is the one of ``epoch`` (resuming at an epoch boundary, or at a

@@ -147,6 +147,7 @@ def _slowed(monkeypatch: pytest.MonkeyPatch, seconds: float, on_launch=None, on_
                 on_result()
             out = result(launching)
             time.sleep(seconds)
+            pending.ended[:] = [time.perf_counter()]  # the call ended that much later
             return out
 
         pending.result = slow_result  # type: ignore[method-assign]

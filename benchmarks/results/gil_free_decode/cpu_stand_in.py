@@ -10,18 +10,20 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
 
 root, cache = sys.argv[1], sys.argv[2]
-sys.path.insert(0, root)
-from dlstore import Loader  # noqa: E402
+sys.path.insert(0, root)  # this checkout's dlstore, before any other
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
+import harness  # noqa: E402
 
 torch.set_num_threads(1)
 
 
 def rate(spin: bool) -> float:
-    loader = Loader(cache, 128, device="cpu", via="decode", transform=lambda images: images, drop_last=False)
+    loader = harness.make_loader(cache, 128, "decode", device="cpu", transform=lambda x: x, drop_last=False)
     loader._path.gpu = True  # the CPU decode stands in for nvJPEG
     for _ in loader:  # the warm epoch
         pass

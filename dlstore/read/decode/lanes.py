@@ -48,8 +48,7 @@ LANES = ("cpu", "hw", "nvjpeg")
 
 @dataclass
 class DecodeStats:
-    """What the loader did: which lane decoded what, and where the time went (seconds, summed over
-    batches)."""
+    """What the loader did: which lane decoded what, where the time went (seconds, over batches)."""
 
     gpu_images: int = 0  # decoded on the device (nvJPEG and the hardware engines)
     hw_images: int = 0  # of which by the hardware engines
@@ -59,15 +58,12 @@ class DecodeStats:
     cpu_share: float = 0.0  # the CPU decoders' fraction of the last batch (cpu_decoders > 0)
     rerouted: int = 0  # images a lane failed (or refused) and another lane decoded
     lanes: list[str] = field(default_factory=list)  # the lanes this loader runs
-    # reading payloads (read-ahead thread), in the device decode calls, waiting for a read batch
-    batches: int = 0
+    batches: int = 0  # then seconds: reading, in the device decode, waiting for a read batch
     read_seconds: float = 0.0
     decode_seconds: float = 0.0
     read_wait_seconds: float = 0.0
     cpu_busy_seconds: float = 0.0  # the CPU decode workers' own decode time (summed over workers)
-    # waiting for the previous batch's crop (before this decode may allocate), for the CPU share, and
-    # in the transform (the crop's launch)
-    sync_seconds: float = 0.0
+    sync_seconds: float = 0.0  # then: for the last crop, for the CPU share, in the transform
     share_wait_seconds: float = 0.0
     transform_seconds: float = 0.0
 
@@ -114,8 +110,10 @@ def launch_flat(payloads: list[memoryview], shapes: np.ndarray, device: torch.de
     bounds = np.zeros(len(payloads) + 1, np.int64)
     np.cumsum([len(p) for p in payloads], out=bounds[1:])
     data = as_tensors([memoryview(b"".join(payloads))])[0]
-    mode = 1 if hwc[0, 2] == 1 else 3
-    return FlatDecode(_flat_decoder()(data, bounds.tolist(), mode, device), hwc, time.perf_counter())
+    future = _flat_decoder()(data, bounds.tolist(), 1 if hwc[0, 2] == 1 else 3, device)
+    pending = FlatDecode(future, hwc, time.perf_counter())
+    future.add_done_callback(lambda _f: pending.ended.append(time.perf_counter()))  # the lane's busy time
+    return pending
 
 
 @dataclass
@@ -125,11 +123,11 @@ class FlatDecode:
     future: Any  # torch.Future of (flat buffer, each image's (C, H, W))
     hwc: np.ndarray  # each image's (H, W, C), as the cache says
     launched: float  # perf_counter at the launch
+    ended: list[float] = field(default_factory=list)  # perf_counter when it ended, once it has
 
     def result(self, launching: Callable[[], None]) -> tuple[torch.Tensor, np.ndarray] | None:
-        """(the flat buffer, each image's byte offset in it), done on the device; None when the call
-        failed or an image decoded to another shape: ``decode_on_device`` then decides image by image.
-        ``launching`` is called first (the read-ahead gate's token goes back: the waiting is GIL-free)."""
+        """(the flat buffer, each image's byte offset in it), done on the device; None when the call failed
+        or an image decoded to another shape (``decode_on_device`` then decides). Calls ``launching`` first."""
         launching()
         try:
             flat, got = self.future.wait()
@@ -386,7 +384,7 @@ class DecodePath:
             else self.cache.read_payloads(index[first:])
         )
         parts = self._parts(counts, len(payloads))
-        # the nvJPEG part's decode starts now: it runs while the batches before it are cropped and trained on
+        # the nvJPEG part's decode starts now, while the batches before it are cropped and trained on
         nv = self.split.state.get("nvjpeg")
         launched = {
             (a, b): launch_flat(payloads[a:b], shapes[a:b], self.device)
@@ -566,8 +564,8 @@ class DecodePath:
             pending = launched.pop((a, b), None) or launch_flat(payloads[a:b], shapes[a:b], self.device)
             got = pending.result(launching)
             # its busy time: from when it could start (launched, the previous call done) until done
-            now = time.perf_counter()
-            busy, self._nvjpeg_done = now - max(pending.launched, self._nvjpeg_done), now
+            done = pending.ended[0] if pending.ended else time.perf_counter()
+            busy, self._nvjpeg_done = done - max(pending.launched, self._nvjpeg_done), done
             if got is not None:  # one buffer, kept until the batch's crop has run
                 self._flats.append(got[0])
                 self.stats.gpu_images += b - a
@@ -719,11 +717,9 @@ class _Once:
     """Calls ``fn`` (if any) the first time it is called (from any thread), never again."""
 
     def __init__(self, fn: Callable[[], Any] | None) -> None:
-        self.fn = fn
-        self._lock = threading.Lock()
+        self.fn, self._lock = fn, threading.Lock()
 
     def __call__(self) -> None:
         with self._lock:
             fn, self.fn = self.fn, None
-        if fn is not None:
-            fn()
+        fn() if fn is not None else None
