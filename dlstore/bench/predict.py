@@ -198,9 +198,9 @@ def compose_with(parts: LoopParts, serial_s: float) -> Prediction:
         consumers = {k: v for k, v in terms.items() if k not in ("producer", "cores")}
         limit = max(consumers, key=lambda k: consumers[k])
         consumer = consumers[limit]
-        # a device slower than the host still runs the steps launched ahead during the refill: that lead hides it
+        # steps launched ahead (a device slower than the host) hide the refill, never the loader's own epoch
         lead = 0.0 if parts.step_on_host else (e - 1) * max(0.0, terms["device"] - terms["main"])
-        epoch = max(0.0, r - lead) + max(e * consumer, (e - 1) * steady + consumer)
+        epoch = max(r + (e - 1) * steady, max(0.0, r - lead) + max(e * consumer, (e - 1) * steady + consumer))
         if e * terms["cores"] > epoch:
             epoch, limit = e * terms["cores"], "cores"
         # the loader's share: time per batch the loop waits on it, not overlapped with anything
