@@ -4,10 +4,10 @@ ragged) decoded on the device and cropped there to one size.
 A read-ahead thread reads the next batches' payloads (grouped by chunk, CRC-checked) and starts each
 one's batched nvJPEG call into one flat buffer (``launch_flat``, run in C++ without the GIL) while a
 second thread finishes one: JPEG from that call, anything else (raw payloads, or no GPU) on the CPU in
-the reader's threads; an image nvJPEG refuses is decoded on the CPU (``stats.cpu_fallbacks``). With ``cpu_decoders=N`` each JPEG batch's first part is
-decoded by N worker processes (``cpu_lane``); with nvImageCodec installed and a GPU with hardware JPEG
-engines, a third lane decodes part on them (``hw_lane``). ``lanes`` picks the lanes, ``split`` fixes
-their fractions; otherwise ``split.LaneSplit`` sets them from the rates measured in place.
+the reader's threads; an image nvJPEG refuses is decoded on the CPU (``stats.cpu_fallbacks``). With
+``cpu_decoders=N`` each JPEG batch's first part is decoded by N worker processes (``cpu_lane``); with
+nvImageCodec and a GPU with hardware JPEG engines, a third lane decodes part on them (``hw_lane``).
+``lanes`` picks the lanes, ``split`` fixes their fractions, else ``split.LaneSplit`` measures them.
 ``transform`` (e.g. ``dlstore.gpu.RaggedRandomResizedCrop``) makes the (C, H_i, W_i) images one batch::
 
     crop = RaggedRandomResizedCrop(224, mean=MEAN, std=STD, out_dtype=torch.bfloat16).cuda()
@@ -224,7 +224,7 @@ class DecodePath:
         self._pool: ThreadPoolExecutor | None = None  # runs the hardware lane beside nvJPEG
         self._refs: list[Any] = []
         self._flats: list[torch.Tensor] = []  # this batch's flat nvJPEG buffers
-        self._nvjpeg_done = 0.0  # when the last nvJPEG call's result was taken
+        self._nvjpeg_done = 0.0  # when the last nvJPEG call ended (its lane's busy time starts after it)
 
     def _setup_lanes(self) -> None:
         """The lanes asked for that exist here, in fill order, and the split over them (again if
