@@ -48,7 +48,7 @@ CACHES = {
     "jpeg_short128": {"format": "npz", "size": 128, "codec": "jpeg", "resize": "shorter"},
 }
 # model -> (crop, batch, cache, goal of the ratio to the ceiling)
-MODELS = {"resnet18": (112, 512, "jpeg_short128", 0.70), "resnet50": (224, 256, "jpeg_short256", 0.97)}
+MODELS = {"resnet18": (112, 512, "jpeg_short128", 0.85), "resnet50": (224, 256, "jpeg_short256", 0.97)}
 
 
 # --- data -------------------------------------------------------------------------------------------
