@@ -278,8 +278,8 @@ class ChunkedReader(CacheReader):
         super().__init__(root, spec, in_memory, threads)
         self.unit = unit
         self.decode_limit, held = decode_limit(root, spec)
-        # Ragged units decode image by image: each image is checked by its payload index instead.
-        if not getattr(spec, "ragged", False):
+        # Payload units (JPEG, ragged) decode image by image: each image is checked by its index instead.
+        if not self.traits.payloads:
             unit_bytes = unit * spec.image_bytes  # a zarr chunk is whole even past the last image
             what = f"a unit of {unit} images of {spec.shape}"
             check_decoded_size(Path(root) / self.unit_file(0), what, unit_bytes, self.decode_limit, held)

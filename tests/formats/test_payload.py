@@ -107,6 +107,15 @@ def test_jpeg_cache_is_within_3_levels_of_raw_and_records_its_error(
 
 
 @pytest.mark.parametrize("fmt", PAYLOAD_FORMATS)
+def test_a_small_jpeg_cache_of_large_images_opens(photo_tree: Path, tmp_path: Path, fmt: str) -> None:
+    """A JPEG unit holds hundreds of images (sized by their encoded bytes) but decodes one image at a
+    time: a fresh cache of a few MB at 256 px was refused as "tampered" for its whole unit's pixels."""
+    convert(photo_tree, tmp_path / "c", ConvertOptions(format=fmt, size=256, codec="jpeg", workers=2))
+    cache = open_cache(tmp_path / "c")  # npz: 426 images a unit, 84 MB of pixels, over the 64 MB allowance
+    assert cache.read(list(range(len(cache)))).shape == (24, 256, 256, 3)
+
+
+@pytest.mark.parametrize("fmt", PAYLOAD_FORMATS)
 def test_cached_dataset_yields_variable_size_chw_uint8(photo_tree: Path, tmp_path: Path, fmt: str) -> None:
     convert(
         photo_tree,
