@@ -199,6 +199,7 @@ def section_loader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         return count / (time.perf_counter() - t0)
 
     runs = harness.interleave({"bare_decode_jpeg": bare, "loader": alone}, args.repeats)
+    stats = dict(vars(loader.stats))  # where the loader's time went (read, decode wait, transform), summed
     loader.close()
     paired = [a / b for a, b in zip(runs["loader"].get("runs", []), runs["bare_decode_jpeg"].get("runs", []))]
     target(
@@ -211,7 +212,7 @@ def section_loader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     target(
         "jpeg: the loader alone (GPU decode only) at 256 px (img/s)", runs["loader"]["median"], 30000, 30000
     )
-    return {"runs": runs, "paired": paired, "images": n, "batch": bs, "epochs": epochs}
+    return {"runs": runs, "paired": paired, "images": n, "batch": bs, "epochs": epochs, "loader_stats": stats}
 
 
 SECTIONS: dict[str, harness.Section] = {
