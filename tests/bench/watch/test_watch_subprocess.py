@@ -47,5 +47,8 @@ def test_sigint_reports_what_was_observed(scripts: dict[str, Path], tmp_path: Pa
     assert proc.returncode == 130, err
     doc = json.loads(out)
     assert doc["status"] == "interrupted" and doc["exit_code"] == 130
-    assert doc["loaders"][0]["steps_observed"] >= 20
+    seen = doc["loaders"][0]
+    # the script had taken 20 steps; a trial's stand-ins (run when the wait looks high, as on a loaded
+    # machine) take real steps' places and are not counted as observed
+    assert seen["steps_observed"] + seen["stand_in_steps"] >= 20, seen
     assert "interrupted" in err
