@@ -64,8 +64,7 @@ class PayloadUnit:
         return None
 
     def file_source(self) -> tuple[str, int] | None:
-        """(path, offset) when ``data`` is a file's bytes as stored there (a memory map of it, or a
-        format's plain read), so another process can read payloads from the file; None otherwise."""
+        """(path, offset) when ``data`` is its file's bytes as stored (another process may read them)."""
         data = self.data
         # only a whole map: a slice of one keeps the map's offset, not its own
         if isinstance(data, np.memmap) and data.filename and isinstance(data.base, mmap.mmap):
@@ -101,8 +100,7 @@ class PayloadExtents:
         return self.ends - self.starts
 
     def copy_into(self, out: memoryview, rows: np.ndarray) -> np.ndarray:
-        """The payloads of ``rows`` back to back into ``out`` (a writable byte buffer they fit); returns
-        each one's start in ``out``."""
+        """The payloads of ``rows`` back to back into ``out`` (a byte buffer they fit); each one's start."""
         sizes = self.sizes[rows]
         at = np.zeros(len(rows), np.int64)
         np.cumsum(sizes[:-1], out=at[1:])
@@ -222,8 +220,7 @@ def index_problem(unit: PayloadUnit, count: int, spec: Any, limit: int) -> str:
 
 
 def payload_bound(shapes: np.ndarray, limit: int) -> int:
-    """The most bytes a unit's raw-pixel payloads can decompress to: the pixels of the images its
-    index declares (``shapes``), never past ``limit`` (``base.decode_limit``)."""
+    """The most bytes a unit's raw-pixel payloads may inflate to: ``shapes``' pixels, at most ``limit``."""
     pixels = np.prod(np.asarray(shapes, np.float64).reshape(len(shapes), -1).clip(0), axis=1).sum()
     return int(min(limit, pixels))
 
@@ -316,13 +313,17 @@ class PayloadReader(ChunkedReader):
             for d, s, e in zip(dst.tolist(), starts, ends):
                 payloads[d] = view[s:e]
 
-        self.parallel(fetch, runs, sum(1 for _ in runs) << 22)
+        def unchecked(k: int, a: int, b: int) -> bool:  # a unit to read or CRCs to check: GIL-free work
+            checked = getattr(self._units.lookup(k), "checked", None)
+            return checked is None or not checked[sorted_pos[a:b] - k * self.unit].all()
+
+        # Threads only for that work: slicing loaded, checked units is Python and would hand the GIL round.
+        self.parallel(fetch, runs, sum(unchecked(*run) for run in runs) << 22)
         return payloads, shapes
 
     def payload_extents(self, positions: np.ndarray) -> PayloadExtents:
-        """Where the payloads of the images at ``positions`` lie (in that order), their CRCs unchecked
-        (the decoder that gets the bytes checks them). Vectorised per unit; only units not loaded yet
-        are loaded, in this reader's threads."""
+        """Where the payloads at ``positions`` lie (in that order), CRCs unchecked (the decoder that gets
+        the bytes checks them); units not loaded yet are loaded in this reader's threads."""
         positions = np.asarray(positions, np.int64).reshape(-1)
         order = np.argsort(positions, kind="stable")
         sorted_pos = positions[order]
@@ -370,8 +371,7 @@ class PayloadReader(ChunkedReader):
         return outs
 
     def read_into(self, positions: np.ndarray, out: np.ndarray) -> None:
-        """Fixed-size caches only (the Cache refuses ragged ones before getting here): each image is
-        decoded straight into its row of ``out``, no intermediate array."""
+        """Fixed-size caches only (the Cache refuses ragged ones): each image decoded into its row."""
         positions = np.asarray(positions, np.int64).reshape(-1)
         payloads, shapes = self.read_payloads(positions)
         bad = np.flatnonzero(np.any(shapes != np.asarray(out.shape[1:]), axis=1))
