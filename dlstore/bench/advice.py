@@ -76,9 +76,10 @@ def lead(
     words = stage_words or STAGE_WORDS.get(stage, stage)
     if stage == "compute":
         text = f"The training step binds: the loop runs {fmt(now)} img/s"
-        if alone:
-            text += f", as fast as the step alone ({fmt(alone)} img/s)"
-        text += ", so the input pipeline needs no change"
+        if alone and now and now >= STEP_ALONE_FRACTION * alone:  # else the parts took turns (0 workers)
+            text += f", as fast as the step alone ({fmt(alone)} img/s), so the input pipeline needs no change"
+        elif alone:
+            text += f", where the step alone runs {fmt(alone)} img/s"
     else:
         text = f"{words[0].upper()}{words[1:]} binds: the loop runs {fmt(now)} img/s"
         if wait_share is not None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dlstore.bench.advice import FAST_LOADER, MAX_RECOMMENDATIONS, rank
+from dlstore.bench.advice import FAST_LOADER, MAX_RECOMMENDATIONS, lead, rank
 from dlstore.bench.endtoend import pool_probes
 from dlstore.bench.predict import BOTTLENECKS, FedTiming, LoaderTiming, LoopParts, compose, fed_timing
 from dlstore.bench.protocol import RunResult
@@ -502,6 +502,20 @@ def test_a_loop_as_fast_as_the_step_alone_is_named_compute() -> None:
     slow = [run("ram", 0, 1_900, True)]
     analyse({"ram": ks}, slow, {}, facts())
     assert slow[0]["bottleneck"] == "host"
+
+
+def test_a_compute_lead_claims_the_step_alone_only_when_the_loop_keeps_up_with_it() -> None:
+    """Watch's CPU dry run: a 0-worker loop named "compute" ran 848 img/s, its step alone 1,384 and its
+    loader alone 2,539 (they took turns); the lead said "as fast as the step alone ... needs no change"
+    beside advice of 1 worker at 1.3x."""
+    best = {"what": "1 DataLoader worker", "expected_img_per_s": 1085.0, "gain": 1.28}
+    slow = lead("compute", 848.0, 1384.0, 0.33, best)
+    assert "as fast as" not in slow and "needs no change" not in slow
+    assert slow.startswith(
+        "The training step binds: the loop runs 848 img/s, where the step alone runs 1,384"
+    )
+    assert "best fix: 1 DataLoader worker, predicted 1,085 img/s" in slow
+    assert "as fast as the step alone (1,384 img/s)" in lead("compute", 1380.0, 1384.0, 0.01, None)
 
 
 def test_knee_and_kind_summary_fold_the_sweep() -> None:
