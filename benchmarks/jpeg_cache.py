@@ -198,7 +198,8 @@ def section_loader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         sync()
         return count / (time.perf_counter() - t0)
 
-    runs = harness.interleave({"bare_decode_jpeg": bare, "loader": alone}, args.repeats)
+    # a run is ~0.3 s and the bare loop's rate swings 2x between runs (H100, 12-06): more pairs
+    runs = harness.interleave({"bare_decode_jpeg": bare, "loader": alone}, max(args.repeats, 6))
     stats = dict(vars(loader.stats))  # where the loader's time went (read, decode wait, transform), summed
     loader.close()
     paired = [a / b for a, b in zip(runs["loader"].get("runs", []), runs["bare_decode_jpeg"].get("runs", []))]
