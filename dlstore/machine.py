@@ -1,8 +1,7 @@
 """Machine facts as a container sees them: ``usable_cores`` (the affinity mask and the cgroup v1/v2
 CPU quota: 2 CPUs of a 64-core host start 2 workers), ``available_memory`` (the least of
 MemAvailable and the cgroup's free room: /proc/meminfo shows the host), ``check_shared_memory`` (a
-/dev/shm too small for worker batches, else a bare "Bus error"), the CPU model, a device synchronise.
-"""
+/dev/shm too small for worker batches, else a bare "Bus error"), the CPU model, a device synchronise."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The payload layout of the chunked formats: a unit (npz shard, zarr chunk) holds its images' encoded
 payloads back to back plus, per image, its offset, (H, W, C) shape and CRC-32: variable-size or JPEG
 images without pickles. Reads are grouped by unit; each CRC is checked before decoding, so a corrupt
-byte is an error naming the image and its unit, never wrong pixels.
-"""
+byte is an error naming the image and its unit, never wrong pixels."""
 
 from __future__ import annotations
 

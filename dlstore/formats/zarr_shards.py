@@ -2,8 +2,7 @@
 read decodes) inside one shard file of tens of MB (what an object store fetches per request and a
 converter writes). The array stays plain zarr v3; dlstore reads it directly: the shard index
 (``chunks_per_shard`` × (offset, nbytes) uint64 LE plus a crc32c, at the end or start of the file) once
-per shard, checked; a chunk is one ``pread`` at its offset, decoded with the inner codec.
-"""
+per shard, checked; a chunk is one ``pread`` at its offset, decoded with the inner codec."""
 
 from __future__ import annotations
 

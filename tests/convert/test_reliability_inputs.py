@@ -79,6 +79,15 @@ def stale_message(dest: Path) -> str:
     return stale[0] if stale else ""
 
 
+def test_a_cache_given_as_the_source_is_named_as_one(built: tuple[Path, Path], tmp_path: Path) -> None:
+    """`dlstore convert CACHE ...` or `dlstore bench CACHE` read its shards/ as an empty class folder."""
+    _src, dest = built
+    for args in (["convert", str(dest), str(tmp_path / "again"), "--size", "32"], ["bench", str(dest)]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code != 0 and "a dlstore cache, not images to convert" in r.output, r.output
+        assert f"dlstore info {dest}" in r.output and not (tmp_path / "again").exists()
+
+
 def test_b_fresh_cache_is_not_stale(built: tuple[Path, Path]) -> None:
     assert stale_message(built[1]) == "" and verify(built[1]).ok
 

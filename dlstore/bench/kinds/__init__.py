@@ -2,8 +2,7 @@
 factory))``). A factory gets a ``LoaderContext`` and returns a ``PreparedLoader`` that knows its dataset, the
 files an epoch reads, the batch it hands over and what runs on the device after the copy; nothing else in
 the bench depends on how a kind is built. Built in: ``raw``, one cached kind per registered format, the
-paths of ``dlstore.Loader`` (``pinned``, ``resident``, ``jpeg-gpu``) and ``jpeg-cpu``.
-"""
+paths of ``dlstore.Loader`` (``pinned``, ``resident``, ``jpeg-gpu``) and ``jpeg-cpu``."""
 
 from __future__ import annotations
 

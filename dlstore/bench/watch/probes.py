@@ -2,8 +2,7 @@
 step: more workers (the loop's own Dataset, sampler kind and collate; N workers share the cores, so they do
 not reach N times one's rate), and a dlstore cache (synthetic images of the advised shape, or with
 ``--try-cache`` a seeded sample of the user's dataset, converted to a temporary cache and read by the
-advised loader). Timings land under the loader's ``probes`` and ``try_cache``; ``analyse`` composes them.
-"""
+advised loader). Timings land under the loader's ``probes`` and ``try_cache``; ``analyse`` composes them."""
 
 from __future__ import annotations
 

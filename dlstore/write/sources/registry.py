@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from dlstore.errors import SourceError
+from dlstore.spec import MANIFEST
 from dlstore.write.sources.source import Source
 
 _KINDS: list[type[Source]] = []
@@ -50,6 +51,11 @@ def kind_for(text: str) -> type[Source]:
 def open_source(source: str | Path, **args: Any) -> Source:
     """Resolve a SOURCE argument through the kind that claims it; ``args``: ``SourceArgs``' fields."""
     text, given = str(source), SourceArgs(**{**args, "fields": tuple(args.get("fields") or ())})
+    if (Path(text) / MANIFEST).is_file():
+        raise SourceError(
+            f"{text}: a dlstore cache, not images to convert: give the folder it was made from "
+            f"(`dlstore info {text}` names it), or read it with dlstore.CachedDataset or dlstore.Loader"
+        )
     kind = kind_for(text)
     if given.fields and not kind.field_form:  # --field KEY: only for kinds that say what KEY names
         takers = "; ".join(f"{k.form}: KEY is {k.field_form}" for k in _KINDS if k.field_form)
