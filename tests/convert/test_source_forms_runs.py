@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from photo_forms import make_photo_folder, write_hf_parquet, write_shards
+from reliability_helpers import small_units
 
 from dlstore import ConvertOptions, convert
 from dlstore.read.cache import open_cache
@@ -58,13 +59,19 @@ def slow(name, policy, data=None):
     time.sleep(0.15)
     return real(name, policy, data)
 enc.decode_file = slow
+from dlstore.formats import FORMATS
+for fmt in FORMATS.values():  # units of 6 images, as small_units sets in the test: a kill finds some done
+    fmt.writer.choose_unit_size = staticmethod(lambda image_bytes: 6)
 from dlstore.cli import main
 sys.exit(main())
 """
 
 
 @pytest.mark.slow
-def test_kill_9_mid_parquet_conversion_resumes_to_the_same_cache(photos: Path, tmp_path: Path) -> None:
+def test_kill_9_mid_parquet_conversion_resumes_to_the_same_cache(
+    photos: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small_units(monkeypatch, 6)  # 40 images in one unit would finish before any unit is journalled
     pq = write_hf_parquet(photos, tmp_path / "p.parquet", rows_per_group=6)
     dest = tmp_path / "cache"
     args = [
