@@ -13,8 +13,11 @@ where scikit-image is missing). From them three JPEG q90 caches: 256² crops (``
 - ``loader``: the loader alone against bare batched ``torchvision.io.decode_jpeg`` of the same payloads
   (256² cache, batch 256), rotated repeats.
 
-The figures of the sections this script had before (bytes and error per image, CPU decode, the lanes,
-DALI side by side) are in benchmarks/RESULTS.md.
+- ``dali``: the loader alone against DALI's standard pipeline on the same bytes as a folder (128 and
+  256 px), and ResNet-18 from DALI (needs ``nvidia.dali``).
+
+The figures of the sections this script had before (bytes and error per image, CPU decode, the lanes)
+are in benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -216,10 +219,131 @@ def section_loader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     return {"runs": runs, "paired": paired, "images": n, "batch": bs, "epochs": epochs, "loader_stats": stats}
 
 
+# --- DALI side by side: its standard pipeline on the same pre-resized bytes ----------------------------------
+
+
+def folder_from_cache(cache_path: Path, dest: Path) -> Path:
+    """The cache's JPEG payloads as an ImageFolder tree (labels as class folders): the same bytes the loader
+    reads, for DALI's ``readers.file``."""
+    if not dest.exists():
+        cache = open_cache(cache_path)
+        payloads, _ = cache.read_payloads(np.arange(len(cache)))
+        for i, (p, label) in enumerate(zip(payloads, cache.labels.tolist())):
+            (dest / f"class{int(label)}").mkdir(parents=True, exist_ok=True)
+            (dest / f"class{int(label)}" / f"{i:06d}.jpg").write_bytes(bytes(p))
+    return dest
+
+
+class DaliBatches:
+    """DALI's standard ImageNet training pipeline over a folder, as (x, y) bf16 channels-last GPU batches:
+    ``readers.file`` (shuffled) -> ``decoders.image_random_crop`` on ``mixed`` (nvJPEG and the hardware
+    engines) -> ``resize`` to ``res``² -> ``crop_mirror_normalize``. Each ``iter()`` is one epoch."""
+
+    def __init__(self, root: Path, batch: int, res: int, threads: int) -> None:
+        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali.plugin.base_iterator import LastBatchPolicy
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator
+
+        @pipeline_def(batch_size=batch, num_threads=threads, device_id=torch.cuda.current_device(), seed=0)
+        def pipe() -> Any:
+            jpegs, labels = fn.readers.file(file_root=str(root), random_shuffle=True, name="Reader")
+            images = fn.decoders.image_random_crop(
+                jpegs, device="mixed", output_type=types.RGB, random_area=[0.08, 1.0],
+                random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=100,
+            )  # fmt: skip
+            images = fn.resize(images, device="gpu", resize_x=res, resize_y=res)
+            images = fn.crop_mirror_normalize(
+                images, device="gpu", dtype=types.FLOAT16, output_layout="HWC",
+                mean=[m * 255 for m in harness.MEAN], std=[s * 255 for s in harness.STD],
+                mirror=fn.random.coin_flip(probability=0.5),
+            )  # fmt: skip
+            return images, labels.gpu()
+
+        self.pipe = pipe()
+        self.pipe.build()
+        self.it = DALIGenericIterator(
+            [self.pipe],
+            ["x", "y"],
+            reader_name="Reader",
+            last_batch_policy=LastBatchPolicy.DROP,
+            auto_reset=True,
+        )
+
+    def __iter__(self) -> Any:
+        for out in self.it:
+            d = out[0]
+            yield d["x"].permute(0, 3, 1, 2).to(torch.bfloat16), d["y"].reshape(-1).long()
+
+
+def alone(batches: Any, epochs: int = 4) -> float:
+    """images/s of an iterable of (x, y) device batches over ``epochs`` epochs after a warm one."""
+    for _ in batches:
+        pass
+    sync()
+    t0, count = time.perf_counter(), 0
+    for _ in range(epochs):
+        for x, _y in batches:
+            count += len(x)
+    sync()
+    return count / (time.perf_counter() - t0)
+
+
+def section_dali(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The loader alone (default lanes; GPU lanes only) against DALI's pipeline (12 and 16 threads) on the
+    same pre-resized bytes, at 128 px (crop 112, batch 512) and 256 px (crop 224, batch 256); then
+    ResNet-18 from DALI against the ceiling. Needs ``nvidia.dali`` (``../shared/tools/device-dali``)."""
+    import nvidia.dali
+
+    out: dict[str, Any] = {"dali_version": nvidia.dali.__version__}
+    for px, res, bs, goal in ((128, 112, 512, 2.0), (256, 224, 256, 1.5)):
+        cache = work / f"jpeg_short{px}"
+        folder = folder_from_cache(cache, work / f"folder_short{px}")
+        crop = RaggedRandomResizedCrop(
+            res, mean=harness.MEAN, std=harness.STD, out_dtype=torch.bfloat16, channels_last=True
+        ).to(DEV)
+        made = {
+            "default": harness.make_loader(
+                cache, bs, "decode", transform=crop, cpu_decoders=args.cpu_decoders
+            ),
+            "gpu_only": harness.make_loader(cache, bs, "decode", transform=crop),
+            "dali_12t": DaliBatches(folder, bs, res, 12),
+            "dali_16t": DaliBatches(folder, bs, res, 16),
+        }
+        runs = harness.interleave({k: (lambda ld=ld: alone(ld)) for k, ld in made.items()}, args.repeats)
+        for ld in made.values():
+            getattr(ld, "close", lambda: None)()
+        dali = max(runs["dali_12t"]["median"], runs["dali_16t"]["median"])
+        label = f"jpeg: the loader alone at {px} px (crop {res}, batch {bs})"
+        target(
+            f"{label}, {args.cpu_decoders} CPU decoders + GPU, vs DALI's best",
+            runs["default"]["median"],
+            dali,
+            goal,
+        )
+        target(f"{label}, GPU lanes only, vs DALI's best", runs["gpu_only"]["median"], dali, 1.0)
+        out[str(px)] = runs
+    step = harness.model_step("resnet18", 10)
+    dali18 = DaliBatches(work / "folder_short128", 512, 112, 12)
+    runs = harness.interleave(
+        {
+            "synthetic": lambda: harness.timed_steps(
+                harness.synthetic((512, 3, 112, 112), 10), step, args.warmup, args.steps, 512
+            ),
+            "dali_12t": lambda: harness.timed_steps(lambda: iter(dali18), step, args.warmup, args.steps, 512),
+        },
+        args.repeats,
+    )
+    target("jpeg: ResNet-18 bf16 @112 bs512 from DALI (12 threads), vs synthetic (a record)",
+           runs["dali_12t"]["median"], runs["synthetic"]["median"], 0.85)  # fmt: skip
+    out["resnet18"] = runs
+    return out
+
+
 SECTIONS: dict[str, harness.Section] = {
     "data": section_data,
     "train": section_train,
     "loader": section_loader,
+    "dali": section_dali,
 }
 
 
