@@ -48,8 +48,7 @@ class ImagePolicy:
     EXIF orientation is applied. ``pixels="torchvision"``: the file as ImageFolder's default loader
     takes it (``convert("RGB")``: alpha dropped, no EXIF transpose, 16-bit as Pillow converts it).
     ``decode="exact"`` decodes every image in full (the torchvision pixels); ``"fast"`` lets large JPEGs
-    be DCT-scaled while decoding, within a bounded error (see ``dlstore.write.imageops``).
-    """
+    be DCT-scaled while decoding, within a bounded error (see ``dlstore.write.imageops``)."""
 
     size: int
     resize: str = "crop"
@@ -112,8 +111,7 @@ class FieldSpec:
 
     ``shape``: a ``values`` field's shape, a ``ragged`` field's row shape (``()`` for one number per
     box); ``follows``: the boxes field whose rows a ``ragged`` field's rows are; ``classes``: names of
-    the ids it holds, when known; ``dropped``: boxes the conversion dropped (clipped to no area).
-    """
+    the ids it holds, when known; ``dropped``: boxes the conversion dropped (clipped to no area)."""
 
     kind: str
     dtype: str

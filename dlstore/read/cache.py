@@ -465,8 +465,7 @@ def open_cache(
     source (sizes, mtimes): a change warns, or with ``strict`` raises StaleCacheError. ``in_memory``
     is refused up front when the images exceed the available memory. ``path`` may be a URL
     (``s3://bucket/prefix``), read as ``remote`` says: units are fetched on first use into a local
-    read-through cache, each checked against the manifest's checksum.
-    """
+    read-through cache, each checked against the manifest's checksum."""
     cache = Cache(path, in_memory, remote)
     if cache.mirror is None:  # a remote cache's source folder is on the machine that converted it
         check_staleness(cache.root, cache.spec, check_source, strict)

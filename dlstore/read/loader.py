@@ -9,8 +9,7 @@
 
 ``via=`` forces one. Every path takes the same epoch (``order``, ``seed``, ``drop_last``, ``window``,
 ``num_replicas``/``rank``) and keeps the same state: ``state_dict()`` / ``load_state_dict()`` resume
-mid-epoch on any number of ranks (``dlstore.read.order``).
-"""
+mid-epoch on any number of ranks (``dlstore.read.order``)."""
 
 from __future__ import annotations
 

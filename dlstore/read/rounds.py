@@ -16,8 +16,7 @@ is consumed; at a round's end that is a prefix of ``G``.
 from window ``base`` on; a state holds its segment and the consumed count. A world of W' != ``width``
 ranks first finishes the segment's current round (in ``C``'s order, the W' ranks taking turns), then
 starts ``Segment(window at that round's end, W')``: any chain of stops and resumes on any world sizes
-reads each sample once.
-"""
+reads each sample once."""
 
 from __future__ import annotations
 

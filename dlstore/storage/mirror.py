@@ -5,8 +5,7 @@ never reads a truncated or tampered object.
 
 Bounded by ``cache_bytes`` (least recently used units evicted) and safe to share between processes:
 downloads go to a temp name and are renamed, and eviction takes an exclusive ``flock`` on the mirror
-while every read holds a shared one. Another manifest (a new generation) gets another mirror folder.
-"""
+while every read holds a shared one. Another manifest (a new generation) gets another mirror folder."""
 
 from __future__ import annotations
 

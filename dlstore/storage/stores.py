@@ -4,8 +4,7 @@ gcsfs for ``gs://``); ``parse_store_path`` decides. Credentials come from the st
 
 ``RemoteStore`` makes every request: transient failures (refused, reset, time-outs, 5xx) are retried
 with backoff, then a ``RemoteStoreError`` names the object; a missing object is a
-``FileNotFoundError`` at once. It counts its requests and bytes.
-"""
+``FileNotFoundError`` at once. It counts its requests and bytes."""
 
 from __future__ import annotations
 

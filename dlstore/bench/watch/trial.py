@@ -1,10 +1,10 @@
 """The windows of steps watch feeds the loop (the replay's, the trial's), and the in-loop trial.
 
-A window drops its first steps as warm-up, then times at least ``min_s`` (the device's clocks wake over a
-data-bound phase: a time, not a count), capped at half an epoch. Under torchrun the ranks must take the
-same number of steps (their all-reduces pair up): there a window counts steps only (``fixed``).
-The trial: at the pause, when the advice says more workers, the loop is fed from a second DataLoader with
-them for ``trial_s``; beside N busy workers the loop's own step slows too, which no probe after it sees.
+A window drops its first steps as warm-up, then times at least ``min_s`` (clocks wake over a data-bound
+phase: a time, not a count), capped at half an epoch. Under torchrun the ranks take the same number of
+steps (their all-reduces pair up): there a window counts steps only (``fixed``). The trial: at the pause,
+when the advice says more workers, the loop is fed from a second DataLoader with them for ``trial_s``;
+beside N busy workers the loop's own step slows too, which no probe after it sees.
 """
 
 from __future__ import annotations
@@ -78,6 +78,14 @@ def advised_workers(session: Session, rec: LoaderRecord) -> int | None:
     return n if n is not None and n > int(rec.settings["num_workers"] or 0) else None
 
 
+def trial_steps(workers: int, prefetch: int, steps: int, epoch_len: int | None) -> tuple[int, int]:
+    """(warm-up, most steps) of a trial: its queue's filling dropped, then two rounds of the workers timed
+    at the least, however short the epoch (they hand batches over in bursts, one each: fewer, timed
+    inside one burst, read 3x the rate the loop then kept)."""
+    warm = workers * prefetch + 1
+    return warm, cap_for(steps, epoch_len, warm + max(MIN_TIMED, 2 * workers))
+
+
 class Trial:
     """A second DataLoader of the loop's dataset with ``workers`` workers, fed to the loop step by step."""
 
@@ -94,8 +102,7 @@ class Trial:
         self.loader: Any = DataLoader(**kw)
         self.it: Any = self._iter(self.loader)
         self.epochs = 1
-        warm = workers * self.prefetch + 1
-        cap = cap_for(c.trial_steps, rec.epoch_len, warm + MIN_TIMED)
+        warm, cap = trial_steps(workers, self.prefetch, c.trial_steps, rec.epoch_len)
         self.window = Window(len(rec.t_call), warm, 0.0, c.trial_s, cap, fixed=False)
 
     def batch(self) -> Any:

@@ -8,8 +8,7 @@ shared slots and gathered by the reader cost one more pass over every byte, in t
 
 A unit whose images span more batches than the ring decodes once per span (a chunk-ordered epoch
 decodes each unit once). A unit that fails in a worker, or whose worker died, is decoded again by the
-reading process when its batch is taken, so the error names the chunk as a plain read would.
-"""
+reading process when its batch is taken, so the error names the chunk as a plain read would."""
 
 from __future__ import annotations
 
