@@ -190,19 +190,10 @@ def section_loader(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         sync()
         return epochs * n / (time.perf_counter() - t0)
 
-    def alone() -> float:
-        for _ in loader:  # the warm epoch
-            pass
-        sync()
-        t0, count = time.perf_counter(), 0
-        for _ in range(epochs):
-            for x, _y in loader:
-                count += len(x)
-        sync()
-        return count / (time.perf_counter() - t0)
-
     # a run is ~0.3 s and the bare loop's rate swings 2x between runs (H100, 12-06): more pairs
-    runs = harness.interleave({"bare_decode_jpeg": bare, "loader": alone}, max(args.repeats, 6))
+    runs = harness.interleave(
+        {"bare_decode_jpeg": bare, "loader": lambda: alone(loader, epochs)}, max(args.repeats, 6)
+    )
     stats = dict(vars(loader.stats))  # where the loader's time went (read, decode wait, transform), summed
     loader.close()
     paired = [a / b for a, b in zip(runs["loader"].get("runs", []), runs["bare_decode_jpeg"].get("runs", []))]
