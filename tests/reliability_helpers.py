@@ -7,6 +7,7 @@ import io
 import os
 import signal
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,17 @@ def small_units(monkeypatch: pytest.MonkeyPatch, unit: int = 5) -> None:
     """Every format writes units of ``unit`` images, so a tiny tree still has many units."""
     for fmt in FORMATS.values():
         monkeypatch.setattr(fmt.writer, "choose_unit_size", staticmethod(lambda image_bytes: unit))
+
+
+def release_loader(error: pytest.ExceptionInfo[BaseException]) -> None:
+    """Let the DataLoader iterator an error was raised from shut its workers down now.
+
+    The raised exception's traceback holds that iterator in a reference cycle, so the cyclic collector frees
+    it later, in whichever test happens to trigger a collection; it closes the iterator's index queues
+    before the iterator's ``__del__`` sends its workers the signal to stop, and each worker then sits out
+    torch's 5 s join timeout (10 s for 2 workers, charged to an unrelated test). Clearing the traceback's
+    frames drops the last references at once, while the queues still work."""
+    traceback.clear_frames(error.tb)
 
 
 def read_all(path: Path) -> tuple[np.ndarray, np.ndarray]:

@@ -74,8 +74,9 @@ def test_a_failing_area_is_reported_and_the_next_one_still_runs(
         lambda c: [],
         run.script_targets,
     )
-    # a real script that exits 0 quickly; its one row is made here, since --help measures nothing
-    fine = run.Area("fine", "cpu", "replay_predictions.py", "exits 0", 1, lambda c: ["--help"], one_row)
+    # a real script that exits 0 quickly (its --help imports no torch); its one row is made here, since
+    # --help measures nothing
+    fine = run.Area("fine", "cpu", "kill_resume.py", "exits 0", 1, lambda c: ["--help"], one_row)
     monkeypatch.setattr(run, "AREAS", {"broken": broken, "fine": fine})
     rc = run.main(["--suite", "cpu", "--only", "broken,fine", "--out", str(tmp_path)])
     assert rc == 1

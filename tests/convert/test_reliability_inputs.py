@@ -23,7 +23,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from PIL import Image
-from reliability_helpers import image_bytes, make_tree, small_units
+from reliability_helpers import image_bytes, make_tree, release_loader, small_units
 
 import dlstore.write.imageops as imageops
 from dlstore.cli import main
@@ -453,6 +453,7 @@ def test_c12_corrupt_unit_in_a_dataloader_worker_names_path_and_index(
     with pytest.raises(SampleReadError) as e:
         list(loader)
     msg = str(e.value)
+    release_loader(e)
     assert "DataLoader worker process" in msg and str(bad) in msg and "index 8 " in msg
 
 

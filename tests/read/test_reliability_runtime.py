@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from reliability_helpers import FORMAT_NAMES, make_tree, read_all
+from reliability_helpers import FORMAT_NAMES, make_tree, read_all, release_loader
 
 import dlstore.machine as resources
 from dlstore.errors import CacheCorruptError, CacheTooLargeError, DlstoreError, SharedMemoryError, SpecError
@@ -118,10 +118,9 @@ def test_d5_small_dev_shm_is_explained(caches: dict[str, Path], monkeypatch: pyt
     assert "/dev/shm has 0 MB free" in msg and "--shm-size" in msg and "--ipc=host" in msg
     monkeypatch.setattr(resources, "shm_free_bytes", lambda shm=resources.SHM: 1024)
     ds = CachedDataset(caches["npz"])
-    with pytest.raises(
-        SharedMemoryError, match="--shm-size"
-    ):  # raised in a worker, shown in the main process
+    with pytest.raises(SharedMemoryError, match="--shm-size") as e:  # raised in a worker, shown in the main
         epoch(ds, "fork")
+    release_loader(e)
     monkeypatch.setattr(resources, "shm_free_bytes", lambda shm=resources.SHM: 1 << 40)
     resources.check_shared_memory(batch_bytes=1 << 20, num_workers=2)
 

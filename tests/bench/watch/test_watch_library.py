@@ -122,6 +122,8 @@ def test_stand_ins_take_real_batches_places_and_the_sampler_order_is_kept(worker
         for e in range(3):
             sampler.set_epoch(e)
             epochs.append([b[0].tolist() for b in loader])
+        if loader._iterator is not None:  # persistent workers: stopped now, while their queues work (watch
+            loader._iterator._shutdown_workers()  # holds them in a cycle the collector frees queues-first)
         return epochs, len(loader)
 
     plain, n = run()

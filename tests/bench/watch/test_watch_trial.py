@@ -283,6 +283,9 @@ def test_persistent_workers_are_counted_once_across_epochs() -> None:
                 pass
         rec = next(iter(w.session.records.values()))
         assert len(rec.worker_pids()) == 2 and len(rec.iterators) == 1
+    # now, while its queues work: the session's records hold the iterator in a cycle, and the collector
+    # closes those queues first, so each worker would sit out torch's 5 s join timeout in a later test
+    loader._iterator._shutdown_workers()  # type: ignore[union-attr]
 
 
 def test_a_trial_with_gain_is_advised_against_the_rate_now_not_the_model() -> None:
