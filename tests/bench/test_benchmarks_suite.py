@@ -124,6 +124,8 @@ PAST_IT = {
     },  # fmt: skip
     # a payload cache of units of ~8 tiny images (many units to kill between): no option makes one
     "kill_resume.py": {"dlstore.write.sources", "dlstore.formats"},
+    # a diagnostic probe (issue 38): it instruments the decode lanes' nvJPEG call and split
+    "probe_split.py": {"dlstore.read.decode"},
 }
 LOADERS = ("dlstore.Loader", " Loader", "PinnedLoader", "ResidentLoader", "DecodeLoader")
 

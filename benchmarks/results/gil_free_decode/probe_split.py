@@ -21,7 +21,6 @@ sys.path[:0] = ["benchmarks", "."]
 import harness  # noqa: E402
 import jpeg_cache  # noqa: E402
 
-from dlstore import Loader  # noqa: E402
 from dlstore.gpu import RaggedRandomResizedCrop  # noqa: E402
 from dlstore.read.decode import lanes  # noqa: E402
 
@@ -62,12 +61,12 @@ def instrument(ld: Any) -> dict[str, list[Any]]:
 
 def make(kind: str, cache: Path, crop: Any, cpu: int = 12) -> Any:
     if kind == "gpu_only":
-        return Loader(cache, 512, "cuda", via="decode", transform=crop)
+        return harness.make_loader(cache, 512, "decode", transform=crop)
     if kind == "auto":
-        return Loader(cache, 512, "cuda", via="decode", transform=crop, cpu_decoders=cpu)
+        return harness.make_loader(cache, 512, "decode", transform=crop, cpu_decoders=cpu)
     s = float(kind.split("_")[1])
     split = {"cpu": s, "nvjpeg": 1 - s}
-    return Loader(cache, 512, "cuda", via="decode", transform=crop, cpu_decoders=cpu, split=split)
+    return harness.make_loader(cache, 512, "decode", transform=crop, cpu_decoders=cpu, split=split)
 
 
 def measured(ld: Any, run: Any) -> tuple[Any, dict[str, Any]]:

@@ -14,7 +14,7 @@ sys.path.insert(0, ".")
 from dlstore import open_cache  # noqa: E402
 
 try:
-    from dlstore.read.sampler import ChunkSampler
+    from dlstore.read import ChunkSampler
 except ImportError:  # 4e04c2e
     from dlstore import ChunkSampler
 
