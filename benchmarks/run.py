@@ -19,6 +19,9 @@ skipped. It installs the wheels in ``.whl/`` (``../shared/tools/device-wheels``:
 itself into a temporary folder when they are missing, so the command is the whole call::
 
     python3 benchmarks/run.py --suite gpu --commit "$(git rev-parse --short HEAD)"   # carry .whl
+
+Put simplejpeg in ``.whl`` too (``device-wheels simplejpeg==1.8.2``): the jpeg area's CPU decoders run
+Pillow without it, 1.5-1.8x slower a core (its targets' notes say which ran).
 """
 
 from __future__ import annotations
