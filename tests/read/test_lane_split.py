@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from dlstore.read.decode.split import MARGIN, LaneSplit, decode_parts
+from dlstore.read.decode.split import MARGIN, Busy, LaneSplit, decode_parts
 
 RATES = {"cpu": 40_000.0, "hw": 25_000.0, "nvjpeg": 27_000.0}  # img/s of each lane's own busy time
 
@@ -129,7 +129,7 @@ def test_a_lane_that_fails_mid_epoch_loses_and_repeats_no_image() -> None:
                 raise RuntimeError("NVJPG: engine error")
             for x in data[a:b]:
                 decoded_by[x] = name
-            return data[a:b]
+            return Busy(data[a:b], (b - a) / 20_000)  # a stated busy time: the split cannot ride on load
 
         return decode
 
